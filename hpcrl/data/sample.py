@@ -1,0 +1,86 @@
+"""The unit of rollout data: one prompt's one response, with everything training needs (slime's ``Sample``)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Union
+
+
+class Status(str, enum.Enum):
+    """Where a sample is in its life (slime ``Sample.Status``)."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    """One prompt + one response of a group.
+
+    ``tokens`` is prompt followed by response, ``[prompt_len + response_length]`` token ids. ``loss_mask`` and
+    ``rollout_log_probs`` cover only the response: ``[response_length]`` each (mask 1 for trainable tokens,
+    0 for tool/observation tokens that were appended rather than generated; their log-prob is 0.0).
+    ``weight_versions`` lists the engine weight version seen for each generate call of this sample.
+    """
+
+    group_index: int = 0
+    """Index of the group (prompt) in the data source; siblings share it."""
+    index: int = 0
+    """Globally unique sample id (used to check every group is trained exactly once)."""
+    rollout_id: int = -1
+    """Rollout step this sample was generated for."""
+    prompt: Union[str, list[dict[str, str]]] = ""
+    label: Any = None
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)
+    reward: Optional[Union[float, dict[str, float]]] = None
+    status: Status = Status.PENDING
+    weight_versions: list[str] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        """Number of prompt tokens in ``tokens``."""
+        return len(self.tokens) - self.response_length
+
+    @property
+    def weight_version(self) -> Optional[str]:
+        """The engine weight version of the last generate call, or None before any."""
+        return self.weight_versions[-1] if self.weight_versions else None
+
+    def append_response_tokens(self, tokens: list[int], log_probs: Optional[list[float]] = None,
+                               trainable: bool = True, text: str = "") -> None:
+        """Append response tokens, keeping ``loss_mask`` and ``rollout_log_probs`` aligned.
+
+        Non-trainable tokens (tool output in multi-turn rollouts) get mask 0 and log-prob 0.0.
+        Raises ValueError if ``log_probs`` is given with a different length than ``tokens``.
+        """
+        if log_probs is None:
+            log_probs = [0.0] * len(tokens)
+        if len(log_probs) != len(tokens):
+            raise ValueError(f"log_probs has {len(log_probs)} entries for {len(tokens)} tokens")
+        self.tokens.extend(tokens)
+        self.response_length += len(tokens)
+        self.loss_mask.extend([1 if trainable else 0] * len(tokens))
+        self.rollout_log_probs.extend(log_probs if trainable else [0.0] * len(tokens))
+        self.response += text
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (status as its string value)."""
+        d = asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        """Inverse of :meth:`to_dict`; unknown keys raise TypeError."""
+        d = dict(d)
+        d["status"] = Status(d.get("status", Status.PENDING.value))
+        return cls(**d)

@@ -1,0 +1,64 @@
+"""A tiny random Qwen2 with a character tokenizer: the CI model (about 1M parameters, 3.9 MB).
+
+Built from a config with transformers and ``tokenizers``; nothing is downloaded. The tokenizer maps each
+character of :data:`CHARS` to one token, so arithmetic prompts tokenize one digit per token.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+CHARS = "0123456789+-*=() \n"
+"""Characters the tiny tokenizer knows; anything else becomes ``<pad>``."""
+
+
+def build_char_tokenizer():
+    """Return a ``transformers.PreTrainedTokenizerFast`` with one token per character of :data:`CHARS`.
+
+    Ids: ``<pad>``=0, ``<s>``=1 (bos), ``</s>``=2 (eos), then the characters in order (21 tokens in all).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<pad>")
+
+
+def create_tiny_qwen2(path: str | os.PathLike, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
+                      num_kv_heads: int = 2, intermediate_size: int = 512, seed: int = 0,
+                      max_position_embeddings: int = 256) -> Path:
+    """Create a random-init ``Qwen2ForCausalLM`` with the character tokenizer and save it as an HF folder.
+
+    Untied embeddings, qkv bias (as Qwen2 has), RMSNorm, SwiGLU, RoPE, GQA. With the defaults: 987,776
+    parameters. The write is atomic (temp folder + rename). Returns ``path``; raises FileExistsError if it
+    already exists.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} already exists")
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, path)
+    return path
