@@ -74,6 +74,8 @@ class DataSection:
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra arguments to the generator (e.g. reasoning-gym dataset config, ``few_shot``)."""
     apply_chat_template: bool = False
+    on_bad_row: Literal["error", "skip"] = "error"
+    """Malformed dataset rows: ``error`` stops at load naming file:line; ``skip`` logs file:line and skips."""
 
 
 @dataclass
