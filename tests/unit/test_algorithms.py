@@ -1,0 +1,284 @@
+"""hpcrl.train.algorithms against hand computations on small explicit numbers (float64 for exactness)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hpcrl.config import AlgorithmSection
+from hpcrl.train import algorithms as alg
+
+F64 = torch.float64
+
+
+def t(*rows, dtype=F64):
+    return torch.tensor(rows if len(rows) > 1 else rows[0], dtype=dtype)
+
+
+def close(a, b, tol=1e-12):
+    a = torch.as_tensor(a, dtype=F64)
+    b = torch.as_tensor(b, dtype=F64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.allclose(a, b, atol=tol, rtol=0), (a, b)
+
+
+# --- GRPO ---------------------------------------------------------------------------------------------------
+
+
+def test_grpo_without_std_is_group_mean_centering():
+    adv = alg.grpo_advantages(t([1.0, 0, 0, 1, 1, 1, 1, 1]), 4, std_normalization=False)
+    close(adv, [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+
+
+def test_grpo_with_std_divides_by_bessel_std_plus_eps():
+    adv = alg.grpo_advantages(t([1.0, 0, 0, 1, 1, 1, 1, 1]), 4)
+    # group 1: centred (.5, -.5, -.5, .5); std = sqrt(4 * .25 / 3) = sqrt(1/3).
+    # group 2: all equal -> 0 / 1e-6 = 0.
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    close(adv, [a, -a, -a, a, 0, 0, 0, 0])
+
+
+def test_grpo_single_sample_groups_turn_std_off():
+    adv = alg.grpo_advantages(t([3.0, 5.0]), 1)
+    assert not torch.isnan(adv).any()
+    close(adv, [0.0, 0.0])
+
+
+def test_compute_advantages_grpo_broadcasts_over_tokens_list_and_padded():
+    rewards = t([1.0, 0.0])
+    cfg = AlgorithmSection(grpo_std_normalization=False)
+    out = alg.compute_advantages("grpo", rewards, [torch.ones(3), torch.tensor([1.0, 0.0])], 2, cfg=cfg)
+    close(out[0], [0.5, 0.5, 0.5])
+    close(out[1], [-0.5, 0.0])  # zero where the mask is 0
+    padded = alg.compute_advantages("gspo", rewards, t([1.0, 1, 1], [1.0, 0, 0]), 2, cfg=cfg)
+    close(padded, [[0.5, 0.5, 0.5], [-0.5, 0, 0]])
+
+
+# --- KL estimators ------------------------------------------------------------------------------------------
+
+
+def test_kl_estimators_on_explicit_deltas():
+    logp, ref = t([0.5, -0.2, 0.0, 3.0]), t([0.0, 0.0, 0.0, 0.0])
+    close(alg.approx_kl(logp, ref, "k1"), [0.5, -0.2, 0.0, 3.0])
+    close(alg.approx_kl(logp, ref, "k2"), [0.125, 0.02, 0.0, 4.5])
+    k3 = [math.exp(-0.5) - 0.5, math.exp(0.2) - 1.2, 0.0, math.exp(-3) + 2]
+    close(alg.approx_kl(logp, ref, "k3"), k3)
+    close(alg.approx_kl(logp, ref, "low_var_kl"), k3)
+    # d = -20: k3 = exp(20) - 21, clamped to 10 by low_var_kl only.
+    close(alg.approx_kl(t([-20.0]), t([0.0]), "low_var_kl"), [10.0])
+    close(alg.approx_kl(t([-20.0]), t([0.0]), "k3"), [math.exp(20) - 21], tol=1e-3)
+    with pytest.raises(ValueError):
+        alg.approx_kl(logp, ref, "k4")
+
+
+# --- PPO clip, dual clip, GSPO ------------------------------------------------------------------------------
+
+
+def _ratio_case(ratios, adv, **kw):
+    old = torch.zeros(1, len(ratios), dtype=F64)
+    logp = torch.log(t([ratios]))
+    return alg.policy_loss(logp, old, t([adv]), torch.ones_like(old), **kw)
+
+
+def test_ppo_clip_positive_advantage():
+    # A = 1, eps 0.2 / eps_high 0.28. r=1.5: L1=-1.5, L2=-1.28 -> -1.28 clipped. r=1.1: -1.1 not clipped.
+    # r=0.5: L1=-0.5, L2=-0.8 -> max is -0.5, not clipped (the lower clip only binds for A < 0).
+    loss, clipfrac, ppo_kl = _ratio_case([1.5, 1.1, 0.5], [1.0, 1.0, 1.0], eps_clip=0.2, eps_clip_high=0.28)
+    close(loss, [[-1.28, -1.1, -0.5]])
+    close(clipfrac, [[1.0, 0.0, 0.0]])
+    close(ppo_kl, [[-math.log(1.5), -math.log(1.1), -math.log(0.5)]])
+
+
+def test_ppo_clip_negative_advantage_and_dual_clip():
+    # A = -1. r=0.5: L1=0.5, L2=0.8 -> 0.8 clipped. r=5: L1=5, L2=1.28 -> 5; dual clip c=3 -> min(3, 5)=3.
+    # r=2: L=2 < 3, dual clip inactive.
+    loss, clipfrac, _ = _ratio_case([0.5, 5.0, 2.0], [-1.0, -1.0, -1.0], eps_clip=0.2, eps_clip_high=0.28)
+    close(loss, [[0.8, 5.0, 2.0]])
+    close(clipfrac, [[1.0, 0.0, 0.0]])
+    loss_dc, _, _ = _ratio_case([0.5, 5.0, 2.0], [-1.0, -1.0, -1.0], eps_clip=0.2, eps_clip_high=0.28,
+                                eps_clip_c=3.0)
+    close(loss_dc, [[0.8, 3.0, 2.0]])
+    # Dual clip leaves positive advantages alone: r=5, A=+1 -> -1.28.
+    loss_pos, _, _ = _ratio_case([5.0], [1.0], eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0)
+    close(loss_pos, [[-1.28]])
+    with pytest.raises(ValueError):
+        _ratio_case([1.0], [-1.0], eps_clip_c=0.5)
+
+
+def test_eps_clip_high_defaults_to_eps_clip():
+    loss, clipfrac, _ = _ratio_case([1.5], [1.0], eps_clip=0.2)
+    close(loss, [[-1.2]])
+    close(clipfrac, [[1.0]])
+
+
+def test_gspo_ratio_is_sequence_masked_mean():
+    logp = t([-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0])
+    old = t([-1.5, -2.5, -9.0], [-1.2, -0.8, -1.3])
+    mask = t([1.0, 1.0, 0.0], [1.0, 1.0, 1.0])
+    adv = torch.ones_like(logp)
+    # seq 1: ((-0.5) + (-0.5)) / 2 = -0.5 (third token masked); seq 2: (-0.2 + 0.2 - 0.3) / 3 = -0.1.
+    loss, _, ppo_kl = alg.policy_loss(logp, old, adv, mask, eps_clip=10.0, gspo=True)
+    close(ppo_kl, [[-0.5] * 3, [-0.1] * 3])
+    close(loss, [[-math.exp(0.5)] * 3, [-math.exp(0.1)] * 3])
+
+
+def test_ppo_kl_is_exactly_zero_on_the_first_step():
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 5, generator=g)
+    adv = torch.randn(3, 5, generator=g)
+    loss, clipfrac, ppo_kl = alg.policy_loss(logp, logp.clone(), adv, torch.ones(3, 5))
+    assert torch.equal(ppo_kl, torch.zeros(3, 5))
+    assert torch.equal(clipfrac, torch.zeros(3, 5))
+    assert torch.equal(loss, -adv)
+
+
+# --- TIS ----------------------------------------------------------------------------------------------------
+
+
+def test_tis_clamps_at_both_ends():
+    old_train = torch.log(t([3.0, 0.5, 0.01, 1.0]))
+    w, m = alg.tis_weights(old_train, torch.zeros(4, dtype=F64), tis_clip=2.0, tis_clip_low=0.1)
+    close(w, [2.0, 0.5, 0.1, 1.0])
+    close(m["tis"], [3.0, 0.5, 0.01, 1.0])
+    close(m["tis_clipfrac"], [1.0, 0.0, 1.0, 0.0])
+    close(m["tis_abs"], [2.0, 0.5, 0.99, 0.0])
+    assert not w.requires_grad
+
+
+# --- Reductions ---------------------------------------------------------------------------------------------
+
+# Samples A, B share rollout 0 (mask tokens 3 + 1 = 4); C is rollout 1 (2 tokens). Masked-out values are junk.
+VALUES = [[1.0, 2.0, 3.0, 100.0], [4.0, 50.0, 50.0, 50.0], [5.0, 7.0, 60.0, 60.0]]
+MASK = [[1.0, 1, 1, 0], [1.0, 0, 0, 0], [1.0, 1, 0, 0]]
+IDS = [0, 0, 1]
+
+
+def test_rollout_token_mean_by_hand_and_micro_batch_additivity():
+    values, mask = t(*VALUES), t(*MASK)
+    sums = alg.compute_rollout_mask_sums(mask, IDS)
+    assert sums == {0: 4.0, 1: 2.0}
+    # rollout 0: (1+2+3+4)/4 = 2.5; rollout 1: (5+7)/2 = 6; mean over 2 rollouts = 4.25.
+    close(alg.rollout_token_mean(values, mask, IDS, sums), 4.25)
+    # micro-batches {A, C} and {B}, which splits rollout 0: (6/4 + 12/2)/2 = 3.75 and (4/4)/2 = 0.5.
+    mb1 = alg.rollout_token_mean(values[[0, 2]], mask[[0, 2]], [0, 1], sums)
+    mb2 = alg.rollout_token_mean(values[[1]], mask[[1]], [0], sums)
+    close(mb1, 3.75)
+    close(mb2, 0.5)
+
+
+def test_micro_batch_gradients_add_up_to_the_full_batch():
+    values, mask = t(*VALUES), t(*MASK)
+    sums = alg.compute_rollout_mask_sums(mask, IDS)
+    full = values.clone().requires_grad_()
+    alg.rollout_token_mean(full, mask, IDS, sums).backward()
+    acc = values.clone().requires_grad_()
+    for rows in ([0, 2], [1]):
+        red = alg.make_reducer("rollout_token_mean", mask[rows], rollout_ids=[IDS[r] for r in rows],
+                               rollout_mask_sums=sums)
+        red(acc[rows]).backward()
+    close(acc.grad, full.grad)
+    # d/dv = mask / rollout_tokens / num_rollouts
+    close(full.grad, [[1 / 8, 1 / 8, 1 / 8, 0], [1 / 8, 0, 0, 0], [1 / 4, 1 / 4, 0, 0]])
+
+
+def test_sequence_and_token_mean():
+    values, mask = t(*VALUES), t(*MASK)
+    close(alg.sequence_mean(values, mask), (2.0 + 4.0 + 6.0) / 3)
+    close(alg.token_mean(values, mask), 22.0 / 6)
+    # with step-wide denominators the micro-batches add up
+    s = alg.sequence_mean(values[:2], mask[:2], num_samples=3) + alg.sequence_mean(values[2:], mask[2:], 3)
+    close(s, 4.0)
+    tok = alg.token_mean(values[:1], mask[:1], num_tokens=6) + alg.token_mean(values[1:], mask[1:], 6)
+    close(tok, 22.0 / 6)
+
+
+# --- REINFORCE++ --------------------------------------------------------------------------------------------
+
+
+def test_discounted_returns_gamma_one_and_below():
+    close(alg.discounted_returns(t([[1.0, 2.0, 3.0]]), 1.0), [[6.0, 5.0, 3.0]])
+    close(alg.discounted_returns(t([[1.0, 2.0, 4.0]]), 0.5), [[1 + 0.5 * (2 + 0.5 * 4), 2 + 0.5 * 4, 4.0]])
+
+
+def test_reinforce_plus_plus_returns_by_hand():
+    kl = t([[0.2, 0.4, 0.6, 9.0], [0.2, 0.4, 0.6, 9.0]])
+    mask = t([1.0, 1, 1, 0], [1.0, 0, 1, 0])
+    out = alg.reinforce_plus_plus_returns(t([1.0, 1.0]), kl, mask, kl_coef=0.1, gamma=0.5)
+    # row 1: token rewards (-.02, -.04, -.06 + 1, 0) -> G2 = .94, G1 = -.04 + .5*.94 = .43, G0 = -.02 + .5*.43
+    # row 2: the hole at t=1 earns no KL penalty: G2 = .94, G1 = .47 (masked to 0), G0 = -.02 + .5*.47
+    close(out, [[0.195, 0.43, 0.94, 0.0], [0.215, 0.0, 0.94, 0.0]])
+
+
+def test_reinforce_plus_plus_baseline_by_hand():
+    centred = alg.group_centered_rewards(t([1.0, 0.0, 1.0, 1.0]), 2)
+    close(centred, [0.5, -0.5, 0.0, 0.0])
+    kl = t([0.1, 0.2], [0.3, 0.0], [0.0, 0.0], [1.0, 1.0])
+    mask = t([1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0])
+    adv = alg.reinforce_plus_plus_baseline_advantages(centred, kl, mask, kl_coef=0.5)
+    close(adv, [[0.45, 0.4], [-0.65, 0.0], [0.0, 0.0], [-0.5, -0.5]])
+
+
+def test_masked_whiten_by_hand():
+    out = alg.masked_whiten(t([1.0, 2.0, 3.0, 100.0]), t([1.0, 1.0, 1.0, 0.0]))
+    # masked mean 2, Bessel variance ((1 + 0 + 1) / 2) = 1
+    s = 1 / math.sqrt(1 + 1e-8)
+    close(out, [-s, 0.0, s, 98 * s])
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_plus_plus_advantages_are_whitened(estimator):
+    rewards = t([1.0, 0.0, 0.0, 1.0])
+    masks = [torch.tensor(m) for m in ([1.0, 1, 1], [1.0, 0], [1.0, 1, 1, 1], [1.0])]
+    kl = [torch.tensor(k) for k in ([0.1, 0.2, 0.3], [0.5, 0.5], [0.0, 0.1, 0.2, 0.3], [0.4])]
+    cfg = AlgorithmSection(advantage_estimator=estimator, gamma=0.9)
+    adv = alg.compute_advantages(estimator, rewards, masks, 2, kl=kl, cfg=cfg, kl_coef=0.1)
+    a = torch.cat(adv)
+    m = torch.cat(masks).to(F64)
+    n = m.sum()
+    mean = (a * m).sum() / n
+    var = ((a - mean) ** 2 * m).sum() / (n - 1)
+    close(mean, 0.0, tol=1e-9)
+    close(var, 1.0, tol=1e-6)
+    assert adv[1][1] == 0.0  # masked-out token
+    assert [x.shape[0] for x in adv] == [3, 2, 4, 1]
+
+
+# --- Total loss ---------------------------------------------------------------------------------------------
+
+
+def test_compute_loss_total_and_gradient_by_hand():
+    cfg = AlgorithmSection(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1", entropy_coef=0.1)
+    old = t([[-1.0, -2.0]])
+    logp = old.clone().requires_grad_()
+    mask, adv = t([[1.0, 1.0]]), t([[1.0, 1.0]])
+    reduce = alg.make_reducer("token_mean", mask)
+    entropy, ref = t([[2.0, 4.0]]), t([[-1.2, -2.4]])
+    out = alg.compute_loss(logp, old, adv, mask, reduce, cfg, entropy=entropy, ref_logp=ref)
+    # pg: ratio 1 -> -A, mean -1; entropy mean 3; k1 = (0.2, 0.4) mean 0.3.
+    # loss = -1 - 0.1 * 3 + 0.5 * 0.3 = -1.15
+    close(out.loss, -1.15)
+    close(out.pg_loss, -1.0)
+    close(out.entropy, 3.0)
+    close(out.kl_loss, 0.3)
+    close(out.pg_clipfrac, 0.0)
+    close(out.ppo_kl, 0.0)
+    assert out.tis is None
+    out.loss.backward()
+    # d/dlogp: pg -A*r/2 = -0.5, kl 0.5 * 1/2 = 0.25 -> -0.25 per token
+    close(logp.grad, [[-0.25, -0.25]])
+    assert set(out.metrics()) == {"loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss"}
+
+
+def test_compute_loss_with_tis_scales_pg_loss():
+    cfg = AlgorithmSection(use_tis=True, tis_clip=2.0)
+    old = t([[0.0, 0.0]])
+    mask, adv = t([[1.0, 1.0]]), t([[1.0, 1.0]])
+    reduce = alg.make_reducer("sequence_mean", mask)
+    rollout = torch.log(t([[0.25, 2.0]]))  # w = clamp((4, 0.5), 0, 2) = (2, 0.5)
+    out = alg.compute_loss(old.clone(), old, adv, mask, reduce, cfg, rollout_logp=rollout)
+    close(out.pg_loss, (-2.0 - 0.5) / 2)
+    close(out.tis, (4.0 + 0.5) / 2)
+    close(out.tis_clipfrac, 0.5)
+    close(out.tis_abs, (3.0 + 0.5) / 2)
