@@ -1,0 +1,248 @@
+"""The ``hpcrl`` command line: validate, run, sft, submit, sweep, status, logs, cancel, convert, serve.
+
+Every subcommand that reads a config takes ``CONFIG [key=value ...]`` (dotted overrides, see
+:func:`hpcrl.config.load_config`). A :class:`~hpcrl.config.ConfigError` anywhere is printed as its one line on
+stderr with exit status 2, never as a traceback. Subcommands whose implementation does not exist yet say so
+on stderr and exit 2; none of them pretends to succeed.
+
+Implementations are imported lazily inside each handler, so ``hpcrl validate`` and ``hpcrl --help`` stay fast
+and work without torch, SGLang or Megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from typing import Callable, Optional, Sequence
+
+from hpcrl import __version__
+from hpcrl.config import Config, ConfigError, load_config
+
+EXIT_OK = 0
+EXIT_ERROR = 2
+"""Exit status for configuration errors, usage errors and subcommands that are not implemented yet."""
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _not_implemented(cmd: str, issue: str) -> int:
+    _err(f"hpcrl {cmd}: not implemented yet ({issue})")
+    return EXIT_ERROR
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ModuleNotFoundError, ValueError):  # a missing parent package; a module without __spec__
+        return False
+
+
+def _exit_code(result: object) -> int:
+    """An implementation's return value as an exit status: an int as is, anything else means success."""
+    if isinstance(result, int) and not isinstance(result, bool):
+        return result
+    return EXIT_OK
+
+
+def summarize(cfg: Config) -> list[str]:
+    """A few lines describing a resolved config (what ``hpcrl validate`` prints after ``OK``)."""
+    r, t, a, m = cfg.rollout, cfg.train, cfg.algorithm, cfg.model
+    model = m.path + (f" (created with {m.create} if missing)" if m.create else "")
+    kl = f"kl {a.kl_loss_type} x {a.kl_loss_coef}" if a.use_kl_loss else "no kl"
+    lines = [
+        (f"  run:       {cfg.run.name} ({cfg.run.mode}, {cfg.run.placement}), {cfg.run.num_rollout} "
+         f"rollouts -> {cfg.run.output_dir}/{cfg.run.name}"),
+        f"  model:     {model}, {m.dtype}",
+        f"  data:      {cfg.data.source}",
+        (f"  rollout:   {r.batch_size} prompts x {r.n_samples_per_prompt} samples, max_new_tokens "
+         f"{r.max_new_tokens}, temperature {r.temperature}, engine {r.engine}"
+         + (f", filter {r.dynamic_filter}" if r.dynamic_filter else "")),
+        (f"  train:     global batch {t.global_batch_size}, micro batch {t.micro_batch_size}, lr {t.lr}, "
+         f"tp{t.tensor_parallel_size} pp{t.pipeline_parallel_size} cp{t.context_parallel_size} "
+         f"ep{t.expert_parallel_size}, nprocs {t.nprocs}"),
+        (f"  algorithm: {a.advantage_estimator}, eps_clip {a.eps_clip}/{a.eps_clip_high}, {kl}"
+         + (", tis" if a.use_tis else "")),
+        f"  weights:   {cfg.weights.method}",
+    ]
+    if cfg.sft.enabled:
+        lines.append(f"  sft:       {cfg.sft.steps} steps, batch {cfg.sft.batch_size}, lr {cfg.sft.lr} "
+                     f"-> {cfg.sft.output}")
+    if cfg.sweep.grid or cfg.sweep.num_random:
+        grid = ", ".join(cfg.sweep.grid) or "-"
+        lines.append(f"  sweep:     grid over {grid}; {cfg.sweep.num_random} random points")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Handlers: each takes the parsed namespace and returns an exit status
+# ------------------------------------------------------------------------------------------------------------
+
+def _cmd_validate(ns: argparse.Namespace) -> int:
+    cfg = load_config(ns.config, ns.overrides, check_files=not ns.no_check_files)
+    if ns.print_config:
+        import yaml
+
+        from hpcrl.config import _Dumper, config_to_dict
+
+        print(yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, width=1000), end="")
+        return EXIT_OK
+    print(f"OK: {ns.config}")
+    for line in summarize(cfg):
+        print(line)
+    return EXIT_OK
+
+
+def _cmd_run(ns: argparse.Namespace) -> int:
+    cfg = load_config(ns.config, ns.overrides)
+    if not _module_exists("hpcrl.loop"):
+        _err("hpcrl run: the RL loop (hpcrl.loop) is not implemented yet (issue #3); the config is valid")
+        return EXIT_ERROR
+    from hpcrl import loop
+
+    return _exit_code(loop.main(cfg))
+
+
+def _cmd_sft(ns: argparse.Namespace) -> int:
+    cfg = load_config(ns.config, ns.overrides)
+    if not cfg.sft.output:
+        raise ConfigError("sft.output", cfg.sft.output, "hpcrl sft needs a folder to save the SFT model to",
+                          "set sft.output, e.g. sft.output=.cache/models/my-sft")
+    if not _module_exists("hpcrl.sft"):
+        return _not_implemented("sft", "hpcrl.sft is missing")
+    from hpcrl import sft
+
+    result = sft.run_sft(cfg)
+    if result is not None and not isinstance(result, int):
+        print(result)
+    return _exit_code(result)
+
+
+def _cmd_convert(ns: argparse.Namespace) -> int:
+    if ns.kind == "mcore-to-hf":
+        return _not_implemented("convert mcore-to-hf", "issue #3")
+    if not _module_exists("hpcrl.models.gguf"):
+        return _not_implemented("convert gguf-to-hf", "hpcrl.models.gguf is missing")
+    from hpcrl.models import gguf
+
+    result = gguf.convert_gguf_to_hf(ns.src, ns.dst)
+    print(f"converted {ns.src} -> {result if result is not None else ns.dst}")
+    return EXIT_OK
+
+
+def _cmd_serve(argv: list[str]) -> int:
+    """Pass every argument after ``serve`` untouched to ``hpcrl.engine.server.main``."""
+    if not _module_exists("hpcrl.engine.server"):
+        return _not_implemented("serve", "hpcrl.engine.server is missing")
+    from hpcrl.engine import server
+
+    return _exit_code(server.main(list(argv)))
+
+
+def _cmd_stub(issue: str) -> Callable[[argparse.Namespace], int]:
+    def handler(ns: argparse.Namespace) -> int:
+        return _not_implemented(ns.command, issue)
+
+    return handler
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Parser
+# ------------------------------------------------------------------------------------------------------------
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", metavar="CONFIG", help="run config YAML")
+    p.add_argument("overrides", metavar="key=value", nargs="*",
+                   help="dotted overrides, e.g. rollout.batch_size=16 sglang.enable_memory_saver=true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of ``hpcrl`` (``serve`` is listed here but its arguments bypass argparse)."""
+    parser = argparse.ArgumentParser(
+        prog="hpcrl", description="Slurm-first RL post-training of LLMs (Megatron trainer + SGLang engines).")
+    parser.add_argument("--version", action="version", version=f"hpcrl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="check a config and print the resolved summary")
+    _add_config_args(p)
+    p.add_argument("--no-check-files", action="store_true",
+                   help="skip environment checks (files exist, plug-ins import, reasoning-gym tasks)")
+    p.add_argument("--print-config", action="store_true", help="print the whole resolved config as YAML")
+    p.set_defaults(handler=_cmd_validate)
+
+    p = sub.add_parser("run", help="run RL locally (no Slurm)")
+    _add_config_args(p)
+    p.set_defaults(handler=_cmd_run)
+
+    p = sub.add_parser("sft", help="supervised warm start into sft.output")
+    _add_config_args(p)
+    p.set_defaults(handler=_cmd_sft)
+
+    p = sub.add_parser("submit", help="validate, write the run folder and submit to Slurm")
+    _add_config_args(p)
+    p.add_argument("--dry-run", action="store_true", help="write the run folder and sbatch script only")
+    p.set_defaults(handler=_cmd_stub("issue #4"))
+
+    p = sub.add_parser("sweep", help="submit a sweep as one Slurm job array")
+    p.add_argument("sweep", metavar="SWEEP.yaml")
+    p.add_argument("--report", action="store_true", help="summarise the finished runs of the sweep")
+    p.set_defaults(handler=_cmd_stub("issue #5"))
+
+    p = sub.add_parser("status", help="state of runs")
+    p.add_argument("run", metavar="RUN", nargs="?", help="run folder or name (default: all runs)")
+    p.set_defaults(handler=_cmd_stub("issue #4"))
+
+    p = sub.add_parser("logs", help="print the logs of a run")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--follow", "-f", action="store_true")
+    p.set_defaults(handler=_cmd_stub("issue #4"))
+
+    p = sub.add_parser("cancel", help="cancel a run's Slurm job")
+    p.add_argument("run", metavar="RUN")
+    p.set_defaults(handler=_cmd_stub("issue #4"))
+
+    p = sub.add_parser("convert", help="convert model formats")
+    conv = p.add_subparsers(dest="kind", metavar="KIND", required=True)
+    c = conv.add_parser("gguf-to-hf", help="GGUF file (or the name 'smollm2') -> HF folder")
+    c.add_argument("src", metavar="SRC")
+    c.add_argument("dst", metavar="DST")
+    c = conv.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF folder (issue #3)")
+    c.add_argument("src", metavar="CHECKPOINT")
+    c.add_argument("dst", metavar="DST")
+    p.set_defaults(handler=_cmd_convert)
+
+    sub.add_parser("serve", add_help=False,
+                   help="start the rollout engine server (SGLang-style flags: --model-path, --port, ...)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``hpcrl``. Returns the exit status (0 success, 2 config/usage error or not implemented).
+
+    ``argv`` defaults to ``sys.argv[1:]``. ConfigError is printed as one line on stderr (exit 2).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "serve":
+            return _cmd_serve(argv[1:])
+        parser = build_parser()
+        try:
+            ns = parser.parse_args(argv)
+        except SystemExit as e:  # --help, --version, usage errors
+            return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_ERROR)
+        if ns.command is None:
+            parser.print_help(sys.stderr)
+            return EXIT_ERROR
+        return ns.handler(ns)
+    except ConfigError as e:
+        _err(str(e))
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        _err("hpcrl: interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The ``hpcrl`` command line: validate, version, error reporting, and the wiring of every subcommand."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import hpcrl
+from hpcrl import cli
+
+REPO = Path(__file__).resolve().parents[2]
+M = "model: {create: tiny-qwen2}\n"
+
+
+def hpcrl_cmd() -> list[str]:
+    """The installed console script next to the interpreter, else ``python -m hpcrl``."""
+    script = Path(sys.executable).with_name("hpcrl")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "hpcrl"]
+
+
+def run_cli(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run(hpcrl_cmd() + args, cwd=cwd, capture_output=True, text=True, timeout=120, env=env,
+                          check=False)
+
+
+def fake_module(monkeypatch, name: str, **attrs) -> types.ModuleType:
+    """Put a module ``name`` into sys.modules (with a spec, so find_spec sees it) for this test only."""
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Real subprocesses: the console script
+# ------------------------------------------------------------------------------------------------------------
+
+def test_version_subprocess():
+    out = run_cli(["--version"])
+    assert out.returncode == 0 and out.stdout.strip() == f"hpcrl {hpcrl.__version__}"
+
+
+def test_python_dash_m_hpcrl():
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "--version"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == f"hpcrl {hpcrl.__version__}"
+
+
+@pytest.mark.parametrize("name", ["quickstart.yaml", "smollm2-arith.yaml"])
+def test_validate_shipped_configs_subprocess(name):
+    out = run_cli(["validate", f"configs/{name}"])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"OK: configs/{name}"
+    assert any(line.strip().startswith("rollout:") and "8 prompts x 8 samples" in line for line in lines)
+
+
+CLI_BAD = [
+    (M + "rollout: {batch_sise: 8}\n", [], "rollout.batch_sise"),
+    (M + "rollout: {batch_size: '8'}\n", [], "rollout.batch_size"),
+    (M + "run: {mode: async}\n", [], "run.mode"),
+    ("model: {path: /nonexistent/hpcrl-model}\n", [], "model.path"),
+    (M + "slurm: {signal: USR2-120}\n", [], "slurm.signal"),
+    ("rollout:\n  batch_size: [8\n", [], "<file>"),
+    (M, ["rollout.top_p=1.5"], "rollout.top_p"),
+    (M, ["slurm.extra_sbatch=[a,b"], "slurm.extra_sbatch"),
+    (M + "rollout: {reward_function: nonexistent_hpcrl_pkg.rm.score}\n", [], "rollout.reward_function"),
+]
+
+
+@pytest.mark.parametrize("text,overrides,field", CLI_BAD, ids=[c[2] for c in CLI_BAD])
+def test_validate_bad_config_subprocess(tmp_path, text, overrides, field):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    out = run_cli(["validate", str(cfg), *overrides], cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"config error: {field}="), out.stderr
+
+
+def test_run_with_bad_config_subprocess(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(M + "train: {global_batch_size: 60}\n")
+    out = run_cli(["run", str(cfg)], cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().startswith("config error: train.global_batch_size=60:")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# In process: main(argv)
+# ------------------------------------------------------------------------------------------------------------
+
+def test_version_in_process(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"hpcrl {hpcrl.__version__}"
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert cli.main([]) == 2
+    assert "validate" in capsys.readouterr().err
+
+
+def test_usage_error_returns_2(capsys):
+    assert cli.main(["validate"]) == 2
+    assert "CONFIG" in capsys.readouterr().err
+
+
+def test_validate_ok_with_overrides(tmp_path, capsys):
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text(M)
+    assert cli.main(["validate", str(cfg), "rollout.batch_size=16", "sglang.enable_memory_saver=true"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"OK: {cfg}\n") and "16 prompts x 8 samples" in out and "global batch 128" in out
+
+
+def test_validate_print_config_is_loadable(tmp_path, capsys):
+    from hpcrl.config import load_config
+
+    assert cli.main(["validate", str(REPO / "configs" / "quickstart.yaml"), "--print-config"]) == 0
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(capsys.readouterr().out)
+    assert load_config(dumped) == load_config(REPO / "configs" / "quickstart.yaml")
+
+
+def test_validate_no_check_files(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {path: /nonexistent/hpcrl-model}\n")
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert cli.main(["validate", "--no-check-files", str(cfg)]) == 0
+    assert capsys.readouterr().out.startswith("OK:")
+
+
+@pytest.mark.parametrize("argv,issue", [
+    (["submit", "configs/quickstart.yaml", "rollout.batch_size=4", "--dry-run"], "issue #4"),
+    (["sweep", "configs/sweep.yaml", "--report"], "issue #5"),
+    (["status"], "issue #4"),
+    (["status", "runs/quickstart"], "issue #4"),
+    (["logs", "runs/quickstart", "--follow"], "issue #4"),
+    (["cancel", "runs/quickstart"], "issue #4"),
+    (["convert", "mcore-to-hf", "runs/x/ckpt", "out"], "issue #3"),
+])
+def test_unfinished_subcommands_say_not_implemented(argv, issue, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"hpcrl {argv[0]}" in err and "not implemented yet" in err and issue in err
+
+
+def test_run_without_loop_is_not_implemented(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_module_exists", lambda name: False)
+    assert cli.main(["run", str(REPO / "configs" / "quickstart.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "not implemented yet (issue #3)" in err
+
+
+def test_run_calls_loop_main_with_resolved_config(monkeypatch):
+    seen = []
+    fake_module(monkeypatch, "hpcrl.loop", main=lambda cfg: seen.append(cfg) or 0)
+    assert cli.main(["run", str(REPO / "configs" / "quickstart.yaml"), "run.num_rollout=3"]) == 0
+    assert seen[0].run.num_rollout == 3 and seen[0].train.global_batch_size == 64
+
+
+def test_run_propagates_loop_exit_code(monkeypatch):
+    fake_module(monkeypatch, "hpcrl.loop", main=lambda cfg: 3)
+    assert cli.main(["run", str(REPO / "configs" / "quickstart.yaml")]) == 3
+
+
+def test_config_error_from_implementation_is_one_line(monkeypatch, capsys):
+    from hpcrl.config import ConfigError
+
+    def boom(cfg):
+        raise ConfigError("rollout.engine", "sglang", "needs CUDA", "use rollout.engine=cpu")
+
+    fake_module(monkeypatch, "hpcrl.loop", main=boom)
+    assert cli.main(["run", str(REPO / "configs" / "quickstart.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err == "config error: rollout.engine='sglang': needs CUDA; use rollout.engine=cpu\n"
+
+
+def test_sft_calls_run_sft(monkeypatch, capsys, tmp_path):
+    seen = []
+    fake_module(monkeypatch, "hpcrl.sft", run_sft=lambda cfg: seen.append(cfg) or tmp_path / "sft-out")
+    assert cli.main(["sft", str(REPO / "configs" / "quickstart.yaml"), "sft.steps=5"]) == 0
+    assert seen[0].sft.steps == 5
+    assert capsys.readouterr().out.strip() == str(tmp_path / "sft-out")
+
+
+def test_sft_needs_output(monkeypatch, capsys):
+    fake_module(monkeypatch, "hpcrl.sft", run_sft=lambda cfg: pytest.fail("must not run"))
+    argv = ["sft", str(REPO / "configs" / "quickstart.yaml"), "sft.enabled=false", "sft.output="]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith("config error: sft.output=''")
+
+
+def test_serve_passes_argv_through(monkeypatch):
+    seen = []
+    fake_module(monkeypatch, "hpcrl.engine.server", main=lambda argv: seen.append(argv) or 0)
+    argv = ["--model-path", "m", "--port", "30001", "--api-key-file", "k", "--enable-memory-saver", "-h"]
+    assert cli.main(["serve", *argv]) == 0
+    assert seen == [argv]
+
+
+def test_convert_gguf_to_hf(monkeypatch, capsys):
+    seen = []
+    fake_module(monkeypatch, "hpcrl.models.gguf",
+                convert_gguf_to_hf=lambda src, dst: seen.append((src, dst)) or Path(dst))
+    assert cli.main(["convert", "gguf-to-hf", "smollm2", "out/hf"]) == 0
+    assert seen == [("smollm2", "out/hf")]
+    assert "smollm2 -> out/hf" in capsys.readouterr().out
+
+
+def test_convert_needs_a_kind(capsys):
+    assert cli.main(["convert"]) == 2

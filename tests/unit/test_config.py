@@ -1,0 +1,458 @@
+"""Config loading, type checking, cross-field validation, resolution and the resolved round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpcrl.config import (
+    FILE_FIELD,
+    MIB,
+    OVERRIDE_FIELD,
+    Config,
+    ConfigError,
+    SlurmGroup,
+    config_to_dict,
+    load_config,
+    parse_override,
+    resolve,
+    save_resolved,
+    slurm_time_seconds,
+    validate,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+M = "model: {create: tiny-qwen2}\n"
+"""A model section that needs no files, for cases about other sections."""
+FILE = object()
+"""Marker: the expected value is the config file's path (optionally ``:line``)."""
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def assert_one_line(err: ConfigError, field: str) -> str:
+    msg = str(err)
+    assert "\n" not in msg and "\r" not in msg
+    assert msg.startswith(f"config error: {field}=")
+    assert err.field == field
+    assert f"config error: {field}={err.value!r}: " in msg  # the values of the battery are short
+    return msg
+
+
+# (id, yaml text, overrides, expected field, expected value, substrings of the message)
+BAD = [
+    ("unknown-top-level", M + "rolout: {batch_size: 8}\n", [], "rolout", {"batch_size": 8},
+     ["unknown top-level section", "did you mean rollout?"]),
+    ("unknown-nested", M + "rollout: {batch_sise: 8}\n", [], "rollout.batch_sise", 8,
+     ["did you mean rollout.batch_size?"]),
+    ("key-in-wrong-section", M + "max_new_tokens: 8\n", [], "max_new_tokens", 8,
+     ["did you mean rollout.max_new_tokens?"]),
+    ("unknown-slurm-group-key", M + "run: {placement: disaggregate}\nslurm: {rollout: {gpus: 4}}\n", [],
+     "slurm.rollout.gpus", 4, ["unknown key 'gpus'"]),
+    ("str-for-int", M + "rollout: {batch_size: '8'}\n", [], "rollout.batch_size", "8",
+     ["expected an integer, got a string", "without quotes"]),
+    ("bool-for-int", M + "rollout: {n_samples_per_prompt: true}\n", [], "rollout.n_samples_per_prompt", True,
+     ["expected an integer, got a boolean"]),
+    ("float-for-int", M + "rollout: {max_new_tokens: 8.5}\n", [], "rollout.max_new_tokens", 8.5,
+     ["expected an integer"]),
+    ("list-for-str", M + "data: {source: [addition]}\n", [], "data.source", ["addition"],
+     ["expected a string, got a list"]),
+    ("dict-for-list", M + "rollout: {stop: {a: 1}}\n", [], "rollout.stop", {"a": 1},
+     ["expected a list of strings, got a mapping"]),
+    ("str-for-float", M + "train: {lr: fast}\n", [], "train.lr", "fast", ["expected a number"]),
+    ("str-for-bool", M + "run: {deterministic: 'yes'}\n", [], "run.deterministic", "yes",
+     ["expected true or false"]),
+    ("nan-float", M + "train: {lr: .nan}\n", [], "train.lr", None, ["finite"]),
+    ("bad-literal", M + "run: {mode: asynch}\n", [], "run.mode", "asynch",
+     ["must be one of 'sync', 'async'", "did you mean 'async'?"]),
+    ("bad-optional-literal", "model: {path: m, create: tiny-qwen3}\n", [], "model.create", "tiny-qwen3",
+     ["'tiny-qwen2', 'gguf'"]),
+    ("bad-list-item", M + "rollout: {stop_token_ids: [1, two]}\n", [], "rollout.stop_token_ids[1]", "two",
+     ["expected an integer"]),
+    ("section-not-mapping", M + "rollout: 5\n", [], "rollout", 5, ["expected a mapping"]),
+    ("free-dict-not-mapping", M + "sglang: [a]\n", [], "sglang", ["a"], ["expected a mapping"]),
+    ("missing-model-path", "run: {name: x}\n", [], "model.path", "", ["is required"]),
+    ("model-path-not-on-disk", "model: {path: /nonexistent/hpcrl-model}\n", [], "model.path",
+     "/nonexistent/hpcrl-model", ["no such model folder", "model.create"]),
+    ("gguf-without-file", "model: {path: m, create: gguf}\n", [], "model.gguf_file", None, ["needs a GGUF"]),
+    ("gguf-file-missing", "model: {create: gguf, gguf_file: /nonexistent/x.gguf}\n", [], "model.gguf_file",
+     "/nonexistent/x.gguf", ["no such GGUF file"]),
+    ("gguf-file-without-create", "model: {path: m, create: tiny-qwen2, gguf_file: smollm2}\n", [],
+     "model.gguf_file", "smollm2", ["only used with model.create: gguf"]),
+    ("async-colocate", M + "run: {mode: async, placement: colocate}\n", [], "run.mode", "async",
+     ["run.placement: disaggregate"]),
+    ("run-name-slash", M + "run: {name: a/b}\n", [], "run.name", "a/b", ["no '/'"]),
+    ("gbs-not-multiple-of-group", M + "train: {global_batch_size: 60}\n", [], "train.global_batch_size", 60,
+     ["n_samples_per_prompt=8"]),
+    ("gbs-not-multiple-of-micro", M + "train: {global_batch_size: 64, micro_batch_size: 48}\n", [],
+     "train.global_batch_size", 64, ["micro_batch_size=48"]),
+    ("gbs-inconsistent-with-steps", M + "train: {global_batch_size: 32}\n", [], "train.global_batch_size", 32,
+     ["num_steps_per_rollout=1", "64 samples"]),
+    ("derived-gbs-vs-micro", M + "rollout: {batch_size: 4}\n", [], "train.micro_batch_size", 64,
+     ["global batch of 32"]),
+    ("over-sampling-too-small", M + "rollout: {over_sampling_batch_size: 4}\n", [],
+     "rollout.over_sampling_batch_size", 4, [">= rollout.batch_size=8"]),
+    ("zero-batch", M + "rollout: {batch_size: 0}\n", [], "rollout.batch_size", 0, ["must be > 0"]),
+    ("negative-max-new-tokens", M + "rollout: {max_new_tokens: -1}\n", [], "rollout.max_new_tokens", -1,
+     ["must be > 0"]),
+    ("zero-num-rollout", M + "run: {num_rollout: 0}\n", [], "run.num_rollout", 0, ["must be > 0"]),
+    ("negative-nodes", M + "slurm: {nodes: -1}\n", [], "slurm.nodes", -1, ["must be > 0"]),
+    ("zero-nprocs", M + "train: {nprocs: 0}\n", [], "train.nprocs", 0, ["must be > 0"]),
+    ("group-of-one", M + "rollout: {n_samples_per_prompt: 1}\n", [], "rollout.n_samples_per_prompt", 1,
+     ["group"]),
+    ("top-p-above-1", M + "rollout: {top_p: 1.5}\n", [], "rollout.top_p", 1.5, ["(0, 1]"]),
+    ("top-p-zero", M + "rollout: {top_p: 0}\n", [], "rollout.top_p", 0.0, ["(0, 1]"]),
+    ("negative-temperature", M + "rollout: {temperature: -0.1}\n", [], "rollout.temperature", -0.1, [">= 0"]),
+    ("eps-clip-1", M + "algorithm: {eps_clip: 1.0}\n", [], "algorithm.eps_clip", 1.0, ["(0, 1)"]),
+    ("eps-clip-c-below-1", M + "algorithm: {eps_clip_c: 0.5}\n", [], "algorithm.eps_clip_c", 0.5, ["> 1"]),
+    ("kl-coef-without-kl-loss", M + "algorithm: {kl_loss_coef: 0.01}\n", [], "algorithm.kl_loss_coef", 0.01,
+     ["use_kl_loss"]),
+    ("parallel-does-not-divide", M + "train: {tensor_parallel_size: 2, nprocs: 3}\n", [], "train.nprocs", 3,
+     ["tensor x pipeline x context parallel size = 2"]),
+    ("tensor-weights-disaggregated", M + "run: {placement: disaggregate}\nweights: {method: tensor}\n", [],
+     "weights.method", "tensor", ["disaggregate"]),
+    ("bucket-too-small", M + "weights: {bucket_bytes: 1000}\n", [], "weights.bucket_bytes", 1000, ["1 MiB"]),
+    ("sft-without-output", M + "sft: {enabled: true}\n", [], "sft.output", "", ["sft.enabled"]),
+    ("missing-data-file", M + "data: {source: /nonexistent/train.jsonl}\n", [], "data.source",
+     "/nonexistent/train.jsonl", ["no such data file"]),
+    ("unknown-data-source", M + "data: {source: additon}\n", [], "data.source", "additon",
+     ["unknown data source", "did you mean 'addition'?"]),
+    ("unknown-reasoning-gym-task", M + "data: {source: 'reasoning_gym:basic_arithmetc'}\n", [], "data.source",
+     "reasoning_gym:basic_arithmetc", ["did you mean reasoning_gym:basic_arithmetic?"]),
+    ("bad-dotted-reward", M + "rollout: {reward_function: nonexistent_hpcrl_pkg.rewards.score}\n", [],
+     "rollout.reward_function", "nonexistent_hpcrl_pkg.rewards.score", ["not found"]),
+    ("reward-missing-attr", M + "rollout: {reward_function: hpcrl.config.no_such_reward}\n", [],
+     "rollout.reward_function", "hpcrl.config.no_such_reward", ["no attribute 'no_such_reward'"]),
+    ("reward-not-a-path", M + "rollout: {reward_function: my_reward}\n", [], "rollout.reward_function",
+     "my_reward", ["dotted path"]),
+    ("bad-filter", M + "rollout: {dynamic_filter: nonzero-std}\n", [], "rollout.dynamic_filter",
+     "nonzero-std", ["did you mean 'nonzero_std'?"]),
+    ("bad-slurm-time", M + "slurm: {time: '25:99:00'}\n", [], "slurm.time", "25:99:00", ["< 60"]),
+    ("slurm-time-garbage", M + "slurm: {time: 'two hours'}\n", [], "slurm.time", "two hours",
+     ["not a Slurm time limit"]),
+    ("slurm-time-unquoted-int", M + "slurm: {time: 90}\n", [], "slurm.time", 90, ["quote it"]),
+    ("bad-slurm-signal", M + "slurm: {signal: USR2}\n", [], "slurm.signal", "USR2", ["SIGNAME@SECONDS"]),
+    ("unknown-signal-name", M + "slurm: {signal: USR3@120}\n", [], "slurm.signal", "USR3@120",
+     ["unknown signal name 'USR3'"]),
+    ("signal-after-time-limit", M + "slurm: {time: '1', signal: USR2@120}\n", [], "slurm.signal", "USR2@120",
+     ["shorter than slurm.time"]),
+    ("bad-slurm-mem", M + "slurm: {mem: 64 GB}\n", [], "slurm.mem", "64 GB", ["64G"]),
+    ("sbatch-line-not-option", M + "slurm: {extra_sbatch: ['#SBATCH --qos=x']}\n", [],
+     "slurm.extra_sbatch[0]", "#SBATCH --qos=x", ["sbatch option"]),
+    ("rollout-group-colocated", M + "slurm: {rollout: {nodes: 2}}\n", [], "slurm.rollout",
+     {"nodes": 2, "gpus_per_node": 0, "cpus_per_task": 2, "mem": None, "partition": None}, ["disaggregate"]),
+    ("sweep-unknown-key", M + "sweep: {grid: {train.lrr: [1.0e-5]}}\n", [], "sweep.grid.train.lrr", [1e-5],
+     ["did you mean train.lr?"]),
+    ("sweep-empty-values", M + "sweep: {grid: {train.lr: []}}\n", [], "sweep.grid.train.lr", [],
+     ["non-empty list"]),
+    ("sweep-value-type", M + "sweep: {grid: {rollout.batch_size: [8, big]}}\n", [],
+     "sweep.grid.rollout.batch_size[1]", "big", ["expected an integer"]),
+    ("sweep-a-section", M + "sweep: {grid: {rollout: [{}]}}\n", [], "sweep.grid.rollout", [{}], ["section"]),
+    ("yaml-syntax-error", "rollout:\n  batch_size: [8, 16\n  top_p: 1\n", [], FILE_FIELD, FILE,
+     ["invalid YAML"]),
+    ("yaml-duplicate-key", M + "rollout:\n  batch_size: 8\n  batch_size: 16\n", [], FILE_FIELD, FILE,
+     ["duplicate key 'batch_size'"]),
+    ("non-mapping-top-level", "- run\n- model\n", [], FILE_FIELD, FILE, ["must be a mapping", "got a list"]),
+    ("override-unknown-key", M, ["rollout.batch_sise=16"], "rollout.batch_sise", 16,
+     ["did you mean rollout.batch_size?"]),
+    ("override-unknown-section", M, ["rolout.batch_size=16"], "rolout.batch_size", 16,
+     ["did you mean rollout?"]),
+    ("override-bad-syntax", M, ["slurm.extra_sbatch=[--a,--b"], "slurm.extra_sbatch", "[--a,--b",
+     ["cannot parse the value"]),
+    ("override-without-equals", M, ["rollout.batch_size"], OVERRIDE_FIELD, "rollout.batch_size",
+     ["key=value"]),
+    ("override-empty-key", M, ["=16"], OVERRIDE_FIELD, "=16", ["no key"]),
+    ("override-bad-value", M, ["rollout.batch_size=many"], "rollout.batch_size", "many",
+     ["expected an integer"]),
+    ("override-below-a-value", M, ["rollout.batch_size.x=1"], "rollout.batch_size.x", 1, ["not a section"]),
+    ("override-bad-literal", M, ["algorithm.advantage_estimator=ppo2"], "algorithm.advantage_estimator",
+     "ppo2", ["'grpo'"]),
+]
+
+
+@pytest.mark.parametrize("text,overrides,field,value,parts", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_malformed_config_is_one_line_error(tmp_path, text, overrides, field, value, parts):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    err = info.value
+    msg = assert_one_line(err, field)
+    if value is FILE:
+        assert str(err.value).startswith(str(path))
+    elif value is not None:
+        assert err.value == value and type(err.value) is type(value)
+    for part in parts:
+        assert part in msg, msg
+
+
+def test_battery_is_large_and_distinct():
+    assert len(BAD) >= 30
+    assert len({c[0] for c in BAD}) == len(BAD)
+    assert len({(c[1], tuple(c[2])) for c in BAD}) == len(BAD)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = write(tmp_path, M + "rollout:\n  batch_size: 8\n  stop: [a, b\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    file, line = str(info.value.value).rsplit(":", 1)
+    assert file == str(path) and int(line) >= 4
+    assert f"line {line}" in str(info.value) and "flow sequence that starts on line 4" in str(info.value)
+
+
+def test_duplicate_key_names_both_lines(tmp_path):
+    path = write(tmp_path, "run:\n  name: a\n  seed: 1\n  name: b\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.value == f"{path}:4"
+    assert "first given on line 2" in str(info.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "nope.yaml")
+    assert info.value.field == FILE_FIELD and "no such config file" in str(info.value)
+
+
+def test_config_error_pickles_and_is_a_value_error():
+    err = ConfigError("rollout.batch_size", "8", "expected an integer", "remove the quotes")
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, ValueError)
+    assert (back.field, back.value, back.problem, back.fix) == (
+        "rollout.batch_size", "8", "expected an integer", "remove the quotes")
+    assert str(back) == str(err)
+    assert str(err) == "config error: rollout.batch_size='8': expected an integer; remove the quotes"
+
+
+def test_problem_text_with_newlines_stays_one_line():
+    assert "\n" not in str(ConfigError("a.b", "x\ny", "line one\nline two", "fix\n it"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Valid configs, overrides, YAML details
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["quickstart.yaml", "smollm2-arith.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(REPO / "configs" / name)
+    assert cfg.model.create is not None and cfg.model.path.startswith(".cache/models/")
+    assert cfg.train.global_batch_size == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+
+
+def test_quickstart_values():
+    cfg = load_config(REPO / "configs" / "quickstart.yaml")
+    assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 300, "addition")
+    assert (cfg.sft.enabled, cfg.sft.output, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr) == (
+        True, ".cache/models/tiny-qwen2-addition-sft", 600, 256, 3e-3)
+    assert (cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens) == (8, 8, 8)
+    assert cfg.rollout.dynamic_filter == "nonzero_std" and cfg.train.lr == 3e-5
+    assert cfg.algorithm.advantage_estimator == "grpo" and not cfg.algorithm.use_kl_loss
+
+
+def test_smollm2_values():
+    cfg = load_config(REPO / "configs" / "smollm2-arith.yaml")
+    assert cfg.model.gguf_file == "smollm2" and cfg.data.source == "reasoning_gym:basic_arithmetic"
+    assert cfg.rollout.stop == ["\n"] and cfg.rollout.max_new_tokens == 16 and cfg.run.num_rollout == 20
+
+
+def test_defaults_only_need_a_model():
+    cfg = load_config(None, ["model.create=tiny-qwen2"])
+    assert cfg.model.path == ".cache/models/tiny-qwen2"
+    assert cfg.rollout == dataclasses.replace(Config().rollout, over_sampling_batch_size=8)
+
+
+def test_overrides_apply(tmp_path):
+    path = write(tmp_path, M + "rollout: {batch_size: 4}\ntrain: {micro_batch_size: 32}\nsglang:\n")
+    cfg = load_config(path, [
+        "rollout.batch_size=16",
+        "slurm.extra_sbatch=[--reservation=foo, --qos=high]",
+        "sglang.enable_memory_saver=true",
+        "sglang.mem_fraction_static=0.7",
+        "megatron.recompute_granularity=full",
+        "data.task_kwargs.digits=4",
+        "sweep.grid.train.lr=[1e-5, 3e-5]",
+        "run.name=2024",
+        'rollout.stop=["\\n"]',
+        "run.placement=disaggregate",
+        "slurm.rollout.nodes=2",
+        "train.lr=1e-4",
+    ])
+    assert cfg.rollout.batch_size == 16 and cfg.train.global_batch_size == 128
+    assert cfg.slurm.extra_sbatch == ["--reservation=foo", "--qos=high"]
+    assert cfg.sglang == {"enable_memory_saver": True, "mem_fraction_static": 0.7}
+    assert cfg.megatron == {"recompute_granularity": "full"}
+    assert cfg.data.task_kwargs == {"digits": 4}
+    assert cfg.sweep.grid == {"train.lr": [1e-5, 3e-5]}
+    assert cfg.run.name == "2024"
+    assert cfg.rollout.stop == ["\n"]
+    assert cfg.slurm.rollout == SlurmGroup(nodes=2)
+    assert cfg.train.lr == 1e-4 and cfg.weights.method == "distributed"
+
+
+def test_later_override_wins_and_null_clears(tmp_path):
+    path = write(tmp_path, M + "rollout: {dynamic_filter: nonzero_std}\n")
+    cfg = load_config(path, ["rollout.batch_size=2", "rollout.batch_size=4", "rollout.dynamic_filter=null",
+                             "train.micro_batch_size=8"])
+    assert cfg.rollout.batch_size == 4 and cfg.rollout.dynamic_filter is None
+
+
+def test_parse_override():
+    assert parse_override("a.b=[1, x]") == ("a.b", [1, "x"])
+    assert parse_override("a.b = 3e-5") == ("a.b", 3e-5)
+    assert parse_override("a.b=") == ("a.b", None)
+    assert parse_override("a.b=x=y") == ("a.b", "x=y")
+
+
+def test_yaml12_numbers_and_times(tmp_path):
+    path = write(tmp_path, M + "train: {lr: 3e-5, min_lr: 0}\nslurm: {time: 12:00:00}\n"
+                               "run: {name: '010'}\nsft: {output: out, lr: 1e-3}\n")
+    cfg = load_config(path)
+    assert cfg.train.lr == 3e-5 and isinstance(cfg.train.min_lr, float) and cfg.train.min_lr == 0.0
+    assert cfg.slurm.time == "12:00:00" and cfg.sft.lr == 1e-3
+
+
+def test_empty_sections_keep_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, M + "rollout:\nsglang:\nsweep:\n"))
+    assert cfg.rollout.batch_size == 8 and cfg.sglang == {}
+
+
+def test_empty_file_needs_only_model_path(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, "# nothing\n"))
+    assert info.value.field == "model.path"
+
+
+def test_existing_files_pass(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    (tmp_path / "img.sif").write_text("")
+    text = ("model: {path: m}\ndata: {source: train.jsonl, eval_source: train.jsonl}\n"
+            "rollout: {reward_function: hpcrl.config.validate}\n"
+            "slurm: {container: img.sif, time: '2-00:00:00', signal: SIGUSR2@300}\n")
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.model.path == "m" and cfg.data.source == "train.jsonl"
+
+
+def test_model_folder_without_config_json(tmp_path):
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"model.path={tmp_path / 'm'}"])
+    assert info.value.field == "model.path" and "config.json" in str(info.value)
+
+
+def test_check_files_false_skips_environment(tmp_path):
+    text = ("model: {path: /nonexistent/m}\ndata: {source: /nonexistent/d.parquet}\n"
+            "rollout: {reward_function: nonexistent_pkg.mod.fn}\n")
+    cfg = load_config(write(tmp_path, text), check_files=False)
+    assert cfg.model.path == "/nonexistent/m"
+
+
+def test_reward_builtins_match_rewards_module():
+    resolve_mod = pytest.importorskip("hpcrl.rewards.resolve")
+    for builtin in resolve_mod.BUILTIN_REWARDS:
+        name = builtin.replace("<url>", "http://127.0.0.1:8000/reward")
+        cfg = load_config(None, ["model.create=tiny-qwen2", f"rollout.reward_function={name}"])
+        assert cfg.rollout.reward_function == name
+
+
+@pytest.mark.parametrize("text,seconds", [("90", 5400), ("90:30", 5430), ("01:00:00", 3600), ("2-00", 172800),
+                                          ("1-12:30", 131400), ("1-00:00:01", 86401), ("UNLIMITED", None)])
+def test_slurm_time_seconds(text, seconds):
+    assert slurm_time_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "1:2:3:4", "1-25", "10:60", "abc", "-5"])
+def test_slurm_time_seconds_rejects(text):
+    with pytest.raises(ValueError):
+        slurm_time_seconds(text)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# validate / resolve / save on Config objects
+# ------------------------------------------------------------------------------------------------------------
+
+def test_validate_checks_types_of_configs_built_in_code():
+    cfg = Config()
+    cfg.model.create = "tiny-qwen2"
+    validate(cfg)
+    cfg.rollout.batch_size = "8"
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert info.value.field == "rollout.batch_size"
+
+
+def test_int_is_accepted_for_float_and_converted():
+    cfg = load_config(None, ["model.create=tiny-qwen2", "rollout.temperature=1", "train.lr=1"])
+    assert type(cfg.rollout.temperature) is float and type(cfg.train.lr) is float
+
+
+def test_resolve_fills_derived_defaults_without_mutating():
+    cfg = Config()
+    cfg.model.create = "gguf"
+    cfg.model.gguf_file = "smollm2"
+    cfg.rollout.batch_size = 4
+    cfg.train.num_steps_per_rollout = 2
+    cfg.train.micro_batch_size = 8
+    cfg.algorithm.eps_clip = 0.1
+    validate(cfg, check_files=False)
+    out = resolve(cfg)
+    assert cfg.train.global_batch_size is None and cfg.model.path == ""
+    assert out.model.path == ".cache/models/smollm2"
+    assert out.rollout.over_sampling_batch_size == 4
+    assert out.train.global_batch_size == 16
+    assert out.algorithm.eps_clip_high == 0.1
+    assert out.weights.method == "tensor"
+    assert resolve(out) == out
+    validate(out, check_files=False)
+
+
+def test_explicit_values_survive_resolve():
+    cfg = load_config(None, ["model.create=tiny-qwen2", "rollout.over_sampling_batch_size=12",
+                             "algorithm.eps_clip_high=0.28", "weights.method=disk"])
+    assert (cfg.rollout.over_sampling_batch_size, cfg.algorithm.eps_clip_high, cfg.weights.method) == (
+        12, 0.28, "disk")
+
+
+def test_resolved_round_trip(tmp_path):
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
+        "sglang.enable_memory_saver=true", "slurm.extra_sbatch=['--comment=a: b #c']", "run.name=1e5",
+        "slurm.setup=['module load x']", 'rollout.stop=["\\n", "12:30", "null", "yes"]',
+        "data.task_kwargs={digits: 3, few_shot: 2}", "sweep.grid.train.lr=[1.0e-5, 2.0e-5]",
+        "sweep.grid.run.mode=[sync]", "sft.target_accuracy=0.95"])
+    path = save_resolved(cfg, tmp_path / "runs" / "x")
+    assert path == tmp_path / "runs" / "x" / "config.yaml"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["config.yaml"]  # no temp file left behind
+    back = load_config(path)
+    assert back == cfg
+    assert yaml.safe_load(path.read_text())["rollout"]["batch_size"] == 8
+    assert config_to_dict(back) == config_to_dict(cfg)
+
+
+def test_save_resolved_resolves_and_overwrites(tmp_path):
+    cfg = Config()
+    cfg.model.create = "tiny-qwen2"
+    save_resolved(cfg, tmp_path)
+    cfg.run.name = "second"
+    path = save_resolved(cfg, tmp_path)
+    back = load_config(path)
+    assert back.run.name == "second" and back.train.global_batch_size == 64
+    assert back == resolve(cfg)
+
+
+def test_config_to_dict_is_a_deep_copy():
+    cfg = Config()
+    d = config_to_dict(cfg)
+    d["rollout"]["stop"].append("x")
+    d["sglang"]["a"] = 1
+    assert cfg.rollout.stop == [] and cfg.sglang == {}
+    assert d["weights"]["bucket_bytes"] == 512 * MIB
