@@ -1,0 +1,374 @@
+"""Async HTTP client for the rollout engines: SGLang's native protocol, direct or through the router.
+
+The same code talks to real SGLang servers on GPUs and to hpcrl's CPU engine: it uses only SGLang's documented
+endpoints and fields (``/generate`` with ``input_ids``, ``/abort_request``, ``/pause_generation``,
+``/continue_generation``, ``/flush_cache``, ``/health``, ``/get_model_info``, and the weight/memory admin
+endpoints through :meth:`RolloutClient.post_all`).
+
+Routing. ``generate`` goes to the router when there is one (the router balances and retries between its
+workers), else round-robin over ``engine_urls``. Everything that the router does not proxy (abort, pause,
+continue, weight sync, memory release/resume; see ``reference/cpu-stack.md`` section 5) goes to every engine
+directly, so the client needs the engine URLs even when a router is used.
+
+Retries. Connection errors, timeouts and HTTP 5xx are retried with exponential backoff
+(``backoff_s * 2**attempt``, at most ``max_backoff_s``) up to ``max_retries`` times; without a router each
+retry moves on to the next engine. HTTP 4xx is never retried. When the attempts are used up a
+:class:`RolloutError` names the URL and the last error.
+
+Auth. With ``api_key`` set, every request carries ``Authorization: Bearer <api_key>`` (engines started with
+the run secret, and a router started with the same key, require it).
+
+Usage::
+
+    async with RolloutClient(router_url, engine_urls, api_key=key) as client:
+        await client.wait_healthy(timeout_s=300)
+        out = await client.generate([1, 2, 3], {"max_new_tokens": 16})
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Optional, Sequence
+
+import aiohttp
+
+
+class RolloutError(RuntimeError):
+    """A request to an engine or the router failed for good.
+
+    ``url`` is the URL of the last attempt, ``status`` its HTTP status (None for connection errors and
+    timeouts), ``body`` the response text (truncated) if there was one.
+    """
+
+    def __init__(self, message: str, url: str, status: Optional[int] = None, body: Optional[str] = None):
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.body = body
+
+
+class _Retryable(Exception):
+    """Internal: an attempt failed in a way worth retrying (connection error, timeout, 5xx)."""
+
+    def __init__(self, description: str, status: Optional[int] = None, body: Optional[str] = None):
+        super().__init__(description)
+        self.status = status
+        self.body = body
+
+
+_BODY_LIMIT = 2000  # characters of an error body kept in RolloutError
+
+
+def _decode(text: str) -> Any:
+    """JSON if the body parses as JSON, else the text itself (SGLang answers some endpoints in plain text)."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _as_dict(value: Any) -> dict:
+    """Normalise a response body to a dict: dicts as-is, empty/null -> {}, text -> {"text": ...},
+    other JSON -> {"result": ...}."""
+    if isinstance(value, dict):
+        return value
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        return {"text": value}
+    return {"result": value}
+
+
+def _error_message(value: Any) -> str:
+    """The human part of an SGLang error body (``{"error": {"message": ...}}`` or ``{"message": ...}``)."""
+    if isinstance(value, dict):
+        err = value.get("error", value)
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if "message" in value:
+            return str(value["message"])
+        return str(err)
+    return str(value)[:_BODY_LIMIT]
+
+
+class RolloutClient:
+    """One aiohttp session to a set of engines and an optional router.
+
+    Args:
+        router_url: base URL of the router (``http://host:port``), or None to balance over ``engine_urls``.
+        engine_urls: base URLs of every engine; needed for the endpoints the router does not proxy.
+        api_key: sent as ``Authorization: Bearer <api_key>`` on every request when set.
+        timeout_s: total time for one attempt of one request, seconds (a long generation must fit).
+        max_retries: retries after the first attempt (connection errors, timeouts, 5xx only).
+        backoff_s: first retry delay, seconds; doubles per retry up to ``max_backoff_s``.
+        max_backoff_s: cap on one retry delay, seconds.
+        max_connections: cap on open connections of the session (0: unlimited; aiohttp's default is 100,
+            too few for a rollout with hundreds of requests in flight).
+        connect_timeout_s: bound on opening one connection, seconds (a dead node that does not refuse
+            connections costs this much per attempt, not ``timeout_s``).
+
+    Use as ``async with RolloutClient(...) as client`` (or call :meth:`open` / :meth:`close`).
+    Raises ValueError if neither a router nor any engine is given.
+    """
+
+    def __init__(self, router_url: Optional[str] = None, engine_urls: Sequence[str] = (),
+                 api_key: Optional[str] = None, timeout_s: float = 600.0, max_retries: int = 3,
+                 backoff_s: float = 0.5, max_backoff_s: float = 30.0, max_connections: int = 0,
+                 connect_timeout_s: float = 10.0):
+        if not router_url and not engine_urls:
+            raise ValueError("RolloutClient needs a router_url or at least one engine URL")
+        if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
+            raise ValueError("max_retries must be >= 0, timeout_s > 0 and backoff_s >= 0")
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self._engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.api_key = api_key
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
+        self.max_backoff_s = float(max_backoff_s)
+        self.max_connections = int(max_connections)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._rr = 0
+        self._weight_version: Optional[str] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def open(self) -> "RolloutClient":
+        """Create the aiohttp session (idempotent). Returns self."""
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._session = aiohttp.ClientSession(
+                headers=headers, connector=aiohttp.TCPConnector(limit=self.max_connections),
+                timeout=self._timeout(self.timeout_s))
+        return self
+
+    async def close(self) -> None:
+        """Close the session (idempotent)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "RolloutClient":
+        return await self.open()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def engine_urls(self) -> list[str]:
+        """A copy of the engine URLs the client talks to directly."""
+        return list(self._engine_urls)
+
+    def set_engine_urls(self, urls: Sequence[str]) -> None:
+        """Replace the engine URLs (after an engine was restarted on a new port or removed)."""
+        self._engine_urls = [u.rstrip("/") for u in urls]
+
+    @property
+    def weight_version(self) -> Optional[str]:
+        """The newest ``meta_info.weight_version`` seen in any generate response (None before the first)."""
+        return self._weight_version
+
+    # ------------------------------------------------------------------ low level
+    def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total_s, sock_connect=min(total_s, self.connect_timeout_s))
+
+    def _next_engine(self) -> str:
+        if not self._engine_urls:
+            raise ValueError("no engine URLs to send the request to")
+        url = self._engine_urls[self._rr % len(self._engine_urls)]
+        self._rr += 1
+        return url
+
+    def _need_engines(self) -> list[str]:
+        if not self._engine_urls:
+            raise ValueError("this call goes to every engine directly, but the client has no engine URLs")
+        return list(self._engine_urls)
+
+    async def _attempt(self, method: str, url: str, payload: Any, params: Optional[dict],
+                       timeout_s: Optional[float]) -> Any:
+        """One HTTP request. Returns the decoded body on 2xx; raises _Retryable or RolloutError (4xx)."""
+        if self._session is None:
+            await self.open()
+        assert self._session is not None
+        timeout = self._timeout(timeout_s) if timeout_s is not None else None
+        try:
+            async with self._session.request(method, url, json=payload, params=params,
+                                             timeout=timeout) as resp:
+                text = await resp.text()
+                status = resp.status
+        except asyncio.TimeoutError:
+            raise _Retryable(f"timed out after {timeout_s or self.timeout_s:g} s") from None
+        except aiohttp.ClientError as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        body = _decode(text)
+        if 200 <= status < 300:
+            return body
+        message = f"HTTP {status}: {_error_message(body)}"
+        if status >= 500:
+            raise _Retryable(message, status, text[:_BODY_LIMIT])
+        raise RolloutError(f"{method} {url} failed: {message}", url, status, text[:_BODY_LIMIT])
+
+    async def request(self, method: str, path: str, payload: Any = None, *, base_url: Optional[str] = None,
+                      params: Optional[dict] = None, retry: bool = True,
+                      timeout_s: Optional[float] = None) -> Any:
+        """Send one request with the retry policy; return the decoded body (JSON, text, or None if empty).
+
+        ``base_url`` fixes the target; otherwise the router, or round-robin over the engines (moving to the
+        next engine on each retry). ``timeout_s`` overrides the client's per-attempt timeout (seconds).
+        Raises RolloutError (naming the URL and the last error) after a 4xx, or when the retries are used up.
+        """
+        attempts = 1 + (self.max_retries if retry else 0)
+        url = ""
+        last: Optional[_Retryable] = None
+        for attempt in range(attempts):
+            base = base_url or self.router_url or self._next_engine()
+            url = base + path
+            try:
+                return await self._attempt(method, url, payload, params, timeout_s)
+            except _Retryable as e:
+                last = e
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
+        assert last is not None
+        raise RolloutError(f"{method} {url} failed after {attempts} attempt(s): {last}", url, last.status,
+                           last.body)
+
+    async def _to_engines(self, method: str, path: str, payload: Any, *, retry: bool,
+                          params: Optional[dict] = None, timeout_s: Optional[float] = None) -> list[dict]:
+        """Send the same request to every engine concurrently; results in engine order.
+
+        Every request runs to completion; then the first failure (in engine order) is raised as RolloutError,
+        its message also counting how many engines failed.
+        """
+        urls = self._need_engines()
+        results = await asyncio.gather(
+            *(self.request(method, path, payload, base_url=u, params=params, retry=retry, timeout_s=timeout_s)
+              for u in urls), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            first = errors[0]
+            if isinstance(first, RolloutError):
+                if len(errors) > 1:
+                    raise RolloutError(f"{first} ({len(errors)} of {len(urls)} engines failed)",
+                                       first.url, first.status, first.body) from first
+                raise first
+            raise first
+        return [_as_dict(r) for r in results]
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
+                       rid: Optional[str] = None, **extra: Any) -> dict:
+        """POST SGLang's native ``/generate`` with ``input_ids`` (token ids) and return the response dict.
+
+        The response has ``text``, ``output_ids`` and ``meta_info`` (``finish_reason``, ``weight_version``,
+        and with ``return_logprob`` ``output_token_logprobs`` as ``[logprob, token_id, text]`` triples).
+        ``rid`` names the request (for targeted aborts); ``extra`` adds other documented ``/generate`` fields
+        (``logprob_start_len``, ``return_routed_experts``...). Updates :attr:`weight_version`.
+        Raises RolloutError (see :meth:`request`).
+        """
+        payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                                   "return_logprob": bool(return_logprob)}
+        if rid is not None:
+            payload["rid"] = rid
+        payload.update(extra)
+        out = await self.request("POST", "/generate", payload)
+        if not isinstance(out, dict):
+            raise RolloutError(f"/generate returned {type(out).__name__}, expected a JSON object",
+                               self.router_url or "engines")
+        version = (out.get("meta_info") or {}).get("weight_version")
+        if version is not None:
+            self._weight_version = str(version)
+        return out
+
+    # ------------------------------------------------------------------ control (every engine, directly)
+    async def abort_all(self) -> list[dict]:
+        """POST ``/abort_request {"abort_all": true}`` to every engine: running requests return early with
+        ``finish_reason.type == "abort"`` and the tokens generated so far. Raises RolloutError."""
+        return await self._to_engines("POST", "/abort_request", {"abort_all": True}, retry=True)
+
+    async def abort(self, rid: str) -> list[dict]:
+        """Abort the request ``rid`` wherever it runs (``/abort_request {"rid": rid}`` to every engine)."""
+        return await self._to_engines("POST", "/abort_request", {"rid": rid}, retry=True)
+
+    async def pause(self, mode: str = "abort") -> list[dict]:
+        """POST ``/pause_generation {"mode": mode}`` to every engine (``abort``: running requests are aborted;
+        ``retract`` / ``in_place``: kept and resumed by :meth:`resume`). Raises RolloutError."""
+        return await self._to_engines("POST", "/pause_generation", {"mode": mode}, retry=True)
+
+    async def resume(self) -> list[dict]:
+        """POST ``/continue_generation`` to every engine. Raises RolloutError."""
+        return await self._to_engines("POST", "/continue_generation", {}, retry=True)
+
+    async def flush_cache(self, wait_s: float = 60.0, poll_s: float = 1.0) -> list[dict]:
+        """POST ``/flush_cache`` to every engine.
+
+        SGLang refuses (HTTP 400) while requests are running; each engine is asked again every ``poll_s``
+        seconds until it agrees or ``wait_s`` seconds have passed (slime retries 60 x 1 s).
+        Raises RolloutError naming the engine that still refused.
+        """
+        async def one(url: str) -> dict:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    return _as_dict(await self.request("POST", "/flush_cache", None, base_url=url))
+                except RolloutError as e:
+                    if e.status != 400 or time.monotonic() + poll_s > deadline:
+                        raise
+                await asyncio.sleep(poll_s)
+
+        results = await asyncio.gather(*(one(u) for u in self._need_engines()), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)  # type: ignore[arg-type]
+
+    async def post_all(self, endpoint: str, payload: Any = None, retry: bool = False,
+                       timeout_s: Optional[float] = None) -> list[dict]:
+        """POST ``payload`` to ``endpoint`` on every engine concurrently (weight sync, memory occupation...).
+
+        Returns one dict per engine, in :attr:`engine_urls` order (a ``null``/empty body becomes ``{}``, a
+        text body ``{"text": ...}``). No retries by default: weight-update endpoints are collective operations
+        that must not run twice. ``timeout_s`` overrides the per-attempt timeout (seconds).
+        Raises RolloutError for the first engine that failed (4xx, 5xx, connection error).
+        """
+        path = endpoint if endpoint.startswith("/") else "/" + endpoint
+        return await self._to_engines("POST", path, payload, retry=retry, timeout_s=timeout_s)
+
+    async def get_weight_versions(self) -> dict[str, Optional[str]]:
+        """``{engine_url: weight_version}`` from each engine's ``/get_model_info``. Raises RolloutError."""
+        urls = self._need_engines()
+        infos = await asyncio.gather(*(self.request("GET", "/get_model_info", base_url=u) for u in urls))
+        return {u: (_as_dict(i).get("weight_version")) for u, i in zip(urls, infos)}
+
+    async def wait_healthy(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+        """Poll ``GET /health`` on every engine and on the router until each answers 200.
+
+        ``timeout_s`` bounds the whole wait (seconds); each probe waits at most 5 s. Raises RolloutError
+        naming every URL that never answered 200 and its last error.
+        """
+        targets = list(self._engine_urls) + ([self.router_url] if self.router_url else [])
+        pending = {u: "no answer yet" for u in targets}
+        deadline = time.monotonic() + timeout_s
+
+        async def probe(base: str) -> None:
+            try:
+                await self._attempt("GET", base + "/health", None, None,
+                                    max(0.1, min(5.0, deadline - time.monotonic())))
+                pending.pop(base, None)
+            except (RolloutError, _Retryable) as e:
+                pending[base] = str(e)
+
+        while True:
+            await asyncio.gather(*(probe(u) for u in list(pending)))
+            if not pending:
+                return
+            if time.monotonic() + poll_s > deadline:
+                detail = "; ".join(f"{u}/health ({err})" for u, err in pending.items())
+                first = next(iter(pending))
+                raise RolloutError(f"not healthy after {timeout_s:g} s: {detail}", first + "/health")
+            await asyncio.sleep(poll_s)

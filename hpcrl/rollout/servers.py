@@ -1,0 +1,333 @@
+"""Rollout engines as subprocesses: the command line, start with a health wait, stop.
+
+Two engines speak the same HTTP protocol (SGLang's):
+
+- ``cpu``: hpcrl's reference engine, ``python -m hpcrl.engine.server --model-path P --host H --port N
+  --api-key-file F``. The key stays in the 0600 run-secret file; it never appears on a command line.
+- ``sglang``: real SGLang, ``python -m sglang.launch_server --model-path P --host H --port N --api-key KEY``
+  plus the ``sglang:`` config section as flags (``enable_memory_saver: true`` -> ``--enable-memory-saver``,
+  ``moe_a2a_backend: deepep`` -> ``--moe-a2a-backend deepep``, ``false``/``null`` drop the flag, a list gives
+  one flag followed by all its values, a dict is passed as JSON). SGLang has no environment variable or
+  file flag for its API key, so by default **the key is on SGLang's command line, readable by every user of
+  the node through ``ps``/``/proc``**. ``key_via="config"`` avoids that by writing the key into a 0600 YAML
+  file next to the secret and passing ``--config FILE`` (SGLang's ``server_args_config_parser``, present in
+  the 0.5 series); this path could not be exercised here (SGLang does not run on CPU), so it is opt-in.
+
+SGLang's API-key middleware leaves ``/health*`` and ``/metrics`` open; every other endpoint needs
+``Authorization: Bearer KEY``. The router relies on that (see :mod:`hpcrl.rollout.router`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Optional
+
+from hpcrl.rollout.secret import read_secret
+
+logger = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("cpu", "sglang")
+"""Engines :func:`engine_command` can start."""
+
+RESERVED_SGLANG_KEYS = frozenset({"model_path", "host", "port", "api_key", "config", "api_key_file"})
+"""``sglang:`` keys that hpcrl sets itself; giving them in the config is an error."""
+
+
+class ProcessStartError(RuntimeError):
+    """A server subprocess died or never became healthy. ``log_tail`` holds the end of its log."""
+
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(f"{message}\n--- log tail ---\n{log_tail}" if log_tail else message)
+        self.log_tail = log_tail
+
+
+# ---------------------------------------------------------------------------------------------- small helpers
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it; another process may take it later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def url_for(host: str, port: int) -> str:
+    """``http://host:port``; a wildcard bind address (0.0.0.0, ::) becomes this machine's host name."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def log_tail(path: Optional[Path], max_bytes: int = 4000) -> str:
+    """The last ``max_bytes`` bytes of a log file as text ('' if unreadable)."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def http_status(url: str, api_key: Optional[str] = None, timeout_s: float = 5.0) -> Optional[int]:
+    """GET ``url`` and return its HTTP status, or None if nothing answered within ``timeout_s`` seconds."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def wait_for_http_ok(url: str, process: subprocess.Popen, timeout_s: float, log_path: Optional[Path],
+                     what: str, api_key: Optional[str] = None, poll_s: float = 0.5) -> None:
+    """Poll ``url`` until it answers 200, while ``process`` lives.
+
+    Raises ProcessStartError (with the log tail) if the process exits first or ``timeout_s`` seconds pass.
+    """
+    deadline = time.monotonic() + timeout_s
+    last: Optional[int] = None
+    while True:
+        rc = process.poll()
+        if rc is not None:
+            raise ProcessStartError(f"{what} exited with code {rc} before {url} answered", log_tail(log_path))
+        last = http_status(url, api_key, timeout_s=max(0.1, min(5.0, deadline - time.monotonic())))
+        if last == 200:
+            return
+        if time.monotonic() + poll_s > deadline:
+            state = f"last status {last}" if last is not None else "no answer"
+            raise ProcessStartError(f"{what} did not answer 200 on {url} within {timeout_s:g} s ({state})",
+                                    log_tail(log_path))
+        time.sleep(poll_s)
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
+    """SIGTERM ``process`` (its PID only), SIGKILL it if it is still alive after ``grace_s`` seconds.
+
+    Returns the exit code (None only if it could not be reaped)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            try:
+                process.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                return None
+    return process.returncode
+
+
+def open_log(log_path: Optional[str | os.PathLike], prefix: str) -> tuple[Path, IO[bytes]]:
+    """Open ``log_path`` for appending (parents created), or a new temporary file named ``prefix*.log``."""
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log")
+        return Path(name), os.fdopen(fd, "ab")
+    path = Path(log_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path, open(path, "ab")
+
+
+# ---------------------------------------------------------------------------------------------- command lines
+def sglang_flags(args: Mapping[str, Any]) -> list[str]:
+    """Turn a ``sglang:`` config dict into SGLang command-line flags, in the dict's order.
+
+    ``key: true`` -> ``--key``; ``false``/``None`` -> nothing; a list/tuple -> ``--key v1 v2 ...`` (SGLang's
+    list flags are ``nargs='+'``); a dict -> ``--key '<json>'``; anything else -> ``--key str(value)``.
+    Underscores in keys become dashes. Raises ValueError for an empty list (SGLang would reject ``--key``).
+    """
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError(f"sglang.{key}: an empty list cannot be passed as a flag; remove the key")
+            out.append(flag)
+            out.extend(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)
+        elif isinstance(value, dict):
+            out.extend([flag, json.dumps(value)])
+        else:
+            out.extend([flag, str(value)])
+    return out
+
+
+def _cpu_engine_flags() -> set[str]:
+    """Long option names the CPU engine's parser accepts (``--max-running-requests``...)."""
+    from hpcrl.engine.args import build_parser
+
+    actions = build_parser()._actions
+    return {opt for action in actions for opt in action.option_strings if opt.startswith("--")}
+
+
+def resolve_engine(kind: str) -> str:
+    """``cpu``/``sglang`` unchanged; ``auto`` -> ``sglang`` when torch sees CUDA, else ``cpu``.
+
+    Raises ValueError for any other value."""
+    if kind == "auto":
+        import torch
+
+        return "sglang" if torch.cuda.is_available() else "cpu"
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"unknown engine {kind!r}; expected one of {ENGINE_KINDS} or 'auto'")
+    return kind
+
+
+def engine_command(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], model_path: str | os.PathLike,
+                   host: str, port: int, api_key_file: Optional[str | os.PathLike],
+                   engine: Optional[str] = None, python: str = sys.executable,
+                   key_via: str = "argv") -> list[str]:
+    """The command line of one engine server.
+
+    Args:
+        cfg_rollout: the ``rollout`` config section; its ``engine`` is used when ``engine`` is None.
+        sglang_args: the ``sglang:`` config section. For ``sglang`` every key becomes a flag
+            (:func:`sglang_flags`); for ``cpu`` only the keys the CPU engine also has
+            (``max_running_requests``, ``enable_memory_saver``, ``random_seed``, ``dtype``...) are passed, the
+            rest are dropped with a log line (they tune GPU serving).
+        model_path: HF model folder.
+        host, port: where the server listens.
+        api_key_file: the run secret (0600), or None for an engine without auth.
+        engine: ``cpu``, ``sglang`` or ``auto`` (see :func:`resolve_engine`).
+        python: interpreter for the server.
+        key_via: ``sglang`` only: ``argv`` (``--api-key KEY``, visible in ``ps``) or ``config`` (the key in a
+            0600 ``<api_key_file>.sglang.yaml`` passed as ``--config``, which this function writes).
+
+    Raises ValueError for an unknown engine/key_via or a reserved key in ``sglang_args``
+    (``model_path``, ``host``, ``port``, ``api_key``, ``config``), SecretError for an unsafe key file.
+    """
+    kind = resolve_engine(engine if engine is not None else getattr(cfg_rollout, "engine", "auto"))
+    args = dict(sglang_args or {})
+    reserved = sorted(RESERVED_SGLANG_KEYS & {str(k).replace("-", "_") for k in args})
+    if reserved:
+        raise ValueError(f"sglang: {', '.join(reserved)} are set by hpcrl (model.path, the run secret, "
+                         "free ports); remove them from the sglang section")
+    base = ["--model-path", str(model_path), "--host", str(host), "--port", str(int(port))]
+    if kind == "cpu":
+        accepted = _cpu_engine_flags()
+        passed = {k: v for k, v in args.items() if "--" + str(k).replace("_", "-") in accepted}
+        dropped = sorted(set(args) - set(passed))
+        if dropped:
+            logger.info("cpu engine: ignoring sglang keys it does not have: %s", ", ".join(map(str, dropped)))
+        cmd = [python, "-m", "hpcrl.engine.server", *base]
+        if api_key_file is not None:
+            read_secret(api_key_file)  # fail here, not in the child, if the file is unsafe
+            cmd += ["--api-key-file", str(api_key_file)]
+        return cmd + sglang_flags(passed)
+    cmd = [python, "-m", "sglang.launch_server", *base]
+    if api_key_file is not None:
+        key = read_secret(api_key_file)
+        if key_via == "argv":
+            cmd += ["--api-key", key]
+        elif key_via == "config":
+            cfg_path = Path(f"{api_key_file}.sglang.yaml")
+            _write_private(cfg_path, f"api-key: {json.dumps(key)}\n")
+            cmd += ["--config", str(cfg_path)]
+        else:
+            raise ValueError(f"key_via must be 'argv' or 'config', got {key_via!r}")
+    return cmd + sglang_flags(args)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600 (a temporary file renamed over it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def redact(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` with the value after ``--api-key`` replaced by ``<redacted>`` (for logs)."""
+    out = list(cmd)
+    for i, part in enumerate(out[:-1]):
+        if part in ("--api-key", "--admin-api-key"):
+            out[i + 1] = "<redacted>"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- processes
+@dataclass
+class EngineProcess:
+    """A running engine server. ``url`` is its base URL, ``log_path`` its combined stdout/stderr."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    command: list[str] = field(default_factory=list)
+    """The command line, API key redacted."""
+    _log_file: Optional[IO[bytes]] = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        """Process id of the server."""
+        return int(self.process.pid)
+
+    def alive(self) -> bool:
+        """True while the server process runs."""
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> Optional[int]:
+        """SIGTERM the server, SIGKILL after ``grace_s`` seconds; returns its exit code (idempotent)."""
+        rc = stop_process(self.process, grace_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return rc
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], model_path: str | os.PathLike,
+                 host: str = "127.0.0.1", port: Optional[int] = None,
+                 api_key_file: Optional[str | os.PathLike] = None, engine: Optional[str] = None,
+                 log_path: Optional[str | os.PathLike] = None, startup_timeout_s: float = 600.0,
+                 env: Optional[Mapping[str, str]] = None, key_via: str = "argv") -> EngineProcess:
+    """Start one engine (:func:`engine_command`) and wait until ``GET /health`` answers 200.
+
+    ``port`` None picks a free one. stdout/stderr go to ``log_path`` (default: a new temporary file). ``env``
+    entries are added to this process's environment. ``startup_timeout_s`` bounds the wait (seconds; model
+    loading included).
+    Raises ProcessStartError with the log tail if the server exits or is not healthy in time (the process is
+    stopped first), plus what :func:`engine_command` raises.
+    """
+    port = int(port) if port is not None else find_free_port(host if host not in ("0.0.0.0", "::") else "")
+    cmd = engine_command(cfg_rollout, sglang_args, model_path, host, port, api_key_file, engine=engine,
+                         key_via=key_via)
+    path, log_file = open_log(log_path, "hpcrl-engine-")
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env=child_env)
+    eng = EngineProcess(url_for(host, port), process, path, redact(cmd), log_file)
+    key = read_secret(api_key_file) if api_key_file is not None else None
+    try:
+        wait_for_http_ok(eng.url + "/health", process, startup_timeout_s, path, f"engine {eng.url}", key)
+    except BaseException:
+        eng.stop(grace_s=5.0)
+        raise
+    return eng

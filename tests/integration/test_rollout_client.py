@@ -1,0 +1,285 @@
+"""The rollout client, the real sglang-router and hpcrl's CPU engine, all as real processes on 127.0.0.1.
+
+One module-wide stack: a run secret, two engines that require it (``--api-key-file``), and sglang-router
+started with the same key in front of both. Tests that change the stack (remove a worker, kill an engine)
+restore it or use an engine of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from hpcrl.data.sample import Sample, Status
+from hpcrl.rollout.client import RolloutClient, RolloutError
+from hpcrl.rollout.generate import generate
+from hpcrl.rollout.router import start_router
+from hpcrl.rollout.secret import create_run_secret, read_secret
+from hpcrl.rollout.servers import ProcessStartError, find_free_port, start_engine
+from tests.integration.engine_utils import EngineProcess
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 5, 6, 15, 7]  # "<s>23+4" in the tiny character tokenizer
+LONG = {"max_new_tokens": 240, "ignore_eos": True}  # ~1 s of decoding on the tiny model
+SHORT = {"max_new_tokens": 3, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    """``(secret_path, key, [engine_a, engine_b], router)``: two authenticated engines behind the router."""
+    tmp = tmp_path_factory.mktemp("rollout")
+    secret = create_run_secret(tmp / "run")
+    engines = [EngineProcess(tiny_model_dir, ["--api-key-file", str(secret)], log_path=tmp / f"engine{i}.log")
+               for i in range(2)]
+    router = None
+    try:
+        with ThreadPoolExecutor(2) as pool:  # load both models at once
+            list(pool.map(lambda e: e.start(start_timeout=120), engines))
+        router = start_router([e.url for e in engines], api_key=read_secret(secret),
+                              log_path=tmp / "router.log")
+        yield secret, read_secret(secret), engines, router
+    finally:
+        if router is not None:
+            router.stop()
+        for e in engines:
+            e.stop()
+
+
+def _client(stack, **kw) -> RolloutClient:
+    _, key, engines, router = stack
+    kw.setdefault("api_key", key)
+    return RolloutClient(router.url, [e.url for e in engines], timeout_s=60, backoff_s=0.2, **kw)
+
+
+async def _served(client: RolloutClient) -> list[int]:
+    """Per-engine ``requests_served`` counters from ``/get_server_info``."""
+    infos = [await client.request("GET", "/get_server_info", base_url=u) for u in client.engine_urls]
+    return [i["internal_states"][0]["requests_served"] for i in infos]
+
+
+async def _served_since(client: RolloutClient, before: list[int], total: int) -> list[int]:
+    """Per-engine requests served since ``before``, once they add up to ``total`` (the engine counts a request
+    just after sending its response; waits at most 5 s)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        delta = [a - b for a, b in zip(await _served(client), before)]
+        if sum(delta) >= total or time.monotonic() > deadline:
+            return delta
+        await asyncio.sleep(0.05)
+
+
+def test_router_balances_authenticated_engines(stack):
+    secret, key, engines, router = stack
+
+    async def run():
+        async with _client(stack) as c:
+            await c.wait_healthy(timeout_s=30)
+            before = await _served(c)
+            outs = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 6}) for _ in range(6)))
+            served = await _served_since(c, before, 6)
+            return outs, served, c.weight_version, await c.get_weight_versions()
+
+    outs, served, version, versions = asyncio.run(run())
+    for out in outs:
+        meta = out["meta_info"]
+        assert len(out["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"]) > 0
+        assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
+        assert all(isinstance(t[0], float) and t[0] <= 0.0 for t in meta["output_token_logprobs"])
+    assert served == [3, 3]  # round robin: both engines served
+    assert version == "default" and versions == {e.url: "default" for e in engines}
+    # the key is on no command line and in no router log
+    assert key.encode() not in open(f"/proc/{router.pid}/cmdline", "rb").read()
+    assert key not in router.log_path.read_text(errors="replace")
+
+
+def test_generate_fills_sample_and_continues_partial(stack):
+    async def run():
+        async with _client(stack) as c:
+            full = await generate(c, Sample(tokens=list(PROMPT)), {"max_new_tokens": 8, "ignore_eos": True})
+            part = Sample(tokens=list(PROMPT))
+            await generate(c, part, {"max_new_tokens": 5, "ignore_eos": True})
+            first = list(part.tokens)
+            await generate(c, part, {"max_new_tokens": 12, "ignore_eos": True})  # continue: 7 more
+            return full, first, part
+
+    full, first, part = asyncio.run(run())
+    assert full.tokens[:len(PROMPT)] == PROMPT and full.response_length == 8 == len(full.tokens) - len(PROMPT)
+    assert full.loss_mask == [1] * 8 and len(full.rollout_log_probs) == 8
+    assert all(lp <= 0.0 for lp in full.rollout_log_probs)
+    assert full.status is Status.TRUNCATED and full.weight_versions == ["default"]
+    assert part.tokens[:len(first)] == first and part.response_length == 12
+    assert part.prompt_length == len(PROMPT)
+    assert len(part.loss_mask) == len(part.rollout_log_probs) == 12
+    assert part.status is Status.TRUNCATED and part.weight_versions == ["default", "default"]
+
+
+def test_stop_finish_is_completed(stack):
+    async def run():
+        async with _client(stack) as c:  # greedy, stopping at any token: finishes with "stop" at once
+            every = list(range(3, 21))
+            return await generate(c, Sample(tokens=list(PROMPT)),
+                                  {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": every})
+
+    s = asyncio.run(run())
+    assert s.status is Status.COMPLETED and s.response_length == len(s.rollout_log_probs) >= 1
+
+
+def test_unauthorized_without_key(stack):
+    async def run(key):
+        async with _client(stack, api_key=key) as c:
+            errors = []
+            for target in (None, c.engine_urls[0]):  # through the router, then an engine directly
+                with pytest.raises(RolloutError) as e:
+                    await c.request("POST", "/generate", {"input_ids": PROMPT}, base_url=target)
+                errors.append(e.value)
+            return errors
+
+    for key in (None, "wrong-key"):
+        for err in asyncio.run(run(key)):
+            assert err.status == 401 and "attempt" not in str(err)  # 4xx: no retries
+
+
+def test_wait_healthy(stack):
+    dead = f"http://127.0.0.1:{find_free_port()}"
+
+    async def run():
+        async with _client(stack) as c:
+            await c.wait_healthy(timeout_s=10)
+            c.set_engine_urls(c.engine_urls + [dead])
+            t0 = time.monotonic()
+            with pytest.raises(RolloutError) as e:
+                await c.wait_healthy(timeout_s=1.5, poll_s=0.2)
+            return e.value, time.monotonic() - t0
+
+    err, elapsed = asyncio.run(run())
+    assert f"{dead}/health" in str(err) and err.url == dead + "/health" and elapsed < 5
+    assert stack[2][0].url not in str(err)
+
+
+def test_abort_all_returns_partial_samples(stack):
+    async def run():
+        async with _client(stack) as c:
+            samples = [Sample(index=i, tokens=list(PROMPT)) for i in range(4)]
+            tasks = [asyncio.create_task(generate(c, s, dict(LONG))) for s in samples]
+            await asyncio.sleep(0.4)
+            await c.abort_all()
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            aborted = [(s.status, s.response_length, len(s.loss_mask), len(s.rollout_log_probs),
+                        s.metadata.get("finish_message")) for s in samples]
+            # continue the longest partial sample to the full budget
+            part = max(samples, key=lambda s: s.response_length)
+            await generate(c, part, dict(LONG))
+            return aborted, part
+
+    aborted, part = asyncio.run(run())
+    for status, length, n_mask, n_logp, message in aborted:
+        assert status is Status.ABORTED and message and n_mask == n_logp == length < 240
+    assert max(a[1] for a in aborted) > 0  # partial responses came back
+    assert part.status is Status.TRUNCATED and part.response_length == 240 and len(part.tokens) == 245
+    assert part.loss_mask == [1] * 240 and len(part.rollout_log_probs) == 240
+    assert "finish_message" not in part.metadata
+
+
+def test_pause_and_continue(stack):
+    async def run():
+        async with _client(stack) as c:
+            running = asyncio.create_task(c.generate(PROMPT, dict(LONG)))
+            await asyncio.sleep(0.3)
+            await c.pause(mode="abort")  # the running request ends, aborted
+            aborted = await asyncio.wait_for(running, 30)
+            waiting = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 4}))
+            await asyncio.sleep(0.8)
+            held = not waiting.done()  # new requests wait while paused
+            await c.resume()
+            resumed = await asyncio.wait_for(waiting, 30)
+            return aborted, held, resumed
+
+    aborted, held, resumed = asyncio.run(run())
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert held and resumed["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_flush_cache_and_post_all(stack):
+    async def run():
+        async with _client(stack) as c:
+            flushed = await c.flush_cache(wait_s=10)
+            released = await c.post_all("/release_memory_occupation", {"tags": ["kv_cache"]})
+            resumed = await c.post_all("resume_memory_occupation", {"tags": ["kv_cache"]})
+            with pytest.raises(RolloutError) as e:  # the router does not proxy admin endpoints; 404 names it
+                await c.request("POST", "/pause_generation", {}, retry=False)
+            return flushed, released, resumed, e.value
+
+    flushed, released, resumed, err = asyncio.run(run())
+    assert len(flushed) == len(released) == len(resumed) == 2
+    assert all("flushed" in f.get("text", "").lower() for f in flushed)
+    assert err.status == 404 and stack[3].url in err.url
+
+
+def test_remove_and_add_worker(stack):
+    _, key, engines, router = stack
+    b = engines[1].url
+
+    async def burst(c, n=4):
+        before = await _served(c)
+        await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 2}) for _ in range(n)))
+        return await _served_since(c, before, n)
+
+    async def run():
+        async with _client(stack) as c:
+            router.remove_worker(b)
+            only_a = await burst(c)
+            router.add_worker(b)
+            both = await burst(c)
+            return only_a, both
+
+    try:
+        only_a, both = asyncio.run(run())
+    finally:
+        if b not in router.worker_urls():
+            router.add_worker(b)
+    assert only_a == [4, 0] and router.worker_urls(healthy_only=True).count(b) == 1
+    assert both[0] > 0 and both[1] > 0 and sum(both) == 4
+
+
+def test_engine_killed_mid_run(stack, tiny_model_dir, tmp_path):
+    """A third engine joins the router, is SIGKILLed while serving; requests still succeed."""
+    secret, key, engines, router = stack
+    extra = start_engine(None, {}, tiny_model_dir, api_key_file=secret, engine="cpu",
+                         log_path=tmp_path / "extra.log", env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=120)
+    try:
+        router.add_worker(extra.url)
+
+        async def run():
+            async with _client(stack, max_retries=4) as c:
+                inflight = [asyncio.create_task(c.generate(PROMPT, dict(LONG))) for _ in range(3)]
+                await asyncio.sleep(0.3)
+                os.kill(extra.pid, signal.SIGKILL)
+                # in flight on the dead engine: sglang-router re-sends them to a live worker itself
+                first = await asyncio.wait_for(asyncio.gather(*inflight), 60)
+                router.remove_worker(extra.url)
+                later = await asyncio.gather(*(c.generate(PROMPT, SHORT) for _ in range(4)))
+            # without a router: round robin starts on the dead engine, the retry moves to a live one
+            async with RolloutClient(None, [extra.url, engines[0].url], api_key=key, backoff_s=0.1) as d:
+                direct = await d.generate(PROMPT, SHORT)
+            return first, later, direct
+
+        first, later, direct = asyncio.run(run())
+    finally:
+        extra.stop()
+        if extra.url in router.worker_urls():
+            router.remove_worker(extra.url)
+    assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "abort") for o in first)
+    assert all(len(o["output_ids"]) == 3 for o in later) and len(direct["output_ids"]) == 3
+
+
+def test_start_engine_failure_has_log_tail(tmp_path):
+    with pytest.raises(ProcessStartError) as e:
+        start_engine(None, {}, tmp_path / "no-such-model", engine="cpu", log_path=tmp_path / "bad.log",
+                     env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=60)
+    assert "exited with code" in str(e.value) and "no-such-model" in e.value.log_tail
