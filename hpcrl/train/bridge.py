@@ -1,0 +1,421 @@
+"""HF <-> megatron-core for dense Qwen2, Qwen3 and Llama causal LMs: config, model, weight load and export.
+
+Our own small mapping (no mbridge): one table from megatron-core parameter names to HF names plus four
+layout rules, written from megatron-core 0.16.1's ``GPTModel`` with the local layer spec
+(``get_gpt_layer_local_spec``) and HF transformers' ``{Qwen2,Qwen3,Llama}ForCausalLM``.
+
+Megatron parameter (``decoder.layers.{i}.`` prefix)   HF parameter (``model.layers.{i}.`` prefix)   layout
+``embedding.word_embeddings.weight``                    ``model.embed_tokens.weight``                 vocab
+``output_layer.weight`` (untied only)                   ``lm_head.weight``                            vocab
+``decoder.final_layernorm.weight``                      ``model.norm.weight``                         replicated
+``input_layernorm.weight``                              ``input_layernorm.weight``                    replicated
+``self_attention.linear_qkv.weight`` / ``.bias``       ``self_attn.{q,k,v}_proj.weight`` / ``.bias`` qkv
+``self_attention.{q,k}_layernorm.weight`` (Qwen3)       ``self_attn.{q,k}_norm.weight``               replicated
+``self_attention.linear_proj.weight``                   ``self_attn.o_proj.weight``                   row
+``pre_mlp_layernorm.weight``                            ``post_attention_layernorm.weight``           replicated
+``mlp.linear_fc1.weight``                               ``mlp.{gate,up}_proj.weight``                 fc1
+``mlp.linear_fc2.weight``                               ``mlp.down_proj.weight``                      row
+
+With TransformerEngine layer specs the two layer norms are fused into the next linear and named
+``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``; the table accepts
+those names too.
+
+Layouts, for tensor-parallel size ``tp`` and rank ``r`` (megatron-core's ``ColumnParallelLinear`` splits dim 0,
+``RowParallelLinear`` dim 1, each rank holding a contiguous block):
+
+- vocab: rows padded with zeros from the HF vocab to ``padded_vocab_size`` (a multiple of
+  ``make_vocab_size_divisible_by * tp``, Megatron-LM's rule), then split on dim 0. Export strips the padding.
+- row: split on dim 1.
+- qkv: the fused weight is interleaved per query group g (``num_query_groups`` groups):
+  ``[q heads of group g (heads/groups * head_dim rows); k_g (head_dim rows); v_g (head_dim rows)]`` for
+  g = 0, 1, ...; then split on dim 0, so each rank holds whole groups.
+- fc1: ``[gate; up]`` per rank: rank r holds ``[gate.chunk(tp)[r]; up.chunk(tp)[r]]``.
+
+Supported: dense (no MoE) models with RMSNorm, SwiGLU, RoPE (default, or Llama-3 scaling with the standard
+low/high frequency factors), GQA, Qwen2's qkv bias, Qwen3's q/k norm, tied or untied embeddings; pipeline
+parallel size 1. Anything else raises ``NotImplementedError`` naming the unsupported setting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+_LAYER_RULES = {
+    # megatron suffix -> (HF suffixes, layout)
+    "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
+    "self_attention.linear_qkv.layer_norm_weight": (("input_layernorm.weight",), "replicated"),
+    "self_attention.linear_qkv.weight": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
+    "self_attention.linear_qkv.bias": (
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "replicated"),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "replicated"),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "row"),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
+    "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "replicated"),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
+}
+_TOP_RULES = {
+    "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab"),
+    "output_layer.weight": (("lm_head.weight",), "vocab"),
+    "decoder.final_layernorm.weight": (("model.norm.weight",), "replicated"),
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------
+
+def rope_theta(hf_config: Any) -> float:
+    """The RoPE base of an HF config: ``rope_parameters["rope_theta"]`` (transformers 5) or ``rope_theta``."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    if getattr(hf_config, "rope_theta", None) is not None:
+        return float(hf_config.rope_theta)
+    raise ValueError(f"{type(hf_config).__name__} has no rope_theta (neither rope_parameters nor rope_theta)")
+
+
+def _rope_scaling(hf_config: Any) -> Optional[float]:
+    """Llama-3 RoPE scaling factor, None for plain RoPE; NotImplementedError for any other scaling."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    standard = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    if rope_type == "llama3" and all(float(params.get(k, -1)) == v for k, v in standard.items()):
+        return float(params["factor"])
+    raise NotImplementedError(f"RoPE scaling {params} is not supported (plain RoPE, or llama3 with "
+                              f"{standard}, is)")
+
+
+def head_dim(hf_config: Any) -> int:
+    """Per-head size: ``hf_config.head_dim`` when set (Qwen3), else ``hidden_size // num_attention_heads``."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _check_supported(hf_config: Any) -> None:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r} is not supported (SwiGLU/silu is)")
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
+        raise NotImplementedError("attention_bias=True (bias on q/k/v and o_proj) is not supported")
+    if getattr(hf_config, "mlp_bias", False):
+        raise NotImplementedError("mlp_bias=True is not supported")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise NotImplementedError("sliding-window attention is not supported")
+
+
+def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch.float32, **overrides: Any):
+    """Return the megatron-core ``TransformerConfig`` equivalent to an HF Qwen2 / Qwen3 / Llama config.
+
+    RMSNorm with the HF epsilon, SwiGLU (``gated_linear_unit`` + silu), GQA (``num_query_groups``), head size
+    from ``head_dim``, qkv bias for Qwen2, q/k RMSNorm for Qwen3, no other biases, HF dropouts (0 for these
+    families). ``dtype`` is ``torch.float32`` or ``torch.bfloat16`` (sets ``params_dtype`` and ``bf16``).
+    Without CUDA: ``use_cpu_initialization=True`` and every fusion off. ``overrides`` are further
+    ``TransformerConfig`` fields and win over the derived ones.
+    Raises NotImplementedError for unsupported architectures, ValueError for an unsupported dtype,
+    TypeError for unknown override names.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    _check_supported(hf_config)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype {dtype} is not supported (torch.float32 or torch.bfloat16)")
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type == "qwen2",
+        qk_layernorm=hf_config.model_type == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=tp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        attention_softmax_in_fp32=True,
+    )
+    if not torch.cuda.is_available():
+        kwargs.update(use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
+                      persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+                      gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def padded_vocab_size(vocab_size: int, tp: int = 1, make_vocab_size_divisible_by: int = 128) -> int:
+    """Megatron-LM's vocab padding: the next multiple of ``make_vocab_size_divisible_by * tp``."""
+    multiple = make_vocab_size_divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype = torch.float32,
+                    make_vocab_size_divisible_by: int = 128, **overrides: Any):
+    """Build a randomly initialised megatron-core ``GPTModel`` shaped like ``hf_config`` (local layer spec).
+
+    Model parallelism must be initialised (:func:`hpcrl.train.parallel.initialize_model_parallel`);
+    ``tp`` defaults to its tensor-parallel size. The vocab is padded (:func:`padded_vocab_size`); the HF config
+    is kept as ``model.hf_config``. ``overrides`` go to :func:`mcore_config_from_hf`. Load weights with
+    :func:`load_hf_weights`. Raises NotImplementedError for pipeline parallel size > 1.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError("the HF bridge supports pipeline parallel size 1 only")
+    if tp is None:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+    config = mcore_config_from_hf(hf_config, tp=tp, dtype=dtype, **overrides)
+    scaling = _rope_scaling(hf_config)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm"),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0),
+        rotary_base=rope_theta(hf_config),
+        rope_scaling=scaling is not None,
+        rope_scaling_factor=scaling or 8.0,
+    )
+    model.hf_config = hf_config
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Geometry:
+    """What the layout rules need to know about one model and its tensor-parallel placement."""
+
+    tp: int
+    rank: int
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    vocab_size: int  # HF (unpadded)
+    padded_vocab_size: int
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip ``DistributedDataParallel`` / ``Float16Module`` wrappers (their ``.module``) off a GPTModel."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _geometry(model: torch.nn.Module) -> _Geometry:
+    from megatron.core import parallel_state
+
+    cfg = model.config
+    return _Geometry(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        rank=parallel_state.get_tensor_model_parallel_rank(),
+        num_heads=cfg.num_attention_heads,
+        num_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        head_dim=cfg.kv_channels,
+        vocab_size=model.hf_config.vocab_size,
+        padded_vocab_size=model.vocab_size,
+    )
+
+
+def _hf_names(mcore_name: str) -> tuple[tuple[str, ...], str]:
+    """HF names and layout for one megatron-core parameter name; KeyError if it has no HF counterpart."""
+    if mcore_name in _TOP_RULES:
+        return _TOP_RULES[mcore_name]
+    m = _LAYER_RE.match(mcore_name)
+    if m and m.group(2) in _LAYER_RULES:
+        hf, layout = _LAYER_RULES[m.group(2)]
+        return tuple(f"model.layers.{m.group(1)}.{name}" for name in hf), layout
+    raise KeyError(f"no HF name for megatron-core parameter {mcore_name!r}")
+
+
+def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Map each megatron-core parameter name of ``model`` to the HF tensor name(s) it is built from."""
+    return {name: _hf_names(name)[0] for name, _ in unwrap_model(model).named_parameters()}
+
+
+def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor:
+    """This rank's megatron-core tensor from the full HF tensor(s)."""
+    if layout == "replicated":
+        return hf[0]
+    if layout == "vocab":
+        full = hf[0]
+        pad = full.new_zeros((g.padded_vocab_size - full.shape[0], *full.shape[1:]))
+        return torch.cat([full, pad]).chunk(g.tp, dim=0)[g.rank]
+    if layout == "row":
+        return hf[0].chunk(g.tp, dim=1)[g.rank]
+    if layout == "fc1":
+        gate, up = hf
+        return torch.cat([gate.chunk(g.tp, dim=0)[g.rank], up.chunk(g.tp, dim=0)[g.rank]])
+    if layout == "qkv":
+        q, k, v = hf
+        rest = q.shape[1:]
+        per_group = g.num_heads // g.num_groups * g.head_dim
+        fused = torch.cat([q.reshape(g.num_groups, per_group, *rest), k.reshape(g.num_groups, g.head_dim, *rest),
+                           v.reshape(g.num_groups, g.head_dim, *rest)], dim=1)
+        return fused.reshape(-1, *rest).chunk(g.tp, dim=0)[g.rank]
+    raise AssertionError(layout)
+
+
+def _from_shards(layout: str, shards: list[torch.Tensor], g: _Geometry) -> list[torch.Tensor]:
+    """The full HF tensor(s) from every rank's megatron-core tensor (rank order)."""
+    if layout == "replicated":
+        return [shards[0].clone()]
+    if layout == "vocab":
+        return [torch.cat(shards)[: g.vocab_size].clone()]
+    if layout == "row":
+        return [torch.cat(shards, dim=1)]
+    if layout == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if layout == "qkv":
+        full = torch.cat(shards)
+        rest = full.shape[1:]
+        per_group = g.num_heads // g.num_groups * g.head_dim
+        q, k, v = full.reshape(g.num_groups, per_group + 2 * g.head_dim, *rest).split(
+            [per_group, g.head_dim, g.head_dim], dim=1)
+        return [t.reshape(-1, *rest).clone() for t in (q, k, v)]
+    raise AssertionError(layout)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return files
+
+
+def read_hf_state_dict(path: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
+    """Read every tensor of an HF folder's safetensors files (single or sharded with an index) on the CPU."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(Path(path)):
+        state.update(load_file(str(f)))
+    return state
+
+
+class _LazyHFWeights(Mapping[str, torch.Tensor]):
+    """An HF folder's safetensors as a read-on-access mapping (each rank reads only the tensors it loads)."""
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        from safetensors import safe_open
+
+        self._file: dict[str, Path] = {}
+        for f in _safetensors_files(Path(path)):
+            with safe_open(str(f), framework="pt") as handle:
+                self._file.update(dict.fromkeys(handle.keys(), f))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._file[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._file
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module,
+                    hf_weights: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> None:
+    """Copy HF weights into a megatron-core GPTModel built by :func:`build_gpt_model` (this rank's shards).
+
+    ``model`` may be wrapped in megatron-core DDP / Float16Module. ``hf_weights`` is an HF folder
+    (safetensors) or a state dict of full HF tensors (``HFModel.state_dict()``). Values are copied in place
+    (cast to the parameter dtype), so DDP grad/param buffers stay valid. Every HF tensor must be used, except
+    ``lm_head.weight`` of a tied model and ``rotary_emb.inv_freq`` buffers.
+    Raises KeyError for a missing or unused HF tensor, ValueError for a shape mismatch.
+    """
+    module = unwrap_model(model)
+    state = _LazyHFWeights(hf_weights) if isinstance(hf_weights, (str, os.PathLike)) else hf_weights
+    g = _geometry(module)
+    used = set()
+    for name, param in module.named_parameters():
+        hf_names, layout = _hf_names(name)
+        missing = [n for n in hf_names if n not in state]
+        if missing:
+            raise KeyError(f"HF weights lack {missing} (for megatron-core {name})")
+        shard = _to_shard(layout, [state[n] for n in hf_names], g)
+        if shard.shape != param.shape:
+            raise ValueError(f"{name}: HF {hf_names} give shape {tuple(shard.shape)}, the model has "
+                             f"{tuple(param.shape)}")
+        param.copy_(shard)
+        used.update(hf_names)
+    ignorable = {"lm_head.weight"} if module.share_embeddings_and_output_weights else set()
+    unused = [n for n in state if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
+    if unused:
+        raise KeyError(f"HF tensors with no megatron-core counterpart: {unused[:8]}"
+                       + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
+
+
+@torch.no_grad()
+def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for every HF tensor of the model, in megatron-core parameter order.
+
+    Tensor-parallel shards are all-gathered over the TP group, so every TP rank yields the same full tensors
+    (all TP ranks must iterate together: each tensor is a collective). Vocab padding is stripped; a tied
+    model yields no ``lm_head.weight`` (as HF saves it). Tensors are fresh copies, on the parameters'
+    device, cast to ``dtype`` if given.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    module = unwrap_model(model)
+    g = _geometry(module)
+    group = parallel_state.get_tensor_model_parallel_group() if g.tp > 1 else None
+    for name, param in module.named_parameters():
+        hf_names, layout = _hf_names(name)
+        local = param.detach()
+        if g.tp > 1 and layout != "replicated":
+            shards = [torch.empty_like(local) for _ in range(g.tp)]
+            dist.all_gather(shards, local.contiguous(), group=group)
+        else:
+            shards = [local]
+        for hf_name, tensor in zip(hf_names, _from_shards(layout, shards, g)):
+            yield hf_name, tensor if dtype is None else tensor.to(dtype)

@@ -1,0 +1,255 @@
+"""Run megatron-core on CPU (gloo): the few places where it hard-codes CUDA, adapted.
+
+megatron-core assumes a GPU in a handful of modules: it allocates with ``device='cuda'`` or
+``device=torch.cuda.current_device()``, keeps its tensor-parallel RNG states with ``torch.cuda.get_rng_state``,
+waits on CUDA streams in the DDP grad buffers, and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``
+in the optimizer. On a CPU-only torch each of these raises "Torch not compiled with CUDA enabled".
+
+:func:`apply` patches exactly these places, and only when ``torch.cuda.is_available()`` is false (on GPUs it
+returns at once and megatron-core runs unmodified):
+
+1. The modules in :data:`PATCHED_MODULES` get a private ``torch`` alias as their module global ``torch``
+   (the real ``torch`` module is untouched; every other module, HF transformers included, sees real torch):
+
+   - factory functions (``tensor``, ``zeros``, ``ones``, ``empty``, ``full``, ``arange``, ...) map
+     ``device='cuda'``, ``'cuda:N'``, ``torch.device('cuda')`` and int devices to the CPU;
+   - ``torch.cuda`` is a CPU stand-in: ``current_device()`` is ``torch.device('cpu')`` (so
+     ``x.to(torch.cuda.current_device())`` stays on the CPU), ``synchronize`` / ``empty_cache`` do
+     nothing, streams and events are inert objects, ``stream(s)`` is a null context, and
+     ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` act on the CPU default generator.
+
+   Why each module is listed (megatron-core 0.16.1 line numbers). Needed by the tests (dropping any one
+   of these fails them):
+   ``utils`` (GlobalMemoryBuffer for the attention scores, the local multi-tensor l2 norm at ~1207),
+   ``tensor_parallel.random`` (RNG tracker ``add``, ``model_parallel_cuda_manual_seed`` at ~422),
+   ``tensor_parallel.mappings`` (gather buffers on the current device, TP > 1),
+   ``models.common.embeddings.rotary_pos_embedding`` (``inv_freq`` moved to the current device at ~162),
+   ``transformer.utils`` (``get_default_causal_mask``: ``torch.ones(sq, sq, device="cuda")``),
+   ``distributed.param_and_grad_buffer`` (param/grad buffers on the current device at ~783-806, stream
+   waits at ~417-529),
+   ``optimizer.optimizer`` (scale tensors at ~473-485, ~907, ~1141), ``optimizer.clip_grads`` (norm
+   buffers at ~90-115, ~207). Not reached by the tests but by options the trainer offers:
+   ``distributed.distributed_data_parallel`` (a CUDA stream with ``overlap_grad_reduce``),
+   ``optimizer.distrib_optimizer`` (state buffers when saving/loading distributed-optimizer checkpoints,
+   ~791 and ~1077), ``optimizer.grad_scaler`` (fp16 loss scale).
+
+2. ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` become the CPU generator's
+   ``torch.get_rng_state`` / ``torch.set_rng_state``. The tracker's ``fork()`` therefore really switches the
+   CPU generator, so dropout inside tensor-parallel regions differs per TP rank as on GPUs. (megatron-core
+   logs "CPU RNG state changed within GPU RNG context" if random numbers are drawn inside a fork.)
+
+3. ``clip_grad_by_total_norm_fp32`` (in ``optimizer.clip_grads`` and where ``optimizer.optimizer`` imported
+   it) is replaced by :func:`_clip_grad_by_total_norm_fp32`: the same in-place scaling without the
+   ``param.grad.type() == 'torch.cuda.FloatTensor'`` assert.
+
+4. The constructors of ``Float16OptimizerWithFloat16Params`` (bf16/fp16 training) and
+   ``DistributedOptimizer`` classify parameters by ``param.type()`` strings ('torch.cuda.FloatTensor', ...)
+   and raise ``TypeError`` for CPU tensors. Only while those two constructors run, ``torch.Tensor.type()``
+   called without arguments reports the CUDA type name of a CPU tensor.
+
+Nothing else is changed. :func:`apply` is idempotent; :func:`is_applied` tells whether it has patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+from typing import Any, Callable, Iterable
+
+import torch
+
+PATCHED_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.utils",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.grad_scaler",
+)
+"""megatron-core modules whose global ``torch`` is replaced by the CPU alias (see the module docstring)."""
+
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "eye",
+    "linspace", "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like",
+)
+_CPU = torch.device("cpu")
+_applied = False
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec (``'cuda'``, ``'cuda:1'``, ``torch.device('cuda')``, ``0``) to the CPU."""
+    if device is None:
+        return None
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _on_cpu(factory: Callable) -> Callable:
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # pinning needs CUDA
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+class _Inert:
+    """A CUDA stream or event stand-in: every method does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` as seen by the patched modules; anything not defined here is the real ``torch.cuda``."""
+
+    Stream = _Inert
+    Event = _Inert
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return _CPU
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def current_stream(device=None) -> _Inert:
+        return _Inert()
+
+    default_stream = current_stream
+
+    @staticmethod
+    def stream(stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def get_rng_state(device="cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
+        torch.set_rng_state(new_state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        # Not torch.manual_seed: that calls torch.cuda.manual_seed_all (harmless, but this is exact).
+        torch.default_generator.manual_seed(int(seed))
+
+
+class _CpuTorch(types.ModuleType):
+    """A ``torch`` alias for the patched modules: real torch, except CPU factories and ``cuda``."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.__dict__.update({k: v for k, v in vars(torch).items() if not k.startswith("__")})
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+        self.cuda = _CpuCuda()
+
+    def __getattr__(self, name):  # names torch creates lazily after the alias was made
+        return getattr(torch, name)
+
+
+def _clip_grad_by_total_norm_fp32(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                                  total_norm: float, use_decoupled_grad: bool = False) -> None:
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` without its CUDA grad-type assert.
+
+    Scales every grad in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        from megatron.core.utils import to_local_if_dtensor
+
+        for g in grads:
+            to_local_if_dtensor(g).detach().mul_(clip_coeff)
+
+
+_REAL_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs):
+    if dtype is None and not kwargs and not self.is_cuda:
+        return _REAL_TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _REAL_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+def _with_cuda_type_names(fn: Callable) -> Callable:
+    """Wrap ``fn`` so that, while it runs, ``Tensor.type()`` names CPU tensors like CUDA ones."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        previous, torch.Tensor.type = torch.Tensor.type, _cuda_type_name
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = previous
+
+    return wrapper
+
+
+def is_applied() -> bool:
+    """True once :func:`apply` has patched megatron-core in this process."""
+    return _applied
+
+
+def apply() -> bool:
+    """Patch megatron-core for a CUDA-less torch (see the module docstring for exactly what changes).
+
+    Call once at start-up, before building models (:func:`hpcrl.train.parallel.init_distributed` does);
+    calling again does nothing. Returns True when megatron-core is (now or already) patched, False when CUDA
+    is available and nothing was done. Raises ImportError if megatron-core is not installed.
+    """
+    global _applied
+    if _applied:
+        return True
+    if torch.cuda.is_available():
+        return False
+    alias = _CpuTorch()
+    for name in PATCHED_MODULES:
+        importlib.import_module(name).torch = alias
+
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+    from megatron.core.tensor_parallel import random
+
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+    _applied = True
+    return True

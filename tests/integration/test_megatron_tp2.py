@@ -1,0 +1,194 @@
+"""The Megatron model layer across 2 real processes (torchrun, gloo on loopback): TP=2, and TP=1 x DP=2.
+
+One torchrun job (this file run as a script, see ``worker``) does everything distributed and saves what it
+computed per rank; the tests compare that with HF transformers in this process:
+- TP=2, tiny Qwen2 / Qwen3 / Llama: HF -> megatron -> HF export is bitwise equal on both ranks; gathered logits,
+  vocab-parallel log-probs and entropy equal HF's (1e-5); the entropy gradient reaches both vocab shards.
+- One optimizer step (megatron DDP + optimizer) at TP=2, and at TP=1 x DP=2 with the distributed optimizer,
+  on the same data: grad norms equal each other and HF's (rel 1e-5), weights after the step equal HF AdamW's.
+Helpers (tiny models, batch, loss, HF references) come from tests/unit/test_megatron_bridge.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_UNIT = Path(__file__).resolve().parents[1] / "unit" / "test_megatron_bridge.py"
+
+
+def _unit_helpers():
+    spec = importlib.util.spec_from_file_location("hpcrl_tests_megatron_bridge_helpers", _UNIT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the distributed side: `torchrun --nproc_per_node=2 test_megatron_tp2.py --dirs JSON --out DIR` --------
+
+
+def worker(dirs: dict[str, str], out: Path) -> None:
+    """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
+    torch.set_num_threads(1)
+    import dataclasses
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hpcrl.train import bridge, logprobs, parallel
+
+    h = _unit_helpers()
+    env = parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=2)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    res: dict = {"tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+
+    for kind, path in dirs.items():
+        model = h.build_loaded(path)
+        vocab = model.hf_config.vocab_size
+        tokens = h.sample_batch(vocab)[0]
+        with torch.no_grad():
+            logits = model(input_ids=tokens, position_ids=torch.arange(h.SEQ).expand(3, -1), attention_mask=None)
+            res[kind] = dict(
+                export=dict(bridge.export_hf_weights(model)),
+                shard_shape=tuple(logits.shape),
+                logits=gather_from_tensor_model_parallel_region(logits)[..., :vocab].clone(),
+                log_probs=logprobs.compute_log_probs(logits[:, :-1], tokens[:, 1:], 0.7, vocab_size=vocab),
+                entropy=logprobs.compute_entropy(logits[:, :-1], 0.7, vocab_size=vocab),
+            )
+
+    # Entropy gradient over the sharded vocab: full logits [2, 4, 16] (valid vocab 11), 8 columns per rank.
+    full = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(7))
+    shard = full.chunk(2, dim=-1)[res["tp_rank"]].clone().requires_grad_(True)
+    weights = torch.randn(2, 4, generator=torch.Generator().manual_seed(8))
+    ent = logprobs.compute_entropy(shard, 0.9, vocab_size=11)
+    (ent * weights).sum().backward()
+    res["entropy_grad"] = dict(full=full, weights=weights, entropy=ent.detach(),
+                               grad=gather_from_tensor_model_parallel_region(shard.grad))
+
+    batch = h.sample_batch(21, seed=5)
+    for name, tp, train in (("tp2", 2, h.TRAIN),
+                            ("tp1_dp2_distopt", 1, dataclasses.replace(h.TRAIN, use_distributed_optimizer=True))):
+        if tp != parallel_state.get_tensor_model_parallel_world_size():
+            parallel_state.destroy_model_parallel()
+            parallel.initialize_model_parallel(tp=tp)
+            parallel.model_parallel_cuda_manual_seed(1234)
+        ddp_model, optimizer = parallel.setup_model_and_optimizer(dirs["qwen2"], train, h.MEGATRON)
+        step = parallel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
+        res[name] = dict(step=step, dp=parallel_state.get_data_parallel_world_size(),
+                         after=dict(bridge.export_hf_weights(ddp_model)))
+
+    torch.save(res, out / f"rank{env.rank}.pt")
+    parallel.destroy()
+
+
+# --- the test side ------------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def h():
+    pytest.importorskip("megatron.core")
+    return _unit_helpers()
+
+
+@pytest.fixture(scope="module")
+def dirs(h, tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-tp2")
+    return {"qwen2": tiny_model_dir, "qwen3": h.make_tiny_hf("qwen3", root / "qwen3"),
+            "llama": h.make_tiny_hf("llama", root / "llama")}
+
+
+@pytest.fixture(scope="module")
+def ranks(dirs, tmp_path_factory):
+    """Run the torchrun job once; the per-rank results, rank 0 first."""
+    out = tmp_path_factory.mktemp("tp2-out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__,
+           "--dirs", json.dumps({k: str(v) for k, v in dirs.items()}), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("kind", ("qwen2", "qwen3", "llama"))
+def test_tp2_export_is_bitwise_identical_on_both_ranks(h, dirs, ranks, kind):
+    from hpcrl.train import bridge
+
+    hf = bridge.read_hf_state_dict(dirs[kind])
+    assert [r["tp_rank"] for r in ranks] == [0, 1]
+    for res in ranks:
+        out = res[kind]["export"]
+        assert sorted(out) == sorted(hf)
+        for name, tensor in hf.items():
+            assert torch.equal(out[name], tensor), name
+
+
+@pytest.mark.parametrize("kind", ("qwen2", "qwen3", "llama"))
+def test_tp2_logits_log_probs_entropy_match_hf(h, dirs, ranks, kind):
+    from hpcrl.train import bridge
+
+    hf_model = h.load_hf(dirs[kind])
+    vocab = hf_model.config.vocab_size
+    tokens = h.sample_batch(vocab)[0]
+    with torch.no_grad():
+        hf_logits = hf_model(tokens).logits
+    _, ref_lp, ref_ent = h.hf_reference(hf_model, tokens, 0.7)
+    for res in ranks:
+        r = res[kind]
+        assert r["shard_shape"] == (3, h.SEQ, bridge.padded_vocab_size(vocab, tp=2) // 2)
+        assert (r["logits"] - hf_logits).abs().max() < 1e-5
+        assert (r["log_probs"] - ref_lp).abs().max() < 1e-5
+        assert (r["entropy"] - ref_ent).abs().max() < 1e-5
+
+
+def test_tp2_entropy_gradient_reaches_both_shards(ranks):
+    e = ranks[0]["entropy_grad"]
+    full = e["full"].clone().requires_grad_(True)
+    logp = torch.log_softmax(full[..., :11] / 0.9, -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    (ent * e["weights"]).sum().backward()
+    for res in ranks:
+        assert torch.allclose(res["entropy_grad"]["entropy"], ent.detach(), atol=1e-6)
+        assert torch.allclose(res["entropy_grad"]["grad"], full.grad, atol=1e-6)
+    assert full.grad[..., 8:11].abs().sum() > 0  # columns of rank 1 get gradient
+
+
+def test_grad_norm_tp2_equals_tp1_dp2_and_hf(h, dirs, ranks):
+    batch = h.sample_batch(21, seed=5)
+    ref_loss, ref_norm, ref_state = h.hf_train_step(h.load_hf(dirs["qwen2"]).train(), *batch)
+    tp2, dp2 = ranks[0]["tp2"], ranks[0]["tp1_dp2_distopt"]
+    assert dp2["dp"] == 2 and tp2["dp"] == 1
+    assert tp2["step"]["grad_norm"] == pytest.approx(dp2["step"]["grad_norm"], rel=1e-5)
+    for run in (tp2, dp2):
+        assert run["step"]["update_successful"]
+        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+        assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert max((run["after"][k] - ref_state[k]).abs().max().item() for k in ref_state) < 1e-6
+    for name in ("tp2", "tp1_dp2_distopt"):  # both ranks hold the same full weights after the step
+        assert all(torch.equal(ranks[0][name]["after"][k], ranks[1][name]["after"][k]) for k in ref_state)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument("--dirs", required=True, help="JSON {family: HF folder}")
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    worker(json.loads(args.dirs), args.out)

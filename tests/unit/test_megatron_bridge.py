@@ -1,0 +1,324 @@
+"""The Megatron model layer at tensor-parallel size 1, in this process (gloo, world size 1).
+
+Real HF models (tiny random Qwen2 / Qwen3 / Llama) against real megatron-core GPTModels built and loaded by
+hpcrl.train.bridge: bitwise weight round trip, logits, log-probs and entropy against HF, and one optimizer step
+with megatron-core DDP + optimizer against the same step done with HF + torch AdamW.
+The tensor-parallel (2 process) versions are in tests/integration/test_megatron_tp2.py, which reuses the
+helpers at the top of this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from hpcrl.config import TrainSection  # noqa: E402
+from hpcrl.train import bridge, cpu_compat, logprobs, parallel  # noqa: E402
+
+# --- helpers shared with the TP=2 integration test ------------------------------------------------------
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+SEQ = 12
+
+
+def make_tiny_hf(kind: str, path: Path) -> Path:
+    """Save a random tiny Qwen3 (explicit head_dim, q/k norm, untied) or Llama (tied, llama3 RoPE scaling)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=37, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+    if kind == "qwen3":
+        config, cls = Qwen3Config(head_dim=24, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common), \
+            Qwen3ForCausalLM
+    elif kind == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        config, cls = LlamaConfig(tie_word_embeddings=True, rope_parameters=rope, **common), LlamaForCausalLM
+    else:
+        raise ValueError(kind)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        model = cls(config)
+        with torch.no_grad():  # HF inits norms to 1: make them random so a mix-up would show
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def sample_batch(vocab_size: int, seed: int = 0):
+    """tokens [3, SEQ] (right-padded with 0), total and response lengths, advantages [3]."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (3, SEQ), generator=g)
+    total = torch.tensor([SEQ, 9, 7])
+    resp = torch.tensor([5, 4, 1])
+    for i, n in enumerate(total.tolist()):
+        tokens[i, n:] = 0
+    return tokens, total, resp, torch.tensor([1.0, -0.5, 2.0])
+
+
+def response_mask(total, resp, seq=SEQ):
+    """[batch, seq - 1] bool: prediction positions t whose label tokens[t + 1] is a response token."""
+    t = torch.arange(seq - 1).unsqueeze(0) + 1
+    return (t >= (total - resp).unsqueeze(1)) & (t < total.unsqueeze(1))
+
+
+def pg_loss(log_probs, mask, adv):
+    """A policy-gradient-style loss: -mean over response tokens of advantage * log-prob."""
+    return -(log_probs * mask * adv.unsqueeze(1)).sum() / mask.sum()
+
+
+def hf_reference(hf_model, tokens, temperature=1.0):
+    """Full-vocab log-probs of the next token [batch, seq-1] and entropy [batch, seq-1] from HF logits."""
+    with torch.no_grad():
+        logits = hf_model(tokens).logits[:, :-1] / temperature
+    logp = torch.log_softmax(logits, -1)
+    return logits, logp.gather(-1, tokens[:, 1:, None])[..., 0], -(logp.exp() * logp).sum(-1)
+
+
+def hf_train_step(hf_model, tokens, total, resp, adv, lr=1.0, eps=1.0, clip=1.0):
+    """The step megatron should take: loss, backward, grad norm, clip, AdamW (no weight decay).
+
+    With the default ``eps=1`` Adam's first step is about ``lr * g`` rather than ``lr * sign(g)``, so float
+    rounding in tiny gradients does not decide the update's sign and the weights after the step compare
+    tightly."""
+    opt = torch.optim.AdamW(hf_model.parameters(), lr=lr, betas=(0.9, 0.98), eps=eps, weight_decay=0.0)
+    logp = torch.log_softmax(hf_model(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    loss = pg_loss(logp, response_mask(total, resp), adv)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(hf_model.parameters(), clip)
+    opt.step()
+    return float(loss.detach()), float(grad_norm), {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+
+
+def megatron_loss_fn(micro_batch):
+    """A ``train_step`` loss: :func:`pg_loss` on the response log-probs, the loss of :func:`hf_train_step`."""
+    tokens, total, resp, adv = micro_batch
+
+    def loss_fn(model, _):
+        out = logprobs.response_log_probs(model, tokens, total, resp)
+        return pg_loss(out.log_probs, out.mask, adv), {"tokens": float(out.mask.sum())}
+
+    return loss_fn
+
+
+TRAIN = TrainSection(lr=1.0, adam_beta1=0.9, adam_beta2=0.98, clip_grad=1.0, weight_decay=0.0)
+MEGATRON = {"adam_eps": 1.0}  # the run config's free ``megatron:`` dict; see hf_train_step
+
+# --- fixtures -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """gloo world of 1 with megatron-core model parallelism (TP=1), torn down after the module."""
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel.destroy()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {"qwen2": tiny_model_dir, "qwen3": make_tiny_hf("qwen3", root / "qwen3"),
+            "llama": make_tiny_hf("llama", root / "llama")}
+
+
+def build_loaded(path):
+    from transformers import AutoConfig
+
+    model = bridge.build_gpt_model(AutoConfig.from_pretrained(str(path)))
+    bridge.load_hf_weights(model, path)
+    return model.eval()
+
+
+# --- bridge ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_load_then_export_is_bitwise_identical(tp1, hf_dirs, kind):
+    model = build_loaded(hf_dirs[kind])
+    hf = bridge.read_hf_state_dict(hf_dirs[kind])
+    out = dict(bridge.export_hf_weights(model))
+    assert sorted(out) == sorted(hf)
+    for name, tensor in hf.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+    names = bridge.mcore_to_hf_names(model)
+    assert names["decoder.layers.1.mlp.linear_fc1.weight"] == ("model.layers.1.mlp.gate_proj.weight",
+                                                              "model.layers.1.mlp.up_proj.weight")
+    assert ("output_layer.weight" in names) == (kind != "llama")  # the tiny Llama is tied
+
+
+def test_load_from_state_dict_and_errors(tp1, hf_dirs):
+    from transformers import AutoConfig
+
+    hf_model = load_hf(hf_dirs["llama"])  # tied: its state dict has lm_head.weight, which is skipped
+    model = bridge.build_gpt_model(AutoConfig.from_pretrained(str(hf_dirs["llama"])))
+    bridge.load_hf_weights(model, hf_model.state_dict())
+    assert all(torch.equal(t, hf_model.state_dict()[n]) for n, t in bridge.export_hf_weights(model))
+    state = bridge.read_hf_state_dict(hf_dirs["llama"])
+    with pytest.raises(KeyError, match="no megatron-core counterpart"):
+        bridge.load_hf_weights(model, {**state, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)})
+    del state["model.norm.weight"]
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        bridge.load_hf_weights(model, state)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_logits_log_probs_entropy_match_hf(tp1, hf_dirs, kind):
+    model, hf_model = build_loaded(hf_dirs[kind]), load_hf(hf_dirs[kind])
+    vocab = hf_model.config.vocab_size
+    tokens = sample_batch(vocab)[0]
+    with torch.no_grad():
+        logits = model(input_ids=tokens, position_ids=torch.arange(SEQ).expand(3, -1), attention_mask=None)
+        hf_logits = hf_model(tokens).logits
+    assert logits.shape == (3, SEQ, bridge.padded_vocab_size(vocab))
+    assert (logits[..., :vocab] - hf_logits).abs().max() < 1e-5
+    for temperature in (1.0, 0.7):
+        _, ref_lp, ref_ent = hf_reference(hf_model, tokens, temperature)
+        lp = logprobs.compute_log_probs(logits[:, :-1], tokens[:, 1:], temperature, vocab_size=vocab)
+        ent = logprobs.compute_entropy(logits[:, :-1], temperature, vocab_size=vocab)
+        assert (lp - ref_lp).abs().max() < 1e-5
+        assert (ent - ref_ent).abs().max() < 1e-5
+
+
+def test_padded_vocab_is_excluded_only_when_vocab_size_given(tp1):
+    logits = torch.randn(2, 3, 8)
+    labels = torch.randint(0, 5, (2, 3))
+    ref = torch.log_softmax(logits[..., :5], -1).gather(-1, labels[..., None])[..., 0]
+    assert torch.allclose(logprobs.compute_log_probs(logits, labels, vocab_size=5), ref, atol=1e-6)
+    full = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    assert torch.allclose(logprobs.compute_log_probs(logits, labels), full, atol=1e-6)
+
+
+def test_entropy_gradient_matches_autograd_reference(tp1):
+    logits = torch.randn(2, 4, 8, dtype=torch.float32, requires_grad=True)
+    weights = torch.randn(2, 4)
+    (logprobs.compute_entropy(logits, 0.9, vocab_size=6) * weights).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    logp = torch.log_softmax(logits[..., :6] / 0.9, -1)
+    (-(logp.exp() * logp).sum(-1) * weights).sum().backward()
+    assert torch.allclose(ours, logits.grad, atol=1e-6)
+    assert ours[..., 6:].abs().max() == 0
+
+
+def test_response_log_probs_reads_response_positions(tp1, hf_dirs):
+    model, hf_model = build_loaded(hf_dirs["qwen2"]), load_hf(hf_dirs["qwen2"])
+    tokens, total, resp, _ = sample_batch(hf_model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        out = logprobs.response_log_probs(model, tokens, total, resp, temperature=0.8, with_entropy=True)
+    assert out.log_probs.shape == out.entropy.shape == out.mask.shape == (3, int(resp.max()))
+    for i in range(3):
+        n, r = int(total[i]), int(resp[i])
+        # HF on the unpadded row: the response tokens are tokens[n - r:n], predicted from positions n-r-1..n-2
+        _, lp, ent = hf_reference(hf_model, tokens[i:i + 1, :n], 0.8)
+        assert (out.log_probs[i, :r] - lp[0, n - r - 1:]).abs().max() < 1e-5
+        assert (out.entropy[i, :r] - ent[0, n - r - 1:]).abs().max() < 1e-5
+        assert out.mask[i].tolist() == [True] * r + [False] * (int(resp.max()) - r)
+        assert (out.log_probs[i, r:] == 0).all()
+    with pytest.raises(ValueError, match="prompt"):
+        logprobs.response_log_probs(model, tokens, total, total)
+
+
+# --- config ---------------------------------------------------------------------------------------------
+
+
+def test_mcore_config_from_hf_fields(hf_dirs):
+    from transformers import AutoConfig
+
+    q2 = bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(hf_dirs["qwen2"])))
+    assert (q2.normalization, q2.gated_linear_unit, q2.add_qkv_bias, q2.add_bias_linear, q2.qk_layernorm) == \
+        ("RMSNorm", True, True, False, False)
+    assert (q2.num_query_groups, q2.kv_channels, q2.use_cpu_initialization, q2.params_dtype) == \
+        (2, 32, True, torch.float32)
+    q3 = bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(hf_dirs["qwen3"])), dtype=torch.bfloat16)
+    assert (q3.qk_layernorm, q3.add_qkv_bias, q3.kv_channels, q3.bf16, q3.params_dtype) == \
+        (True, False, 24, True, torch.bfloat16)
+    assert bridge.rope_theta(AutoConfig.from_pretrained(str(hf_dirs["qwen3"]))) == 1e6
+    legacy = types.SimpleNamespace(rope_theta=12345.0)  # transformers 4.x keeps it as an attribute
+    assert bridge.rope_theta(legacy) == 12345.0
+    assert bridge.padded_vocab_size(21, 1) == 128 and bridge.padded_vocab_size(21, 2, 8) == 32
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import GPT2Config, LlamaConfig
+
+    with pytest.raises(NotImplementedError, match="model_type"):
+        bridge.mcore_config_from_hf(GPT2Config())
+    with pytest.raises(NotImplementedError, match="attention_bias"):
+        bridge.mcore_config_from_hf(LlamaConfig(attention_bias=True))
+
+
+def test_split_megatron_kwargs_by_dataclass():
+    out = parallel.split_megatron_kwargs({"recompute_granularity": "full", "adam_eps": 1e-6, "bucket_size": 10,
+                                          "params_dtype": "bfloat16", "make_vocab_size_divisible_by": 64})
+    assert out["transformer"] == {"recompute_granularity": "full", "params_dtype": torch.bfloat16}
+    assert out["optimizer"] == {"adam_eps": 1e-6, "params_dtype": torch.bfloat16}
+    assert out["ddp"] == {"bucket_size": 10}
+    assert out["model"] == {"make_vocab_size_divisible_by": 64}
+    with pytest.raises(ValueError, match="megatron.adam_beta: .*adam_beta1"):
+        parallel.split_megatron_kwargs({"adam_beta": 0.9})
+
+
+# --- optimizer step -------------------------------------------------------------------------------------
+
+
+def test_train_step_matches_hf_adamw_step(tp1, hf_dirs):
+    path = hf_dirs["qwen2"]
+    ddp_model, optimizer = parallel.setup_model_and_optimizer(path, TRAIN, MEGATRON)
+    batch = sample_batch(21, seed=5)
+    result = parallel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
+    ref_loss, ref_norm, ref_state = hf_train_step(load_hf(path).train(), *batch)
+    assert result["update_successful"] and result["num_micro_batches"] == 1 and result["tokens"] == 10
+    assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert ref_norm > TRAIN.clip_grad  # so clipping was exercised
+    after = dict(bridge.export_hf_weights(ddp_model))
+    before = bridge.read_hf_state_dict(path)
+    assert max((after[k] - before[k]).abs().max().item() for k in after) > 1e-2
+    assert max((after[k] - ref_state[k]).abs().max().item() for k in after) < 1e-6
+
+
+def test_bf16_train_step_runs(tp1, hf_dirs):
+    train = dataclasses.replace(TRAIN, bf16=True)
+    ddp_model, optimizer = parallel.setup_model_and_optimizer(hf_dirs["llama"], train)
+    assert bridge.unwrap_model(ddp_model).embedding.word_embeddings.weight.dtype == torch.bfloat16
+    result = parallel.train_step(ddp_model, optimizer, megatron_loss_fn(sample_batch(37, seed=6)), [None, None])
+    assert result["update_successful"] and result["grad_norm"] > 0 and result["num_micro_batches"] == 2
+
+
+# --- cpu_compat -----------------------------------------------------------------------------------------
+
+
+def test_cpu_compat_apply_is_idempotent_and_leaves_torch_alone(tp1):
+    import megatron.core.utils as mcore_utils
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if torch.cuda.is_available():
+        assert cpu_compat.apply() is False and not cpu_compat.is_applied()
+        return
+    alias, init = mcore_utils.torch, Float16OptimizerWithFloat16Params.__init__
+    assert cpu_compat.apply() is True and cpu_compat.apply() is True
+    assert mcore_utils.torch is alias and alias is not torch
+    assert Float16OptimizerWithFloat16Params.__init__ is init
+    assert alias.zeros(1, device="cuda").device.type == "cpu"
+    assert torch.zeros(1).type() == "torch.FloatTensor"  # the real torch is untouched
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")
