@@ -1,0 +1,498 @@
+"""The training side of one RL step: rollout samples in, optimizer steps out (slime's ``train_actor``).
+
+:class:`Actor` lives on every trainer rank. It owns the megatron-core model (wrapped in DDP) and its
+optimizer, built from an HF folder by :func:`hpcrl.train.parallel.setup_model_and_optimizer`, and, with a KL
+loss, a CPU copy of the initial weights (the reference policy) that is swapped into the same model for the
+reference forward (:class:`WeightBackup`, slime's ``TensorBackuper``: no second model).
+
+One :meth:`Actor.train` call does what slime's ``MegatronTrainRayActor.train_actor`` and Megatron's ``train``
+loop do for one rollout:
+
+1. rewards -> per-token advantages over the whole rollout
+   (:func:`~hpcrl.train.algorithms.compute_advantages`);
+2. ``train.num_steps_per_rollout`` global batches, this data-parallel rank's contiguous slice of each, in
+   micro-batches of ``train.micro_batch_size`` right-padded rows;
+3. old log-probs recomputed with the current weights, or taken from the training forward itself when the step
+   is exactly on-policy (slime's ``can_reuse_log_probs_in_loss``);
+4. reference log-probs with the reference weights swapped in (``algorithm.use_kl_loss``);
+5. the optimizer steps, each a :func:`~hpcrl.train.parallel.train_step` whose loss is
+   :func:`~hpcrl.train.algorithms.compute_loss` reduced with slime's per-rollout token mean over the step's
+   *global* batch (so neither micro-batching nor data parallelism changes the loss or its gradient);
+6. metrics summed over micro-batches and data-parallel ranks, and slime's ``--ci-test`` gates.
+
+Sizes: ``N`` samples per rollout (every rank gets all of them), ``dp`` data-parallel ranks, ``S`` =
+``train.num_steps_per_rollout``. ``N`` must be a multiple of ``dp * S``. The global batch of step ``s`` is
+the contiguous ``s``-th ``N/S`` of the samples (Megatron's global batch), and rank ``r`` trains on the
+contiguous ``r``-th ``N/(dp*S)`` of it. So which samples a step trains on does not depend on the parallel
+layout, and a rollout gives the same result at any TP x DP (up to rounding). slime partitions over DP ranks
+first and then into steps, which makes the steps' composition depend on the DP size when ``S > 1``; with
+``S = 1`` both agree.
+
+Pipeline and context parallelism are not supported (size 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+
+import torch
+
+from hpcrl.train import algorithms
+
+if TYPE_CHECKING:
+    from hpcrl.config import Config
+    from hpcrl.data.sample import Sample
+
+Tensor = torch.Tensor
+
+CI_TOLERANCE = 1e-8
+"""slime's ``--ci-test`` bound for values that must be exactly 0 (first-step ppo_kl, rollout-0 ref diff)."""
+
+REDUCTION = "rollout_token_mean"
+"""slime's default loss reduction; each sample is its own rollout (its position in the rollout's list)."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Reference weights
+# ------------------------------------------------------------------------------------------------------------
+
+
+class WeightBackup:
+    """CPU copies of a model's parameters under tags, swapped into the one model on demand.
+
+    slime: ``TensorBackuper`` (``slime/utils/tensor_backper.py``) with ``_switch_model(tag)``. Copies are
+    taken of this rank's parameter shards (``model.named_parameters()`` of the bare GPTModel), in pinned
+    memory on GPUs. :meth:`restore` writes in place (``param.data.copy_``), so DDP's contiguous parameter
+    buffers and the optimizer's fp32 main parameters stay attached; restoring the tag that was backed up just
+    before is bitwise exact.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._params = dict(model.named_parameters())
+        self._tags: dict[str, dict[str, Tensor]] = {}
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The tags backed up so far."""
+        return tuple(self._tags)
+
+    @torch.no_grad()
+    def backup(self, tag: str) -> None:
+        """Copy the current parameters to the CPU under ``tag`` (replacing an earlier copy of that tag)."""
+        pin = torch.cuda.is_available()
+        store = self._tags.get(tag)
+        if store is None:
+            store = {name: torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                     for name, p in self._params.items()}
+            self._tags[tag] = store
+        for name, p in self._params.items():
+            store[name].copy_(p.detach(), non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def restore(self, tag: str) -> None:
+        """Copy the parameters saved under ``tag`` into the model, in place.
+
+        Raises KeyError for an unknown tag.
+        """
+        if tag not in self._tags:
+            raise KeyError(f"no weights backed up under tag {tag!r}; have {self.tags}")
+        store = self._tags[tag]
+        for name, p in self._params.items():
+            p.data.copy_(store[name], non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def swapped(self, tag: str, current: str = "actor") -> Iterator[None]:
+        """Run a block with the ``tag`` weights in the model; the current ones are saved as ``current``
+        and put back afterwards (also on error)."""
+        self.backup(current)
+        self.restore(tag)
+        try:
+            yield
+        finally:
+            self.restore(current)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Batches
+# ------------------------------------------------------------------------------------------------------------
+
+
+def sample_rewards(samples: Sequence["Sample"]) -> Tensor:
+    """Scalar rewards ``[N]`` float32: ``sample.reward``, or its ``"reward"`` entry when it is a dict.
+
+    Raises ValueError naming the sample when a reward is missing.
+    """
+    values = []
+    for i, s in enumerate(samples):
+        r = s.reward
+        if isinstance(r, dict):
+            r = r.get("reward")
+        if r is None:
+            raise ValueError(f"sample {i} (index {s.index}) has no reward")
+        values.append(float(r))
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _check_sample(i: int, s: "Sample", with_rollout_log_probs: bool) -> None:
+    n = s.response_length
+    if not 0 <= n < len(s.tokens):
+        raise ValueError(f"sample {i} (index {s.index}): need 0 <= response_length ({n}) < len(tokens) "
+                         f"({len(s.tokens)}); every response needs a prompt token")
+    if len(s.loss_mask) != n:
+        raise ValueError(f"sample {i} (index {s.index}): loss_mask has {len(s.loss_mask)} entries for "
+                         f"response_length {n}")
+    if with_rollout_log_probs and len(s.rollout_log_probs) != n:
+        raise ValueError(f"sample {i} (index {s.index}): rollout_log_probs has {len(s.rollout_log_probs)} "
+                         f"entries for response_length {n}")
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Right-padded tensors of a few samples; response-aligned tensors are ``[b, R]`` with ``R`` the longest
+    response of the micro-batch (0 beyond a response)."""
+
+    positions: list[int]
+    """Positions of the samples in the rollout's full sample list (also their rollout ids)."""
+    tokens: Tensor
+    """``[b, T]`` prompt + response ids, right-padded with 0 to the longest sample."""
+    total_lengths: Tensor
+    """``[b]`` prompt + response lengths."""
+    response_lengths: Tensor
+    """``[b]``."""
+    mask: Tensor
+    """``[b, R]`` float32 loss mask."""
+    advantages: Tensor
+    """``[b, R]`` float32."""
+    rollout_log_probs: Optional[Tensor]
+    """``[b, R]`` float32 log-probs of the rollout engine, or None when the samples have none."""
+    old_log_probs: Optional[Tensor] = None
+    """``[b, R]`` float32, set by the recompute pass (None: reuse the training forward's)."""
+    ref_log_probs: Optional[Tensor] = None
+    """``[b, R]`` float32, set by the reference pass (KL loss only)."""
+
+
+def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], advantages: Sequence[Tensor],
+                      device: Union[str, torch.device] = "cpu",
+                      with_rollout_log_probs: bool = True) -> MicroBatch:
+    """Pad ``samples[p] for p in positions`` into a :class:`MicroBatch` on ``device``.
+
+    ``advantages``: per sample of the full list, ``[response_length]``. An empty response is allowed (it
+    trains nothing). Raises ValueError for a sample without prompt or whose ``loss_mask`` /
+    ``rollout_log_probs`` lengths differ from ``response_length``.
+    """
+    rows = [samples[p] for p in positions]
+    for p, s in zip(positions, rows, strict=True):
+        _check_sample(p, s, with_rollout_log_probs)
+    b = len(rows)
+    width = max(len(s.tokens) for s in rows)
+    resp_width = max(s.response_length for s in rows)
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, resp_width, dtype=torch.float32)
+    adv = torch.zeros(b, resp_width, dtype=torch.float32)
+    rollout_lp = torch.zeros(b, resp_width, dtype=torch.float32) if with_rollout_log_probs else None
+    for i, (p, s) in enumerate(zip(positions, rows, strict=True)):
+        n = s.response_length
+        tokens[i, : len(s.tokens)] = torch.as_tensor(s.tokens, dtype=torch.long)
+        mask[i, :n] = torch.as_tensor(s.loss_mask, dtype=torch.float32)
+        adv[i, :n] = advantages[p].to(torch.float32)
+        if rollout_lp is not None:
+            rollout_lp[i, :n] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
+    total = torch.tensor([len(s.tokens) for s in rows], dtype=torch.long)
+    resp = torch.tensor([s.response_length for s in rows], dtype=torch.long)
+    to = dict(device=device)
+    return MicroBatch(positions=list(positions), tokens=tokens.to(**to), total_lengths=total.to(**to),
+                      response_lengths=resp.to(**to), mask=mask.to(**to), advantages=adv.to(**to),
+                      rollout_log_probs=rollout_lp.to(**to) if rollout_lp is not None else None)
+
+
+def split_steps(num_samples: int, dp_rank: int, dp_size: int, num_steps: int,
+                micro_batch_size: int) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """Which samples each optimizer step trains on, globally and on this data-parallel rank.
+
+    Step ``s`` trains on the contiguous global batch ``[s * N/S, (s+1) * N/S)``; rank ``r`` on the contiguous
+    ``r``-th ``N/(S*dp)`` of it, in micro-batches of at most ``micro_batch_size`` (the last may be smaller).
+    Returns ``(local, global_)``: ``local[s]`` this rank's micro-batches of step ``s`` (lists of positions
+    in the full list); ``global_[s]`` all positions of step ``s``. Raises ValueError when ``num_samples`` is
+    not a positive multiple of ``dp_size * num_steps``.
+    """
+    if num_samples <= 0 or num_samples % (dp_size * num_steps) != 0:
+        raise ValueError(f"{num_samples} samples do not split into {dp_size} data-parallel ranks x "
+                         f"{num_steps} steps per rollout (need a positive multiple of {dp_size * num_steps})")
+    global_size = num_samples // num_steps
+    local_size = global_size // dp_size
+    local, global_ = [], []
+    for s in range(num_steps):
+        global_.append(list(range(s * global_size, (s + 1) * global_size)))
+        mine = global_[-1][dp_rank * local_size: (dp_rank + 1) * local_size]
+        local.append([mine[i: i + micro_batch_size] for i in range(0, local_size, micro_batch_size)])
+    return local, global_
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Actor
+# ------------------------------------------------------------------------------------------------------------
+
+
+class Actor:
+    """The policy trainer on one rank: megatron-core model + optimizer, reference weights, :meth:`train`.
+
+    Create on every trainer rank after :func:`~hpcrl.train.parallel.init_distributed`,
+    :func:`~hpcrl.train.parallel.initialize_model_parallel` (``cfg.train.tensor_parallel_size``) and
+    :func:`~hpcrl.train.parallel.model_parallel_cuda_manual_seed`. The reference copy (``use_kl_loss``) is
+    taken here, from the HF weights: load a checkpoint into :attr:`ddp_model` / :attr:`optimizer` afterwards,
+    never before, or the reference would be the checkpoint. ``run.deterministic`` turns on
+    ``torch.use_deterministic_algorithms(True)`` for the whole process (and sets ``CUBLAS_WORKSPACE_CONFIG``
+    if unset, on GPUs).
+
+    Args:
+        cfg: the run config (``train``, ``megatron``, ``algorithm``, ``rollout.temperature``,
+            ``rollout.n_samples_per_prompt``, ``run.deterministic``).
+        hf_path: HF folder of the initial policy.
+        ci_checks: slime's ``--ci-test`` gates in :meth:`train` (raise AssertionError on failure).
+        recompute_log_probs: ``None`` (slime's rule): recompute old log-probs unless the step is exactly
+            on-policy; ``True``: always recompute; ``False``: never (an error when off-policy).
+        ci_logprob_abs_diff_threshold: with ``ci_checks``, also require ``train_rollout_logprob_abs_diff``
+            at most this (slime's ``--ci-train-rollout-logprob-abs-diff-threshold``); None: no check.
+
+    Attributes:
+        ddp_model: the megatron-core ``DistributedDataParallel`` model (for checkpointing).
+        optimizer: the megatron-core optimizer (for checkpointing).
+        model: the bare GPTModel (``hf_config`` attached).
+        weights: the :class:`WeightBackup` (tag ``"ref"`` with ``use_kl_loss``).
+        step_metrics: per optimizer step of the last :meth:`train` call, that step's global metrics (the keys
+            of :meth:`train` without the ``train/`` prefix; ``grad_norm`` None when not computed).
+
+    Raises NotImplementedError for pipeline or context parallel size > 1; ValueError for
+    ``recompute_log_probs=False`` with an off-policy setup, or when megatron's tensor-parallel size is not
+    ``train.tensor_parallel_size``.
+    """
+
+    def __init__(self, cfg: "Config", hf_path: Union[str, os.PathLike], *, ci_checks: bool = False,
+                 recompute_log_probs: Optional[bool] = None,
+                 ci_logprob_abs_diff_threshold: Optional[float] = None) -> None:
+        from megatron.core import parallel_state
+
+        from hpcrl.train import bridge, parallel
+
+        if cfg.train.pipeline_parallel_size != 1 or cfg.train.context_parallel_size != 1:
+            raise NotImplementedError("Actor needs pipeline_parallel_size = context_parallel_size = 1")
+        if cfg.run.deterministic:
+            if torch.cuda.is_available():
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        self.cfg = cfg
+        self.ci_checks = ci_checks
+        self.ci_logprob_abs_diff_threshold = ci_logprob_abs_diff_threshold
+        self.on_policy = (cfg.train.num_steps_per_rollout == 1 and not cfg.algorithm.use_kl_loss
+                          and not cfg.algorithm.use_tis)
+        if recompute_log_probs is False and not self.on_policy:
+            raise ValueError("recompute_log_probs=False needs an exactly on-policy step "
+                             "(num_steps_per_rollout 1, no KL loss, no TIS)")
+        self.recompute = (not self.on_policy) if recompute_log_probs is None else recompute_log_probs
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if tp != cfg.train.tensor_parallel_size:
+            raise ValueError(f"megatron's tensor-parallel size is {tp} but train.tensor_parallel_size is "
+                             f"{cfg.train.tensor_parallel_size}; call initialize_model_parallel with the "
+                             f"config's size")
+        self.ddp_model, self.optimizer = parallel.setup_model_and_optimizer(hf_path, cfg.train, cfg.megatron)
+        self.model = bridge.unwrap_model(self.ddp_model)
+        self.vocab_size: int = self.model.hf_config.vocab_size
+        self.device = next(self.model.parameters()).device
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self._dp_group = parallel_state.get_data_parallel_group()
+        self.weights = WeightBackup(self.model)
+        self.step_metrics: list[dict[str, Optional[float]]] = []
+        if cfg.algorithm.use_kl_loss:
+            self.weights.backup("ref")
+
+    # -- forward passes ------------------------------------------------------------------------------------
+
+    def _forward(self, mb: MicroBatch, with_entropy: bool = False):
+        """Response log-probs (and entropy) of a micro-batch at the rollout temperature, ``[b, R]`` each."""
+        from hpcrl.train.logprobs import response_log_probs
+
+        return response_log_probs(self.ddp_model, mb.tokens, mb.total_lengths, mb.response_lengths,
+                                  temperature=self.cfg.rollout.temperature, with_entropy=with_entropy,
+                                  vocab_size=self.vocab_size)
+
+    @torch.no_grad()
+    def _forward_only(self, micro_batches: Sequence[MicroBatch]) -> list[Tensor]:
+        """Log-probs ``[b, R]`` of each micro-batch, in eval mode without autograd (otherwise the very forward
+        of training: the same micro-batches and code, and dropout is 0 in these models)."""
+        self.ddp_model.eval()
+        try:
+            return [self._forward(mb).log_probs for mb in micro_batches]
+        finally:
+            self.ddp_model.train()
+
+    def _all_reduce_sum(self, values: dict[str, Union[float, Tensor]]) -> dict[str, float]:
+        """Sum each scalar over the data-parallel ranks; one collective and one device sync (every rank must
+        pass the same keys)."""
+        if not values:
+            return {}
+        keys = sorted(values)
+        t = torch.stack([torch.as_tensor(values[k], device=self.device).detach().to(torch.float64).reshape(())
+                         for k in keys])
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(t, group=self._dp_group)
+        return dict(zip(keys, t.tolist(), strict=True))
+
+    # -- one rollout ---------------------------------------------------------------------------------------
+
+    def train(self, rollout_id: int, samples: Sequence["Sample"]) -> dict[str, float]:
+        """Train on one rollout's samples: ``train.num_steps_per_rollout`` optimizer steps (slime's
+        ``train_actor``). Collective: every trainer rank calls it with the same full ``samples`` list.
+
+        ``samples``: ``N`` samples, the ``rollout.n_samples_per_prompt`` samples of each prompt adjacent, each
+        with a reward, ``loss_mask`` and ``rollout_log_probs`` of ``response_length`` entries (the log-probs
+        may be empty for every sample; then there is no ``train_rollout_logprob_abs_diff`` and TIS raises).
+
+        Returns metrics (floats, the same on every rank): ``train/{loss, pg_loss, pg_clipfrac, ppo_kl,
+        entropy, grad_norm, train_rollout_logprob_abs_diff}`` (means over the optimizer steps, each the
+        global per-sample token mean of its step; entropy in nats, log-prob diff in nats per token),
+        ``train/kl_loss`` (KL loss), ``train/{tis, tis_clipfrac, tis_abs}`` (TIS),
+        ``train/first_step_ppo_kl``, ``train/ref_logprob_diff`` (rollout 0 with a reference: masked mean
+        ``|old - ref|``), ``train/seconds`` (wall time of this call), ``train/tokens_per_s`` (prompt +
+        response tokens of all ``N`` samples per second), ``train/num_steps``. Per-step values are in
+        :attr:`step_metrics`.
+
+        Raises ValueError for samples that do not split over ranks and steps, lack a reward or have
+        inconsistent lengths; AssertionError (``ci_checks``) naming the failed metric and its value;
+        RuntimeError when the optimizer skips a step (non-finite gradients).
+        """
+        t0 = time.perf_counter()
+        cfg, alg = self.cfg, self.cfg.algorithm
+        samples = list(samples)
+        n = len(samples)
+        with_rollout_lp = any(len(s.rollout_log_probs) for s in samples)
+        if alg.use_tis and not with_rollout_lp:
+            raise ValueError("algorithm.use_tis needs the samples' rollout_log_probs")
+
+        # 1. advantages over the whole rollout, before any split (slime: compute_advantages_and_returns).
+        masks = [torch.as_tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+        advantages = algorithms.compute_advantages(alg.advantage_estimator, sample_rewards(samples), masks,
+                                                   cfg.rollout.n_samples_per_prompt, cfg=alg)
+
+        # 2. this rank's micro-batches per step; step-wide (global) denominators of the reduction.
+        local, global_ = split_steps(n, self.dp_rank, self.dp_size, cfg.train.num_steps_per_rollout,
+                                     cfg.train.micro_batch_size)
+        steps = [[build_micro_batch(samples, mb, advantages, self.device, with_rollout_lp) for mb in step]
+                 for step in local]
+        step_sums = [algorithms.compute_rollout_mask_sums([masks[p] for p in g], g) for g in global_]
+        flat = [mb for step in steps for mb in step]
+
+        # 3. old log-probs with the current weights, unless reused from the training forward.
+        if self.recompute:
+            for mb, lp in zip(flat, self._forward_only(flat), strict=True):
+                mb.old_log_probs = lp
+        # 4. reference log-probs with the reference weights swapped in.
+        if alg.use_kl_loss:
+            with self.weights.swapped("ref"):
+                for mb, lp in zip(flat, self._forward_only(flat), strict=True):
+                    mb.ref_log_probs = lp
+
+        metrics: dict[str, float] = {}
+        if rollout_id == 0 and alg.use_kl_loss:  # (a KL loss always recomputes)
+            metrics["train/ref_logprob_diff"] = self._rollout_mean(
+                flat, masks, lambda mb: (mb.old_log_probs - mb.ref_log_probs).abs())
+            if self.ci_checks:
+                _gate("train/ref_logprob_diff", metrics["train/ref_logprob_diff"], CI_TOLERANCE)
+
+        # 5. the optimizer steps.
+        per_step = [self._optimizer_step(step, sums) for step, sums in zip(steps, step_sums, strict=True)]
+        self.step_metrics = per_step
+        metrics["train/first_step_ppo_kl"] = per_step[0]["ppo_kl"]
+        if self.ci_checks:
+            _gate("train/first_step_ppo_kl", per_step[0]["ppo_kl"], CI_TOLERANCE)
+            if rollout_id == 0 and alg.use_kl_loss:
+                _gate("train/kl_loss (first step of rollout 0)", per_step[0]["kl_loss"], CI_TOLERANCE)
+        for key in per_step[0]:
+            vals = [m[key] for m in per_step if m.get(key) is not None]
+            if vals:
+                metrics[f"train/{key}"] = sum(vals) / len(vals)
+        if self.ci_checks and self.ci_logprob_abs_diff_threshold is not None and with_rollout_lp:
+            diff = metrics["train/train_rollout_logprob_abs_diff"]
+            if not diff <= self.ci_logprob_abs_diff_threshold:
+                raise AssertionError(f"train/train_rollout_logprob_abs_diff = {diff!r} > "
+                                     f"{self.ci_logprob_abs_diff_threshold}")
+        seconds = time.perf_counter() - t0
+        metrics["train/num_steps"] = float(len(per_step))
+        metrics["train/seconds"] = seconds
+        metrics["train/tokens_per_s"] = sum(len(s.tokens) for s in samples) / max(seconds, 1e-9)
+        return metrics
+
+    def _rollout_mean(self, flat: Sequence[MicroBatch], masks: Sequence[Tensor], values) -> float:
+        """Per-sample token mean of ``values(mb)`` ``[b, R]``, averaged over all ``N`` samples."""
+        sums = algorithms.compute_rollout_mask_sums(masks, range(len(masks)))
+        local = sum(algorithms.rollout_token_mean(values(mb), mb.mask, mb.positions, sums) for mb in flat)
+        return self._all_reduce_sum({"v": local})["v"]
+
+    def _optimizer_step(self, micro_batches: Sequence[MicroBatch], rollout_mask_sums: dict[int, float]
+                        ) -> dict[str, Optional[float]]:
+        """One :func:`~hpcrl.train.parallel.train_step` over this rank's micro-batches of a step.
+
+        The loss of a micro-batch is :func:`~hpcrl.train.algorithms.compute_loss` with the step's global
+        ``rollout_token_mean`` reducer, times ``dp_size`` (slime: ``loss *= dp_size``; megatron-core DDP
+        averages gradients over DP ranks, so the gradient is that of the global per-sample token mean).
+        Returns the step's metrics, each summed over micro-batches and DP ranks (the global value), plus
+        ``grad_norm``.
+        """
+        from hpcrl.train.parallel import train_step
+
+        cfg = self.cfg.algorithm
+        local: dict[str, Tensor] = {}
+
+        def loss_fn(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+            out = self._forward(mb, with_entropy=True)
+            logp = out.log_probs
+            entropy = out.entropy if cfg.entropy_coef != 0.0 else out.entropy.detach()
+            old = mb.old_log_probs if mb.old_log_probs is not None else logp.detach()
+            reduce = algorithms.make_reducer(REDUCTION, mb.mask, rollout_ids=mb.positions,
+                                             rollout_mask_sums=rollout_mask_sums)
+            res = algorithms.compute_loss(logp, old, mb.advantages, mb.mask, reduce, cfg, entropy=entropy,
+                                          ref_logp=mb.ref_log_probs, rollout_logp=mb.rollout_log_probs)
+            values = {f.name: getattr(res, f.name).detach() for f in dataclasses.fields(res)
+                      if getattr(res, f.name) is not None}
+            if mb.rollout_log_probs is not None:
+                values["train_rollout_logprob_abs_diff"] = reduce((old - mb.rollout_log_probs).abs())
+            for k, v in values.items():
+                local[k] = local[k] + v if k in local else v
+            return res.loss * self.dp_size
+
+        result = train_step(self.ddp_model, self.optimizer, loss_fn, micro_batches)
+        if not result["update_successful"]:
+            raise RuntimeError("optimizer step was skipped (update_successful=False): non-finite gradients?")
+        out: dict[str, Optional[float]] = dict(self._all_reduce_sum(local))
+        grad_norm = result["grad_norm"]
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else None
+        return out
+
+    # -- weights -------------------------------------------------------------------------------------------
+
+    def hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
+        """``(hf_name, full_tensor)`` for every HF tensor of the current policy
+        (:func:`hpcrl.train.bridge.export_hf_weights`). Collective over the TP group: every TP rank must
+        iterate to the end. Tensors are fresh copies on the model's device, cast to ``dtype`` if given."""
+        from hpcrl.train import bridge
+
+        return bridge.export_hf_weights(self.ddp_model, dtype)
+
+    def state(self) -> dict[str, Any]:
+        """``{"model": ddp_model, "optimizer": optimizer}``: the objects a checkpoint saves and loads."""
+        return {"model": self.ddp_model, "optimizer": self.optimizer}
+
+
+def _gate(name: str, value: Optional[float], tol: float) -> None:
+    """slime ``--ci-test``: ``|value| < tol`` or AssertionError naming the metric."""
+    if value is None or not math.isfinite(value) or abs(value) >= tol:
+        raise AssertionError(f"ci check failed: {name} = {value!r}, expected |{name}| < {tol}")

@@ -1,0 +1,175 @@
+"""hpcrl.train.actor across 2 real processes (torchrun, gloo on loopback): TP=2 x DP=1, then TP=1 x DP=2.
+
+One torchrun job (this file run as a script, see ``worker``) trains an :class:`~hpcrl.train.actor.Actor` on
+the same 16 samples at both layouts, with a KL loss (so old log-probs are recomputed and the reference weights
+are swapped in), TIS, an entropy bonus and 2 optimizer steps per rollout, all with slime's CI gates on. This
+process does the same at world size 1. Every layout must give the same per-step grad norms and losses (rel
+1e-5 for the first step): that checks the tensor-parallel log-probs/entropy and, at DP=2, the global
+reduction (step-wide ``rollout_mask_sums`` and ``loss *= dp_size``). Samples and configs come from
+tests/unit/test_actor.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_UNIT = Path(__file__).resolve().parents[1] / "unit" / "test_actor.py"
+CHANGES = {"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5, "algorithm.kl_loss_type": "k3",
+           "algorithm.use_tis": True, "algorithm.entropy_coef": 0.01, "train.num_steps_per_rollout": 2,
+           "train.micro_batch_size": 3}
+ROLLOUTS = 2
+
+
+def _unit_helpers():
+    spec = importlib.util.spec_from_file_location("hpcrl_tests_actor_helpers", _UNIT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_actor(model_dir, samples) -> dict:
+    """Train :data:`ROLLOUTS` rollouts on ``samples`` with CI gates; per-rollout metrics and step metrics."""
+    from megatron.core import parallel_state
+
+    from hpcrl.train.actor import Actor
+
+    h = _unit_helpers()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    actor = Actor(h.make_config(**CHANGES, **{"train.tensor_parallel_size": tp}), model_dir, ci_checks=True)
+    out: dict = {"tp": tp, "dp": actor.dp_size,
+                 "metrics": [], "steps": []}
+    for rollout_id in range(ROLLOUTS):
+        m = actor.train(rollout_id, samples)
+        timing = ("train/seconds", "train/tokens_per_s")
+        out["metrics"].append({k: v for k, v in m.items() if k not in timing})
+        out["steps"].append([dict(s) for s in actor.step_metrics])
+    out["weights"] = {k: v.clone() for k, v in actor.hf_weights()}
+    return out
+
+
+# --- the distributed side: `torchrun --nproc_per_node=2 test_actor_tp2.py --model M --samples F --out D` ---
+
+
+def worker(model_dir: str, samples_file: Path, out: Path) -> None:
+    """Run on each of 2 ranks; writes ``out/rank{r}.pt`` with the TP=2 and the DP=2 results."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    from hpcrl.data.sample import Sample
+    from hpcrl.train import parallel
+
+    samples = [Sample.from_dict(d) for d in torch.load(samples_file, weights_only=False)]
+    env = parallel.init_distributed()
+    res = {}
+    for name, tp in (("tp2", 2), ("dp2", 1)):
+        parallel.initialize_model_parallel(tp=tp)
+        parallel.model_parallel_cuda_manual_seed(1234)
+        res[name] = run_actor(model_dir, samples)
+        parallel_state.destroy_model_parallel()
+    torch.save(res, out / f"rank{env.rank}.pt")
+    parallel.destroy()
+
+
+# --- the test side ------------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def h():
+    pytest.importorskip("megatron.core")
+    return _unit_helpers()
+
+
+@pytest.fixture(scope="module")
+def samples(h, tiny_model_dir):
+    return h.make_samples(tiny_model_dir, num_groups=4, seed=0, correct_first=True)
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model_dir, samples, tmp_path_factory):
+    """Run the torchrun job once; the per-rank results, rank 0 first."""
+    out = tmp_path_factory.mktemp("actor-tp2-out")
+    torch.save([s.to_dict() for s in samples], out / "samples.pt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__,
+           "--model", str(tiny_model_dir), "--samples", str(out / "samples.pt"), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert proc.returncode == 0, \
+        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir, samples):
+    """The same training at world size 1, in this process."""
+    from hpcrl.train import parallel
+
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    try:
+        yield run_actor(tiny_model_dir, samples)
+    finally:
+        parallel.destroy()
+
+
+def test_layouts_and_ranks_agree(ranks):
+    for name, tp, dp in (("tp2", 2, 1), ("dp2", 1, 2)):
+        r0, r1 = ranks[0][name], ranks[1][name]
+        assert (r0["tp"], r0["dp"]) == (tp, dp)
+        assert r0["metrics"] == r1["metrics"]  # all-reduced: the same floats on every rank
+        assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+
+
+def test_ci_gates_hold_at_tp2_and_dp2(ranks, single):
+    for run in (ranks[0]["tp2"], ranks[0]["dp2"], single):
+        first = run["metrics"][0]
+        assert first["train/ref_logprob_diff"] == 0.0 and first["train/first_step_ppo_kl"] == 0.0
+        assert run["metrics"][1]["train/first_step_ppo_kl"] == 0.0
+        assert first["train/train_rollout_logprob_abs_diff"] < 1e-3
+        assert [len(steps) for steps in run["steps"]] == [2] * ROLLOUTS
+
+
+@pytest.mark.parametrize("name", ("tp2", "dp2"))
+def test_grad_norm_and_loss_match_world_size_1(ranks, single, name):
+    run = ranks[0][name]
+    first, ref = run["steps"][0][0], single["steps"][0][0]
+    for key in ("grad_norm", "entropy", "kl_loss", "tis"):
+        assert first[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), key
+    diff = "train_rollout_logprob_abs_diff"  # ~1e-7: rounding only
+    assert first[diff] == pytest.approx(ref[diff], abs=1e-7)
+    assert abs(first["loss"] - ref["loss"]) < 1e-6 and abs(first["pg_loss"] - ref["pg_loss"]) < 1e-6
+    # later steps follow the (slightly differently rounded) updates: looser
+    for rollout in range(ROLLOUTS):
+        for step, ref_step in zip(run["steps"][rollout], single["steps"][rollout]):
+            assert step["grad_norm"] == pytest.approx(ref_step["grad_norm"], rel=1e-3)
+            assert step["entropy"] == pytest.approx(ref_step["entropy"], rel=1e-3)
+    for k, w in single["weights"].items():
+        assert (run["weights"][k] - w).abs().max().item() < 1e-3, k
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument("--model", required=True, help="HF folder of the tiny model")
+    parser.add_argument("--samples", required=True, type=Path, help="torch.save'd list of Sample.to_dict()")
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    worker(args.model, args.samples, args.out)

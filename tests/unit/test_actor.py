@@ -1,0 +1,303 @@
+"""hpcrl.train.actor at world size 1, in this process (gloo): the real tiny Qwen2 in megatron-core.
+
+Samples are built by hand from the tiny character tokenizer: arithmetic prompts, random responses, and rollout
+log-probs from an HF transformers forward of the same weights (fp32, at the rollout temperature), as an engine
+would report them. The tests check that one ``train()`` call learns, that slime's CI gates hold (first-step
+``ppo_kl`` and the rollout-0 reference diff are exactly 0), that the on-policy shortcut, the micro-batch size
+and the reference-weight swap do not change the step, that two actors with the same seed stay bitwise equal,
+and that a GRPO step raises the log-prob of the rewarded answers. The 2-process (TP=2, DP=2) version is
+tests/integration/test_actor_tp2.py, which reuses :func:`make_samples` and :func:`make_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from hpcrl.config import Config  # noqa: E402
+from hpcrl.data.sample import Sample  # noqa: E402
+from hpcrl.train import actor as actor_mod  # noqa: E402
+from hpcrl.train import bridge, parallel  # noqa: E402
+from hpcrl.train.actor import Actor, WeightBackup, split_steps  # noqa: E402
+
+TEMPERATURE = 0.7
+N = 4  # samples per prompt
+
+# --- helpers shared with the TP=2 integration test ------------------------------------------------------
+
+
+def make_config(**changes) -> Config:
+    """A small run config: 4 samples per prompt, micro-batches of 4, Adam lr 1e-3; ``changes`` are dotted
+    ``section.field`` keys (``"train.micro_batch_size": 16``)."""
+    cfg = Config()
+    cfg.rollout.n_samples_per_prompt = N
+    cfg.rollout.temperature = TEMPERATURE
+    cfg.train.micro_batch_size = 4
+    cfg.train.lr = 1e-3
+    for key, value in changes.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def hf_response_log_probs(hf_model, samples, temperature=TEMPERATURE) -> list[torch.Tensor]:
+    """Per sample, the response tokens' log-probs ``[response_length]`` from an HF forward (fp32)."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            tokens = torch.tensor([s.tokens])
+            logp = torch.log_softmax(hf_model(tokens).logits[0, :-1].float() / temperature, -1)
+            lp = logp.gather(-1, tokens[0, 1:, None])[:, 0]
+            out.append(lp[-s.response_length:])
+    return out
+
+
+def make_samples(model_dir, num_groups: int = 4, seed: int = 0, correct_first: bool = False) -> list[Sample]:
+    """``num_groups`` prompts ``"a+b="`` with :data:`N` responses each, rollout log-probs from HF.
+
+    Responses are random digit strings of 2-6 characters (the last token sometimes masked out, as a tool token
+    would be); reward 1 when the response is the right sum, else 0. With ``correct_first`` the first response
+    of each group is the right sum followed by ``</s>``, so each group has a positive and negative advantages.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    samples = []
+    for g in range(num_groups):
+        a, b = rng.randrange(10, 50), rng.randrange(10, 50)
+        prompt = tok.encode(f"{a}+{b}=", add_special_tokens=False)
+        for k in range(N):
+            if correct_first and k == 0:
+                text = str(a + b)
+            else:
+                text = "".join(rng.choice("0123456789") for _ in range(rng.randrange(2, 7)))
+            response = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+            mask = [1] * len(response)
+            if rng.random() < 0.25:
+                mask[-1] = 0
+            samples.append(Sample(group_index=g, index=len(samples), prompt=f"{a}+{b}=", label=str(a + b),
+                                  tokens=prompt + response, response=text, response_length=len(response),
+                                  loss_mask=mask, reward=float(text == str(a + b))))
+    for s, lp in zip(samples, hf_response_log_probs(hf, samples)):
+        s.rollout_log_probs = [0.0 if m == 0 else float(v) for v, m in zip(lp, s.loss_mask)]
+    return samples
+
+
+def weights_of(actor) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in actor.hf_weights()}
+
+
+# --- fixtures -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """gloo world of 1 with megatron-core model parallelism (TP=1), torn down after the module."""
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel.destroy()
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_model_dir):
+    return make_samples(tiny_model_dir, num_groups=4, seed=0, correct_first=True)
+
+
+# --- batching -------------------------------------------------------------------------------------------
+
+
+def test_split_steps_contiguous_global_batches_and_rank_slices():
+    local, global_ = split_steps(16, dp_rank=1, dp_size=2, num_steps=2, micro_batch_size=3)
+    assert global_ == [list(range(8)), list(range(8, 16))]
+    assert local == [[[4, 5, 6], [7]], [[12, 13, 14], [15]]]
+    assert split_steps(16, 0, 1, 2, 8) == ([[list(range(8))], [list(range(8, 16))]], global_)
+    with pytest.raises(ValueError, match="do not split"):
+        split_steps(12, 0, 2, 4, 1)
+
+
+def test_build_micro_batch_pads_right(samples):
+    adv = [torch.full((s.response_length,), float(i)) for i, s in enumerate(samples)]
+    mb = actor_mod.build_micro_batch(samples, [1, 2], adv)
+    s1, s2 = samples[1], samples[2]
+    assert mb.tokens.shape == (2, max(len(s1.tokens), len(s2.tokens)))
+    assert mb.tokens[0, : len(s1.tokens)].tolist() == s1.tokens and mb.tokens[0, len(s1.tokens):].eq(0).all()
+    assert mb.mask.shape == (2, max(s1.response_length, s2.response_length))
+    assert mb.mask[1, : s2.response_length].tolist() == s2.loss_mask
+    assert mb.advantages[1, : s2.response_length].eq(2.0).all()
+    assert mb.advantages[1, s2.response_length:].eq(0).all()
+    assert mb.rollout_log_probs[0, : s1.response_length].tolist() == pytest.approx(s1.rollout_log_probs)
+    bad = dataclasses.replace(s1, loss_mask=s1.loss_mask[:-1])
+    with pytest.raises(ValueError, match="loss_mask"):
+        actor_mod.build_micro_batch([bad], [0], adv)
+
+
+# --- training -------------------------------------------------------------------------------------------
+
+
+def test_train_learns_and_passes_ci_gates(tp1, tiny_model_dir, samples):
+    actor = Actor(make_config(), tiny_model_dir, ci_checks=True, ci_logprob_abs_diff_threshold=1e-3)
+    assert actor.on_policy and not actor.recompute and actor.dp_size == 1
+    before = weights_of(actor)
+    m = actor.train(0, samples)
+    for key in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm", "first_step_ppo_kl",
+                "train_rollout_logprob_abs_diff", "seconds", "tokens_per_s"):
+        assert torch.isfinite(torch.tensor(m[f"train/{key}"])), key
+    assert "train/kl_loss" not in m and "train/tis" not in m and "train/ref_logprob_diff" not in m
+    assert m["train/first_step_ppo_kl"] == 0.0 and m["train/grad_norm"] > 0
+    assert 0.0 < m["train/train_rollout_logprob_abs_diff"] < 1e-3  # HF fp32 vs megatron on the same weights
+    assert 1.0 < m["train/entropy"] < 3.1  # nats, under log(21)
+    after = weights_of(actor)
+    assert sorted(after) == sorted(before)
+    assert max((after[k] - before[k]).abs().max().item() for k in after) > 1e-4
+
+
+def test_kl_loss_recomputes_swaps_reference_and_gates(tp1, tiny_model_dir, samples):
+    cfg = make_config(**{"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5,
+                         "algorithm.kl_loss_type": "low_var_kl", "algorithm.use_tis": True,
+                         "algorithm.entropy_coef": 0.01, "train.num_steps_per_rollout": 2})
+    actor = Actor(cfg, tiny_model_dir, ci_checks=True, ci_logprob_abs_diff_threshold=1e-3)
+    assert actor.recompute and actor.weights.tags == ("ref",)
+    initial = weights_of(actor)
+    m0 = actor.train(0, samples)
+    assert m0["train/ref_logprob_diff"] == 0.0 and m0["train/first_step_ppo_kl"] == 0.0
+    assert m0["train/num_steps"] == 2.0
+    assert m0["train/ppo_kl"] != 0.0  # the second step sees the first step's update
+    for key in ("kl_loss", "tis", "tis_clipfrac", "tis_abs"):
+        assert f"train/{key}" in m0
+    assert m0["train/tis"] == pytest.approx(1.0, abs=1e-3)  # recomputed vs HF log-probs: same weights
+    trained = weights_of(actor)
+    actor.ci_logprob_abs_diff_threshold = None  # the rollout log-probs are those of the initial weights
+    m1 = actor.train(1, samples)
+    assert "train/ref_logprob_diff" not in m1 and m1["train/first_step_ppo_kl"] == 0.0
+    assert m1["train/kl_loss"] > 0.0  # low_var_kl to the initial weights, which the model moved away from
+    # The swap put the trained weights back (rollout 1 started from them); the ref copy is the initial model.
+    assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4
+    with actor.weights.swapped("ref"):
+        assert all(torch.equal(initial[k], v) for k, v in actor.hf_weights())
+    assert not all(torch.equal(initial[k], v) for k, v in actor.hf_weights())
+
+
+def test_ci_gates_raise_with_metric_name(tp1, tiny_model_dir, samples, monkeypatch):
+    actor = Actor(make_config(), tiny_model_dir, ci_checks=True, recompute_log_probs=True)
+    forward_only = actor._forward_only
+    monkeypatch.setattr(actor, "_forward_only", lambda mbs: [lp + 1e-3 for lp in forward_only(mbs)])
+    with pytest.raises(AssertionError, match="train/first_step_ppo_kl"):
+        actor.train(0, samples)
+    strict = Actor(make_config(), tiny_model_dir, ci_checks=True, ci_logprob_abs_diff_threshold=1e-9)
+    with pytest.raises(AssertionError, match="train_rollout_logprob_abs_diff"):
+        strict.train(0, samples)
+    with pytest.raises(ValueError, match="tensor-parallel size"):
+        Actor(make_config(**{"train.tensor_parallel_size": 2}), tiny_model_dir)
+    with pytest.raises(ValueError, match="on-policy"):
+        Actor(make_config(**{"algorithm.use_tis": True}), tiny_model_dir, recompute_log_probs=False)
+    with pytest.raises(ValueError, match="do not split"):
+        actor.train(0, samples[:6])
+    empty = dataclasses.replace(samples[1], tokens=samples[1].tokens[: samples[1].prompt_length],
+                                response_length=0, loss_mask=[], rollout_log_probs=[])
+    assert actor_mod.build_micro_batch([empty], [0], [torch.zeros(0)]).mask.shape == (1, 0)
+    ok = Actor(make_config(), tiny_model_dir, ci_checks=True)
+    assert ok.train(0, [samples[0], empty, *samples[2:]])["train/grad_norm"] > 0  # an empty response is fine
+    no_reward = [dataclasses.replace(s, reward=None) for s in samples]
+    with pytest.raises(ValueError, match="no reward"):
+        actor.train(0, no_reward)
+
+
+def test_on_policy_shortcut_equals_recompute(tp1, tiny_model_dir, samples):
+    shortcut = Actor(make_config(), tiny_model_dir)
+    recompute = Actor(make_config(), tiny_model_dir, recompute_log_probs=True)
+    assert not shortcut.recompute and recompute.recompute
+    a, b = shortcut.train(0, samples), recompute.train(0, samples)
+    for key in ("train/loss", "train/grad_norm", "train/entropy", "train/train_rollout_logprob_abs_diff"):
+        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-12), key
+    assert b["train/first_step_ppo_kl"] == 0.0
+
+
+def test_micro_batch_size_does_not_change_the_step(tp1, tiny_model_dir, samples):
+    results = {}
+    for mbs in (4, 16, 3):  # 3: uneven micro-batches that split groups
+        actor = Actor(make_config(**{"train.micro_batch_size": mbs}), tiny_model_dir)
+        results[mbs] = actor.train(0, samples)
+    for mbs in (16, 3):
+        for key in ("train/grad_norm", "train/loss", "train/pg_loss", "train/entropy"):
+            # pg_loss is ~0 (GRPO advantages sum to 0 per group): compare it to rounding.
+            assert results[mbs][key] == pytest.approx(results[4][key], rel=1e-5, abs=1e-7), (mbs, key)
+
+
+@pytest.fixture
+def deterministic():
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_two_actors_same_seed_are_bitwise_equal(tp1, tiny_model_dir, deterministic):
+    batches = [make_samples(tiny_model_dir, num_groups=2, seed=s) for s in (1, 2, 3)]
+    finals = []
+    for _ in range(2):
+        parallel.model_parallel_cuda_manual_seed(77)
+        cfg = make_config(**{"run.deterministic": True, "algorithm.entropy_coef": 0.01})
+        actor = Actor(cfg, tiny_model_dir)
+        assert torch.are_deterministic_algorithms_enabled()
+        metrics = [actor.train(i, batch) for i, batch in enumerate(batches)]
+        finals.append((weights_of(actor), [m["train/grad_norm"] for m in metrics]))
+    (w1, g1), (w2, g2) = finals
+    assert g1 == g2
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_grpo_step_raises_log_prob_of_rewarded_answers(tp1, tiny_model_dir, samples):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    before = [float(lp.sum()) for lp in hf_response_log_probs(hf, samples)]
+    actor = Actor(make_config(**{"train.lr": 3e-3}), tiny_model_dir, ci_checks=True)
+    for rollout_id in range(2):
+        actor.train(rollout_id, samples)
+    hf.load_state_dict(weights_of(actor))
+    after = [float(lp.sum()) for lp in hf_response_log_probs(hf, samples)]
+    correct = [i for i, s in enumerate(samples) if s.reward == 1.0]
+    wrong = [i for i, s in enumerate(samples) if s.reward == 0.0]
+    assert len(correct) == 4  # one per group, each with positive advantage
+    for i in correct:
+        assert after[i] > before[i] + 0.1, (i, before[i], after[i])
+    assert sum(after[i] - before[i] for i in wrong) < 0
+
+
+def test_weight_backup_swap_is_exact(tp1, tiny_model_dir):
+    ddp_model, _ = parallel.setup_model_and_optimizer(tiny_model_dir, make_config().train)
+    model = bridge.unwrap_model(ddp_model)
+    backup = WeightBackup(model)
+    backup.backup("ref")
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    with backup.swapped("ref"):
+        assert all(torch.equal(p, original[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p, original[n] + 0.5) for n, p in model.named_parameters())
+    with pytest.raises(KeyError, match="teacher"):
+        backup.restore("teacher")
+
+
+@pytest.mark.parametrize("changes", [
+    {"algorithm.advantage_estimator": "gspo", "algorithm.eps_clip": 3e-4, "train.num_steps_per_rollout": 2},
+    {"algorithm.advantage_estimator": "reinforce_plus_plus", "algorithm.eps_clip_c": 3.0},
+    {"algorithm.advantage_estimator": "reinforce_plus_plus_baseline", "train.bf16": True,
+     "train.use_distributed_optimizer": True, "algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.1},
+], ids=["gspo", "reinforce_plus_plus", "rpp_baseline-bf16-distopt-kl"])
+def test_estimators_and_bf16_pass_ci_gates(tp1, tiny_model_dir, samples, changes):
+    actor = Actor(make_config(**changes), tiny_model_dir, ci_checks=True)
+    before = weights_of(actor)
+    m = actor.train(0, samples)
+    assert m["train/first_step_ppo_kl"] == 0.0 and m["train/grad_norm"] > 0
+    after = weights_of(actor)
+    assert max((after[k].float() - before[k].float()).abs().max().item() for k in after) > 0
