@@ -1,0 +1,207 @@
+"""The ``/update_weights_from_tensor`` payload: SGLang's ``MultiprocessingSerializer`` format, for both sides.
+
+A payload is the base64 text of ``multiprocessing.reduction.ForkingPickler`` bytes of ``list[(name, tensor)]``
+(or, with ``load_format="flattened_bucket"``, of ``{"flattened_tensor": t, "metadata":
+[FlattenedTensorMetadata]}``). The pickle carries no tensor data, only handles:
+
+- CUDA tensors become CUDA-IPC handles (as in SGLang).
+- CPU tensors are copied into shared memory with torch's ``file_system`` sharing strategy, so the payload
+  carries shared-memory file names that any local process can open (the default ``file_descriptor``
+  strategy would need a socket to the sender's resource sharer, which an unrelated server process cannot
+  use).
+
+**Lifetime rule.** The sender keeps the tensors it serialized alive until the HTTP call that carries the
+payload has returned. This is required for CUDA IPC. On CPU, :func:`serialize_named_tensors` copies each
+tensor into a fresh shared-memory block and takes an extra reference that the receiver drops when it opens the
+block, so the block outlives the sender's copy; a payload that is never deserialized keeps its blocks until
+torch's shared-memory manager exits with the last process that used it. Payloads are for one machine only
+(shared memory, IPC).
+
+The engine unpickles with an allow-list (torch's rebuild functions, storages, dtypes, sizes and the
+flattened-bucket metadata), never arbitrary globals.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import pickle
+import threading
+from typing import Any
+
+import torch
+
+_STRATEGY_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass
+class FlattenedTensorMetadata:
+    """Where one tensor lives in a flattened bucket (same fields as SGLang's ``FlattenedTensorMetadata``).
+
+    ``start_idx``/``end_idx``/``numel`` count elements of the flattened tensor: bytes when it is ``uint8``
+    (SGLang's multi-dtype buckets), elements of the tensor's own dtype otherwise (SGLang's older single-dtype
+    buckets).
+    """
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def _prepare(tensor: torch.Tensor) -> torch.Tensor:
+    t = tensor.detach()
+    if t.device.type == "cpu":
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _dumps(obj: Any) -> str:
+    """ForkingPickler bytes of ``obj`` with the ``file_system`` strategy for CPU storages, base64 text."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
+
+    buf = io.BytesIO()
+    with _STRATEGY_LOCK:
+        old = tmp.get_sharing_strategy()
+        tmp.set_sharing_strategy("file_system")
+        try:
+            ForkingPickler(buf).dump(obj)
+        finally:
+            tmp.set_sharing_strategy(old)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """Serialize ``[(name, tensor), ...]`` for ``serialized_named_tensors`` (one entry per TP rank).
+
+    Returns base64 text. CPU tensors are copied into shared memory (the originals are untouched); CUDA tensors
+    are shared by IPC handle and must stay alive until the HTTP call returns (see the module's lifetime rule).
+    Raises TypeError if an entry is not a ``(str, Tensor)`` pair.
+    """
+    prepared = []
+    for item in named_tensors:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
+        prepared.append((item[0], _prepare(item[1])))
+    return _dumps(prepared)
+
+
+def serialize_flattened_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """Serialize tensors as one flattened ``uint8`` bucket (``load_format="flattened_bucket"``).
+
+    All tensors must be on one device. Returns base64 text of
+    ``{"flattened_tensor": uint8 [total_bytes], "metadata": [FlattenedTensorMetadata, ...]}``.
+    Raises ValueError on an empty list or mixed devices.
+    """
+    if not named_tensors:
+        raise ValueError("cannot serialize an empty bucket")
+    devices = {t.device for _, t in named_tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors of a bucket must be on one device, got {sorted(map(str, devices))}")
+    parts, metadata, offset = [], [], 0
+    for name, tensor in named_tensors:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        parts.append(flat)
+        metadata.append(FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype,
+                                                start_idx=offset, end_idx=offset + flat.numel(),
+                                                numel=flat.numel()))
+        offset += flat.numel()
+    flattened = torch.cat(parts)
+    return _dumps({"flattened_tensor": flattened, "metadata": metadata})
+
+
+_ALLOWED_TORCH_NAMES = {"Tensor", "Size", "device", "UntypedStorage", "TypedStorage"}
+_METADATA_MODULES = {
+    "hpcrl.engine.serialize",
+    "sglang.srt.weight_sync.tensor_bucket",
+    "sglang.srt.model_executor.model_runner",
+}
+_SAFE_BUILTINS = {"list", "tuple", "dict", "set", "frozenset", "int", "float", "bool", "str", "bytes",
+                  "complex", "slice"}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only the globals a tensor payload needs."""
+
+    def find_class(self, module: str, name: str):  # noqa: D401 - pickle API
+        if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"):
+            import torch.multiprocessing.reductions as red
+
+            return getattr(red, name)
+        if module == "torch.storage" and name in ("UntypedStorage", "TypedStorage"):
+            return getattr(torch.storage, name)
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if name in _ALLOWED_TORCH_NAMES or isinstance(obj, torch.dtype):
+                return obj
+        if module == "torch.nn.parameter" and name == "Parameter":
+            return torch.nn.Parameter
+        if module == "collections" and name == "OrderedDict":
+            import collections
+
+            return collections.OrderedDict
+        if module == "builtins" and name in _SAFE_BUILTINS:
+            import builtins
+
+            return getattr(builtins, name)
+        if module in _METADATA_MODULES and name == "FlattenedTensorMetadata":
+            return FlattenedTensorMetadata
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor payload")
+
+
+def _loads(payload: str | bytes) -> Any:
+    data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
+    return _RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of :func:`serialize_named_tensors`: base64 text (or raw pickle bytes) to ``[(name, tensor),
+    ...]``.
+
+    The tensors map the sender's shared memory (or IPC handles); copy them before the sender frees them.
+    Raises ValueError on a malformed payload (bad base64, a disallowed global, not a list of pairs).
+    """
+    try:
+        obj = _loads(payload)
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot deserialize tensor payload: {e}") from e
+    if not isinstance(obj, (list, tuple)) or not all(
+            isinstance(it, (list, tuple)) and len(it) == 2 and isinstance(it[0], str)
+            and isinstance(it[1], torch.Tensor) for it in obj):
+        raise ValueError("tensor payload must be a list of (name, tensor) pairs")
+    return [(name, t) for name, t in obj]
+
+
+def deserialize_flattened_bucket(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    """Decode a ``flattened_bucket`` payload (hpcrl's or SGLang's) into ``[(name, tensor), ...]`` views.
+
+    Raises ValueError on a malformed payload or metadata that does not fit the flattened tensor.
+    """
+    try:
+        obj = _loads(payload)
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot deserialize flattened bucket: {e}") from e
+    if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
+        raise ValueError("flattened bucket must be a dict with 'flattened_tensor' and 'metadata'")
+    flat = obj["flattened_tensor"]
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1:
+        raise ValueError("flattened_tensor must be a 1-D tensor")
+    out = []
+    for meta in obj["metadata"]:
+        start, end, shape, dtype = int(meta.start_idx), int(meta.end_idx), tuple(meta.shape), meta.dtype
+        if not (0 <= start <= end <= flat.numel()):
+            raise ValueError(f"{meta.name}: slice [{start}, {end}) outside the bucket of {flat.numel()} "
+                             "elements")
+        piece = flat[start:end]
+        if flat.dtype == torch.uint8 and dtype != torch.uint8:
+            piece = piece.view(dtype)
+        elif piece.dtype != dtype:
+            piece = piece.to(dtype)
+        out.append((meta.name, piece.reshape(shape)))
+    return out

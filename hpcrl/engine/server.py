@@ -1,0 +1,605 @@
+"""The engine's HTTP server: SGLang's native endpoints on aiohttp, backed by :mod:`hpcrl.engine.scheduler`.
+
+This is a reference engine for CPUs and tests, not a fast server: the same requests and JSON fields as
+SGLang's ``http_server.py`` (``/work/shared/reference/cpu-stack.md`` section 3), served by a KV-cached batched
+decode on HF transformers, so hpcrl's rollout client, weight sync and the sglang-router work against it
+unchanged.
+
+Authentication follows SGLang: with ``--api-key`` (or ``--api-key-file``) every endpoint needs
+``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) and answers 401 otherwise, except ``/health*``,
+``/ready`` and ``/metrics``, which stay open for probes. This exemption is needed by sglang-router 0.3.2,
+whose first worker probe (``detect_connection_mode``: ``GET /health``) is sent without the key, so a worker
+that demands it on ``/health`` is never registered (its later health checks and info calls do carry the
+key). Admin endpoints
+(weight updates, memory release/resume, pause/continue, flush, weight version) need ``--admin-api-key`` when
+one is set, else the API key (SGLang's ``ADMIN_OPTIONAL`` level). Keys are compared with
+``hmac.compare_digest``.
+
+Run: ``python -m hpcrl.engine.server --model-path DIR [--port 30000] [--api-key-file FILE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from hpcrl.engine import protocol
+from hpcrl.engine.args import EngineArgs, parse_args
+from hpcrl.engine.memory import create_memory_saver, normalize_tags
+from hpcrl.engine.scheduler import EngineUnavailable, Job, Scheduler
+from hpcrl.engine.serialize import deserialize_flattened_bucket, deserialize_named_tensors
+from hpcrl.engine.weights import WeightLoader, WeightUpdateError, WeightUpdateGroups
+
+logger = logging.getLogger("hpcrl.engine")
+
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+"""Paths that never need a key (SGLang leaves health, readiness and metrics open for probes)."""
+
+ADMIN_PATHS = frozenset({
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
+    "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/flush_cache",
+    "/update_weight_version",
+})
+"""Endpoints that need the admin key when ``--admin-api-key`` is set (else the API key)."""
+
+COMMAND_MARGIN_S = 30.0
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    """SGLang's error body ``{"error": {"message": ...}}`` with HTTP ``status``."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _token_ok(request: web.Request, expected: str) -> bool:
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected.encode()):
+        return True
+    x_key = request.headers.get("x-api-key")
+    return bool(x_key) and hmac.compare_digest(x_key.encode(), expected.encode())
+
+
+def make_auth_middleware(api_key: str | None, admin_api_key: str | None):
+    """aiohttp middleware enforcing the keys as described in the module docstring (401 on a missing/wrong
+    key)."""
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        path = request.path
+        if request.method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
+            return await handler(request)
+        if path in ADMIN_PATHS and admin_api_key:
+            expected = admin_api_key
+        else:
+            expected = api_key
+        if expected and not _token_ok(request, expected):
+            return error_response("Unauthorized", 401)
+        return await handler(request)
+
+    return auth
+
+
+class EngineServer:
+    """The engine process: model, tokenizer, scheduler thread, weight updates and the aiohttp app.
+
+    Loads the model from ``args.model_path`` at construction (raises OSError/ValueError from transformers on a
+    bad folder). All mutable state of the server lives in this object.
+    """
+
+    def __init__(self, args: EngineArgs):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.args = args
+        if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+            # torch defaults to every core of the machine; under Slurm only the allocated ones are ours
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+        torch.manual_seed(args.random_seed)
+        self.memory = create_memory_saver(args.enable_memory_saver, args.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        with self.memory.region("weights"):
+            self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+        self.model.eval()
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.context_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
+        eos: set[int] = set()
+        for src in (self.tokenizer.eos_token_id, getattr(cfg, "eos_token_id", None),
+                    getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
+            if isinstance(src, int):
+                eos.add(src)
+            elif isinstance(src, (list, tuple)):
+                eos.update(int(x) for x in src)
+        pad = self.tokenizer.pad_token_id
+        self.scheduler = Scheduler(self.model, self.tokenizer, eos, args.max_running_requests,
+                                   args.random_seed, args.weight_version, pad_id=0 if pad is None else pad)
+        self.loader = WeightLoader(self.model)
+        self.groups = WeightUpdateGroups(args.dist_timeout)
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ app
+    def build_app(self) -> web.Application:
+        """The aiohttp application with every route and the auth middleware."""
+        app = web.Application(middlewares=[make_auth_middleware(self.args.api_key, self.args.admin_api_key)],
+                              client_max_size=1 << 30)
+        r = app.router
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
+        for path, h in [("/health", self.health), ("/health_generate", self.health_generate),
+                        ("/ping", self.ping), ("/ready", self.ready), ("/get_model_info", self.model_info),
+                        ("/model_info", self.model_info), ("/get_server_info", self.server_info),
+                        ("/server_info", self.server_info), ("/get_weight_version", self.get_weight_version),
+                        ("/v1/models", self.v1_models), ("/get_load", self.get_load)]:
+            r.add_route("GET", path, h)
+        for path, h in [("/flush_cache", self.flush_cache),
+                        ("/release_memory_occupation", self.release_memory),
+                        ("/resume_memory_occupation", self.resume_memory)]:
+            r.add_route("GET", path, h)
+            r.add_route("POST", path, h)
+        for path, h in [("/abort_request", self.abort_request), ("/pause_generation", self.pause_generation),
+                        ("/continue_generation", self.continue_generation),
+                        ("/update_weight_version", self.update_weight_version),
+                        ("/update_weights_from_disk", self.update_weights_from_disk),
+                        ("/update_weights_from_tensor", self.update_weights_from_tensor),
+                        ("/init_weights_update_group", self.init_weights_update_group),
+                        ("/update_weights_from_distributed", self.update_weights_from_distributed),
+                        ("/destroy_weights_update_group", self.destroy_weights_update_group)]:
+            r.add_route("POST", path, h)
+        return app
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict:
+        """The JSON body as a dict ({} when empty). Raises protocol.RequestError on invalid JSON."""
+        raw = await request.read()
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise protocol.RequestError(f"invalid JSON body: {e}") from e
+        if body is None:
+            return {}
+        if not isinstance(body, dict):
+            raise protocol.RequestError("request body must be a JSON object")
+        return body
+
+    async def _command(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run ``fn`` in the scheduler thread (between forward passes) and await it for up to ``timeout``
+        s."""
+        fut = self.scheduler.run_command(fn)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """``/generate``: SGLang's native generation (see :func:`hpcrl.engine.protocol.parse_generate`)."""
+        try:
+            body = await self._body(request)
+            spec = protocol.parse_generate(body, self.tokenizer, self.vocab_size, self.context_len)
+        except protocol.RequestError as e:
+            return error_response(str(e), 400)
+        loop = asyncio.get_running_loop()
+        if spec.options.stream:
+            return await self._generate_stream(request, spec, loop)
+        results: list[dict | None] = [None] * len(spec.rows)
+        done: asyncio.Future = loop.create_future()
+        remaining = [len(spec.rows)]
+
+        def deliver(index: int, response: dict) -> None:
+            results[index] = response
+            remaining[0] -= 1
+            if remaining[0] == 0 and not done.done():
+                done.set_result(None)
+
+        def on_update(index: int, response: dict, finished: bool) -> None:
+            if finished:
+                loop.call_soon_threadsafe(deliver, index, response)
+
+        try:
+            self.scheduler.submit(Job(spec, on_update))
+        except EngineUnavailable as e:
+            return error_response(str(e), 503)
+        try:
+            await done
+        except asyncio.CancelledError:
+            for base in {row.base_rid for row in spec.rows}:
+                self.scheduler.abort(base, "Abort: the client disconnected.")
+            raise
+        return web.json_response(results[0] if spec.is_single else results)
+
+    async def _generate_stream(self, request: web.Request, spec: protocol.GenerateSpec,
+                               loop: asyncio.AbstractEventLoop) -> web.StreamResponse:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_update(index: int, response: dict, finished: bool) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (index, response, finished))
+
+        try:
+            self.scheduler.submit(Job(spec, on_update))
+        except EngineUnavailable as e:
+            return error_response(str(e), 503)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        left = len(spec.rows)
+        try:
+            while left:
+                index, response, finished = await queue.get()
+                if not spec.is_single:
+                    response = {**response, "index": index}
+                await resp.write(b"data: " + json.dumps(response).encode() + b"\n\n")
+                left -= finished
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            for base in {row.base_rid for row in spec.rows}:
+                self.scheduler.abort(base, "Abort: the client disconnected.")
+            raise
+        await resp.write_eof()
+        return resp
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """``/abort_request``: ``rid`` or ``abort_all: true``; the rows finish with an abort reason. Empty
+        200."""
+        try:
+            body = await self._body(request)
+        except protocol.RequestError as e:
+            return error_response(str(e))
+        message = body.get("abort_message") or "Abort by /abort_request."
+        if body.get("abort_all"):
+            self.scheduler.abort(None, message)
+        elif body.get("rid"):
+            rids = body["rid"] if isinstance(body["rid"], list) else [body["rid"]]
+            for rid in rids:
+                self.scheduler.abort(str(rid), message)
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """``/pause_generation``: ``mode`` abort (default), retract or in_place; new requests wait until
+        continue."""
+        try:
+            body = await self._body(request)
+            mode = body.get("mode") or "abort"
+            if mode not in ("abort", "retract", "in_place"):
+                raise protocol.RequestError(f"unknown mode {mode!r}; use abort, retract or in_place")
+            await self._command(lambda: self.scheduler.pause_now(mode), 60.0)
+        except (protocol.RequestError, ValueError) as e:
+            return error_response(str(e))
+        except asyncio.TimeoutError:
+            return error_response("pause timed out", 503)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        """``/continue_generation``: resume after a pause."""
+        self.scheduler.continue_generation()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """``/flush_cache``: 200 when no sequence holds KV cache (waits up to ``?timeout=`` s), else 400."""
+        try:
+            timeout = float(request.query.get("timeout", 0) or 0)
+        except ValueError:
+            return error_response("timeout must be a number of seconds")
+        deadline = time.monotonic() + max(0.0, min(timeout, 3600.0))
+        while self.scheduler.has_kv() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.scheduler.has_kv():
+            return web.Response(status=400, text="Cache not flushed: requests are running. "
+                                                 "Pause (retract or abort) or wait for them first.\n")
+        return web.Response(status=200, text="Cache flushed.\n")
+
+    # ------------------------------------------------------------------ health and info
+    async def health(self, request: web.Request) -> web.Response:
+        """``/health``: 200 while the scheduler thread runs, else 503 (cheap; see ``/health_generate``)."""
+        return web.Response(status=200 if self.scheduler.is_alive() else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """``/health_generate``: 200 if a 1-token greedy generation answers in time (or the engine is busy or
+        deliberately paused/released), else 503."""
+        if not self.scheduler.is_alive():
+            return web.Response(status=503)
+        if self.scheduler.paused or self.scheduler.released_tags or self.scheduler.has_kv():
+            return web.Response(status=200)
+        spec = protocol.parse_generate(
+            {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+             "rid": f"HEALTH_CHECK_{time.time()}"}, self.tokenizer, self.vocab_size, self.context_len)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def on_update(index: int, response: dict, finished: bool) -> None:
+            if finished:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(response))
+
+        try:
+            self.scheduler.submit(Job(spec, on_update))
+            await asyncio.wait_for(done, self.args.health_check_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError):
+            self.scheduler.abort(spec.rows[0].rid, "health check timed out")
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """``/ping``: 200."""
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """``/ready``: 200 once the model is loaded and the scheduler runs, else 503."""
+        return web.Response(status=200 if self.scheduler.is_alive() else 503)
+
+    def _model_info(self) -> dict:
+        cfg = self.model.config
+        return {
+            "model_path": self.args.model_path,
+            "served_model_name": self.args.served_model_name,
+            "tokenizer_path": self.args.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.scheduler.weight_version,
+            "load_format": self.args.load_format,
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": list(getattr(cfg, "architectures", None) or []),
+        }
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """``/get_model_info`` and ``/model_info``."""
+        return web.json_response(self._model_info())
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """``/get_server_info`` and ``/server_info``: resolved args (keys redacted), counters, version."""
+        import dataclasses
+
+        import torch
+
+        import hpcrl
+
+        state = {**dataclasses.asdict(self.scheduler.stats), **self.scheduler.load(),
+                 "continuous_batching": self.scheduler.continuous_batching,
+                 "cpu_threads": torch.get_num_threads()}
+        info = self.args.public_dict()
+        info.update({
+            "weight_version": self.scheduler.weight_version,
+            "context_length": self.context_len,
+            "max_total_num_tokens": self.context_len * self.args.max_running_requests,
+            "internal_states": [state],
+            "version": hpcrl.__version__,
+            "engine": "hpcrl-cpu-reference",
+            "uptime_s": time.time() - self.started,
+        })
+        return web.json_response(info)
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """``/get_load``: running and waiting rows."""
+        return web.json_response([self.scheduler.load()])
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        """``/get_weight_version``."""
+        return web.json_response({"weight_version": self.scheduler.weight_version})
+
+    async def v1_models(self, request: web.Request) -> web.Response:
+        """``/v1/models`` (OpenAI model list with the served model)."""
+        name = self.args.served_model_name
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(self.started), "owned_by": "sglang", "root": name,
+             "max_model_len": self.context_len}]})
+
+    # ------------------------------------------------------------------ weights and memory
+    async def _weight_update(self, request: web.Request, required: tuple[str, ...],
+                             work: Callable[[dict], str], timeout: float,
+                             extra: dict | None = None) -> web.Response:
+        """Common body of the update endpoints: parse, optionally abort all, run ``work`` in the scheduler
+        thread, bump the weight version if given. ``work`` returns a message or raises (any error is a 400
+        failure).
+        ``extra`` fields are added to the response body."""
+        extra = extra or {}
+
+        def fail(message: str) -> web.Response:
+            return web.json_response({"success": False, "message": message, **extra}, status=400)
+
+        try:
+            body = await self._body(request)
+        except protocol.RequestError as e:
+            return fail(str(e))
+        missing = [k for k in required if body.get(k) is None]
+        if missing:
+            return fail(f"missing required fields {missing}")
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(None, "Abort: weight update with abort_all_requests.")
+        try:
+            message = await self._command(lambda: work(body), timeout)
+        except asyncio.TimeoutError:
+            return fail(f"timed out after {timeout:.0f} s")
+        except Exception as e:  # noqa: BLE001 - every failure is a 400 with success false
+            if not isinstance(e, (WeightUpdateError, ValueError, TypeError, KeyError)):
+                logger.exception("weight update failed")
+            return fail(f"{type(e).__name__}: {e}" if not isinstance(e, WeightUpdateError) else str(e))
+        version = body.get("weight_version")
+        if version is not None:
+            self.scheduler.weight_version = str(version)
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, **extra})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_disk``: load safetensors from ``model_path`` (same architecture)."""
+        def work(body: dict) -> str:
+            n = self.loader.load_from_disk(body["model_path"])
+            self.args.model_path = str(body["model_path"])
+            return f"Succeeded to update model weights from {body['model_path']} ({n} tensors)."
+
+        return await self._weight_update(request, ("model_path",), work, 600.0,
+                                         extra={"num_paused_requests": 0})
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_tensor``: ``serialized_named_tensors`` (one per TP rank; this engine has
+        one)."""
+        def work(body: dict) -> str:
+            payloads = body["serialized_named_tensors"]
+            if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
+                raise WeightUpdateError("serialized_named_tensors must be a non-empty list of base64 strings")
+            fmt = body.get("load_format")
+            if fmt in (None, "auto", "direct"):
+                named = deserialize_named_tensors(payloads[0])
+            elif fmt == "flattened_bucket":
+                named = deserialize_flattened_bucket(payloads[0])
+            else:
+                raise WeightUpdateError(f"load_format {fmt!r} is not supported "
+                                        "(use null or 'flattened_bucket')")
+            n = self.loader.load(named)
+            del named
+            return f"Succeeded to update {n} tensors from serialized tensors."
+
+        return await self._weight_update(request, ("serialized_named_tensors",), work, 600.0)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """``/init_weights_update_group``: join a torch.distributed group as rank ``rank_offset``."""
+        def work(body: dict) -> str:
+            used = self.groups.init(str(body["master_address"]), int(body["master_port"]),
+                                    int(body["rank_offset"]), int(body["world_size"]),
+                                    body.get("group_name") or "weight_update_group",
+                                    body.get("backend") or "nccl")
+            return f"Succeeded to initialize the weight update group ({used})."
+
+        return await self._weight_update(request, ("master_address", "master_port", "rank_offset",
+                                                   "world_size"),
+                                         work, self.args.dist_timeout + COMMAND_MARGIN_S)
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_distributed``: receive ``names/dtypes/shapes`` by broadcast from rank 0."""
+        def work(body: dict) -> str:
+            n = self.groups.receive(list(body["names"]), list(body["dtypes"]),
+                                    [list(s) for s in body["shapes"]],
+                                    body.get("group_name") or "weight_update_group", self.loader)
+            return f"Succeeded to update {n} tensors from distributed."
+
+        return await self._weight_update(request, ("names", "dtypes", "shapes"), work,
+                                         self.args.dist_timeout + COMMAND_MARGIN_S)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        """``/destroy_weights_update_group``: leave and destroy group ``group_name``."""
+        def work(body: dict) -> str:
+            self.groups.destroy(body.get("group_name") or "weight_update_group")
+            return "Succeeded to destroy the weight update group."
+
+        return await self._weight_update(request, (), work, 60.0)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """``/update_weight_version``: set ``new_version`` (aborting all requests unless told not to)."""
+        try:
+            body = await self._body(request)
+        except protocol.RequestError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        version = body.get("new_version")
+        if version is None:
+            return web.json_response({"success": False, "message": "missing required field new_version"},
+                                     status=400)
+        if body.get("abort_all_requests", True):
+            self.scheduler.abort(None, "Abort: weight version update.")
+        self.scheduler.weight_version = str(version)
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+                                  "new_version": str(version)})
+
+    async def _memory(self, request: web.Request, release: bool) -> web.Response:
+        try:
+            body = await self._body(request)
+            tags = normalize_tags(body.get("tags"))
+        except (protocol.RequestError, ValueError) as e:
+            return error_response(str(e))
+
+        def work() -> None:
+            if release:
+                self.scheduler.release_now(tags)
+                for tag in tags:
+                    self.memory.pause(tag)
+            else:
+                for tag in tags:
+                    self.memory.resume(tag)
+                self.scheduler.resume_now(tags)
+
+        try:
+            await self._command(work, 120.0)
+        except (RuntimeError, ValueError) as e:
+            return error_response(str(e))
+        except asyncio.TimeoutError:
+            return error_response("memory operation timed out", 503)
+        return web.json_response(None)
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        """``/release_memory_occupation``: ``tags`` (null = all); generation is refused (503) until
+        resumed."""
+        return await self._memory(request, release=True)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        """``/resume_memory_occupation``: ``tags`` (null = all)."""
+        return await self._memory(request, release=False)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def serve(self, stop: asyncio.Event,
+                    on_ready: Callable[[], Awaitable[None] | None] | None = None) -> None:
+        """Serve until ``stop`` is set, then shut down the HTTP server, the scheduler and the groups."""
+        self.scheduler.start()
+        runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.args.host, self.args.port)
+        try:
+            await site.start()
+            logger.info("hpcrl engine (CPU reference engine, not a fast server) ready at "
+                        "http://%s:%d, model %s",
+                        self.args.host, self.args.port, self.args.model_path)
+            if on_ready is not None:
+                res = on_ready()
+                if asyncio.iscoroutine(res):
+                    await res
+            await stop.wait()
+        finally:
+            logger.info("shutting down")
+            await runner.cleanup()
+            logger.debug("http server closed")
+            self.scheduler.stop()
+            self.groups.destroy_all()
+            logger.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse SGLang-style flags, load the model and serve until SIGTERM/SIGINT. Returns the exit code."""
+    try:
+        args = parse_args(argv)
+    except (ValueError, OSError) as e:
+        print(f"hpcrl serve: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = EngineServer(args)
+    except Exception as e:  # noqa: BLE001 - report the load failure and exit non-zero
+        logger.error("cannot load model from %s: %s", args.model_path, e)
+        return 1
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await server.serve(stop)
+
+    try:
+        asyncio.run(run())
+    except OSError as e:
+        logger.error("cannot serve on %s:%d: %s", args.host, args.port, e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""In-place weight updates of the engine's model, and the torch.distributed weight-update groups.
+
+Weights are addressed by their Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight``).
+Every update validates *all* incoming names and shapes before it copies anything, so a failed update leaves
+the model unchanged. Incoming tensors are cast to the parameter's dtype.
+
+Weight-update groups are extra torch.distributed process groups (one per ``group_name``) created next to, not
+as, the default group, so the engine and a trainer that already has its own default group can both join: rank
+0 is the trainer's sender, the engine's rank is ``rank_offset``. Both sides must call
+:func:`init_custom_process_group` with the same address, port, world size and group name (the store is
+prefixed with the group name, as SGLang and slime do). Backend ``nccl`` falls back to ``gloo`` when CUDA is
+absent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightUpdateError(ValueError):
+    """An update was refused (unknown name, shape mismatch, bad file, group error); nothing was changed."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"``, ``"torch.bfloat16"`` or a dtype to a ``torch.dtype``. Raises WeightUpdateError if
+    unknown."""
+    if isinstance(name, torch.dtype):
+        return name
+    attr = str(name).removeprefix("torch.")
+    dtype = getattr(torch, attr, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightUpdateError(f"unknown dtype {name!r}")
+    return dtype
+
+
+class WeightLoader:
+    """Copies named tensors into ``model``'s parameters and persistent buffers.
+
+    ``model``: the HF model. Tied ``lm_head.weight`` (with ``tie_word_embeddings``) and rotary ``inv_freq``
+    buffers are accepted and skipped, as SGLang's loaders do.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._targets = dict(model.named_parameters())
+        for name, buf in model.named_buffers():
+            self._targets.setdefault(name, buf)
+        self._tied = bool(getattr(model.config, "tie_word_embeddings", False))
+
+    def names(self) -> list[str]:
+        """HF names of the parameters and buffers that updates can target."""
+        return list(self._targets)
+
+    def _skip(self, name: str) -> bool:
+        if name.endswith(_IGNORED_SUFFIXES):
+            return True
+        return self._tied and name == "lm_head.weight" and name not in self._targets
+
+    def check(self, names_shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Validate names and shapes against the model. Raises WeightUpdateError listing every problem."""
+        problems = []
+        for name, shape in names_shapes:
+            if self._skip(name):
+                continue
+            target = self._targets.get(name)
+            if target is None:
+                problems.append(f"unknown parameter {name!r}")
+            elif tuple(target.shape) != tuple(shape):
+                problems.append(f"shape mismatch for {name!r}: got {list(shape)}, "
+                                f"model has {list(target.shape)}")
+        if problems:
+            shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
+            raise WeightUpdateError("; ".join(shown))
+
+    @torch.no_grad()
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Validate, then copy each tensor into its parameter. Returns how many tensors were copied.
+
+        Raises WeightUpdateError (and changes nothing) on an unknown name, a shape mismatch or a non-tensor
+        value.
+        """
+        for name, t in named_tensors:
+            if not isinstance(t, torch.Tensor):
+                raise WeightUpdateError(f"value for {name!r} is not a tensor")
+        self.check([(name, tuple(t.shape)) for name, t in named_tensors])
+        count = 0
+        for name, t in named_tensors:
+            if self._skip(name):
+                continue
+            target = self._targets[name]
+            target.copy_(t.to(device=target.device, dtype=target.dtype))
+            count += 1
+        return count
+
+    def load_from_disk(self, model_path: str | Path) -> int:
+        """Load all safetensors weights of an HF folder of the same architecture. Returns tensors copied.
+
+        Raises WeightUpdateError if the folder is missing, has no ``*.safetensors`` files, declares other
+        ``architectures`` in its config.json, or has unknown names or wrong shapes.
+        """
+        from safetensors.torch import load_file
+
+        path = Path(model_path)
+        if not path.is_dir():
+            raise WeightUpdateError(f"model_path {str(path)!r} is not a folder")
+        cfg_file = path / "config.json"
+        if cfg_file.exists():
+            theirs = json.loads(cfg_file.read_text()).get("architectures")
+            ours = getattr(self.model.config, "architectures", None)
+            if theirs and ours and list(theirs) != list(ours):
+                raise WeightUpdateError(f"architecture mismatch: {theirs} in {path}, engine serves {ours}")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightUpdateError(f"no *.safetensors files in {path}")
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for f in files:
+            try:
+                tensors.extend(load_file(str(f)).items())
+            except Exception as e:  # noqa: BLE001 - report as a failed update
+                raise WeightUpdateError(f"cannot read {f}: {e}") from e
+        return self.load(tensors)
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout: datetime.timedelta):
+    """Create a process group next to (not as) the default group, as SGLang's ``init_custom_process_group``.
+
+    ``init_method``: ``tcp://host:port`` (rank 0 hosts the TCPStore). The store is prefixed with
+    ``group_name``. Returns the ``ProcessGroup``. Raises on rendezvous timeout (``timeout``) or backend
+    errors. Both the trainer (rank 0) and the engine use this function.
+    """
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def resolve_backend(backend: str) -> str:
+    """``nccl`` becomes ``gloo`` without CUDA; other names pass through."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        return "gloo"
+    return backend
+
+
+class WeightUpdateGroups:
+    """The engine's weight-update process groups by name, and receiving tensors on them.
+
+    ``timeout_s``: seconds for rendezvous and for each collective (the group's timeout).
+    """
+
+    def __init__(self, timeout_s: float):
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._groups: dict[str, tuple[object, str]] = {}
+
+    def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+             backend: str) -> str:
+        """Join group ``group_name`` as rank ``rank_offset``. Returns the backend used.
+
+        Raises WeightUpdateError if the group exists or the rendezvous / backend setup fails (e.g. timeout).
+        """
+        if group_name in self._groups:
+            raise WeightUpdateError(f"weight update group {group_name!r} already exists")
+        if not 0 <= rank_offset < world_size:
+            raise WeightUpdateError(f"rank_offset {rank_offset} is outside world_size {world_size}")
+        used = resolve_backend(backend)
+        try:
+            pg = init_custom_process_group(used, f"tcp://{master_address}:{master_port}", world_size,
+                                           rank_offset, group_name, self.timeout)
+        except Exception as e:  # noqa: BLE001 - a failed init is a failed request
+            raise WeightUpdateError(f"cannot init weight update group {group_name!r}: {e}") from e
+        self._groups[group_name] = (pg, used)
+        return used
+
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                loader: WeightLoader) -> int:
+        """Receive each tensor by ``broadcast(src=0)`` on the group, then load them all. Returns tensors
+        copied.
+
+        All broadcasts are received even when a name or shape is wrong (so the sender does not hang); the
+        update is then refused as a whole. Raises WeightUpdateError on an unknown group, mismatched list
+        lengths, a bad dtype, a communication error or timeout, or a failed validation.
+        """
+        entry = self._groups.get(group_name)
+        if entry is None:
+            raise WeightUpdateError(f"unknown weight update group {group_name!r}; "
+                                    "call /init_weights_update_group first")
+        pg, backend = entry
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise WeightUpdateError("names, dtypes and shapes must have the same length")
+        parsed = [parse_dtype(d) for d in dtypes]
+        device = "cuda" if backend == "nccl" else "cpu"
+        received = []
+        try:
+            for name, dtype, shape in zip(names, parsed, shapes):
+                t = torch.empty(tuple(shape), dtype=dtype, device=device)
+                torch.distributed.broadcast(t, src=0, group=pg)
+                received.append((name, t))
+        except Exception as e:  # noqa: BLE001 - timeout or peer failure
+            raise WeightUpdateError(f"broadcast on {group_name!r} failed: {e}") from e
+        return loader.load(received)
+
+    def destroy(self, group_name: str) -> None:
+        """Destroy group ``group_name``. Raises WeightUpdateError if it does not exist."""
+        entry = self._groups.pop(group_name, None)
+        if entry is None:
+            raise WeightUpdateError(f"unknown weight update group {group_name!r}")
+        try:
+            torch.distributed.destroy_process_group(entry[0])
+        except Exception as e:  # noqa: BLE001
+            logger.warning("destroying group %s: %s", group_name, e)
+
+    def destroy_all(self) -> None:
+        """Destroy every group (at shutdown)."""
+        for name in list(self._groups):
+            self.destroy(name)

@@ -1,0 +1,148 @@
+"""Start and stop an hpcrl engine server subprocess for tests (free loopback port, health wait, log file).
+
+Usage::
+
+    with EngineProcess(model_dir, log_path=tmp_path / "engine.log") as eng:
+        status, body = http_json("POST", eng.url + "/generate", {"text": "1+1=", ...})
+
+Also used by the router tests. Everything is bounded in time: start waits at most ``start_timeout`` seconds
+for ``/health`` to answer 200, stop escalates from SIGTERM to SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_json(method: str, url: str, body: Any = None, headers: dict | None = None,
+              timeout: float = 60.0) -> tuple[int, Any]:
+    """Send one HTTP request with a JSON body; return ``(status, parsed JSON or text or None)``.
+
+    Never raises for HTTP error statuses (4xx/5xx come back as the status); raises URLError/TimeoutError on
+    connection failures.
+    """
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    if not raw:
+        return status, None
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+class EngineProcess:
+    """An ``python -m hpcrl.engine.server`` subprocess on 127.0.0.1.
+
+    ``model_path``: HF folder. ``extra_args``: more server flags. ``log_path``: where stdout/stderr go
+    (default: a file next to nothing, i.e. ``engine-<port>.log`` in the current directory). ``threads``:
+    OMP/torch threads for the server (tests keep this small on shared machines).
+    """
+
+    def __init__(self, model_path: str | os.PathLike, extra_args: list[str] | tuple[str, ...] = (),
+                 log_path: str | os.PathLike | None = None, threads: int = 1, port: int | None = None,
+                 env: dict[str, str] | None = None):
+        self.model_path = str(model_path)
+        self.extra_args = list(extra_args)
+        self.port = port
+        self.log_path = Path(log_path) if log_path else None
+        self.threads = threads
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:PORT``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self) -> None:
+        if self.port is None:
+            self.port = free_port()
+        if self.log_path is None:
+            self.log_path = Path(f"engine-{self.port}.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               **self.env}
+        cmd = [sys.executable, "-m", "hpcrl.engine.server", "--model-path", self.model_path,
+               "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The last ``chars`` characters of the server log."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:] if self.log_path else ""
+        except OSError:
+            return ""
+
+    def start(self, start_timeout: float = 120.0, attempts: int = 3) -> "EngineProcess":
+        """Spawn the server and wait until ``/health`` answers 200.
+
+        Retries on a new port if the process exits early (e.g. the port was taken). Raises RuntimeError with
+        the log tail if it does not come up within ``start_timeout`` seconds per attempt.
+        """
+        fixed_port = self.port is not None
+        for attempt in range(attempts):
+            self._spawn()
+            deadline = time.monotonic() + start_timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    status, _ = http_json("GET", self.url + "/health", timeout=2.0)
+                    if status == 200:
+                        return self
+                except (OSError, urllib.error.URLError):
+                    pass
+                time.sleep(0.2)
+            exited = self.proc.poll() is not None
+            self.stop()
+            if not exited or fixed_port or attempt == attempts - 1:
+                raise RuntimeError(f"engine did not become healthy on port {self.port}:\n{self.log_tail()}")
+            self.port = None
+        raise RuntimeError("unreachable")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, wait up to ``timeout`` seconds, then SIGKILL. Safe to call twice."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "EngineProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
