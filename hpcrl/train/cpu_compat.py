@@ -28,7 +28,10 @@ returns at once and megatron-core runs unmodified):
    ``distributed.param_and_grad_buffer`` (param/grad buffers on the current device at ~783-806, stream
    waits at ~417-529),
    ``optimizer.optimizer`` (scale tensors at ~473-485, ~907, ~1141), ``optimizer.clip_grads`` (norm
-   buffers at ~90-115, ~207). Not reached by the tests but by options the trainer offers:
+   buffers at ~90-115, ~207), ``dist_checkpointing.strategies.filesystem_async`` (``torch.cuda.synchronize()``
+   after staging tensors to the host at ~230) and ``dist_checkpointing.strategies.state_dict_saver`` (the
+   write-failure flag on ``torch.cuda.current_device()`` at ~252), both on every torch_dist save
+   (:mod:`hpcrl.checkpoint`). Not reached by the tests but by options the trainer offers:
    ``distributed.distributed_data_parallel`` (a CUDA stream with ``overlap_grad_reduce``),
    ``optimizer.distrib_optimizer`` (state buffers when saving/loading distributed-optimizer checkpoints,
    ~791 and ~1077), ``optimizer.grad_scaler`` (fp16 loss scale).
@@ -72,6 +75,8 @@ PATCHED_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.grad_scaler",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 """megatron-core modules whose global ``torch`` is replaced by the CPU alias (see the module docstring)."""
 

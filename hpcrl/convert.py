@@ -1,0 +1,247 @@
+"""Export an hpcrl checkpoint's model as an HF folder (safetensors + config + tokenizer) an engine can serve.
+
+:func:`mcore_to_hf` builds the megatron-core GPTModel from the run's base HF folder, loads the model part of a
+checkpoint (:mod:`hpcrl.checkpoint`; the optimizer is not read) and writes the weights with
+:func:`hpcrl.train.bridge.export_hf_weights`. It runs as a single process (tensor-parallel size 1) whatever
+tensor-parallel size the checkpoint was saved with: megatron-core's ``dist_checkpointing`` reads each
+parameter's shards and reassembles them. Inside a running ``torch.distributed`` job every rank calls it and
+rank 0 writes.
+
+Output folder (written to ``<out_dir>.tmp-<nonce>`` and renamed, so it is either complete or absent)::
+
+    out_dir/
+      model.safetensors             or model-00001-of-0000N.safetensors ... + model.safetensors.index.json
+      config.json                   the base folder's, with ``dtype`` set to the exported dtype
+      tokenizer.json, tokenizer_config.json, generation_config.json, ...  copied from the base folder
+      hpcrl_export.json             provenance: checkpoint folder, rollout id, dtype
+
+Command line: ``python -m hpcrl.convert CHECKPOINT_OR_RUN_DIR HF_BASE OUT_DIR [--dtype bfloat16]`` (a run
+folder means its newest complete checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+"""Files of the base folder that are weights (not copied); everything else at its top level is copied."""
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def _dtype(name: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype (e.g. float32, bfloat16)")
+    return dtype
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _vocab_divisor(padded_vocab_size: int, tp: int) -> int:
+    """``make_vocab_size_divisible_by`` that pads exactly to ``padded_vocab_size`` at TP size ``tp``."""
+    if padded_vocab_size % tp:
+        raise ValueError(f"the checkpoint's padded vocab ({padded_vocab_size}) does not split over TP={tp}")
+    return padded_vocab_size // tp
+
+
+class _ShardWriter:
+    """Write ``(name, tensor)`` pairs into safetensors files of at most ``max_bytes`` each (one tensor may be
+    bigger), named as HF names them: ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
+    ``model.safetensors.index.json``."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.parts: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.current[name] = tensor.contiguous().cpu()
+        self.current_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        part = f"part-{len(self.parts):05d}.safetensors"
+        save_file(self.current, str(self.folder / part), metadata={"format": "pt"})
+        self.parts.append((part, list(self.current)))
+        self.current, self.current_bytes = {}, 0
+
+    def close(self) -> None:
+        """Write the last file, give the files their final names and write the index if there are several."""
+        if self.current or not self.parts:
+            self._flush()
+        n = len(self.parts)
+        if n == 1:
+            os.rename(self.folder / self.parts[0][0], self.folder / "model.safetensors")
+            return
+        weight_map = {}
+        for i, (part, names) in enumerate(self.parts):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(self.folder / part, self.folder / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str, os.PathLike],
+                out_dir: Union[str, os.PathLike], dtype: Optional[Union[str, torch.dtype]] = None,
+                megatron: Optional[Mapping[str, Any]] = None,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write the model of an hpcrl checkpoint as an HF safetensors folder at ``out_dir``; returns ``out_dir``.
+
+    ``checkpoint_dir``: an ``iter_XXXXXXX`` folder (:mod:`hpcrl.checkpoint`). ``hf_base_path``: the run's base
+    HF folder (config + tokenizer; its weights are not read). ``dtype``: of the written tensors, default the
+    dtype the model was trained in (the checkpoint marker's ``params_dtype``). ``megatron``: the run config's
+    free ``megatron:`` dict, for TransformerConfig overrides that change the model (rarely needed).
+    ``max_shard_bytes``: largest safetensors file; bigger models get several files and an index.
+
+    Without ``torch.distributed`` a world of 1 at TP=1 is started and torn down afterwards; inside a job
+    every rank must call (each tensor is gathered over the TP group) and rank 0 writes. The model is built
+    with the checkpoint's padded vocab size, so a checkpoint saved at any TP size loads at TP=1.
+    Raises FileExistsError if ``out_dir`` exists, :class:`hpcrl.checkpoint.CheckpointError` for an
+    incomplete checkpoint, ValueError for a bad dtype or a padded vocab that does not split over this job's
+    TP size, OSError if writing fails.
+    """
+    from transformers import AutoConfig
+
+    from hpcrl import checkpoint
+    from hpcrl.train import bridge, parallel
+
+    checkpoint_dir, hf_base_path, out_dir = Path(checkpoint_dir), Path(hf_base_path), Path(out_dir)
+    marker = checkpoint.validate_checkpoint(checkpoint_dir)
+    train_dtype = _dtype(marker.get("params_dtype") or "float32")
+    out_dtype = _dtype(dtype) if dtype is not None else train_dtype
+
+    started_dist = not dist.is_initialized()
+    if started_dist:
+        parallel.init_distributed()
+    from megatron.core import parallel_state
+
+    started_mp = not parallel_state.model_parallel_is_initialized()
+    if started_mp:
+        parallel.initialize_model_parallel(tp=1)
+    try:
+        rank = dist.get_rank()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tmp = None
+        if rank == 0:
+            if out_dir.exists():
+                tmp = {"error": f"{out_dir} already exists"}
+            else:
+                tmp = {"path": str(out_dir.with_name(f"{out_dir.name}.tmp-{secrets.token_hex(4)}"))}
+        box = [tmp]
+        dist.broadcast_object_list(box, src=0)
+        if "error" in box[0]:
+            raise FileExistsError(box[0]["error"])
+        tmp = Path(box[0]["path"])
+
+        hf_config = AutoConfig.from_pretrained(str(hf_base_path))
+        extra = parallel.split_megatron_kwargs(megatron)
+        model_kwargs = dict(extra["model"], **extra["transformer"])
+        for key in ("bf16", "fp16", "params_dtype", "pipeline_dtype"):  # the checkpoint's dtype decides
+            model_kwargs.pop(key, None)
+        if marker.get("padded_vocab_size"):
+            model_kwargs["make_vocab_size_divisible_by"] = _vocab_divisor(marker["padded_vocab_size"], tp)
+        model = bridge.build_gpt_model(hf_config, dtype=train_dtype, **model_kwargs)
+        checkpoint.load_checkpoint(checkpoint_dir, model, None, load_rng=False)
+        model.eval()
+
+        writer, error = None, None
+        if rank == 0:
+            tmp.mkdir(parents=True)
+            writer = _ShardWriter(tmp, max_shard_bytes)
+        for name, tensor in bridge.export_hf_weights(model, dtype=out_dtype):  # a collective per tensor
+            if writer is not None:
+                writer.add(name, tensor)
+        del model
+        if rank == 0:
+            try:
+                writer.close()
+                _write_metadata_files(hf_base_path, tmp, out_dtype, checkpoint_dir, marker)
+                for f in tmp.iterdir():
+                    _fsync(f)
+                _fsync(tmp)
+                os.rename(tmp, out_dir)
+                _fsync(out_dir.parent)
+            except OSError as e:
+                error = f"writing {out_dir} failed: {e}"
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise OSError(box[0])
+        return out_dir
+    finally:
+        if started_mp:
+            parallel_state.destroy_model_parallel()
+        if started_dist:
+            dist.destroy_process_group()
+
+
+def _write_metadata_files(base: Path, out: Path, dtype: torch.dtype, checkpoint_dir: Path,
+                          marker: Mapping[str, Any]) -> None:
+    """Copy the base folder's non-weight files (tokenizer, generation config); write config, provenance."""
+    for f in sorted(base.iterdir()):
+        weights = f.name in WEIGHT_INDEXES or f.name.endswith(WEIGHT_SUFFIXES)
+        if not f.is_file() or weights or f.name == "config.json":
+            continue
+        shutil.copy2(f, out / f.name)
+    config = json.loads((base / "config.json").read_text())
+    dtype_name = str(dtype).removeprefix("torch.")
+    config["dtype"] = dtype_name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype_name
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    provenance = {"checkpoint": str(checkpoint_dir.resolve()), "rollout_id": marker.get("rollout_id"),
+                  "dtype": dtype_name, "saved_tp_size": marker.get("tp_size")}
+    (out / "hpcrl_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m hpcrl.convert CHECKPOINT_OR_RUN_DIR HF_BASE OUT_DIR [--dtype D]``."""
+    from hpcrl import checkpoint
+
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.convert",
+                                     description="Export an hpcrl checkpoint as an HF safetensors folder.")
+    parser.add_argument("checkpoint", type=Path,
+                        help="an iter_XXXXXXX folder, or a run folder (its newest complete checkpoint)")
+    parser.add_argument("hf_base", type=Path, help="the run's base HF folder (config + tokenizer)")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", default=None,
+                        help="dtype of the written tensors (default: the dtype the model was trained in)")
+    args = parser.parse_args(argv)
+    path = args.checkpoint
+    if not (path / checkpoint.MARKER_FILE).exists():
+        latest = checkpoint.find_latest_checkpoint(path)
+        if latest is None:
+            parser.error(f"{path} is neither a checkpoint nor a run folder with a complete checkpoint")
+        path = latest
+    out = mcore_to_hf(path, args.hf_base, args.out_dir, dtype=args.dtype)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,459 @@
+"""Checkpoints (hpcrl.checkpoint) and HF export (hpcrl.convert) with real megatron-core models on CPU (gloo).
+
+- Bitwise resume, TP=1 in this process (fp32 and bf16): train 3 steps saving before step 1 and after it;
+  then, from other RNG seeds, build a fresh model + optimizer, load a checkpoint and train the remaining
+  steps: parameters, optimizer state (Adam moments, step, main params) and the next draws of every RNG
+  stream equal the uninterrupted run's. The batches come from the global python / numpy / torch RNGs, so
+  an unrestored RNG would change them.
+- The same in 2 torchrun processes (this file run as a script, see ``worker``): TP=2, and TP=1 x DP=2 with
+  the distributed optimizer.
+- A checkpoint without marker, with a truncated file or (with checksums) a corrupted one is skipped for the
+  previous one; ``.tmp-*`` leftovers are ignored and removed by the next save; ``keep_last`` pruning.
+- ``mcore_to_hf``: the folder loads in transformers with logits equal to the Megatron model's (1e-5) and
+  weights bitwise equal to the trained ones, also for a checkpoint saved at TP=2 and converted at TP=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpcrl.config import TrainSection
+
+VOCAB = 21  # the tiny model's vocab (hpcrl.models.tiny)
+SEQ = 10
+STEPS, SAVE_AT = 3, 1
+TRAIN = TrainSection(lr=1e-2, weight_decay=0.01, clip_grad=1.0)
+
+
+# --- shared by the in-process tests and the torchrun worker ------------------------------------------------
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy, torch and megatron's tensor-parallel RNG tracker."""
+    from hpcrl.train import parallel
+
+    np.random.seed(seed)
+    parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def draw_batch():
+    """A batch drawn from the global RNG streams (the same on every rank: they are seeded alike)."""
+    tokens = torch.randint(3, VOCAB, (2, SEQ))
+    adv = torch.from_numpy(np.random.standard_normal(2).astype(np.float32))
+    total = torch.tensor([SEQ, random.randint(5, SEQ)])
+    return tokens, total, torch.tensor([4, 3]), adv
+
+
+def one_step(ddp_model, optimizer) -> dict:
+    from hpcrl.train import logprobs, parallel
+
+    tokens, total, resp, adv = draw_batch()
+
+    def loss_fn(model, _):
+        out = logprobs.response_log_probs(model, tokens, total, resp)
+        return -(out.log_probs * out.mask * adv[:, None]).sum() / out.mask.sum()
+
+    return parallel.train_step(ddp_model, optimizer, loss_fn, [None])
+
+
+def model_tensors(ddp_model) -> dict[str, torch.Tensor]:
+    """This rank's parameters (TP shards), copied."""
+    from hpcrl.train import bridge
+
+    return {k: v.detach().clone() for k, v in bridge.unwrap_model(ddp_model).named_parameters()}
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """Main params and every optimizer state tensor (Adam moments, step) of this rank, copied, in order."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                out.append(p.detach().clone())
+                for k in sorted(inner.state[p]):
+                    v = inner.state[p][k]
+                    out.append(v.detach().clone() if torch.is_tensor(v) else torch.tensor(v))
+    return out
+
+
+def rng_probe() -> list[float]:
+    """The next draw of every RNG stream a checkpoint restores."""
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        tracked = torch.rand(1).item()
+    return [random.random(), float(np.random.rand()), torch.rand(1).item(), tracked]
+
+
+def probe_logits(ddp_model) -> torch.Tensor:
+    """Full-vocab logits [2, SEQ, VOCAB] on fixed tokens (gathered over TP)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    tokens = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
+    with torch.no_grad():
+        positions = torch.arange(SEQ).expand(2, -1)
+        logits = ddp_model(input_ids=tokens, position_ids=positions, attention_mask=None)
+    return gather_from_tensor_model_parallel_region(logits)[..., :VOCAB].clone()
+
+
+def resume_experiment(hf_dir, run_dir, train=TRAIN) -> dict:
+    """An uninterrupted run (A) saving before the first step and after step SAVE_AT, and runs resumed from
+    those two checkpoints (C from step 0, B from SAVE_AT) by a fresh model + optimizer; their states."""
+    from hpcrl import checkpoint
+    from hpcrl.train import bridge, parallel
+
+    seed_everything(1234)
+    model, opt = parallel.setup_model_and_optimizer(hf_dir, train)
+    res: dict = {"A": {}, "B": {}, "C": {}, "path": {}}
+    for step in range(STEPS + 1):
+        if step:
+            res["A"].setdefault("loss", []).append(one_step(model, opt)["loss"])
+        if step in (0, SAVE_AT):
+            extra = {"rollout_id": step, "data": {"epoch": 0, "offset": 7}, "metrics": [{"x": 0.5}]}
+            res["path"][step] = str(checkpoint.save_checkpoint(run_dir, step, model, opt, extra))
+        if step == SAVE_AT:
+            res["A"]["saved_model"], res["A"]["saved_optim"] = model_tensors(model), optimizer_tensors(opt)
+            res["A"]["saved_hf"] = dict(bridge.export_hf_weights(model))
+            res["A"]["saved_logits"] = probe_logits(model)
+    res["A"].update(model=model_tensors(model), optim=optimizer_tensors(opt), rng=rng_probe())
+    del model, opt
+
+    for run, start in (("B", SAVE_AT), ("C", 0)):
+        seed_everything(999)  # a fresh start: other RNG states, the base weights, a new optimizer
+        model, opt = parallel.setup_model_and_optimizer(hf_dir, train)
+        res[run]["extra"] = checkpoint.load_checkpoint(res["path"][start], model, opt)
+        res[run]["loaded_model"], res[run]["loaded_optim"] = model_tensors(model), optimizer_tensors(opt)
+        for _ in range(start + 1, STEPS + 1):
+            res[run].setdefault("loss", []).append(one_step(model, opt)["loss"])
+        res[run].update(model=model_tensors(model), optim=optimizer_tensors(opt), rng=rng_probe())
+        del model, opt
+    return res
+
+
+def assert_bitwise_resume(res: dict) -> None:
+    a, b, c = res["A"], res["B"], res["C"]
+    assert b["extra"] == {"rollout_id": 1, "data": {"epoch": 0, "offset": 7}, "metrics": [{"x": 0.5}]}
+    assert c["extra"]["rollout_id"] == 0
+    assert sorted(b["loaded_model"]) == sorted(a["saved_model"])
+    for k, v in a["saved_model"].items():
+        assert torch.equal(b["loaded_model"][k], v), k
+    assert len(b["loaded_optim"]) == len(a["saved_optim"]) > 0
+    assert all(torch.equal(x, y) for x, y in zip(b["loaded_optim"], a["saved_optim"]))
+    assert any(not torch.equal(a["model"][k], a["saved_model"][k]) for k in a["model"])  # it did train on
+    assert b["loss"] == a["loss"][SAVE_AT:] and c["loss"] == a["loss"]
+    for run in (b, c):
+        for k, v in a["model"].items():
+            assert torch.equal(run["model"][k], v), k
+        assert len(run["optim"]) == len(a["optim"])
+        assert all(torch.equal(x, y) for x, y in zip(run["optim"], a["optim"]))
+        assert run["rng"] == a["rng"]
+
+
+# --- the distributed side: `torchrun --nproc_per_node=2 test_checkpoint.py --hf DIR --out DIR` -------------
+
+
+def worker(hf_dir: str, out: Path) -> None:
+    """Run on each of 2 ranks: the resume experiment at TP=2 and at TP=1 x DP=2 (distributed optimizer)."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    from hpcrl.train import parallel
+
+    env = parallel.init_distributed()
+    results = {}
+    distopt = dataclasses.replace(TRAIN, use_distributed_optimizer=True)
+    for name, tp, train in (("tp2", 2, TRAIN), ("dp2_distopt", 1, distopt)):
+        parallel.initialize_model_parallel(tp=tp)
+        results[name] = resume_experiment(hf_dir, out / f"run-{name}", train)
+        results[name]["tp_rank"] = parallel_state.get_tensor_model_parallel_rank()
+        results[name]["dp"] = parallel_state.get_data_parallel_world_size()
+        parallel_state.destroy_model_parallel()
+    torch.save(results, out / f"rank{env.rank}.pt")
+    parallel.destroy()
+
+
+# --- the test side ------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """gloo world of 1 with megatron-core model parallelism (TP=1), torn down after the module."""
+    pytest.importorskip("megatron.core")
+    from hpcrl.train import parallel
+
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    yield
+    parallel.destroy()
+
+
+@pytest.fixture(scope="module")
+def tp1_resume(tp1, tiny_model_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run-tp1")
+    return resume_experiment(tiny_model_dir, run_dir) | {"run_dir": run_dir}
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model_dir, tmp_path_factory):
+    """Run the torchrun job once; the per-rank results (rank 0 first) and its output folder."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path_factory.mktemp("ckpt-tp2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__,
+           "--hf", str(tiny_model_dir), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, \
+        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+
+
+@pytest.fixture(scope="module")
+def small_model(tp1, tiny_model_dir):
+    """A model and its (never stepped) optimizer, for the quick model-only checkpoints below."""
+    from hpcrl.train import parallel
+
+    return parallel.setup_model_and_optimizer(tiny_model_dir, TRAIN)
+
+
+def _save(model_and_opt, run_dir, rollout_id, keep_last=2):
+    """Save a model-only checkpoint (no optimizer) with extra state ``{"id": rollout_id}``."""
+    from hpcrl import checkpoint
+
+    return checkpoint.save_checkpoint(run_dir, rollout_id, model_and_opt[0], None, {"id": rollout_id},
+                                      keep_last=keep_last)
+
+
+# (a) bitwise resume at TP=1 --------------------------------------------------------------------------------
+
+def test_resume_tp1_is_bitwise_identical(tp1_resume):
+    assert_bitwise_resume(tp1_resume)
+
+
+def test_resume_tp1_bf16_is_bitwise_identical(tp1, tiny_model_dir, tmp_path):
+    """bf16 parameters with fp32 main parameters in the optimizer (Float16OptimizerWithFloat16Params)."""
+    res = resume_experiment(tiny_model_dir, tmp_path, dataclasses.replace(TRAIN, bf16=True))
+    assert res["A"]["saved_model"]["decoder.final_layernorm.weight"].dtype == torch.bfloat16
+    assert_bitwise_resume(res)
+    assert json.loads((Path(res["path"][1]) / "COMPLETE").read_text())["params_dtype"] == "bfloat16"
+
+
+def test_checkpoint_layout_and_marker(tp1_resume):
+    from hpcrl import checkpoint
+
+    path = Path(tp1_resume["path"][1])
+    assert path == checkpoint.checkpoint_path(tp1_resume["run_dir"], 1)
+    assert path.name == "iter_0000001"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["iter_0000000", "iter_0000001"]  # no temp folder
+    marker = checkpoint.validate_checkpoint(path, verify_checksums=True)
+    assert marker["rollout_id"] == 1 and marker["world_size"] == 1 and marker["tp_size"] == 1
+    assert marker["params_dtype"] == "float32" and marker["padded_vocab_size"] == 128
+    files = set(marker["files"])
+    assert {"dist/.metadata", "dist/metadata.json", "dist/common.pt", "state.json",
+            "rng/rank_00000.pt"} <= files
+    assert marker["optimizer"] == "saved"
+    assert checkpoint.read_marker(path.parent / "iter_0000000")["optimizer"] == "initial"  # before step 1
+    assert any(f.endswith(".distcp") for f in files)
+    on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
+    assert on_disk == files | {"COMPLETE"}
+    assert json.loads((path / "state.json").read_text())["rollout_id"] == 1
+
+
+# (b) bitwise resume at TP=2 and TP=1 x DP=2 (distributed optimizer) in 2 processes -------------------------
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ("tp2", "dp2_distopt"))
+def test_resume_two_processes_is_bitwise_identical(ranks, name):
+    results, _ = ranks
+    if name == "tp2":
+        assert [r[name]["tp_rank"] for r in results] == [0, 1]
+    else:
+        assert [r[name]["dp"] for r in results] == [2, 2]
+    for res in results:
+        assert_bitwise_resume(res[name])
+    marker = json.loads((Path(results[0][name]["path"][1]) / "COMPLETE").read_text())
+    assert marker["world_size"] == 2 and marker["tp_size"] == (2 if name == "tp2" else 1)
+    assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(marker["files"])
+
+
+# (c) truncated and leftover checkpoints ---------------------------------------------------------------------
+
+def test_incomplete_checkpoints_are_skipped(small_model, tmp_path, caplog):
+    from hpcrl import checkpoint
+
+    for i in (1, 2, 3, 4):
+        _save(small_model, tmp_path, i, keep_last=0)
+    root = checkpoint.checkpoint_root(tmp_path)
+    (root / "iter_0000004" / "COMPLETE").unlink()  # no marker (a save never renames such a folder in)
+    distcp = sorted((root / "iter_0000003" / "dist").glob("*.distcp"))[0]
+    os.truncate(distcp, distcp.stat().st_size // 2)  # a short file
+    (root / "iter_0000002" / "rng" / "rank_00000.pt").unlink()  # a missing file
+    leftover = root / "iter_0000005.tmp-deadbeef"  # a save killed half-way
+    (leftover / "dist").mkdir(parents=True)
+    (leftover / "dist" / "__0_0.distcp").write_bytes(b"x" * 10)
+
+    with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
+        latest = checkpoint.find_latest_checkpoint(tmp_path)
+    assert latest == root / "iter_0000001"
+    text = caplog.text
+    assert "iter_0000004: no COMPLETE marker" in text and "rank_00000.pt is missing" in text
+    assert "iter_0000003: dist/__0_0.distcp has" in text and "truncated" in text
+    model, opt = small_model
+    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
+        checkpoint.load_checkpoint(root / "iter_0000003", model)
+    with pytest.raises(checkpoint.CheckpointError, match="without optimizer state"):
+        checkpoint.load_checkpoint(latest, model, opt)
+    assert checkpoint.load_checkpoint(latest, model)["id"] == 1
+
+    # A flipped byte keeps the size: only the CRC check sees it.
+    good = sorted((root / "iter_0000001" / "dist").glob("*.distcp"))[0]
+    data = bytearray(good.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    good.write_bytes(bytes(data))
+    assert checkpoint.find_latest_checkpoint(tmp_path) == root / "iter_0000001"
+    assert checkpoint.find_latest_checkpoint(tmp_path, verify_checksums=True) is None
+
+    # The next save removes the leftover and the invalid folders older than what it keeps.
+    _save(small_model, tmp_path, 6, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000006"]
+    assert checkpoint.find_latest_checkpoint(tmp_path) == root / "iter_0000006"
+
+
+def test_find_latest_in_empty_run_dir(tmp_path):
+    from hpcrl import checkpoint
+
+    assert checkpoint.find_latest_checkpoint(tmp_path) is None
+    assert checkpoint.list_checkpoints(tmp_path) == []
+
+
+# (d) pruning ------------------------------------------------------------------------------------------------
+
+def test_keep_last_pruning_and_replacement(small_model, tmp_path):
+    from hpcrl import checkpoint
+
+    def names():
+        return sorted(p.name for p in checkpoint.checkpoint_root(tmp_path).iterdir())
+
+    for i in (1, 2, 3, 4):
+        _save(small_model, tmp_path, i, keep_last=2)
+        assert names() == [f"iter_{j:07d}" for j in range(max(1, i - 1), i + 1)]
+    # Saving an older id again (a resumed run) replaces it and keeps it, even though it is not the newest.
+    path = _save(small_model, tmp_path, 3, keep_last=1)
+    assert names() == ["iter_0000003", "iter_0000004"]
+    assert json.loads((path / "state.json").read_text()) == {"id": 3}
+    _save(small_model, tmp_path, 5, keep_last=0)  # 0 keeps all
+    assert names() == ["iter_0000003", "iter_0000004", "iter_0000005"]
+
+
+def test_bad_extra_state_writes_nothing(small_model, tmp_path):
+    from hpcrl import checkpoint
+
+    with pytest.raises(TypeError, match="not plain JSON"):
+        checkpoint.save_checkpoint(tmp_path, 1, small_model[0], None, {"x": object()})
+    assert not checkpoint.checkpoint_root(tmp_path).exists()
+
+
+# (e) HF export ----------------------------------------------------------------------------------------------
+
+def _hf_logits(folder):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    tokens = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _assert_export(out, saved_hf, saved_logits, base):
+    from transformers import AutoTokenizer
+
+    from hpcrl.train import bridge
+
+    exported = bridge.read_hf_state_dict(out)
+    assert sorted(exported) == sorted(saved_hf)
+    for k, v in saved_hf.items():
+        assert torch.equal(exported[k], v), k
+    assert (_hf_logits(out) - saved_logits).abs().max() < 1e-5
+    assert AutoTokenizer.from_pretrained(str(out))("1+2=3")["input_ids"] == \
+        AutoTokenizer.from_pretrained(str(base))("1+2=3")["input_ids"]
+    assert not list(out.parent.glob("*.tmp-*"))
+
+
+def test_mcore_to_hf_tp1(tp1_resume, tiny_model_dir, tmp_path):
+    from hpcrl import convert
+    from hpcrl.train import bridge
+
+    out = convert.mcore_to_hf(tp1_resume["path"][1], tiny_model_dir, tmp_path / "hf")
+    a = tp1_resume["A"]
+    base = bridge.read_hf_state_dict(tiny_model_dir)
+    assert not torch.equal(a["saved_hf"]["model.norm.weight"], base["model.norm.weight"])  # trained
+    _assert_export(out, a["saved_hf"], a["saved_logits"], tiny_model_dir)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    with pytest.raises(FileExistsError):
+        convert.mcore_to_hf(tp1_resume["path"][1], tiny_model_dir, out)
+    # The command line, as a single process of its own, resolves a run folder to its newest checkpoint.
+    cmd = [sys.executable, "-m", "hpcrl.convert", str(tp1_resume["run_dir"]), str(tiny_model_dir),
+           str(tmp_path / "hf-bf16"), "--dtype", "bfloat16"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("hf-bf16")
+    bf16 = bridge.read_hf_state_dict(tmp_path / "hf-bf16")
+    assert all(t.dtype == torch.bfloat16 for t in bf16.values())
+    assert all(torch.equal(t, a["saved_hf"][k].to(torch.bfloat16)) for k, t in bf16.items())
+    assert json.loads((tmp_path / "hf-bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.integration
+def test_mcore_to_hf_converts_tp2_checkpoint_at_tp1(tp1, ranks, tiny_model_dir, tmp_path, caplog):
+    from hpcrl import checkpoint, convert
+    from hpcrl.train import bridge, parallel
+
+    results, _ = ranks
+    res = results[0]["tp2"]
+    assert torch.equal(results[1]["tp2"]["A"]["saved_logits"], res["A"]["saved_logits"])
+    # Several safetensors files + index (1 MB each at most): transformers reads them as one model.
+    out = convert.mcore_to_hf(res["path"][1], tiny_model_dir, tmp_path / "hf", max_shard_bytes=1_000_000)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    assert (out / "model.safetensors.index.json").exists()
+    _assert_export(out, res["A"]["saved_hf"], res["A"]["saved_logits"], tiny_model_dir)
+    assert json.loads((out / "hpcrl_export.json").read_text())["saved_tp_size"] == 2
+
+    # The whole training state (model + optimizer) of the TP=2 checkpoint also loads at TP=1 (with the
+    # saved padded vocab, 256); the RNG states are not restored, and a warning says so.
+    model, opt = parallel.setup_model_and_optimizer(tiny_model_dir, TRAIN,
+                                                    {"make_vocab_size_divisible_by": 256})
+    with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
+        extra = checkpoint.load_checkpoint(res["path"][1], model, opt)
+    assert extra["rollout_id"] == 1 and "RNG states not restored" in caplog.text
+    assert all(torch.equal(v, res["A"]["saved_hf"][k]) for k, v in bridge.export_hf_weights(model))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument("--hf", required=True, help="tiny HF model folder")
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    worker(args.hf, args.out)
