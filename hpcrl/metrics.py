@@ -84,8 +84,11 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="rollout", unit="step",
                              dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append one step's metrics (numbers; non-finite values are written as null) and flush to disk."""
+    def log(self, step: int, metrics: dict[str, Any], advance: bool = True) -> None:
+        """Append one step's metrics (numbers; non-finite values are written as null) and flush to disk.
+
+        ``advance=False`` logs without moving the progress bar (the eval before the first step, ``step=-1``).
+        """
         row = {"step": step, "time": time.time()}
         for k, v in metrics.items():
             if isinstance(v, float) and not math.isfinite(v):
@@ -102,8 +105,9 @@ class MetricsLogger:
         if self._bar is not None:
             post = {k.split("/")[-1]: f"{row[k]:.3f}" for k in ("rollout/reward_mean", "eval/accuracy")
                     if isinstance(row.get(k), (int, float))}
-            self._bar.set_postfix(post, refresh=False)
-            self._bar.update(1)
+            self._bar.set_postfix(post, refresh=not advance)
+            if advance:
+                self._bar.update(1)
 
     def close(self) -> Optional[Path]:
         """Close files and write ``curves.png``; returns its path (None when there is nothing to plot)."""

@@ -1,0 +1,58 @@
+"""Several trainer processes on this machine without Slurm (``hpcrl run`` with ``train.nprocs > 1``).
+
+Each worker gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT`` on loopback) and runs :func:`hpcrl.loop.train_main`; rank 0 is the controller. Under Slurm the
+same function runs as a job step instead (``hpcrl submit``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, model_path: Path) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    from hpcrl.loop import train_main
+
+    train_main(cfg, run_dir, model_path)
+
+
+def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:
+    """Start ``cfg.train.nprocs`` trainer processes, wait for all; 0 when every one exited 0.
+
+    If one worker fails the others are terminated (they would block in a collective), and its exit code is
+    returned.
+    """
+    n = cfg.train.nprocs
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, n, port, cfg, run_dir, model_path), name=f"trainer-{r}")
+             for r in range(n)]
+    for p in procs:
+        p.start()
+    failed = 0
+    alive = list(procs)
+    while alive:
+        for p in list(alive):
+            p.join(timeout=0.5)
+            if p.exitcode is None:
+                continue
+            alive.remove(p)
+            if p.exitcode != 0 and not failed:
+                failed = p.exitcode
+                for q in alive:
+                    q.terminate()
+    return failed

@@ -1,0 +1,117 @@
+"""Colocated memory phases: the trainer and the engines take turns on the same devices (slime 1.10).
+
+One code path for GPU and CPU. The order of one colocated step is::
+
+    offload trainer -> onload engine weights -> weight sync -> onload engine KV cache -> generate
+    -> offload engine -> onload trainer -> train -> (next step)
+
+On GPUs the trainer's memory is paused with torch-memory-saver (VMM: virtual addresses kept, physical memory
+unmapped; the process must start with its ``LD_PRELOAD`` hook) and the engines free theirs with
+``/release_memory_occupation`` (SGLang ``--enable-memory-saver``). On CPUs the trainer side is a no-op adapter
+and the CPU engine only records its released tags and refuses generation while released, so the phase order
+is the same code and tests assert it from :attr:`ColocatedMemory.events`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+ENGINE_WEIGHTS = ["weights"]
+ENGINE_KV = ["kv_cache", "cuda_graph"]
+
+
+class TrainerMemory:
+    """No-op trainer memory adapter (CPU, or colocation off): records nothing, frees nothing."""
+
+    def offload(self) -> None:
+        """Free the trainer's device memory (no-op here)."""
+
+    def onload(self) -> None:
+        """Bring the trainer's device memory back (no-op here)."""
+
+
+class TorchMemorySaverTrainerMemory(TrainerMemory):
+    """GPU trainer offload with torch-memory-saver (``torch_memory_saver.pause()`` / ``resume()``).
+
+    Requires the process to have been started with torch-memory-saver's preload library in ``LD_PRELOAD``
+    (``TMS_INIT_ENABLE=1``), which ``hpcrl`` sets for the trainer job step when colocated on GPUs. Gradient and
+    parameter buffers lose their contents while paused unless backed up, so offload happens only between the
+    optimizer step and the weight sync source being read from a CPU copy. Not exercised in CPU CI.
+    """
+
+    def __init__(self) -> None:
+        from torch_memory_saver import torch_memory_saver  # GPU-only, imported lazily
+
+        self._tms = torch_memory_saver
+
+    def offload(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self._tms.pause()
+
+    def onload(self) -> None:
+        self._tms.resume()
+
+
+def create_trainer_memory(colocate: bool) -> TrainerMemory:
+    """The trainer adapter: torch-memory-saver when colocated on CUDA, else the no-op one."""
+    import torch
+
+    if colocate and torch.cuda.is_available():
+        return TorchMemorySaverTrainerMemory()
+    return TrainerMemory()
+
+
+@dataclass
+class ColocatedMemory:
+    """Drives the colocated phase order over the trainer adapter and the engines' memory endpoints.
+
+    ``events`` lists ``(phase, monotonic seconds)`` in the order they happened. When ``colocate`` is False
+    every call is a no-op (disaggregated: nothing shares devices).
+    """
+
+    trainer: TrainerMemory
+    client: object
+    colocate: bool = True
+    events: list[tuple[str, float]] = field(default_factory=list)
+
+    def _mark(self, phase: str) -> None:
+        self.events.append((phase, time.monotonic()))
+
+    def offload_trainer(self) -> None:
+        if self.colocate:
+            self.trainer.offload()
+            self._mark("offload_trainer")
+
+    def onload_trainer(self) -> None:
+        if self.colocate:
+            self.trainer.onload()
+            self._mark("onload_trainer")
+
+    async def onload_engine_weights(self) -> None:
+        if self.colocate:
+            await self.client.post_all("/resume_memory_occupation", {"tags": ENGINE_WEIGHTS})
+            self._mark("onload_engine_weights")
+
+    async def onload_engine_kv(self) -> None:
+        if self.colocate:
+            await self.client.post_all("/resume_memory_occupation", {"tags": ENGINE_KV})
+            self._mark("onload_engine_kv")
+
+    async def offload_engine(self) -> None:
+        if self.colocate:
+            await self.client.flush_cache()
+            await self.client.post_all("/release_memory_occupation", {"tags": None})
+            self._mark("offload_engine")
+
+    def mark(self, phase: str, enabled: Optional[bool] = None) -> None:
+        """Record a non-memory phase (``sync``, ``generate``, ``train``) so the full order is visible."""
+        if self.colocate if enabled is None else enabled:
+            self._mark(phase)
+
+    def phases(self) -> list[str]:
+        """The recorded phase names, in order."""
+        return [p for p, _ in self.events]
