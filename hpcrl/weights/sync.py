@@ -1,0 +1,255 @@
+"""One entry point for weight sync: :class:`WeightSyncer` (per run) and :func:`iterate_for_sync` (per sync).
+
+Every trainer rank calls ``await syncer.sync(iterate_for_sync(model), version)`` after each train step,
+because the export all-gathers each tensor over the TP group (all ranks of rank 0's TP group must iterate
+together). Only the sender (trainer global rank 0, ``is_sender=True``) talks to the engines; the other ranks
+just drive the iterator (ranks outside rank 0's TP group get an empty one).
+
+The sender does what slime's ``update_weights`` does around the transfer:
+
+1. ``/pause_generation`` (mode ``abort`` by default, SGLang's default: running requests return early with
+   ``finish_reason.type == "abort"``), then ``/flush_cache`` (asked again while it answers 400);
+2. transfer with ``tensor``, ``distributed`` or ``disk`` (see :mod:`hpcrl.weights`); the last call sets
+   ``weight_version``;
+3. check that every engine reports the new ``weight_version`` in ``/get_model_info`` (slime's CI check);
+4. ``/continue_generation``.
+
+Every call is bounded by ``timeout_s`` (the group's collectives too). On any failure the sync raises
+:class:`~hpcrl.weights.common.WeightSyncError` and leaves the engines **paused**, so no rollout runs on
+partially updated weights; the caller may retry the sync or give up (``client.resume()`` resumes them on the
+old or mixed weights). In colocated runs the caller brings the engines' weights memory back
+(``/resume_memory_occupation``) before the sync and the KV cache after it, as slime's ``onload_weights`` /
+``onload_kv`` do; this module does not touch memory occupation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcrl.weights.common import EngineCalls, WeightSyncError
+
+METHODS = ("tensor", "distributed", "disk")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def iterate_for_sync(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+    """The ``(hf_name, full_tensor)`` stream of ``model`` for :meth:`WeightSyncer.sync` on this rank.
+
+    ``model``: the trainer's megatron-core GPTModel (possibly wrapped). ``dtype``: cast each tensor (None:
+    keep the parameters' dtype; the engine casts to its own). On ranks of rank 0's TP group (data-parallel
+    and context-parallel rank 0) this is :func:`hpcrl.train.bridge.export_hf_weights`, whose every tensor is
+    an all-gather over the TP group, so all of them must consume it; other ranks get an empty iterator (they
+    hold replicas and take no part). Needs megatron-core's parallel state to be initialised.
+    """
+    from megatron.core import parallel_state
+
+    from hpcrl.train.bridge import export_hf_weights
+
+    if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
+        return iter(())
+    return export_hf_weights(model, dtype)
+
+
+def _drain(stream: Iterator) -> None:
+    """Consume what is left of ``stream`` (keeps TP peers' collectives matched); errors are ignored."""
+    try:
+        for _ in stream:
+            pass
+    except Exception:  # noqa: BLE001 - the original failure is what gets raised
+        pass
+
+
+@dataclass
+class WeightSyncer:
+    """Pushes trainer weights to the engines of ``client``; one per run (it owns the distributed group).
+
+    Args:
+        client: a :class:`hpcrl.rollout.client.RolloutClient` with the engine URLs (and API key); needed on
+            the sender only.
+        method: ``tensor`` (colocated), ``distributed`` (disaggregated) or ``disk``.
+        bucket_bytes: bytes per bucket (slime ``--update-weight-buffer-size``, 512 MiB); a larger tensor goes
+            alone. Any value >= 1 is accepted here (the run config demands >= 1 MiB).
+        timeout_s: bound on each HTTP call, on the group's rendezvous and on each broadcast, seconds.
+        is_sender: True on the trainer's global rank 0 only.
+        engine_tp_sizes: TP size of each engine in ``client.engine_urls`` order; None: read ``tp_size`` from
+            each engine's ``/get_server_info`` on the first sync (1 if absent).
+        disk_dir: shared folder for ``disk`` (required there), readable by every engine at the same path.
+        hf_checkpoint: HF folder whose config/tokenizer files are copied into each ``disk`` checkpoint.
+        master_address: the sender's address the engines connect to (``distributed``); default: the local
+            address that routes to the first engine.
+        backend: ``nccl`` / ``gloo`` for ``distributed``; default ``nccl`` with CUDA, else ``gloo``.
+        group_name: base name of the weight-update group (a counter is appended per group created).
+        tensor_format: ``flattened_bucket`` (slime's) or ``direct`` for ``tensor``.
+        pause_mode: mode of ``/pause_generation``: ``abort`` (SGLang's default), ``retract`` or ``in_place``.
+        verify: check every engine's ``weight_version`` after the transfer.
+
+    Raises ValueError on an unknown method, format or pause mode, ``bucket_bytes`` < 1, ``timeout_s`` <= 0,
+    or ``disk`` without ``disk_dir``.
+    """
+
+    client: Any
+    method: str = "tensor"
+    bucket_bytes: int = 512 * 1024 * 1024
+    timeout_s: float = 300.0
+    is_sender: bool = True
+    engine_tp_sizes: Sequence[int] | None = None
+    disk_dir: str | None = None
+    hf_checkpoint: str | None = None
+    master_address: str | None = None
+    backend: str | None = None
+    group_name: str = "hpcrl_weight_update"
+    tensor_format: str = "flattened_bucket"
+    pause_mode: str = "abort"
+    verify: bool = True
+    num_syncs: int = field(default=0, init=False)
+    _group: Any = field(default=None, init=False, repr=False)
+    _groups_created: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown weight sync method {self.method!r}; use one of {METHODS} "
+                             "(resolve 'auto' with hpcrl.config first)")
+        if self.tensor_format not in ("flattened_bucket", "direct"):
+            raise ValueError(f"unknown tensor_format {self.tensor_format!r}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause_mode {self.pause_mode!r}; use one of {PAUSE_MODES}")
+        if int(self.bucket_bytes) < 1 or self.timeout_s <= 0:
+            raise ValueError("bucket_bytes must be >= 1 and timeout_s > 0")
+        if self.method == "disk" and self.is_sender and not self.disk_dir:
+            raise ValueError("weights method 'disk' needs disk_dir (a folder shared with the engines)")
+        if self.is_sender and self.client is None:
+            raise ValueError("the sender needs a RolloutClient")
+
+    @classmethod
+    def from_config(cls, client: Any, weights: Any, **kwargs: Any) -> WeightSyncer:
+        """Build from a :class:`hpcrl.config.WeightsSection` (``method`` already resolved from ``auto``);
+        ``kwargs`` are the other fields (``is_sender``, ``disk_dir``...)."""
+        return cls(client, method=weights.method, bucket_bytes=weights.bucket_bytes,
+                   timeout_s=weights.timeout_s, **kwargs)
+
+    def _calls(self) -> EngineCalls:
+        return EngineCalls(self.client, self.timeout_s)
+
+    async def _tp_sizes(self, calls: EngineCalls) -> list[int]:
+        if self.engine_tp_sizes is None:
+            infos = await calls.server_infos()
+            self.engine_tp_sizes = [int(i.get("tp_size") or 1) for i in infos]
+        sizes = [int(t) for t in self.engine_tp_sizes]
+        if len(sizes) != len(calls.urls) or min(sizes) < 1:
+            raise ValueError(f"engine_tp_sizes {sizes} do not fit {len(calls.urls)} engines")
+        return sizes
+
+    async def sync(self, named_tensors: Iterable[tuple[str, Any]], weight_version: str) -> dict:
+        """Push ``named_tensors`` (HF names, full tensors) to every engine and set ``weight_version``.
+
+        Call on every trainer rank with :func:`iterate_for_sync`; non-senders only consume the stream.
+        Returns metrics: ``seconds`` (whole sync), ``pause_seconds`` (pause + flush), ``transfer_seconds``,
+        ``bytes``, ``gb_per_s`` (bytes / transfer seconds / 1e9), ``buckets``, ``tensors``,
+        ``weight_version``, ``method`` (non-senders: ``bytes``/``tensors`` they consumed, zero seconds).
+        Raises WeightSyncError (engine URL, endpoint, message) when an engine refuses, does not answer within
+        ``timeout_s``, or reports another version afterwards; ValueError for an empty stream. Engines stay
+        paused on failure.
+
+        On failure the sender still consumes the rest of the stream before raising, so that the other ranks
+        of its TP group, which iterate the same all-gathers, are not left waiting in a collective. They do not
+        learn of the failure: a caller that wants to go on after one must agree on the outcome across ranks
+        (e.g. all-reduce a flag).
+        """
+        weight_version = str(weight_version)
+        stream = iter(named_tensors)
+        if not self.is_sender:
+            nbytes = tensors = 0
+            for _, t in stream:
+                nbytes += int(t.numel()) * int(t.element_size())
+                tensors += 1
+            self.num_syncs += 1
+            return {"method": self.method, "weight_version": weight_version, "seconds": 0.0,
+                    "pause_seconds": 0.0, "transfer_seconds": 0.0, "bytes": nbytes, "gb_per_s": 0.0,
+                    "buckets": 0, "tensors": tensors}
+        try:
+            return await self._sync(stream, weight_version)
+        except BaseException:
+            _drain(stream)
+            raise
+
+    async def _sync(self, stream: Iterator, weight_version: str) -> dict:
+        start = time.perf_counter()
+        first = next(stream, None)  # an empty stream fails before the engines are paused
+        if first is None:
+            raise ValueError("no tensors to sync")
+        stream = itertools.chain([first], stream)
+        calls = self._calls()
+        tp_sizes = await self._tp_sizes(calls) if self.method != "disk" else None
+        if self.method == "distributed" and self._group is None:  # before the pause: engines keep serving
+            await self._create_group(calls, tp_sizes)
+        t0 = time.perf_counter()
+        await calls.pause(self.pause_mode)
+        await calls.flush_cache()
+        t1 = time.perf_counter()
+        stats = await self._transfer(calls, stream, weight_version, tp_sizes)
+        t2 = time.perf_counter()
+        if self.verify:
+            await calls.check_versions(weight_version)
+        await calls.resume()
+        self.num_syncs += 1
+        transfer = t2 - t1
+        return {"method": self.method, "weight_version": weight_version,
+                "seconds": time.perf_counter() - start, "pause_seconds": t1 - t0,
+                "transfer_seconds": transfer,
+                "bytes": stats["bytes"], "gb_per_s": stats["bytes"] / transfer / 1e9 if transfer > 0 else 0.0,
+                "buckets": stats["buckets"], "tensors": stats["tensors"]}
+
+    async def _create_group(self, calls: EngineCalls, tp_sizes: list[int]) -> None:
+        from hpcrl.weights.distributed import DistributedGroup
+
+        name = f"{self.group_name}_{self._groups_created}"
+        self._groups_created += 1
+        self._group = await DistributedGroup.create(calls, tp_sizes, name, master_address=self.master_address,
+                                                    backend=self.backend)
+
+    async def _transfer(self, calls: EngineCalls, named_tensors: Iterable, weight_version: str,
+                        tp_sizes: list[int] | None) -> dict:
+        if self.method == "tensor":
+            from hpcrl.weights.tensor import send_tensor_buckets
+
+            return await send_tensor_buckets(calls, named_tensors, weight_version,
+                                             bucket_bytes=int(self.bucket_bytes), engine_tp_sizes=tp_sizes,
+                                             fmt=self.tensor_format)
+        if self.method == "distributed":
+            from hpcrl.weights.distributed import send_distributed
+
+            try:
+                return await send_distributed(self._group, named_tensors, weight_version,
+                                              bucket_bytes=int(self.bucket_bytes))
+            except WeightSyncError:
+                await self._drop_group()
+                raise
+        from hpcrl.weights.disk import send_disk
+
+        index = int(weight_version) if weight_version.isdigit() else self.num_syncs + 1
+        return await send_disk(calls, named_tensors, weight_version, disk_dir=self.disk_dir, index=index,
+                               bucket_bytes=int(self.bucket_bytes), hf_checkpoint=self.hf_checkpoint)
+
+    async def _drop_group(self) -> None:
+        """After a failed distributed transfer the group's state is unknown: destroy it locally, ask the
+        engines to drop it (best effort, a short timeout), and create a new one on the next sync."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        import asyncio
+
+        try:
+            await asyncio.wait_for(group.close(), timeout=min(10.0, self.timeout_s))
+        except (TimeoutError, WeightSyncError):
+            pass
+
+    async def close(self) -> None:
+        """Destroy the distributed group, if any, on the engines (``/destroy_weights_update_group``) and
+        locally. Idempotent. Raises WeightSyncError if an engine refuses (the local group is gone anyway)."""
+        group, self._group = self._group, None
+        if group is not None:
+            await group.close()
