@@ -12,7 +12,6 @@ and work without torch, SGLang or Megatron.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -31,13 +30,6 @@ def _err(msg: str) -> None:
 def _not_implemented(cmd: str, issue: str) -> int:
     _err(f"hpcrl {cmd}: not implemented yet ({issue})")
     return EXIT_ERROR
-
-
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ModuleNotFoundError, ValueError):  # a missing parent package; a module without __spec__
-        return False
 
 
 def _exit_code(result: object) -> int:
@@ -97,9 +89,6 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     cfg = load_config(ns.config, ns.overrides)
-    if not _module_exists("hpcrl.loop"):
-        _err("hpcrl run: the RL loop (hpcrl.loop) is not implemented yet (issue #3); the config is valid")
-        return EXIT_ERROR
     from hpcrl import loop
 
     return _exit_code(loop.main(cfg))
@@ -110,8 +99,6 @@ def _cmd_sft(ns: argparse.Namespace) -> int:
     if not cfg.sft.output:
         raise ConfigError("sft.output", cfg.sft.output, "hpcrl sft needs a folder to save the SFT model to",
                           "set sft.output, e.g. sft.output=.cache/models/my-sft")
-    if not _module_exists("hpcrl.sft"):
-        return _not_implemented("sft", "hpcrl.sft is missing")
     from hpcrl import sft
 
     result = sft.run_sft(cfg)
@@ -122,9 +109,14 @@ def _cmd_sft(ns: argparse.Namespace) -> int:
 
 def _cmd_convert(ns: argparse.Namespace) -> int:
     if ns.kind == "mcore-to-hf":
-        return _not_implemented("convert mcore-to-hf", "issue #3")
-    if not _module_exists("hpcrl.models.gguf"):
-        return _not_implemented("convert gguf-to-hf", "hpcrl.models.gguf is missing")
+        from hpcrl.convert import convert_run_checkpoint
+
+        try:
+            print(convert_run_checkpoint(ns.src, ns.dst, hf_base=ns.hf_base, dtype=ns.dtype))
+        except (FileNotFoundError, ValueError) as e:
+            _err(f"hpcrl convert mcore-to-hf: {e}")
+            return EXIT_ERROR
+        return EXIT_OK
     from hpcrl.models import gguf
 
     result = gguf.convert_gguf_to_hf(ns.src, ns.dst)
@@ -134,8 +126,6 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
 
 def _cmd_serve(argv: list[str]) -> int:
     """Pass every argument after ``serve`` untouched to ``hpcrl.engine.server.main``."""
-    if not _module_exists("hpcrl.engine.server"):
-        return _not_implemented("serve", "hpcrl.engine.server is missing")
     from hpcrl.engine import server
 
     return _exit_code(server.main(list(argv)))
@@ -208,9 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = conv.add_parser("gguf-to-hf", help="GGUF file (or the name 'smollm2') -> HF folder")
     c.add_argument("src", metavar="SRC")
     c.add_argument("dst", metavar="DST")
-    c = conv.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF folder (issue #3)")
-    c.add_argument("src", metavar="CHECKPOINT")
+    c = conv.add_parser("mcore-to-hf", help="hpcrl (Megatron) checkpoint -> HF folder the engines can serve")
+    c.add_argument("src", metavar="CHECKPOINT", help="an iter_XXXXXXX folder, or a run folder (its newest)")
     c.add_argument("dst", metavar="DST")
+    c.add_argument("--hf-base", default=None,
+                   help="HF folder with the base config + tokenizer (default: the run's model, from its config)")
+    c.add_argument("--dtype", default=None, help="dtype of the written tensors (default: as trained)")
     p.set_defaults(handler=_cmd_convert)
 
     sub.add_parser("serve", add_help=False,

@@ -220,10 +220,34 @@ def _write_metadata_files(base: Path, out: Path, dtype: torch.dtype, checkpoint_
     (out / "hpcrl_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m hpcrl.convert CHECKPOINT_OR_RUN_DIR HF_BASE OUT_DIR [--dtype D]``."""
+def convert_run_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike],
+                           hf_base: Optional[Union[str, os.PathLike]] = None, dtype: Optional[str] = None) -> Path:
+    """``hpcrl convert mcore-to-hf``: export a checkpoint folder, or a run folder's newest complete one.
+
+    ``hf_base`` defaults to the HF folder the run trained from, read from the checkpoint's ``state.json``
+    (``sft.output`` when SFT was enabled, else ``model.path``). Raises FileNotFoundError when ``src`` holds no
+    complete checkpoint, ValueError when the base cannot be derived.
+    """
     from hpcrl import checkpoint
 
+    path = Path(src)
+    if not (path / checkpoint.MARKER_FILE).exists():
+        latest = checkpoint.find_latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"{path} is neither a checkpoint nor a run folder with a complete checkpoint")
+        path = latest
+    if hf_base is None:
+        state = json.loads((path / "state.json").read_text()) if (path / "state.json").exists() else {}
+        cfg = state.get("config") or {}
+        sft, model = cfg.get("sft") or {}, cfg.get("model") or {}
+        hf_base = sft.get("output") if sft.get("enabled") else model.get("path")
+        if not hf_base:
+            raise ValueError(f"{path}: cannot tell the base HF folder from state.json; pass --hf-base")
+    return mcore_to_hf(path, hf_base, dst, dtype=dtype)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m hpcrl.convert CHECKPOINT_OR_RUN_DIR HF_BASE OUT_DIR [--dtype D]``."""
     parser = argparse.ArgumentParser(prog="python -m hpcrl.convert",
                                      description="Export an hpcrl checkpoint as an HF safetensors folder.")
     parser.add_argument("checkpoint", type=Path,
@@ -233,13 +257,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--dtype", default=None,
                         help="dtype of the written tensors (default: the dtype the model was trained in)")
     args = parser.parse_args(argv)
-    path = args.checkpoint
-    if not (path / checkpoint.MARKER_FILE).exists():
-        latest = checkpoint.find_latest_checkpoint(path)
-        if latest is None:
-            parser.error(f"{path} is neither a checkpoint nor a run folder with a complete checkpoint")
-        path = latest
-    out = mcore_to_hf(path, args.hf_base, args.out_dir, dtype=args.dtype)
+    try:
+        out = convert_run_checkpoint(args.checkpoint, args.out_dir, hf_base=args.hf_base, dtype=args.dtype)
+    except FileNotFoundError as e:
+        parser.error(str(e))
     print(out)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -90,12 +89,11 @@ def main(cfg: Config) -> int:
 def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None) -> dict[str, Any]:
     """One trainer rank's whole run. Returns the last step's metrics on the controller ({} elsewhere)."""
     import torch
-    import torch.distributed as dist
 
     from hpcrl.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
     from hpcrl.data.source import DataSource
     from hpcrl.data.sources import load_datasets
-    from hpcrl.metrics import MetricsLogger, read_metrics, truncate_metrics
+    from hpcrl.metrics import MetricsLogger, truncate_metrics
     from hpcrl.train.actor import Actor
     from hpcrl.weights import WeightSyncer
     from hpcrl.train.parallel import (destroy, init_distributed, initialize_model_parallel,
@@ -268,6 +266,8 @@ class _Rollout:
         sglang_args = dict(cfg.sglang)
         if cfg.run.placement == "colocate":
             sglang_args.setdefault("enable_memory_saver", True)
+        if cfg.run.deterministic:
+            sglang_args.setdefault("enable_deterministic_inference", True)
         for i in range(rc.num_engines):
             self.engines.append(start_engine(rc, sglang_args, self.model_path, api_key_file=secret_path,
                                              log_path=self.attempt_dir / f"engine-{i}.log"))

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-api-key-file", default=None, help="read the admin API key from this 0600 file")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--max-running-requests", type=int, default=64, help="max sequences decoded in one batch")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant results (SGLang's flag): the CPU engine then decodes one sequence at a "
+                        "time, so a request's log-probs and seeded samples never depend on what else is running")
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="use torch-memory-saver on GPU (no-op on CPU; release/resume are recorded anyway)")
     p.add_argument("--random-seed", type=int, default=0)
@@ -117,7 +120,8 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
     return EngineArgs(
         model_path=model_path, tokenizer_path=ns.tokenizer_path or model_path, host=ns.host, port=ns.port,
         api_key=api_key or None, admin_api_key=admin_key or None, dtype=ns.dtype,
-        max_running_requests=ns.max_running_requests, enable_memory_saver=ns.enable_memory_saver,
+        max_running_requests=1 if ns.enable_deterministic_inference else ns.max_running_requests,
+        enable_memory_saver=ns.enable_memory_saver,
         random_seed=ns.random_seed, served_model_name=ns.served_model_name or model_path,
         weight_version=ns.weight_version, log_level=ns.log_level, dist_timeout=ns.dist_timeout,
         health_check_timeout=ns.health_check_timeout,
