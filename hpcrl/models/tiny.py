@@ -11,33 +11,50 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 CHARS = "0123456789+-*=() \n"
-"""Characters the tiny tokenizer knows; anything else becomes ``<pad>``."""
+"""Characters the tiny tokenizer knows; anything else is dropped when encoding."""
+
+
+def _byte_level_char(c: str) -> str:
+    """The GPT-2 byte-level alphabet symbol of a one-byte character (`` `` -> ``Ġ``, ``\\n`` -> ``Ċ``)."""
+    visible = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    b = c.encode("utf-8")
+    assert len(b) == 1, c
+    if b[0] in visible:
+        return chr(b[0])
+    return chr(256 + [x for x in range(256) if x not in visible].index(b[0]))
 
 
 def build_char_tokenizer():
     """Return a ``transformers.PreTrainedTokenizerFast`` with one token per character of :data:`CHARS`.
 
-    Ids: ``<pad>``=0, ``<s>``=1 (bos), ``</s>``=2 (eos), then the characters in order (21 tokens in all).
+    Ids: ``<pad>``=0, ``<s>``=1 (bos), ``</s>``=2 (eos), then the characters in order (21 tokens in all); no bos
+    is added when encoding; characters outside :data:`CHARS` are dropped. Internally a byte-level BPE without
+    merges (space and newline are stored as ``Ġ`` and ``Ċ``): that is the pipeline transformers 5 forces on
+    every ``model_type: qwen2`` folder (``AutoTokenizer`` loads it as ``Qwen2Tokenizer``, rebuilding the
+    normalizer and pre-tokenizer), so the tokenizer encodes the same after a save and reload.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [_byte_level_char(c) for c in CHARS])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, continuing_subword_prefix="",
+                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    unk_token="<pad>")
 
 
 def create_tiny_qwen2(path: str | os.PathLike, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
                       num_kv_heads: int = 2, intermediate_size: int = 512, seed: int = 0,
-                      max_position_embeddings: int = 256) -> Path:
+                      max_position_embeddings: int = 256, tie_word_embeddings: bool = True) -> Path:
     """Create a random-init ``Qwen2ForCausalLM`` with the character tokenizer and save it as an HF folder.
 
-    Untied embeddings, qkv bias (as Qwen2 has), RMSNorm, SwiGLU, RoPE, GQA. With the defaults: 987,776
-    parameters. The write is atomic (temp folder + rename). Returns ``path``; raises FileExistsError if it
-    already exists.
+    Tied input/output embeddings by default (as in the reference measurements: SFT on 3-digit addition at
+    lr 3e-3, batch 256, seed 1234 reaches 39% greedy after 600 steps tied, 1% untied), qkv bias (as Qwen2
+    has), RMSNorm, SwiGLU, RoPE, GQA. With the defaults: 987,904 parameters (990,592 untied). The write is
+    atomic (temp folder + rename). Returns ``path``; raises FileExistsError if it already exists.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -49,7 +66,8 @@ def create_tiny_qwen2(path: str | os.PathLike, hidden_size: int = 128, num_layer
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )

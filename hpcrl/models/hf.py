@@ -1,0 +1,141 @@
+"""Load HF causal-LM folders and create the configured model folder when it is missing.
+
+hpcrl's trainer, engines and weight sync know the decoder families below (their HF parameter names map to
+Megatron and SGLang); :func:`load_hf_model` refuses anything else up front with a message that names the
+architecture. :func:`ensure_model` turns a ``model:`` config section into an existing folder: it creates
+``model.path`` when it is missing and ``model.create`` says how (``tiny-qwen2`` or ``gguf``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama)."""
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UnsupportedModelError(ValueError):
+    """The folder holds a model family hpcrl does not support."""
+
+
+def check_supported(config: Any) -> str:
+    """Return ``config.model_type`` if it is a supported family, else raise :class:`UnsupportedModelError`.
+
+    ``config`` is a ``transformers.PretrainedConfig`` (or anything with ``model_type`` and
+    ``architectures``). The message names the architecture found and the supported list.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = getattr(config, "architectures", None) or [f"model_type={model_type!r}"]
+        supported = ", ".join(SUPPORTED_MODEL_TYPES.values())
+        raise UnsupportedModelError(
+            f"unsupported model architecture {'/'.join(archs)} (model_type {model_type!r}); "
+            f"hpcrl supports: {supported}")
+    return model_type
+
+
+def _torch_dtype(dtype: str | Any):
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def load_hf_model(path: str | os.PathLike, dtype: str = "float32"):
+    """Load the HF causal-LM folder ``path`` (config.json + safetensors + tokenizer) on CPU.
+
+    ``dtype`` is ``float32``, ``bfloat16`` or ``float16`` (or a ``torch.dtype``): the parameter dtype.
+    Returns ``(model, tokenizer)``; the model is in eval mode. A tokenizer without a pad token gets its eos
+    token as pad token (batched generation needs one); nothing else about it is changed.
+
+    Raises FileNotFoundError when ``path`` has no ``config.json``, :class:`UnsupportedModelError` (a
+    ValueError) when the family is not Qwen2 / Qwen3 / Qwen3-MoE / Llama, ValueError for an unknown dtype.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not an HF model folder (no config.json)")
+    torch_dtype = _torch_dtype(dtype)
+    config = AutoConfig.from_pretrained(path)
+    check_supported(config)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def read_model_type(path: str | os.PathLike) -> str:
+    """``model_type`` from ``path/config.json`` without importing transformers. Raises FileNotFoundError."""
+    with open(Path(path) / "config.json") as f:
+        return json.load(f).get("model_type", "")
+
+
+def ensure_model(model_cfg: Any, seed: int = 0) -> Path:
+    """Return ``model_cfg.path`` as an existing HF folder, creating it first when missing.
+
+    ``model_cfg`` is the config's ``model`` section (:class:`hpcrl.config.ModelSection`). When ``path``
+    exists it is returned as is (no check that it matches ``create``). When it is missing:
+    ``create: tiny-qwen2`` builds a random tiny Qwen2 with the section's ``tiny_*`` sizes, initialised from
+    ``seed`` (pass ``cfg.run.seed``); ``create: gguf`` converts ``gguf_file`` (a path or ``smollm2``).
+
+    Creation is atomic and safe enough for concurrent callers (e.g. array jobs sharing a model folder): each
+    creator builds in its own staging folder next to ``path`` and renames it into place; a loser of the race
+    discards its copy and returns the winner's folder.
+
+    Raises ValueError when ``path`` is empty, or ``create: gguf`` without ``gguf_file``; FileNotFoundError
+    when ``path`` is missing and ``create`` is not set.
+    """
+    from hpcrl.models.gguf import convert_gguf_to_hf
+    from hpcrl.models.tiny import create_tiny_qwen2
+
+    if not model_cfg.path:
+        raise ValueError("model.path is empty; set it to an HF folder (created first when model.create is set)")
+    path = Path(model_cfg.path)
+    if path.exists():
+        return path
+    create = model_cfg.create
+    if create is None:
+        raise FileNotFoundError(f"model.path {str(path)!r} does not exist and model.create is not set "
+                                "(set model.create: tiny-qwen2 or gguf to create it)")
+    if create == "gguf" and not model_cfg.gguf_file:
+        raise ValueError("model.create is 'gguf' but model.gguf_file is not set (a .gguf path or 'smollm2')")
+    if create not in ("tiny-qwen2", "gguf"):
+        raise ValueError(f"model.create {create!r} is not one of: tiny-qwen2, gguf")
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        built = staging / "model"
+        if create == "tiny-qwen2":
+            create_tiny_qwen2(built, hidden_size=model_cfg.tiny_hidden_size, num_layers=model_cfg.tiny_num_layers,
+                              num_heads=model_cfg.tiny_num_heads, num_kv_heads=model_cfg.tiny_num_kv_heads,
+                              intermediate_size=model_cfg.tiny_intermediate_size, seed=seed)
+        else:
+            convert_gguf_to_hf(model_cfg.gguf_file, built)
+        try:
+            os.replace(built, path)
+        except OSError:
+            if not path.exists():  # not a lost race: a real error
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path

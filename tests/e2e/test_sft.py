@@ -1,0 +1,122 @@
+"""The SFT warm start: demonstrations, the lr schedule, determinism, the cache, and the quickstart accuracy."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcrl.config import Config
+from hpcrl.sft import IGNORE_INDEX, METRICS_FILENAME, build_demonstrations, lr_at, run_sft
+
+
+def _cfg(tmp_path: Path, output: str, steps: int, seed: int = 1234, num_eval: int = 500) -> Config:
+    cfg = Config()
+    cfg.data.num_eval = num_eval
+    cfg.run.seed = seed
+    cfg.model.path = str(tmp_path / "base")
+    cfg.model.create = "tiny-qwen2"
+    cfg.sft.output = str(tmp_path / output)
+    cfg.sft.steps = steps
+    cfg.sft.batch_size = 256
+    cfg.sft.lr = 3e-3
+    return cfg
+
+
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / METRICS_FILENAME).read_text().splitlines()]
+
+
+def test_demonstrations_mask_everything_but_label_and_eos():
+    from hpcrl.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    items = [{"prompt": "12+34=", "label": "46"}, {"prompt": "999+1=", "label": 1000}]
+    d = build_demonstrations(tok, items)
+    assert d.input_ids.shape == d.labels.shape == d.attention_mask.shape == (2, 11)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    assert d.input_ids[0].tolist() == tok("12+34=46")["input_ids"] + [eos] + [pad] * 2
+    assert d.labels[0].tolist() == [IGNORE_INDEX] * 6 + tok("46")["input_ids"] + [eos] + [IGNORE_INDEX] * 2
+    assert d.labels[1].tolist() == [IGNORE_INDEX] * 6 + tok("1000")["input_ids"] + [eos]
+    assert d.attention_mask.sum(1).tolist() == [9, 11]
+    with pytest.raises(ValueError, match="labels"):
+        build_demonstrations(tok, [{"prompt": "1+1=", "label": None}])
+
+
+def test_lr_schedule_warms_up_then_decays():
+    lrs = [lr_at(s, 600, 3e-3) for s in range(600)]
+    peak = max(range(600), key=lambda s: lrs[s])
+    assert 0 < lrs[0] < lrs[peak] == pytest.approx(3e-3)
+    assert peak <= 50
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    assert lrs[-1] >= 0.1 * 3e-3 * 0.999
+    assert lr_at(0, 1, 1e-3) == pytest.approx(1e-3)
+
+
+def test_empty_output_is_an_error():
+    cfg = Config()
+    with pytest.raises(ValueError, match="sft.output"):
+        run_sft(cfg)
+
+
+@pytest.mark.slow
+def test_sft_is_deterministic_and_cached(tmp_path):
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    a = run_sft(_cfg(tmp_path, "a", steps=20, num_eval=64))
+    b = run_sft(_cfg(tmp_path, "b", steps=20, num_eval=64))
+    c = run_sft(_cfg(tmp_path / "other-seed", "c", steps=20, seed=7, num_eval=64))
+    wa, wb, wc = (load_file(p / "model.safetensors") for p in (a, b, c))
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "same seed, different weights"
+    assert not all(torch.equal(wa[k], wc[k]) for k in wa)
+
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    assert not all(torch.equal(wa[k], base[k]) for k in wa), "training changed nothing"
+    rows = _metrics(a)
+    assert [r["step"] for r in rows if "eval_accuracy" in r] == [0, 20]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "base", "other-seed"]  # no temp folders
+
+    # A second call returns the cached folder without training (or touching it).
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    t0 = time.perf_counter()
+    assert run_sft(_cfg(tmp_path, "a", steps=20, num_eval=64)) == a
+    assert time.perf_counter() - t0 < 1.0
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime
+    assert _metrics(a) == rows
+
+
+@pytest.mark.slow
+def test_quickstart_sft_reaches_25_percent(tmp_path):
+    """The quickstart numbers: 600 steps, batch 256, lr 3e-3 on the tiny Qwen2 and 3-digit addition."""
+    from hpcrl.eval import greedy_accuracy
+    from hpcrl.models.hf import load_hf_model
+    from hpcrl.data.tasks import make_task
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    cfg = _cfg(tmp_path, "sft", steps=600)
+    t0 = time.perf_counter()
+    out = run_sft(cfg)
+    seconds = time.perf_counter() - t0
+    rows = _metrics(out)
+    evals = [r for r in rows if "eval_accuracy" in r]
+    print(f"SFT: {evals[-1]['eval_accuracy']:.3f} greedy accuracy after step {evals[-1]['step']} in {seconds:.0f} s; "
+          f"curve {[(r['step'], round(r['eval_accuracy'], 3)) for r in evals]}")
+    assert evals[-1]["step"] == 600
+    assert evals[-1]["eval_accuracy"] >= 0.25
+
+    # The saved folder reproduces the accuracy on 500 held-out problems.
+    model, tok = load_hf_model(out)
+    task = make_task("addition")
+    train = {it["prompt"] for it in task.generate(cfg.data.num_train, seed=cfg.run.seed)}
+    held_out = [it for it in task.generate(600, seed=99) if it["prompt"] not in train][:500]
+    assert len(held_out) == 500
+    acc = greedy_accuracy(model, tok, held_out, task.score, cfg.rollout.max_new_tokens)
+    print(f"SFT: {acc:.3f} on 500 fresh held-out problems")
+    assert acc >= 0.2
