@@ -480,7 +480,8 @@ def test_update_weights_from_tensor(engine, hf_models, tiny_model_dir):
         _check_model_served(engine, hf_models, "b", "tensor-2")
         # failures change nothing: unknown name, shape mismatch, unsupported format
         for bad in ([("model.nope.weight", torch.zeros(2))],
-                    [("lm_head.weight", torch.zeros(3, 3)), (names[0], torch.zeros_like(new[names[0]]))]):
+                    [("model.embed_tokens.weight", torch.zeros(3, 3)),
+                     (names[0], torch.zeros_like(new[names[0]]))]):
             status, body = post(engine, "/update_weights_from_tensor",
                                 {"serialized_named_tensors": [serialize_named_tensors(bad)]})
             assert status == 400 and body["success"] is False and body["message"], body
