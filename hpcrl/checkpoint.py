@@ -58,6 +58,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpcrl.fsutil import fsync_path
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -110,13 +112,6 @@ def rollout_id_of(path: Union[str, os.PathLike]) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Small helpers: fsync, checksums, collectives
 # ---------------------------------------------------------------------------------------------------------
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -449,16 +444,16 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
             }
             _write_file(tmp / MARKER_FILE, json.dumps(marker, indent=1).encode())
             for d in reversed(_subdirs(tmp)):
-                _fsync_dir(d)
+                fsync_path(d)
             if final.exists():  # the same rollout id saved again (e.g. after a resume): replace it
                 old = root / f"{final.name}.del-{secrets.token_hex(4)}"
                 os.rename(final, old)
                 os.rename(tmp, final)
-                _fsync_dir(root)
+                fsync_path(root)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, final)
-            _fsync_dir(root)
+            fsync_path(root)
         except OSError as e:
             error = f"rank 0: {e}"
         else:
@@ -611,7 +606,7 @@ def prune_checkpoints(run_dir: Union[str, os.PathLike], keep_last: int,
     for p in sorted(doomed, key=rollout_id_of):
         trash = root / f"{p.name}.del-{secrets.token_hex(4)}"
         os.rename(p, trash)
-        _fsync_dir(root)
+        fsync_path(root)
         shutil.rmtree(trash, ignore_errors=True)
         removed.append(p)
         logger.info("pruned checkpoint %s", p)

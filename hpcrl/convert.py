@@ -31,6 +31,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from hpcrl.fsutil import fsync_path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 """Files of the base folder that are weights (not copied); everything else at its top level is copied."""
@@ -46,13 +47,6 @@ def _dtype(name: Union[str, torch.dtype]) -> torch.dtype:
         raise ValueError(f"{name!r} is not a torch dtype (e.g. float32, bfloat16)")
     return dtype
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _vocab_divisor(padded_vocab_size: int, tp: int) -> int:
@@ -183,10 +177,10 @@ def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str
                 writer.close()
                 _write_metadata_files(hf_base_path, tmp, out_dtype, checkpoint_dir, marker)
                 for f in tmp.iterdir():
-                    _fsync(f)
-                _fsync(tmp)
+                    fsync_path(f)
+                fsync_path(tmp)
                 os.rename(tmp, out_dir)
-                _fsync(out_dir.parent)
+                fsync_path(out_dir.parent)
             except OSError as e:
                 error = f"writing {out_dir} failed: {e}"
         box = [error]

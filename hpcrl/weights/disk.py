@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hpcrl.weights.buckets import iter_buckets
 from hpcrl.weights.common import EngineCalls
+from hpcrl.fsutil import fsync_path
 
 ENDPOINT = "/update_weights_from_disk"
 FOLDER_RE = re.compile(r"^weight_v\d{6,}$")
@@ -35,13 +36,6 @@ def folder_name(index: int) -> str:
     """``weight_v{index:06d}``."""
     return f"weight_v{index:06d}"
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_hf_folder(named_tensors: Iterable, dest: str | os.PathLike, *, bucket_bytes: int,
@@ -69,7 +63,7 @@ def write_hf_folder(named_tensors: Iterable, dest: str | os.PathLike, *, bucket_
             shard = {name: t.detach().to("cpu").contiguous() for name, t in bucket.tensors}
             path = tmp / f"shard-{bucket.index:05d}.safetensors"
             save_file(shard, str(path), metadata={"format": "pt"})
-            _fsync(path)
+            fsync_path(path)
             weight_map.update(dict.fromkeys(shard, bucket.index))
             stats["bytes"] += bucket.nbytes
             stats["buckets"] += 1
