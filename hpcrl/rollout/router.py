@@ -274,7 +274,7 @@ def _main(argv: Sequence[str]) -> None:
         key = sys.stdin.readline().strip()
         if not key:
             raise SystemExit("hpcrl.rollout.router: --api-key-stdin given but stdin had no key")
-        args = args[1:] + ["--api-key", key]
+        args = args[1:] + [f"--api-key={key}"]  # "=": a key may start with "-" (token_urlsafe)
     from sglang_router.launch_router import main
 
     sys.argv = ["sglang-router"] + args

@@ -238,7 +238,7 @@ def engine_command(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], m
     if api_key_file is not None:
         key = read_secret(api_key_file)
         if key_via == "argv":
-            cmd += ["--api-key", key]
+            cmd += [f"--api-key={key}"]  # one token: a key may start with "-" (token_urlsafe)
         elif key_via == "config":
             cfg_path = Path(f"{api_key_file}.sglang.yaml")
             _write_private(cfg_path, f"api-key: {json.dumps(key)}\n")
@@ -258,11 +258,16 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def redact(cmd: Sequence[str]) -> list[str]:
-    """``cmd`` with the value after ``--api-key`` replaced by ``<redacted>`` (for logs)."""
+    """``cmd`` with the value of ``--api-key``/``--admin-api-key`` (``--flag KEY`` or ``--flag=KEY``) replaced by
+    ``<redacted>`` (for logs)."""
     out = list(cmd)
-    for i, part in enumerate(out[:-1]):
-        if part in ("--api-key", "--admin-api-key"):
-            out[i + 1] = "<redacted>"
+    for i, part in enumerate(out):
+        flag = part.split("=", 1)[0]
+        if flag in ("--api-key", "--admin-api-key"):
+            if "=" in part:
+                out[i] = f"{flag}=<redacted>"
+            elif i + 1 < len(out):
+                out[i + 1] = "<redacted>"
     return out
 
 

@@ -80,12 +80,14 @@ def test_engine_command_sglang(tmp_path):
                                 "cuda_graph_bs": [1, 8]},
                          "/models/qwen", "10.0.0.5", 30000, secret, engine="sglang", python="python")
     assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", "/models/qwen",
-                   "--host", "10.0.0.5", "--port", "30000", "--api-key", key,
+                   "--host", "10.0.0.5", "--port", "30000", f"--api-key={key}",
                    "--enable-memory-saver", "--moe-a2a-backend", "deepep",
                    "--deepep-mode", "low_latency", "--cuda-graph-bs", "1", "8"]
-    assert "<redacted>" in redact(cmd) and key not in redact(cmd)
+    assert "--api-key=<redacted>" in redact(cmd) and key not in " ".join(redact(cmd))
+    assert redact(["x", "--api-key", "-k"]) == ["x", "--api-key", "<redacted>"]
     # no key file: no auth flag at all
-    assert "--api-key" not in engine_command(None, {}, "/m", "127.0.0.1", 1, None, engine="sglang")
+    assert not any(a.startswith("--api-key") for a in engine_command(None, {}, "/m", "127.0.0.1", 1, None,
+                                                                      engine="sglang"))
 
 
 def test_engine_command_sglang_key_via_config(tmp_path):
@@ -223,3 +225,22 @@ def test_get_generate_function():
     assert get_generate_function(custom) is custom
     with pytest.raises(TypeError):
         get_generate_function("not.callable")  # type: ignore[arg-type]
+
+
+def test_router_wrapper_passes_a_key_that_starts_with_a_dash(monkeypatch):
+    """A token_urlsafe secret starts with "-" about once in 64 runs; as a separate argv item sglang-router's
+    argparse took it for a flag and refused to start (seen in CI as a flaky loop test)."""
+    import io
+    import sys
+
+    import sglang_router.launch_router as launch
+
+    from hpcrl.rollout import router
+
+    seen = {}
+    monkeypatch.setattr(launch, "main", lambda: seen.setdefault("argv", list(sys.argv)))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("-Abc_12\n"))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    router._main([router.KEY_STDIN_FLAG, "--port", "1"])
+    assert seen["argv"] == ["sglang-router", "--port", "1", "--api-key=-Abc_12"]
+    assert launch.parse_router_args(seen["argv"][1:]).api_key == "-Abc_12"  # sglang-router's own parser
