@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny real model created once per test session, and an offline HF environment."""
+"""Shared fixtures: a tiny real model created once per test session, an offline HF environment, and the local
+Slurm cluster (tests/cluster/local_slurm.py)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,43 @@ def tiny_model_dir(tmp_path_factory):
     from hpcrl.models.tiny import create_tiny_qwen2
 
     return create_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny-qwen2", seed=0)
+
+
+SKIP_SLURM_ENV = "HPCRL_SKIP_SLURM_TESTS"
+KEEP_SLURM_ENV = "HPCRL_KEEP_SLURM"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that uses the `slurm_cluster` fixture carries the `slurm` marker (select with -m slurm)."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The real local Slurm cluster (tests/cluster/local_slurm.py), started once per session; yields its
+    ClusterInfo.
+
+    Installs the Debian packages on first use (root on Debian). Where the machine cannot run it (not root,
+    no apt-get, not Debian) the tests using this fixture fail with the reason, unless HPCRL_SKIP_SLURM_TESTS=1
+    is set: then they are skipped (that variable skips them on any machine). The cluster is stopped at the
+    end of the session only if this session started all of its daemons; HPCRL_KEEP_SLURM=1 leaves it running.
+    """
+    from tests.cluster.local_slurm import ClusterError, cluster_available, start_cluster, stop_cluster
+
+    ok, reason = cluster_available()
+    if os.environ.get(SKIP_SLURM_ENV) == "1":
+        why = f": {reason}" if not ok else " (the local cluster could run here)"
+        pytest.skip(f"{SKIP_SLURM_ENV}=1{why}")
+    if not ok:
+        pytest.fail(f"the Slurm tests cannot run here: {reason}. Set {SKIP_SLURM_ENV}=1 to skip them.",
+                    pytrace=False)
+    try:
+        info = start_cluster()
+    except ClusterError as e:
+        pytest.fail(f"the local Slurm cluster did not start: {e}", pytrace=False)
+    yield info
+    # Only a cluster that this session started from nothing is stopped (a munged that is not ours is never).
+    if info.started and set(info.started) == set(info.pids) and os.environ.get(KEEP_SLURM_ENV) != "1":
+        stop_cluster(info.directory)
