@@ -63,13 +63,24 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], top_k: list[int], 
         thresholds = (probs_sort[:, 0] * mps).unsqueeze(-1)
         probs_sort = probs_sort.masked_fill(probs_sort < thresholds, 0.0)
     kept_cum = probs_sort.cumsum(dim=-1)
+    # One uniform per row from its own generator, scaled by the row's kept mass (in double, then rounded to
+    # the cumsum's dtype), and all rows' inverse-CDF positions in one searchsorted.
+    totals = kept_cum[:, -1].tolist()
+    targets = [torch.rand((), generator=generators[i], dtype=torch.float64).item() * totals[j]
+               for j, i in enumerate(sample_rows)]
+    u = torch.tensor(targets, dtype=kept_cum.dtype).unsqueeze(1)
+    pos = torch.searchsorted(kept_cum, u, right=True).clamp_(max=vocab - 1)
+    positions = pos.squeeze(1).tolist()
+    zero = (probs_sort.gather(1, pos).squeeze(1) == 0).tolist()
+    for j in range(len(sample_rows)):
+        if zero[j]:  # round-off at the top end: step back to a kept token
+            p = positions[j]
+            while p > 0 and probs_sort[j, p] == 0:
+                p -= 1
+            positions[j] = p
+    tokens = probs_idx.gather(1, torch.tensor(positions, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
     for j, i in enumerate(sample_rows):
-        u = torch.rand((), generator=generators[i], dtype=torch.float64).item() * kept_cum[j, -1].item()
-        pos = int(torch.searchsorted(kept_cum[j], torch.tensor([u], dtype=kept_cum.dtype), right=True).item())
-        pos = min(pos, vocab - 1)
-        while pos > 0 and probs_sort[j, pos] == 0:  # round-off at the top end: step back to a kept token
-            pos -= 1
-        out[i] = int(probs_idx[j, pos].item())
+        out[i] = int(tokens[j])
     return out
 
 

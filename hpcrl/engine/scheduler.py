@@ -128,6 +128,7 @@ class Scheduler:
         self._cache = None
         self._mask: torch.Tensor | None = None
         self._num_running = 0
+        self._deferred: list[tuple[Row, dict]] | None = None
         self._continuous = True
         self._thread = threading.Thread(target=self._loop, name="hpcrl-engine-scheduler", daemon=True)
 
@@ -369,9 +370,16 @@ class Scheduler:
 
         seqs = [row.spec.prompt_ids + row.output_ids for row in rows]
         k, width = len(seqs), max(len(s) for s in seqs)
-        ids = torch.full((k, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((k, width), dtype=torch.long)
-        for i, s in enumerate(seqs):
+        # Rows with identical tokens (the samples of one GRPO group) share one forward pass, as SGLang's
+        # prefix cache shares their prompt: only the distinct sequences are prefilled, and their KV cache and
+        # logits are then copied to every row that has them (``owner[i]``: row i's distinct sequence).
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = [distinct.setdefault(tuple(s), len(distinct)) for s in seqs]
+        unique = [tuple(s) for s in distinct]
+        ku = len(unique)
+        ids = torch.full((ku, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((ku, width), dtype=torch.long)
+        for i, s in enumerate(unique):
             ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
             mask[i, width - len(s):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -389,6 +397,11 @@ class Scheduler:
         logits = out.logits
         cache = out.past_key_values
         self._check_cache_layers(cache)
+        if ku < k:
+            sel = torch.tensor(owner, dtype=torch.long)
+            cache.batch_select_indices(sel)
+            logits = logits.index_select(0, sel)
+            mask = mask.index_select(0, sel)
         for i, row in enumerate(rows):
             row.next_pos = len(seqs[i])
             if row.needs_input_logprobs():
@@ -427,9 +440,17 @@ class Scheduler:
         for row in rows:
             row.next_pos += 1
         sampled = self._sample(rows, out.logits[:, -1, :])
-        finished = {i for i, row in enumerate(rows) if not self._append(row, sampled[i])}
-        if finished:
-            self._remove_rows(finished)
+        # Rows that finish leave the batch before their results go out, so a client that has every answer
+        # finds no KV cache held for them (``/flush_cache`` right after a rollout succeeds at once).
+        self._deferred = []
+        try:
+            finished = {i for i, row in enumerate(rows) if not self._append(row, sampled[i])}
+            if finished:
+                self._remove_rows(finished)
+        finally:
+            deferred, self._deferred = self._deferred, None
+            for row, reason in deferred:
+                self._finish(row, reason)
 
     def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
         """Process ``[rows, vocab]`` logits into log-probs, record them and return one sampled id per row."""
@@ -515,6 +536,10 @@ class Scheduler:
         return True
 
     def _finish(self, row: Row, reason: dict) -> None:
+        if self._deferred is not None:  # inside a decode step: delivered once the batch has dropped the row
+            row.finish_reason = reason
+            self._deferred.append((row, reason))
+            return
         row.finish_reason = reason
         self.stats.rows_served += 1
         try:

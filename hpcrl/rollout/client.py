@@ -285,6 +285,33 @@ class RolloutClient:
             self._weight_version = str(version)
         return out
 
+    async def generate_batch(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict],
+                             return_logprob: bool = True) -> list[dict]:
+        """POST one ``/generate`` for several sequences (SGLang's batch form: ``input_ids`` a list of token-id
+        lists, ``sampling_params`` one dict per input) and return one response dict per input, in order.
+
+        Same routing, retries and errors as :meth:`generate` (a retry resends the whole batch); updates
+        :attr:`weight_version`. The engine decodes the inputs together and answers when all are done.
+        sglang-router 0.3 rejects per-input ``sampling_params`` (HTTP 422), so use this without a router.
+        Raises ValueError when the two lists differ in length or are empty, RolloutError (see
+        :meth:`request`, and when the answer is not a list of one object per input).
+        """
+        if len(input_ids) != len(sampling_params) or not input_ids:
+            raise ValueError(f"generate_batch needs as many sampling_params ({len(sampling_params)}) as "
+                             f"inputs ({len(input_ids)}), and at least one")
+        payload = {"input_ids": [list(ids) for ids in input_ids],
+                   "sampling_params": [dict(p) for p in sampling_params], "return_logprob": bool(return_logprob)}
+        out = await self.request("POST", "/generate", payload)
+        if not isinstance(out, list) or len(out) != len(input_ids) or not all(isinstance(o, dict) for o in out):
+            raise RolloutError(f"batch /generate of {len(input_ids)} inputs returned "
+                               f"{type(out).__name__} {len(out) if isinstance(out, list) else ''}, expected a "
+                               f"list of {len(input_ids)} JSON objects", self.router_url or "engines")
+        for o in out:
+            version = (o.get("meta_info") or {}).get("weight_version")
+            if version is not None:
+                self._weight_version = str(version)
+        return out
+
     # ------------------------------------------------------------------ control (every engine, directly)
     async def abort_all(self) -> list[dict]:
         """POST ``/abort_request {"abort_all": true}`` to every engine: running requests return early with

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
 from hpcrl.data.sample import Sample, Status
-from hpcrl.rollout.client import RolloutClient
+from hpcrl.rollout.client import RolloutClient, RolloutError
 
 MAX_OVERSAMPLING_FACTOR = 32
 """A rollout gives up after submitting this many times ``batch_size`` groups without keeping enough."""
@@ -91,17 +91,112 @@ def reset_sample(sample: Sample) -> None:
     sample.reward, sample.status = None, Status.PENDING
 
 
+class _GroupBatcher:
+    """Stands in for the client of one group's default ``generate`` calls and sends them as one batch
+    ``/generate`` (:meth:`RolloutClient.generate_batch`): one HTTP request per group instead of one per sample,
+    and the engine prefills the group's shared prompt once.
+
+    The calls that arrive in the same event-loop turn (the group's ``asyncio.gather``) form a batch; a lone
+    call, or one with other arguments, goes out as a plain :meth:`RolloutClient.generate`. When the batch is
+    refused with an HTTP 4xx, each call is sent on its own, so each gets its own answer or error. A batch whose
+    callers were all cancelled is cancelled too.
+    """
+
+    def __init__(self, client: RolloutClient) -> None:
+        self._client = client
+        self._pending: list[tuple[list[int], dict, asyncio.Future]] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def router_url(self):
+        return self._client.router_url
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None, **extra) -> dict:
+        if rid is not None or extra or not return_logprob:
+            return await self._client.generate(input_ids, sampling_params, return_logprob, rid, **extra)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._start_flush)
+        self._pending.append((list(input_ids), dict(sampling_params), fut))
+        return await fut
+
+    def _start_flush(self) -> None:
+        items, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._flush(items))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+        def cancel_if_abandoned(_fut: asyncio.Future) -> None:
+            if all(f.cancelled() for _, _, f in items) and not task.done():
+                task.cancel()
+
+        for _, _, f in items:
+            f.add_done_callback(cancel_if_abandoned)
+
+    @staticmethod
+    def _settle(fut: asyncio.Future, result: Any = None, error: Optional[BaseException] = None) -> None:
+        if fut.done():
+            return
+        if isinstance(error, asyncio.CancelledError):
+            fut.cancel()
+        elif error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    async def _flush(self, items: list[tuple[list[int], dict, asyncio.Future]]) -> None:
+        items = [it for it in items if not it[2].done()]
+        if len(items) == 1:
+            await self._one(*items[0])
+            return
+        if not items:
+            return
+        try:
+            outs = await self._client.generate_batch([i for i, _, _ in items], [p for _, p, _ in items])
+        except RolloutError as e:
+            if e.status is not None and 400 <= e.status < 500:
+                await asyncio.gather(*(self._one(*it) for it in items))
+            else:
+                for _, _, f in items:
+                    self._settle(f, error=e)
+            return
+        except BaseException as e:
+            for _, _, f in items:
+                self._settle(f, error=e)
+            raise
+        for (_, _, f), out in zip(items, outs):
+            self._settle(f, out)
+
+    async def _one(self, input_ids, sampling_params, fut) -> None:
+        try:
+            out = await self._client.generate(input_ids, sampling_params, return_logprob=True)
+        except Exception as e:  # noqa: BLE001 - handed to the waiting call
+            self._settle(fut, error=e)
+        except BaseException as e:
+            self._settle(fut, error=e)
+            raise
+        else:
+            self._settle(fut, out)
+
+
 async def _generate_group(cfg, ctx: RolloutContext, group: list[Sample], params: dict, evaluation: bool):
+    from hpcrl.rollout.generate import generate as default_generate
+
     for s in group:
         tokenize_prompt(ctx.tokenizer, s, cfg.data.apply_chat_template)
+    todo = [s for s in group if s.status in (Status.PENDING, Status.ABORTED)]  # others finished earlier
+    # Without a router, the default generate's calls of a group go out as one batch request (same samples).
+    client = ctx.client
+    if (ctx.generate_fn is default_generate and len(todo) > 1 and client.router_url is None
+            and hasattr(client, "generate_batch")):
+        client = _GroupBatcher(ctx.client)
     calls = []
-    for s in group:
-        if s.status not in (Status.PENDING, Status.ABORTED):
-            continue  # finished in an earlier, aborted rollout (partial rollout)
+    for s in todo:
         p = dict(params)
         if not evaluation:
             p["sampling_seed"] = sample_seed(ctx.seed, s.index)
-        calls.append(ctx.generate_fn(ctx.client, s, p))
+        calls.append(ctx.generate_fn(client, s, p))
     await asyncio.gather(*calls)
     if all(s.status != Status.ABORTED for s in group):
         rewards = await asyncio.gather(*(ctx.reward_fn(s) for s in group))

@@ -283,3 +283,32 @@ def test_start_engine_failure_has_log_tail(tmp_path):
         start_engine(None, {}, tmp_path / "no-such-model", engine="cpu", log_path=tmp_path / "bad.log",
                      env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=60)
     assert "exited with code" in str(e.value) and "no-such-model" in e.value.log_tail
+
+
+def test_generate_batch_without_router_equals_single_requests(stack):
+    """SGLang's batch form of /generate (one request, a list of inputs): answers in input order, each the same
+    as that input sent alone; and a group of the default rollout goes out as one batch without a router."""
+    from hpcrl.rollout.rollout import _GroupBatcher
+
+    _, key, engines, _ = stack
+    other = [1, 9, 9, 14, 2]  # "<s>88+1"
+    greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    async def run():
+        async with RolloutClient(None, [engines[0].url], api_key=key, timeout_s=60) as c:
+            batch = await c.generate_batch([PROMPT, other, PROMPT], [greedy] * 3)
+            single = [await c.generate(ids, greedy) for ids in (PROMPT, other)]
+            with pytest.raises(ValueError, match="as many sampling_params"):
+                await c.generate_batch([PROMPT], [greedy, greedy])
+            batcher = _GroupBatcher(c)
+            group = [Sample(tokens=list(PROMPT)) for _ in range(4)]
+            await asyncio.gather(*(generate(batcher, s, dict(greedy)) for s in group))
+            return batch, single, group
+
+    batch, single, group = asyncio.run(run())
+    ids = [b["output_ids"] for b in batch]
+    assert ids == [single[0]["output_ids"], single[1]["output_ids"], single[0]["output_ids"]]
+    for b, s in zip(batch, single):
+        assert [t[0] for t in b["meta_info"]["output_token_logprobs"]] == \
+            pytest.approx([t[0] for t in s["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert all(s.tokens == PROMPT + ids[0] and s.response_length == 6 for s in group)
