@@ -304,6 +304,7 @@ class Actor:
                              f"{cfg.train.tensor_parallel_size}; call initialize_model_parallel with the "
                              f"config's size")
         self.ddp_model, self.optimizer = parallel.setup_model_and_optimizer(hf_path, cfg.train, cfg.megatron)
+        self.lr_scheduler = parallel.lr_scheduler(self.optimizer, cfg.train, cfg.run.num_rollout)
         self.model = bridge.unwrap_model(self.ddp_model)
         self.vocab_size: int = self.model.hf_config.vocab_size
         self.device = next(self.model.parameters()).device
@@ -321,6 +322,10 @@ class Actor:
         """Response log-probs (and entropy) of a micro-batch at the rollout temperature, ``[b, R]`` each."""
         from hpcrl.train.logprobs import response_log_probs
 
+        start = _logits_window_start(self.model, mb)
+        if start > 0:
+            return _windowed_response_log_probs(self.ddp_model, self.model.output_layer, mb, start,
+                                                self.cfg.rollout.temperature, with_entropy, self.vocab_size)
         return response_log_probs(self.ddp_model, mb.tokens, mb.total_lengths, mb.response_lengths,
                                   temperature=self.cfg.rollout.temperature, with_entropy=with_entropy,
                                   vocab_size=self.vocab_size)
@@ -370,6 +375,8 @@ class Actor:
         inconsistent lengths; AssertionError (``ci_checks``) naming the failed metric and its value;
         RuntimeError when the optimizer skips a step (non-finite gradients).
         """
+        from hpcrl.train import parallel
+
         t0 = time.perf_counter()
         cfg, alg = self.cfg, self.cfg.algorithm
         samples = list(samples)
@@ -408,8 +415,13 @@ class Actor:
             if self.ci_checks:
                 _gate("train/ref_logprob_diff", metrics["train/ref_logprob_diff"], CI_TOLERANCE)
 
-        # 5. the optimizer steps.
-        per_step = [self._optimizer_step(step, sums) for step, sums in zip(steps, step_sums, strict=True)]
+        # 5. the optimizer steps, each at the scheduled learning rate of its global step number (a pure
+        # function of rollout_id, so a resumed run continues the schedule exactly).
+        per_step = []
+        for k, (step, sums) in enumerate(zip(steps, step_sums, strict=True)):
+            lr = parallel.set_lr_step(self.lr_scheduler, rollout_id * cfg.train.num_steps_per_rollout + k)
+            per_step.append(self._optimizer_step(step, sums))
+            per_step[-1]["lr"] = lr
         self.step_metrics = per_step
         metrics["train/first_step_ppo_kl"] = per_step[0]["ppo_kl"]
         if self.ci_checks:
@@ -490,6 +502,56 @@ class Actor:
     def state(self) -> dict[str, Any]:
         """``{"model": ddp_model, "optimizer": optimizer}``: the objects a checkpoint saves and loads."""
         return {"model": self.ddp_model, "optimizer": self.optimizer}
+
+
+def _logits_window_start(model: torch.nn.Module, mb: MicroBatch) -> int:
+    """The first sequence column whose logits the micro-batch needs: its earliest response prediction
+    (column ``total - response - 1`` of a row; the columns before it only predict prompt tokens). 0 (all
+    columns) with sequence parallelism, where the output layer's input is split along the sequence, or when
+    the model has no ``output_layer``."""
+    layer = getattr(model, "output_layer", None)
+    if layer is None or getattr(layer, "sequence_parallel", False) or mb.tokens.shape[0] == 0:
+        return 0
+    return max(0, int((mb.total_lengths - mb.response_lengths - 1).min()))
+
+
+def _windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.Module, mb: MicroBatch,
+                                 start: int, temperature: float, with_entropy: bool, vocab_size: int):
+    """:func:`hpcrl.train.logprobs.response_log_probs` of a micro-batch with the output layer, log-softmax and
+    entropy run only on the columns ``start .. seq-2`` (those that predict response tokens).
+
+    The whole rows still go through the decoder; a forward pre-hook hands the output layer only the
+    hidden states of those columns (``[seq, batch, hidden]`` sliced on the sequence), so the logits are
+    ``[b, seq - 1 - start, vocab]`` instead of ``[b, seq, vocab]``: the same values for the response tokens, for a
+    fraction of the time and memory when prompts are long and the vocab large.
+    """
+    from hpcrl.train.logprobs import ResponseLogProbs, compute_entropy, compute_log_probs
+
+    tokens = mb.tokens
+    batch, seq = tokens.shape
+
+    def keep_window(module, args, kwargs):
+        return (args[0][start:seq - 1], *args[1:]), kwargs
+
+    position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
+    handle = output_layer.register_forward_pre_hook(keep_window, with_kwargs=True)
+    try:
+        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None)
+    finally:
+        handle.remove()
+    # Column start + c predicts token start + c + 1.
+    lp_all = compute_log_probs(logits, tokens[:, start + 1:], temperature, vocab_size)
+    resp = mb.response_lengths
+    width = int(resp.max())
+    j = torch.arange(width, device=tokens.device).unsqueeze(0)
+    mask = j < resp.unsqueeze(1)
+    index = (mb.total_lengths - resp - 1 - start).unsqueeze(1) + j
+    index = torch.where(mask, index, torch.zeros_like(index))
+    log_probs = torch.gather(lp_all, 1, index).masked_fill(~mask, 0.0)
+    entropy = None
+    if with_entropy:
+        entropy = torch.gather(compute_entropy(logits, temperature, vocab_size), 1, index).masked_fill(~mask, 0.0)
+    return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
 
 
 def _gate(name: str, value: Optional[float], tol: float) -> None:
