@@ -165,7 +165,16 @@ class TrainSection:
     """Optimizer steps per rollout (slime ``--num-steps-per-rollout``): each rollout's
     ``batch_size * n_samples_per_prompt`` samples are split into this many global batches."""
     lr: float = 3e-5
+    """Peak learning rate (slime ``--lr``)."""
     min_lr: float = 0.0
+    """Learning rate at the end of the decay (slime ``--min-lr``); unused with ``lr_decay_style: constant``."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr`` (slime ``--lr-warmup-iters``)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay from ``lr`` to ``min_lr`` after the warmup (slime ``--lr-decay-style``)."""
+    lr_decay_steps: Optional[int] = None
+    """Optimizer step at which the decay reaches ``min_lr``; default ``run.num_rollout *
+    train.num_steps_per_rollout`` (the whole run)."""
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
@@ -756,6 +765,7 @@ def resolve(cfg: Config) -> Config:
       (``create: gguf``) when empty;
     * ``rollout.over_sampling_batch_size``: ``rollout.batch_size``;
     * ``train.global_batch_size``: ``batch_size * n_samples_per_prompt // num_steps_per_rollout``;
+    * ``train.lr_decay_steps``: ``run.num_rollout * train.num_steps_per_rollout``;
     * ``algorithm.eps_clip_high``: ``eps_clip``;
     * ``weights.method: auto``: ``tensor`` when colocated, ``distributed`` when disaggregated.
 
@@ -773,6 +783,8 @@ def resolve(cfg: Config) -> Config:
     t = out.train
     if t.global_batch_size is None:
         t.global_batch_size = r.batch_size * r.n_samples_per_prompt // max(t.num_steps_per_rollout, 1)
+    if t.lr_decay_steps is None:
+        t.lr_decay_steps = max(out.run.num_rollout * t.num_steps_per_rollout, 1)
     a = out.algorithm
     if a.eps_clip_high is None:
         a.eps_clip_high = a.eps_clip
@@ -1051,7 +1063,13 @@ def _check_train(cfg: Config) -> None:
     _positive(cfg, "train.tensor_parallel_size", "train.pipeline_parallel_size",
               "train.context_parallel_size", "train.expert_parallel_size", "train.nprocs",
               "train.micro_batch_size", "train.global_batch_size", "train.num_steps_per_rollout", "train.lr")
-    _non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad")
+    _non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps")
+    if t.lr_decay_steps is not None:
+        _positive(cfg, "train.lr_decay_steps")
+    decay_steps = t.lr_decay_steps if t.lr_decay_steps is not None else cfg.run.num_rollout * t.num_steps_per_rollout
+    _require(t.lr_warmup_steps < max(decay_steps, 1) or t.lr_warmup_steps == 0, "train.lr_warmup_steps",
+             t.lr_warmup_steps, f"must be smaller than train.lr_decay_steps={decay_steps} (default: "
+             "run.num_rollout x train.num_steps_per_rollout)", "lower lr_warmup_steps or raise lr_decay_steps")
     model_par = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
     _require(t.nprocs % model_par == 0, "train.nprocs", t.nprocs,
              f"must be a multiple of tensor x pipeline x context parallel size = {model_par}",

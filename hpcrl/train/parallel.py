@@ -218,6 +218,32 @@ def setup_model_and_optimizer(hf_path: Union[str, os.PathLike], train: Any,
     return wrap_model_and_optimizer(model, train, megatron)
 
 
+def lr_scheduler(optimizer: Any, train: Any, num_rollout: int) -> Any:
+    """megatron-core's ``OptimizerParamScheduler`` for ``train``'s learning-rate schedule, counted in optimizer
+    steps: linear warmup from 0 over ``train.lr_warmup_steps`` (slime ``--lr-warmup-iters``), then
+    ``train.lr_decay_style`` (``constant``/``linear``/``cosine``, slime ``--lr-decay-style``) from ``train.lr`` to
+    ``train.min_lr`` at ``train.lr_decay_steps`` (default ``num_rollout * train.num_steps_per_rollout``).
+    Weight decay stays ``train.weight_decay``. The optimizer's learning rate is set to that of step 0.
+    Raises AssertionError (megatron-core's) for warmup >= decay steps or ``min_lr > lr``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = train.lr_decay_steps or max(num_rollout * train.num_steps_per_rollout, 1)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if train.lr_warmup_steps else train.lr, max_lr=train.lr, min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_steps, lr_decay_steps=max(decay, train.lr_warmup_steps + 1),
+        lr_decay_style=train.lr_decay_style, start_wd=train.weight_decay, end_wd=train.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant")
+
+
+def set_lr_step(scheduler: Any, step: int) -> float:
+    """Move ``scheduler`` to global optimizer step ``step`` (0-based; forward or backward) and set the
+    optimizer's learning rate for it. Returns that learning rate. The schedule depends only on ``step``, so
+    a resumed run (step from its rollout id) gets exactly the learning rates of an uninterrupted one."""
+    scheduler.step(increment=step - scheduler.num_steps)
+    return float(scheduler.get_lr(scheduler.optimizer.param_groups[0]))
+
+
 def train_step(ddp_model: torch.nn.Module, optimizer: Any,
                loss_fn: Callable[[torch.nn.Module, Any], Any], micro_batches: Iterable[Any]) -> dict[str, Any]:
     """One optimizer step: zero grads, forward+backward every micro-batch, reduce grads, ``optimizer.step()``.

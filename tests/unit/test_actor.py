@@ -305,3 +305,18 @@ def test_estimators_and_bf16_pass_ci_gates(tp1, tiny_model_dir, samples, changes
     assert m["train/first_step_ppo_kl"] == 0.0 and m["train/grad_norm"] > 0
     after = weights_of(actor)
     assert max((after[k].float() - before[k].float()).abs().max().item() for k in after) > 0
+
+
+def test_lr_schedule_warmup_then_cosine_follows_rollout_id(tp1, tiny_model_dir, samples):
+    """slime's --lr-warmup-iters / --lr-decay-style through megatron-core's scheduler: the learning rate of a
+    step is a function of its global step number only (what exact resume relies on)."""
+    import math
+
+    cfg = make_config(**{"train.lr": 1e-3, "train.min_lr": 1e-4, "train.lr_warmup_steps": 4,
+                         "train.lr_decay_style": "cosine", "train.lr_decay_steps": 12, "run.num_rollout": 12})
+    actor = Actor(cfg, tiny_model_dir)
+    lrs = {r: actor.train(r, samples)["train/lr"] for r in (0, 2, 4, 8, 12, 3)}
+    assert lrs[0] == 0.0 and lrs[2] == pytest.approx(5e-4) and lrs[4] == pytest.approx(1e-3)
+    assert lrs[8] == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (math.cos(math.pi * 4 / 8) + 1))
+    assert lrs[12] == pytest.approx(1e-4) and lrs[3] == pytest.approx(7.5e-4)  # backwards too (a resume)
+    assert actor.optimizer.param_groups[0]["lr"] == pytest.approx(7.5e-4)

@@ -49,6 +49,11 @@ def assert_one_line(err: ConfigError, field: str) -> str:
 
 # (id, yaml text, overrides, expected field, expected value, substrings of the message)
 BAD = [
+    ("lr-warmup-not-below-decay", M + "run: {num_rollout: 10}\ntrain: {lr_warmup_steps: 10}\n", [],
+     "train.lr_warmup_steps", 10, ["must be smaller than train.lr_decay_steps=10"]),
+    ("lr-decay-style-unknown", M + "train: {lr_decay_style: exponential}\n", [], "train.lr_decay_style",
+     "exponential", ["constant"]),
+    ("lr-decay-steps-zero", M, ["train.lr_decay_steps=0"], "train.lr_decay_steps", 0, ["must be > 0"]),
     ("unknown-top-level", M + "rolout: {batch_size: 8}\n", [], "rolout", {"batch_size": 8},
      ["unknown top-level section", "did you mean rollout?"]),
     ("unknown-nested", M + "rollout: {batch_sise: 8}\n", [], "rollout.batch_sise", 8,
@@ -249,11 +254,12 @@ def test_shipped_configs_load(name):
 
 def test_quickstart_values():
     cfg = load_config(REPO / "configs" / "quickstart.yaml")
-    assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 300, "addition")
+    assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 700, "addition")
     assert (cfg.sft.enabled, cfg.sft.output, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr) == (
         True, ".cache/models/tiny-qwen2-addition-sft", 600, 256, 3e-3)
     assert (cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens) == (8, 8, 8)
-    assert cfg.rollout.dynamic_filter == "nonzero_std" and cfg.train.lr == 3e-5
+    assert cfg.rollout.dynamic_filter == "nonzero_std" and cfg.train.lr == 1.5e-4
+    assert (cfg.train.lr_warmup_steps, cfg.train.lr_decay_style, cfg.train.lr_decay_steps) == (50, "cosine", 700)
     assert cfg.algorithm.advantage_estimator == "grpo" and not cfg.algorithm.use_kl_loss
 
 
