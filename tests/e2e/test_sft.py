@@ -92,31 +92,5 @@ def test_sft_is_deterministic_and_cached(tmp_path):
     assert _metrics(a) == rows
 
 
-@pytest.mark.slow
-def test_quickstart_sft_reaches_25_percent(tmp_path):
-    """The quickstart numbers: 600 steps, batch 256, lr 3e-3 on the tiny Qwen2 and 3-digit addition."""
-    from hpcrl.eval import greedy_accuracy
-    from hpcrl.models.hf import load_hf_model
-    from hpcrl.data.tasks import make_task
-
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    cfg = _cfg(tmp_path, "sft", steps=600)
-    t0 = time.perf_counter()
-    out = run_sft(cfg)
-    seconds = time.perf_counter() - t0
-    rows = _metrics(out)
-    evals = [r for r in rows if "eval_accuracy" in r]
-    print(f"SFT: {evals[-1]['eval_accuracy']:.3f} greedy accuracy after step {evals[-1]['step']} in {seconds:.0f} s; "
-          f"curve {[(r['step'], round(r['eval_accuracy'], 3)) for r in evals]}")
-    assert evals[-1]["step"] == 600
-    assert evals[-1]["eval_accuracy"] >= 0.25
-
-    # The saved folder reproduces the accuracy on 500 held-out problems.
-    model, tok = load_hf_model(out)
-    task = make_task("addition")
-    train = {it["prompt"] for it in task.generate(cfg.data.num_train, seed=cfg.run.seed)}
-    held_out = [it for it in task.generate(600, seed=99) if it["prompt"] not in train][:500]
-    assert len(held_out) == 500
-    acc = greedy_accuracy(model, tok, held_out, task.score, cfg.rollout.max_new_tokens)
-    print(f"SFT: {acc:.3f} on 500 fresh held-out problems")
-    assert acc >= 0.2
+# The quickstart's own SFT numbers (600 steps to about 39% greedy) are asserted by tests/e2e/test_quickstart.py,
+# which runs it from a fresh folder through the README command.
