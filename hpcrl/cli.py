@@ -1,4 +1,5 @@
-"""The ``hpcrl`` command line: validate, run, sft, submit, sweep, status, logs, cancel, convert, serve.
+"""The ``hpcrl`` command line: validate, run, sft, submit, run-slurm, sweep, status, logs, cancel, convert,
+serve.
 
 Every subcommand that reads a config takes ``CONFIG [key=value ...]`` (dotted overrides, see
 :func:`hpcrl.config.load_config`). A :class:`~hpcrl.config.ConfigError` anywhere is printed as its one line on
@@ -131,6 +132,73 @@ def _cmd_serve(argv: list[str]) -> int:
     return _exit_code(server.main(list(argv)))
 
 
+def _slurm_errors(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Report :class:`hpcrl.slurm.SlurmCommandError` as one line on stderr with its exit status."""
+
+    def wrapped(ns: argparse.Namespace) -> int:
+        from hpcrl.slurm import SlurmCommandError
+
+        try:
+            return handler(ns)
+        except SlurmCommandError as e:
+            _err(str(e))
+            return e.exit_code
+
+    return wrapped
+
+
+@_slurm_errors
+def _cmd_submit(ns: argparse.Namespace) -> int:
+    from hpcrl.slurm.submit import submit
+
+    result = submit(ns.config, ns.overrides, dry_run=ns.dry_run, plain=ns.plain)
+    if result.dry_run:
+        print(result.script, end="" if result.script.endswith("\n") else "\n")
+        _err(f"hpcrl submit --dry-run: wrote {result.run_dir} (config.yaml, {result.script_path.name}, "
+             "logs/); nothing was submitted")
+        return EXIT_OK
+    kind = "heterogeneous job" if result.plan.het else "job"
+    print(f"submitted {kind} {result.job_id} ({result.launcher}): {result.run_dir}")
+    print(f"  hpcrl status {result.run_dir}\n  hpcrl logs {result.run_dir} --follow")
+    return EXIT_OK
+
+
+@_slurm_errors
+def _cmd_status(ns: argparse.Namespace) -> int:
+    from hpcrl.slurm.state import collect_status, find_runs, format_table
+
+    runs = find_runs(ns.run, ns.output_dir)
+    if not runs:
+        _err(f"hpcrl status: no run folders under {ns.output_dir}")
+        return EXIT_OK
+    print(format_table(collect_status(runs)))
+    return EXIT_OK
+
+
+@_slurm_errors
+def _cmd_logs(ns: argparse.Namespace) -> int:
+    from hpcrl.slurm.control import print_logs
+    from hpcrl.slurm.state import find_run
+
+    return print_logs(find_run(ns.run, ns.output_dir), follow=ns.follow)
+
+
+@_slurm_errors
+def _cmd_cancel(ns: argparse.Namespace) -> int:
+    from hpcrl.slurm.control import cancel
+    from hpcrl.slurm.state import find_run
+
+    run_dir = find_run(ns.run, ns.output_dir)
+    print(f"cancelled job {cancel(run_dir)}: {run_dir}")
+    return EXIT_OK
+
+
+def _cmd_run_slurm(ns: argparse.Namespace) -> int:
+    from hpcrl.slurm.entry import run_slurm
+
+    return _exit_code(run_slurm(ns.config))
+
+
 def _cmd_stub(issue: str) -> Callable[[argparse.Namespace], int]:
     def handler(ns: argparse.Namespace) -> int:
         return _not_implemented(ns.command, issue)
@@ -146,6 +214,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", help="run config YAML")
     p.add_argument("overrides", metavar="key=value", nargs="*",
                    help="dotted overrides, e.g. rollout.batch_size=16 sglang.enable_memory_saver=true")
+
+
+def _add_output_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output-dir", default="runs", metavar="DIR",
+                   help="where run names are looked up (run.output_dir; default: runs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,26 +245,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="validate, write the run folder and submit to Slurm")
     _add_config_args(p)
-    p.add_argument("--dry-run", action="store_true", help="write the run folder and sbatch script only")
-    p.set_defaults(handler=_cmd_stub("issue #4"))
+    p.add_argument("--dry-run", action="store_true",
+                   help="write the run folder and sbatch script and print the script; submit nothing")
+    p.add_argument("--plain", action="store_true",
+                   help="submit the plain sbatch template (sbatch/) with sbatch instead of submitit")
+    p.set_defaults(handler=_cmd_submit)
+
+    p = sub.add_parser("run-slurm", help="inside a Slurm allocation: run the job of a run folder "
+                                         "(what hpcrl submit's job and the sbatch/ templates run)")
+    p.add_argument("config", metavar="RUN/config.yaml", help="the run folder's resolved config")
+    p.set_defaults(handler=_cmd_run_slurm)
 
     p = sub.add_parser("sweep", help="submit a sweep as one Slurm job array")
     p.add_argument("sweep", metavar="SWEEP.yaml")
     p.add_argument("--report", action="store_true", help="summarise the finished runs of the sweep")
     p.set_defaults(handler=_cmd_stub("issue #5"))
 
-    p = sub.add_parser("status", help="state of runs")
-    p.add_argument("run", metavar="RUN", nargs="?", help="run folder or name (default: all runs)")
-    p.set_defaults(handler=_cmd_stub("issue #4"))
+    p = sub.add_parser("status", help="table of runs: Slurm state, rollout id, last reward, attempts")
+    p.add_argument("run", metavar="RUN", nargs="?",
+                   help="run folder, run name, or a folder of runs (default: every run under --output-dir)")
+    _add_output_dir(p)
+    p.set_defaults(handler=_cmd_status)
 
-    p = sub.add_parser("logs", help="print the logs of a run")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("--follow", "-f", action="store_true")
-    p.set_defaults(handler=_cmd_stub("issue #4"))
+    p = sub.add_parser("logs", help="print the newest attempt's logs of a run")
+    p.add_argument("run", metavar="RUN", help="run folder or run name")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    _add_output_dir(p)
+    p.set_defaults(handler=_cmd_logs)
 
-    p = sub.add_parser("cancel", help="cancel a run's Slurm job")
-    p.add_argument("run", metavar="RUN")
-    p.set_defaults(handler=_cmd_stub("issue #4"))
+    p = sub.add_parser("cancel", help="cancel a run's Slurm job (scancel)")
+    p.add_argument("run", metavar="RUN", help="run folder or run name")
+    _add_output_dir(p)
+    p.set_defaults(handler=_cmd_cancel)
 
     p = sub.add_parser("convert", help="convert model formats")
     conv = p.add_subparsers(dest="kind", metavar="KIND", required=True)

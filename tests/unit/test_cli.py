@@ -130,12 +130,7 @@ def test_validate_no_check_files(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,issue", [
-    (["submit", "configs/quickstart.yaml", "rollout.batch_size=4", "--dry-run"], "issue #4"),
     (["sweep", "configs/sweep.yaml", "--report"], "issue #5"),
-    (["status"], "issue #4"),
-    (["status", "runs/quickstart"], "issue #4"),
-    (["logs", "runs/quickstart", "--follow"], "issue #4"),
-    (["cancel", "runs/quickstart"], "issue #4"),
 ])
 def test_unfinished_subcommands_say_not_implemented(argv, issue, capsys):
     assert cli.main(argv) == 2

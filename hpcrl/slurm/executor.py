@@ -1,0 +1,122 @@
+"""Heterogeneous Slurm jobs with submitit (which has none: facebookincubator/submitit#1741), by extension.
+
+:class:`HetSlurmExecutor` is submitit's own :class:`~submitit.slurm.slurm.SlurmExecutor` with two additions:
+
+* the sbatch script gets extra ``#SBATCH`` lines (``extra_sbatch``) after submitit's parameters, then per
+  extra het component one ``#SBATCH hetjob`` separator followed by that component's ``#SBATCH --flag=value``
+  lines.
+  submitit's parameters describe het group 0, where the batch script and submitit's ``srun`` step run.
+* sacct lists the components of het job ``<id>`` as ``<id>+0``, ``<id>+1``, ...; :class:`HetSlurmInfoWatcher`
+  maps ``<id>+0`` back to ``<id>`` so the job's state (``job.state``, ``job.wait()``) is group 0's.
+
+Slurm refuses job arrays of het jobs, so a het executor submits one job at a time. With no extra component and
+no extra line the script is byte-for-byte submitit's.
+
+:meth:`HetSlurmExecutor.render` returns the script text without calling sbatch (``--dry-run``); it is the same
+text :meth:`submit` writes and submits.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import typing as tp
+from pathlib import Path
+
+from submitit.core import core, utils
+from submitit.slurm import slurm as _slurm
+
+from hpcrl.slurm.state import het_base_id
+
+HETJOB_LINE = "#SBATCH hetjob"
+
+
+def sbatch_flag(key: str, value: tp.Any) -> str:
+    """One ``#SBATCH`` line in submitit's spelling (``cpus_per_task`` -> ``--cpus-per-task``; True: bare)."""
+    return _slurm._as_sbatch_flag(key, value)
+
+
+def insert_after_last_sbatch(text: str, lines: tp.Sequence[str]) -> str:
+    """``text`` with ``lines`` inserted right after its last ``#SBATCH`` line.
+
+    Raises ValueError when ``text`` has no ``#SBATCH`` line.
+    """
+    rows = text.split("\n")
+    last = max((i for i, row in enumerate(rows) if row.startswith("#SBATCH")), default=None)
+    if last is None:
+        raise ValueError("the script has no #SBATCH line")
+    return "\n".join(rows[: last + 1] + list(lines) + rows[last + 1:])
+
+
+def het_lines(components: tp.Sequence[tp.Mapping[str, tp.Any]]) -> list[str]:
+    """``#SBATCH hetjob`` plus the sorted flags of each extra component (``None``/``False`` skipped)."""
+    out: list[str] = []
+    for comp in components:
+        out.append(HETJOB_LINE)
+        out += [sbatch_flag(k, v) for k, v in sorted(comp.items()) if v is not None and v is not False]
+    return out
+
+
+class HetSlurmInfoWatcher(_slurm.SlurmInfoWatcher):
+    """submitit's sacct watcher that also knows het jobs: ``<id>+0``'s row is reported as ``<id>``."""
+
+    def read_info(self, string: tp.Union[bytes, str]) -> tp.Dict[str, tp.Dict[str, str]]:
+        info = super().read_info(string)
+        for key, stats in list(info.items()):
+            base = het_base_id(key)
+            if base != key and key.endswith("+0"):
+                info[base] = stats
+        return info
+
+
+class HetSlurmJob(_slurm.SlurmJob[core.R]):
+    """A submitit Slurm job whose state is read with :class:`HetSlurmInfoWatcher`."""
+
+    watcher = HetSlurmInfoWatcher(delay_s=600)
+
+
+class HetSlurmExecutor(_slurm.SlurmExecutor):
+    """submitit's SlurmExecutor plus het-job components and verbatim extra ``#SBATCH`` lines.
+
+    Args:
+        folder: submitit's folder (pickles and task logs ``%j_%t_log.out``/``.err``).
+        components: sbatch flags of het groups 1, 2, ... as ``{name: value}`` in submitit's spelling
+            (``{"nodes": 1, "gpus_per_node": 4, "partition": "gpu"}``); empty for a normal job.
+        extra_sbatch: extra options for group 0, written as ``#SBATCH <line>`` (``--reservation=foo``).
+        max_num_timeout: requeues allowed after time-limit signals (submitit's; preemptions do not count).
+        python: command that runs python in the job (e.g. an ``apptainer exec ... IMAGE python3`` prefix);
+            default the current interpreter.
+        render_only: skip submitit's check that ``srun`` is on PATH, for rendering the script on a machine
+            without Slurm (:meth:`render`); such an executor must not submit.
+    """
+
+    job_class = HetSlurmJob
+
+    def __init__(self, folder: tp.Union[str, Path], components: tp.Sequence[tp.Mapping[str, tp.Any]] = (),
+                 extra_sbatch: tp.Sequence[str] = (), max_num_timeout: int = 3,
+                 python: tp.Optional[str] = None, render_only: bool = False) -> None:
+        if render_only:  # SlurmExecutor.__init__ minus its "is srun on PATH" check
+            core.PicklingExecutor.__init__(self, folder, max_num_timeout=max_num_timeout)
+            self.python = shlex.quote(sys.executable) if python is None else python
+        else:
+            super().__init__(folder, max_num_timeout=max_num_timeout, python=python)
+        self.render_only = render_only
+        self.components = [dict(c) for c in components]
+        self.extra_sbatch = list(extra_sbatch)
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        text = super()._make_submission_file_text(command, uid)
+        lines = [f"#SBATCH {line}" for line in self.extra_sbatch] + het_lines(self.components)
+        return insert_after_last_sbatch(text, lines) if lines else text
+
+    def _internal_process_submissions(self, delayed_submissions: tp.List[utils.DelayedSubmission]
+                                      ) -> tp.List[core.Job[tp.Any]]:
+        if self.render_only:
+            raise RuntimeError("this HetSlurmExecutor was made with render_only=True and cannot submit")
+        if len(delayed_submissions) > 1 and (self.components or self.extra_sbatch):
+            raise ValueError("Slurm cannot run a job array of heterogeneous jobs; submit them one by one")
+        return super()._internal_process_submissions(delayed_submissions)
+
+    def render(self) -> str:
+        """The sbatch script a submission would use, without calling sbatch (the text of ``--dry-run``)."""
+        return self._make_submission_file_text(self._submitit_command_str, "render")

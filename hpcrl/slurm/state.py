@@ -1,0 +1,248 @@
+"""Run folders and their Slurm jobs: ``job.json``, squeue/sacct states, and the ``hpcrl status`` table.
+
+A *run folder* is a folder with ``config.yaml`` or ``job.json`` (``run.output_dir/run.name``). Its job id
+comes from ``job.json`` (written by ``hpcrl submit``); the state from ``squeue`` while the job is known to the
+controller, else from ``sacct``; the rollout id and the last mean reward from ``metrics.jsonl``; the attempt
+count from the ``logs/attempt-N`` folders the run makes each time it starts (requeues included).
+
+Het jobs appear in squeue and sacct as ``<id>+0``, ``<id>+1``; a run's state is its group 0's (the trainer),
+unless a component failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from hpcrl.slurm import JOB_FILE, SlurmCommandError
+
+FINAL_STATES = frozenset({
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+    "TIMEOUT", "REVOKED", "SPECIAL_EXIT",
+})
+"""Slurm job states after which the job does nothing more (``PREEMPTED`` without requeue is final too)."""
+NOT_SUBMITTED = "NOT_SUBMITTED"
+"""State of a run folder without ``job.json`` (``hpcrl submit --dry-run``)."""
+UNKNOWN = "UNKNOWN"
+"""State when neither squeue nor sacct knows the job (or they are not installed)."""
+_ATTEMPT_RE = re.compile(r"attempt-(\d+)")
+_BAD_STATES = ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "CANCELLED")
+
+Runner = Callable[[list[str]], Optional[str]]
+"""Runs a command and returns its stdout, or None when it is missing or fails (injectable for tests)."""
+
+
+def het_base_id(job_id: str) -> str:
+    """``"123+1"`` -> ``"123"``; any other id unchanged (``"123"``, ``"123_4"``)."""
+    base, plus, offset = job_id.partition("+")
+    return base if plus and offset.isdigit() else job_id
+
+
+def run_command(argv: list[str], timeout: float = 30.0) -> Optional[str]:
+    """stdout of ``argv``, or None when the program is missing, fails or times out (the default Runner)."""
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# job.json
+# ------------------------------------------------------------------------------------------------------------
+
+def write_job_file(run_dir: str | os.PathLike, record: dict[str, Any]) -> Path:
+    """Write ``run_dir/job.json`` atomically (temp file + ``os.replace``). Returns its path."""
+    run_dir = Path(run_dir)
+    target = run_dir / JOB_FILE
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".job.json.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def read_job_file(run_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
+    """``run_dir/job.json`` as a dict; None when the run was never submitted (or the file is unreadable)."""
+    path = Path(run_dir) / JOB_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("job_id") else None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# squeue / sacct
+# ------------------------------------------------------------------------------------------------------------
+
+def _merge(states: dict[str, list[str]]) -> dict[str, str]:
+    """One state per base id: group 0's, unless another component failed or was cancelled."""
+    out = {}
+    for base, rows in states.items():
+        bad = [s for s in rows[1:] if s in _BAD_STATES]
+        out[base] = bad[0] if bad and rows[0] not in FINAL_STATES else rows[0]
+    return out
+
+
+def _collect(rows: Iterable[tuple[str, str]]) -> dict[str, str]:
+    states: dict[str, list[tuple[int, str]]] = {}
+    for job_id, state in rows:
+        if not job_id or "." in job_id:  # job steps (123.batch, 123+0.0)
+            continue
+        state = state.split()[0] if state.split() else UNKNOWN  # "CANCELLED by 0" -> CANCELLED
+        base, _, offset = job_id.partition("+")
+        states.setdefault(base, []).append((int(offset) if offset.isdigit() else 0, state))
+    return _merge({b: [s for _, s in sorted(v)] for b, v in states.items()})
+
+
+def parse_squeue(text: str) -> dict[str, str]:
+    """``squeue -h -o %i|%T`` output -> ``{base job id: state}`` (het components merged)."""
+    return _collect(tuple(line.split("|", 1)) for line in text.splitlines() if "|" in line)
+
+
+def parse_sacct(text: str) -> dict[str, str]:
+    """``sacct -n -X -P -o JobID,State`` output -> ``{base job id: state}`` (steps skipped, het merged)."""
+    return _collect(tuple(line.split("|")[:2]) for line in text.splitlines() if "|" in line)
+
+
+def query_states(job_ids: Iterable[str], runner: Runner = run_command) -> dict[str, str]:
+    """Current state of each job id: squeue first (live jobs), then sacct (finished ones), else UNKNOWN."""
+    ids = sorted({het_base_id(str(j)) for j in job_ids})
+    if not ids:
+        return {}
+    found: dict[str, str] = {}
+    out = runner(["squeue", "-h", "-o", "%i|%T", "-j", ",".join(ids)])
+    if out is not None:
+        found.update({k: v for k, v in parse_squeue(out).items() if k in ids})
+    rest = [j for j in ids if j not in found]
+    if rest:
+        out = runner(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)])
+        if out is not None:
+            found.update({k: v for k, v in parse_sacct(out).items() if k in rest})
+    return {j: found.get(j, UNKNOWN) for j in ids}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Run folders
+# ------------------------------------------------------------------------------------------------------------
+
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` is a run folder (has ``config.yaml`` or ``job.json``)."""
+    return (path / "config.yaml").is_file() or (path / JOB_FILE).is_file()
+
+
+def find_run(run: str, output_dir: str = "runs") -> Path:
+    """The run folder named by ``run``: a path to a run folder, or a run name under ``output_dir``.
+
+    Raises SlurmCommandError (exit 2) naming ``RUN`` when neither exists.
+    """
+    for cand in (Path(run), Path(output_dir) / run):
+        if cand.is_dir() and is_run_dir(cand):
+            return cand
+    raise SlurmCommandError(f"RUN={run!r}: no run folder (looked for {run} and {Path(output_dir) / run}, a "
+                            "folder with config.yaml or job.json); give a run folder or a run name under "
+                            "--output-dir")
+
+
+def find_runs(target: Optional[str], output_dir: str = "runs") -> list[Path]:
+    """Run folders for ``hpcrl status``: one run (folder or name), every run under a folder, or under
+    ``output_dir`` when ``target`` is None. Sorted by path. Raises SlurmCommandError when nothing matches."""
+    if target is not None:
+        path = Path(target)
+        if path.is_dir() and not is_run_dir(path):
+            runs = sorted(p for p in path.iterdir() if p.is_dir() and is_run_dir(p))
+            if runs:
+                return runs
+        return [find_run(target, output_dir)]
+    base = Path(output_dir)
+    if not base.is_dir():
+        raise SlurmCommandError(f"--output-dir={output_dir!r}: no such folder; run hpcrl status from the "
+                                "folder you submitted from, or pass --output-dir (run.output_dir) or a run "
+                                "folder")
+    return sorted(p for p in base.iterdir() if p.is_dir() and is_run_dir(p))
+
+
+def attempt_dirs(run_dir: str | os.PathLike) -> list[Path]:
+    """``logs/attempt-N`` folders of a run, in attempt order."""
+    logs = Path(run_dir) / "logs"
+    if not logs.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in logs.iterdir()
+             if p.is_dir() and (m := _ATTEMPT_RE.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _num_rollout(run_dir: Path) -> Optional[int]:
+    try:
+        import yaml
+
+        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+        return int(data["run"]["num_rollout"])
+    except Exception:  # a missing or hand-edited config only loses the "/N" in the table
+        return None
+
+
+@dataclass
+class RunStatus:
+    """One row of ``hpcrl status``."""
+
+    run: str
+    path: Path
+    job_id: Optional[str]
+    state: str
+    rollout_id: Optional[int]
+    num_rollout: Optional[int]
+    last_reward: Optional[float]
+    attempts: int
+
+
+def run_status(run_dir: Path, states: dict[str, str]) -> RunStatus:
+    """The :class:`RunStatus` of one run folder, given job states from :func:`query_states`."""
+    from hpcrl.metrics import read_metrics
+
+    job = read_job_file(run_dir)
+    job_id = str(job["job_id"]) if job else None
+    state = states.get(het_base_id(job_id), UNKNOWN) if job_id else NOT_SUBMITTED
+    rows = [r for r in read_metrics(run_dir) if isinstance(r.get("step"), int) and r["step"] >= 0]
+    rewards = [r["rollout/reward_mean"] for r in rows
+               if isinstance(r.get("rollout/reward_mean"), (int, float))]
+    return RunStatus(run=run_dir.name, path=run_dir, job_id=job_id, state=state,
+                     rollout_id=rows[-1]["step"] if rows else None, num_rollout=_num_rollout(run_dir),
+                     last_reward=rewards[-1] if rewards else None, attempts=len(attempt_dirs(run_dir)))
+
+
+def collect_status(run_dirs: list[Path], runner: Runner = run_command) -> list[RunStatus]:
+    """Status rows for ``run_dirs`` with one squeue and at most one sacct call for all their jobs."""
+    ids = [str(j["job_id"]) for d in run_dirs if (j := read_job_file(d))]
+    states = query_states(ids, runner)
+    return [run_status(d, states) for d in run_dirs]
+
+
+def format_table(rows: list[RunStatus]) -> str:
+    """Rows as an aligned text table with a header: RUN, JOB, STATE, ROLLOUT, REWARD, ATTEMPTS, PATH."""
+    header = ("RUN", "JOB", "STATE", "ROLLOUT", "REWARD", "ATTEMPTS", "PATH")
+    lines = [header]
+    for r in rows:
+        rollout = "-" if r.rollout_id is None else str(r.rollout_id)
+        if r.num_rollout is not None:
+            rollout += f"/{r.num_rollout}"
+        reward = "-" if r.last_reward is None else f"{r.last_reward:.3f}"
+        lines.append((r.run, r.job_id or "-", r.state, rollout, reward, str(r.attempts), str(r.path)))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
