@@ -969,6 +969,9 @@ def _check_run(cfg: Config) -> None:
              "async (one-step off-policy) mode needs run.placement: disaggregate, since colocated "
              "trainer and engines take turns on the same devices",
              "set run.placement=disaggregate or run.mode=sync")
+    _require(r.mode != "async", "run.mode", r.mode,
+             "one-step off-policy async is not implemented yet (the loop would silently run sync)",
+             "set run.mode=sync")
 
 
 def _check_model(cfg: Config, check_files: bool) -> None:

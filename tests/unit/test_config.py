@@ -49,6 +49,8 @@ def assert_one_line(err: ConfigError, field: str) -> str:
 
 # (id, yaml text, overrides, expected field, expected value, substrings of the message)
 BAD = [
+    ("async-not-implemented", M + "run: {mode: async, placement: disaggregate}\nslurm: {rollout: {nodes: 1}}\n",
+     [], "run.mode", "async", ["not implemented yet"]),
     ("lr-warmup-not-below-decay", M + "run: {num_rollout: 10}\ntrain: {lr_warmup_steps: 10}\n", [],
      "train.lr_warmup_steps", 10, ["must be smaller than train.lr_decay_steps=10"]),
     ("lr-decay-style-unknown", M + "train: {lr_decay_style: exponential}\n", [], "train.lr_decay_style",
