@@ -3,10 +3,13 @@
 --
 -- Where hpcrl lives (HPCRL_HOME), first match wins:
 --   1. $HPCRL_ROOT when set at load time (try a checkout without installing this file);
---   2. the folder above this file's modules/ folder (a source checkout: `module use /path/to/hpcrl/modules`);
---   3. /opt/hpcrl (the hpcrl Apptainer image, singularity/hpcrl.def; site installs: edit `site_root`).
+--   2. the folder above this file's modules/ folder when it holds the hpcrl package (hpcrl/__init__.py): a
+--      source checkout (`module use /path/to/hpcrl/modules`), or /opt/hpcrl inside the hpcrl Apptainer image;
+--   3. `site_root` below (site installs: copy this file to MODULEPATH/hpcrl/<version>.lua and edit it).
 -- The hpcrl command comes from HPCRL_HOME/.venv/bin (what .ci/install makes), else HPCRL_HOME/venv/bin,
--- else HPCRL_HOME/bin.
+-- else HPCRL_HOME/bin (the image's layout). Loading fails with a message when that folder has no hpcrl.
+-- Unloading uses the HPCRL_HOME the load set, so it undoes the load even if HPCRL_ROOT changed meanwhile.
+-- Tested with real Lmod (Debian's lmod 8.6): tests/integration/test_modulefile.py.
 
 local site_root = "/opt/hpcrl"
 
@@ -16,9 +19,12 @@ local function checkout_root()
 end
 
 local root = os.getenv("HPCRL_ROOT")
+if mode() == "unload" and (os.getenv("HPCRL_HOME") or "") ~= "" then
+    root = os.getenv("HPCRL_HOME")
+end
 if not root or root == "" then
     local co = checkout_root()
-    if co and isDir(pathJoin(co, "hpcrl")) then
+    if co and isFile(pathJoin(co, "hpcrl", "__init__.py")) then
         root = co
     else
         root = site_root
@@ -50,5 +56,11 @@ For containers: slurm.container in the config runs every job step in `apptainer 
 singularity/hpcrl.def has hpcrl in /opt/hpcrl, so `module load hpcrl` inside it finds the same layout.
 ]])
 
-setenv("HPCRL_HOME", root)
+if mode() == "load" and not isFile(pathJoin(bin, "hpcrl")) then
+    LmodError("hpcrl: no hpcrl command in " .. bin .. " (HPCRL_HOME=" .. root .. "). Set HPCRL_ROOT to the " ..
+              "hpcrl install (the folder with .venv/bin, venv/bin or bin), or edit site_root in " ..
+              (myFileName() or "the modulefile") .. ".")
+end
+
+pushenv("HPCRL_HOME", root)  -- pushenv: unloading restores a HPCRL_HOME set before (the image sets one)
 prepend_path("PATH", bin)

@@ -1,5 +1,5 @@
-"""Shared fixtures: a tiny real model created once per test session, an offline HF environment, and the local
-Slurm cluster (tests/cluster/local_slurm.py)."""
+"""Shared fixtures: a tiny real model created once per test session, an offline HF environment, the local
+Slurm cluster (tests/cluster/local_slurm.py) and real Lmod (tests/cluster/lmod.py)."""
 
 from __future__ import annotations
 
@@ -58,3 +58,30 @@ def slurm_cluster():
     # Only a cluster that this session started from nothing is stopped (a munged that is not ours is never).
     if info.started and set(info.started) == set(info.pids) and os.environ.get(KEEP_SLURM_ENV) != "1":
         stop_cluster(info.directory)
+
+
+SKIP_LMOD_ENV = "HPCRL_SKIP_LMOD_TESTS"
+
+
+@pytest.fixture(scope="session")
+def lmod():
+    """Real Lmod (tests/cluster/lmod.py): the Debian package ``lmod`` is installed on first use when missing
+    (root on Debian); yields an ``Lmod`` (its bash init script, ``$LMOD_CMD``, version, ``shell(script)``).
+
+    Same policy as `slurm_cluster`: where Lmod is missing and cannot be installed (not root, no apt-get, not
+    Debian) the tests using this fixture fail with the reason, unless HPCRL_SKIP_LMOD_TESTS=1 is set: then
+    they are skipped (that variable skips them on any machine). Nothing is started, so nothing is stopped.
+    """
+    from tests.cluster.lmod import LmodError, ensure_lmod, lmod_available
+
+    ok, reason = lmod_available()
+    if os.environ.get(SKIP_LMOD_ENV) == "1":
+        why = f": {reason}" if not ok else " (Lmod could run here)"
+        pytest.skip(f"{SKIP_LMOD_ENV}=1{why}")
+    if not ok:
+        pytest.fail(f"the Lmod tests cannot run here: {reason}. Set {SKIP_LMOD_ENV}=1 to skip them.",
+                    pytrace=False)
+    try:
+        return ensure_lmod()
+    except LmodError as e:
+        pytest.fail(f"Lmod could not be installed: {e}", pytrace=False)
