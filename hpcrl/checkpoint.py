@@ -52,7 +52,7 @@ import socket
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -344,7 +344,8 @@ def _layout() -> dict[str, int]:
 def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model: torch.nn.Module,
                     optimizer: Any, extra_state: Optional[Mapping[str, Any]] = None, keep_last: int = 2,
                     distrib_optim_sharding_type: str = DISTRIB_OPTIM_SHARDING,
-                    checksums: bool = True) -> Path:
+                    checksums: bool = True,
+                    extra_files: Optional[Mapping[str, Callable[[Path], None]]] = None) -> Path:
     """Write the checkpoint of ``rollout_id`` to ``run_dir/checkpoints/iter_{rollout_id:07d}/`` (all ranks).
 
     ``ddp_model``: the trainer's model (megatron-core DDP / Float16Module wrappers or a bare GPTModel).
@@ -357,7 +358,9 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
     (:func:`prune_checkpoints`; 0 or less keeps all, the one just written is always kept) and removes
     ``.tmp-*`` / ``.del-*`` leftovers of crashed saves. ``distrib_optim_sharding_type``: see
     :data:`DISTRIB_OPTIM_SHARDING`. ``checksums``: CRC-32 every file (each rank reads back the files it
-    wrote, mostly from its page cache); False lists sizes only, for very large checkpoints.
+    wrote, mostly from its page cache); False lists sizes only, for very large checkpoints. ``extra_files``:
+    ``{name: writer}``; rank 0 calls ``writer(path)`` to write the file ``name`` at the checkpoint's top level
+    (e.g. the HDF5 data buffer), inside the same atomic save (listed and checksummed by ``COMPLETE``).
 
     Returns the checkpoint folder. Raises, on every rank: RuntimeError without ``torch.distributed``,
     TypeError if ``extra_state`` is not plain JSON (nothing is written then), OSError if a rank fails to
@@ -405,9 +408,11 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
         _write_file(tmp / RNG_DIR / f"rank_{rank:05d}.pt", _torch_bytes(_rng_state()))
         if rank == 0:
             _write_file(tmp / STATE_FILE, state_json.encode())
+            for name, writer in (extra_files or {}).items():
+                writer(tmp / name)
         error = None
-    except OSError as e:
-        error = f"rank {rank}: {e}"
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+        error = f"rank {rank}: {type(e).__name__}: {e}"
     _raise_if_any(error, final)
 
     # 3. Each rank fsyncs and checksums the files it wrote (its own view of its own files is current, also

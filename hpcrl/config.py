@@ -1069,7 +1069,8 @@ def _check_train(cfg: Config) -> None:
     _non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps")
     if t.lr_decay_steps is not None:
         _positive(cfg, "train.lr_decay_steps")
-    decay_steps = t.lr_decay_steps if t.lr_decay_steps is not None else cfg.run.num_rollout * t.num_steps_per_rollout
+    decay_steps = (t.lr_decay_steps if t.lr_decay_steps is not None
+                   else cfg.run.num_rollout * t.num_steps_per_rollout)
     _require(t.lr_warmup_steps < max(decay_steps, 1) or t.lr_warmup_steps == 0, "train.lr_warmup_steps",
              t.lr_warmup_steps, f"must be smaller than train.lr_decay_steps={decay_steps} (default: "
              "run.num_rollout x train.num_steps_per_rollout)", "lower lr_warmup_steps or raise lr_decay_steps")

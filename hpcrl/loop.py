@@ -27,6 +27,10 @@ from hpcrl.config import Config, save_resolved
 
 log = logging.getLogger("hpcrl.loop")
 
+EXIT_PREEMPTED = 75
+"""Exit status of a run that stopped early on the preemption signal or its deadline, after a checkpoint
+(``EX_TEMPFAIL``: run it again, or requeue it, and it resumes)."""
+
 
 def run_dir_of(cfg: Config) -> Path:
     """The run folder ``run.output_dir/run.name``."""
@@ -71,7 +75,8 @@ def main(cfg: Config) -> int:
     """``hpcrl run``: write the run folder, prepare the model, run the trainer; 0 on success.
 
     With ``train.nprocs == 1`` the trainer runs in this process (the CPU quickstart); more trainer processes
-    are started as local torch.distributed workers on this machine.
+    are started as local torch.distributed workers on this machine. Returns :data:`EXIT_PREEMPTED` when the
+    run stopped early on the preemption signal (``kill -USR2``) with a checkpoint.
     """
     _quiet_logs()
     run_dir = run_dir_of(cfg)
@@ -79,18 +84,25 @@ def main(cfg: Config) -> int:
     save_resolved(cfg, run_dir)
     model_path = prepare_model(cfg)
     if cfg.train.nprocs == 1:
-        train_main(cfg, run_dir, model_path)
-        return 0
+        result = train_main(cfg, run_dir, model_path)
+        return EXIT_PREEMPTED if result.get("preempted") else 0
     from hpcrl.launch_local import run_local_workers
 
     return run_local_workers(cfg, run_dir, model_path)
 
 
-def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None) -> dict[str, Any]:
-    """One trainer rank's whole run. Returns the last step's metrics on the controller ({} elsewhere)."""
+def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None,
+               slurm_rollout_step: bool = False) -> dict[str, Any]:
+    """One trainer rank's whole run. Returns the last step's metrics on the controller ({} elsewhere).
+
+    ``slurm_rollout_step``: the controller starts the engines as a Slurm job step
+    (:mod:`hpcrl.slurm.rollout_step`) instead of local subprocesses.
+    """
     import torch
 
     from hpcrl.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+    from hpcrl.data.buffer import BUFFER_FILE, read_buffer, trained_rows, write_buffer
+    from hpcrl.preempt import PreemptionWatch, agree
     from hpcrl.data.source import DataSource
     from hpcrl.data.sources import load_datasets
     from hpcrl.metrics import MetricsLogger, truncate_metrics
@@ -119,17 +131,35 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
 
     # --- resume ----------------------------------------------------------------------------------------
     start_rollout_id = 0
+    trained: list[tuple[int, int, int]] = []  # (rollout id, group index, sample index) of every trained sample
     ckpt = find_latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if ckpt is not None:
         extra = load_checkpoint(ckpt, actor.ddp_model, actor.optimizer)
         data_source.load_state_dict(extra["data_source"])
+        if (ckpt / BUFFER_FILE).exists():
+            data_source.buffer, rows = read_buffer(ckpt / BUFFER_FILE)
+            trained = [tuple(r) for r in rows.tolist()]
         start_rollout_id = extra["rollout_id"] + 1
         if is_controller:
             truncate_metrics(run_dir, extra["rollout_id"])
-            log.info("resumed from %s: next rollout %d", ckpt, start_rollout_id)
+            log.info("resumed from %s: next rollout %d (%d held-back groups)", ckpt, start_rollout_id,
+                     len(data_source.buffer))
+
+    def save(rollout_id: int) -> None:
+        t0 = time.perf_counter()
+        save_checkpoint(run_dir, rollout_id, actor.ddp_model, actor.optimizer,
+                        _extra_state(cfg, rollout_id, data_source, run_dir, is_controller),
+                        keep_last=cfg.checkpoint.keep_last,
+                        extra_files={BUFFER_FILE: lambda p: write_buffer(p, data_source.buffer, trained)})
+        watch.record_save(time.perf_counter() - t0)
+
+    # --- preemption: the signal sets a flag (and is blocked for every child process); see hpcrl.preempt -------
+    watch = PreemptionWatch.from_config(cfg, is_controller)
+    watch.install()
+    stopped: Optional[str] = None
 
     # --- engines, router, client (controller only) -----------------------------------------------------
-    rollout = _Rollout(cfg, run_dir, model_path, datasets) if is_controller else None
+    rollout = _Rollout(cfg, run_dir, model_path, datasets, slurm_rollout_step) if is_controller else None
     last: dict[str, Any] = {}
     try:
         if rollout is not None:
@@ -162,24 +192,37 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
                 mem.onload_trainer()
                 mem.mark("train")
             step.update(actor.train(rollout_id, samples))
+            trained.extend(trained_rows(rollout_id, samples))
             step.update(_sync(actor, syncer, rollout, version=rollout_id + 1))
             if rollout is not None and _due(rollout_id, cfg.rollout.eval_interval, cfg.run.num_rollout):
                 step.update(rollout.call(rollout.evaluate(rollout_id)))
-            if _due(rollout_id, cfg.checkpoint.save_interval, cfg.run.num_rollout):
-                save_checkpoint(run_dir, rollout_id, actor.ddp_model, actor.optimizer,
-                                _extra_state(cfg, rollout_id, data_source, run_dir, is_controller),
-                                keep_last=cfg.checkpoint.keep_last)
             step["timing/step_seconds"] = time.perf_counter() - t_step
-            if is_controller:
+            watch.record_step(step["timing/step_seconds"])
+            if is_controller:  # before the checkpoint: a resume truncates the lines after the checkpoint's step
                 metrics_log.log(rollout_id, step)
                 last = step
+            saved = _due(rollout_id, cfg.checkpoint.save_interval, cfg.run.num_rollout)
+            if saved:
+                save(rollout_id)
+            # Preemption or the time limit: every rank stops at this same step boundary, with a checkpoint.
+            if rollout_id + 1 < cfg.run.num_rollout:
+                stopped = agree(watch.local_reason())
+                if stopped is not None:
+                    if not saved:
+                        save(rollout_id)
+                    log.warning("stopping after rollout %d (%s): checkpoint saved, the run resumes from it",
+                                rollout_id, stopped)
+                    break
         if is_controller:
             png = metrics_log.close()
-            log.info("done: %s (curves: %s)", run_dir, png)
+            log.info("%s: %s (curves: %s)", "stopped" if stopped else "done", run_dir, png)
     finally:
         if rollout is not None:
             rollout.stop()
+        watch.uninstall()
         destroy()
+    if stopped is not None:
+        last = dict(last, preempted=stopped)
     return last
 
 
@@ -193,7 +236,7 @@ def _extra_state(cfg: Config, rollout_id: int, data_source, run_dir: Path, is_co
     from hpcrl.config import config_to_dict
     from hpcrl.metrics import read_metrics
 
-    return {"rollout_id": rollout_id, "data_source": data_source.state_dict(),
+    return {"rollout_id": rollout_id, "data_source": data_source.state_dict(with_buffer=False),
             "metrics": read_metrics(run_dir) if is_controller else [], "config": config_to_dict(cfg)}
 
 
@@ -231,9 +274,11 @@ def _sync(actor, syncer, rollout: Optional["_Rollout"], version: int) -> dict[st
 class _Rollout:
     """The controller's rollout side: engine and router processes, the client, and the asyncio loop."""
 
-    def __init__(self, cfg: Config, run_dir: Path, model_path: Path, datasets) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, model_path: Path, datasets, slurm_step: bool = False) -> None:
         self.cfg, self.run_dir, self.model_path, self.datasets = cfg, run_dir, model_path, datasets
         self.loop = asyncio.new_event_loop()
+        self.slurm_step = slurm_step
+        self.step = None  # the Slurm rollout step, when the engines run as one
         self.engines: list = []
         self.router = None
         self.client = None
@@ -242,8 +287,14 @@ class _Rollout:
         self.attempt_dir = new_attempt_dir(run_dir)
 
     def call(self, coro):
-        """Run a coroutine on the rollout's event loop and return its result."""
-        return self.loop.run_until_complete(coro)
+        """Run a coroutine on the rollout's event loop and return its result. When the engines run as a Slurm
+        job step and a call fails with the step gone, raises RolloutStepError with the step's log tail."""
+        try:
+            return self.loop.run_until_complete(coro)
+        except Exception:
+            if self.step is not None:
+                self.step.check()
+            raise
 
     def start(self) -> None:
         """Start engines (and the router), wait until healthy, build the rollout context."""
@@ -260,18 +311,21 @@ class _Rollout:
         from hpcrl.rollout.secret import create_run_secret, read_secret
         from hpcrl.rollout.servers import start_engine
 
+        from hpcrl.slurm.rollout_step import engine_sglang_args, start_rollout_step
+
         cfg, rc = self.cfg, self.cfg.rollout
         secret_path = create_run_secret(self.run_dir)
         key = read_secret(secret_path)
-        sglang_args = dict(cfg.sglang)
-        if cfg.run.placement == "colocate":
-            sglang_args.setdefault("enable_memory_saver", True)
-        if cfg.run.deterministic:
-            sglang_args.setdefault("enable_deterministic_inference", True)
-        for i in range(rc.num_engines):
-            self.engines.append(start_engine(rc, sglang_args, self.model_path, api_key_file=secret_path,
-                                             log_path=self.attempt_dir / f"engine-{i}.log"))
-        self.engine_tp_sizes = [int(sglang_args.get("tp_size", 1))] * rc.num_engines
+        sglang_args = engine_sglang_args(cfg)
+        if self.slurm_step:
+            self.step = start_rollout_step(cfg, self.run_dir, self.attempt_dir, Path(self.model_path).absolute(),
+                                           secret_path)
+            self.engines = list(self.step.engines)
+        else:
+            for i in range(rc.num_engines):
+                self.engines.append(start_engine(rc, sglang_args, self.model_path, api_key_file=secret_path,
+                                                 log_path=self.attempt_dir / f"engine-{i}.log"))
+        self.engine_tp_sizes = [int(sglang_args.get("tp_size", 1))] * len(self.engines)
         urls = [e.url for e in self.engines]
         if rc.router:
             self.router = start_router(urls, api_key=key, log_path=self.attempt_dir / "router.log")
@@ -334,10 +388,12 @@ class _Rollout:
         return {"eval/accuracy": sum(scores) / max(len(scores), 1), "eval/seconds": time.perf_counter() - t0}
 
     def write_phases(self) -> None:
-        """Write the colocated phase order of this attempt to ``phases.jsonl`` (one phase per line)."""
+        """Write the colocated phase order of this attempt to ``phases.jsonl``: one ``{"phase", "t"
+        (monotonic seconds), "wall" (Unix seconds)}`` per line."""
         with open(self.attempt_dir / "phases.jsonl", "w") as f:
+            offset = time.time() - time.monotonic()  # wall clock, for timings across processes
             for phase, t in self.memory.events:
-                f.write(json.dumps({"phase": phase, "t": t}) + "\n")
+                f.write(json.dumps({"phase": phase, "t": t, "wall": t + offset}) + "\n")
 
     def stop(self) -> None:
         """Close the client, stop router and engines (only the processes this run started)."""
@@ -351,4 +407,6 @@ class _Rollout:
                 self.router.stop()
             for e in self.engines:
                 e.stop()
+            if self.step is not None:
+                self.step.stop()
             self.loop.close()

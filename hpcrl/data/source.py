@@ -125,10 +125,11 @@ class DataSource:
                                  f"{sorted({s.group_index for s in g})}")
         self.buffer.extend(list(g) for g in groups)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, with_buffer: bool = True) -> dict[str, Any]:
         """Plain-JSON state: version, epoch, offset, seed, shuffle, sample counter, item count and
-        fingerprint, pushed-back groups as ``Sample.to_dict()`` lists."""
-        return {
+        fingerprint, and (``with_buffer``) the pushed-back groups as ``Sample.to_dict()`` lists; without it,
+        the caller saves :attr:`buffer` itself (a checkpoint's ``buffer.h5``, :mod:`hpcrl.data.buffer`)."""
+        state = {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "offset": self.offset,
@@ -138,11 +139,14 @@ class DataSource:
             "sample_counter": self.sample_counter,
             "num_items": len(self.items),
             "fingerprint": self._fingerprint,
-            "buffer": [[s.to_dict() for s in g] for g in self.buffer],
         }
+        if with_buffer:
+            state["buffer"] = [[s.to_dict() for s in g] for g in self.buffer]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict` output (its ``seed`` and ``shuffle`` win over the constructor's).
+        """Continue from :meth:`state_dict` output (its ``seed`` and ``shuffle`` win over the constructor's;
+        a state saved without its buffer leaves :attr:`buffer` empty).
 
         Raises ValueError when the items differ from the saved ones (count or prompt fingerprint) or the state
         version is unknown, since the saved position would then point at other prompts.
@@ -158,5 +162,5 @@ class DataSource:
         self.seed = state["seed"]
         self.shuffle = bool(state["shuffle"])
         self.sample_counter = int(state["sample_counter"])
-        self.buffer = [[Sample.from_dict(d) for d in g] for g in state["buffer"]]
+        self.buffer = [[Sample.from_dict(d) for d in g] for g in state.get("buffer", [])]
         self._order, self._order_epoch = None, -1

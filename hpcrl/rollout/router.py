@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from hpcrl.rollout.servers import (ProcessStartError, find_free_port, log_tail, open_log, stop_process,
-                                   url_for, wait_for_http_ok)
+from hpcrl.rollout.servers import (ProcessStartError, die_with_parent, find_free_port, log_tail, open_log,
+                                   stop_process, url_for, wait_for_http_ok)
 
 KEY_STDIN_FLAG = "--api-key-stdin"
 """Wrapper flag: read the router's API key from the first line of stdin."""
@@ -240,7 +240,7 @@ def start_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
     if api_key:
         cmd.insert(3, KEY_STDIN_FLAG)
     path, log_file = open_log(log_path, "hpcrl-router-")
-    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                                stdin=subprocess.PIPE if api_key else subprocess.DEVNULL)
     if api_key:
         assert process.stdin is not None

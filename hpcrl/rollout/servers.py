@@ -118,6 +118,19 @@ def wait_for_http_ok(url: str, process: subprocess.Popen, timeout_s: float, log_
         time.sleep(poll_s)
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` for server children: on Linux the kernel sends SIGTERM to the child when the process that
+    started it dies (``PR_SET_PDEATHSIG``), so a trainer killed with SIGKILL (a preempted or crashed job) leaves
+    no engine, router or step holding ports and memory. A no-op elsewhere."""
+    import ctypes
+    import signal as _signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(_signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def stop_process(process: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
     """SIGTERM ``process`` (its PID only), SIGKILL it if it is still alive after ``grace_s`` seconds.
 
@@ -327,6 +340,7 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
     child_env = dict(os.environ)
     child_env.update(env or {})
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               preexec_fn=die_with_parent,
                                env=child_env)
     eng = EngineProcess(url_for(host, port), process, path, redact(cmd), log_file)
     key = read_secret(api_key_file) if api_key_file is not None else None

@@ -6,9 +6,8 @@
   ``srun`` step with the same tasks.
 
 Both call :func:`run_slurm`, which loads the run folder's resolved config and hands it to the *bootstrap*:
-the in-allocation code that sets up torch.distributed from Slurm's environment, starts the rollout step and
-runs the loop (issue #4 point 4). :func:`default_bootstrap` is the stand-in until then: a one-task trainer
-runs :func:`hpcrl.loop.main` (the same code as ``hpcrl run``); more tasks stop with a clear error.
+the in-allocation code (:func:`slurm_bootstrap`) that sets up torch.distributed from Slurm's environment,
+prepares the model on rank 0, and runs the loop, whose controller starts the engines as the rollout job step.
 ``$HPCRL_SLURM_BOOTSTRAP`` (``pkg.module.function``, called as ``f(cfg, run_dir) -> int``) replaces it.
 
 Preemption and the time limit: submitit calls :meth:`SlurmEntry.checkpoint` on the signal (``slurm.signal``)
@@ -43,27 +42,83 @@ ATTEMPT_MARKER = "[hpcrl] attempt start:"
 Bootstrap = Callable[[Config, Path], int]
 
 
-def trainer_world_size() -> int:
-    """Tasks of the trainer step (``SLURM_STEP_NUM_TASKS``, else group 0's ``SLURM_NTASKS``); 1 outside
-    Slurm."""
-    return int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS_HET_GROUP_0")
-               or os.environ.get("SLURM_NTASKS") or 1)
+def trainer_world_size(environ: Optional[dict] = None) -> int:
+    """Tasks of the trainer step (``SLURM_STEP_NUM_TASKS``, else group 0's ``SLURM_NTASKS``) in ``environ``
+    (default ``os.environ``); 1 outside Slurm."""
+    environ = os.environ if environ is None else environ
+    return int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS_HET_GROUP_0")
+               or environ.get("SLURM_NTASKS") or 1)
+
+
+def export_torch_env(environ: Optional[dict] = None) -> dict[str, str]:
+    """torch.distributed's variables from Slurm's, for the trainer step's task: ``RANK`` = ``SLURM_PROCID``,
+    ``WORLD_SIZE`` = the step's tasks, ``LOCAL_RANK`` = ``SLURM_LOCALID``, ``MASTER_ADDR`` = the step's first node
+    (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``; parsed with submitit's node-list parser), and
+    ``MASTER_PORT`` = a port in [20000, 32768) drawn from the job id (the same on every task, and again after a
+    requeue; below Linux's ephemeral range, 32768-60999 by default, where outgoing connections - srun's own
+    included - take their local ports: a job-id port in [20000, 60000) collided, EADDRINUSE). Variables
+    already set win (e.g. a site's launcher). Updates ``environ`` (default ``os.environ``) and returns what it
+    set. ``CUDA_VISIBLE_DEVICES`` is left as Slurm set it; each
+    rank picks device ``LOCAL_RANK`` of it.
+    """
+    import random
+
+    from submitit.slurm.slurm import _parse_node_list
+
+    environ = os.environ if environ is None else environ
+    nodes = _parse_node_list(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                             or socket.gethostname())
+    job = environ.get("SLURM_JOB_ID", "0")
+    values = {"RANK": environ.get("SLURM_PROCID", "0"), "WORLD_SIZE": str(trainer_world_size(environ)),
+              "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"), "MASTER_ADDR": nodes[0],
+              "MASTER_PORT": str(random.Random(job).randint(20000, 32767))}
+    added = {k: v for k, v in values.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
+def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
+    """The trainer step's task inside the allocation (issue #4 point 4).
+
+    Every task: torch.distributed from Slurm's environment (:func:`export_torch_env`; gloo with hpcrl's CPU
+    compat module on CPU nodes, NCCL on GPUs), ``SLURM_CPUS_PER_TASK`` torch threads. Rank 0 prepares the
+    model (creation, SFT warm start, GGUF conversion; cached in the run's paths) while the others wait at a
+    barrier, then every rank runs :func:`hpcrl.loop.train_main`, whose controller (rank 0) starts the engines
+    as the rollout job step (:mod:`hpcrl.slurm.rollout_step`), waits for their health, runs the loop and stops
+    the step at the end. Returns 0, or :data:`EXIT_REQUEUE` when the loop stopped on the preemption signal or
+    the job's deadline after writing a checkpoint (:mod:`hpcrl.preempt`); errors propagate (the job fails).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from hpcrl import loop
+    from hpcrl.train.parallel import init_distributed
+
+    export_torch_env()
+    threads = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
+    if threads > 0 and not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+    loop._quiet_logs()
+    env = init_distributed()
+    if env.world_size != cfg.train.nprocs:
+        log.warning("the trainer step has %d tasks, train.nprocs is %d: using the step's", env.world_size,
+                    cfg.train.nprocs)
+        cfg.train.nprocs = env.world_size
+    model_path = loop.prepare_model(cfg) if env.rank == 0 else None
+    if env.world_size > 1:
+        box = [str(model_path) if model_path is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        model_path = Path(box[0])
+    result = loop.train_main(cfg, run_dir, Path(model_path), slurm_rollout_step=True)
+    if result.get("preempted"):
+        return EXIT_REQUEUE
+    return 0
 
 
 def default_bootstrap(cfg: Config, run_dir: Path) -> int:
-    """Stand-in for the in-allocation bootstrap: a one-task trainer runs ``hpcrl.loop.main(cfg)``.
-
-    Raises RuntimeError for a multi-task trainer step: torch.distributed from Slurm's environment and the
-    rollout job step are issue #4 point 4.
-    """
-    world = trainer_world_size()
-    if world != 1:
-        raise RuntimeError(f"the trainer step has {world} tasks; starting torch.distributed and the rollout "
-                           "step from Slurm is not implemented yet (issue #4 point 4): set "
-                           f"{BOOTSTRAP_ENV} or use one trainer task")
-    from hpcrl import loop
-
-    return loop.main(cfg)
+    """The bootstrap :func:`run_slurm` uses unless ``$HPCRL_SLURM_BOOTSTRAP`` names another:
+    :func:`slurm_bootstrap`."""
+    return slurm_bootstrap(cfg, run_dir)
 
 
 def _bootstrap() -> Bootstrap:
@@ -146,9 +201,34 @@ class SlurmEntry:
 
     def __call__(self) -> int:
         code = run_slurm(self.config_path)
+        if code == EXIT_REQUEUE:
+            return self._requeue_and_wait()
         if code != 0:  # submitit reports a raised error as the job's failure; a return value would be lost
             raise RuntimeError(f"hpcrl run {self.config_path} exited with status {code}")
         return code
+
+    def _requeue_and_wait(self, wait_s: float = 600.0) -> int:
+        """After a checkpoint on preemption: task 0 asks Slurm to requeue the job (``scontrol requeue``; with
+        ``slurm.requeue: false`` the job just ends), then every task waits to be ended by the requeue, so no task
+        finishes first and lets the job complete. Returns 0 when not requeueing; raises RuntimeError if the
+        requeue did not end the job in ``wait_s`` seconds."""
+        import subprocess
+        import time
+
+        if not self.requeue:
+            print("[hpcrl] stopped with a checkpoint; slurm.requeue is false: not requeueing", flush=True)
+            return 0
+        job = os.environ.get("SLURM_ARRAY_JOB_ID") and \
+            f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}" or os.environ["SLURM_JOB_ID"]
+        if os.environ.get("SLURM_PROCID", "0") == "0":
+            print(f"[hpcrl] checkpoint written; requeueing job {job}", flush=True)
+            out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:  # e.g. Slurm is already requeueing it (preemption): it ends us in GraceTime
+                print(f"[hpcrl] scontrol requeue {job}: {out.stderr.strip()}; waiting for Slurm to end the job",
+                      flush=True)
+                wait_s = min(wait_s, 120.0)
+        time.sleep(wait_s)
+        raise RuntimeError(f"job {job} was not requeued within {wait_s:.0f} s")
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """The submission to requeue with (submitit calls this on the signal); None when not requeueing."""

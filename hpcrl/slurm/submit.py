@@ -129,6 +129,7 @@ def submitit_parameters(plan: JobPlan, run_dir: str | os.PathLike, cwd: str | os
         job_name=plan.job_name, time=plan.time_min, nodes=t.nodes, ntasks_per_node=t.ntasks_per_node,
         cpus_per_task=t.cpus_per_task, signal_delay_s=plan.signal_lead_s,
         setup=[*plan.setup, f"export SUBMITIT_PREEMPT_SIGNAL={plan.signal_name}",
+               "export SLURM_KILL_BAD_EXIT=1",  # srun --kill-on-bad-exit: a failed rank ends the step, none hangs
                f"export HPCRL_RUN_DIR={shlex.quote(str(run_dir))}"],
     )
     if t.gpus_per_node > 0:

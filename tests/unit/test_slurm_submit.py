@@ -172,6 +172,7 @@ def test_mapping_colocated_gpu(work):
                      mem="256G", constraint="h100", exclusive=True)
     assert extra == {"signal": "USR2@300", "chdir": "/w", "requeue": True}
     assert setup == ["module purge", "module load cuda/12.8", "export SUBMITIT_PREEMPT_SIGNAL=USR2",
+                     "export SLURM_KILL_BAD_EXIT=1",
                      "export HPCRL_RUN_DIR=/r"]
 
 
@@ -551,10 +552,15 @@ def test_bootstrap_from_environment(work, monkeypatch):
         entry.SlurmEntry(res.run_dir / "config.yaml")()
 
 
-def test_default_bootstrap_refuses_multi_task_steps(work, monkeypatch):
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
-    with pytest.raises(RuntimeError, match="4 tasks.*point 4"):
-        entry.default_bootstrap(load_config(None, ["model.create=tiny-qwen2"]), work)
+def test_export_torch_env_from_slurm_variables():
+    env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_JOB_ID": "77",
+           "SLURM_STEP_NODELIST": "n[2-3]", "SLURM_JOB_NODELIST": "n[1-3]"}
+    added = entry.export_torch_env(dict(env))
+    assert added == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n2",
+                     "MASTER_PORT": added["MASTER_PORT"]}
+    assert 20000 <= int(added["MASTER_PORT"]) < 32768
+    assert entry.export_torch_env(dict(env))["MASTER_PORT"] == added["MASTER_PORT"]  # same job, same port
+    assert entry.export_torch_env(dict(env, MASTER_PORT="1234")).get("MASTER_PORT") is None  # set ones win
 
 
 def test_plain_sbatch_preemption_exits_for_requeue(work, monkeypatch):
@@ -674,7 +680,7 @@ def test_image_definition_matches_the_container_wrapping():
 
 def test_modulefile_sets_home_and_path():
     text = (REPO / "modules" / "hpcrl.lua").read_text()
-    assert 'setenv("HPCRL_HOME", root)' in text and 'prepend_path("PATH", bin)' in text and "help([[" in text
+    assert 'pushenv("HPCRL_HOME", root)' in text and 'prepend_path("PATH", bin)' in text and "help([[" in text
 
 
 def test_templates_found_through_hpcrl_home(tmp_path):
@@ -684,3 +690,29 @@ def test_templates_found_through_hpcrl_home(tmp_path):
     (tmp_path / "sbatch").mkdir()
     (tmp_path / "sbatch" / "colocate.sbatch").write_text("#!/bin/bash\n")
     assert template_dir({"HPCRL_HOME": str(tmp_path)}) == tmp_path / "sbatch"
+
+
+def test_rollout_step_srun_command_colocated_and_het(tmp_path):
+    from hpcrl.slurm.rollout_step import num_engines, srun_command
+
+    cfg = load_config(None, ["model.create=tiny-qwen2", "rollout.num_engines=2", "slurm.gpus_per_node=4"])
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1"}
+    cmd = srun_command(cfg, tmp_path, tmp_path / "logs/attempt-0", tmp_path / "m", tmp_path / "secret", env,
+                       python="py")
+    assert cmd[:4] == ["srun", "--overlap", "--mem=0", "--ntasks=2"] and "--jobid=42" in cmd
+    assert "--nodes=1" in cmd and "--gres=gpu:4" in cmd and not any("het-group" in a for a in cmd)
+    assert not any("CUDA_VISIBLE_DEVICES" in a for a in cmd)  # Slurm sets it for the step
+    assert cmd[cmd.index("py"):] == ["py", "-m", "hpcrl.slurm.rollout_step", "--config",
+                                     str(tmp_path / "config.yaml"), "--model-path", str(tmp_path / "m"),
+                                     "--attempt-dir", str(tmp_path / "logs/attempt-0"), "--secret",
+                                     str(tmp_path / "secret")]
+    het = load_config(None, ["model.create=tiny-qwen2", "run.placement=disaggregate",
+                             "slurm.rollout={nodes: 3, gpus_per_node: 8}"])
+    cmd = srun_command(het, tmp_path, tmp_path, tmp_path / "m", tmp_path / "secret", env, python="py")
+    assert num_engines(het) == 3
+    assert {"--het-group=1", "--nodes=3", "--ntasks-per-node=1", "--ntasks=3", "--gres=gpu:8"} <= set(cmd)
+    image = tmp_path / "hpcrl.sif"
+    image.write_bytes(b"")
+    boxed = load_config(None, ["model.create=tiny-qwen2", f"slurm.container={image}"])
+    cmd = srun_command(boxed, tmp_path, tmp_path, tmp_path / "m", tmp_path / "secret", env, python="py")
+    assert cmd[cmd.index("apptainer"):cmd.index("py")][-1] == str(image)

@@ -1,0 +1,232 @@
+"""The rollout job step: the engines of a run started by the controller (trainer rank 0) with ``srun``.
+
+Colocated (one allocation): ``srun --overlap --ntasks=E --nodes=min(E, nodes)`` on the allocation's own nodes,
+sharing CPUs, memory and GPUs with the trainer step (``--gres=gpu:G`` with ``slurm.gpus_per_node`` G > 0, so
+Slurm, not hpcrl, sets ``CUDA_VISIBLE_DEVICES``). Disaggregated (het job): ``srun --het-group=1`` with one engine
+per node of group 1. Every task runs :func:`task_main` (``python -m hpcrl.slurm.rollout_step``), which picks a
+free port on its node, writes ``ATTEMPT/engines/engine-<SLURM_PROCID>.json`` (``{"url", "node", "pid"}``,
+atomically) and ``exec``s the engine (hpcrl's CPU engine, or ``python -m sglang.launch_server`` with the
+``sglang:`` flags on GPU nodes), bound to all interfaces and protected by the run's secret. The controller
+reads the addresses from the shared run folder, waits for ``/health`` on each, and stops the step at the end.
+
+If the step dies (a task fails: ``--kill-on-bad-exit``), :meth:`RolloutStep.check` raises with the step's log
+tail, so the run fails fast instead of hanging on requests to dead engines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Optional
+
+from hpcrl.config import Config
+
+log = logging.getLogger("hpcrl.slurm")
+
+ENGINES_DIR = "engines"
+"""Folder of the attempt where each engine task writes its address (``engine-<procid>.json``)."""
+
+
+class RolloutStepError(RuntimeError):
+    """The rollout step did not start, or died; the message carries the step's log tail."""
+
+
+def engine_sglang_args(cfg: Config) -> dict:
+    """The engine flags of a run: the ``sglang:`` section plus ``enable_memory_saver`` when colocated and
+    ``enable_deterministic_inference`` with ``run.deterministic`` (keys as SGLang's flags with ``_``)."""
+    args = dict(cfg.sglang)
+    if cfg.run.placement == "colocate":
+        args.setdefault("enable_memory_saver", True)
+    if cfg.run.deterministic:
+        args.setdefault("enable_deterministic_inference", True)
+    return args
+
+
+def in_slurm_job() -> bool:
+    """True inside a Slurm allocation (``SLURM_JOB_ID`` set) where ``srun`` is on PATH."""
+    import shutil
+
+    return bool(os.environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
+
+
+def num_engines(cfg: Config) -> int:
+    """Engines of the rollout step: ``rollout.num_engines`` colocated; one per node of het group 1 when
+    disaggregated (``slurm.rollout.nodes``)."""
+    if cfg.run.placement == "disaggregate" and cfg.slurm.rollout is not None:
+        return int(cfg.slurm.rollout.nodes)
+    return int(cfg.rollout.num_engines)
+
+
+def srun_command(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path, secret_path: Path,
+                 environ: Optional[dict] = None, python: str = sys.executable) -> list[str]:
+    """The ``srun`` command line of the rollout step (see the module doc). ``environ`` defaults to
+    ``os.environ`` (``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_ID``)."""
+    from hpcrl.slurm.container import container_prefix
+
+    environ = os.environ if environ is None else environ
+    n = num_engines(cfg)
+    # --overlap and --mem=0: share the CPUs, memory and GPUs the trainer step holds (colocated), or take group
+    # 1 whole (disaggregated); without --mem=0 Slurm 22.05 refuses the step ("Memory required by task is not
+    # available") because the trainer step holds all of the job's memory.
+    cmd = ["srun", "--overlap", "--mem=0", f"--ntasks={n}", "--kill-on-bad-exit=1", "--unbuffered",
+           f"--job-name={cfg.run.name}-rollout", f"--output={attempt_dir}/engine-%t.log"]
+    if environ.get("SLURM_JOB_ID"):
+        cmd.append(f"--jobid={environ['SLURM_JOB_ID']}")
+    if cfg.run.placement == "disaggregate" and cfg.slurm.rollout is not None:
+        cmd += ["--het-group=1", f"--nodes={cfg.slurm.rollout.nodes}", "--ntasks-per-node=1"]
+        gpus = cfg.slurm.rollout.gpus_per_node
+    else:
+        nodes = int(environ.get("SLURM_JOB_NUM_NODES_HET_GROUP_0") or environ.get("SLURM_JOB_NUM_NODES") or 1)
+        cmd.append(f"--nodes={max(1, min(n, nodes))}")
+        gpus = cfg.slurm.gpus_per_node
+    if gpus:
+        cmd.append(f"--gres=gpu:{gpus}")
+    cmd += container_prefix(cfg, run_dir, "rollout")
+    cmd += [python, "-m", "hpcrl.slurm.rollout_step", "--config", str(run_dir / "config.yaml"),
+            "--model-path", str(model_path), "--attempt-dir", str(attempt_dir), "--secret", str(secret_path)]
+    return cmd
+
+
+@dataclass
+class EngineAddress:
+    """One engine of the step as the controller sees it (``url`` reachable from the trainer nodes)."""
+
+    url: str
+    node: str
+    pid: int
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Engines stop with their step (:meth:`RolloutStep.stop`)."""
+
+
+@dataclass
+class RolloutStep:
+    """A running rollout job step: the ``srun`` process on the controller and its engines' addresses."""
+
+    process: subprocess.Popen
+    attempt_dir: Path
+    command: list[str]
+    engines: list[EngineAddress] = field(default_factory=list)
+    _log: Optional[IO[bytes]] = field(default=None, repr=False)
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def alive(self) -> bool:
+        """True while ``srun`` runs (it exits when any engine task fails: ``--kill-on-bad-exit``)."""
+        return self.process.poll() is None
+
+    def log_tail(self, max_bytes: int = 3000) -> str:
+        """The last bytes of the step's own log and of each engine task's log."""
+        from hpcrl.rollout.servers import log_tail
+
+        parts = [f"--- {p.name} ---\n{log_tail(p, max_bytes)}"
+                 for p in [self.attempt_dir / "rollout-step.log", *sorted(self.attempt_dir.glob("engine-*.log"))]
+                 if p.exists()]
+        return "\n".join(parts)
+
+    def check(self) -> None:
+        """Raise RolloutStepError with the log tail if the step has exited."""
+        if not self.alive():
+            raise RolloutStepError(f"the rollout step ({' '.join(self.command[:6])} ...) exited with status "
+                                   f"{self.process.returncode}; its logs:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 15.0) -> Optional[int]:
+        """SIGTERM ``srun`` (it forwards the signal to the engines), SIGKILL after ``grace_s`` seconds.
+        Idempotent; returns ``srun``'s exit status."""
+        from hpcrl.rollout.servers import stop_process
+
+        rc = stop_process(self.process, grace_s)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return rc
+
+
+def start_rollout_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path, secret_path: Path,
+                       timeout_s: float = 600.0) -> RolloutStep:
+    """Start the rollout step with ``srun`` and wait until every engine answers ``/health`` (seconds:
+    ``timeout_s``, model loading included).
+
+    Raises RolloutStepError with the step's log tail if ``srun`` exits first or the engines are not all up in
+    time (the step is stopped first).
+    """
+    from hpcrl.rollout.secret import read_secret
+    from hpcrl.rollout.servers import die_with_parent, http_status
+
+    engines_dir = attempt_dir / ENGINES_DIR
+    engines_dir.mkdir(parents=True, exist_ok=True)
+    cmd = srun_command(cfg, run_dir, attempt_dir, model_path, secret_path)
+    log_file = open(attempt_dir / "rollout-step.log", "ab")
+    log.info("starting the rollout step: %s", " ".join(cmd))
+    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               preexec_fn=die_with_parent)
+    step = RolloutStep(process, attempt_dir, cmd, _log=log_file)
+    n = num_engines(cfg)
+    key = read_secret(secret_path)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            step.check()
+            found = sorted(engines_dir.glob("engine-*.json"))
+            if len(found) == n:
+                engines = [EngineAddress(**json.loads(p.read_text())) for p in found]
+                if all(http_status(e.url + "/health", key, timeout_s=2.0) == 200 for e in engines):
+                    step.engines = engines
+                    log.info("rollout step up: %s", ", ".join(step.urls))
+                    return step
+            if time.monotonic() > deadline:
+                raise RolloutStepError(f"the rollout step's {n} engine(s) were not healthy within "
+                                       f"{timeout_s:.0f} s "
+                                       f"({len(found)} reported an address); its logs:\n{step.log_tail()}")
+            time.sleep(0.5)
+    except BaseException:
+        step.stop(grace_s=5.0)
+        raise
+
+
+# ------------------------------------------------------------------------------------------ inside a task
+def task_main(argv: Optional[list[str]] = None) -> int:
+    """One engine task of the rollout step: free port, address file, then ``exec`` the engine."""
+    import argparse
+
+    from hpcrl.config import load_config
+    from hpcrl.rollout.servers import engine_command, find_free_port, url_for
+
+    p = argparse.ArgumentParser(prog="python -m hpcrl.slurm.rollout_step")
+    p.add_argument("--config", required=True)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--attempt-dir", required=True)
+    p.add_argument("--secret", required=True)
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    port = find_free_port("")
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    cmd = engine_command(cfg.rollout, engine_sglang_args(cfg), args.model_path, "0.0.0.0", port, args.secret,
+                         key_via="config")  # SGLang: the key in a 0600 file, not in ps (the CPU engine reads it)
+    procid = os.environ.get("SLURM_PROCID", "0")
+    out = Path(args.attempt_dir) / ENGINES_DIR / f"engine-{procid}.json"
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps({"url": url_for(node, port), "node": node, "pid": os.getpid()}))
+    os.replace(tmp, out)
+    print(f"[hpcrl] rollout task {procid} on {node}: engine at {url_for(node, port)}", flush=True)
+    # Slurm sends the preemption signal (USR2 by default, which terminates) to every step; the engines must
+    # outlive it until the trainer has checkpointed and stops them. A blocked mask survives exec.
+    from hpcrl.preempt import signal_from_config
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal_from_config(cfg.slurm.signal)})
+    os.execvp(cmd[0], cmd)  # the engine takes this process over: srun's signals reach it directly
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(task_main())

@@ -1,0 +1,90 @@
+"""The preemption watch (signal flag, blocked mask, deadline) and the HDF5 data buffer, on real signals and
+real HDF5 files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcrl.data.buffer import read_buffer, trained_rows, write_buffer
+from hpcrl.data.sample import Sample, Status
+from hpcrl.preempt import PreemptionWatch, agree, signal_from_config
+
+
+def test_signal_from_config(monkeypatch):
+    monkeypatch.delenv("HPCRL_PREEMPT_SIGNAL", raising=False)
+    assert signal_from_config("USR2@120") == signal.SIGUSR2
+    assert signal_from_config("SIGTERM@30") == signal.SIGTERM
+    monkeypatch.setenv("HPCRL_PREEMPT_SIGNAL", "usr1")
+    assert signal_from_config("USR2@120") == signal.SIGUSR1
+    monkeypatch.setenv("HPCRL_PREEMPT_SIGNAL", "NOPE")
+    with pytest.raises(ValueError, match="SIGNOPE"):
+        signal_from_config("USR2@1")
+
+
+def test_signal_sets_the_flag_and_children_are_immune():
+    watch = PreemptionWatch(signal.SIGUSR2)
+    assert watch.install()
+    try:
+        # a child started now inherits the blocked mask: USR2 (default action: terminate) does not kill it
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        time.sleep(0.3)
+        os.kill(child.pid, signal.SIGUSR2)
+        time.sleep(0.3)
+        assert child.poll() is None, "the child died of USR2"
+        child.kill()
+        child.wait()
+        assert watch.local_reason() is None
+        os.kill(os.getpid(), signal.SIGUSR2)  # blocked here: pending until the step boundary looks
+        assert watch.local_reason() == "signal" and watch.requested
+        assert signal.SIGUSR2 not in signal.sigpending()
+    finally:
+        watch.uninstall()
+    assert signal.SIGUSR2 not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+def test_deadline_counts_a_step_and_a_save():
+    now = 1_000_000.0
+    watch = PreemptionWatch(signal.SIGUSR2, end_time=now + 100)
+    watch.record_step(20)
+    watch.record_save(10)
+    assert watch.local_reason(now) is None  # 100 s left > (20 + 10) * 1.5 + 10
+    assert watch.local_reason(now + 46) == "deadline"  # 54 s left < 55
+    assert PreemptionWatch(signal.SIGUSR2).local_reason(now) is None  # no deadline outside Slurm
+    unsaved = PreemptionWatch(signal.SIGUSR2, end_time=now + 55)
+    unsaved.record_step(1)
+    assert unsaved.local_reason(now) == "deadline"  # no save timed yet: 30 s assumed, (1 + 30) * 1.5 + 10 > 55
+
+
+def test_agree_without_distributed_is_local():
+    assert agree(None) is None and agree("signal") == "signal"
+
+
+def _sample(i: int, group: int, status=Status.COMPLETED) -> Sample:
+    return Sample(group_index=group, index=i, prompt=f"{i}+1=", label=str(i + 1), tokens=[1, 2, 3, 4],
+                  response="é4", response_length=2, loss_mask=[1, 0], rollout_log_probs=[-0.5, -1.25],
+                  reward=1.0 if status is Status.COMPLETED else None, status=status, weight_versions=["3"])
+
+
+def test_buffer_round_trip_keeps_partial_and_finished_groups_exactly(tmp_path):
+    groups = [[_sample(0, 0), _sample(1, 0)], [_sample(2, 1, Status.ABORTED), _sample(3, 1, Status.PENDING)]]
+    rows = trained_rows(5, [_sample(7, 3), _sample(8, 3)])
+    write_buffer(tmp_path / "b.h5", groups, rows)
+    back, trained = read_buffer(tmp_path / "b.h5")
+    assert [[s.to_dict() for s in g] for g in back] == [[s.to_dict() for s in g] for g in groups]
+    assert trained.dtype == np.int64 and trained.tolist() == [[5, 3, 7], [5, 3, 8]]
+    write_buffer(tmp_path / "empty.h5", [], [])
+    assert read_buffer(tmp_path / "empty.h5")[0] == [] and read_buffer(tmp_path / "empty.h5")[1].shape == (0, 3)
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f.attrs["format"] = "something-else"
+    with pytest.raises(ValueError, match="not an hpcrl-buffer"):
+        read_buffer(tmp_path / "other.h5")
+    with pytest.raises(FileNotFoundError):
+        read_buffer(tmp_path / "missing.h5")
