@@ -167,6 +167,15 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
 def _cmd_status(ns: argparse.Namespace) -> int:
     from hpcrl.slurm.state import collect_status, find_runs, format_table
 
+    if ns.run is not None:  # a sweep folder, or a sweep's name under --output-dir: the per-point table
+        from pathlib import Path
+
+        from hpcrl.slurm.sweep import find_sweep, format_sweep_table, sweep_status
+
+        found = find_sweep(ns.run) or find_sweep(Path(ns.output_dir) / ns.run)
+        if found is not None:
+            print(format_sweep_table(*sweep_status(found)))
+            return EXIT_OK
     runs = find_runs(ns.run, ns.output_dir)
     if not runs:
         _err(f"hpcrl status: no run folders under {ns.output_dir}")
@@ -190,6 +199,74 @@ def _cmd_cancel(ns: argparse.Namespace) -> int:
 
     run_dir = find_run(ns.run, ns.output_dir)
     print(f"cancelled job {cancel(run_dir)}: {run_dir}")
+    return EXIT_OK
+
+
+@_slurm_errors
+def _cmd_sweep(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpcrl.slurm import sweep as sw
+
+    folder_mode = ns.report or ns.resubmit
+    if ns.report and ns.resubmit:
+        _err("hpcrl sweep: give --report or --resubmit, not both")
+        return EXIT_ERROR
+    if folder_mode and ns.overrides:
+        flag = "--report" if ns.report else "--resubmit"
+        _err(f"hpcrl sweep {flag}: takes a SWEEP_FOLDER and no key=value overrides (got {ns.overrides[0]!r})")
+        return EXIT_ERROR
+    if ns.points and not ns.resubmit:
+        _err("hpcrl sweep: --points only goes with --resubmit")
+        return EXIT_ERROR
+    if ns.report:
+        if ns.dry_run:
+            _err("hpcrl sweep --report: --dry-run does not apply")
+            return EXIT_ERROR
+        csv_path, png = sw.write_report(ns.sweep)
+        print(f"wrote {csv_path}")
+        print(f"wrote {png}" if png else "report.png not written: no point has logged a reward yet")
+        return EXIT_OK
+    if ns.resubmit:
+        manifest = sw.read_manifest(ns.sweep)
+        names = sw.resolve_point_names(manifest, ns.points) if ns.points else None
+        res = sw.resubmit_sweep(ns.sweep, names, dry_run=ns.dry_run)
+        if not res.points:
+            print(f"nothing to resubmit in {res.sweep_dir}: no point ended "
+                  f"{'/'.join(sorted(sw.RESUBMIT_STATES))} (name points with --points)")
+            return EXIT_OK
+        if res.dry_run:
+            print(res.script, end="" if res.script.endswith("\n") else "\n")
+            _err(f"hpcrl sweep --resubmit --dry-run: would resubmit {len(res.points)} points "
+                 f"({'; '.join(res.points)}); nothing was submitted")
+            return EXIT_OK
+        what = (f"{len(res.points)} heterogeneous jobs" if res.het
+                else f"job array {res.array_job_id} with {len(res.points)} tasks")
+        print(f"resubmitted {what}: {'; '.join(f'{n} -> {j}' for n, j in res.job_ids.items())}")
+        print(f"  hpcrl status {res.sweep_dir}")
+        return EXIT_OK
+    if Path(ns.sweep).is_dir() and sw.find_sweep(ns.sweep):
+        _err(f"hpcrl sweep: {ns.sweep} is a sweep folder; use hpcrl sweep --report / --resubmit {ns.sweep}, "
+             f"or hpcrl status {ns.sweep}")
+        return EXIT_ERROR
+    res = sw.submit_sweep(ns.sweep, ns.overrides, dry_run=ns.dry_run)
+    n = len(res.points)
+    if res.het:
+        _err("hpcrl sweep: the points are disaggregated runs (heterogeneous jobs), which Slurm cannot put in "
+             f"a job array: {'writing' if res.dry_run else 'submitting'} one het job per point "
+             "(sweep.array_parallelism does not apply)")
+    if res.dry_run:
+        print(res.script, end="" if res.script.endswith("\n") else "\n")
+        _err(f"hpcrl sweep --dry-run: wrote {res.sweep_dir} ({sw.SWEEP_FILE}, {n} point folders: "
+             f"{'; '.join(res.points)}); nothing was submitted")
+        return EXIT_OK
+    if res.het:
+        print(f"submitted sweep {res.sweep_dir.name}: {n} heterogeneous jobs "
+              f"{', '.join(str(j) for j in res.job_ids.values())}: {res.sweep_dir}")
+    else:
+        print(f"submitted sweep {res.sweep_dir.name}: job array {res.array_job_id} with {n} tasks "
+              f"(at most {min(n, res.array_parallelism)} at once): {res.sweep_dir}")
+    print(f"  hpcrl status {res.sweep_dir}\n  hpcrl sweep --report {res.sweep_dir}")
     return EXIT_OK
 
 
@@ -256,14 +333,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", metavar="RUN/config.yaml", help="the run folder's resolved config")
     p.set_defaults(handler=_cmd_run_slurm)
 
-    p = sub.add_parser("sweep", help="submit a sweep as one Slurm job array")
-    p.add_argument("sweep", metavar="SWEEP.yaml")
-    p.add_argument("--report", action="store_true", help="summarise the finished runs of the sweep")
-    p.set_defaults(handler=_cmd_stub("issue #5"))
+    p = sub.add_parser("sweep", help="submit a sweep as one Slurm job array; --report / --resubmit a sweep "
+                                     "folder",
+                       description="hpcrl sweep SWEEP.yaml [key=value ...] [--dry-run]: validate every "
+                                   "point, write one run folder per point under run.output_dir/<run.name>/ "
+                                   "and submit one Slurm job array. hpcrl sweep --report SWEEP_FOLDER: write "
+                                   "report.csv and report.png. hpcrl sweep --resubmit SWEEP_FOLDER [--points "
+                                   "NAME ...]: resubmit failed (or the named) points as a new array.")
+    p.add_argument("sweep", metavar="SWEEP.yaml|SWEEP_FOLDER",
+                   help="a run config with a sweep: section; with --report/--resubmit the sweep folder")
+    p.add_argument("overrides", metavar="key=value", nargs="*", help="dotted overrides of the base config")
+    p.add_argument("--dry-run", action="store_true",
+                   help="write the folders, sweep.json and the array script and print the script; submit "
+                        "nothing")
+    p.add_argument("--report", action="store_true",
+                   help="write report.csv and report.png (reward curves) into SWEEP_FOLDER")
+    p.add_argument("--resubmit", action="store_true",
+                   help="resubmit the points of SWEEP_FOLDER that ended FAILED/TIMEOUT/CANCELLED/NODE_FAIL/"
+                        "OUT_OF_MEMORY (or those of --points) as a new job array")
+    p.add_argument("--points", metavar="NAME[,NAME...]", action="append",
+                   help="with --resubmit: the points to resubmit (repeat the option or join names with ',')")
+    p.set_defaults(handler=_cmd_sweep)
 
     p = sub.add_parser("status", help="table of runs: Slurm state, rollout id, last reward, attempts")
     p.add_argument("run", metavar="RUN", nargs="?",
-                   help="run folder, run name, or a folder of runs (default: every run under --output-dir)")
+                   help="run folder, run name, a folder of runs, or a sweep folder or name (one row per "
+                        "point; default: every run under --output-dir)")
     _add_output_dir(p)
     p.set_defaults(handler=_cmd_status)
 

@@ -9,11 +9,14 @@
 * sacct lists the components of het job ``<id>`` as ``<id>+0``, ``<id>+1``, ...; :class:`HetSlurmInfoWatcher`
   maps ``<id>+0`` back to ``<id>`` so the job's state (``job.state``, ``job.wait()``) is group 0's.
 
-Slurm refuses job arrays of het jobs, so a het executor submits one job at a time. With no extra component and
-no extra line the script is byte-for-byte submitit's.
+Slurm refuses job arrays of het jobs, so a het executor submits one job at a time. Without components it
+submits job arrays (``map_array``, ``submit_array``, ``batch()``; ``hpcrl sweep``) with the extra ``#SBATCH``
+lines kept (submitit's own array path copies the parameters into a plain ``SlurmExecutor``, dropping them);
+``always_array`` makes even a one-element array submission an array (``--array=0-0%1``), so array task ids are
+always ``<id>_<index>``. With no extra component and no extra line the script is byte-for-byte submitit's.
 
 :meth:`HetSlurmExecutor.render` returns the script text without calling sbatch (``--dry-run``); it is the same
-text :meth:`submit` writes and submits.
+text :meth:`submit` writes and submits (``render(map_count=n)``: the script of an array of ``n`` tasks).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import shlex
 import sys
 import typing as tp
+import uuid
 from pathlib import Path
 
 from submitit.core import core, utils
@@ -103,6 +107,8 @@ class HetSlurmExecutor(_slurm.SlurmExecutor):
         self.render_only = render_only
         self.components = [dict(c) for c in components]
         self.extra_sbatch = list(extra_sbatch)
+        self.always_array = False
+        """Submit an array submission of one item as a one-task array too (``hpcrl sweep`` sets it)."""
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         text = super()._make_submission_file_text(command, uid)
@@ -113,10 +119,55 @@ class HetSlurmExecutor(_slurm.SlurmExecutor):
                                       ) -> tp.List[core.Job[tp.Any]]:
         if self.render_only:
             raise RuntimeError("this HetSlurmExecutor was made with render_only=True and cannot submit")
-        if len(delayed_submissions) > 1 and (self.components or self.extra_sbatch):
+        as_array = len(delayed_submissions) > 1 or (self.always_array and bool(delayed_submissions))
+        if as_array and self.components:
             raise ValueError("Slurm cannot run a job array of heterogeneous jobs; submit them one by one")
+        if as_array:
+            return self._submit_array(delayed_submissions)
         return super()._internal_process_submissions(delayed_submissions)
 
-    def render(self) -> str:
-        """The sbatch script a submission would use, without calling sbatch (the text of ``--dry-run``)."""
-        return self._make_submission_file_text(self._submitit_command_str, "render")
+    def _submit_array(self, delayed_submissions: tp.List[utils.DelayedSubmission]
+                      ) -> tp.List[core.Job[tp.Any]]:
+        """submitit's array submission (``SlurmExecutor._internal_process_submissions``) with a copy of this
+        executor, so the extra ``#SBATCH`` lines stay in the array's script. Job ids ``<id>_<index>``."""
+        folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        timeout_min = self.parameters.get("time", 5)
+        pickle_paths = []
+        for d in delayed_submissions:
+            pickle_path = folder / f"{uuid.uuid4().hex}.pkl"
+            d.set_timeout(timeout_min, self.max_num_timeout)
+            d.dump(pickle_path)
+            pickle_paths.append(pickle_path)
+        n = len(delayed_submissions)
+        array_ex = type(self)(self.folder, extra_sbatch=self.extra_sbatch,
+                              max_num_timeout=self.max_num_timeout, python=self.python)
+        array_ex.update_parameters(**self.parameters)
+        array_ex.parameters["map_count"] = n
+        self._throttle()
+        first_job: core.Job[tp.Any] = array_ex._submit_command(self._submitit_command_str)
+        tasks_ids = list(range(first_job.num_tasks))
+        jobs: tp.List[core.Job[tp.Any]] = [
+            self.job_class(folder=self.folder, job_id=f"{first_job.job_id}_{a}", tasks=tasks_ids)
+            for a in range(n)]
+        for job, pickle_path in zip(jobs, pickle_paths):
+            job.paths.move_temporary_file(pickle_path, "submitted_pickle")
+        return jobs
+
+    def render(self, map_count: tp.Optional[int] = None) -> str:
+        """The sbatch script a submission would use, without calling sbatch (the text of ``--dry-run``).
+
+        ``map_count``: render the script of a job array of that many tasks (``--array=0-<N-1>%P`` with ``P`` =
+        ``min(N, array_parallelism)``; log names ``%A_%a``); None: a single job's script.
+        """
+        if map_count is None:
+            return self._make_submission_file_text(self._submitit_command_str, "render")
+        if self.components:
+            raise ValueError("Slurm cannot run a job array of heterogeneous jobs")
+        saved = dict(self.parameters)
+        try:
+            self.parameters["map_count"] = map_count
+            return self._make_submission_file_text(self._submitit_command_str, "render")
+        finally:
+            self.parameters.clear()
+            self.parameters.update(saved)

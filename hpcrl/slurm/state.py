@@ -112,7 +112,7 @@ def _collect(rows: Iterable[tuple[str, str]]) -> dict[str, str]:
 
 
 def parse_squeue(text: str) -> dict[str, str]:
-    """``squeue -h -o %i|%T`` output -> ``{base job id: state}`` (het components merged)."""
+    """``squeue -h -r -o %i|%T`` output -> ``{base job id: state}`` (het components merged)."""
     return _collect(tuple(line.split("|", 1)) for line in text.splitlines() if "|" in line)
 
 
@@ -122,12 +122,15 @@ def parse_sacct(text: str) -> dict[str, str]:
 
 
 def query_states(job_ids: Iterable[str], runner: Runner = run_command) -> dict[str, str]:
-    """Current state of each job id: squeue first (live jobs), then sacct (finished ones), else UNKNOWN."""
+    """Current state of each job id: squeue first (live jobs), then sacct (finished ones), else UNKNOWN.
+
+    Ids may be plain (``123``), het (``123+1``, reported as ``123``) or job-array tasks (``123_4``, each its
+    own row: squeue runs with ``-r`` so pending tasks are not folded into ``123_[4-7]``)."""
     ids = sorted({het_base_id(str(j)) for j in job_ids})
     if not ids:
         return {}
     found: dict[str, str] = {}
-    out = runner(["squeue", "-h", "-o", "%i|%T", "-j", ",".join(ids)])
+    out = runner(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(ids)])  # -r: one row per array task
     if out is not None:
         found.update({k: v for k, v in parse_squeue(out).items() if k in ids})
     rest = [j for j in ids if j not in found]

@@ -129,13 +129,24 @@ def test_validate_no_check_files(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("OK:")
 
 
-@pytest.mark.parametrize("argv,issue", [
-    (["sweep", "configs/sweep.yaml", "--report"], "issue #5"),
+def test_stub_handler_says_not_implemented(capsys):
+    import argparse
+
+    assert cli._cmd_stub("issue #99")(argparse.Namespace(command="frobnicate")) == 2
+    err = capsys.readouterr().err
+    assert "hpcrl frobnicate" in err and "not implemented yet" in err and "issue #99" in err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["sweep", "configs/nope.yaml"], "config error: <file>='configs/nope.yaml': no such config file"),
+    (["sweep", "configs/nope", "--report"], "not a sweep folder"),
+    (["sweep", "some/folder", "train.lr=1.0", "--report"], "no key=value overrides"),
+    (["sweep", "configs/quickstart.yaml", "--points", "a"], "--points only goes with --resubmit"),
 ])
-def test_unfinished_subcommands_say_not_implemented(argv, issue, capsys):
+def test_sweep_usage_errors_exit_2(argv, msg, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert f"hpcrl {argv[0]}" in err and "not implemented yet" in err and issue in err
+    assert msg in err and len(err.strip().splitlines()) == 1
 
 
 def test_sft_needs_output(capsys):
