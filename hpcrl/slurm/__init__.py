@@ -11,7 +11,11 @@ submitit):
 * :mod:`.submit`: ``hpcrl submit``: validate, write the run folder, submit (or ``--dry-run``).
 * :mod:`.templates`: the plain sbatch templates in ``sbatch/``, filled from a config
   (``hpcrl submit --plain``).
-* :mod:`.entry`: what runs inside the allocation (``hpcrl run-slurm CONFIG`` and the submitit function job).
+* :mod:`.entry`: what runs inside the allocation (``hpcrl run-slurm CONFIG`` and the submitit function job):
+  torch.distributed from Slurm's variables, the loop, requeue after a preemption checkpoint.
+* :mod:`.rollout_step`: the rollout job step (engines via ``srun --overlap`` or ``--het-group=1``) that
+  trainer rank 0 starts, health-checks and tears down.
+* :mod:`.sweep`: ``hpcrl sweep``: points, one run folder each, one job array; status, report, resubmit.
 * :mod:`.state`: run folders, ``job.json``, squeue/sacct states, the ``hpcrl status`` table.
 * :mod:`.control`: ``hpcrl logs`` and ``hpcrl cancel``.
 

@@ -716,3 +716,29 @@ def test_rollout_step_srun_command_colocated_and_het(tmp_path):
     boxed = load_config(None, ["model.create=tiny-qwen2", f"slurm.container={image}"])
     cmd = srun_command(boxed, tmp_path, tmp_path, tmp_path / "m", tmp_path / "secret", env, python="py")
     assert cmd[cmd.index("apptainer"):cmd.index("py")][-1] == str(image)
+
+
+def test_rollout_step_engine_command_passes_gpu_sglang_flags(tmp_path):
+    """Point 4: GPU-only SGLang flags of the ``sglang:`` section reach the real ``sglang.launch_server`` command
+    line the rollout step execs; colocated adds ``--enable-memory-saver``, deterministic runs SGLang's
+    deterministic inference."""
+    from hpcrl.rollout.servers import engine_command
+    from hpcrl.rollout.secret import create_run_secret
+    from hpcrl.slurm.rollout_step import engine_sglang_args
+
+    (tmp_path / "c.yaml").write_text(textwrap.dedent(f"""
+        model: {{path: {tmp_path}/m, create: tiny-qwen2}}
+        run: {{placement: colocate, deterministic: true}}
+        rollout: {{engine: sglang}}
+        sglang: {{moe_a2a_backend: deepep, deepep_mode: low_latency, attention_backend: flashinfer,
+                 quantization: fp8, tp_size: 4}}
+        """))
+    cfg = load_config(tmp_path / "c.yaml")
+    cmd = engine_command(cfg.rollout, engine_sglang_args(cfg), "/m", "0.0.0.0", 30000, create_run_secret(tmp_path),
+                         key_via="config")
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    flags = " ".join(cmd)
+    for flag in ("--moe-a2a-backend deepep", "--deepep-mode low_latency", "--attention-backend flashinfer",
+                 "--quantization fp8", "--tp-size 4", "--enable-memory-saver",
+                 "--enable-deterministic-inference"):
+        assert flag in flags, flag
