@@ -1,0 +1,177 @@
+"""Preemption exactness without Slurm (issue #5 points 1-3): a local `hpcrl run` that gets USR2, or is
+SIGKILLed, and is run again ends with weights bitwise equal to an uninterrupted run, and every sample was
+trained exactly once (from the HDF5 data buffer of the last checkpoint). Deterministic settings
+(``run.deterministic``: one request at a time in the engine, deterministic torch).
+
+The run over-samples (12 groups submitted for 4, nonzero-std filter), so the data source holds back finished
+and aborted groups between steps: they must survive the restart through ``buffer.h5``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.integration.test_loop import REWARD_MODULE
+
+pytestmark = pytest.mark.integration
+
+STEPS = 8
+
+
+def write_config(tmp_path: Path) -> Path:
+    """``tmp_path/run.yaml`` (runs under ``tmp_path/runs``) and the reward module it names."""
+    (tmp_path / "loop_rewards.py").write_text(REWARD_MODULE)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"""
+run: {{name: x, output_dir: {tmp_path / 'runs'}, num_rollout: {STEPS}, seed: 7, deterministic: true}}
+model: {{path: {tmp_path / 'tiny'}, create: tiny-qwen2, tiny_hidden_size: 64, tiny_num_layers: 2}}
+data: {{source: addition, num_train: 200, num_eval: 16}}
+rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 6, over_sampling_batch_size: 12,
+          dynamic_filter: nonzero_std, reward_function: loop_rewards.digit_fraction, eval_interval: 0}}
+train: {{lr: 1.0e-3, micro_batch_size: 8}}
+checkpoint: {{save_interval: 0, keep_last: 2}}
+""")
+    return cfg
+
+
+def start(tmp_path: Path, name: str, *overrides: str) -> subprocess.Popen:
+    """``hpcrl run`` of :func:`write_config`'s run as ``run.name=name``; output in ``tmp_path/<name>.log``."""
+    cfg = write_config(tmp_path)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    log = open(tmp_path / f"{name}.log", "ab")  # a file: torch's shm manager keeps pipes open
+    return subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), f"run.name={name}", *overrides],
+                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if '"step": -1' not in line)
+
+
+def wait_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while steps_done(run_dir) < n:
+        assert proc.poll() is None, f"run ended early with {proc.returncode}"
+        assert time.monotonic() < deadline, f"no {n} steps in {timeout} s"
+        time.sleep(0.05)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> int:
+    return proc.wait(timeout=timeout)
+
+
+def weights(tmp_path: Path, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    hf = tmp_path / f"{name}-hf"
+    conv = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-hf", str(tmp_path / "runs" / name),
+                           str(hf)], capture_output=True, text=True, timeout=300, check=False)
+    assert conv.returncode == 0, conv.stderr[-2000:]
+    out = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def trained(tmp_path: Path, name: str) -> np.ndarray:
+    from hpcrl.checkpoint import find_latest_checkpoint
+    from hpcrl.data.buffer import BUFFER_FILE, read_buffer
+
+    ckpt = find_latest_checkpoint(tmp_path / "runs" / name)
+    assert ckpt is not None and ckpt.name == f"iter_{STEPS - 1:07d}"
+    return read_buffer(ckpt / BUFFER_FILE)[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: its exported weights and trained-sample rows."""
+    tmp = tmp_path_factory.mktemp("preempt-ref")
+    proc = start(tmp, "ref")
+    assert finish(proc) == 0, (tmp / "ref.log").read_text()[-3000:]
+    rows = trained(tmp, "ref")
+    assert rows.shape == (STEPS * 16, 3) and sorted(rows[:, 0].tolist()) == sorted(list(range(STEPS)) * 16)
+    assert len(set(rows[:, 2].tolist())) == len(rows)  # each sample once
+    groups = {}
+    for _, g, _ in rows.tolist():
+        groups[g] = groups.get(g, 0) + 1
+    assert set(groups.values()) == {4}  # whole groups, each trained once
+    return tmp, weights(tmp, "ref"), rows
+
+
+def test_usr2_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path, reference):
+    ref_dir, ref_weights, ref_rows = reference
+    proc = start(tmp_path, "usr2")
+    run_dir = tmp_path / "runs" / "usr2"
+    wait_steps(proc, run_dir, 3)
+    os.kill(proc.pid, signal.SIGUSR2)
+    assert finish(proc) == 75, (tmp_path / "usr2.log").read_text()[-3000:]  # stopped early, resumable
+    log = (tmp_path / "usr2.log").read_text()
+    assert "stopping after rollout" in log and "(signal)" in log
+    done = steps_done(run_dir)
+    assert 3 <= done < STEPS
+    from hpcrl.checkpoint import find_latest_checkpoint
+
+    assert find_latest_checkpoint(run_dir).name == f"iter_{done - 1:07d}"  # saved at the step it stopped
+    assert all(p.poll() is not None for p in [proc])
+    proc = start(tmp_path, "usr2")  # the same command again: it resumes, no flag needed
+    assert finish(proc) == 0, (tmp_path / "usr2.log").read_text()[-3000:]
+    assert "resumed from" in (tmp_path / "usr2.log").read_text()
+    assert steps_done(run_dir) == STEPS  # metrics: one line per step, none repeated
+    np.testing.assert_array_equal(trained(tmp_path, "usr2"), ref_rows)
+    got = weights(tmp_path, "usr2")
+    assert all(got[k].equal(ref_weights[k]) for k in ref_weights), "resumed run diverged"
+
+
+def test_sigkill_then_rerun_resumes_exactly(tmp_path, reference):
+    """SIGKILL loses the steps since the last checkpoint (save_interval 1 here); the rerun redoes them exactly."""
+    _, ref_weights, ref_rows = reference
+    run_dir = tmp_path / "runs" / "kill"
+    proc = start(tmp_path, "kill", "checkpoint.save_interval=1")
+    wait_steps(proc, run_dir, 2)
+    time.sleep(random.Random(0).uniform(0.0, 0.5))  # somewhere inside a later step
+    proc.kill()
+    proc.wait()
+    proc = start(tmp_path, "kill", "checkpoint.save_interval=1")
+    assert finish(proc) == 0, (tmp_path / "kill.log").read_text()[-3000:]
+    np.testing.assert_array_equal(trained(tmp_path, "kill"), ref_rows)
+    got = weights(tmp_path, "kill")
+    assert all(got[k].equal(ref_weights[k]) for k in ref_weights), "resumed run diverged"
+
+
+def test_resume_at_an_epoch_boundary_neither_skips_nor_repeats(tmp_path):
+    """8 prompts, 4 per step, no over-sampling: every even checkpoint ends an epoch exactly (offset == number
+    of items). A run killed after such a checkpoint and rerun trains every prompt exactly once per epoch, the
+    epochs in order (veRL #7401 skipped the tail of an epoch on resume)."""
+    args = ("data.num_train=8", "rollout.over_sampling_batch_size=4", "rollout.dynamic_filter=null",
+            "checkpoint.save_interval=2")
+    run_dir = tmp_path / "runs" / "epochs"
+    proc = start(tmp_path, "epochs", *args)
+    wait_steps(proc, run_dir, 3)
+    proc.kill()
+    proc.wait()
+    from hpcrl.checkpoint import find_latest_checkpoint
+
+    ckpt = find_latest_checkpoint(run_dir)
+    assert ckpt is not None and int(ckpt.name[5:]) % 2 == 1  # after step 1 or 3: the end of epoch 0 or 1
+    proc = start(tmp_path, "epochs", *args)
+    assert finish(proc) == 0, (tmp_path / "epochs.log").read_text()[-3000:]
+    assert "resumed from" in (tmp_path / "epochs.log").read_text()
+    rows = trained(tmp_path, "epochs")
+    by_step: dict[int, set] = {}
+    for step, group, _ in rows.tolist():
+        by_step.setdefault(step, set()).add(group)
+    for epoch in range(STEPS // 2):
+        groups = by_step[2 * epoch] | by_step[2 * epoch + 1]
+        assert sorted(groups) == list(range(8 * epoch, 8 * epoch + 8)), (epoch, sorted(groups))
