@@ -144,6 +144,8 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
             truncate_metrics(run_dir, extra["rollout_id"])
             log.info("resumed from %s: next rollout %d (%d held-back groups)", ckpt, start_rollout_id,
                      len(data_source.buffer))
+    elif is_controller:
+        truncate_metrics(run_dir, -2)  # a start killed before its first checkpoint: its rows are redone
 
     def save(rollout_id: int) -> None:
         t0 = time.perf_counter()

@@ -6,30 +6,14 @@ greedy accuracy is at least 60% (issue #3, point 8)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-HPCRL = Path(sys.executable).with_name("hpcrl")
-
 
 @pytest.mark.slow
-def test_quickstart_learns_from_a_fresh_folder(tmp_path):
-    shutil.copy(ROOT / "configs" / "quickstart.yaml", tmp_path / "quickstart.yaml")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    t0 = time.perf_counter()
-    with open(tmp_path / "out.log", "wb") as log:  # a file, not a pipe: torch's shm manager keeps pipes open
-        rc = subprocess.run([str(HPCRL), "run", "quickstart.yaml"], cwd=tmp_path, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, timeout=1800).returncode
-    seconds = time.perf_counter() - t0
-    out = (tmp_path / "out.log").read_text(errors="replace")
-    assert rc == 0, out[-3000:]
+def test_quickstart_learns_from_a_fresh_folder(quickstart_run):
+    tmp_path, seconds, out = quickstart_run.folder, quickstart_run.seconds, quickstart_run.output
+    assert quickstart_run.returncode == 0, out[-3000:]
 
     sft = [json.loads(line) for line in
            (tmp_path / ".cache/models/tiny-qwen2-addition-sft/sft_metrics.jsonl").read_text().splitlines()]

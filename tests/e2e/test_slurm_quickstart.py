@@ -28,15 +28,10 @@ STEPS = 150
 
 
 @pytest.fixture(scope="module")
-def sft_model(tmp_path_factory):
-    """The quickstart's SFT warm start (600 steps, ~39% greedy), trained once for this module."""
-    from hpcrl.config import load_config
-    from hpcrl.sft import run_sft
-
-    tmp = tmp_path_factory.mktemp("sft")
-    cfg = load_config(REPO / "configs" / "quickstart.yaml",
-                      [f"model.path={tmp}/tiny-qwen2", f"sft.output={tmp}/tiny-qwen2-addition-sft"])
-    return cfg.model.path, run_sft(cfg)
+def sft_model(quickstart_run):
+    """The quickstart's base model and its SFT warm start (~39% greedy), from the session's quickstart run."""
+    assert quickstart_run.returncode == 0, quickstart_run.output[-3000:]
+    return quickstart_run.base_model, quickstart_run.sft_model
 
 
 def submit(work: Path, sft_model, *overrides: str) -> tuple[str, Path]:
