@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 ENGINE_WEIGHTS = ["weights"]
 ENGINE_KV = ["kv_cache", "cuda_graph"]
@@ -70,7 +69,7 @@ class ColocatedMemory:
     """Drives the colocated phase order over the trainer adapter and the engines' memory endpoints.
 
     ``events`` lists ``(phase, monotonic seconds)`` in the order they happened. When ``colocate`` is False
-    every call is a no-op (disaggregated: nothing shares devices).
+    every memory call is a no-op (disaggregated: nothing shares devices); :meth:`mark` still records.
     """
 
     trainer: TrainerMemory
@@ -107,10 +106,10 @@ class ColocatedMemory:
             await self.client.post_all("/release_memory_occupation", {"tags": None})
             self._mark("offload_engine")
 
-    def mark(self, phase: str, enabled: Optional[bool] = None) -> None:
-        """Record a non-memory phase (``sync``, ``generate``, ``train``) so the full order is visible."""
-        if self.colocate if enabled is None else enabled:
-            self._mark(phase)
+    def mark(self, phase: str) -> None:
+        """Record a non-memory phase (``sync``, ``generate``, ``train``) so the full order and its times are
+        visible (``phases.jsonl``), in either placement."""
+        self._mark(phase)
 
     def phases(self) -> list[str]:
         """The recorded phase names, in order."""
