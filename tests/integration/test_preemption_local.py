@@ -53,6 +53,37 @@ def start(tmp_path: Path, name: str, *overrides: str) -> subprocess.Popen:
                             cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie has been killed; only its parent's wait() is missing
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return "?"
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live process below ``pid`` (from /proc)."""
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    out, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p in pids if _ppid(p) in frontier}
+        out.extend(frontier)
+    return out
+
+
 def steps_done(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -135,14 +166,21 @@ def test_usr2_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path, ref
 
 
 def test_sigkill_then_rerun_resumes_exactly(tmp_path, reference):
-    """SIGKILL loses the steps since the last checkpoint (save_interval 1 here); the rerun redoes them exactly."""
+    """SIGKILL loses the steps since the last checkpoint (save_interval 1 here); the rerun redoes them exactly.
+    No process of the killed run outlives it (engine, megatron-core's checkpoint-writer queue server)."""
     _, ref_weights, ref_rows = reference
     run_dir = tmp_path / "runs" / "kill"
     proc = start(tmp_path, "kill", "checkpoint.save_interval=1")
     wait_steps(proc, run_dir, 2)
     time.sleep(random.Random(0).uniform(0.0, 0.5))  # somewhere inside a later step
+    children = descendants(proc.pid)
+    assert children, "the run has no child processes (engine, checkpoint writer queue)?"
     proc.kill()
     proc.wait()
+    deadline = time.monotonic() + 15
+    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes of the SIGKILLed run outlived it: {[_cmdline(p) for p in left]}"
     proc = start(tmp_path, "kill", "checkpoint.save_interval=1")
     assert finish(proc) == 0, (tmp_path / "kill.log").read_text()[-3000:]
     np.testing.assert_array_equal(trained(tmp_path, "kill"), ref_rows)
