@@ -23,13 +23,14 @@ import math
 import os
 import re
 import signal as _signal
-import tempfile
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
+
+from hpcrl.fsutil import atomic_write_text
 
 
 @dataclass
@@ -807,18 +808,7 @@ def save_resolved(cfg: Config, run_dir: str | os.PathLike) -> Path:
     body = yaml.dump(config_to_dict(resolve(cfg)), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
                      allow_unicode=True, width=1000)
     text = f"# Resolved config written by hpcrl {__version__}; load it with hpcrl.config.load_config.\n{body}"
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".config.yaml.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return target
+    return atomic_write_text(target, text, fsync=True)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Durable-write helpers shared by checkpoints, HF exports and disk weight sync."""
+"""Durable-write helpers shared by checkpoints, HF exports, disk weight sync and the run-folder files."""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -15,3 +17,25 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = False) -> Path:
+    """Write ``text`` to ``path`` atomically: a temp file in the same folder, then ``os.replace``, so a reader
+    sees the old file or the new one, never a part. ``fsync``: also flush the data to disk before the rename.
+
+    Returns the path. Raises OSError when the folder is not writable (the temp file is removed).
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path

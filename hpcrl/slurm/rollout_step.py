@@ -200,6 +200,7 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
     from hpcrl.config import load_config
+    from hpcrl.fsutil import atomic_write_text
     from hpcrl.rollout.servers import engine_command, find_free_port, url_for
 
     p = argparse.ArgumentParser(prog="python -m hpcrl.slurm.rollout_step")
@@ -215,9 +216,7 @@ def task_main(argv: Optional[list[str]] = None) -> int:
                          key_via="config")  # SGLang: the key in a 0600 file, not in ps (the CPU engine reads it)
     procid = os.environ.get("SLURM_PROCID", "0")
     out = Path(args.attempt_dir) / ENGINES_DIR / f"engine-{procid}.json"
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps({"url": url_for(node, port), "node": node, "pid": os.getpid()}))
-    os.replace(tmp, out)
+    atomic_write_text(out, json.dumps({"url": url_for(node, port), "node": node, "pid": os.getpid()}))
     print(f"[hpcrl] rollout task {procid} on {node}: engine at {url_for(node, port)}", flush=True)
     # Slurm sends the preemption signal (USR2 by default, which terminates) to every step; the engines must
     # outlive it until the trainer has checkpointed and stops them. A blocked mask survives exec.

@@ -16,11 +16,11 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from hpcrl.fsutil import atomic_write_text
 from hpcrl.slurm import JOB_FILE, SlurmCommandError
 
 FINAL_STATES = frozenset({
@@ -62,19 +62,7 @@ def run_command(argv: list[str], timeout: float = 30.0) -> Optional[str]:
 
 def write_job_file(run_dir: str | os.PathLike, record: dict[str, Any]) -> Path:
     """Write ``run_dir/job.json`` atomically (temp file + ``os.replace``). Returns its path."""
-    run_dir = Path(run_dir)
-    target = run_dir / JOB_FILE
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".job.json.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return target
+    return atomic_write_text(Path(run_dir) / JOB_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def read_job_file(run_dir: str | os.PathLike) -> Optional[dict[str, Any]]:

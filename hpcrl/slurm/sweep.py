@@ -99,13 +99,13 @@ import random
 import re
 import shlex
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from hpcrl.config import (FILE_FIELD, OVERRIDE_FIELD, Config, ConfigError, SweepSection, _apply_override,
                           _check_sweep, _convert_dataclass, _schema_lookup, load_config, read_config_file)
+from hpcrl.fsutil import atomic_write_text
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.resources import JobPlan
 from hpcrl.slurm.state import (FINAL_STATES, NOT_SUBMITTED, UNKNOWN, Runner, attempt_dirs, query_states,
@@ -480,18 +480,7 @@ def write_manifest(sweep_dir: str | os.PathLike, manifest: dict[str, Any]) -> Pa
     """Write ``sweep_dir/sweep.json`` atomically (temp file + ``os.replace``). Returns its path."""
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    target = sweep_dir / SWEEP_FILE
-    fd, tmp = tempfile.mkstemp(dir=sweep_dir, prefix=".sweep.json.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return target
+    return atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps(manifest, indent=2) + "\n")
 
 
 def find_sweep(target: str | os.PathLike) -> Optional[Path]:
