@@ -31,6 +31,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slurm)
 
 
+def _skip_or_fail(ok: bool, reason: str, skip_env: str, thing: str, tests: str) -> None:
+    """The policy of the fixtures for real system software: ``skip_env=1`` skips (on any machine); else, where
+    ``thing`` cannot run here, the tests fail with the reason."""
+    if os.environ.get(skip_env) == "1":
+        why = f": {reason}" if not ok else f" ({thing} could run here)"
+        pytest.skip(f"{skip_env}=1{why}")
+    if not ok:
+        pytest.fail(f"{tests} cannot run here: {reason}. Set {skip_env}=1 to skip them.", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """The real local Slurm cluster (tests/cluster/local_slurm.py), started once per session; yields its
@@ -43,13 +53,7 @@ def slurm_cluster():
     """
     from tests.cluster.local_slurm import ClusterError, cluster_available, start_cluster, stop_cluster
 
-    ok, reason = cluster_available()
-    if os.environ.get(SKIP_SLURM_ENV) == "1":
-        why = f": {reason}" if not ok else " (the local cluster could run here)"
-        pytest.skip(f"{SKIP_SLURM_ENV}=1{why}")
-    if not ok:
-        pytest.fail(f"the Slurm tests cannot run here: {reason}. Set {SKIP_SLURM_ENV}=1 to skip them.",
-                    pytrace=False)
+    _skip_or_fail(*cluster_available(), SKIP_SLURM_ENV, "the local cluster", "the Slurm tests")
     try:
         info = start_cluster()
     except ClusterError as e:
@@ -74,13 +78,7 @@ def lmod():
     """
     from tests.cluster.lmod import LmodError, ensure_lmod, lmod_available
 
-    ok, reason = lmod_available()
-    if os.environ.get(SKIP_LMOD_ENV) == "1":
-        why = f": {reason}" if not ok else " (Lmod could run here)"
-        pytest.skip(f"{SKIP_LMOD_ENV}=1{why}")
-    if not ok:
-        pytest.fail(f"the Lmod tests cannot run here: {reason}. Set {SKIP_LMOD_ENV}=1 to skip them.",
-                    pytrace=False)
+    _skip_or_fail(*lmod_available(), SKIP_LMOD_ENV, "Lmod", "the Lmod tests")
     try:
         return ensure_lmod()
     except LmodError as e:

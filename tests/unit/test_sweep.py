@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from hpcrl.slurm import SlurmCommandError, entry, state
 from hpcrl.slurm import sweep as sw
 from hpcrl.slurm.executor import HetSlurmExecutor
 from hpcrl.slurm.submit import prepare_config, submit
+from tests.unit.test_slurm_submit import fake_bin, write
 
 REPO = Path(__file__).resolve().parents[2]
 PY = "/opt/hpcrl/venv/bin/python"
@@ -59,27 +59,9 @@ def work(tmp_path, monkeypatch):
     return tmp_path
 
 
-def write(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
-
-
 def dry(work: Path, text: str = BASE + SWEEP, *overrides: str, environ=None) -> sw.SweepResult:
     return sw.submit_sweep(write(work / "sweep.yaml", text), list(overrides), dry_run=True, python=PY,
                            environ={} if environ is None else environ)
-
-
-def fake_bin(tmp_path: Path, monkeypatch, **scripts: str) -> Path:
-    """Executables first on PATH: name -> bash body. ``srun`` always exists (submitit looks for it)."""
-    d = tmp_path / "fakebin"
-    d.mkdir(exist_ok=True)
-    scripts.setdefault("srun", "exit 0")
-    for name, body in scripts.items():
-        p = d / name
-        p.write_text("#!/bin/bash\n" + body + "\n")
-        p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
-    return d
 
 
 def fake_sbatch(work: Path, monkeypatch, first: int = 4242) -> Path:
