@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.integration.test_preemption_local import finish, start, steps_done, weights
+from tests.integration.test_preemption_local import finish, start, steps_done, trained, weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -33,24 +33,15 @@ def _rows(run_dir):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def trained_rows(tmp_path, name):
-    from hpcrl.checkpoint import find_latest_checkpoint
-    from hpcrl.data.buffer import BUFFER_FILE, read_buffer
-
-    ckpt = find_latest_checkpoint(tmp_path / "runs" / name)
-    assert ckpt is not None and ckpt.name == f"iter_{STEPS - 1:07d}"
-    return read_buffer(ckpt / BUFFER_FILE)[1]
-
-
 def test_twenty_random_sigkills_then_reruns_end_bitwise_equal(tmp_path):
     t0 = time.time()
     proc = start(tmp_path, "ref", *ARGS)
     assert finish(proc) == 0, (tmp_path / "ref.log").read_text()[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "ref" / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(tmp_path / "runs" / "ref")
     times = [r["time"] for r in rows if r["step"] >= 0]
     startup, step = times[0] - t0, (times[-1] - times[1]) / (STEPS - 2)
     first = times[1] - times[0]  # step 1 plus the attempt's first checkpoint write (~2.5 s here, later ones ~0.3 s)
-    ref_weights, ref_rows = weights(tmp_path, "ref"), trained_rows(tmp_path, "ref")
+    ref_weights, ref_rows = weights(tmp_path, "ref"), trained(tmp_path, "ref", STEPS)
 
     rng = random.Random(20261121)
     run_dir = tmp_path / "runs" / "killed"
@@ -86,7 +77,7 @@ def test_twenty_random_sigkills_then_reruns_end_bitwise_equal(tmp_path):
     resumes = (tmp_path / "killed.log").read_text().count("resumed from")
     assert resumes >= KILLS // 2, f"only {resumes} attempts resumed from a checkpoint: the kills came too early"
 
-    np.testing.assert_array_equal(trained_rows(tmp_path, "killed"), ref_rows)
+    np.testing.assert_array_equal(trained(tmp_path, "killed", STEPS), ref_rows)
     got = weights(tmp_path, "killed")
     assert all(got[k].equal(ref_weights[k]) for k in ref_weights), "the killed-and-rerun run diverged"
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()

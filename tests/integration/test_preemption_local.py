@@ -116,12 +116,14 @@ def weights(tmp_path: Path, name: str) -> dict:
     return out
 
 
-def trained(tmp_path: Path, name: str) -> np.ndarray:
+def trained(tmp_path: Path, name: str, steps: int = STEPS) -> np.ndarray:
+    """The trained-sample rows ``[n, 3]`` (rollout id, group index, sample index) of the finished run ``name``,
+    from its last checkpoint's ``buffer.h5`` (asserted to be that of step ``steps - 1``)."""
     from hpcrl.checkpoint import find_latest_checkpoint
     from hpcrl.data.buffer import BUFFER_FILE, read_buffer
 
     ckpt = find_latest_checkpoint(tmp_path / "runs" / name)
-    assert ckpt is not None and ckpt.name == f"iter_{STEPS - 1:07d}"
+    assert ckpt is not None and ckpt.name == f"iter_{steps - 1:07d}"
     return read_buffer(ckpt / BUFFER_FILE)[1]
 
 

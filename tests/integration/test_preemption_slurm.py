@@ -166,10 +166,7 @@ def test_time_limit_requeues_and_completes(work):
     assert wait_final(job_id, run_dir, timeout=840) == "COMPLETED", job_log(run_dir)
     assert len(attempts(run_dir)) >= 2, job_log(run_dir)
     assert metric_steps(run_dir) == list(range(steps))
-    from hpcrl.checkpoint import find_latest_checkpoint
-    from hpcrl.data.buffer import BUFFER_FILE, read_buffer
-
-    rows = read_buffer(find_latest_checkpoint(run_dir) / BUFFER_FILE)[1]
+    rows = trained(work, "timelimit", steps)
     assert sorted(set(rows[:, 0].tolist())) == list(range(steps))
     assert len(set(rows[:, 2].tolist())) == len(rows)  # each sample trained once
     sacct = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job_id], capture_output=True,
