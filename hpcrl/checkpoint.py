@@ -347,7 +347,7 @@ def _writer_queue_dies_with_us() -> None:
 
     megatron-core's ``FileSystemWriterAsync`` (the ``torch_dist`` save strategy) lazily starts a
     ``multiprocessing`` manager server (spawn context, ~200 MB, ~2 s to start) for its write results and keeps
-    it for the life of the process. When the trainer is SIGKILLed (outside a Slurm step, whose cgroup is
+    it for the life of the process, and forks its writer workers. When the trainer is SIGKILLed (outside a Slurm step, whose cgroup is
     cleaned up) that server was orphaned and lived on: 20 killed runs left 4 GB of them. Started here with
     ``PR_SET_PDEATHSIG`` (:func:`hpcrl.rollout.servers.die_with_parent`), it ends with the trainer. A no-op
     if the queue exists or this megatron-core version has no such queue.
@@ -364,6 +364,9 @@ def _writer_queue_dies_with_us() -> None:
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(die_with_parent)
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager (and its server) alive
+    # Its writer workers are forked (multiprocessing fork context); one forked while the trainer is killed
+    # hung in JoinableQueue.task_done forever. Every Python-level fork of this process now dies with it.
+    os.register_at_fork(after_in_child=die_with_parent)
 
 
 def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model: torch.nn.Module,
