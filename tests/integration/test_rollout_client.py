@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from hpcrl.data.sample import Sample, Status
+from hpcrl.engine.server import HTTP2_PREFACE
 from hpcrl.rollout.client import RolloutClient, RolloutError
 from hpcrl.rollout.generate import generate
 from hpcrl.rollout.router import start_router
@@ -96,6 +98,27 @@ def test_router_balances_authenticated_engines(stack):
     # the key is on no command line and in no router log
     assert key.encode() not in open(f"/proc/{router.pid}/cmdline", "rb").read()
     assert key not in router.log_path.read_text(errors="replace")
+
+
+def test_engine_logs_no_error_for_refused_requests(stack):
+    """Issue #9 point 11: the router's start-up probes (HTTP/2 prefaces) and a raw HTTP/2 preface sent here are
+    refused with 400, and no engine log has an ERROR line or a traceback after them and a few requests."""
+    _, _, engines, _ = stack
+    with socket.create_connection(("127.0.0.1", engines[0].port), timeout=10) as s:
+        s.sendall(HTTP2_PREFACE)
+        status_line = s.recv(4096).split(b"\r\n", 1)[0]
+    assert status_line.split(b" ")[:2] in ([b"HTTP/1.0", b"400"], [b"HTTP/1.1", b"400"]), status_line
+
+    async def run():
+        async with _client(stack) as c:
+            return await asyncio.gather(*(c.generate(PROMPT, SHORT) for _ in range(4)))
+
+    assert all(len(out["output_ids"]) == 3 for out in asyncio.run(run()))
+    time.sleep(0.2)  # the engines flush their log lines
+    for e in engines:
+        bad = [line for line in e.log_path.read_text(errors="replace").splitlines()
+               if " ERROR " in line or "Traceback" in line]
+        assert not bad, f"{e.log_path}: {bad}"
 
 
 def test_generate_fills_sample_and_continues_partial(stack):
