@@ -1,7 +1,8 @@
 """Step metrics: one JSONL line per rollout step, TensorBoard event files, a progress bar, and a PNG at the end.
 
 Files in the run folder: ``metrics.jsonl`` (one JSON object per step, key ``step`` = rollout id),
-``tensorboard/`` (event files, one scalar per key) and ``curves.png`` (reward and accuracy against step).
+``tensorboard/`` (event files, one scalar per key) and ``curves.png`` (the series of :data:`CURVE_SERIES` against
+step: reward raw and smoothed, eval accuracy, response length, entropy, KL, step time by phase).
 Times are seconds, throughputs tokens/s.
 """
 
@@ -12,8 +13,9 @@ import math
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
@@ -119,29 +121,94 @@ class MetricsLogger:
         return plot_curves(self.run_dir)
 
 
-def plot_curves(run_dir: str | os.PathLike, keys: tuple[str, ...] = ("rollout/reward_mean", "eval/accuracy"),
-                out: Optional[str | os.PathLike] = None) -> Optional[Path]:
-    """Plot ``keys`` against step from the run's ``metrics.jsonl`` into a PNG (matplotlib, Agg backend).
+@dataclass(frozen=True)
+class CurveSeries:
+    """One line of ``curves.png``: the metrics key it reads, the panel it is drawn in and its legend label."""
 
-    Returns the PNG path, or None when none of ``keys`` has a value.
-    """
+    panel: str
+    key: str
+    label: str
+    smooth: bool = False
+    """Draw the exponential moving average (:func:`smoothed`) instead of the raw values."""
+
+
+CURVE_SERIES: tuple[CurveSeries, ...] = (
+    CurveSeries("reward (mean over the step's samples)", "rollout/reward_mean", "reward"),
+    CurveSeries("reward (mean over the step's samples)", "rollout/reward_mean", "reward (smoothed)", smooth=True),
+    CurveSeries("eval accuracy (greedy)", "eval/accuracy", "eval accuracy"),
+    CurveSeries("response length (tokens, mean)", "rollout/response_length", "response length"),
+    CurveSeries("entropy (nats/token)", "train/entropy", "entropy"),
+    CurveSeries("KL (nats/token)", "train/ppo_kl", "ppo_kl (policy vs rollout policy)"),
+    CurveSeries("KL (nats/token)", "train/kl_loss", "kl_loss (policy vs reference)"),
+    CurveSeries("step time (s)", "rollout/seconds", "rollout"),
+    CurveSeries("step time (s)", "train/seconds", "train"),
+    CurveSeries("step time (s)", "sync/seconds", "weight sync"),
+    CurveSeries("step time (s)", "timing/step_seconds", "whole step"),
+)
+"""What ``curves.png`` plots, panel by panel, from the loop's ``metrics.jsonl`` keys. A series whose key a run
+never logged is left out (``train/kl_loss`` needs ``algorithm.use_kl_loss``; eval needs ``eval_interval``)."""
+
+
+def smoothed(values: Sequence[float], weight: float = 0.9) -> list[float]:
+    """Exponential moving average with TensorBoard's bias correction: ``weight`` in ``[0, 1)`` (0 = raw)."""
+    out, avg, norm = [], 0.0, 0.0
+    for v in values:
+        avg = weight * avg + (1.0 - weight) * float(v)
+        norm = weight * norm + (1.0 - weight)
+        out.append(avg / norm)
+    return out
+
+
+def draw_curves(rows: Sequence[dict[str, Any]], series: Sequence[CurveSeries] = CURVE_SERIES):
+    """A matplotlib figure (Agg backend) with one panel per :attr:`CurveSeries.panel` and one labelled line per
+    series that has a value in ``rows`` (``metrics.jsonl`` rows), against rollout step. Returns None when no
+    series has a value. The caller closes the figure (``matplotlib.pyplot.close``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
-    series = {k: [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))] for k in keys}
-    series = {k: v for k, v in series.items() if v}
-    if not series:
+    panels: dict[str, list[tuple[CurveSeries, list[tuple[int, float]]]]] = {}
+    for sr in series:
+        pts = [(r["step"], r[sr.key]) for r in rows
+               if isinstance(r.get(sr.key), (int, float)) and not isinstance(r.get(sr.key), bool)
+               and isinstance(r.get("step"), int)]
+        if pts:
+            panels.setdefault(sr.panel, []).append((sr, pts))
+    if not panels:
         return None
-    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.5), squeeze=False)
-    for ax, (k, pts) in zip(axes[0], series.items()):
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
-        ax.set_title(k)
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.5 * nrows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax, (title, lines) in zip(flat, panels.items()):
+        for sr, pts in lines:
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            faint = any(o.smooth and o.key == sr.key for o, _ in lines) and not sr.smooth
+            ax.plot(xs, smoothed(ys) if sr.smooth else ys, label=sr.label, alpha=0.35 if faint else 1.0,
+                    marker="." if len(pts) < 50 else None)
+        ax.set_title(title)
         ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
+        if len(lines) > 1:
+            ax.legend(fontsize="small")
+    for ax in flat[len(panels):]:
+        fig.delaxes(ax)
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(run_dir: str | os.PathLike, out: Optional[str | os.PathLike] = None,
+                series: Sequence[CurveSeries] = CURVE_SERIES) -> Optional[Path]:
+    """Draw :func:`draw_curves` of the run's ``metrics.jsonl`` into ``out`` (default ``run_dir/curves.png``).
+
+    Returns the PNG path, or None when none of ``series`` has a value.
+    """
+    fig = draw_curves(read_metrics(run_dir), series)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
     out = Path(out) if out else Path(run_dir) / CURVES_FILE
     fig.savefig(out, dpi=100)
     plt.close(fig)

@@ -2,7 +2,15 @@
 
 import json
 
-from hpcrl.metrics import MetricsLogger, read_metrics, timed, truncate_metrics
+import matplotlib.pyplot as plt
+
+from hpcrl.metrics import (CURVE_SERIES, MetricsLogger, draw_curves, read_metrics, smoothed, timed,
+                           truncate_metrics)
+
+
+def drawn(fig) -> dict[str, list[str]]:
+    """Panel title -> labels of the lines drawn in it."""
+    return {ax.get_title(): [line.get_label() for line in ax.get_lines()] for ax in fig.axes}
 
 
 def test_logger_writes_jsonl_tensorboard_and_png(tmp_path):
@@ -18,6 +26,25 @@ def test_logger_writes_jsonl_tensorboard_and_png(tmp_path):
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_curves_plot_reward_eval_length_entropy_kl_and_step_phases(tmp_path):
+    """Issue #9 point 11: curves.png draws what the loop logs; a key the run never logged is left out."""
+    keys = {"rollout/reward_mean", "eval/accuracy", "rollout/response_length", "train/entropy", "train/ppo_kl",
+            "train/kl_loss", "rollout/seconds", "train/seconds", "sync/seconds", "timing/step_seconds"}
+    assert {s.key for s in CURVE_SERIES} == keys
+    rows = [{"step": -1, "eval/accuracy": 0.2}] + [
+        {"step": i, **{k: 0.1 * i for k in keys - {"train/kl_loss"}}, "eval/accuracy": None} for i in range(20)]
+    fig = draw_curves(rows)
+    got = drawn(fig)
+    plt.close(fig)
+    assert sorted(l for labels in got.values() for l in labels) == sorted(
+        s.label for s in CURVE_SERIES if s.key != "train/kl_loss")
+    assert got["step time (s)"] == ["rollout", "train", "weight sync", "whole step"]
+    assert got["reward (mean over the step's samples)"] == ["reward", "reward (smoothed)"]
+    assert draw_curves([{"step": 0, "other": 1.0}]) is None
+    assert smoothed([1.0, 1.0, 1.0]) == [1.0, 1.0, 1.0]  # bias-corrected: no ramp from 0
+    assert smoothed([0.0, 1.0], weight=0.0) == [0.0, 1.0]
 
 
 def test_truncate_drops_steps_after_checkpoint_and_torn_lines(tmp_path):
