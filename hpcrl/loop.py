@@ -72,23 +72,29 @@ def _quiet_logs() -> None:
 
 
 def main(cfg: Config) -> int:
-    """``hpcrl run``: write the run folder, prepare the model, run the trainer; 0 on success.
+    """``hpcrl run``: write the run folder, prepare the model, run the trainer; 0 on success. The run's
+    state for ``hpcrl status`` goes to ``local_run.json`` (:func:`hpcrl.slurm.state.local_run_record`).
 
     With ``train.nprocs == 1`` the trainer runs in this process (the CPU quickstart); more trainer processes
     are started as local torch.distributed workers on this machine. Returns :data:`EXIT_PREEMPTED` when the
     run stopped early on the preemption signal (``kill -USR2``) with a checkpoint.
     """
+    from hpcrl.slurm.state import local_run_record
+
     _quiet_logs()
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
-    model_path = prepare_model(cfg)
-    if cfg.train.nprocs == 1:
-        result = train_main(cfg, run_dir, model_path)
-        return EXIT_PREEMPTED if result.get("preempted") else 0
-    from hpcrl.launch_local import run_local_workers
+    with local_run_record(run_dir, stopped_codes=(EXIT_PREEMPTED,)) as record:  # for hpcrl status
+        model_path = prepare_model(cfg)
+        if cfg.train.nprocs == 1:
+            result = train_main(cfg, run_dir, model_path)
+            record.exit_code = EXIT_PREEMPTED if result.get("preempted") else 0
+        else:
+            from hpcrl.launch_local import run_local_workers
 
-    return run_local_workers(cfg, run_dir, model_path)
+            record.exit_code = run_local_workers(cfg, run_dir, model_path)
+        return record.exit_code
 
 
 def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None,

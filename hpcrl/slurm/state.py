@@ -7,6 +7,11 @@ count from the ``logs/attempt-N`` folders the run makes each time it starts (req
 
 Het jobs appear in squeue and sacct as ``<id>+0``, ``<id>+1``; a run's state is its group 0's (the trainer),
 unless a component failed.
+
+A local ``hpcrl run`` has no job: it writes ``local_run.json`` (pid, host, state ``RUNNING``) when it starts
+and its outcome (``COMPLETED``, ``STOPPED``, ``FAILED``) when it exits (:func:`local_run_record`); ``hpcrl
+status`` shows ``RUNNING`` while that process is alive, ``FAILED`` when it died without recording an outcome
+(SIGKILL, out of memory), and ``NOT_SUBMITTED`` only for a folder that was never run nor submitted.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from hpcrl.fsutil import atomic_write_text
 from hpcrl.slurm import JOB_FILE, SlurmCommandError
@@ -31,7 +39,13 @@ FINAL_STATES = frozenset({
 NOT_SUBMITTED = "NOT_SUBMITTED"
 """State of a run folder without ``job.json`` (``hpcrl submit --dry-run``)."""
 UNKNOWN = "UNKNOWN"
-"""State when neither squeue nor sacct knows the job (or they are not installed)."""
+"""State when neither squeue nor sacct knows the job (or they are not installed), or when a local run's process
+is on another host (its liveness cannot be checked from here)."""
+RUNNING, COMPLETED, STOPPED, FAILED = "RUNNING", "COMPLETED", "STOPPED", "FAILED"
+"""States of a local ``hpcrl run`` (Slurm's words): alive; finished every step; stopped early on purpose
+(preemption signal, Ctrl-C; resumable); ended by an error or killed."""
+LOCAL_RUN_FILE = "local_run.json"
+"""The record of the newest local ``hpcrl run`` in a run folder (:func:`local_run_record`)."""
 _ATTEMPT_RE = re.compile(r"attempt-(\d+)")
 _BAD_STATES = ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "CANCELLED")
 
@@ -73,6 +87,96 @@ def read_job_file(run_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("job_id") else None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# local_run.json (hpcrl run)
+# ------------------------------------------------------------------------------------------------------------
+
+def _proc_start_ticks(pid: int) -> Optional[int]:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/PID/stat`` field 22), or None when
+    there is no such process or no /proc. Tells a live process from a later one that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, start_ticks: Optional[int]) -> bool:
+    """Whether ``pid`` runs on this host and (when known) is the process that started at ``start_ticks``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process with this pid
+        pass
+    now = _proc_start_ticks(pid)
+    return start_ticks is None or now is None or now == start_ticks
+
+
+class LocalRun:
+    """The running ``hpcrl run``'s record; the caller sets :attr:`exit_code` before the block ends."""
+
+    def __init__(self, run_dir: Path, stopped_codes: Iterable[int]) -> None:
+        self.path = Path(run_dir) / LOCAL_RUN_FILE
+        self.stopped_codes = frozenset(stopped_codes)
+        self.exit_code: Optional[int] = None
+        pid = os.getpid()
+        self.record: dict[str, Any] = {"state": RUNNING, "pid": pid, "host": socket.gethostname(),
+                                       "start_ticks": _proc_start_ticks(pid), "started": time.time()}
+
+    def write(self) -> None:
+        atomic_write_text(self.path, json.dumps(self.record, indent=2, sort_keys=True) + "\n")
+
+
+@contextmanager
+def local_run_record(run_dir: str | os.PathLike, stopped_codes: Iterable[int] = ()) -> Iterator[LocalRun]:
+    """Record a local ``hpcrl run`` in ``run_dir/local_run.json`` for ``hpcrl status``.
+
+    On entry: state ``RUNNING`` with this process's pid, host and start time. On exit: ``COMPLETED`` when the
+    block set ``exit_code`` 0, ``STOPPED`` for a code in ``stopped_codes`` (the preemption exit) or
+    KeyboardInterrupt, ``FAILED`` for any other code or exception (re-raised), with ``ended`` (epoch seconds)
+    and ``exit_code``. Raises OSError when the folder is not writable.
+    """
+    run = LocalRun(Path(run_dir), stopped_codes)
+    run.write()
+    state = FAILED
+    try:
+        yield run
+        state = (COMPLETED if run.exit_code == 0 else
+                 STOPPED if run.exit_code in run.stopped_codes else FAILED)
+    except KeyboardInterrupt:
+        state = STOPPED
+        raise
+    finally:
+        run.record.update(state=state, ended=time.time(), exit_code=run.exit_code)
+        run.write()
+
+
+def read_local_run(run_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
+    """``run_dir/local_run.json`` as a dict, or None when the folder was never run locally (or it is unreadable)."""
+    try:
+        data = json.loads((Path(run_dir) / LOCAL_RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("state") else None
+
+
+def local_state(record: dict[str, Any]) -> str:
+    """The state of a local run from its record: the recorded outcome; for ``RUNNING``, ``RUNNING`` while its
+    process lives, ``FAILED`` when it died without recording an outcome, ``UNKNOWN`` on another host."""
+    state = str(record["state"])
+    if state != RUNNING:
+        return state
+    if record.get("host") != socket.gethostname():
+        return UNKNOWN
+    try:
+        pid = int(record["pid"])
+    except (KeyError, TypeError, ValueError):
+        return UNKNOWN
+    return RUNNING if _alive(pid, record.get("start_ticks")) else FAILED
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -198,23 +302,45 @@ class RunStatus:
     job_id: Optional[str]
     state: str
     rollout_id: Optional[int]
+    """The last rollout id in ``metrics.jsonl`` (0-based; None before the first step)."""
     num_rollout: Optional[int]
     last_reward: Optional[float]
     attempts: int
 
+    @property
+    def steps_done(self) -> int:
+        """Rollout steps done: ``rollout_id + 1`` (ids run from 0 without gaps; a resume truncates later rows)."""
+        return 0 if self.rollout_id is None else self.rollout_id + 1
+
 
 def run_status(run_dir: Path, states: dict[str, str]) -> RunStatus:
-    """The :class:`RunStatus` of one run folder, given job states from :func:`query_states`."""
+    """The :class:`RunStatus` of one run folder, given job states from :func:`query_states`.
+
+    State: a live local ``hpcrl run`` (:data:`LOCAL_RUN_FILE`) is ``RUNNING``; else a submitted run's Slurm state;
+    else the local run's outcome (:func:`local_state`); else, for a folder with steps but no record (a run from
+    before the record existed), ``COMPLETED`` when every step is done and ``STOPPED`` otherwise; else
+    ``NOT_SUBMITTED``.
+    """
     from hpcrl.metrics import read_metrics
 
     job = read_job_file(run_dir)
     job_id = str(job["job_id"]) if job else None
-    state = states.get(het_base_id(job_id), UNKNOWN) if job_id else NOT_SUBMITTED
+    local = read_local_run(run_dir)
+    local = local_state(local) if local else None
     rows = [r for r in read_metrics(run_dir) if isinstance(r.get("step"), int) and r["step"] >= 0]
+    num_rollout = _num_rollout(run_dir)
+    if local == RUNNING or (local and not job_id):
+        state = local
+    elif job_id:
+        state = states.get(het_base_id(job_id), UNKNOWN)
+    elif rows:
+        state = COMPLETED if num_rollout is not None and rows[-1]["step"] + 1 >= num_rollout else STOPPED
+    else:
+        state = NOT_SUBMITTED
     rewards = [r["rollout/reward_mean"] for r in rows
                if isinstance(r.get("rollout/reward_mean"), (int, float))]
     return RunStatus(run=run_dir.name, path=run_dir, job_id=job_id, state=state,
-                     rollout_id=rows[-1]["step"] if rows else None, num_rollout=_num_rollout(run_dir),
+                     rollout_id=rows[-1]["step"] if rows else None, num_rollout=num_rollout,
                      last_reward=rewards[-1] if rewards else None, attempts=len(attempt_dirs(run_dir)))
 
 
@@ -226,11 +352,12 @@ def collect_status(run_dirs: list[Path], runner: Runner = run_command) -> list[R
 
 
 def format_table(rows: list[RunStatus]) -> str:
-    """Rows as an aligned text table with a header: RUN, JOB, STATE, ROLLOUT, REWARD, ATTEMPTS, PATH."""
+    """Rows as an aligned text table with a header: RUN, JOB, STATE, ROLLOUT (steps done / ``num_rollout``),
+    REWARD, ATTEMPTS, PATH."""
     header = ("RUN", "JOB", "STATE", "ROLLOUT", "REWARD", "ATTEMPTS", "PATH")
     lines = [header]
     for r in rows:
-        rollout = "-" if r.rollout_id is None else str(r.rollout_id)
+        rollout = "-" if r.rollout_id is None else str(r.steps_done)
         if r.num_rollout is not None:
             rollout += f"/{r.num_rollout}"
         reward = "-" if r.last_reward is None else f"{r.last_reward:.3f}"

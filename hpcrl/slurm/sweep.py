@@ -851,7 +851,8 @@ def _fmt(v: Optional[float]) -> str:
 
 
 def format_sweep_table(manifest: Mapping[str, Any], rows: Sequence[PointStatus]) -> str:
-    """The ``hpcrl status SWEEP`` text: a header line, then POINT, JOB, STATE, ROLLOUT, REWARD (last
+    """The ``hpcrl status SWEEP`` text: a header line, then POINT, JOB, STATE, ROLLOUT (steps done /
+    ``num_rollout``), REWARD (last
     ``rollout/reward_mean``), EVAL (last ``eval/accuracy``), ATTEMPTS, then a count of points per state."""
     arrays = [s["array_job_id"] for s in manifest.get("submissions", []) if s.get("array_job_id")]
     kind = ("one het job per point" if manifest.get("het") else
@@ -859,7 +860,7 @@ def format_sweep_table(manifest: Mapping[str, Any], rows: Sequence[PointStatus])
     lines = [f"sweep {manifest['name']}: {len(rows)} points, {kind} ({manifest['sweep_dir']})"]
     table = [("POINT", "JOB", "STATE", "ROLLOUT", "REWARD", "EVAL", "ATTEMPTS")]
     for r in rows:
-        rollout = "-" if r.rollout_id is None else str(r.rollout_id)
+        rollout = "-" if r.rollout_id is None else str(r.rollout_id + 1)  # steps done (ids start at 0)
         if r.num_rollout is not None:
             rollout += f"/{r.num_rollout}"
         table.append((r.name, r.job_id or "-", r.state, rollout, _fmt(r.final_reward), _fmt(r.final_eval),

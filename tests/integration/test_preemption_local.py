@@ -103,6 +103,13 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> int:
     return proc.wait(timeout=timeout)
 
 
+def run_state(run_dir: Path) -> str:
+    """The run's STATE as ``hpcrl status`` shows it (no Slurm job: from ``local_run.json``)."""
+    from hpcrl.slurm.state import collect_status
+
+    return collect_status([run_dir], lambda argv: None)[0].state
+
+
 def weights(tmp_path: Path, name: str) -> dict:
     from safetensors.torch import load_file
 
@@ -148,8 +155,10 @@ def test_usr2_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path, ref
     proc = start(tmp_path, "usr2")
     run_dir = tmp_path / "runs" / "usr2"
     wait_steps(proc, run_dir, 3)
+    assert run_state(run_dir) == "RUNNING"  # hpcrl status of a live local run
     os.kill(proc.pid, signal.SIGUSR2)
     assert finish(proc) == 75, (tmp_path / "usr2.log").read_text()[-3000:]  # stopped early, resumable
+    assert run_state(run_dir) == "STOPPED"
     log = (tmp_path / "usr2.log").read_text()
     assert "stopping after rollout" in log and "(signal)" in log
     done = steps_done(run_dir)
@@ -162,6 +171,7 @@ def test_usr2_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path, ref
     assert finish(proc) == 0, (tmp_path / "usr2.log").read_text()[-3000:]
     assert "resumed from" in (tmp_path / "usr2.log").read_text()
     assert steps_done(run_dir) == STEPS  # metrics: one line per step, none repeated
+    assert run_state(run_dir) == "COMPLETED"
     np.testing.assert_array_equal(trained(tmp_path, "usr2"), ref_rows)
     got = weights(tmp_path, "usr2")
     assert all(got[k].equal(ref_weights[k]) for k in ref_weights), "resumed run diverged"
@@ -183,6 +193,7 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, reference):
     while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"processes of the SIGKILLed run outlived it: {[_cmdline(p) for p in left]}"
+    assert run_state(run_dir) == "FAILED"  # died without recording an outcome
     proc = start(tmp_path, "kill", "checkpoint.save_interval=1")
     assert finish(proc) == 0, (tmp_path / "kill.log").read_text()[-3000:]
     np.testing.assert_array_equal(trained(tmp_path, "kill"), ref_rows)

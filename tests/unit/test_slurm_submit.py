@@ -472,12 +472,66 @@ def test_status_table(work):
         ("c", None, state.NOT_SUBMITTED, None, None, 0)]
     table = state.format_table(rows).splitlines()
     assert table[0].split() == ["RUN", "JOB", "STATE", "ROLLOUT", "REWARD", "ATTEMPTS", "PATH"]
-    assert table[1].split()[:6] == ["a", "26", "RUNNING", "1/10", "0.500", "2"]
+    assert table[1].split()[:6] == ["a", "26", "RUNNING", "2/10", "0.500", "2"]  # steps 0 and 1 done
     assert table[3].split()[:6] == ["c", "-", "NOT_SUBMITTED", "-/10", "-", "0"]
     assert state.find_runs(str(base / "a")) == [base / "a"] and state.find_runs(str(base)) == runs
     assert state.find_run("b", str(base)) == base / "b"
     with pytest.raises(SlurmCommandError, match="RUN='zzz'"):
         state.find_run("zzz", str(base))
+
+
+def test_status_of_local_runs(work):
+    """Issue #9 point 11: a local ``hpcrl run`` (no job.json) reads RUNNING while its process lives, then its
+    outcome; killed without one, FAILED; NOT_SUBMITTED only for a folder never run."""
+    base = work / "runs"
+    ten = [(i, 0.1 * i) for i in range(10)]
+
+    def status(name):
+        row = state.collect_status([base / name], lambda argv: None)[0]
+        return row.state, state.format_table([row]).splitlines()[1].split()[3]
+
+    make_run(base, "never")
+    assert status("never") == (state.NOT_SUBMITTED, "-/10")
+    done = make_run(base, "done", steps=ten)
+    with state.local_run_record(done) as rec:
+        assert status("done") == ("RUNNING", "10/10")  # this process is the run, alive
+        rec.exit_code = 0
+    assert status("done") == ("COMPLETED", "10/10")
+    stopped = make_run(base, "stopped", steps=ten[:4])
+    with state.local_run_record(stopped, stopped_codes=(75,)) as rec:
+        rec.exit_code = 75
+    assert status("stopped") == ("STOPPED", "4/10")
+    with pytest.raises(KeyboardInterrupt), state.local_run_record(stopped):
+        raise KeyboardInterrupt
+    assert status("stopped")[0] == "STOPPED"
+    failed = make_run(base, "failed", steps=ten[:3])
+    with pytest.raises(ValueError), state.local_run_record(failed):
+        raise ValueError("boom")
+    rec = json.loads((failed / state.LOCAL_RUN_FILE).read_text())
+    assert rec["state"] == "FAILED" and rec["pid"] == os.getpid() and rec["ended"] >= rec["started"]
+    assert status("failed") == ("FAILED", "3/10")
+    # killed: the record still says RUNNING, its process is gone (or its pid now belongs to another process)
+    killed = make_run(base, "killed", steps=ten[:2])
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    for pid, ticks in ((child.pid, None), (os.getpid(), -1)):
+        state.atomic_write_text(killed / state.LOCAL_RUN_FILE, json.dumps(
+            {"state": "RUNNING", "pid": pid, "host": os.uname().nodename, "start_ticks": ticks}))
+        assert status("killed") == ("FAILED", "2/10")
+    elsewhere = make_run(base, "elsewhere", steps=ten[:2])
+    state.atomic_write_text(elsewhere / state.LOCAL_RUN_FILE, json.dumps(
+        {"state": "RUNNING", "pid": os.getpid(), "host": "some-other-node", "start_ticks": None}))
+    assert status("elsewhere")[0] == state.UNKNOWN
+    # folders from before local_run.json: told by their steps
+    make_run(base, "old-done", steps=ten)
+    make_run(base, "old-part", steps=ten[:5])
+    assert status("old-done")[0] == "COMPLETED" and status("old-part")[0] == "STOPPED"
+    # a live local run wins over an old Slurm job of the same folder; a finished one does not
+    both = make_run(base, "both", job_id="40", steps=ten[:2])
+    with state.local_run_record(both) as rec:
+        assert state.collect_status([both], lambda argv: "40|CANCELLED\n")[0].state == "RUNNING"
+        rec.exit_code = 0
+    assert state.collect_status([both], lambda argv: "40|CANCELLED\n")[0].state == "CANCELLED"
 
 
 def test_logs_newest_attempt(work):
@@ -647,7 +701,7 @@ def test_cli_status_logs_cancel(work):
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
     out = hpcrl(["status"], work, env)
-    assert out.returncode == 0 and out.stdout.splitlines()[1].split()[:6] == ["a", "26", "RUNNING", "0/10",
+    assert out.returncode == 0 and out.stdout.splitlines()[1].split()[:6] == ["a", "26", "RUNNING", "1/10",
                                                                               "0.750", "1"]
     out = hpcrl(["logs", "a"], work, env)
     assert out.returncode == 0 and "hello" in out.stdout

@@ -486,8 +486,8 @@ def test_status_and_report(work, monkeypatch):
     table = sw.format_sweep_table(manifest, rows).splitlines()
     assert table[0] == f"sweep lrs: 4 points, job array 4242 ({sdir})"
     assert table[1].split() == ["POINT", "JOB", "STATE", "ROLLOUT", "REWARD", "EVAL", "ATTEMPTS"]
-    assert table[2].split() == [res.points[0], "4242_0", "COMPLETED", "2/10", "0.400", "0.500", "2"]
-    assert table[3].split() == [res.points[1], "4242_1", "RUNNING", "1/10", "0.100", "0.100", "1"]
+    assert table[2].split() == [res.points[0], "4242_0", "COMPLETED", "3/10", "0.400", "0.500", "2"]
+    assert table[3].split() == [res.points[1], "4242_1", "RUNNING", "2/10", "0.100", "0.100", "1"]
     assert table[4].split() == [res.points[2], "4242_2", "PENDING", "-/10", "-", "-", "0"]
     assert table[-1] == "1 COMPLETED, 1 FAILED, 1 PENDING, 1 RUNNING"
 
