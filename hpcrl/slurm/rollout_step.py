@@ -40,9 +40,12 @@ class RolloutStepError(RuntimeError):
 
 
 def engine_sglang_args(cfg: Config) -> dict:
-    """The engine flags of a run: the ``sglang:`` section plus ``enable_memory_saver`` when colocated and
-    ``enable_deterministic_inference`` with ``run.deterministic`` (keys as SGLang's flags with ``_``)."""
+    """The engine flags of a run: the ``sglang:`` section plus ``enable_memory_saver`` when colocated,
+    ``enable_deterministic_inference`` with ``run.deterministic`` and ``dtype`` when ``model.dtype`` is not
+    float32 (the CPU engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``)."""
     args = dict(cfg.sglang)
+    if cfg.model.dtype != "float32":
+        args.setdefault("dtype", cfg.model.dtype)
     if cfg.run.placement == "colocate":
         args.setdefault("enable_memory_saver", True)
     if cfg.run.deterministic:

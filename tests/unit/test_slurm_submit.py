@@ -796,3 +796,16 @@ def test_rollout_step_engine_command_passes_gpu_sglang_flags(tmp_path):
                  "--quantization fp8", "--tp-size 4", "--enable-memory-saver",
                  "--enable-deterministic-inference"):
         assert flag in flags, flag
+    assert "--dtype" not in flags  # model.dtype float32 (default): the engine's own default
+
+
+def test_engine_gets_model_dtype(tmp_path):
+    """``model.dtype: bfloat16`` reaches the CPU engine's command line (``--dtype bfloat16``)."""
+    from hpcrl.rollout.servers import engine_command
+    from hpcrl.slurm.rollout_step import engine_sglang_args
+
+    (tmp_path / "c.yaml").write_text(f"model: {{path: {tmp_path}/m, create: tiny-qwen2, dtype: bfloat16}}\n"
+                                     "rollout: {engine: cpu}\n")
+    cmd = engine_command(load_config(tmp_path / "c.yaml").rollout, engine_sglang_args(load_config(
+        tmp_path / "c.yaml")), "/m", "127.0.0.1", 30000, None)
+    assert cmd[1:3] == ["-m", "hpcrl.engine.server"] and " --dtype bfloat16" in " ".join(cmd)
