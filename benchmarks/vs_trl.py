@@ -34,10 +34,25 @@ of a worker's tree (hpcrl: trainer + engine + router + torch's shared-memory man
 All processes get ``--threads`` OpenMP threads (default 1: on 2 shared cores, 2 threads per process made the
 engine 13x slower under load).
 
-    python benchmarks/vs_trl.py --model tiny --steps 200 --budget-s 120
-    python benchmarks/vs_trl.py --model smollm2 --warmup 1 --steps 3 --budget-s 0
+Precision is set on both sides by ``--dtype`` (default ``fp32``), never left to a side's default (TRL's
+``GRPOConfig`` defaults to ``bf16=True``, which on a CPU without native bf16 is emulated and slow):
 
-Needs the ``bench`` extra (``pip install -c <constraints with your torch> trl accelerate datasets``).
+- ``fp32``: hpcrl ``model.dtype: float32``, ``train.bf16: false``, engine ``--dtype float32``; TRL
+  ``bf16=False, fp16=False``, fp32 weights.
+- ``bf16``: hpcrl ``model.dtype: bfloat16``, ``train.bf16: true`` (Megatron bf16 parameters, fp32 main weights
+  in the optimizer), engine ``--dtype bfloat16``; TRL ``bf16=True, fp16=False`` (autocast to bf16 over fp32
+  weights, TRL's own mixed precision). Only meaningful where the CPU has native bf16 (AVX-512 bf16 or AMX,
+  see the header line); elsewhere torch emulates it.
+
+``--micro-batch N`` (default: the whole batch of 64) splits each step's 64 samples into micro-batches of N on
+both sides, with one optimizer step per rollout step as before (hpcrl ``train.micro_batch_size``; TRL
+``per_device_train_batch_size=N``, ``gradient_accumulation_steps=64/N``): less activation memory, same math.
+
+    python benchmarks/vs_trl.py --model tiny --steps 200 --budget-s 120
+    python benchmarks/vs_trl.py --model smollm2 --warmup 1 --steps 3 --budget-s 0 --micro-batch 16
+    python benchmarks/vs_trl.py --model tiny --dtype bf16 --warmup 1 --steps 2 --budget-s 0
+
+Needs the ``bench`` extra: ``bash .ci/install --bench`` (trl, accelerate and datasets, with the torch pin).
 """
 
 from __future__ import annotations
@@ -70,6 +85,8 @@ EPS_CLIP = 0.2
 SMOLLM2_TASK = {"few_shot": 3, "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
                 "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False}
 SMOLLM2_NUM_TRAIN = 64
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""``--dtype`` choices -> hpcrl's ``model.dtype`` (and the engine's ``--dtype``)."""
 """reasoning-gym basic_arithmetic settings for SmolLM2-135M (``data.task_kwargs``, used when the config sets none):
 3-shot ``Q:``/``A:`` prompts (~50 tokens) of one + or - on 1-digit numbers, which the model partly solves, so
 rewards vary within groups (reasoning-gym's defaults, 2-6 terms of up to 4 digits with * and /, and even 2-digit
@@ -82,8 +99,12 @@ eval prompts that are also train prompts) a few hundred of the rest, with repeat
 # ------------------------------------------------------------------------------------------------------------
 
 
-def build_config(model: str, start_path: str, out_dir: str, seed: int):
-    """The hpcrl run config of the benchmark (also the task/data definition for the TRL side)."""
+def build_config(model: str, start_path: str, out_dir: str, seed: int, dtype: str = "fp32",
+                 micro_batch: int = BATCH_PROMPTS * GROUP_SIZE):
+    """The hpcrl run config of the benchmark (also the task/data definition for the TRL side).
+
+    ``dtype``: ``fp32`` or ``bf16`` (:data:`DTYPES`): trainer (``train.bf16``), ``model.dtype`` and engine.
+    ``micro_batch``: samples per micro-batch of the train step (``train.micro_batch_size``)."""
     from hpcrl.config import load_config
 
     base = ROOT / ("configs/quickstart.yaml" if model == "tiny" else "configs/smollm2-arith.yaml")
@@ -108,6 +129,11 @@ def build_config(model: str, start_path: str, out_dir: str, seed: int):
     cfg.train.adam_beta2 = ADAM_BETA2
     cfg.train.clip_grad = CLIP_GRAD
     cfg.train.num_steps_per_rollout = 1
+    cfg.train.global_batch_size = BATCH_PROMPTS * GROUP_SIZE  # one optimizer step per rollout step
+    cfg.train.micro_batch_size = micro_batch
+    cfg.model.dtype = DTYPES[dtype]
+    cfg.train.bf16 = dtype == "bf16"
+    cfg.sglang["dtype"] = DTYPES[dtype]  # the engine's weights
     cfg.algorithm.advantage_estimator = "grpo"
     cfg.algorithm.eps_clip = EPS_CLIP
     cfg.algorithm.use_kl_loss = False
@@ -309,7 +335,8 @@ def hpcrl_worker(spec: dict) -> None:
     from hpcrl.data.sources import load_datasets
     from hpcrl.loop import train_main
 
-    cfg = build_config(spec["model"], spec["start"], spec["out_dir"], spec["seed"])
+    cfg = build_config(spec["model"], spec["start"], spec["out_dir"], spec["seed"], spec["dtype"],
+                       spec["micro_batch"])
     if spec.get("router") is not None:
         cfg.rollout.router = spec["router"]
     _HPCRL["datasets"] = load_datasets(cfg)
@@ -341,7 +368,8 @@ def trl_worker(spec: dict) -> None:
     from hpcrl.eval import greedy_accuracy
     from hpcrl.models.hf import load_hf_model
 
-    cfg = build_config(spec["model"], spec["start"], spec["out_dir"], spec["seed"])
+    cfg = build_config(spec["model"], spec["start"], spec["out_dir"], spec["seed"], spec["dtype"],
+                       spec["micro_batch"])
     data = load_datasets(cfg)
     task = data.task
     model, tok = load_hf_model(spec["start"], dtype="float32")
@@ -387,10 +415,13 @@ def trl_worker(spec: dict) -> None:
                 sys.stderr.flush()
                 os._exit(0)
 
+    micro = spec["micro_batch"]
     args = GRPOConfig(
         output_dir=os.path.join(spec["out_dir"], "trl"), use_cpu=True, seed=spec["seed"],
-        per_device_train_batch_size=BATCH_PROMPTS * GROUP_SIZE, num_generations=GROUP_SIZE,
-        gradient_accumulation_steps=1, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE,
+        bf16=spec["dtype"] == "bf16", fp16=False,  # explicit: TRL's default is bf16=True
+        per_device_train_batch_size=micro, num_generations=GROUP_SIZE,
+        gradient_accumulation_steps=BATCH_PROMPTS * GROUP_SIZE // micro, max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta2=ADAM_BETA2,
         weight_decay=0.0, max_grad_norm=CLIP_GRAD, beta=0.0, epsilon=EPS_CLIP, loss_type="grpo",
         scale_rewards="group", num_iterations=1, max_steps=10**7, report_to="none", save_strategy="no",
@@ -570,12 +601,21 @@ def parse_side(text: str) -> dict:
     return opts
 
 
+PRECISION_NOTE = {
+    "fp32": "hpcrl trainer and engine float32; TRL bf16=False, fp16=False",
+    "bf16": "hpcrl train.bf16 + model.dtype bfloat16, engine bfloat16; TRL bf16=True (autocast), fp16=False",
+}
+
+
 def run(args) -> int:
     import platform
 
-    import torch
+    from machine import machine_header, native_bf16
 
     t_all = time.perf_counter()
+    if args.dtype == "bf16" and not native_bf16():
+        print("note: this CPU has no native bf16 (no AVX-512 bf16 or AMX): torch emulates it, so bf16 times "
+              "here say little about a CPU that has it", file=sys.stderr)
     if args.start:
         start, how = Path(args.start).resolve(), f"--start {args.start}"
     else:
@@ -587,7 +627,7 @@ def run(args) -> int:
     for i, side in enumerate(sides):
         spec = {"model": args.model, "start": str(start), "out_dir": str(out_dir / f"side{i}-{side['kind']}"),
                 "seed": args.seed, "threads": side.get("threads", args.threads), "router": side.get("router"),
-                "src": side.get("src")}
+                "src": side.get("src"), "dtype": args.dtype, "micro_batch": args.micro_batch}
         workers.append(Worker(side["kind"], spec, out_dir / f"side{i}-{side['kind']}.log", side["label"]))
     stop_sampler = threading.Event()
 
@@ -650,9 +690,13 @@ def run(args) -> int:
             return "n/a"
         return f"{(a / b if inverse else b / a):.2f}x"
 
-    lines = [f"# hpcrl vs TRL GRPOTrainer, model {args.model}",
-             f"date {time.strftime('%Y-%m-%d %H:%M %Z')}, {platform.machine()}, {os.cpu_count()} CPU cores (shared), "
-             f"torch {torch.__version__}, {args.threads} OpenMP thread(s) per process, load average "
+    import trl
+
+    lines = [machine_header(threads=args.threads, precision=args.dtype),
+             f"# hpcrl vs TRL {trl.__version__} GRPOTrainer, model {args.model}, precision {args.dtype} on both "
+             f"sides ({PRECISION_NOTE[args.dtype]}), micro-batch {args.micro_batch} of "
+             f"{BATCH_PROMPTS * GROUP_SIZE} samples on both sides",
+             f"date {time.strftime('%Y-%m-%d %H:%M %Z')}, {platform.machine()}, load average (1 min) "
              f"{load_before[0]:.1f} before / {load_after[0]:.1f} after",
              f"start: {how}; eval: {rows[0].get('eval_items')} held-out problems, greedy, exact match",
              f"timed: the steps after {args.warmup} warm-up step(s); budget {args.budget_s:g} s of step time per "
@@ -749,6 +793,11 @@ def main(argv=None) -> int:
                    help="space-separated sides, alternated in one run: trl, hpcrl, or kind:opt=value,... with "
                         "router=on|off, threads=N, src=DIR (hpcrl from another source tree), name=LABEL; ratios are "
                         "against the first side (default: 'trl hpcrl')")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                   help="precision of both sides (default fp32): hpcrl train.bf16/model.dtype/engine, TRL bf16")
+    p.add_argument("--micro-batch", type=int, default=BATCH_PROMPTS * GROUP_SIZE,
+                   help=f"samples per micro-batch on both sides, a divisor of {BATCH_PROMPTS * GROUP_SIZE} "
+                        f"(default {BATCH_PROMPTS * GROUP_SIZE}: one micro-batch per step)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--start", default=None, help="starting HF checkpoint instead of the model's default one")
     p.add_argument("--out-dir", default=None, help="run folder (default: a new temp folder)")
@@ -760,6 +809,9 @@ def main(argv=None) -> int:
         spec = json.loads(args.spec)
         (trl_worker if args.worker == "trl" else hpcrl_worker)(spec)
         return 0
+    total = BATCH_PROMPTS * GROUP_SIZE
+    if args.micro_batch <= 0 or total % args.micro_batch:
+        p.error(f"--micro-batch={args.micro_batch}: must divide the {total} samples of a step; use e.g. 16 or 32")
     small = args.model == "tiny"
     args.steps = args.steps if args.steps is not None else (100 if small else 3)
     args.warmup = args.warmup if args.warmup is not None else (5 if small else 1)
