@@ -612,6 +612,9 @@ def run(args) -> int:
 
     from machine import machine_header, native_bf16
 
+    import torch
+
+    torch.set_num_threads(args.threads)  # the SFT warm start runs here: on shared cores 2 threads thrash
     t_all = time.perf_counter()
     if args.dtype == "bf16" and not native_bf16():
         print("note: this CPU has no native bf16 (no AVX-512 bf16 or AMX): torch emulates it, so bf16 times "
