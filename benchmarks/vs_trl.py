@@ -678,7 +678,7 @@ def run(args) -> int:
         secs = [r["seconds"] for r in timed]
         med = _median(secs)
         tok_s = sum(r.get("gen_tokens", 0) for r in timed) / max(sum(secs), 1e-9)
-        rows.append({"s_step": med, "steps_s": 1.0 / med if med == med and med > 0 else float("nan"),
+        rows.append({"s_step": med, "s_mean": statistics.fmean(secs) if secs else float("nan"), "steps_s": 1.0 / med if med == med and med > 0 else float("nan"),
                      "tok_s": tok_s, "rss": w.peak / 2**20, "n_timed": len(timed), "n_steps": len(w.steps),
                      "acc0": w.ready.get("start_accuracy"), "acc1": w.final.get("final_accuracy"),
                      "eval_items": w.ready.get("eval_items"),
@@ -717,6 +717,7 @@ def run(args) -> int:
         lines.append(line)
 
     row("seconds per step (median)", "s_step", ".3f", inverse=True)
+    row("seconds per step (mean)", "s_mean", ".3f", inverse=True)  # under load the tail differs from the median
     row("seconds per step (p10 / p90)", "p1090", "", show_ratio=False)
     row("steps/s", "steps_s", ".2f")
     row("generated tokens/s", "tok_s", ".0f")
