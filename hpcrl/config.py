@@ -142,10 +142,15 @@ class SFTSection:
     output: str = ""
     """HF folder the SFT model is saved to; RL starts from it."""
     steps: int = 600
+    """Optimizer steps at most (the cap when ``target_accuracy`` is set; the cosine lr decay spans it)."""
     batch_size: int = 256
     lr: float = 3e-3
     target_accuracy: Optional[float] = None
-    """Stop early once greedy eval accuracy reaches this."""
+    """Stop as soon as greedy eval accuracy reaches this (checked every ``eval_interval`` steps): the warm
+    start then ends on an accuracy, not on a step count, so a CPU whose rounding moves the learning curve
+    gets the same starting point for RL."""
+    eval_interval: int = 100
+    """Greedy eval of the held-out items every this many steps (plus before the first and after the last)."""
 
 
 @dataclass
@@ -1045,7 +1050,7 @@ def _check_sft(cfg: Config) -> None:
     if s.output:
         _require(s.output != cfg.model.path, "sft.output", s.output, "must differ from model.path",
                  "save the SFT model to its own folder")
-    _positive(cfg, "sft.steps", "sft.batch_size", "sft.lr")
+    _positive(cfg, "sft.steps", "sft.batch_size", "sft.lr", "sft.eval_interval")
     if s.target_accuracy is not None:
         _require(0 < s.target_accuracy <= 1, "sft.target_accuracy", s.target_accuracy, "must be in (0, 1]",
                  "e.g. sft.target_accuracy=0.9, or null to always run all steps")
