@@ -50,7 +50,10 @@ class RunSection:
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """``colocate``: trainer and engines share devices; ``disaggregate``: separate devices / het groups."""
     deterministic: bool = False
-    """Deterministic kernels and seeded sampling (bitwise-reproducible runs on CPU)."""
+    """Deterministic kernels and seeded sampling (bitwise-reproducible runs on CPU). Rollout options keep it:
+    over-sampling and the dynamic filter take groups in submission order, and with ``rollout.partial_rollout``
+    the groups in flight when the batch is full are finished and held for the next step, not aborted at a
+    timing-dependent point. Plug-ins (reward, filter, generate, rollout functions) must be deterministic."""
 
 
 @dataclass
@@ -107,6 +110,10 @@ class RolloutSection:
     """Prompts submitted at once before filtering; default ``batch_size``; must be >= ``batch_size``."""
     dynamic_filter: Optional[str] = None
     """``nonzero_std`` (drop groups whose rewards are all equal) or a dotted import path."""
+    on_filter_starved: Literal["train", "error"] = "train"
+    """When the dynamic filter keeps fewer than ``batch_size`` groups within 32 x ``batch_size`` submitted:
+    ``train`` on the kept groups (at least one; warns, ``rollout/groups_short`` in the metrics), or ``error``
+    (the run stops, after checkpointing its last finished step)."""
     partial_rollout: bool = False
     """Keep aborted partial groups in the buffer and continue them next step."""
     max_new_tokens: int = 16

@@ -105,6 +105,8 @@ BAD = [
      ["num_steps_per_rollout=1", "64 samples"]),
     ("derived-gbs-vs-micro", M + "rollout: {batch_size: 4}\n", [], "train.micro_batch_size", 64,
      ["global batch of 32"]),
+    ("filter-starved-choice", M + "rollout: {on_filter_starved: stop}\n", [], "rollout.on_filter_starved",
+     "stop", ["must be one of 'train', 'error'"]),
     ("over-sampling-too-small", M + "rollout: {over_sampling_batch_size: 4}\n", [],
      "rollout.over_sampling_batch_size", 4, [">= rollout.batch_size=8"]),
     ("zero-batch", M + "rollout: {batch_size: 0}\n", [], "rollout.batch_size", 0, ["must be > 0"]),
