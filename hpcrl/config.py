@@ -921,7 +921,8 @@ def _check_source(field_name: str, value: str, check_files: bool) -> None:
         return
     if value.endswith(DATA_FILE_SUFFIXES):
         if check_files:
-            _require(Path(value).is_file(), field_name, value, "no such data file",
+            _require(Path(value).is_file(), field_name, value,
+                     "is a directory, not a data file" if Path(value).is_dir() else "no such data file",
                      "check the path (relative paths are relative to the working directory)")
         return
     close = difflib.get_close_matches(value, list(BUILTIN_DATA_SOURCES), n=1)

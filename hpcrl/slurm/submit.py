@@ -114,7 +114,11 @@ def prepare_config(config: str | os.PathLike | Config | None, overrides: Iterabl
     cwd = os.path.abspath(os.getcwd() if cwd is None else cwd)
     cfg.run.output_dir = os.path.normpath(os.path.join(cwd, cfg.run.output_dir))
     cfg = slurm_config(cfg)
-    return cfg, plan_job(cfg)
+    plan = plan_job(cfg)
+    from hpcrl.data.sources import check_data
+
+    check_data(cfg)  # every data row, before anything is queued (remembered across a sweep's points)
+    return cfg, plan
 
 
 def submitit_parameters(plan: JobPlan, run_dir: str | os.PathLike, cwd: str | os.PathLike) -> dict[str, Any]:
