@@ -103,13 +103,24 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> int:
     return proc.wait(timeout=timeout)
 
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def weights(tmp_path: Path, name: str) -> dict:
+    """The weights of run ``name``'s newest checkpoint, exported to HF by what ``hpcrl convert mcore-to-hf RUN
+    DIR`` runs (``convert_run_checkpoint``), in this process: a subprocess per export paid the imports of torch,
+    megatron-core and transformers each time (the command line itself is tested in tests/integration/test_loop.py
+    and test_checkpoint.py). Exporting copies tensors, no arithmetic: thread counts do not matter here."""
     from safetensors.torch import load_file
 
+    from hpcrl.convert import convert_run_checkpoint
+
     hf = tmp_path / f"{name}-hf"
-    conv = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-hf", str(tmp_path / "runs" / name),
-                           str(hf)], capture_output=True, text=True, timeout=300, check=False)
-    assert conv.returncode == 0, conv.stderr[-2000:]
+    saved = {k: os.environ.pop(k) for k in DIST_VARS if k in os.environ}  # a world of 1 on a free port
+    try:
+        convert_run_checkpoint(tmp_path / "runs" / name, hf)
+    finally:
+        os.environ.update(saved)
     out = {}
     for f in sorted(hf.glob("*.safetensors")):
         out.update(load_file(f))
