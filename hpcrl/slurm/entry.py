@@ -202,6 +202,12 @@ class SlurmEntry:
     def __call__(self) -> int:
         code = run_slurm(self.config_path)
         if code == EXIT_REQUEUE:
+            # checkpointed: a late copy of the signal (it may come from the steps, srun and the batch shell's trap)
+            # must not start submitit's own checkpoint-and-requeue handler as well
+            name = os.environ.get("HPCRL_PREEMPT_SIGNAL") or os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"
+            signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+            if signum is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signum, signal.SIG_IGN)
             return self._requeue_and_wait()
         if code != 0:  # submitit reports a raised error as the job's failure; a return value would be lost
             raise RuntimeError(f"hpcrl run {self.config_path} exited with status {code}")
