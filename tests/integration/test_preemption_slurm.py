@@ -247,7 +247,7 @@ def check_no_process_dies_of_usr2(job_id: str) -> None:
 def check_no_step_ended_by_usr2(job_id: str) -> None:
     """sacct, every step of every attempt (batch shell, trainer, rollout step): no exit code names SIGUSR2."""
     rows = subprocess.run(["sacct", "-n", "-D", "-P", "-o", "JobID,State,ExitCode", "-j", job_id],
-                          capture_output=True, text=True, timeout=30, check=True).stdout.split()
+                          capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
     assert any(".batch" in r for r in rows) and any(r.split("|")[0].endswith(".0") for r in rows), rows
     assert not [r for r in rows if r.split("|")[2].split(":")[1] == str(int(signal.SIGUSR2))], rows
 
