@@ -219,6 +219,12 @@ class SlurmEntry:
     def __call__(self) -> int:
         code, reported = _run(self.config_path)
         if code == EXIT_REQUEUE:
+            # checkpointed: a late copy of the signal (it may come from the steps, srun and the batch shell's trap)
+            # must not start submitit's own checkpoint-and-requeue handler as well
+            name = os.environ.get("HPCRL_PREEMPT_SIGNAL") or os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"
+            signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+            if signum is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signum, signal.SIG_IGN)
             return self._requeue_and_wait()
         if reported:  # one line is on stderr, the traceback in the attempt's log: end the task with the
             raise SystemExit(code)  # status, past submitit's handler (it would print a traceback of this call)
