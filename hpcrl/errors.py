@@ -11,7 +11,8 @@ and the process exits non-zero (:func:`exit_code_of`). Known errors (matched by 
   ``DataError`` (a bad dataset file or row);
 * exit 1 (:data:`EXIT_FAILED`): ``RolloutError`` (a request to the engines failed for good),
   ``ProcessStartError`` (an engine or the router did not start), ``RouterError``, ``RolloutStepError`` (the
-  Slurm rollout step did not start or died), ``ModelFolderError`` (a missing model folder),
+  Slurm rollout step did not start or died), ``WeightSyncError`` (an engine refused or lost a weight
+  update), ``ModelFolderError`` (a missing model folder),
   ``CheckpointError`` and megatron-core's ``CheckpointingException`` (a checkpoint that cannot be read),
   ``PluginError`` (a plug-in that does not import).
 
@@ -43,6 +44,7 @@ _RUN_ERRORS = {
     "hpcrl.rollout.client.RolloutError", "hpcrl.rollout.servers.ProcessStartError",
     "hpcrl.rollout.router.RouterError", "hpcrl.slurm.rollout_step.RolloutStepError",
     "hpcrl.models.hf.ModelFolderError", "hpcrl.checkpoint.CheckpointError", "hpcrl.plugins.PluginError",
+    "hpcrl.weights.common.WeightSyncError",
     "megatron.core.dist_checkpointing.core.CheckpointingException",
 }
 _MAX_LINE = 600

@@ -11,6 +11,7 @@ from hpcrl.data.sources import DataError
 from hpcrl.models.hf import ModelFolderError
 from hpcrl.rollout.servers import ProcessStartError
 from hpcrl.slurm import entry
+from hpcrl.weights.common import WeightSyncError
 
 
 def test_known_errors_and_their_line():
@@ -18,6 +19,8 @@ def test_known_errors_and_their_line():
     assert errors.exit_code_of(ConfigError("data.source", "x", "bad", "fix")) == errors.EXIT_CONFIG
     assert errors.exit_code_of(CheckpointError("iter_1: truncated")) == errors.EXIT_FAILED
     assert errors.exit_code_of(ModelFolderError("no model")) == errors.EXIT_FAILED
+    assert errors.exit_code_of(WeightSyncError("http://h:1", "/update_weights_from_tensor", "timed out")) == \
+        errors.EXIT_FAILED
     assert errors.exit_code_of(ZeroDivisionError()) is None
     assert errors.exit_code_of(FileNotFoundError("x")) is None  # only the model folder's is known
     assert errors.one_line(DataError("d.jsonl", 2, "bad JSON", "fix it")) == "DataError: d.jsonl:2: bad JSON; fix it"
