@@ -22,6 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also under `python -m`
+from machine import machine_header  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model_path = str(create_tiny_qwen2(Path(tmp) / "tiny-qwen2"))
         rows = asyncio.run(main_async(args, model_path))
+    print(machine_header(threads=args.threads, precision="float32 (the engine's default dtype)"))
     print(f"hpcrl CPU engine, {model_path if args.model_path else 'tiny Qwen2 (~1M params)'}, "
           f"{args.threads} threads, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           "temperature 1")

@@ -36,9 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also under `python -m`
+from machine import machine_header  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 HPCRL = Path(sys.executable).with_name("hpcrl")
 LEAD_S = 60
+THREADS = 2  # torch threads of the trainer step: slurm.cpus_per_task, 2 in both configs (the default)
 
 
 def _state(job_id: str) -> str:
@@ -132,7 +136,9 @@ def main(argv=None) -> int:
             rows[trigger] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             print(f"[{trigger}] " + "; ".join(f"{k} " + ", ".join(f"{r[k]:.1f}" for r in runs) for k in runs[0]),
                   flush=True)
-    print(f"\n{args.model}: seconds (median of {args.repeats}; local cluster, signal lead {LEAD_S} s, urgent "
+    print()
+    print(machine_header(threads=THREADS, precision="float32"))
+    print(f"{args.model}: seconds (median of {args.repeats}; local cluster, signal lead {LEAD_S} s, urgent "
           "GraceTime 30 s, cred_expire=10)")
     print(f"| {'trigger':<22} | {'signal -> ckpt':>14} | {'requeue -> running':>18} | {'requeue -> 1st step':>19} |"
           f" {'step':>5} |")

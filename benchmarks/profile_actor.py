@@ -17,6 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also under `python -m`
+from machine import machine_header  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         actor.train(i, samples)
         times.append(time.perf_counter() - t0)
+    print(machine_header(threads=args.threads, precision="float32"))
     print(f"Actor.train on 64 samples: median {statistics.median(times):.4f} s over {args.calls} calls "
           f"({args.threads} thread(s))")
     prof = cProfile.Profile()

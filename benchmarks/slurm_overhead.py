@@ -25,6 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also under `python -m`
+from machine import machine_header  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 HPCRL = Path(sys.executable).with_name("hpcrl")
 PLACEMENTS = {
@@ -32,6 +35,7 @@ PLACEMENTS = {
     "het job (n1 + n2)": ["run.placement=disaggregate", "slurm.cpus_per_task=2",
                           "slurm.rollout={nodes: 1, cpus_per_task: 2}"],
 }
+THREADS = 2  # torch threads of the trainer step (and the engine step): slurm.cpus_per_task above
 
 
 def _job_start(job_id: str) -> float:
@@ -93,7 +97,9 @@ def main(argv=None) -> int:
             rows[label] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             print(f"[{label}] " + "; ".join(f"{k} " + ", ".join(f"{r[k]:.1f}" for r in runs) for k in runs[0]),
                   flush=True)
-    print(f"\nseconds from `hpcrl submit` (median of {args.repeats}; local cluster, sched_interval=2, bf_interval=1)")
+    print()
+    print(machine_header(threads=THREADS, precision="float32"))
+    print(f"seconds from `hpcrl submit` (median of {args.repeats}; local cluster, sched_interval=2, bf_interval=1)")
     print(f"| {'placement':<20} | {'job running':>11} | {'first weight sync':>17} | {'first rollout':>13} |")
     print(f"|{'-' * 22}|{'-' * 13}|{'-' * 19}|{'-' * 15}|")
     for label, r in rows.items():

@@ -28,6 +28,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also under `python -m`
+from machine import machine_header  # noqa: E402
+
 MODELS = {
     "tiny": {},
     "50m": dict(hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=6, intermediate_size=3072),
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += bench_model(name, str(path), args, Path(tmp))
     finally:
         parallel.destroy()
+    print(machine_header(threads=args.threads, precision="float32"))
     print(f"weight sync, megatron-core trainer (TP=1) -> hpcrl CPU engine, fp32, {args.threads} thread(s), "
           f"median of {args.repeats}; total {time.perf_counter() - start:.0f} s")
     print(f"{'model':<6} {'method':<12} {'bucket MiB':>10} {'MB':>8} {'buckets':>7} {'sync s':>8} "

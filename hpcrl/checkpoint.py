@@ -685,8 +685,10 @@ def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, o
         try:
             header = {"marker": validate_checkpoint(path),
                       "extra": json.loads((path / STATE_FILE).read_text())}
-        except (CheckpointError, OSError, ValueError) as e:
+        except CheckpointError as e:
             header = {"error": str(e)}
+        except (OSError, ValueError) as e:  # state.json unreadable or not JSON: name the checkpoint
+            header = {"error": f"{path}: unreadable {STATE_FILE} ({type(e).__name__}: {e})"}
     header = _bcast(header)
     if "error" in header:
         raise CheckpointError(header["error"])

@@ -75,6 +75,10 @@ def summarize(cfg: Config) -> list[str]:
 
 def _cmd_validate(ns: argparse.Namespace) -> int:
     cfg = load_config(ns.config, ns.overrides, check_files=not ns.no_check_files)
+    if not ns.no_check_files:
+        from hpcrl.data.sources import check_data
+
+        check_data(cfg)  # every row of every data file, as the run reads them; notes on stderr
     if ns.print_config:
         import yaml
 
@@ -91,8 +95,10 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
 def _cmd_run(ns: argparse.Namespace) -> int:
     cfg = load_config(ns.config, ns.overrides)
     from hpcrl import loop
+    from hpcrl.errors import report_known
 
-    return _exit_code(loop.main(cfg))
+    # a known error (data, engine start, checkpoint, ...): one line + the log with its traceback (hpcrl.errors)
+    return report_known("hpcrl run", loop.run_dir_of(cfg), lambda: _exit_code(loop.main(cfg)))
 
 
 def _cmd_sft(ns: argparse.Namespace) -> int:

@@ -50,7 +50,10 @@ class RunSection:
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """``colocate``: trainer and engines share devices; ``disaggregate``: separate devices / het groups."""
     deterministic: bool = False
-    """Deterministic kernels and seeded sampling (bitwise-reproducible runs on CPU)."""
+    """Deterministic kernels and seeded sampling (bitwise-reproducible runs on CPU). Rollout options keep it:
+    over-sampling and the dynamic filter take groups in submission order, and with ``rollout.partial_rollout``
+    the groups in flight when the batch is full are finished and held for the next step, not aborted at a
+    timing-dependent point. Plug-ins (reward, filter, generate, rollout functions) must be deterministic."""
 
 
 @dataclass
@@ -107,6 +110,10 @@ class RolloutSection:
     """Prompts submitted at once before filtering; default ``batch_size``; must be >= ``batch_size``."""
     dynamic_filter: Optional[str] = None
     """``nonzero_std`` (drop groups whose rewards are all equal) or a dotted import path."""
+    on_filter_starved: Literal["train", "error"] = "train"
+    """When the dynamic filter keeps fewer than ``batch_size`` groups within 32 x ``batch_size`` submitted:
+    ``train`` on the kept groups (at least one; warns, ``rollout/groups_short`` in the metrics), or ``error``
+    (the run stops, after checkpointing its last finished step)."""
     partial_rollout: bool = False
     """Keep aborted partial groups in the buffer and continue them next step."""
     max_new_tokens: int = 16
@@ -142,10 +149,15 @@ class SFTSection:
     output: str = ""
     """HF folder the SFT model is saved to; RL starts from it."""
     steps: int = 600
+    """Optimizer steps at most (the cap when ``target_accuracy`` is set; the cosine lr decay spans it)."""
     batch_size: int = 256
     lr: float = 3e-3
     target_accuracy: Optional[float] = None
-    """Stop early once greedy eval accuracy reaches this."""
+    """Stop as soon as greedy eval accuracy reaches this (checked every ``eval_interval`` steps): the warm
+    start then ends on an accuracy, not on a step count, so a CPU whose rounding moves the learning curve
+    gets the same starting point for RL."""
+    eval_interval: int = 100
+    """Greedy eval of the held-out items every this many steps (plus before the first and after the last)."""
 
 
 @dataclass
@@ -909,7 +921,8 @@ def _check_source(field_name: str, value: str, check_files: bool) -> None:
         return
     if value.endswith(DATA_FILE_SUFFIXES):
         if check_files:
-            _require(Path(value).is_file(), field_name, value, "no such data file",
+            _require(Path(value).is_file(), field_name, value,
+                     "is a directory, not a data file" if Path(value).is_dir() else "no such data file",
                      "check the path (relative paths are relative to the working directory)")
         return
     close = difflib.get_close_matches(value, list(BUILTIN_DATA_SOURCES), n=1)
@@ -1045,7 +1058,7 @@ def _check_sft(cfg: Config) -> None:
     if s.output:
         _require(s.output != cfg.model.path, "sft.output", s.output, "must differ from model.path",
                  "save the SFT model to its own folder")
-    _positive(cfg, "sft.steps", "sft.batch_size", "sft.lr")
+    _positive(cfg, "sft.steps", "sft.batch_size", "sft.lr", "sft.eval_interval")
     if s.target_accuracy is not None:
         _require(0 < s.target_accuracy <= 1, "sft.target_accuracy", s.target_accuracy, "must be in (0, 1]",
                  "e.g. sft.target_accuracy=0.9, or null to always run all steps")

@@ -25,17 +25,22 @@ def _worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, model_pat
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    from hpcrl.errors import run_worker
     from hpcrl.loop import train_main
 
-    train_main(cfg, run_dir, model_path)
+    # a known error is handed to the parent (one line there), not printed here as a traceback
+    run_worker(run_dir, rank, lambda: train_main(cfg, run_dir, model_path))
 
 
 def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:
     """Start ``cfg.train.nprocs`` trainer processes, wait for all; 0 when every one exited 0.
 
     If one worker fails the others are terminated (they would block in a collective), and its exit code is
-    returned.
+    returned; when it failed on a known error (:mod:`hpcrl.errors`) that error is raised here instead, as a
+    :class:`~hpcrl.errors.WorkerError` carrying its one line, exit status and traceback.
     """
+    from hpcrl.errors import worker_error
+
     n = cfg.train.nprocs
     port = _free_port()
     ctx = mp.get_context("spawn")
@@ -43,7 +48,7 @@ def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:
              for r in range(n)]
     for p in procs:
         p.start()
-    failed = 0
+    failed, failed_rank = 0, None
     alive = list(procs)
     while alive:
         for p in list(alive):
@@ -52,7 +57,12 @@ def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:
                 continue
             alive.remove(p)
             if p.exitcode != 0 and not failed:
-                failed = p.exitcode
+                failed, failed_rank = p.exitcode, procs.index(p)
                 for q in alive:
                     q.terminate()
+    if failed:
+        errors = [worker_error(run_dir, r) for r in range(n)]  # read (and remove) every report
+        known = errors[failed_rank] or next((e for e in errors if e is not None), None)
+        if known is not None:
+            raise known
     return failed

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -112,6 +113,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     from hpcrl.data.source import DataSource
     from hpcrl.data.sources import load_datasets
     from hpcrl.metrics import MetricsLogger, truncate_metrics
+    from hpcrl.rollout.rollout import group_multiple
     from hpcrl.train.actor import Actor
     from hpcrl.weights import WeightSyncer
     from hpcrl.train.parallel import (destroy, init_distributed, initialize_model_parallel,
@@ -137,6 +139,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
 
     # --- resume ----------------------------------------------------------------------------------------
     start_rollout_id = 0
+    last_saved: Optional[int] = None  # rollout id of the newest checkpoint of this run
     trained: list[tuple[int, int, int]] = []  # (rollout id, group index, sample index) of every trained sample
     ckpt = find_latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if ckpt is not None:
@@ -146,6 +149,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
             data_source.buffer, rows = read_buffer(ckpt / BUFFER_FILE)
             trained = [tuple(r) for r in rows.tolist()]
         start_rollout_id = extra["rollout_id"] + 1
+        last_saved = extra["rollout_id"]
         if is_controller:
             truncate_metrics(run_dir, extra["rollout_id"])
             log.info("resumed from %s: next rollout %d (%d held-back groups)", ckpt, start_rollout_id,
@@ -154,12 +158,14 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
         truncate_metrics(run_dir, -2)  # a start killed before its first checkpoint: its rows are redone
 
     def save(rollout_id: int) -> None:
+        nonlocal last_saved
         t0 = time.perf_counter()
         save_checkpoint(run_dir, rollout_id, actor.ddp_model, actor.optimizer,
                         _extra_state(cfg, rollout_id, data_source, run_dir, is_controller),
                         keep_last=cfg.checkpoint.keep_last,
                         extra_files={BUFFER_FILE: lambda p: write_buffer(p, data_source.buffer, trained)})
         watch.record_save(time.perf_counter() - t0)
+        last_saved = rollout_id
 
     # --- preemption: the signal sets a flag (and is blocked for every child process); see hpcrl.preempt -------
     watch = PreemptionWatch.from_config(cfg, is_controller)
@@ -168,6 +174,8 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
 
     # --- engines, router, client (controller only) -----------------------------------------------------
     rollout = _Rollout(cfg, run_dir, model_path, datasets, slurm_rollout_step) if is_controller else None
+    multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size, tc.num_steps_per_rollout)
+    failure: Optional[Exception] = None
     last: dict[str, Any] = {}
     try:
         if rollout is not None:
@@ -192,10 +200,26 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
             t_step = time.perf_counter()
             samples = None
             if rollout is not None:
-                samples, rollout_metrics = rollout.call(rollout.generate(rollout_id, data_source))
-                step.update(rollout_metrics)
-                rollout.call(mem.offload_engine())
+                before = data_source.state_dict()  # the data as the last finished step left it (copies)
+                try:
+                    samples, rollout_metrics = rollout.call(rollout.generate(rollout_id, data_source, multiple))
+                    step.update(rollout_metrics)
+                    rollout.call(mem.offload_engine())
+                except Exception as e:  # noqa: BLE001 - every rank learns of it below, then it is re-raised
+                    failure, samples = e, _StepFailed(f"rollout {rollout_id} failed on the controller: "
+                                                      f"{type(e).__name__}: {e}")
             samples = _broadcast(samples)
+            if isinstance(samples, _StepFailed):  # before the weights changed: keep the last finished step
+                if rollout is not None:
+                    data_source.load_state_dict(before)
+                    mem.onload_trainer()
+                if rollout_id > 0 and last_saved != rollout_id - 1:
+                    log.error("%s; saving the checkpoint of rollout %d first, a rerun resumes from it",
+                              samples.message, rollout_id - 1)
+                    save(rollout_id - 1)
+                if failure is not None:
+                    raise failure
+                raise RuntimeError(samples.message)
             if rollout is not None:
                 mem.onload_trainer()
                 mem.mark("train")
@@ -246,6 +270,14 @@ def _extra_state(cfg: Config, rollout_id: int, data_source, run_dir: Path, is_co
 
     return {"rollout_id": rollout_id, "data_source": data_source.state_dict(with_buffer=False),
             "metrics": read_metrics(run_dir) if is_controller else [], "config": config_to_dict(cfg)}
+
+
+@dataclass
+class _StepFailed:
+    """What the controller broadcasts instead of the samples when a step's rollout failed (every rank then
+    checkpoints the last finished step and raises)."""
+
+    message: str
 
 
 def _broadcast(obj: Any) -> Any:
@@ -353,19 +385,34 @@ class _Rollout:
                                   generate_fn=get_generate_function(custom_generate),
                                   dynamic_filter=get_dynamic_filter(rc.dynamic_filter), seed=cfg.run.seed)
 
-    async def generate(self, rollout_id: int, data_source) -> tuple[list, dict[str, float]]:
-        """Engines on, one rollout step, metrics of its samples. Returns (flat samples, metrics)."""
-        from hpcrl.rollout.rollout import generate_rollout, reward_value
+    async def generate(self, rollout_id: int, data_source, multiple: int = 1) -> tuple[list, dict[str, float]]:
+        """Engines on, one rollout step, metrics of its samples. Returns (flat samples, metrics).
+
+        Trains the largest count of the kept groups that is a multiple of ``multiple`` (whole groups that split
+        over data-parallel ranks x optimizer steps; all of them with ``batch_size`` groups) and pushes the other
+        kept groups back to ``data_source`` for the next step (``rollout/groups_held``); ``rollout/groups_short``
+        is ``batch_size`` minus the trained groups. Raises RuntimeError when no whole multiple was kept.
+        """
+        from hpcrl.rollout.rollout import generate_rollout, reward_value, split_trainable
 
         self.memory.mark("generate")
         fn = self.rollout_fn or generate_rollout
         out = await fn(self.cfg, rollout_id, data_source, self.ctx)
-        samples = [s for g in out.groups for s in g]
+        groups, hold = split_trainable(out.groups, multiple)
+        if not groups:
+            raise RuntimeError(f"rollout {rollout_id}: {len(out.groups)} groups kept, fewer than the {multiple} "
+                               "that split over data-parallel ranks x train.num_steps_per_rollout; loosen "
+                               "rollout.dynamic_filter or use fewer trainer ranks or steps per rollout")
+        if hold:
+            data_source.add_samples(hold)
+        samples = [s for g in groups for s in g]
         rewards = [reward_value(s) for s in samples]
         n = max(len(samples), 1)
         lengths = [s.response_length for s in samples]
         secs = out.metrics.get("rollout/seconds", 0.0)
         m = dict(out.metrics)
+        m["rollout/groups_held"] = m.get("rollout/groups_held", 0) + len(hold)
+        m["rollout/groups_short"] = self.cfg.rollout.batch_size - len(groups)
         m.update({
             "rollout/reward_mean": sum(rewards) / n,
             "rollout/reward_std": (sum((r - sum(rewards) / n) ** 2 for r in rewards) / n) ** 0.5,

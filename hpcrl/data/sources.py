@@ -3,13 +3,20 @@
 File rows become items ``{"prompt", "label", "metadata"}``: ``prompt`` is the row's ``prompt_key`` value (a
 non-empty string, or a chat ``[{"role", "content"}, ...]`` list), ``label`` the ``label_key`` value (None when
 absent), ``metadata`` the row's ``metadata`` object (if any) plus every other column. Blank JSONL lines are
-ignored.
+ignored; a UTF-8 byte-order mark at the start of a JSONL file is accepted (it is read as ``utf-8-sig``).
 
-Malformed rows (bad JSON, not an object, no prompt, a prompt of the wrong type) raise :class:`DataError`
-naming ``FILE:LINE`` (Parquet: ``FILE:ROW``, 1-based) with ``on_bad_row="error"``; with ``"skip"`` each is
-logged as a warning naming ``FILE:LINE`` and skipped, and a count is logged at the end. Never silently.
+Malformed rows raise :class:`DataError` naming ``FILE:LINE`` (Parquet: ``FILE:ROW``, 1-based) with
+``on_bad_row="error"``; with ``"skip"`` each is logged as a warning naming ``FILE:LINE`` and skipped, and a
+count is logged at the end. Never silently. Malformed: bad JSON, invalid UTF-8, a line longer than
+:data:`MAX_ROW_BYTES`, not an object, no prompt, a prompt of the wrong type or empty; where the reward scores
+against labels (:data:`LABEL_REWARDS`) no label or a null / non-scalar one; and, when the model folder
+exists, a prompt of at least the model's context length (``max_position_embeddings``) in tokens, which the
+engines would refuse. Whole-file problems (missing, a directory, unreadable, not Parquet, no usable row)
+raise :class:`DataError` without a line.
 
-:func:`load_datasets` builds the run's train and eval items from a :class:`~hpcrl.config.Config`.
+:func:`load_datasets` builds the run's train and eval items from a :class:`~hpcrl.config.Config` (at the
+start of a run); :func:`check_data` runs the very same reader on the login node (``hpcrl validate``,
+``submit``, ``sweep``) and reports the first bad row as one :class:`~hpcrl.config.ConfigError` line.
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
+from hpcrl.config import ConfigError
 from hpcrl.data.tasks import Task, VerifierTask, make_task
 
 if TYPE_CHECKING:
@@ -28,6 +38,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FILE_SUFFIXES = (".jsonl", ".parquet")
+MAX_ROW_BYTES = 4 * 1024 * 1024
+"""Longest JSONL line in bytes (newline excluded); a longer line is a malformed row (read no further)."""
+LABEL_REWARDS = ("task", "exact_match", "math_answer")
+"""``rollout.reward_function`` values that score a file row against its label: every row needs one."""
+
+Problem = Optional[tuple[str, str]]
+"""``(what, fix)`` of an unusable row, or None."""
+RowCheck = Callable[[dict[str, Any]], Problem]
+"""An extra check of a parsed item (e.g. :class:`PromptLengthCheck`)."""
 
 
 class DataError(ValueError):
@@ -41,8 +60,23 @@ class DataError(ValueError):
         self.line = line
         self.what = what
         self.fix = fix
-        where = f"{self.path}:{line}" if line is not None else self.path
-        super().__init__(f"data error: {where}: {what}; {fix}")
+        super().__init__(f"data error: {self.where}: {what}; {fix}")
+
+    @property
+    def where(self) -> str:
+        """``FILE:LINE``, or ``FILE`` for a whole-file problem."""
+        return f"{self.path}:{self.line}" if self.line is not None else self.path
+
+
+@dataclass
+class BadRows:
+    """What the bad-row policy did to one file: ``total`` rows seen (blank lines not counted), ``skipped``
+    malformed rows, ``first`` the first of them (a :class:`DataError`, None when none was skipped)."""
+
+    path: str
+    total: int = 0
+    skipped: int = 0
+    first: Optional[DataError] = None
 
 
 @dataclass
@@ -54,21 +88,36 @@ class Datasets:
     task: Task
 
 
-def _row_problem(row: Any, prompt_key: str) -> Optional[tuple[str, str]]:
+def _keys(row: dict) -> str:
+    return ", ".join(sorted(map(str, row))[:8]) or "none"
+
+
+def _row_problem(row: Any, prompt_key: str, label_key: str = "label", require_label: bool = False) -> Problem:
     """(what, fix) if ``row`` is not a usable data row, else None."""
     if not isinstance(row, dict):
         return f"row is a JSON {type(row).__name__}, not an object", "each line must be one JSON object"
     if prompt_key not in row:
-        keys = ", ".join(sorted(map(str, row))[:8]) or "none"
-        return (f"no prompt key {prompt_key!r} (keys: {keys})",
+        return (f"no prompt key {prompt_key!r} (keys: {_keys(row)})",
                 "add it, or set data.prompt_key to the column holding the prompt")
     p = row[prompt_key]
     if isinstance(p, str):
-        return None if p.strip() else (f"prompt {prompt_key!r} is empty", "give every row a prompt")
-    if isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m and "content" in m for m in p):
-        return None
-    return (f"prompt {prompt_key!r} is a {type(p).__name__}, not a string or a list of "
-            "{'role', 'content'} messages", "fix the row or pick another data.prompt_key")
+        if not p.strip():
+            return f"prompt {prompt_key!r} is empty", "give every row a prompt"
+    elif not (isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                  for m in p)):
+        return (f"prompt {prompt_key!r} is a {type(p).__name__}, not a string or a list of "
+                "{'role', 'content'} messages", "fix the row or pick another data.prompt_key")
+    if require_label:
+        if label_key not in row:
+            return (f"no label key {label_key!r} (keys: {_keys(row)})",
+                    "add it, set data.label_key to the column holding the answer, or score with a reward "
+                    "plug-in that needs no label")
+        lab = row[label_key]
+        if lab is None or isinstance(lab, bool) or not isinstance(lab, (str, int, float)):
+            kind = "null" if lab is None else f"a {type(lab).__name__}"
+            return (f"label {label_key!r} is {kind}, not a string or number",
+                    "give every row the answer its reward checks against")
+    return None
 
 
 def _to_item(row: dict[str, Any], prompt_key: str, label_key: str) -> dict[str, Any]:
@@ -77,84 +126,154 @@ def _to_item(row: dict[str, Any], prompt_key: str, label_key: str) -> dict[str, 
     return {"prompt": row[prompt_key], "label": row.get(label_key), "metadata": meta}
 
 
-def _collect(path: str, rows: Iterable[tuple[int, Any, Optional[tuple[str, str]]]], prompt_key: str,
-             label_key: str, on_bad_row: str) -> list[dict[str, Any]]:
+def _collect(path: str, rows: Iterable[tuple[int, Any, Problem]], prompt_key: str, label_key: str,
+             on_bad_row: str, require_label: bool = False, row_check: Optional[RowCheck] = None,
+             stats: Optional[BadRows] = None) -> list[dict[str, Any]]:
     """Items from ``(line, row, parse_problem)`` triples, applying the bad-row policy."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
-    items, skipped, total = [], 0, 0
+    stats = stats if stats is not None else BadRows(path)
+    items = []
     for line, row, problem in rows:
-        total += 1
-        problem = problem or _row_problem(row, prompt_key)
+        stats.total += 1
+        problem = problem or _row_problem(row, prompt_key, label_key, require_label)
+        item = None
         if problem is None:
-            items.append(_to_item(row, prompt_key, label_key))
+            item = _to_item(row, prompt_key, label_key)
+            problem = row_check(item) if row_check is not None else None
+        if problem is None:
+            items.append(item)
             continue
         if on_bad_row == "error":
             raise DataError(path, line, problem[0], problem[1] + " (or set data.on_bad_row: skip)")
-        skipped += 1
+        stats.skipped += 1
+        if stats.first is None:
+            stats.first = DataError(path, line, problem[0], problem[1])
         log.warning("data: %s:%d: %s; row skipped", path, line, problem[0])
-    if skipped:
-        log.warning("data: %s: skipped %d malformed of %d rows", path, skipped, total)
+    if stats.skipped:
+        log.warning("data: %s: skipped %d malformed of %d rows", path, stats.skipped, stats.total)
     if not items:
-        raise DataError(path, None, f"no usable rows ({total} rows, {skipped} malformed)",
-                        "check the file and data.prompt_key")
+        what = (f"no usable rows ({stats.total} rows, {stats.skipped} malformed)" if stats.total
+                else "no rows (the file is empty or only blank lines)")
+        raise DataError(path, None, what, "check the file and data.prompt_key")
     return items
 
 
 def _check_file(path: str) -> str:
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise DataError(path, None, "is a directory, not a data file",
+                        "point data.source / data.eval_source at a .jsonl or .parquet file")
     if not os.path.isfile(path):
         raise DataError(path, None, "file not found", "check data.source / data.eval_source")
     return path
 
 
-def read_jsonl(path: str, prompt_key: str = "prompt", label_key: str = "label",
-               on_bad_row: str = "error") -> list[dict[str, Any]]:
+def _unreadable(path: str, e: OSError) -> DataError:
+    return DataError(path, None, f"cannot read the file ({e.strerror or type(e).__name__})",
+                     "make it readable by the user that runs hpcrl (chmod / chgrp), or copy it")
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[int, Any, Problem]]:
+    """``(line, parsed row or None, problem)`` of each non-blank line, read in binary with a line-length cap
+    (a huge line is never held whole in memory beyond :data:`MAX_ROW_BYTES`)."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    with f:
+        n = 0
+        while True:
+            try:
+                raw = f.readline(MAX_ROW_BYTES + 1)
+            except OSError as e:  # e.g. EISDIR races, EIO
+                raise _unreadable(path, e) from None
+            if not raw:
+                return
+            n += 1
+            if n == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # the UTF-8 byte-order mark (Windows editors write one): utf-8-sig
+            if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
+                size = len(raw)
+                while True:  # the rest of the line, in chunks
+                    chunk = f.readline(1 << 20)
+                    size += len(chunk)
+                    if not chunk or chunk.endswith(b"\n"):
+                        break
+                yield n, None, (f"line is {size / 2**20:.1f} MiB, over the {MAX_ROW_BYTES // 2**20} MiB "
+                                "limit of a row", "shorten the row (a prompt that long cannot fit a context)")
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield n, None, (f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})",
+                                "save the file as UTF-8")
+                continue
+            if not text.strip():
+                continue
+            try:
+                yield n, json.loads(text), None
+            except json.JSONDecodeError as e:
+                hint = ("each line must be one JSON object (this looks like a JSON array over several lines: "
+                        "write one object per line)" if n == 1 and text.strip() == "["
+                        else "each line must be one JSON object")
+                yield n, None, (f"bad JSON ({e.msg} at column {e.colno})", hint)
+
+
+def read_jsonl(path: str, prompt_key: str = "prompt", label_key: str = "label", on_bad_row: str = "error",
+               require_label: bool = False, row_check: Optional[RowCheck] = None,
+               stats: Optional[BadRows] = None) -> list[dict[str, Any]]:
     """Items of a JSON-lines file (one object per line; line numbers are 1-based).
 
-    Raises :class:`DataError` for a missing file, a file without usable rows, or (``on_bad_row="error"``) the
-    first malformed row.
+    ``require_label``: a row without a string/number label is malformed. ``row_check``: an extra check of
+    each item. ``stats``: filled with the counts of the bad-row policy. Raises :class:`DataError` for a
+    missing, unreadable or directory path, a file without usable rows, or (``on_bad_row="error"``) the first
+    malformed row.
     """
     path = _check_file(path)
-
-    def rows() -> Iterator[tuple[int, Any, Optional[tuple[str, str]]]]:
-        with open(path, encoding="utf-8") as f:
-            for n, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    yield n, json.loads(text), None
-                except json.JSONDecodeError as e:
-                    yield n, None, (f"bad JSON ({e.msg} at column {e.colno})",
-                                    "each line must be one JSON object")
-
-    return _collect(path, rows(), prompt_key, label_key, on_bad_row)
+    return _collect(path, _jsonl_rows(path), prompt_key, label_key, on_bad_row, require_label, row_check,
+                    stats)
 
 
-def read_parquet(path: str, prompt_key: str = "prompt", label_key: str = "label",
-                 on_bad_row: str = "error") -> list[dict[str, Any]]:
+def read_parquet(path: str, prompt_key: str = "prompt", label_key: str = "label", on_bad_row: str = "error",
+                 require_label: bool = False, row_check: Optional[RowCheck] = None,
+                 stats: Optional[BadRows] = None) -> list[dict[str, Any]]:
     """Items of a Parquet file (pyarrow); ``line`` in errors is the 1-based row number.
 
-    Raises :class:`DataError` for a missing or unreadable file, a file without usable rows, or
-    (``on_bad_row="error"``) the first malformed row.
+    Arguments as :func:`read_jsonl`. Raises :class:`DataError` for a missing, unreadable or non-Parquet file,
+    a file whose data pages cannot be decoded (truncated or corrupt; naming the first row of the batch), a
+    file without usable rows, or (``on_bad_row="error"``) the first malformed row.
     """
     import pyarrow.parquet as pq
 
     path = _check_file(path)
     try:
         pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for non-Parquet files
+    except OSError as e:
+        if isinstance(e, PermissionError) or getattr(e, "errno", None):
+            raise _unreadable(path, e) from None
         raise DataError(path, None, f"not a readable Parquet file ({type(e).__name__}: {str(e)[:120]})",
-                        "check the file") from e
+                        "check the file (truncated? not Parquet?)") from None
+    except Exception as e:  # pyarrow raises ArrowInvalid for non-Parquet files
+        raise DataError(path, None, f"not a readable Parquet file ({type(e).__name__}: {str(e)[:120]})",
+                        "check the file (truncated? not Parquet?)") from None
 
-    def rows() -> Iterator[tuple[int, Any, Optional[tuple[str, str]]]]:
+    def rows() -> Iterator[tuple[int, Any, Problem]]:
         n = 0
-        for batch in pf.iter_batches(batch_size=4096):
+        batches = pf.iter_batches(batch_size=4096)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as e:  # corrupt or truncated data pages behind an intact footer
+                raise DataError(path, n + 1, f"cannot decode the rows from here on ({type(e).__name__}: "
+                                f"{str(e)[:120]})", "rewrite the file (truncated or corrupt)") from None
             for row in batch.to_pylist():
                 n += 1
                 yield n, row, None
 
-    return _collect(path, rows(), prompt_key, label_key, on_bad_row)
+    return _collect(path, rows(), prompt_key, label_key, on_bad_row, require_label, row_check, stats)
 
 
 def is_file_source(source: str) -> bool:
@@ -162,11 +281,12 @@ def is_file_source(source: str) -> bool:
     return source.endswith(FILE_SUFFIXES) or os.path.isfile(source)
 
 
-def read_items(path: str, prompt_key: str = "prompt", label_key: str = "label",
-               on_bad_row: str = "error") -> list[dict[str, Any]]:
+def read_items(path: str, prompt_key: str = "prompt", label_key: str = "label", on_bad_row: str = "error",
+               require_label: bool = False, row_check: Optional[RowCheck] = None,
+               stats: Optional[BadRows] = None) -> list[dict[str, Any]]:
     """:func:`read_parquet` for ``*.parquet``, else :func:`read_jsonl`."""
     reader = read_parquet if str(path).endswith(".parquet") else read_jsonl
-    return reader(path, prompt_key, label_key, on_bad_row)
+    return reader(path, prompt_key, label_key, on_bad_row, require_label, row_check, stats)
 
 
 def prompt_key_of(item: dict[str, Any]) -> str:
@@ -175,7 +295,65 @@ def prompt_key_of(item: dict[str, Any]) -> str:
     return p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str)
 
 
-def load_datasets(cfg: "Config") -> Datasets:
+class PromptLengthCheck:
+    """A :data:`RowCheck`: an item whose prompt has at least ``context`` tokens is malformed (the engines refuse
+    a prompt that leaves no room for one new token; SGLang's and hpcrl's engines both answer HTTP 400).
+
+    Tokenises as the rollout does (:func:`hpcrl.rollout.rollout.tokenize_prompt`: the chat template for message
+    lists when ``apply_chat_template``). ``context`` is the model's ``max_position_embeddings`` (tokens).
+    """
+
+    def __init__(self, model_path: str | os.PathLike, apply_chat_template: bool = False):
+        from transformers import AutoTokenizer
+
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        self.context = int(cfg.get("max_position_embeddings") or 0)
+        self.model_path = str(model_path)
+        self.apply_chat_template = apply_chat_template
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+
+    def __call__(self, item: dict[str, Any]) -> Problem:
+        if self.context <= 0:
+            return None
+        p = item["prompt"]
+        if isinstance(p, str) and len(p.encode()) + 8 < self.context:
+            return None  # tokens <= bytes + special tokens (byte-level BPE, byte-fallback and char tokenizers)
+        if self.apply_chat_template and isinstance(p, list):
+            n = len(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
+        elif isinstance(p, str):
+            n = len(self.tokenizer(p, add_special_tokens=True)["input_ids"])
+        else:
+            return None
+        if n < self.context:
+            return None
+        return (f"prompt is {n} tokens, not less than the model's context of {self.context} tokens "
+                f"(max_position_embeddings of {self.model_path})", "shorten the prompt")
+
+
+def _prompt_length_check(cfg: "Config") -> Optional[PromptLengthCheck]:
+    """The prompt-length check against ``model.path`` when that folder exists (None otherwise: the model is
+    created at the start of the run, and the check runs there)."""
+    path = Path(cfg.model.path) if cfg.model.path else None
+    if path is None or not (path / "config.json").is_file():
+        return None
+    try:
+        return PromptLengthCheck(path, cfg.data.apply_chat_template)
+    except Exception as e:  # noqa: BLE001 - no tokenizer: the engine start reports that on its own
+        log.warning("data: prompt lengths not checked: cannot load the tokenizer of %s (%s: %s)", path,
+                    type(e).__name__, e)
+        return None
+
+
+def _read_file(cfg: "Config", path: str, row_check: Optional[RowCheck] = None,
+               stats: Optional[BadRows] = None) -> list[dict[str, Any]]:
+    """The one reader of a run's data files (training and :func:`check_data`)."""
+    d = cfg.data
+    return read_items(path, d.prompt_key, d.label_key, d.on_bad_row,
+                      require_label=cfg.rollout.reward_function in LABEL_REWARDS, row_check=row_check,
+                      stats=stats)
+
+
+def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> Datasets:
     """Train and eval items for a run, and the task that scores them.
 
     Generator source (``addition``, ``reasoning_gym:<name>``; ``data.task_kwargs`` go to :func:`make_task`):
@@ -183,24 +361,31 @@ def load_datasets(cfg: "Config") -> Datasets:
     seed=run.seed + 1)`` minus every item whose prompt also occurs in train (so eval may hold slightly fewer
     than ``num_eval`` items; for small problem spaces such as 1-digit addition, many fewer).
 
-    File source (``.jsonl`` / ``.parquet``): every row is read (``data.num_train`` is ignored). Eval is read
-    from ``data.eval_source`` when given (a file, or a generator name drawn with ``run.seed + 1``); otherwise
-    the last ``data.num_eval`` rows are held out of train (in file order, no shuffle). The task is a
+    File source (``.jsonl`` / ``.parquet``): every row is read (``data.num_train`` is ignored) and checked
+    (see the module doc; prompt lengths against ``model.path`` when it exists). Eval is read from
+    ``data.eval_source`` when given (a file, or a generator name drawn with ``run.seed + 1``); otherwise the
+    last ``data.num_eval`` rows are held out of train (in file order, no shuffle). The task is a
     :class:`VerifierTask` using ``rollout.reward_function`` when that is ``exact_match`` / ``math_answer`` /
     ``countdown``, else ``exact_match``.
+
+    ``stats``: filled with ``{"data.source" | "data.eval_source": BadRows}`` for each file read.
 
     Raises :class:`DataError` for file problems (also when held-out eval would leave no train rows) and
     ValueError for unknown tasks.
     """
     d = cfg.data
     seed = cfg.run.seed
+    stats = stats if stats is not None else {}
+    check = (_prompt_length_check(cfg) if is_file_source(d.source)
+             or (d.eval_source and is_file_source(d.eval_source)) else None)
     if is_file_source(d.source):
-        rows = read_items(d.source, d.prompt_key, d.label_key, d.on_bad_row)
+        stats["data.source"] = BadRows(d.source)
+        rows = _read_file(cfg, d.source, check, stats["data.source"])
         rf = cfg.rollout.reward_function
         verifier = rf if rf in ("exact_match", "math_answer", "countdown") else "exact_match"
         task: Task = VerifierTask(verifier=verifier, name=os.path.basename(d.source))
         if d.eval_source:
-            train, eval_items = rows, _load_eval(cfg, task)
+            train, eval_items = rows, _load_eval(cfg, task, check, stats)
         else:
             if d.num_eval >= len(rows):
                 raise DataError(d.source, None,
@@ -213,7 +398,7 @@ def load_datasets(cfg: "Config") -> Datasets:
     task = make_task(d.source, **d.task_kwargs)
     train = task.generate(d.num_train, seed=seed)
     if d.eval_source:
-        eval_items = _load_eval(cfg, task)
+        eval_items = _load_eval(cfg, task, check, stats)
     else:
         eval_items = task.generate(d.num_eval, seed=seed + 1)
     seen = {prompt_key_of(it) for it in train}
@@ -221,11 +406,89 @@ def load_datasets(cfg: "Config") -> Datasets:
     return Datasets(train=train, eval=eval_items, task=task)
 
 
-def _load_eval(cfg: "Config", task: Task) -> list[dict[str, Any]]:
+def _load_eval(cfg: "Config", task: Task, check: Optional[RowCheck] = None,
+               stats: Optional[dict[str, BadRows]] = None) -> list[dict[str, Any]]:
     """Eval items from ``data.eval_source``: a file, or a generator drawn with ``run.seed + 1``."""
     d = cfg.data
     assert d.eval_source is not None
     if is_file_source(d.eval_source):
-        return read_items(d.eval_source, d.prompt_key, d.label_key, d.on_bad_row)
+        bad = BadRows(d.eval_source)
+        if stats is not None:
+            stats["data.eval_source"] = bad
+        return _read_file(cfg, d.eval_source, check, bad)
     other = task if d.eval_source == task.name else make_task(d.eval_source, **d.task_kwargs)
     return other.generate(d.num_eval, seed=cfg.run.seed + 1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# On the login node: the same reader, its errors as one config-error line
+# ------------------------------------------------------------------------------------------------------------
+
+class DataConfigError(ConfigError):
+    """A bad data file found on the login node: ``str()`` is ``config error: <field>: FILE:LINE: <what>; <fix>``
+    (the field's value is the file, named once in ``FILE``)."""
+
+    def __str__(self) -> str:
+        return f"config error: {self.field}: {self.problem}; {self.fix}".replace("\n", " ")
+
+
+_checked: dict[tuple, list[str]] = {}
+"""Notes of data checks that passed, by what they depend on (a sweep's points share their data)."""
+
+
+def _data_error_as_config_error(field_name: str, e: DataError) -> "ConfigError":
+    return DataConfigError(field_name, e.path, f"{e.where}: {e.what}", e.fix)
+
+
+def _file_stamp(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+        return (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    except OSError:
+        return (path,)
+
+
+def check_data(cfg: "Config", report: Optional[Callable[[str], None]] = None) -> list[str]:
+    """Read every row of the run's data files (``data.source``, ``data.eval_source``) with the reader the run
+    uses at start (:func:`load_datasets`), on the login node before anything is queued.
+
+    Returns notes, each also passed to ``report`` (default: printed on stderr): with
+    ``data.on_bad_row: skip``, ``data.source: skipped 3 bad rows of FILE (first: FILE:2: ...)``; when
+    ``model.path`` does not exist yet, that prompt lengths are checked at the start of the run. Generator
+    sources are not read (nothing to check). A check that passed is remembered for the same files, keys and
+    model (a sweep's points).
+
+    Raises:
+        ConfigError: ``config error: data.source: FILE:LINE: <problem>; <fix>`` (or ``data.eval_source``;
+            ``FILE`` alone for whole-file problems) at the first bad row with ``data.on_bad_row: error``.
+    """
+    d = cfg.data
+    files = [(f, p) for f, p in (("data.source", d.source), ("data.eval_source", d.eval_source))
+             if p and is_file_source(p)]
+    if not files:
+        return []
+    model = Path(cfg.model.path) if cfg.model.path else None
+    key = (tuple((f, _file_stamp(p)) for f, p in files), d.prompt_key, d.label_key, d.on_bad_row,
+           d.num_eval, d.apply_chat_template, cfg.rollout.reward_function,
+           _file_stamp(str(model / "config.json")) if model else None)
+    if key in _checked:
+        return list(_checked[key])
+    stats: dict[str, BadRows] = {}
+    try:
+        load_datasets(cfg, stats)
+    except DataError as e:
+        field_name = next((f for f, p in files if os.fspath(p) == e.path), "data.source")
+        raise _data_error_as_config_error(field_name, e) from None
+    notes = []
+    for field_name, bad in stats.items():
+        if bad.skipped:
+            notes.append(f"{field_name}: skipped {bad.skipped} bad rows of {bad.path} ({bad.total} rows; "
+                         f"first: {bad.first.where}: {bad.first.what})")
+    if model is None or not (model / "config.json").is_file():
+        notes.append(f"{files[0][0]}: prompt lengths not checked against the model's context: {model} does "
+                     "not exist yet (they are checked at the start of the run)")
+    _checked[key] = notes
+    say = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    for line in notes:
+        say(line)
+    return list(notes)

@@ -30,6 +30,10 @@ class UnsupportedModelError(ValueError):
     """The folder holds a model family hpcrl does not support."""
 
 
+class ModelFolderError(FileNotFoundError):
+    """The model folder is missing, or is not an HF model folder (no ``config.json``)."""
+
+
 def check_supported(config: Any) -> str:
     """Return ``config.model_type`` if it is a supported family, else raise :class:`UnsupportedModelError`.
 
@@ -63,14 +67,14 @@ def load_hf_model(path: str | os.PathLike, dtype: str = "float32"):
     Returns ``(model, tokenizer)``; the model is in eval mode. A tokenizer without a pad token gets its eos
     token as pad token (batched generation needs one); nothing else about it is changed.
 
-    Raises FileNotFoundError when ``path`` has no ``config.json``, :class:`UnsupportedModelError` (a
-    ValueError) when the family is not Qwen2 / Qwen3 / Qwen3-MoE / Llama, ValueError for an unknown dtype.
+    Raises :class:`ModelFolderError` (a FileNotFoundError) when ``path`` has no ``config.json``,
+    :class:`UnsupportedModelError` (a ValueError) when the family is not Qwen2 / Qwen3 / Qwen3-MoE / Llama, ValueError for an unknown dtype.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not an HF model folder (no config.json)")
+        raise ModelFolderError(f"{path} is not an HF model folder (no config.json)")
     torch_dtype = _torch_dtype(dtype)
     config = AutoConfig.from_pretrained(path)
     check_supported(config)
@@ -100,8 +104,8 @@ def ensure_model(model_cfg: Any, seed: int = 0) -> Path:
     creator builds in its own staging folder next to ``path`` and renames it into place; a loser of the race
     discards its copy and returns the winner's folder.
 
-    Raises ValueError when ``path`` is empty, or ``create: gguf`` without ``gguf_file``; FileNotFoundError
-    when ``path`` is missing and ``create`` is not set.
+    Raises ValueError when ``path`` is empty, or ``create: gguf`` without ``gguf_file``;
+    :class:`ModelFolderError` (a FileNotFoundError) when ``path`` is missing and ``create`` is not set.
     """
     from hpcrl.models.gguf import convert_gguf_to_hf
     from hpcrl.models.tiny import create_tiny_qwen2
@@ -113,7 +117,7 @@ def ensure_model(model_cfg: Any, seed: int = 0) -> Path:
         return path
     create = model_cfg.create
     if create is None:
-        raise FileNotFoundError(f"model.path {str(path)!r} does not exist and model.create is not set "
+        raise ModelFolderError(f"model.path {str(path)!r} does not exist and model.create is not set "
                                 "(set model.create: tiny-qwen2 or gguf to create it)")
     if create == "gguf" and not model_cfg.gguf_file:
         raise ValueError("model.create is 'gguf' but model.gguf_file is not set (a .gguf path or 'smollm2')")

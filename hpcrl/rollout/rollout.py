@@ -7,6 +7,16 @@ aborted on every engine and pushed back to the data source: partial responses ar
 ``rollout.partial_rollout`` is on, otherwise the groups go back as fresh prompts. So no prompt is ever dropped
 by an abort; groups the filter rejects are dropped, as in slime.
 
+``run.deterministic`` with ``rollout.partial_rollout``: how far an aborted group got depends on timing, so
+nothing is aborted; the groups still in flight when the batch is full are finished (and scored) and pushed
+back whole, to be served first next step (the filter sees them then). Two runs of one seed then train the
+same groups; nothing generated is wasted. Without partial rollouts an abort resets the groups to fresh
+prompts, which is deterministic already.
+
+A starving filter: after :data:`MAX_OVERSAMPLING_FACTOR` x ``batch_size`` groups without enough kept, the
+rollout returns the groups it kept (at least one) with a warning and ``rollout/groups_short`` > 0
+(``rollout.on_filter_starved: train``, the default), or raises (``error``).
+
 A custom rollout (slime ``--rollout-function-path``) has the signature of :func:`generate_rollout`.
 """
 
@@ -14,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
@@ -21,8 +33,11 @@ from typing import Any, Awaitable, Callable, Optional
 from hpcrl.data.sample import Sample, Status
 from hpcrl.rollout.client import RolloutClient, RolloutError
 
+log = logging.getLogger("hpcrl.rollout")
+
 MAX_OVERSAMPLING_FACTOR = 32
-"""A rollout gives up after submitting this many times ``batch_size`` groups without keeping enough."""
+"""A rollout stops submitting after this many times ``batch_size`` groups without keeping enough (then
+``rollout.on_filter_starved`` decides: train on the kept groups, or raise)."""
 
 RewardFn = Callable[[Sample], Awaitable[Any]]
 GroupFilter = Callable[[list[Sample]], bool]
@@ -215,25 +230,38 @@ async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContex
                            evaluation: bool = False) -> RolloutOutput:
     """Generate ``cfg.rollout.batch_size`` accepted groups for rollout step ``rollout_id``.
 
-    Returns the kept groups in submission order with ``sample.rollout_id`` set, and metrics: ``rollout/seconds``,
-    ``rollout/groups_submitted``, ``rollout/groups_filtered``, ``rollout/groups_aborted``. Raises
-    ``hpcrl.rollout.client.RolloutError`` when generation fails for good (after the client's retries).
+    Returns the kept groups in submission order with ``sample.rollout_id`` set (fewer than ``batch_size``, at
+    least one, when the filter starves and ``rollout.on_filter_starved`` is ``train``), and metrics:
+    ``rollout/seconds``, ``rollout/groups_submitted``, ``rollout/groups_filtered``,
+    ``rollout/groups_aborted`` (pushed back as partial or fresh prompts), ``rollout/groups_held`` (finished
+    in-flight groups pushed back whole, deterministic partial rollouts only), ``rollout/groups_short``
+    (``batch_size`` minus the kept groups). Raises ``hpcrl.rollout.client.RolloutError`` when generation
+    fails for good (after the client's retries); RuntimeError when the filter keeps no group within
+    :data:`MAX_OVERSAMPLING_FACTOR` x ``batch_size`` submitted groups, or fewer than ``batch_size`` with
+    ``rollout.on_filter_starved: error``.
     """
     rc = cfg.rollout
     target = rc.batch_size
     chunk = rc.over_sampling_batch_size or target
     params = sampling_params(rc, evaluation)
+    finish_in_flight = bool(cfg.run.deterministic and rc.partial_rollout)  # no timing-dependent cut
     t0 = time.perf_counter()
     kept: list[list[Sample]] = []
     pending: list[tuple[asyncio.Task, list[Sample]]] = []
-    submitted = filtered = 0
+    submitted = filtered = aborted = held = 0
     max_submitted = MAX_OVERSAMPLING_FACTOR * target
+    done = False
     try:
         while len(kept) < target:
             if not pending and submitted >= max_submitted:
-                raise RuntimeError(
-                    f"rollout {rollout_id}: the dynamic filter kept {len(kept)} of {submitted} groups "
-                    f"(needed {target}); loosen or unset rollout.dynamic_filter")
+                starved = (f"rollout {rollout_id}: the dynamic filter kept {len(kept)} of {submitted} groups "
+                           f"(needed {target})")
+                if not kept or rc.on_filter_starved == "error":
+                    raise RuntimeError(f"{starved}; loosen or unset rollout.dynamic_filter"
+                                       + ("" if kept else ", or lower the learning rate"))
+                log.warning("%s: training on the %d kept groups (rollout.on_filter_starved: train)",
+                            starved, len(kept))
+                break
             if not pending:
                 groups = data_source.get_samples(chunk)
                 for g in groups:
@@ -251,14 +279,50 @@ async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContex
                 filtered += 1
                 continue
             kept.append(group)
+        done = True
     finally:
-        aborted = await _abort_rest(ctx, pending, data_source, rc.partial_rollout)
+        if done and finish_in_flight:
+            held = await _hold_rest(pending, data_source)
+        else:
+            aborted = await _abort_rest(ctx, pending, data_source, rc.partial_rollout)
     return RolloutOutput(kept, {
         "rollout/seconds": time.perf_counter() - t0,
         "rollout/groups_submitted": submitted,
         "rollout/groups_filtered": filtered,
         "rollout/groups_aborted": aborted,
+        "rollout/groups_held": held,
+        "rollout/groups_short": target - len(kept),
     })
+
+
+async def _hold_rest(pending: list[tuple[asyncio.Task, list[Sample]]], data_source) -> int:
+    """Let the in-flight groups finish (no abort: the cut does not depend on timing), then push them back to
+    the data source whole, in submission order. Raises the first generation error of a group."""
+    if not pending:
+        return 0
+    results = await asyncio.gather(*(t for t, _ in pending), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    data_source.add_samples([g for _, g in pending])
+    return len(pending)
+
+
+def split_trainable(groups: list[list[Sample]], multiple: int) -> tuple[list[list[Sample]], list[list[Sample]]]:
+    """Split kept groups into the largest leading count that is a multiple of ``multiple`` (what the trainer
+    can split over data-parallel ranks x optimizer steps) and the rest, which the caller holds back for the
+    next step. ``multiple``: groups, >= 1 (:func:`group_multiple`). Raises ValueError for ``multiple < 1``."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    n = len(groups) - len(groups) % multiple
+    return groups[:n], groups[n:]
+
+
+def group_multiple(n_samples_per_prompt: int, dp_size: int, num_steps_per_rollout: int) -> int:
+    """The smallest number of whole groups whose samples split evenly over ``dp_size`` data-parallel ranks x
+    ``num_steps_per_rollout`` optimizer steps (1 for the usual layouts)."""
+    parts = dp_size * num_steps_per_rollout
+    return parts // math.gcd(n_samples_per_prompt, parts)
 
 
 async def _abort_rest(ctx: RolloutContext, pending: list[tuple[asyncio.Task, list[Sample]]], data_source,

@@ -170,22 +170,39 @@ def run_slurm(config_path: str | os.PathLike, bootstrap: Optional[Bootstrap] = N
         config_path: the run folder's resolved ``config.yaml`` (its folder is the run folder).
         bootstrap: what to run; default ``$HPCRL_SLURM_BOOTSTRAP`` or :func:`default_bootstrap`.
 
-    Raises:
-        ConfigError: the config no longer validates here (e.g. a data file missing on the compute node).
+    A known error (:mod:`hpcrl.errors`: the config no longer validates here, e.g. a data file missing on the
+    compute node; a bad data row; an engine or the rollout step that did not start; an unreadable checkpoint)
+    prints one line on stderr (``hpcrl job: error: ...; traceback in RUN/logs/attempt-N/trainer.log``) and
+    returns its exit status (2 config/data, 1 others); unexpected errors propagate with their traceback.
     """
+    return _run(config_path, bootstrap)[0]
+
+
+def _run(config_path: str | os.PathLike, bootstrap: Optional[Bootstrap] = None) -> tuple[int, bool]:
+    """:func:`run_slurm`, and whether a known error was reported (one line already on stderr)."""
+    from hpcrl.errors import report_known
+
     config_path = Path(config_path).absolute()
     run_dir = config_path.parent
-    if os.environ.get("SLURM_PROCID", "0") == "0":
+    rank = int(os.environ.get("SLURM_PROCID", "0") or 0)
+    if rank == 0:
         print(_attempt_banner(run_dir), flush=True)
     os.environ.setdefault("HPCRL_RUN_DIR", str(run_dir))
-    cfg = load_config(config_path)
-    _install_requeue_handler(cfg)
-    try:
-        result = (bootstrap or _bootstrap())(cfg, run_dir)
-    except Preempted as e:
-        print(f"[hpcrl] caught {e}: exiting with {EXIT_REQUEUE} so the job is requeued", flush=True)
-        return EXIT_REQUEUE
-    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+    state = {"reported": True}
+
+    def run() -> int:
+        cfg = load_config(config_path)
+        _install_requeue_handler(cfg)
+        try:
+            result = (bootstrap or _bootstrap())(cfg, run_dir)
+        except Preempted as e:
+            print(f"[hpcrl] caught {e}: exiting with {EXIT_REQUEUE} so the job is requeued", flush=True)
+            result = EXIT_REQUEUE
+        state["reported"] = False
+        return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+    code = report_known("hpcrl job", run_dir, run, rank=rank)
+    return code, state["reported"]
 
 
 class SlurmEntry:
@@ -200,9 +217,17 @@ class SlurmEntry:
         self.requeue = requeue
 
     def __call__(self) -> int:
-        code = run_slurm(self.config_path)
+        code, reported = _run(self.config_path)
         if code == EXIT_REQUEUE:
+            # checkpointed: a late copy of the signal (it may come from the steps, srun and the batch shell's trap)
+            # must not start submitit's own checkpoint-and-requeue handler as well
+            name = os.environ.get("HPCRL_PREEMPT_SIGNAL") or os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"
+            signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+            if signum is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signum, signal.SIG_IGN)
             return self._requeue_and_wait()
+        if reported:  # one line is on stderr, the traceback in the attempt's log: end the task with the
+            raise SystemExit(code)  # status, past submitit's handler (it would print a traceback of this call)
         if code != 0:  # submitit reports a raised error as the job's failure; a return value would be lost
             raise RuntimeError(f"hpcrl run {self.config_path} exited with status {code}")
         return code

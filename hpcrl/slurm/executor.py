@@ -13,7 +13,13 @@ Slurm refuses job arrays of het jobs, so a het executor submits one job at a tim
 submits job arrays (``map_array``, ``submit_array``, ``batch()``; ``hpcrl sweep``) with the extra ``#SBATCH``
 lines kept (submitit's own array path copies the parameters into a plain ``SlurmExecutor``, dropping them);
 ``always_array`` makes even a one-element array submission an array (``--array=0-0%1``), so array task ids are
-always ``<id>_<index>``. With no extra component and no extra line the script is byte-for-byte submitit's.
+always ``<id>_<index>``.
+
+With ``forward_signal`` (the preemption signal's name, ``USR2``) the batch shell survives that signal and passes
+it on (:func:`forward_signal_lines`): submitit's ``srun`` step runs in the background under a ``trap``, because
+``scancel --signal=USR2 --full`` / ``--batch`` and ``--signal=B:USR2@N`` signal the batch shell, and a bash
+without a trap dies of USR2 (and takes the job with it). With no extra component, no extra line and no
+``forward_signal`` the script is byte-for-byte submitit's.
 
 :meth:`HetSlurmExecutor.render` returns the script text without calling sbatch (``--dry-run``); it is the same
 text :meth:`submit` writes and submits (``render(map_count=n)``: the script of an array of ``n`` tasks).
@@ -33,6 +39,36 @@ from submitit.slurm import slurm as _slurm
 from hpcrl.slurm.state import het_base_id
 
 HETJOB_LINE = "#SBATCH hetjob"
+SUBMITIT_COMMAND_MARK = "export SUBMITIT_EXECUTOR=slurm"
+"""The line of submitit's script right before its ``srun`` command."""
+
+
+def forward_signal_lines(command: str, signal_name: str) -> list[str]:
+    """Shell lines that run ``command`` (the job step's ``srun ...``) so that the batch shell neither dies of
+    ``signal_name`` (``USR2``) nor sits on it: a trap passes it on to ``srun``, which forwards it to the step's
+    tasks (the trainer, whose handler sets the checkpoint flag); after the lines ``$hpcrl_rc`` is the step's exit
+    status.
+
+    bash runs a trap only after its foreground command returns, so the step runs in the background and the shell
+    waits; a trap cuts ``wait`` short (status > 128), so it waits again (bash keeps the step's own status until it
+    has been reported). Raises ValueError for a signal name that is not a plain word.
+    """
+    if not signal_name.isalnum():
+        raise ValueError(f"signal name {signal_name!r}: expected a name such as USR2")
+    return [
+        f"# The batch shell may get {signal_name} too (scancel --signal={signal_name} --full or --batch, "
+        f"--signal=B:{signal_name}@N): pass it on",
+        "# to the step instead of dying of it. A trap runs only between commands: the step runs in the background.",
+        "hpcrl_step=",
+        f"trap 'hpcrl_sig=1; echo \"hpcrl: the batch shell got SIG{signal_name}; passing it on to the job step\"; "
+        f"kill -s {signal_name} \"$hpcrl_step\" 2>/dev/null' {signal_name}",
+        f"{command} &",
+        "hpcrl_step=$!",
+        "while :; do  # a trap cuts wait short (status > 128): wait again for the step's own status",
+        '    hpcrl_sig=0; wait "$hpcrl_step"; hpcrl_rc=$?',
+        '    if [ "$hpcrl_sig" = 0 ] || [ "$hpcrl_rc" -le 128 ]; then break; fi',
+        "done",
+    ]
 
 
 def sbatch_flag(key: str, value: tp.Any) -> str:
@@ -92,13 +128,16 @@ class HetSlurmExecutor(_slurm.SlurmExecutor):
             default the current interpreter.
         render_only: skip submitit's check that ``srun`` is on PATH, for rendering the script on a machine
             without Slurm (:meth:`render`); such an executor must not submit.
+        forward_signal: name of the preemption signal (``USR2``) the batch shell traps and passes on to the
+            step (:func:`forward_signal_lines`); None: submitit's plain foreground ``srun``.
     """
 
     job_class = HetSlurmJob
 
     def __init__(self, folder: tp.Union[str, Path], components: tp.Sequence[tp.Mapping[str, tp.Any]] = (),
                  extra_sbatch: tp.Sequence[str] = (), max_num_timeout: int = 3,
-                 python: tp.Optional[str] = None, render_only: bool = False) -> None:
+                 python: tp.Optional[str] = None, render_only: bool = False,
+                 forward_signal: tp.Optional[str] = None) -> None:
         if render_only:  # SlurmExecutor.__init__ minus its "is srun on PATH" check
             core.PicklingExecutor.__init__(self, folder, max_num_timeout=max_num_timeout)
             self.python = shlex.quote(sys.executable) if python is None else python
@@ -107,13 +146,26 @@ class HetSlurmExecutor(_slurm.SlurmExecutor):
         self.render_only = render_only
         self.components = [dict(c) for c in components]
         self.extra_sbatch = list(extra_sbatch)
+        self.forward_signal = forward_signal
         self.always_array = False
         """Submit an array submission of one item as a one-task array too (``hpcrl sweep`` sets it)."""
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         text = super()._make_submission_file_text(command, uid)
+        if self.forward_signal is not None:
+            text = self._with_forwarding(text)
         lines = [f"#SBATCH {line}" for line in self.extra_sbatch] + het_lines(self.components)
         return insert_after_last_sbatch(text, lines) if lines else text
+
+    def _with_forwarding(self, text: str) -> str:
+        """submitit's script with its ``srun`` line run under :func:`forward_signal_lines`."""
+        rows = text.split("\n")
+        if SUBMITIT_COMMAND_MARK not in rows or "teardown" in self.parameters:
+            raise ValueError("cannot forward the signal: submitit's script has no single srun command "
+                             "(or has a teardown)")
+        i = rows.index(SUBMITIT_COMMAND_MARK) + 1
+        rows[i:i + 1] = forward_signal_lines(rows[i], self.forward_signal) + ['exit "$hpcrl_rc"']
+        return "\n".join(rows)
 
     def _internal_process_submissions(self, delayed_submissions: tp.List[utils.DelayedSubmission]
                                       ) -> tp.List[core.Job[tp.Any]]:
@@ -141,7 +193,8 @@ class HetSlurmExecutor(_slurm.SlurmExecutor):
             pickle_paths.append(pickle_path)
         n = len(delayed_submissions)
         array_ex = type(self)(self.folder, extra_sbatch=self.extra_sbatch,
-                              max_num_timeout=self.max_num_timeout, python=self.python)
+                              max_num_timeout=self.max_num_timeout, python=self.python,
+                              forward_signal=self.forward_signal)
         array_ex.update_parameters(**self.parameters)
         array_ex.parameters["map_count"] = n
         self._throttle()

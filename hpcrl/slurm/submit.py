@@ -114,7 +114,11 @@ def prepare_config(config: str | os.PathLike | Config | None, overrides: Iterabl
     cwd = os.path.abspath(os.getcwd() if cwd is None else cwd)
     cfg.run.output_dir = os.path.normpath(os.path.join(cwd, cfg.run.output_dir))
     cfg = slurm_config(cfg)
-    return cfg, plan_job(cfg)
+    plan = plan_job(cfg)
+    from hpcrl.data.sources import check_data
+
+    check_data(cfg)  # every data row, before anything is queued (remembered across a sweep's points)
+    return cfg, plan
 
 
 def submitit_parameters(plan: JobPlan, run_dir: str | os.PathLike, cwd: str | os.PathLike) -> dict[str, Any]:
@@ -163,7 +167,8 @@ def make_executor(cfg: Config, plan: JobPlan, run_dir: str | os.PathLike, cwd: s
     py = shell_join(prefix + ["python3"]) if prefix else (python or shlex.quote(sys.executable))
     components = [group_flags(plan, plan.rollout)] if plan.rollout is not None else []
     ex = HetSlurmExecutor(Path(run_dir) / SUBMITIT_DIR, components=components, extra_sbatch=plan.extra_sbatch,
-                          max_num_timeout=MAX_TIME_LIMIT_REQUEUES, python=py, render_only=render_only)
+                          max_num_timeout=MAX_TIME_LIMIT_REQUEUES, python=py, render_only=render_only,
+                          forward_signal=plan.signal_name)
     ex.update_parameters(**submitit_parameters(plan, run_dir, cwd))
     return ex
 

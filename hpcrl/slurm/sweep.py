@@ -278,7 +278,7 @@ class SweepPlan:
 
 
 def _point_error(name: str, e: ConfigError) -> ConfigError:
-    return ConfigError(e.field, e.value, f"sweep point {name!r}: {e.problem}", e.fix)
+    return type(e)(e.field, e.value, f"sweep point {name!r}: {e.problem}", e.fix)  # keeps a data error's shape
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> None:
@@ -356,6 +356,9 @@ def plan_sweep(config: str | os.PathLike | None, overrides: Iterable[str] = (),
     base_error: Optional[ConfigError] = None
     try:
         base = load_config(config, overrides + _nprocs_override(config, overrides))
+        from hpcrl.data.sources import check_data
+
+        check_data(base)  # a bad data row of the base is the base's error, not every point's
     except ConfigError as e:
         # The base is never run, only its points: a base that is invalid as it stands (num_rollout below
         # lr_warmup_steps, with num_rollout swept) is fine when every point is valid. Its sweep section and

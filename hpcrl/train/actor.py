@@ -21,7 +21,10 @@ loop do for one rollout:
 6. metrics summed over micro-batches and data-parallel ranks, and slime's ``--ci-test`` gates.
 
 Sizes: ``N`` samples per rollout (every rank gets all of them), ``dp`` data-parallel ranks, ``S`` =
-``train.num_steps_per_rollout``. ``N`` must be a multiple of ``dp * S``. The global batch of step ``s`` is
+``train.num_steps_per_rollout``. ``N`` must be a multiple of ``dp * S``; it need not be ``rollout.batch_size x
+n_samples_per_prompt`` (nor ``S x train.global_batch_size``): when the dynamic filter starves, the loop hands
+over the kept groups, as many as split into ``dp * S`` (the others wait for the next rollout), and each step
+is then a smaller global batch with the same loss normalisation. The global batch of step ``s`` is
 the contiguous ``s``-th ``N/S`` of the samples (Megatron's global batch), and rank ``r`` trains on the
 contiguous ``r``-th ``N/(dp*S)`` of it. So which samples a step trains on does not depend on the parallel
 layout, and a rollout gives the same result at any TP x DP (up to rounding). slime partitions over DP ranks

@@ -1,35 +1,48 @@
 """The main job on real input: the README's quickstart command from a fresh folder (no cached models) on the
-CPU. The tiny Qwen2 is created, warm-started by SFT to about 30-40% greedy accuracy on 500 held-out 3-digit
-additions, then trained by GRPO through the real loop (CPU engine, Megatron trainer, weight sync) until
-greedy accuracy is at least 60% (issue #3, point 8)."""
+CPU. The tiny Qwen2 is created, warm-started by SFT until its greedy accuracy on 500 held-out 3-digit additions
+reaches ``sft.target_accuracy`` (checked every ``sft.eval_interval`` steps), then trained by GRPO through the
+real loop (CPU engine, Megatron trainer, weight sync) (issue #9 points 1 and 2).
+
+Nothing here is a CPU-specific constant: the SFT's stopping step and the exact accuracies move with the CPU's
+rounding; what is asserted is that SFT stopped at the first eval that met the target, that the engine measures
+the model SFT left, and that RL rises to >= 60% and >= 15 points over its start. The five-seed table is a
+benchmark (``benchmarks/quickstart_seeds.py``), not a test.
+"""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import yaml
 
 
 @pytest.mark.slow
 def test_quickstart_learns_from_a_fresh_folder(quickstart_run):
     tmp_path, seconds, out = quickstart_run.folder, quickstart_run.seconds, quickstart_run.output
     assert quickstart_run.returncode == 0, out[-3000:]
+    cfg = yaml.safe_load((tmp_path / "quickstart.yaml").read_text())
 
-    sft = [json.loads(line) for line in
-           (tmp_path / ".cache/models/tiny-qwen2-addition-sft/sft_metrics.jsonl").read_text().splitlines()]
-    sft_acc = [r["eval_accuracy"] for r in sft if "eval_accuracy" in r]
+    sft = [json.loads(line) for line in (quickstart_run.sft_model / "sft_metrics.jsonl").read_text().splitlines()]
+    sft_evals = [(r["step"], r["eval_accuracy"]) for r in sft if "eval_accuracy" in r]
+    target, interval = cfg["sft"]["target_accuracy"], cfg["sft"]["eval_interval"]
     run = tmp_path / "runs" / "quickstart"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], round(r["eval/accuracy"], 3)) for r in rows if "eval/accuracy" in r]
-    print(f"quickstart: {seconds:.0f} s from a fresh folder; SFT curve {sft_acc}; GRPO eval curve {curve}")
+    print(f"quickstart: {seconds:.0f} s from a fresh folder; SFT evals {sft_evals}; GRPO eval curve {curve}")
+
+    # SFT ends on accuracy: every eval before the last is below the target, the last meets it, at the interval.
+    assert [s for s, _ in sft_evals] == list(range(0, sft_evals[-1][0] + 1, interval))
+    assert all(a < target for _, a in sft_evals[:-1]) and sft_evals[-1][1] >= target, sft_evals
+    assert sft_evals[-1][0] < cfg["sft"]["steps"], "SFT hit its step cap instead of the target"
 
     start, final = curve[0][1], curve[-1][1]
-    assert curve[0][0] == -1 and start == pytest.approx(sft_acc[-1], abs=0.02)  # engine eval == SFT's own
-    assert 0.25 <= start <= 0.45, f"SFT warm start at {start}, expected about 30-40%"
+    assert curve[0][0] == -1 and start == pytest.approx(sft_evals[-1][1], abs=0.02)  # engine eval == SFT's own
     assert final >= 0.60, f"greedy accuracy {start} -> {final} after {curve[-1][0] + 1} GRPO steps: {curve}"
+    assert final >= start + 0.15, f"greedy accuracy rose only {start} -> {final}: {curve}"
     steps = [r for r in rows if r["step"] >= 0]
-    assert [r["step"] for r in steps] == list(range(700))
+    assert [r["step"] for r in steps] == list(range(cfg["run"]["num_rollout"]))
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-3 for r in steps)
     assert (run / "curves.png").stat().st_size > 0 and (run / "config.yaml").exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("iter_")) == \
-        ["iter_0000699"]
+        [f"iter_{cfg['run']['num_rollout'] - 1:07d}"]

@@ -94,3 +94,51 @@ def test_sft_is_deterministic_and_cached(tmp_path):
 
 # The quickstart's own SFT numbers (600 steps to about 39% greedy) are asserted by tests/e2e/test_quickstart.py,
 # which runs it from a fresh folder through the README command.
+
+
+def test_sft_stops_at_the_first_eval_that_meets_the_target(tmp_path):
+    """``sft.target_accuracy``: training stops at the first eval at or above it (evals every ``eval_interval``
+    steps), whatever step that is; ``sft.steps`` is only the cap. ``evaluate`` replays a scripted curve so the
+    stopping rule is checked without depending on where a CPU's rounding puts the real curve."""
+    from hpcrl.models.hf import ensure_model, load_hf_model
+    from hpcrl.sft import _train
+
+    cfg = _cfg(tmp_path, "unused", steps=1000)
+    cfg.sft.target_accuracy, cfg.sft.eval_interval = 0.35, 3
+    model, tok = load_hf_model(ensure_model(cfg.model, seed=1), dtype="float32")
+    demos = build_demonstrations(tok, [{"prompt": f"{a}+1=", "label": a + 1} for a in range(100, 140)])
+    curve = iter([0.0, 0.05, 0.2, 0.349, 0.36, 0.9])
+    rows: list[dict] = []
+    cfg.sft.batch_size = 8
+    _train(model, demos, cfg.sft, cfg.sft.eval_interval, lambda: next(curve), rows.append, seed=1)
+    evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
+    assert evals == [(0, 0.0), (3, 0.05), (6, 0.2), (9, 0.349), (12, 0.36)]
+    assert max(r["step"] for r in rows) == 12
+
+
+@pytest.mark.slow
+def test_sft_cache_key_retrains_when_the_inputs_change(tmp_path):
+    """The cached SFT folder is reused only for the same base model, data, seed and recipe (``sft_key.json``);
+    another seed or target trains again into the same folder and the key follows."""
+    from hpcrl.sft import KEY_FILENAME, cache_key
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    cfg = _cfg(tmp_path, "sft", steps=4, num_eval=16)
+    out = run_sft(cfg)
+    key = json.loads((out / KEY_FILENAME).read_text())
+    assert key == json.loads(json.dumps(cache_key(cfg, tmp_path / "base")))
+    first = _metrics(out)
+
+    assert run_sft(_cfg(tmp_path, "sft", steps=4, num_eval=16)) == out and _metrics(out) == first  # cache hit
+
+    other = _cfg(tmp_path, "sft", steps=4, num_eval=16, seed=99)  # same base folder, another seed
+    run_sft(other)
+    assert json.loads((out / KEY_FILENAME).read_text())["seed"] == 99
+    assert _metrics(out) != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "sft"]  # no temp or stale folders left
+
+    changed = _cfg(tmp_path, "sft", steps=4, num_eval=16, seed=99)
+    changed.sft.target_accuracy = 0.5
+    assert cache_key(changed, tmp_path / "base") != cache_key(other, tmp_path / "base")
+    (tmp_path / "base" / "config.json").write_text((tmp_path / "base" / "config.json").read_text() + " ")
+    assert cache_key(other, tmp_path / "base") != json.loads((out / KEY_FILENAME).read_text())

@@ -53,12 +53,22 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_loop_runs_with_gates_phases_and_checkpoints(tmp_path):
-    # deterministic mode turns on slime's CI gates inside the trainer (first-step ppo_kl, rollout-0 ref diff)
-    out = run_hpcrl(tmp_path, "gates", "run.deterministic=true", "algorithm.use_kl_loss=true",
-                    "algorithm.kl_loss_coef=0.001")
+# deterministic mode turns on slime's CI gates inside the trainer (first-step ppo_kl, rollout-0 ref diff)
+DETERMINISTIC = ("run.deterministic=true", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.001")
+
+
+@pytest.fixture(scope="module")
+def gates_run(tmp_path_factory):
+    """One deterministic run (CI gates on, with a KL loss): checked by the gates test, and the first of the two
+    same-seed runs of the bitwise test (the second runs in the same folder, on the same tiny model)."""
+    tmp = tmp_path_factory.mktemp("loop-gates")
+    out = run_hpcrl(tmp, "gates", *DETERMINISTIC)
     assert out.returncode == 0, out.log[-3000:]
-    run_dir = tmp_path / "runs" / "gates"
+    return tmp
+
+
+def test_loop_runs_with_gates_phases_and_checkpoints(gates_run):
+    run_dir = gates_run / "runs" / "gates"
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [-1, 0, 1, 2]
     steps = rows[1:]
@@ -110,13 +120,16 @@ def test_resume_continues_after_the_last_checkpoint(tmp_path):
     assert state["rollout_id"] == 3 and state["data_source"]["sample_counter"] == 4 * 4 * 4
 
 
-def test_same_seed_gives_bitwise_identical_weights(tmp_path):
+def test_same_seed_gives_bitwise_identical_weights(gates_run):
+    """The gates run and a second run of the same config and seed (both with OMP_NUM_THREADS=1, run_hpcrl's)
+    export bitwise-equal weights."""
     from safetensors.torch import load_file
 
+    tmp_path = gates_run
+    out = run_hpcrl(tmp_path, "det-b", *DETERMINISTIC)
+    assert out.returncode == 0, out.log[-3000:]
     exported = []
-    for name in ("det-a", "det-b"):
-        out = run_hpcrl(tmp_path, name, "run.deterministic=true")
-        assert out.returncode == 0, out.log[-3000:]
+    for name in ("gates", "det-b"):
         hf = tmp_path / f"{name}-hf"
         conv = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-hf",
                                str(tmp_path / "runs" / name), str(hf)], capture_output=True, text=True,

@@ -43,11 +43,13 @@ checkpoint: {{save_interval: 0, keep_last: 2}}
     return cfg
 
 
-def start(tmp_path: Path, name: str, *overrides: str) -> subprocess.Popen:
-    """``hpcrl run`` of :func:`write_config`'s run as ``run.name=name``; output in ``tmp_path/<name>.log``."""
+def start(tmp_path: Path, name: str, *overrides: str, threads: int = 1) -> subprocess.Popen:
+    """``hpcrl run`` of :func:`write_config`'s run as ``run.name=name`` with ``threads`` torch threads in the
+    trainer and the engine (``OMP_NUM_THREADS``; the float result depends on it on some CPUs); output in
+    ``tmp_path/<name>.log``."""
     cfg = write_config(tmp_path)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS=str(threads))
     log = open(tmp_path / f"{name}.log", "ab")  # a file: torch's shm manager keeps pipes open
     return subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), f"run.name={name}", *overrides],
                             cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -110,13 +112,24 @@ def run_state(run_dir: Path) -> str:
     return collect_status([run_dir], lambda argv: None)[0].state
 
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def weights(tmp_path: Path, name: str) -> dict:
+    """The weights of run ``name``'s newest checkpoint, exported to HF by what ``hpcrl convert mcore-to-hf RUN
+    DIR`` runs (``convert_run_checkpoint``), in this process: a subprocess per export paid the imports of torch,
+    megatron-core and transformers each time (the command line itself is tested in tests/integration/test_loop.py
+    and test_checkpoint.py). Exporting copies tensors, no arithmetic: thread counts do not matter here."""
     from safetensors.torch import load_file
 
+    from hpcrl.convert import convert_run_checkpoint
+
     hf = tmp_path / f"{name}-hf"
-    conv = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-hf", str(tmp_path / "runs" / name),
-                           str(hf)], capture_output=True, text=True, timeout=300, check=False)
-    assert conv.returncode == 0, conv.stderr[-2000:]
+    saved = {k: os.environ.pop(k) for k in DIST_VARS if k in os.environ}  # a world of 1 on a free port
+    try:
+        convert_run_checkpoint(tmp_path / "runs" / name, hf)
+    finally:
+        os.environ.update(saved)
     out = {}
     for f in sorted(hf.glob("*.safetensors")):
         out.update(load_file(f))

@@ -6,14 +6,21 @@ of the same config (bitwise-equal weights, the same samples trained in the same 
 signal, the checkpoint and the requeue lose nothing. The time-limit run is longer and checked for "every step
 once, every group once".
 
+Issue #9 point 9: the signal sent to the whole job (``scancel --signal=USR2 --full``), to the batch shell only
+(``--batch``), and a user's own sbatch script with ``--signal=B:USR2@N`` (preempted, so Slurm sends it now) each
+checkpoint, requeue and resume exactly; before the signal, no process of the job (batch shell, srun, trainer,
+router, engine, checkpoint-writer children) would die of it, and after it no step of the job ended by it.
+
 The run is the deterministic over-sampling config of ``test_preemption_local.py`` (12 groups submitted for 4,
-nonzero-std filter: the data buffer holds finished and aborted groups across the restart).
+nonzero-std filter: the data buffer holds finished and aborted groups across the restart). The reference runs
+with the job's torch threads (``THREADS``): on some CPUs (AVX2-only) 1 and 2 threads give different floats.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,20 +30,24 @@ import numpy as np
 import pytest
 
 from hpcrl.slurm.state import FINAL_STATES, query_states
-from tests.integration.test_preemption_local import (STEPS, finish, start, steps_done, trained, weights,
-                                                     write_config)
+from tests.integration.test_preemption_local import (STEPS, _cmdline, descendants, finish, start, steps_done,
+                                                     trained, weights, write_config)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm, pytest.mark.timeout(900)]
 
 HPCRL = Path(sys.executable).with_name("hpcrl")
-SLURM = ["slurm.cpus_per_task=2", "slurm.time=00:10:00", "slurm.signal=USR2@60", "slurm.requeue=true"]
+THREADS = 2
+"""Torch threads of the job's trainer (``SLURM_CPUS_PER_TASK``) and engine (``OMP_NUM_THREADS``), and of the
+local reference run: bitwise comparisons need the same thread counts on both sides."""
+SLURM = [f"slurm.cpus_per_task={THREADS}", "slurm.time=00:10:00", "slurm.signal=USR2@60", "slurm.requeue=true"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run, locally (``hpcrl run``): exported weights and trained-sample rows."""
+    """The uninterrupted run, locally (``hpcrl run``) with the job's threads: exported weights and trained-sample
+    rows."""
     tmp = tmp_path_factory.mktemp("slurm-preempt-ref")
-    proc = start(tmp, "ref")
+    proc = start(tmp, "ref", threads=THREADS)
     assert finish(proc) == 0, (tmp / "ref.log").read_text()[-3000:]
     return weights(tmp, "ref"), trained(tmp, "ref")
 
@@ -44,12 +55,16 @@ def reference(tmp_path_factory):
 @pytest.fixture
 def work(tmp_path, monkeypatch, slurm_cluster):
     """Submit directory with the run config and the reward module; the job inherits PYTHONPATH and
-    OMP_NUM_THREADS=1 (the same threads as the reference run)."""
+    OMP_NUM_THREADS=THREADS (the same threads as the reference run)."""
     write_config(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    return tmp_path
+    monkeypatch.setenv("OMP_NUM_THREADS", str(THREADS))
+    yield tmp_path
+    queued = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True, timeout=30).stdout
+    left = [line.split()[0] for line in queued.splitlines() if line.split()[1:] == [str(tmp_path)]]
+    if left:  # a failed test leaves no job behind
+        subprocess.run(["scancel", *left], timeout=30)
 
 
 def submit(work: Path, name: str, *overrides: str) -> tuple[str, Path]:
@@ -62,8 +77,8 @@ def submit(work: Path, name: str, *overrides: str) -> tuple[str, Path]:
 
 def job_log(run_dir: Path, tail: int = 3000) -> str:
     """The task logs of every attempt (Slurm appends on requeue), the last ``tail`` characters of each."""
-    return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-tail:]}"
-                     for p in sorted((run_dir / "submitit").glob("*_log.*")))
+    logs = sorted((run_dir / "submitit").glob("*_log.*")) + sorted((run_dir / "logs").glob("slurm-*.out"))
+    return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-tail:]}" for p in logs)
 
 
 def wait_steps(job_id: str, run_dir: Path, n: int, timeout: float = 300) -> None:
@@ -172,3 +187,105 @@ def test_time_limit_requeues_and_completes(work):
     sacct = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job_id], capture_output=True,
                            text=True, timeout=30).stdout.split()
     assert "TIMEOUT" not in sacct, sacct  # it left before the limit each time
+
+
+# ---------------------------------------------------------------------------- issue #9 point 9: who gets USR2
+def _full_cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def job_processes(job_id: str) -> dict[int, str]:
+    """PID -> command line of every process of the job on this machine: the descendants of its slurmstepds
+    (``slurmstepd: [ID.batch]``, ``[ID.0]``, ...; the fake nodes are local)."""
+    stepds = [int(p.name) for p in Path("/proc").iterdir()
+              if p.name.isdigit() and _cmdline(int(p.name)).startswith(f"slurmstepd: [{job_id}.")]
+    return {pid: _full_cmdline(pid) for s in stepds for pid in descendants(s)}
+
+
+def _sigmasks(status_file: Path) -> dict[str, int]:
+    rows = dict(line.split(":", 1) for line in status_file.read_text().splitlines() if ":" in line)
+    return {k: int(rows[k], 16) for k in ("SigBlk", "SigIgn", "SigCgt")}
+
+
+SIGTIMEDWAIT = {"x86_64": 128, "aarch64": 137}.get(os.uname().machine)
+"""Syscall number of rt_sigtimedwait: a thread in it (srun's signal thread) takes the signals it waits for, which
+show as unblocked in its mask meanwhile."""
+
+
+def dies_of(pid: int, signum: int) -> bool:
+    """Whether ``signum`` sent to process ``pid`` would terminate it: not ignored, no handler, and some thread
+    neither blocks it nor waits for it in ``sigwait`` (a process-directed signal goes to any thread that does not
+    block it). False if the process has exited."""
+    bit = 1 << (signum - 1)
+    try:
+        masks = _sigmasks(Path(f"/proc/{pid}/status"))
+        if (masks["SigIgn"] | masks["SigCgt"]) & bit:
+            return False
+        for t in Path(f"/proc/{pid}/task").iterdir():
+            if not _sigmasks(t / "status")["SigBlk"] & bit:
+                call = (t / "syscall").read_text().split()
+                if not (call and call[0] == str(SIGTIMEDWAIT)):
+                    return True
+        return False
+    except OSError:
+        return False
+
+
+def check_no_process_dies_of_usr2(job_id: str) -> None:
+    """Every process of the running job survives USR2: it blocks, ignores or handles it."""
+    procs = job_processes(job_id)
+    kinds = " ".join(procs.values())
+    assert any("/bin/bash" in c or c.startswith("bash") for c in procs.values()), procs  # the batch shell
+    assert "router" in kinds and "hpcrl.engine.server" in kinds, procs  # the router renames itself
+    doomed = [cmd[:200] for pid, cmd in procs.items() if dies_of(pid, signal.SIGUSR2)]
+    assert not doomed, f"these processes of job {job_id} would die of USR2: {doomed}"
+
+
+def check_no_step_ended_by_usr2(job_id: str) -> None:
+    """sacct, every step of every attempt (batch shell, trainer, rollout step): no exit code names SIGUSR2."""
+    rows = subprocess.run(["sacct", "-n", "-D", "-P", "-o", "JobID,State,ExitCode", "-j", job_id],
+                          capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+    assert any(".batch" in r for r in rows) and any(r.split("|")[0].endswith(".0") for r in rows), rows
+    assert not [r for r in rows if r.split("|")[2].split(":")[1] == str(int(signal.SIGUSR2))], rows
+
+
+@pytest.mark.parametrize("scope", ["full", "batch"])
+def test_usr2_to_the_batch_shell_too_checkpoints_requeues_and_resumes_exactly(work, reference, scope):
+    """``scancel --signal=USR2 --full`` (batch shell, srun and every step) and ``--batch`` (the batch shell
+    only): the shell's trap passes it on to the trainer step; nothing of the job dies of it."""
+    job_id, run_dir = submit(work, f"usr2-{scope}", "checkpoint.save_interval=1")  # writer children exist
+    wait_steps(job_id, run_dir, 2)
+    check_no_process_dies_of_usr2(job_id)
+    subprocess.run(["scancel", "--signal=USR2", f"--{scope}", job_id], check=True, timeout=30)
+    finish_and_check(work, job_id, run_dir, reference)
+    log = job_log(run_dir, tail=10**6)
+    assert "the batch shell got SIGUSR2" in log and "(signal)" in log and "requeueing job" in log
+    check_no_step_ended_by_usr2(job_id)
+
+
+def test_own_sbatch_with_batch_signal_preempted_resumes_exactly(work, reference):
+    """A user's own sbatch script (the plain template, ``--signal=B:USR2@60``: Slurm signals the batch shell
+    only) preempted by the ``urgent`` partition (``preempt_send_user_signal``: the signal comes at once)."""
+    out = subprocess.run([str(HPCRL), "submit", "run.yaml", "run.name=bsig", *SLURM, "--plain", "--dry-run"],
+                         cwd=work, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    run_dir = work / "runs" / "bsig"
+    script = (run_dir / "submission.sbatch").read_text()
+    assert "#SBATCH --signal=USR2@60\n" in script
+    (run_dir / "own.sbatch").write_text(script.replace("--signal=USR2@60", "--signal=B:USR2@60"))
+    job_id = subprocess.run(["sbatch", "--parsable", str(run_dir / "own.sbatch")], cwd=work, capture_output=True,
+                            text=True, timeout=60, check=True).stdout.strip()
+    wait_steps(job_id, run_dir, 2)
+    check_no_process_dies_of_usr2(job_id)
+    node = node_of(job_id)
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "-c", str(THREADS), "-t", "1",
+                             "-o", str(work / "urgent.out"), "--wrap", "sleep 5"],
+                            capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    finish_and_check(work, job_id, run_dir, reference)
+    assert wait_final(urgent, work) == "COMPLETED"
+    log = job_log(run_dir, tail=10**6)
+    assert "the batch shell got SIGUSR2" in log and "(signal)" in log, log
+    check_no_step_ended_by_usr2(job_id)

@@ -233,6 +233,22 @@ def test_micro_batch_size_does_not_change_the_step(tp1, tiny_model_dir, samples)
             assert results[mbs][key] == pytest.approx(results[4][key], rel=1e-5, abs=1e-7), (mbs, key)
 
 
+def test_a_short_rollout_trains_like_a_smaller_batch(tp1, tiny_model_dir, samples):
+    """A starving filter hands over 3 of ``rollout.batch_size=4`` groups: the actor trains them in the configured
+    number of optimizer steps (smaller global batches, uneven micro-batches), bitwise as a run of batch size 3."""
+    short = samples[: 3 * N]
+    results = []
+    for batch_size in (4, 3):
+        parallel.model_parallel_cuda_manual_seed(5)
+        actor = Actor(make_config(**{"rollout.batch_size": batch_size, "train.num_steps_per_rollout": 2}),
+                      tiny_model_dir)
+        results.append((actor.train(0, short), weights_of(actor)))
+    (m4, w4), (m3, w3) = results
+    assert m4["train/num_steps"] == 2 and m4["train/grad_norm"] > 0 and m4["train/entropy"] > 0
+    assert m4["train/grad_norm"] == m3["train/grad_norm"]
+    assert all(torch.equal(w4[k], w3[k]) for k in w4)
+
+
 @pytest.fixture
 def deterministic():
     yield

@@ -105,6 +105,8 @@ BAD = [
      ["num_steps_per_rollout=1", "64 samples"]),
     ("derived-gbs-vs-micro", M + "rollout: {batch_size: 4}\n", [], "train.micro_batch_size", 64,
      ["global batch of 32"]),
+    ("filter-starved-choice", M + "rollout: {on_filter_starved: stop}\n", [], "rollout.on_filter_starved",
+     "stop", ["must be one of 'train', 'error'"]),
     ("over-sampling-too-small", M + "rollout: {over_sampling_batch_size: 4}\n", [],
      "rollout.over_sampling_batch_size", 4, [">= rollout.batch_size=8"]),
     ("zero-batch", M + "rollout: {batch_size: 0}\n", [], "rollout.batch_size", 0, ["must be > 0"]),
@@ -258,7 +260,8 @@ def test_quickstart_values():
     cfg = load_config(REPO / "configs" / "quickstart.yaml")
     assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 700, "addition")
     assert (cfg.sft.enabled, cfg.sft.output, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr) == (
-        True, ".cache/models/tiny-qwen2-addition-sft", 600, 256, 3e-3)
+        True, ".cache/models/tiny-qwen2-addition-sft", 3000, 256, 3e-3)
+    assert (cfg.sft.target_accuracy, cfg.sft.eval_interval) == (0.35, 10)  # SFT ends on accuracy (issue #9)
     assert (cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens) == (8, 8, 8)
     assert cfg.rollout.dynamic_filter == "nonzero_std" and cfg.train.lr == 1.5e-4
     assert (cfg.train.lr_warmup_steps, cfg.train.lr_decay_style, cfg.train.lr_decay_steps) == (50, "cosine", 700)

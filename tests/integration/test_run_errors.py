@@ -1,0 +1,135 @@
+"""`hpcrl run` stopping on an error it knows prints one line naming the cause and the attempt log that holds the
+traceback, and exits non-zero; an unexpected error keeps its traceback (hpcrl.errors). Real runs of the tiny
+model: the engine, the router and the Megatron trainer are the real ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+PLUGINS = '''
+def broken_reward(args, sample):
+    return 1 / 0
+'''
+
+
+def hpcrl_run(tmp_path: Path, name: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`hpcrl run` of a tiny config as a user runs it; stdout+stderr in `.log` (a file: helpers keep pipes open)."""
+    (tmp_path / "err_plugins.py").write_text(PLUGINS)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(textwrap.dedent(f"""
+        run: {{name: {name}, output_dir: {tmp_path / 'runs'}, num_rollout: 1, seed: 3}}
+        model: {{path: {tmp_path / 'tiny'}, create: tiny-qwen2, tiny_hidden_size: 32, tiny_num_layers: 1,
+                tiny_intermediate_size: 64}}
+        data: {{source: addition, num_train: 50, num_eval: 4}}
+        sft: {{enabled: false}}
+        rollout: {{batch_size: 2, n_samples_per_prompt: 2, max_new_tokens: 3, eval_interval: 0}}
+        train: {{micro_batch_size: 4}}
+    """))
+    log = tmp_path / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
+    with open(log, "ab") as f:
+        out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path,
+                             stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
+    out.log = log.read_text()
+    return out
+
+
+def one_error_line(out, tmp_path: Path, name: str, cause: str) -> Path:
+    """The run's output has exactly one `hpcrl run: error: <cause>...; traceback in <log>` line and no traceback;
+    returns the log, which holds the traceback."""
+    assert out.returncode != 0, out.log[-3000:]
+    assert "Traceback" not in out.log and "[rank" not in out.log, out.log[-3000:]
+    lines = [x for x in out.log.splitlines() if x.startswith("hpcrl run: error: ")]
+    assert len(lines) == 1, out.log[-3000:]
+    m = re.fullmatch(r"hpcrl run: error: (.+); traceback in (\S+)", lines[0])
+    assert m and m.group(1).startswith(cause), lines[0]
+    log = tmp_path / m.group(2)
+    assert re.fullmatch(rf"runs/{name}/logs/attempt-\d+/trainer\.log", m.group(2)), m.group(2)
+    assert "Traceback (most recent call last)" in log.read_text()
+    return log
+
+
+def bad_data(tmp_path: Path) -> Path:
+    f = tmp_path / "bad.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8))
+                 + "{not json\n")
+    return f
+
+
+def test_data_error_in_process_and_in_local_workers(tmp_path):
+    f = bad_data(tmp_path)
+    out = hpcrl_run(tmp_path, "data1", f"data.source={f}")
+    one_error_line(out, tmp_path, "data1", f"DataError: {f}:9: bad JSON")
+    assert out.returncode == 2
+    # two local trainer processes: no worker traceback, no [rank0] noise, the same one line
+    out = hpcrl_run(tmp_path, "data2", f"data.source={f}", "train.nprocs=2", "train.micro_batch_size=2")
+    log = one_error_line(out, tmp_path, "data2", f"DataError: {f}:9: bad JSON")
+    assert out.returncode == 2 and "train_main" in log.read_text()
+    assert not list((tmp_path / "runs" / "data2" / "logs").glob(".worker-*"))
+
+
+def test_missing_model_folder(tmp_path):
+    out = hpcrl_run(tmp_path, "nomodel", f"model.path={tmp_path / 'absent'}", "model.create=")
+    assert out.returncode == 2 and "Traceback" not in out.log
+    assert out.log.strip().splitlines() == [f"config error: model.path={str(tmp_path / 'absent')!r}: no such "
+                                            "model folder; fix the path, or set model.create=tiny-qwen2 / gguf "
+                                            "to create it"]
+
+
+def test_engine_that_cannot_start(tmp_path):
+    out = hpcrl_run(tmp_path, "noengine", "sglang.max_running_requests=0")
+    log = one_error_line(out, tmp_path, "noengine", "ProcessStartError: engine")
+    assert out.returncode == 1
+    assert (log.parent / "engine-0.log").is_file()
+
+
+def test_unreadable_checkpoint_then_unexpected_error(tmp_path):
+    out = hpcrl_run(tmp_path, "ckpt")
+    assert out.returncode == 0, out.log[-3000:]
+    state = next((tmp_path / "runs" / "ckpt" / "checkpoints").glob("iter_*")) / "state.json"
+    state.write_bytes(b"\0" * state.stat().st_size)  # same size: passes the listing check, cannot be parsed
+    out = hpcrl_run(tmp_path, "ckpt", "run.num_rollout=2")
+    one_error_line(out, tmp_path, "ckpt", f"CheckpointError: {state.parent}: unreadable state.json (")
+    assert out.returncode == 1
+
+    # an unexpected error (a reward plug-in that divides by zero) keeps its traceback on the terminal
+    out = hpcrl_run(tmp_path, "zero", "rollout.reward_function=err_plugins.broken_reward")
+    assert out.returncode != 0
+    assert "Traceback (most recent call last)" in out.log and "ZeroDivisionError" in out.log
+    assert "hpcrl run: error:" not in out.log
+
+
+def test_slurm_entry_prints_one_line(tmp_path):
+    """The job's entry (what `hpcrl run-slurm` and submitit's SlurmEntry run in the allocation), outside Slurm:
+    one trainer task. A bad data row: one line on stderr (the job's .err log), the traceback in the attempt."""
+    from hpcrl.config import load_config, save_resolved
+
+    f = bad_data(tmp_path)
+    run_dir = tmp_path / "runs" / "job"
+    cfg = load_config(None, [f"run.name=job", f"run.output_dir={tmp_path / 'runs'}", f"data.source={f}",
+                             f"model.path={tmp_path / 'tiny'}", "model.create=tiny-qwen2", "model.tiny_hidden_size=32",
+                             "model.tiny_num_layers=1", "sft.enabled=false", "data.num_eval=2"])
+    save_resolved(cfg, run_dir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run-slurm", str(run_dir / "config.yaml")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    lines = [x for x in out.stderr.splitlines() if x.startswith("hpcrl job: error: ")]
+    assert lines == [f"hpcrl job: error: DataError: {f}:9: bad JSON (Expecting property name enclosed in double "
+                     "quotes at column 2); each line must be one JSON object (or set data.on_bad_row: skip); "
+                     "traceback in runs/job/logs/attempt-0/trainer.log"], out.stderr[-3000:]
+    assert "DataError" in (run_dir / "logs" / "attempt-0" / "trainer.log").read_text()

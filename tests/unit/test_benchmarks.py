@@ -1,0 +1,86 @@
+"""Every benchmark says which machine its figures belong to (issue #9 point 3): each script in benchmarks/
+calls ``benchmarks/machine.py``'s ``machine_header`` (printed as the first line of its table), and that line
+names the CPU model, its vector extensions (AVX2 / AVX-512 / AMX), the threads and the torch version.
+
+The scripts are read with ``ast``, not run: most need minutes, an engine or the local Slurm cluster.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name not in ("machine.py", "__init__.py"))
+
+
+def _machine():
+    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_machine", BENCHMARKS / "machine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _header_calls(tree: ast.AST) -> list[ast.Call]:
+    def name(func: ast.expr) -> str:
+        return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and name(n.func) == "machine_header"]
+
+
+def test_the_benchmarks_are_all_checked():
+    # vs_trl.py included: its header call comes from a parallel branch (issue #9), this test covers it too
+    assert {"engine_throughput.py", "preemption.py", "profile_actor.py", "slurm_overhead.py", "vs_trl.py",
+            "weight_sync.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_prints_the_machine_header(script):
+    tree = ast.parse((BENCHMARKS / script).read_text(), filename=script)
+    calls = _header_calls(tree)
+    assert calls, f"benchmarks/{script} does not call machine_header (benchmarks/machine.py)"
+    # the header must state the threads the measured processes use, not this process's default
+    assert any(any(k.arg == "threads" for k in c.keywords) for c in calls), \
+        f"benchmarks/{script}: machine_header(threads=...) missing"
+
+
+def test_header_names_cpu_vector_extensions_threads_and_torch():
+    m = _machine()
+    line = m.machine_header(threads=3, precision="float32")
+    assert line.startswith("# ") and "\n" not in line
+    assert m.cpu_model() in line
+    ext = m.vector_extensions()
+    assert all(e in line for e in ext)
+    assert "3 thread(s)" in line and f"torch {torch.__version__}" in line and "precision float32" in line
+    assert f"{torch.get_num_threads()} thread(s)" in m.machine_header()  # default: this process's threads
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+model name\t: {model}
+flags\t\t: fpu sse sse2 {flags}
+
+processor\t: 1
+model name\t: {model}
+flags\t\t: fpu sse sse2 {flags}
+"""
+
+
+@pytest.mark.parametrize("model, flags, ext, bf16", [
+    ("AMD EPYC 7B13 64-Core Processor", "avx avx2 fma", ["avx2"], "emulated"),
+    ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "avx2 avx512f avx512_bf16 amx_bf16 amx_tile",
+     ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"], "native"),
+    ("Some CPU", "sse4_2", [], "emulated"),
+])
+def test_header_tells_avx2_only_from_avx512_amx(tmp_path, monkeypatch, model, flags, ext, bf16):
+    m = _machine()
+    (tmp_path / "cpuinfo").write_text(CPUINFO.format(vendor="x", model=model, flags=flags))
+    monkeypatch.setattr(m, "Path", lambda _: tmp_path / "cpuinfo")
+    assert m.cpu_model() == model and m.vector_extensions() == ext
+    line = m.machine_header(threads=1)
+    assert f"CPU {model}" in line and f"bf16 {bf16}" in line and "1 thread(s)" in line
+    assert ("vector " + "/".join(ext)) in line if ext else "vector none of avx2" in line

@@ -1,0 +1,75 @@
+"""hpcrl.errors: which errors are known, their one line, where the traceback goes, the Slurm entry's status."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl import errors
+from hpcrl.checkpoint import CheckpointError
+from hpcrl.config import ConfigError, load_config, save_resolved
+from hpcrl.data.sources import DataError
+from hpcrl.models.hf import ModelFolderError
+from hpcrl.rollout.servers import ProcessStartError
+from hpcrl.slurm import entry
+from hpcrl.weights.common import WeightSyncError
+
+
+def test_known_errors_and_their_line():
+    assert errors.exit_code_of(DataError("d.jsonl", 2, "bad JSON", "fix it")) == errors.EXIT_CONFIG
+    assert errors.exit_code_of(ConfigError("data.source", "x", "bad", "fix")) == errors.EXIT_CONFIG
+    assert errors.exit_code_of(CheckpointError("iter_1: truncated")) == errors.EXIT_FAILED
+    assert errors.exit_code_of(ModelFolderError("no model")) == errors.EXIT_FAILED
+    assert errors.exit_code_of(WeightSyncError("http://h:1", "/update_weights_from_tensor", "timed out")) == \
+        errors.EXIT_FAILED
+    assert errors.exit_code_of(ZeroDivisionError()) is None
+    assert errors.exit_code_of(FileNotFoundError("x")) is None  # only the model folder's is known
+    assert errors.one_line(DataError("d.jsonl", 2, "bad JSON", "fix it")) == "DataError: d.jsonl:2: bad JSON; fix it"
+    e = ProcessStartError("engine http://h:1 exited with code 2", "line 1\nline 2")
+    assert errors.one_line(e) == "ProcessStartError: engine http://h:1 exited with code 2"
+
+
+def raising(exc):
+    def fn():
+        raise exc
+    return fn
+
+
+def test_traceback_goes_to_this_start_attempt(tmp_path, capsys):
+    (tmp_path / "logs" / "attempt-0").mkdir(parents=True)
+
+    def fails():
+        (tmp_path / "logs" / "attempt-1").mkdir()  # what the rollout controller makes at start
+        raise DataError("d.jsonl", 3, "bad JSON", "fix it")
+
+    assert errors.report_known("hpcrl run", tmp_path, fails) == 2
+    log = tmp_path / "logs" / "attempt-1" / "trainer.log"
+    assert capsys.readouterr().err == f"hpcrl run: error: DataError: d.jsonl:3: bad JSON; fix it; traceback in {log}\n"
+    assert "Traceback (most recent call last)" in log.read_text() and "def fails" not in log.read_text()
+    # failed before the attempt folder existed: a new one; rank 1 writes beside rank 0, making none
+    assert errors.report_known("x", tmp_path, raising(CheckpointError("c"))) == 1
+    assert (tmp_path / "logs" / "attempt-2" / "trainer.log").is_file()
+    assert errors.report_known("x", tmp_path, raising(ModelFolderError("m")), rank=1) == 1
+    assert (tmp_path / "logs" / "attempt-2" / "trainer-rank1.log").is_file()
+    with pytest.raises(ZeroDivisionError):
+        errors.report_known("x", tmp_path, raising(ZeroDivisionError("boom")))
+
+
+def test_slurm_entry_status_for_known_and_unexpected(tmp_path, monkeypatch, capsys):
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=r", "model.create=tiny-qwen2",
+                             f"model.path={tmp_path / 'm'}"])
+    path = save_resolved(cfg, tmp_path / "r")
+    (tmp_path / "boots.py").write_text("from hpcrl.data.sources import DataError\n"
+                                       "def bad(cfg, run_dir):\n    raise DataError('d.jsonl', 4, 'bad', 'fix')\n"
+                                       "def crash(cfg, run_dir):\n    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    monkeypatch.setenv(entry.BOOTSTRAP_ENV, "boots.bad")
+    assert entry.run_slurm(path) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpcrl job: error: DataError: d.jsonl:4: bad; fix; traceback in ") and err.count("\n") == 1
+    with pytest.raises(SystemExit) as ei:  # under submitit: the task ends with the status, no wrapper traceback
+        entry.SlurmEntry(path)()
+    assert ei.value.code == 2
+    monkeypatch.setenv(entry.BOOTSTRAP_ENV, "boots.crash")
+    with pytest.raises(ZeroDivisionError):
+        entry.run_slurm(path)
