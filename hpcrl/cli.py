@@ -61,8 +61,10 @@ def summarize(cfg: Config) -> list[str]:
         f"  weights:   {cfg.weights.method}",
     ]
     if cfg.sft.enabled:
-        lines.append(f"  sft:       {cfg.sft.steps} steps, batch {cfg.sft.batch_size}, lr {cfg.sft.lr} "
-                     f"-> {cfg.sft.output}")
+        s = cfg.sft
+        until = (f"until greedy accuracy >= {s.target_accuracy} (eval every {s.eval_interval} steps), at most "
+                 if s.target_accuracy is not None else "")
+        lines.append(f"  sft:       {until}{s.steps} steps, batch {s.batch_size}, lr {s.lr} -> {s.output}")
     if cfg.sweep.grid or cfg.sweep.num_random:
         grid = ", ".join(cfg.sweep.grid) or "-"
         lines.append(f"  sweep:     grid over {grid}; {cfg.sweep.num_random} random points")
