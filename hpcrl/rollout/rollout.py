@@ -327,10 +327,20 @@ def group_multiple(n_samples_per_prompt: int, dp_size: int, num_steps_per_rollou
 
 async def _abort_rest(ctx: RolloutContext, pending: list[tuple[asyncio.Task, list[Sample]]], data_source,
                      partial: bool) -> int:
-    """Abort in-flight groups on every engine, wait for them, and push them back to the data source."""
+    """Abort in-flight groups on every engine, wait for them, and push them back to the data source.
+
+    When the abort itself fails (an engine is gone), the in-flight groups are cancelled and awaited before the
+    error propagates, so no task is left with an exception nobody retrieves (asyncio would print one traceback
+    per group at exit, burying the run's own error line)."""
     if not pending:
         return 0
-    await ctx.client.abort_all()
+    try:
+        await ctx.client.abort_all()
+    except BaseException:
+        for task, _ in pending:
+            task.cancel()
+        await asyncio.gather(*(t for t, _ in pending), return_exceptions=True)
+        raise
     results = await asyncio.gather(*(t for t, _ in pending), return_exceptions=True)
     back = []
     for result, (_, group) in zip(results, pending):

@@ -103,3 +103,43 @@ def test_starving_filter_trains_on_the_kept_groups_or_raises(caplog):
         asyncio.run(generate_rollout(cfg, 4, DataSource(ITEMS, 2, seed=0), make_ctx(lambda g: g in (7, 40))))
     with pytest.raises(RuntimeError, match="kept 0 of 96"):  # nothing to train on, whatever the setting
         asyncio.run(generate_rollout(make_config(), 4, DataSource(ITEMS, 2, seed=0), make_ctx(lambda g: False)))
+
+
+def test_a_failed_abort_leaves_no_unretrieved_task_errors():
+    """An engine that died mid-rollout: the abort fails too. The in-flight groups are cancelled and awaited
+    before the error propagates, so asyncio has no 'Task exception was never retrieved' to print at exit (it
+    buried the job's one-line error under one traceback per group)."""
+    import asyncio
+    import gc
+
+    from hpcrl.rollout.client import RolloutError
+    from hpcrl.rollout.rollout import RolloutContext, _abort_rest
+
+    class DeadClient:
+        async def abort_all(self):
+            raise RolloutError("POST http://n1:1/abort_request failed: connection refused", "http://n1:1")
+
+    unretrieved = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx))
+
+        async def fails():
+            raise RolloutError("POST http://n1:1/generate failed: connection refused", "http://n1:1")
+
+        async def hangs():
+            await asyncio.sleep(3600)
+
+        pending = [(asyncio.ensure_future(fails()), []), (asyncio.ensure_future(hangs()), [])]
+        await asyncio.sleep(0)
+        ctx = RolloutContext(client=DeadClient(), tokenizer=None, reward_fn=None, generate_fn=None)
+        with pytest.raises(RolloutError, match="abort_request"):
+            await _abort_rest(ctx, pending, data_source=None, partial=False)
+        assert all(t.done() for t, _ in pending)
+        del pending
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    gc.collect()
+    assert unretrieved == []
