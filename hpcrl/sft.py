@@ -189,7 +189,7 @@ def _cached(out: Path, key: dict[str, Any]) -> bool:
         return False
 
 
-def run_sft(cfg: "Config", eval_interval: Optional[int] = None) -> Path:
+def run_sft(cfg: "Config") -> Path:
     """Supervised warm start of ``cfg.model`` on the task's demonstrations; returns the ``cfg.sft.output`` folder.
 
     :func:`~hpcrl.models.hf.ensure_model` creates the base model if needed. When ``sft.output`` exists with
@@ -199,7 +199,7 @@ def run_sft(cfg: "Config", eval_interval: Optional[int] = None) -> Path:
     cosine decay, see :func:`lr_at`) for at most ``sft.steps`` optimizer steps of ``sft.batch_size``
     demonstrations at peak lr ``sft.lr``. Greedy accuracy on the eval items (responses of at most
     ``rollout.max_new_tokens`` tokens, cut at eos and ``rollout.stop``) is measured before the first step, every
-    ``eval_interval`` (default ``sft.eval_interval``) steps and after the last; training stops at the first eval
+    ``sft.eval_interval`` steps and after the last; training stops at the first eval
     that reaches ``sft.target_accuracy``. The model (in
     ``model.dtype``), tokenizer and ``sft_metrics.jsonl`` (one JSON object per line: ``step``, ``loss`` in nats
     per label token, ``lr``, ``grad_norm``, ``elapsed_s`` in seconds since the start; eval lines have
@@ -225,7 +225,6 @@ def run_sft(cfg: "Config", eval_interval: Optional[int] = None) -> Path:
     out = Path(sft.output)
     if sft.steps < 1 or sft.batch_size < 1:
         raise ValueError(f"sft.steps ({sft.steps}) and sft.batch_size ({sft.batch_size}) must be >= 1")
-    eval_interval = eval_interval or sft.eval_interval
 
     t_start = time.perf_counter()
     base = ensure_model(cfg.model, seed=cfg.run.seed)
@@ -260,7 +259,7 @@ def run_sft(cfg: "Config", eval_interval: Optional[int] = None) -> Path:
 
             with torch.random.fork_rng():
                 torch.manual_seed(cfg.run.seed)
-                _train(model, demos, sft, eval_interval, evaluate, record, seed=cfg.run.seed)
+                _train(model, demos, sft, sft.eval_interval, evaluate, record, seed=cfg.run.seed)
         if cfg.model.dtype != "float32":
             model.to(getattr(torch, cfg.model.dtype))
         model.eval()
