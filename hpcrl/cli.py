@@ -28,11 +28,6 @@ def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _not_implemented(cmd: str, issue: str) -> int:
-    _err(f"hpcrl {cmd}: not implemented yet ({issue})")
-    return EXIT_ERROR
-
-
 def _exit_code(result: object) -> int:
     """An implementation's return value as an exit status: an int as is, anything else means success."""
     if isinstance(result, int) and not isinstance(result, bool):
@@ -282,13 +277,6 @@ def _cmd_run_slurm(ns: argparse.Namespace) -> int:
     from hpcrl.slurm.entry import run_slurm
 
     return _exit_code(run_slurm(ns.config))
-
-
-def _cmd_stub(issue: str) -> Callable[[argparse.Namespace], int]:
-    def handler(ns: argparse.Namespace) -> int:
-        return _not_implemented(ns.command, issue)
-
-    return handler
 
 
 # ------------------------------------------------------------------------------------------------------------

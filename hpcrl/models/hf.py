@@ -8,7 +8,6 @@ architecture. :func:`ensure_model` turns a ``model:`` config section into an exi
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -84,12 +83,6 @@ def load_hf_model(path: str | os.PathLike, dtype: str = "float32"):
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-
-def read_model_type(path: str | os.PathLike) -> str:
-    """``model_type`` from ``path/config.json`` without importing transformers. Raises FileNotFoundError."""
-    with open(Path(path) / "config.json") as f:
-        return json.load(f).get("model_type", "")
 
 
 def ensure_model(model_cfg: Any, seed: int = 0) -> Path:

@@ -1,14 +1,12 @@
 """Rewards: rule-based verifiers, a remote reward model, custom functions, and the resolver the loop uses.
 
-``get_reward_function(cfg, task)`` turns ``cfg.rollout.reward_function`` into one ``async fn(sample)``;
-``batched_rewards(fn, samples, concurrency)`` scores a batch and sets ``sample.reward``.
+``get_reward_function(cfg, task)`` turns ``cfg.rollout.reward_function`` into one ``async fn(sample)``.
 """
 
 from hpcrl.rewards.remote import RemoteRewardError, remote_rm
 from hpcrl.rewards.resolve import (
     BUILTIN_REWARDS,
     RewardFn,
-    batched_rewards,
     countdown_problem,
     get_reward_function,
     item_from_sample,
@@ -26,7 +24,6 @@ __all__ = [
     "BUILTIN_REWARDS",
     "RemoteRewardError",
     "RewardFn",
-    "batched_rewards",
     "countdown",
     "countdown_problem",
     "exact_match",

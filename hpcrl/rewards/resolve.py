@@ -15,9 +15,8 @@ Accepted values:
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Union
 
 from hpcrl.data.sample import Sample
 from hpcrl.plugins import load_function
@@ -126,19 +125,3 @@ def get_reward_function(cfg: "Config", task: Optional["Task"] = None) -> RewardF
 
     raise ValueError(f"rollout.reward_function: unknown reward {name!r}; "
                      f"known: {', '.join(BUILTIN_REWARDS)}, or a dotted import path 'pkg.module.rm'")
-
-
-async def batched_rewards(fn: RewardFn, samples: Sequence[Sample], concurrency: int = 64) -> list[Reward]:
-    """Score ``samples`` with at most ``concurrency`` calls of ``fn`` in flight; set and return each
-    ``sample.reward`` (in input order). The first exception of ``fn`` propagates. Raises ValueError if
-    ``concurrency < 1``."""
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(sample: Sample) -> Reward:
-        async with sem:
-            sample.reward = await fn(sample)
-            return sample.reward
-
-    return list(await asyncio.gather(*(one(s) for s in samples)))

@@ -53,13 +53,6 @@ def engine_sglang_args(cfg: Config) -> dict:
     return args
 
 
-def in_slurm_job() -> bool:
-    """True inside a Slurm allocation (``SLURM_JOB_ID`` set) where ``srun`` is on PATH."""
-    import shutil
-
-    return bool(os.environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
-
-
 def num_engines(cfg: Config) -> int:
     """Engines of the rollout step: ``rollout.num_engines`` colocated; one per node of het group 1 when
     disaggregated (``slurm.rollout.nodes``)."""

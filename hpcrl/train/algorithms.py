@@ -342,18 +342,6 @@ def tis_weights(old_logp_train: Tensor, rollout_logp: Tensor, tis_clip: float = 
     return w, metrics
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the softmax over the last dimension: ``-sum(p log p)``.
-
-    slime: ``compute_entropy_from_logits`` (vocab-parallel there). logits: ``[B, T, V]``. Returns ``[B, T]``
-    (differentiable; the entropy bonus needs the gradient).
-    """
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Reduction
 # ------------------------------------------------------------------------------------------------------------

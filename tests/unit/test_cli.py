@@ -129,14 +129,6 @@ def test_validate_no_check_files(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("OK:")
 
 
-def test_stub_handler_says_not_implemented(capsys):
-    import argparse
-
-    assert cli._cmd_stub("issue #99")(argparse.Namespace(command="frobnicate")) == 2
-    err = capsys.readouterr().err
-    assert "hpcrl frobnicate" in err and "not implemented yet" in err and "issue #99" in err
-
-
 @pytest.mark.parametrize("argv,msg", [
     (["sweep", "configs/nope.yaml"], "config error: <file>='configs/nope.yaml': no such config file"),
     (["sweep", "configs/nope", "--report"], "not a sweep folder"),

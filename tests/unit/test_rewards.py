@@ -16,7 +16,6 @@ from hpcrl.data.tasks import make_task
 from hpcrl.plugins import PluginError
 from hpcrl.rewards import (
     RemoteRewardError,
-    batched_rewards,
     countdown,
     exact_match,
     extract_answer_text,
@@ -157,25 +156,6 @@ def test_custom_dotted_rm(rm_module):
         get_reward_function(cfg_reward(f"{rm_module}.nope"))
 
 
-def test_batched_rewards_sets_rewards_with_bounded_concurrency():
-    in_flight = peak = 0
-
-    async def rm(sample):
-        nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        await asyncio.sleep(0.001)
-        in_flight -= 1
-        return float(sample.index)
-
-    samples = [Sample(index=i) for i in range(20)]
-    assert run(batched_rewards(rm, samples, concurrency=3)) == [float(i) for i in range(20)]
-    assert [s.reward for s in samples] == [float(i) for i in range(20)]
-    assert peak == 3
-    with pytest.raises(ValueError):
-        run(batched_rewards(rm, samples, concurrency=0))
-
-
 # ---------------------------------------------------------------------------------------------- remote rm
 
 
@@ -210,7 +190,7 @@ def test_remote_rm_retries_after_500_via_config():
             fn = get_reward_function(cfg_reward(f"remote_rm:{url}"))
             samples = [Sample(prompt="1+2=", label="3", response="3"),
                        Sample(prompt="1+1=", label="2", response="3")]
-            return await batched_rewards(fn, samples, concurrency=1)
+            return [await fn(s) for s in samples]
 
     assert run(main()) == [1.0, 0.0]
     assert len(seen) == 3  # one 500, its retry, the second sample
