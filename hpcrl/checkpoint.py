@@ -349,7 +349,7 @@ def _writer_queue_dies_with_us() -> None:
     ``multiprocessing`` manager server (spawn context, ~200 MB, ~2 s to start) for its write results and keeps
     it for the life of the process, and forks its writer workers. When the trainer is SIGKILLed (outside a Slurm step, whose cgroup is
     cleaned up) that server was orphaned and lived on: 20 killed runs left 4 GB of them. Started here with
-    ``PR_SET_PDEATHSIG`` (:func:`hpcrl.rollout.servers.die_with_parent`), it ends with the trainer. A no-op
+    ``PR_SET_PDEATHSIG`` (:func:`hpcrl.procs.die_with_parent`), it ends with the trainer. A no-op
     if the queue exists or this megatron-core version has no such queue.
     """
     import multiprocessing as mp
@@ -357,7 +357,7 @@ def _writer_queue_dies_with_us() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from hpcrl.rollout.servers import die_with_parent
+    from hpcrl.procs import die_with_parent
 
     if getattr(filesystem_async, "_results_queue", False) is not None:
         return

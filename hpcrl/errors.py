@@ -41,7 +41,7 @@ EXIT_CONFIG = 2
 
 _CONFIG_ERRORS = {"hpcrl.config.ConfigError", "hpcrl.data.sources.DataError"}
 _RUN_ERRORS = {
-    "hpcrl.rollout.client.RolloutError", "hpcrl.rollout.servers.ProcessStartError",
+    "hpcrl.rollout.client.RolloutError", "hpcrl.procs.ProcessStartError",
     "hpcrl.rollout.router.RouterError", "hpcrl.slurm.rollout_step.RolloutStepError",
     "hpcrl.models.hf.ModelFolderError", "hpcrl.checkpoint.CheckpointError", "hpcrl.plugins.PluginError",
     "hpcrl.weights.common.WeightSyncError",

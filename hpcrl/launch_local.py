@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hpcrl.procs import find_free_port
 
 
 def _worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, model_path: Path) -> None:
@@ -42,7 +37,7 @@ def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:
     from hpcrl.errors import worker_error
 
     n = cfg.train.nprocs
-    port = _free_port()
+    port = find_free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, n, port, cfg, run_dir, model_path), name=f"trainer-{r}")
              for r in range(n)]

@@ -349,7 +349,7 @@ class _Rollout:
         from hpcrl.rollout.rollout import RolloutContext
         from hpcrl.rollout.router import start_router
         from hpcrl.rollout.secret import create_run_secret, read_secret
-        from hpcrl.rollout.servers import start_engine
+        from hpcrl.rollout.engines import start_engine
 
         from hpcrl.slurm.rollout_step import engine_sglang_args, start_rollout_step
 

@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from hpcrl.rollout.servers import (ProcessStartError, die_with_parent, find_free_port, log_tail, open_log,
-                                   stop_process, url_for, wait_for_http_ok)
+from hpcrl.procs import (ProcessStartError, die_with_parent, find_free_port, log_tail, open_log, stop_process,
+                         url_for, wait_for_http_ok)
 
 KEY_STDIN_FLAG = "--api-key-stdin"
 """Wrapper flag: read the router's API key from the first line of stdin."""

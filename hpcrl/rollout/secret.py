@@ -6,7 +6,7 @@ with ``os.open(O_CREAT | O_EXCL, 0o600)``, fsynced, and then moved into place (a
 processes racing to create it agree on one key; a plain rename where the file system has no hard links), so
 the key is never visible with wider permissions and a crash never leaves a half-written secret behind.
 Processes get the *path* (``--api-key-file``), never the key on their command line, where any user on the node
-could read it with ``ps`` (real SGLang is the exception, see :mod:`hpcrl.rollout.servers`).
+could read it with ``ps`` (real SGLang is the exception, see :mod:`hpcrl.rollout.engines`).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class RolloutStep:
 
     def log_tail(self, max_bytes: int = 3000) -> str:
         """The last bytes of the step's own log and of each engine task's log."""
-        from hpcrl.rollout.servers import log_tail
+        from hpcrl.procs import log_tail
 
         parts = [f"--- {p.name} ---\n{log_tail(p, max_bytes)}"
                  for p in [self.attempt_dir / "rollout-step.log", *sorted(self.attempt_dir.glob("engine-*.log"))]
@@ -139,7 +139,7 @@ class RolloutStep:
     def stop(self, grace_s: float = 15.0) -> Optional[int]:
         """SIGTERM ``srun`` (it forwards the signal to the engines), SIGKILL after ``grace_s`` seconds.
         Idempotent; returns ``srun``'s exit status."""
-        from hpcrl.rollout.servers import stop_process
+        from hpcrl.procs import stop_process
 
         rc = stop_process(self.process, grace_s)
         if self._log is not None:
@@ -157,7 +157,7 @@ def start_rollout_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path
     time (the step is stopped first).
     """
     from hpcrl.rollout.secret import read_secret
-    from hpcrl.rollout.servers import die_with_parent, http_status
+    from hpcrl.procs import die_with_parent, http_status
 
     engines_dir = attempt_dir / ENGINES_DIR
     engines_dir.mkdir(parents=True, exist_ok=True)
@@ -197,7 +197,8 @@ def task_main(argv: Optional[list[str]] = None) -> int:
 
     from hpcrl.config import load_config
     from hpcrl.fsutil import atomic_write_text
-    from hpcrl.rollout.servers import engine_command, find_free_port, url_for
+    from hpcrl.procs import find_free_port, url_for
+    from hpcrl.rollout.engines import engine_command
 
     p = argparse.ArgumentParser(prog="python -m hpcrl.slurm.rollout_step")
     p.add_argument("--config", required=True)

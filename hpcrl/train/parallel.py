@@ -19,12 +19,13 @@ import datetime
 import difflib
 import os
 import random
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+from hpcrl.procs import find_free_port
 
 HPCRL_MODEL_KEYS = ("make_vocab_size_divisible_by",)
 """``megatron:`` keys that are not dataclass fields but arguments of :func:`hpcrl.train.bridge.build_gpt_model`."""
@@ -38,12 +39,6 @@ class DistEnv:
     world_size: int
     local_rank: int
     backend: str
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> DistEnv:
@@ -67,7 +62,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     else:
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()
+        port = int(os.environ.get("MASTER_PORT", 0)) or find_free_port()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():

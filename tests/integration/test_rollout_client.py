@@ -22,7 +22,8 @@ from hpcrl.rollout.client import RolloutClient, RolloutError
 from hpcrl.rollout.generate import generate
 from hpcrl.rollout.router import start_router
 from hpcrl.rollout.secret import create_run_secret, read_secret
-from hpcrl.rollout.servers import ProcessStartError, find_free_port, start_engine
+from hpcrl.procs import ProcessStartError, find_free_port
+from hpcrl.rollout.engines import start_engine
 from tests.integration.engine_utils import EngineProcess
 
 pytestmark = pytest.mark.integration

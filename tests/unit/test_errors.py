@@ -9,7 +9,7 @@ from hpcrl.checkpoint import CheckpointError
 from hpcrl.config import ConfigError, load_config, save_resolved
 from hpcrl.data.sources import DataError
 from hpcrl.models.hf import ModelFolderError
-from hpcrl.rollout.servers import ProcessStartError
+from hpcrl.procs import ProcessStartError
 from hpcrl.slurm import entry
 from hpcrl.weights.common import WeightSyncError
 

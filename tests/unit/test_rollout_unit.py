@@ -15,8 +15,8 @@ from hpcrl.rollout.client import RolloutClient, RolloutError
 from hpcrl.rollout.generate import finish_status, generate, get_generate_function
 from hpcrl.rollout.router import KEY_STDIN_FLAG, router_command, start_router
 from hpcrl.rollout.secret import SecretError, create_run_secret, read_secret
-from hpcrl.rollout.servers import (ProcessStartError, engine_command, find_free_port, redact, sglang_flags,
-                                   url_for)
+from hpcrl.procs import ProcessStartError, find_free_port, url_for
+from hpcrl.rollout.engines import engine_command, redact, sglang_flags
 
 
 def _closed_port_url() -> str:

@@ -1,4 +1,5 @@
-"""Rollout engines as subprocesses: the command line, start with a health wait, stop.
+"""Rollout engines as subprocesses: the command line, start with a health wait, stop (process utilities:
+:mod:`hpcrl.procs`).
 
 Two engines speak the same HTTP protocol (SGLang's):
 
@@ -22,18 +23,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
+from hpcrl.procs import (ProcessStartError, die_with_parent, find_free_port, open_log, stop_process, url_for,
+                         wait_for_http_ok)
 from hpcrl.rollout.secret import read_secret
 
 logger = logging.getLogger(__name__)
@@ -45,120 +43,6 @@ RESERVED_SGLANG_KEYS = frozenset({"model_path", "host", "port", "api_key", "conf
 """``sglang:`` keys that hpcrl sets itself; giving them in the config is an error."""
 
 
-class ProcessStartError(RuntimeError):
-    """A server subprocess died or never became healthy. ``log_tail`` holds the end of its log."""
-
-    def __init__(self, message: str, log_tail: str = ""):
-        super().__init__(f"{message}\n--- log tail ---\n{log_tail}" if log_tail else message)
-        self.log_tail = log_tail
-
-
-# ---------------------------------------------------------------------------------------------- small helpers
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it; another process may take it later)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def url_for(host: str, port: int) -> str:
-    """``http://host:port``; a wildcard bind address (0.0.0.0, ::) becomes this machine's host name."""
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostname()
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
-
-
-def log_tail(path: Optional[Path], max_bytes: int = 4000) -> str:
-    """The last ``max_bytes`` bytes of a log file as text ('' if unreadable)."""
-    if path is None:
-        return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def http_status(url: str, api_key: Optional[str] = None, timeout_s: float = 5.0) -> Optional[int]:
-    """GET ``url`` and return its HTTP status, or None if nothing answered within ``timeout_s`` seconds."""
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-
-
-def wait_for_http_ok(url: str, process: subprocess.Popen, timeout_s: float, log_path: Optional[Path],
-                     what: str, api_key: Optional[str] = None, poll_s: float = 0.5) -> None:
-    """Poll ``url`` until it answers 200, while ``process`` lives.
-
-    Raises ProcessStartError (with the log tail) if the process exits first or ``timeout_s`` seconds pass.
-    """
-    deadline = time.monotonic() + timeout_s
-    last: Optional[int] = None
-    while True:
-        rc = process.poll()
-        if rc is not None:
-            raise ProcessStartError(f"{what} exited with code {rc} before {url} answered", log_tail(log_path))
-        last = http_status(url, api_key, timeout_s=max(0.1, min(5.0, deadline - time.monotonic())))
-        if last == 200:
-            return
-        if time.monotonic() + poll_s > deadline:
-            state = f"last status {last}" if last is not None else "no answer"
-            raise ProcessStartError(f"{what} did not answer 200 on {url} within {timeout_s:g} s ({state})",
-                                    log_tail(log_path))
-        time.sleep(poll_s)
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` for server children: on Linux the kernel sends SIGTERM to the child when the process that
-    started it dies (``PR_SET_PDEATHSIG``), so a trainer killed with SIGKILL (a preempted or crashed job) leaves
-    no engine, router or step holding ports and memory. A no-op elsewhere."""
-    import ctypes
-    import signal as _signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(_signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def stop_process(process: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
-    """SIGTERM ``process`` (its PID only), SIGKILL it if it is still alive after ``grace_s`` seconds.
-
-    Returns the exit code (None only if it could not be reaped)."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            try:
-                process.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                return None
-    return process.returncode
-
-
-def open_log(log_path: Optional[str | os.PathLike], prefix: str) -> tuple[Path, IO[bytes]]:
-    """Open ``log_path`` for appending (parents created), or a new temporary file named ``prefix*.log``."""
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log")
-        return Path(name), os.fdopen(fd, "ab")
-    path = Path(log_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path, open(path, "ab")
-
-
-# ---------------------------------------------------------------------------------------------- command lines
 def sglang_flags(args: Mapping[str, Any]) -> list[str]:
     """Turn a ``sglang:`` config dict into SGLang command-line flags, in the dict's order.
 
