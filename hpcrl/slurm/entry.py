@@ -147,9 +147,11 @@ def _install_requeue_handler(cfg: Config) -> bool:
     if ("SUBMITIT_FOLDER" in os.environ or "SLURM_JOB_ID" not in os.environ or not cfg.slurm.requeue
             or threading.current_thread() is not threading.main_thread()):
         return False
-    name = os.environ.get("HPCRL_PREEMPT_SIGNAL") or cfg.slurm.signal.split("@")[0]
-    signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-    if signum is None:
+    from hpcrl.preempt import signal_from_config
+
+    try:
+        signum = signal_from_config(cfg.slurm.signal)
+    except ValueError:
         return False
 
     def handler(num, frame):
