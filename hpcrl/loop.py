@@ -393,7 +393,7 @@ class _Rollout:
         kept groups back to ``data_source`` for the next step (``rollout/groups_held``); ``rollout/groups_short``
         is ``batch_size`` minus the trained groups. Raises RuntimeError when no whole multiple was kept.
         """
-        from hpcrl.rollout.rollout import generate_rollout, reward_value, split_trainable
+        from hpcrl.rollout.rollout import generate_rollout, split_trainable
 
         self.memory.mark("generate")
         fn = self.rollout_fn or generate_rollout
@@ -406,7 +406,7 @@ class _Rollout:
         if hold:
             data_source.add_samples(hold)
         samples = [s for g in groups for s in g]
-        rewards = [reward_value(s) for s in samples]
+        rewards = [s.scalar_reward() for s in samples]
         n = max(len(samples), 1)
         lengths = [s.response_length for s in samples]
         secs = out.metrics.get("rollout/seconds", 0.0)

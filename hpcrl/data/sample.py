@@ -50,6 +50,24 @@ class Sample:
         """Number of prompt tokens in ``tokens``."""
         return len(self.tokens) - self.response_length
 
+    def scalar_reward(self) -> float:
+        """The reward as one number: ``reward`` itself, or its ``"reward"`` entry when the reward function
+        returned a dict (the other entries are logged, not trained on). The one definition the filters, the
+        loop's metrics and the advantages use.
+
+        Raises TypeError for a dict reward without a ``"reward"`` key; ValueError when the sample has not been
+        scored yet (``reward`` is None).
+        """
+        r = self.reward
+        if isinstance(r, dict):
+            if "reward" not in r:
+                raise TypeError(f"sample {self.index} has a dict reward without a 'reward' key: {sorted(r)}")
+            r = r["reward"]
+        if r is None:
+            raise ValueError(f"sample {self.index} has no reward yet; score the group before filtering or "
+                             "training on it")
+        return float(r)
+
     @property
     def weight_version(self) -> Optional[str]:
         """The engine weight version of the last generate call, or None before any."""

@@ -19,17 +19,6 @@ GroupFilter = Callable[[Sequence[Sample]], bool]
 NONZERO_STD_EPS = 1e-6
 
 
-def _reward_value(sample: Sample) -> float:
-    r = sample.reward
-    if isinstance(r, dict):
-        if "reward" not in r:
-            raise TypeError(f"sample {sample.index} has a dict reward without a 'reward' key: {sorted(r)}")
-        r = r["reward"]
-    if r is None:
-        raise ValueError(f"sample {sample.index} has no reward yet; score the group before filtering")
-    return float(r)
-
-
 def nonzero_std(group: Sequence[Sample]) -> bool:
     """Keep the group unless all its rewards are equal: population std of the rewards > 1e-6
     (slime ``check_reward_nonzero_std``; DAPO drops such groups because their GRPO advantages are all 0).
@@ -38,7 +27,7 @@ def nonzero_std(group: Sequence[Sample]) -> bool:
     """
     if not group:
         raise ValueError("nonzero_std: empty group")
-    values = [_reward_value(s) for s in group]
+    values = [s.scalar_reward() for s in group]
     mean = sum(values) / len(values)
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
     return std > NONZERO_STD_EPS

@@ -220,12 +220,6 @@ async def _generate_group(cfg, ctx: RolloutContext, group: list[Sample], params:
     return group
 
 
-def reward_value(sample: Sample) -> float:
-    """The scalar reward of a sample (``reward["reward"]`` for dict rewards)."""
-    r = sample.reward
-    return float(r["reward"] if isinstance(r, dict) else r)
-
-
 async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContext,
                            evaluation: bool = False) -> RolloutOutput:
     """Generate ``cfg.rollout.batch_size`` accepted groups for rollout step ``rollout_id``.

@@ -130,19 +130,12 @@ class WeightBackup:
 
 
 def sample_rewards(samples: Sequence["Sample"]) -> Tensor:
-    """Scalar rewards ``[N]`` float32: ``sample.reward``, or its ``"reward"`` entry when it is a dict.
+    """Scalar rewards ``[N]`` float32 (:meth:`hpcrl.data.sample.Sample.scalar_reward` of each sample).
 
-    Raises ValueError naming the sample when a reward is missing.
+    Raises ValueError naming the sample when a reward is missing, TypeError for a dict reward without
+    ``"reward"``.
     """
-    values = []
-    for i, s in enumerate(samples):
-        r = s.reward
-        if isinstance(r, dict):
-            r = r.get("reward")
-        if r is None:
-            raise ValueError(f"sample {i} (index {s.index}) has no reward")
-        values.append(float(r))
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32)
 
 
 def _check_sample(i: int, s: "Sample", with_rollout_log_probs: bool) -> None:

@@ -242,6 +242,19 @@ def group(*rewards):
     return [Sample(index=i, reward=r) for i, r in enumerate(rewards)]
 
 
+def test_scalar_reward_is_one_definition_for_filter_metrics_and_advantages():
+    """``Sample.scalar_reward`` is what the filter, the loop's reward metrics and the advantages read."""
+    from hpcrl.train.actor import sample_rewards
+
+    samples = [Sample(index=0, reward=1), Sample(index=1, reward={"reward": 0.25, "format": 1.0})]
+    assert [s.scalar_reward() for s in samples] == [1.0, 0.25]
+    assert sample_rewards(samples).tolist() == [1.0, 0.25]
+    with pytest.raises(TypeError, match="sample 7 has a dict reward without a 'reward' key: \\['format'\\]"):
+        Sample(index=7, reward={"format": 1.0}).scalar_reward()
+    with pytest.raises(ValueError, match="sample 3 has no reward yet"):
+        sample_rewards([Sample(index=3)])
+
+
 def test_nonzero_std_filter(tmp_path, monkeypatch):
     assert nonzero_std(group(0.0, 1.0, 0.0)) is True
     assert nonzero_std(group(1.0, 1.0, 1.0)) is False
