@@ -26,7 +26,7 @@ import signal as _signal
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Iterable, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -680,14 +680,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _apply_override(raw: dict, text: str) -> None:
-    """Set one ``key=value`` override into the raw (untyped) config dict, creating sections as needed."""
-    key, value = parse_override(text)
+def set_dotted(raw: dict, key: str, value: Any) -> dict:
+    """Set dotted ``key`` (a schema field, or a key below a free-form dict such as ``sglang``) to ``value`` in a
+    raw (untyped) config dict, creating sections as needed; returns ``raw``. The value is not converted
+    (:func:`build` does that).
+
+    Raises ConfigError: an unknown key (with the closest known one), or a section on the way that the file
+    set to a single value.
+    """
     tp, n = _schema_lookup(key, key, value)
-    if n == len(key.split(".")) and _unwrap_optional(tp) is str and isinstance(value, (bool, int, float)):
-        value = text.partition("=")[2].strip()  # name=2024 or tag=1e-3 on a string field: keep the text
-    elif n == len(key.split(".")) and tp is str and value is None and not text.partition("=")[2].strip():
-        value = ""  # sft.output= on a (non-optional) string field: the empty string
     parts = key.split(".")
     if n == len(parts):
         container, last = parts[:-1], parts[-1]
@@ -704,6 +705,32 @@ def _apply_override(raw: dict, text: str) -> None:
                               f"fix {where} in the file")
         node = child
     node[last] = value
+    return raw
+
+
+def apply_override(raw: dict, text: str) -> dict:
+    """Apply one ``key=value`` override (:func:`parse_override`) to a raw config dict; returns ``raw``.
+
+    A number or boolean given to a string field is kept as its text (``run.name=2024``); ``key=`` sets a
+    string field to ``""``. Raises ConfigError as :func:`parse_override` and :func:`set_dotted` do.
+    """
+    key, value = parse_override(text)
+    tp, n = _schema_lookup(key, key, value)
+    if n == len(key.split(".")) and _unwrap_optional(tp) is str and isinstance(value, (bool, int, float)):
+        value = text.partition("=")[2].strip()  # name=2024 or tag=1e-3 on a string field: keep the text
+    elif n == len(key.split(".")) and tp is str and value is None and not text.partition("=")[2].strip():
+        value = ""  # sft.output= on a (non-optional) string field: the empty string
+    return set_dotted(raw, key, value)
+
+
+def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
+    """Apply ``key=value`` overrides in order (:func:`apply_override`); returns ``raw`` (changed in place).
+    Raises TypeError when ``overrides`` is one string rather than a list of them."""
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a list of 'key=value' strings, not one string")
+    for text in overrides:
+        apply_override(raw, text)
+    return raw
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -755,13 +782,25 @@ def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = (), c
 
     Raises:
         ConfigError: for any bad input; ``str()`` is one line naming the dotted field, the value and the fix.
+
+    The stages are public for callers that need one of them: :func:`read_config_file`, :func:`apply_overrides`,
+    :func:`build`, :func:`validate`, :func:`resolve` (:func:`load_raw` is the last three).
     """
-    if isinstance(overrides, str):
-        raise TypeError("overrides must be a list of 'key=value' strings, not one string")
     raw = {} if path is None else read_config_file(path)
-    for text in overrides:
-        _apply_override(raw, text)
-    cfg = _convert_dataclass(raw, Config, "")
+    return load_raw(apply_overrides(raw, overrides), check_files=check_files)
+
+
+def build(raw: Mapping[str, Any]) -> Config:
+    """The typed :class:`Config` of a raw dict (file plus overrides): every value converted to its field's type,
+    unknown keys refused; not validated across fields and not resolved. Raises ConfigError."""
+    return _convert_dataclass(raw, Config, "")
+
+
+def load_raw(raw: Mapping[str, Any], check_files: bool = True) -> Config:
+    """:func:`build`, :func:`validate` and :func:`resolve` of a raw dict: the stages of :func:`load_config` after
+    the file is read, for callers that change the raw dict first (``hpcrl submit``, ``hpcrl sweep``).
+    Raises ConfigError."""
+    cfg = build(raw)
     validate(cfg, check_files=check_files)
     return resolve(cfg)
 
@@ -1214,7 +1253,9 @@ def _check_space(cfg: Config, name: str, space: dict[str, list[Any]]) -> None:
             _convert(v, tp, f"{f}[{i}]")
 
 
-def _check_sweep(cfg: Config) -> None:
+def check_sweep(cfg: Config) -> None:
+    """The ``sweep:`` section's checks (part of :func:`validate`; ``hpcrl sweep`` runs them alone on a base
+    config that need not be valid as it stands). Raises ConfigError."""
     w = cfg.sweep
     _check_space(cfg, "grid", w.grid)
     _check_space(cfg, "random_space", w.random_space)
@@ -1258,4 +1299,4 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _check_weights(cfg)
     _check_checkpoint(cfg)
     _check_slurm(cfg, check_files)
-    _check_sweep(cfg)
+    check_sweep(cfg)

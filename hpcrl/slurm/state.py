@@ -283,7 +283,9 @@ def attempt_dirs(run_dir: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _num_rollout(run_dir: Path) -> Optional[int]:
+def planned_rollouts(run_dir: Path) -> Optional[int]:
+    """``run.num_rollout`` from ``run_dir/config.yaml``, or None when the file is missing or unreadable (a
+    status table then shows no "/N")."""
     try:
         import yaml
 
@@ -328,7 +330,7 @@ def run_status(run_dir: Path, states: dict[str, str]) -> RunStatus:
     local = read_local_run(run_dir)
     local = local_state(local) if local else None
     rows = [r for r in read_metrics(run_dir) if isinstance(r.get("step"), int) and r["step"] >= 0]
-    num_rollout = _num_rollout(run_dir)
+    num_rollout = planned_rollouts(run_dir)
     if local == RUNNING or (local and not job_id):
         state = local
     elif job_id:

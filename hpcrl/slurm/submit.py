@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from hpcrl.config import (Config, _apply_override, _convert_dataclass, load_config, read_config_file, resolve,
-                          save_resolved, validate)
+from hpcrl.config import (Config, apply_overrides, build, load_raw, read_config_file, resolve, save_resolved,
+                          set_dotted, validate)
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.container import container_prefix, shell_join
 from hpcrl.slurm.resources import JobPlan, gpu_trainer_ranks, group_flags, plan_job, slurm_config
@@ -74,14 +74,19 @@ class SubmitResult:
         return self.job_id is None
 
 
-def _nprocs_override(config: str | os.PathLike | None, overrides: list[str]) -> list[str]:
-    """``["train.nprocs=<nodes x gpus_per_node>"]`` on GPU nodes, so the config is validated against the
-    trainer's real rank count (``train.nprocs`` is for local runs; Slurm runs one rank per GPU)."""
-    raw = {} if config is None else read_config_file(config)
-    for text in overrides:
-        _apply_override(raw, text)
-    world = gpu_trainer_ranks(_convert_dataclass(raw, Config, ""))  # typed, not validated yet
-    return [] if world is None else [f"train.nprocs={world}"]
+def with_slurm_ranks(raw: dict) -> dict:
+    """Set ``train.nprocs`` in a raw config dict to the trainer's rank count on GPU nodes (``nodes x
+    gpus_per_node``), so the config is validated against the ranks Slurm will start (``train.nprocs`` is for
+    local runs; Slurm runs one rank per GPU). Returns ``raw``. Raises ConfigError for a field of the wrong
+    type."""
+    world = gpu_trainer_ranks(build(raw))  # typed, not validated yet
+    return raw if world is None else set_dotted(raw, "train.nprocs", world)
+
+
+def raw_config(config: str | os.PathLike | None, overrides: Iterable[str] = ()) -> dict:
+    """The config file (None: the defaults) with ``overrides`` applied, as a raw dict: the file is read once
+    per command. Raises ConfigError."""
+    return apply_overrides({} if config is None else read_config_file(config), overrides)
 
 
 def prepare_config(config: str | os.PathLike | Config | None, overrides: Iterable[str] = (),
@@ -110,7 +115,7 @@ def prepare_config(config: str | os.PathLike | Config | None, overrides: Iterabl
         validate(cfg)
         cfg = resolve(cfg)
     else:
-        cfg = load_config(config, overrides + _nprocs_override(config, overrides))
+        cfg = load_raw(with_slurm_ranks(raw_config(config, overrides)))
     cwd = os.path.abspath(os.getcwd() if cwd is None else cwd)
     cfg.run.output_dir = os.path.normpath(os.path.join(cwd, cfg.run.output_dir))
     cfg = slurm_config(cfg)

@@ -103,8 +103,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from hpcrl.config import (FILE_FIELD, OVERRIDE_FIELD, Config, ConfigError, SweepSection, _apply_override,
-                          _check_sweep, _convert_dataclass, _schema_lookup, load_config, read_config_file)
+from hpcrl.config import (FILE_FIELD, OVERRIDE_FIELD, Config, ConfigError, SweepSection, build, check_sweep,
+                          load_config, load_raw, set_dotted)
 from hpcrl.fsutil import atomic_write_text
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.resources import JobPlan
@@ -281,20 +281,6 @@ def _point_error(name: str, e: ConfigError) -> ConfigError:
     return type(e)(e.field, e.value, f"sweep point {name!r}: {e.problem}", e.fix)  # keeps a data error's shape
 
 
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
-    """Set dotted ``key`` (a schema field, or a key below a free-form dict) in a raw config dict."""
-    _, n = _schema_lookup(key, key, value)
-    parts = key.split(".")
-    container, last = (parts[:-1], parts[-1]) if n == len(parts) else (parts[:n], ".".join(parts[n:]))
-    node = raw
-    for part in container:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = node[part] = {}
-        node = child
-    node[last] = copy.deepcopy(value)
-
-
 def _slurm_signature(point: SweepPoint) -> tuple:
     assert point.plan is not None and point.config is not None
     return dataclasses.replace(point.plan, job_name=""), point.config.slurm
@@ -346,16 +332,14 @@ def plan_sweep(config: str | os.PathLike | None, overrides: Iterable[str] = (),
             the field; a problem of the base that every point keeps is reported as the base's), or points need
             different Slurm resources (not allowed in one array).
     """
-    from hpcrl.slurm.submit import _nprocs_override, prepare_config
+    from hpcrl.slurm.submit import prepare_config, raw_config, with_slurm_ranks
 
     overrides = [overrides] if isinstance(overrides, str) else list(overrides)
     cwd = os.path.abspath(os.getcwd() if cwd is None else cwd)
-    raw = {} if config is None else read_config_file(config)
-    for text in overrides:
-        _apply_override(raw, text)
+    raw = raw_config(config, overrides)
     base_error: Optional[ConfigError] = None
     try:
-        base = load_config(config, overrides + _nprocs_override(config, overrides))
+        base = load_raw(with_slurm_ranks(copy.deepcopy(raw)))
         from hpcrl.data.sources import check_data
 
         check_data(base)  # a bad data row of the base is the base's error, not every point's
@@ -365,8 +349,8 @@ def plan_sweep(config: str | os.PathLike | None, overrides: Iterable[str] = (),
         # types must be right, though.
         if e.field.split(".")[0] == "sweep" or e.field in (FILE_FIELD, OVERRIDE_FIELD):
             raise
-        base, base_error = _convert_dataclass(raw, Config, ""), e
-        _check_sweep(base)
+        base, base_error = build(raw), e
+        check_sweep(base)
     assignments = expand_points(base.sweep)
     names = point_names(assignments)
     output_dir = os.path.normpath(os.path.join(cwd, base.run.output_dir))
@@ -377,10 +361,10 @@ def plan_sweep(config: str | os.PathLike | None, overrides: Iterable[str] = (),
         try:
             raw_p = copy.deepcopy(raw)
             for key, value in values.items():
-                _set_dotted(raw_p, key, value)
-            _set_dotted(raw_p, "run.name", name)
-            _set_dotted(raw_p, "run.output_dir", str(sweep_dir))
-            cfg, plan = prepare_config(_convert_dataclass(raw_p, Config, ""), cwd=cwd)
+                set_dotted(raw_p, key, copy.deepcopy(value))
+            set_dotted(raw_p, "run.name", name)
+            set_dotted(raw_p, "run.output_dir", str(sweep_dir))
+            cfg, plan = prepare_config(build(raw_p), cwd=cwd)
         except ConfigError as e:
             if base_error is not None and e.field == base_error.field:
                 raise base_error from None  # the base's own problem, not one the sweep made
@@ -823,7 +807,7 @@ def _num(v: Any) -> bool:
 def point_status(point: Mapping[str, Any], state: str) -> PointStatus:
     """The :class:`PointStatus` of one manifest point, from its run folder's ``metrics.jsonl`` and logs."""
     from hpcrl.metrics import read_metrics
-    from hpcrl.slurm.state import _num_rollout
+    from hpcrl.slurm.state import planned_rollouts
 
     run_dir = Path(point["run_dir"])
     rows = [r for r in read_metrics(run_dir) if isinstance(r.get("step"), int)]
@@ -833,7 +817,7 @@ def point_status(point: Mapping[str, Any], state: str) -> PointStatus:
     evals = [(r["step"], float(r["eval/accuracy"])) for r in rows if _num(r.get("eval/accuracy"))]
     return PointStatus(name=point["name"], overrides=dict(point.get("overrides") or {}), run_dir=run_dir,
                        job_id=point.get("job_id"), state=state,
-                       rollout_id=steps[-1]["step"] if steps else None, num_rollout=_num_rollout(run_dir),
+                       rollout_id=steps[-1]["step"] if steps else None, num_rollout=planned_rollouts(run_dir),
                        steps=len({r["step"] for r in steps}), final_reward=curve[-1][1] if curve else None,
                        final_eval=evals[-1][1] if evals else None,
                        attempts=len(attempt_dirs(run_dir)), curve=curve, eval_curve=evals)
