@@ -1109,6 +1109,10 @@ def _check_train(cfg: Config) -> None:
               "train.context_parallel_size", "train.expert_parallel_size", "train.nprocs",
               "train.micro_batch_size", "train.global_batch_size", "train.num_steps_per_rollout", "train.lr")
     _non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps")
+    for f in ("train.pipeline_parallel_size", "train.context_parallel_size"):
+        _require(_get(cfg, f) == 1, f, _get(cfg, f), "the trainer does not support pipeline or context "
+                 "parallelism yet (its forward is one stage over whole sequences)",
+                 "set it to 1 and split the model with train.tensor_parallel_size / expert_parallel_size")
     if t.lr_decay_steps is not None:
         _positive(cfg, "train.lr_decay_steps")
     decay_steps = (t.lr_decay_steps if t.lr_decay_steps is not None

@@ -279,8 +279,6 @@ class Actor:
 
         from hpcrl.train import bridge, parallel
 
-        if cfg.train.pipeline_parallel_size != 1 or cfg.train.context_parallel_size != 1:
-            raise NotImplementedError("Actor needs pipeline_parallel_size = context_parallel_size = 1")
         if cfg.run.deterministic:
             if torch.cuda.is_available():
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
