@@ -77,11 +77,9 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
 
         check_data(cfg)  # every row of every data file, as the run reads them; notes on stderr
     if ns.print_config:
-        import yaml
+        from hpcrl.config import config_to_yaml
 
-        from hpcrl.config import _Dumper, config_to_dict
-
-        print(yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, width=1000), end="")
+        print(config_to_yaml(cfg), end="")
         return EXIT_OK
     print(f"OK: {ns.config}")
     for line in summarize(cfg):

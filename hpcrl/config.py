@@ -810,6 +810,13 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def config_to_yaml(cfg: Config) -> str:
+    """The config as YAML in field order (block style, strings quoted where YAML 1.1 would misread them), the
+    text of ``run_dir/config.yaml`` and of ``hpcrl validate --print-config``."""
+    return yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                     allow_unicode=True, width=1000)
+
+
 def resolve(cfg: Config) -> Config:
     """Return a copy of ``cfg`` with every derived default filled in (the one place they are computed).
 
@@ -856,8 +863,7 @@ def save_resolved(cfg: Config, run_dir: str | os.PathLike) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / "config.yaml"
-    body = yaml.dump(config_to_dict(resolve(cfg)), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                     allow_unicode=True, width=1000)
+    body = config_to_yaml(resolve(cfg))
     text = f"# Resolved config written by hpcrl {__version__}; load it with hpcrl.config.load_config.\n{body}"
     return atomic_write_text(target, text, fsync=True)
 
@@ -878,7 +884,8 @@ GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 
 _DOTTED_PATH_RE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 _RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,@-]*")
-_SIGNAL_RE = re.compile(r"(?:SIG)?([A-Z][A-Z0-9]*)@([0-9]+)")
+SIGNAL_RE = re.compile(r"(?:SIG)?([A-Z][A-Z0-9]*)@([0-9]+)")
+"""``slurm.signal``: ``[SIG]NAME@SECONDS`` (group 1 the name without ``SIG``, group 2 the lead seconds)."""
 _MEM_RE = re.compile(r"[0-9]+[KMGT]?", re.I)
 _TIME_RE = re.compile(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?")
 
@@ -1211,7 +1218,7 @@ def _check_slurm(cfg: Config, check_files: bool) -> None:
         raise ConfigError("slurm.time", s.time, f"not a Slurm time limit ({e})",
                           "write '[D-]HH:MM:SS' or minutes, e.g. '04:00:00' or '1-00:00:00'") from None
     _require(limit is None or limit > 0, "slurm.time", s.time, "must be longer than 0", "e.g. '01:00:00'")
-    m = _SIGNAL_RE.fullmatch(s.signal)
+    m = SIGNAL_RE.fullmatch(s.signal)
     known = sorted(sig.name[3:] for sig in _signal.Signals)
     _require(m is not None, "slurm.signal", s.signal, "must look like SIGNAME@SECONDS",
              "e.g. USR2@120 (USR2 this many seconds before the time limit)")

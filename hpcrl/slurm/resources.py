@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hpcrl.config import Config, ConfigError, _SIGNAL_RE, slurm_time_seconds, validate
+from hpcrl.config import Config, ConfigError, SIGNAL_RE, slurm_time_seconds, validate
 
 UNLIMITED_MINUTES = 10 ** 7
 """submitit's timeout bookkeeping for ``slurm.time: UNLIMITED`` (about 19 years, in minutes)."""
@@ -197,7 +197,7 @@ def plan_job(cfg: Config) -> JobPlan:
             ``slurm.nodes``; an ``extra_sbatch`` line re-setting an option with its own field.
     """
     s = cfg.slurm
-    m = _SIGNAL_RE.fullmatch(s.signal)
+    m = SIGNAL_RE.fullmatch(s.signal)
     if m is None:  # validate() already rejects this; keep the error local for configs built in code
         raise ConfigError("slurm.signal", s.signal, "must look like SIGNAME@SECONDS", "e.g. USR2@120")
     _check_extra_sbatch(s.extra_sbatch)
