@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from hpcrl.procs import (ProcessStartError, die_with_parent, find_free_port, open_log, stop_process, url_for,
-                         wait_for_http_ok)
+from hpcrl.procs import die_with_parent, find_free_port, open_log, stop_process, url_for, wait_for_http_ok
 from hpcrl.rollout.secret import read_secret
 
 logger = logging.getLogger(__name__)
@@ -214,8 +213,8 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
     ``port`` None picks a free one. stdout/stderr go to ``log_path`` (default: a new temporary file). ``env``
     entries are added to this process's environment. ``startup_timeout_s`` bounds the wait (seconds; model
     loading included).
-    Raises ProcessStartError with the log tail if the server exits or is not healthy in time (the process is
-    stopped first), plus what :func:`engine_command` raises.
+    Raises :class:`hpcrl.procs.ProcessStartError` with the log tail if the server exits or is not healthy in
+    time (the process is stopped first), plus what :func:`engine_command` raises.
     """
     port = int(port) if port is not None else find_free_port(host if host not in ("0.0.0.0", "::") else "")
     cmd = engine_command(cfg_rollout, sglang_args, model_path, host, port, api_key_file, engine=engine,

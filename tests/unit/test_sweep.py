@@ -213,7 +213,7 @@ def test_mixed_placement_in_one_array_is_refused(work):
     points = [sw.SweepPoint(index=i, name=n, overrides={}, config=c, plan=p)
               for i, (n, (c, p)) in enumerate([("a", colo), ("b", het)])]
     with pytest.raises(ConfigError) as e:
-        sw._check_one_shape(points)
+        sw.check_one_shape(points)
     msg = str(e.value)
     assert e.value.field == "run.placement" and "\n" not in msg
     assert "sweep points 'a' and 'b' mix colocated and disaggregated" in msg
