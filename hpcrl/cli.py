@@ -89,11 +89,12 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     cfg = load_config(ns.config, ns.overrides)
-    from hpcrl import loop
+    from hpcrl import launch_local
+    from hpcrl.run_setup import run_dir_of
     from hpcrl.errors import report_known
 
     # a known error (data, engine start, checkpoint, ...): one line + the log with its traceback (hpcrl.errors)
-    return report_known("hpcrl run", loop.run_dir_of(cfg), lambda: _exit_code(loop.main(cfg)))
+    return report_known("hpcrl run", run_dir_of(cfg), lambda: _exit_code(launch_local.main(cfg)))
 
 
 def _cmd_sft(ns: argparse.Namespace) -> int:

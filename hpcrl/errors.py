@@ -104,7 +104,7 @@ def traceback_log(run_dir: Path, first_attempt: int, rank: int = 0) -> Path:
     """Where a failed start writes its traceback: ``logs/attempt-N/trainer.log`` of the newest attempt numbered
     ``first_attempt`` or later (the one this start made), else a new attempt folder. Rank R > 0 never creates
     a folder: ``trainer-rank<R>.log`` in the newest attempt (``logs/`` when there is none)."""
-    from hpcrl.loop import new_attempt_dir
+    from hpcrl.run_setup import new_attempt_dir
 
     run_dir = Path(run_dir)
     nums = attempt_numbers(run_dir)

@@ -1,4 +1,5 @@
-"""Several trainer processes on this machine without Slurm (``hpcrl run`` with ``train.nprocs > 1``).
+"""``hpcrl run``: the run on this machine without Slurm (:func:`main`), in this process or, with
+``train.nprocs > 1``, as several trainer processes (:func:`run_local_workers`).
 
 Each worker gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT`` on loopback) and runs :func:`hpcrl.loop.train_main`; rank 0 is the controller. Under Slurm the
@@ -11,7 +12,38 @@ import multiprocessing as mp
 import os
 from pathlib import Path
 
+from hpcrl.config import Config, save_resolved
 from hpcrl.procs import find_free_port
+from hpcrl.run_setup import prepare_model, quiet_logs, run_dir_of
+
+EXIT_PREEMPTED = 75
+"""Exit status of a run that stopped early on the preemption signal or its deadline, after a checkpoint
+(``EX_TEMPFAIL``: run it again, or requeue it, and it resumes)."""
+
+
+def main(cfg: Config) -> int:
+    """``hpcrl run``: write the run folder, prepare the model, run the trainer; 0 on success. The run's
+    state for ``hpcrl status`` goes to ``local_run.json`` (:func:`hpcrl.slurm.state.local_run_record`).
+
+    With ``train.nprocs == 1`` the trainer runs in this process (the CPU quickstart); more trainer processes
+    are started as local torch.distributed workers on this machine. Returns :data:`EXIT_PREEMPTED` when the
+    run stopped early on the preemption signal (``kill -USR2``) with a checkpoint.
+    """
+    from hpcrl.loop import train_main
+    from hpcrl.slurm.state import local_run_record
+
+    quiet_logs()
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(cfg, run_dir)
+    with local_run_record(run_dir, stopped_codes=(EXIT_PREEMPTED,)) as record:  # for hpcrl status
+        model_path = prepare_model(cfg)
+        if cfg.train.nprocs == 1:
+            result = train_main(cfg, run_dir, model_path)
+            record.exit_code = EXIT_PREEMPTED if result.get("preempted") else 0
+        else:
+            record.exit_code = run_local_workers(cfg, run_dir, model_path)
+        return record.exit_code
 
 
 def _worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, model_path: Path) -> None:

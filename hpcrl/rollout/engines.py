@@ -89,6 +89,20 @@ def resolve_engine(kind: str) -> str:
     return kind
 
 
+def engine_sglang_args(cfg: Any) -> dict:
+    """The engine flags of a run: the ``sglang:`` section plus ``enable_memory_saver`` when colocated,
+    ``enable_deterministic_inference`` with ``run.deterministic`` and ``dtype`` when ``model.dtype`` is not
+    float32 (the CPU engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``)."""
+    args = dict(cfg.sglang)
+    if cfg.model.dtype != "float32":
+        args.setdefault("dtype", cfg.model.dtype)
+    if cfg.run.placement == "colocate":
+        args.setdefault("enable_memory_saver", True)
+    if cfg.run.deterministic:
+        args.setdefault("enable_deterministic_inference", True)
+    return args
+
+
 def engine_command(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], model_path: str | os.PathLike,
                    host: str, port: int, api_key_file: Optional[str | os.PathLike],
                    engine: Optional[str] = None, python: str = sys.executable,
@@ -233,3 +247,22 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
         eng.stop(grace_s=5.0)
         raise
     return eng
+
+
+def launch_local_engines(cfg: Any, run_dir: Path, attempt_dir: Path, model_path: str | os.PathLike,
+                         secret_path: Path) -> tuple[list["EngineProcess"], None]:
+    """The engine launcher of a run on this machine (:data:`hpcrl.rollout.manager.EngineLauncher`):
+    ``rollout.num_engines`` local engine processes, logs in ``attempt_dir/engine-<i>.log``. Returns
+    ``(engines, None)`` (no job step). If one fails to start, the ones already up are stopped and the
+    :class:`hpcrl.procs.ProcessStartError` propagates."""
+    args = engine_sglang_args(cfg)
+    engines: list[EngineProcess] = []
+    try:
+        for i in range(cfg.rollout.num_engines):
+            engines.append(start_engine(cfg.rollout, args, model_path, api_key_file=secret_path,
+                                        log_path=Path(attempt_dir) / f"engine-{i}.log"))
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines, None

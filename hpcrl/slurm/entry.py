@@ -91,25 +91,27 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from hpcrl import loop
+    from hpcrl.loop import train_main
+    from hpcrl.run_setup import prepare_model, quiet_logs
+    from hpcrl.slurm.rollout_step import launch_engine_step
     from hpcrl.train.parallel import init_distributed
 
     export_torch_env()
     threads = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
     if threads > 0 and not torch.cuda.is_available():
         torch.set_num_threads(threads)
-    loop._quiet_logs()
+    quiet_logs()
     env = init_distributed()
     if env.world_size != cfg.train.nprocs:
         log.warning("the trainer step has %d tasks, train.nprocs is %d: using the step's", env.world_size,
                     cfg.train.nprocs)
         cfg.train.nprocs = env.world_size
-    model_path = loop.prepare_model(cfg) if env.rank == 0 else None
+    model_path = prepare_model(cfg) if env.rank == 0 else None
     if env.world_size > 1:
         box = [str(model_path) if model_path is not None else None]
         dist.broadcast_object_list(box, src=0)
         model_path = Path(box[0])
-    result = loop.train_main(cfg, run_dir, Path(model_path), slurm_rollout_step=True)
+    result = train_main(cfg, run_dir, Path(model_path), launch_engines=launch_engine_step)
     if result.get("preempted"):
         return EXIT_REQUEUE
     return 0

@@ -39,20 +39,6 @@ class RolloutStepError(RuntimeError):
     """The rollout step did not start, or died; the message carries the step's log tail."""
 
 
-def engine_sglang_args(cfg: Config) -> dict:
-    """The engine flags of a run: the ``sglang:`` section plus ``enable_memory_saver`` when colocated,
-    ``enable_deterministic_inference`` with ``run.deterministic`` and ``dtype`` when ``model.dtype`` is not
-    float32 (the CPU engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``)."""
-    args = dict(cfg.sglang)
-    if cfg.model.dtype != "float32":
-        args.setdefault("dtype", cfg.model.dtype)
-    if cfg.run.placement == "colocate":
-        args.setdefault("enable_memory_saver", True)
-    if cfg.run.deterministic:
-        args.setdefault("enable_deterministic_inference", True)
-    return args
-
-
 def num_engines(cfg: Config) -> int:
     """Engines of the rollout step: ``rollout.num_engines`` colocated; one per node of het group 1 when
     disaggregated (``slurm.rollout.nodes``)."""
@@ -191,6 +177,15 @@ def start_rollout_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path
 
 
 # ------------------------------------------------------------------------------------------ inside a task
+def launch_engine_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path,
+                       secret_path: Path) -> tuple[list, RolloutStep]:
+    """The engine launcher of a run inside a Slurm job (:data:`hpcrl.rollout.manager.EngineLauncher`): the
+    engines as the rollout job step (:func:`start_rollout_step`). Returns ``(engine addresses, the step)``;
+    raises RolloutStepError as :func:`start_rollout_step` does."""
+    step = start_rollout_step(cfg, run_dir, attempt_dir, Path(model_path).absolute(), secret_path)
+    return list(step.engines), step
+
+
 def task_main(argv: Optional[list[str]] = None) -> int:
     """One engine task of the rollout step: free port, address file, then ``exec`` the engine."""
     import argparse
@@ -198,7 +193,7 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     from hpcrl.config import load_config
     from hpcrl.fsutil import atomic_write_text
     from hpcrl.procs import find_free_port, url_for
-    from hpcrl.rollout.engines import engine_command
+    from hpcrl.rollout.engines import engine_command, engine_sglang_args
 
     p = argparse.ArgumentParser(prog="python -m hpcrl.slurm.rollout_step")
     p.add_argument("--config", required=True)

@@ -41,6 +41,22 @@ class DistEnv:
     backend: str
 
 
+def setup_parallel(cfg: Any) -> DistEnv:
+    """A trainer rank's process groups for a run: :func:`init_distributed`, Megatron's model-parallel groups
+    from ``train.*_parallel_size``, the seeded RNG states (``run.seed``) and, with ``run.deterministic``,
+    torch's deterministic algorithms. Returns the :class:`DistEnv`."""
+    import torch
+
+    env = init_distributed()
+    tc = cfg.train
+    initialize_model_parallel(tc.tensor_parallel_size, tc.pipeline_parallel_size, tc.context_parallel_size,
+                              tc.expert_parallel_size)
+    model_parallel_cuda_manual_seed(cfg.run.seed)
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True)
+    return env
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> DistEnv:
     """Initialise the default process group from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def _record(run_dir: Path) -> int:
-    from hpcrl.loop import new_attempt_dir
+    from hpcrl.run_setup import new_attempt_dir
 
     attempt = new_attempt_dir(run_dir) if os.environ.get("SLURM_PROCID", "0") == "0" else None
     env = {k: v for k, v in os.environ.items()

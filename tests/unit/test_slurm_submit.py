@@ -778,7 +778,7 @@ def test_rollout_step_engine_command_passes_gpu_sglang_flags(tmp_path):
     deterministic inference."""
     from hpcrl.rollout.engines import engine_command
     from hpcrl.rollout.secret import create_run_secret
-    from hpcrl.slurm.rollout_step import engine_sglang_args
+    from hpcrl.rollout.engines import engine_sglang_args
 
     (tmp_path / "c.yaml").write_text(textwrap.dedent(f"""
         model: {{path: {tmp_path}/m, create: tiny-qwen2}}
@@ -802,7 +802,7 @@ def test_rollout_step_engine_command_passes_gpu_sglang_flags(tmp_path):
 def test_engine_gets_model_dtype(tmp_path):
     """``model.dtype: bfloat16`` reaches the CPU engine's command line (``--dtype bfloat16``)."""
     from hpcrl.rollout.engines import engine_command
-    from hpcrl.slurm.rollout_step import engine_sglang_args
+    from hpcrl.rollout.engines import engine_sglang_args
 
     (tmp_path / "c.yaml").write_text(f"model: {{path: {tmp_path}/m, create: tiny-qwen2, dtype: bfloat16}}\n"
                                      "rollout: {engine: cpu}\n")

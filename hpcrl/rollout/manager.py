@@ -1,0 +1,266 @@
+"""The rollout side of a run as the loop sees it (slime's ``RolloutManager``): engines, router, client, the asyncio
+event loop and the colocated memory phases, behind short verbs.
+
+:class:`RolloutManager` runs on the controller (trainer rank 0). Every other trainer rank gets a
+:class:`NullRolloutManager`, whose verbs do nothing (``generate`` returns no samples: the loop broadcasts the
+controller's), so the loop never branches on the rank. How the engines start is passed in as an
+:data:`EngineLauncher`: :func:`hpcrl.rollout.engines.launch_local_engines` (local processes, ``hpcrl run``) or
+:func:`hpcrl.slurm.rollout_step.launch_engine_step` (a Slurm job step, inside a job).
+
+Colocated phase order per step (no-op adapters on CPU; see :mod:`hpcrl.offload`)::
+
+    generate -> offload (engine memory off) -> onload_trainer -> train
+    -> onload_weights (trainer off, engine weights on) -> update_weights -> onload_kv -> evaluate
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from hpcrl.rollout.engines import engine_sglang_args
+
+EngineLauncher = Callable[[Any, Path, Path, Path, Path], tuple[list, Any]]
+"""``launch(cfg, run_dir, attempt_dir, model_path, secret_path) -> (engines, step)``: starts the run's engines
+and waits until they are healthy. ``engines`` have ``.url`` and ``.stop()``; ``step`` is None, or the job step
+hosting them with ``.check()`` (raises with its log tail when it died) and ``.stop()``."""
+
+
+class RolloutManager:
+    """The controller's rollout side. ``start()`` launches engines (and the router), connects the client and
+    builds the rollout context; the verbs then run one phase each; ``stop()`` ends only what this run started.
+
+    Args:
+        cfg: the resolved run config.
+        run_dir: the run folder (its ``secret`` is created here).
+        attempt_dir: this attempt's log folder (engine, router and phase logs).
+        model_path: the HF folder the engines load.
+        datasets: :class:`hpcrl.data.sources.Datasets` (eval items and the task that scores them).
+        launch: how the engines start (:data:`EngineLauncher`).
+    """
+
+    def __init__(self, cfg, run_dir: Path, attempt_dir: Path, model_path: Path, datasets,
+                 launch: EngineLauncher) -> None:
+        self.cfg, self.run_dir, self.attempt_dir, self.model_path = cfg, run_dir, attempt_dir, model_path
+        self.datasets, self.launch = datasets, launch
+        self.loop = asyncio.new_event_loop()
+        self.step = None  # the job step hosting the engines, when the launcher made one
+        self.engines: list = []
+        self.router = None
+        self.client = None
+        self.memory = None
+        self.engine_tp_sizes: list[int] = []
+
+    # ------------------------------------------------------------------------------------------------------
+    def call(self, coro):
+        """Run a coroutine on the rollout's event loop and return its result. When the engines run as a job
+        step and a call fails with the step gone, raises the step's error (its log tail) instead."""
+        try:
+            return self.loop.run_until_complete(coro)
+        except Exception:
+            if self.step is not None:
+                self.step.check()
+            raise
+
+    def start(self) -> None:
+        """Launch engines (and the router), wait until healthy, build the rollout context. Raises what the
+        launcher raises (:class:`hpcrl.procs.ProcessStartError`, a job step's error)."""
+        from transformers import AutoTokenizer
+
+        from hpcrl.offload import ColocatedMemory, create_trainer_memory
+        from hpcrl.plugins import load_function
+        from hpcrl.rewards import get_reward_function
+        from hpcrl.rollout.client import RolloutClient
+        from hpcrl.rollout.filters import get_dynamic_filter
+        from hpcrl.rollout.generate import get_generate_function
+        from hpcrl.rollout.rollout import RolloutContext
+        from hpcrl.rollout.router import start_router
+        from hpcrl.rollout.secret import create_run_secret, read_secret
+
+        cfg, rc = self.cfg, self.cfg.rollout
+        secret_path = create_run_secret(self.run_dir)
+        key = read_secret(secret_path)
+        self.engines, self.step = self.launch(cfg, self.run_dir, self.attempt_dir, self.model_path, secret_path)
+        self.engine_tp_sizes = [int(engine_sglang_args(cfg).get("tp_size", 1))] * len(self.engines)
+        urls = [e.url for e in self.engines]
+        if rc.router:
+            self.router = start_router(urls, api_key=key, log_path=self.attempt_dir / "router.log")
+        self.client = RolloutClient(self.router.url if self.router else None, urls, api_key=key,
+                                    timeout_s=rc.request_timeout_s, max_retries=rc.max_retries)
+        self.call(self.client.open())
+        self.call(self.client.wait_healthy(timeout_s=600))
+        self.memory = ColocatedMemory(create_trainer_memory(cfg.run.placement == "colocate"), self.client,
+                                      colocate=cfg.run.placement == "colocate")
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        custom_generate = load_function(rc.generate_function) if rc.generate_function else None
+        self.rollout_fn = load_function(rc.rollout_function) if rc.rollout_function else None
+        self.ctx = RolloutContext(client=self.client, tokenizer=tokenizer,
+                                  reward_fn=get_reward_function(cfg, self.datasets.task),
+                                  generate_fn=get_generate_function(custom_generate),
+                                  dynamic_filter=get_dynamic_filter(rc.dynamic_filter), seed=cfg.run.seed)
+
+    # ------------------------------------------------------------------------------------------------------
+    def generate(self, rollout_id: int, data_source, multiple: int = 1) -> tuple[list, dict[str, float]]:
+        """One rollout step on the engines. Returns ``(flat samples, rollout/* metrics)``.
+
+        Trains the largest count of the kept groups that is a multiple of ``multiple`` (whole groups that split
+        over data-parallel ranks x optimizer steps; all of them with ``batch_size`` groups) and pushes the other
+        kept groups back to ``data_source`` for the next step (``rollout/groups_held``); ``rollout/groups_short``
+        is ``batch_size`` minus the trained groups. Raises RuntimeError when no whole multiple was kept, and
+        what the rollout function raises (:class:`hpcrl.rollout.client.RolloutError`, a starving filter).
+        """
+        return self.call(self._generate(rollout_id, data_source, multiple))
+
+    async def _generate(self, rollout_id: int, data_source, multiple: int) -> tuple[list, dict[str, float]]:
+        from hpcrl.rollout.rollout import generate_rollout, split_trainable
+
+        self.memory.mark("generate")
+        fn = self.rollout_fn or generate_rollout
+        out = await fn(self.cfg, rollout_id, data_source, self.ctx)
+        groups, hold = split_trainable(out.groups, multiple)
+        if not groups:
+            raise RuntimeError(f"rollout {rollout_id}: {len(out.groups)} groups kept, fewer than the {multiple} "
+                               "that split over data-parallel ranks x train.num_steps_per_rollout; loosen "
+                               "rollout.dynamic_filter or use fewer trainer ranks or steps per rollout")
+        if hold:
+            data_source.add_samples(hold)
+        samples = [s for g in groups for s in g]
+        return samples, rollout_metrics(self.cfg, samples, out.metrics, len(groups), len(hold))
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        """Greedy accuracy on the held-out eval items, through the engines: ``eval/accuracy`` (in [0, 1]) and
+        ``eval/seconds``."""
+        return self.call(self._evaluate())
+
+    async def _evaluate(self) -> dict[str, float]:
+        from hpcrl.rollout.rollout import sampling_params
+
+        t0 = time.perf_counter()
+        params = sampling_params(self.cfg.rollout, evaluation=True)
+        params["no_stop_trim"] = False
+        items = self.datasets.eval
+        tok = self.ctx.tokenizer
+
+        async def one(item) -> float:
+            ids = tok(item["prompt"], add_special_tokens=True)["input_ids"]
+            out = await self.client.generate(ids, params, return_logprob=False)
+            return float(self.datasets.task.score(out.get("text") or "", item))
+
+        scores = await asyncio.gather(*(one(it) for it in items))
+        return {"eval/accuracy": sum(scores) / max(len(scores), 1), "eval/seconds": time.perf_counter() - t0}
+
+    # ---------------------------------------------------------------------------------- colocated memory
+    def offload(self) -> None:
+        """Engines release their memory (weights and KV cache) for the trainer (slime ``offload``)."""
+        self.call(self.memory.offload_engine())
+
+    def onload_trainer(self) -> None:
+        """The trainer's memory back on the device before it trains."""
+        self.memory.onload_trainer()
+        self.memory.mark("train")
+
+    def onload_weights(self) -> None:
+        """Trainer memory off, the engines' weight memory back, ready for the weight sync (slime
+        ``onload_weights``)."""
+        self.memory.offload_trainer()
+        self.call(self.memory.onload_engine_weights())
+        self.memory.mark("sync")
+
+    def update_weights(self, syncer, named, version: int) -> dict[str, Any]:
+        """Send the trainer's weights ``named`` (an iterator of ``(name, tensor)``) to the engines as weight
+        version ``version``; returns the syncer's metrics (seconds, bytes, GB/s). Raises
+        :class:`hpcrl.weights.WeightSyncError`."""
+        return self.call(syncer.sync(named, str(version)))
+
+    def onload_kv(self) -> None:
+        """The engines' KV cache back after the weights (slime ``onload_kv``)."""
+        self.call(self.memory.onload_engine_kv())
+
+    # ------------------------------------------------------------------------------------------------------
+    def write_phases(self) -> None:
+        """Write the colocated phase order of this attempt to ``phases.jsonl``: one ``{"phase", "t"
+        (monotonic seconds), "wall" (Unix seconds)}`` per line."""
+        with open(self.attempt_dir / "phases.jsonl", "w") as f:
+            offset = time.time() - time.monotonic()  # wall clock, for timings across processes
+            for phase, t in self.memory.events:
+                f.write(json.dumps({"phase": phase, "t": t, "wall": t + offset}) + "\n")
+
+    def stop(self) -> None:
+        """Close the client, stop router, engines and the job step (only what this run started)."""
+        try:
+            if self.memory is not None:
+                self.write_phases()
+            if self.client is not None:
+                self.call(self.client.close())
+        finally:
+            if self.router is not None:
+                self.router.stop()
+            for e in self.engines:
+                e.stop()
+            if self.step is not None:
+                self.step.stop()
+            self.loop.close()
+
+
+class NullRolloutManager:
+    """The rollout manager of a trainer rank that is not the controller: every verb does nothing
+    (``generate`` returns no samples and no metrics, ``evaluate`` no metrics), except ``update_weights``,
+    which takes part in the weight sync without sending (every rank iterates the weights: tensor-parallel
+    all-gathers)."""
+
+    client = None
+    engine_tp_sizes = None
+
+    def start(self) -> None:
+        pass
+
+    def generate(self, rollout_id: int, data_source, multiple: int = 1) -> tuple[None, dict[str, float]]:
+        return None, {}
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        return {}
+
+    def offload(self) -> None:
+        pass
+
+    def onload_trainer(self) -> None:
+        pass
+
+    def onload_weights(self) -> None:
+        pass
+
+    def update_weights(self, syncer, named, version: int) -> dict[str, Any]:
+        return asyncio.run(syncer.sync(named, str(version)))
+
+    def onload_kv(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def rollout_metrics(cfg, samples: list, metrics: dict[str, float], trained_groups: int,
+                    held_groups: int) -> dict[str, Any]:
+    """The ``rollout/*`` metrics of one step's trained samples, added to the rollout function's own:
+    reward mean and std (:meth:`hpcrl.data.sample.Sample.scalar_reward`), accuracy (share of rewards >= 1),
+    mean response length (tokens), truncated share, tokens per second, weight version, groups held and short."""
+    rewards = [s.scalar_reward() for s in samples]
+    n = max(len(samples), 1)
+    lengths = [s.response_length for s in samples]
+    secs = metrics.get("rollout/seconds", 0.0)
+    m = dict(metrics)
+    m["rollout/groups_held"] = m.get("rollout/groups_held", 0) + held_groups
+    m["rollout/groups_short"] = cfg.rollout.batch_size - trained_groups
+    m.update({
+        "rollout/reward_mean": sum(rewards) / n,
+        "rollout/reward_std": (sum((r - sum(rewards) / n) ** 2 for r in rewards) / n) ** 0.5,
+        "rollout/accuracy": sum(r >= 1.0 for r in rewards) / n,
+        "rollout/response_length": sum(lengths) / n,
+        "rollout/truncated": sum(s.status.value == "truncated" for s in samples) / n,
+        "rollout/tokens_per_s": sum(lengths) / secs if secs > 0 else 0.0,
+        "rollout/weight_version": samples[0].weight_version if samples else None,
+    })
+    return m
