@@ -1,0 +1,93 @@
+"""The ``rollout`` section and its checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Optional
+
+from hpcrl.config.checks import check_plugin, non_negative, positive, require
+from hpcrl.config.train import GROUP_ESTIMATORS
+
+if TYPE_CHECKING:
+    from hpcrl.config.schema import Config
+
+
+@dataclass
+class RolloutSection:
+    """Generation: batch shape, sampling, engines and plug-ins (slime's rollout arguments)."""
+
+    batch_size: int = 8
+    """Prompts (groups) per rollout step (slime ``--rollout-batch-size``)."""
+    n_samples_per_prompt: int = 8
+    """Samples per group (slime ``--n-samples-per-prompt``)."""
+    over_sampling_batch_size: Optional[int] = None
+    """Prompts submitted at once before filtering; default ``batch_size``; must be >= ``batch_size``."""
+    dynamic_filter: Optional[str] = None
+    """``nonzero_std`` (drop groups whose rewards are all equal) or a dotted import path."""
+    on_filter_starved: Literal["train", "error"] = "train"
+    """When the dynamic filter keeps fewer than ``batch_size`` groups within 32 x ``batch_size`` submitted:
+    ``train`` on the kept groups (at least one; warns, ``rollout/groups_short`` in the metrics), or ``error``
+    (the run stops, after checkpointing its last finished step)."""
+    partial_rollout: bool = False
+    """Keep aborted partial groups in the buffer and continue them next step."""
+    max_new_tokens: int = 16
+    """Response length limit in tokens (slime ``--rollout-max-response-len``)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    engine: Literal["auto", "cpu", "sglang"] = "auto"
+    """``auto``: SGLang when CUDA is present, else hpcrl's CPU engine."""
+    num_engines: int = 1
+    router: bool = True
+    """Put the real ``sglang-router`` in front of the engines."""
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    reward_function: str = "task"
+    """``task`` (the data source's own scorer) or a dotted import path (slime ``--custom-rm-path``)."""
+    generate_function: Optional[str] = None
+    """Dotted path of a custom per-sample generate (slime ``--custom-generate-function-path``)."""
+    rollout_function: Optional[str] = None
+    """Dotted path of a custom rollout (slime ``--rollout-function-path``)."""
+    eval_interval: int = 10
+    """Greedy eval every this many rollout steps (0: only at start and end)."""
+
+
+BUILTIN_REWARD_FUNCTIONS = ("task", "exact_match", "math_answer", "countdown")
+"""Reward names :func:`hpcrl.rewards.resolve.get_reward_function` knows, besides ``remote_rm:<url>``."""
+
+
+BUILTIN_DYNAMIC_FILTERS = ("nonzero_std",)
+
+
+def check_rollout(cfg: Config, check_files: bool) -> None:
+    r = cfg.rollout
+    positive(cfg, "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.over_sampling_batch_size",
+              "rollout.max_new_tokens", "rollout.num_engines", "rollout.request_timeout_s")
+    non_negative(cfg, "rollout.max_retries", "rollout.eval_interval", "rollout.temperature")
+    if r.over_sampling_batch_size is not None:
+        require(r.over_sampling_batch_size >= r.batch_size, "rollout.over_sampling_batch_size",
+                 r.over_sampling_batch_size, f"must be >= rollout.batch_size={r.batch_size}",
+                 f"set it to at least {r.batch_size} or leave it unset")
+    require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]", "use 1.0 to disable top-p")
+    require(r.top_k == -1 or r.top_k > 0, "rollout.top_k", r.top_k, "must be -1 (off) or > 0",
+             "use -1 to disable top-k")
+    for i, s in enumerate(r.stop):
+        require(s != "", f"rollout.stop[{i}]", s, "stop strings must not be empty",
+                 "remove the empty string")
+    for i, t in enumerate(r.stop_token_ids):
+        require(t >= 0, f"rollout.stop_token_ids[{i}]", t, "token ids must be >= 0", "fix the token id")
+    est = cfg.algorithm.advantage_estimator
+    if est in GROUP_ESTIMATORS:
+        require(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt", r.n_samples_per_prompt,
+                 f"{est} normalises rewards within a group, so a group of 1 has zero advantage",
+                 "use 2 or more samples per prompt (8 is common)")
+    if r.dynamic_filter == "nonzero_std":
+        require(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt", r.n_samples_per_prompt,
+                 "dynamic_filter nonzero_std drops every group of 1 sample",
+                 "use 2 or more samples per prompt")
+    check_plugin("rollout.reward_function", r.reward_function, BUILTIN_REWARD_FUNCTIONS, check_files)
+    check_plugin("rollout.dynamic_filter", r.dynamic_filter, BUILTIN_DYNAMIC_FILTERS, check_files)
+    check_plugin("rollout.generate_function", r.generate_function, (), check_files)
+    check_plugin("rollout.rollout_function", r.rollout_function, (), check_files)

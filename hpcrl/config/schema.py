@@ -1,0 +1,30 @@
+"""The root of the schema: :class:`Config`, one field per section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcrl.config.run import DataSection, ModelSection, RunSection, SFTSection
+from hpcrl.config.rollout import RolloutSection
+from hpcrl.config.train import AlgorithmSection, CheckpointSection, TrainSection, WeightsSection
+from hpcrl.config.slurm import SlurmSection, SweepSection
+
+
+@dataclass
+class Config:
+    """A whole run. Section names are the YAML top-level keys."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    sglang: dict[str, Any] = field(default_factory=dict)
+    sft: SFTSection = field(default_factory=SFTSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    megatron: dict[str, Any] = field(default_factory=dict)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    weights: WeightsSection = field(default_factory=WeightsSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    slurm: SlurmSection = field(default_factory=SlurmSection)
+    sweep: SweepSection = field(default_factory=SweepSection)

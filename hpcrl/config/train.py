@@ -1,0 +1,187 @@
+"""The ``train``, ``algorithm``, ``weights`` and ``checkpoint`` sections, each with its checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional
+
+from hpcrl.config.errors import MIB
+from hpcrl.config.checks import get_field, non_negative, positive, require
+
+if TYPE_CHECKING:
+    from hpcrl.config.schema import Config
+
+
+@dataclass
+class TrainSection:
+    """The Megatron trainer: parallelism and optimisation."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    nprocs: int = 1
+    """Trainer processes for local runs (Slurm runs take it from the allocation)."""
+    micro_batch_size: int = 64
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step; default ``rollout.batch_size * rollout.n_samples_per_prompt //
+    num_steps_per_rollout``. Must be a multiple of ``n_samples_per_prompt`` and ``micro_batch_size``."""
+    num_steps_per_rollout: int = 1
+    """Optimizer steps per rollout (slime ``--num-steps-per-rollout``): each rollout's
+    ``batch_size * n_samples_per_prompt`` samples are split into this many global batches."""
+    lr: float = 3e-5
+    """Peak learning rate (slime ``--lr``)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (slime ``--min-lr``); unused with ``lr_decay_style: constant``."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr`` (slime ``--lr-warmup-iters``)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay from ``lr`` to ``min_lr`` after the warmup (slime ``--lr-decay-style``)."""
+    lr_decay_steps: Optional[int] = None
+    """Optimizer step at which the decay reaches ``min_lr``; default ``run.num_rollout *
+    train.num_steps_per_rollout`` (the whole run)."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    clip_grad: float = 1.0
+    bf16: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class AlgorithmSection:
+    """Advantage estimator and policy loss (slime's definitions and flag names)."""
+
+    advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    grpo_std_normalization: bool = True
+    eps_clip: float = 0.2
+    eps_clip_high: Optional[float] = None
+    """Upper clip; default ``eps_clip`` (DAPO recipes use 0.28)."""
+    eps_clip_c: Optional[float] = None
+    """Dual-clip constant (> 1) for negative advantages; off when null."""
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    entropy_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    gamma: float = 1.0
+
+
+@dataclass
+class WeightsSection:
+    """Weight sync from trainer to engines."""
+
+    method: Literal["auto", "tensor", "distributed", "disk"] = "auto"
+    """``auto``: ``tensor`` when colocated, ``distributed`` when disaggregated (resolved by :func:`resolve`).
+    ``tensor`` needs colocation (CUDA IPC shares device memory)."""
+    bucket_bytes: int = 512 * 1024 * 1024
+    """Bytes per ``/update_weights_from_tensor`` bucket (slime ``--update-weight-buffer-size``); >= 1 MiB."""
+    timeout_s: float = 300.0
+
+
+@dataclass
+class CheckpointSection:
+    """Checkpoints of model, optimizer, RNG, data position and buffer."""
+
+    save_interval: int = 0
+    """Save every N rollout steps (0: only at the end and on preemption)."""
+    keep_last: int = 2
+    resume: bool = True
+    """Resume from the newest complete checkpoint in the run folder if there is one."""
+
+
+GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline is the group: they need ``n_samples_per_prompt >= 2``."""
+
+
+def check_train(cfg: Config) -> None:
+    t, r = cfg.train, cfg.rollout
+    positive(cfg, "train.tensor_parallel_size", "train.pipeline_parallel_size",
+              "train.context_parallel_size", "train.expert_parallel_size", "train.nprocs",
+              "train.micro_batch_size", "train.global_batch_size", "train.num_steps_per_rollout", "train.lr")
+    non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps")
+    for f in ("train.pipeline_parallel_size", "train.context_parallel_size"):
+        require(get_field(cfg, f) == 1, f, get_field(cfg, f), "the trainer does not support pipeline or context "
+                 "parallelism yet (its forward is one stage over whole sequences)",
+                 "set it to 1 and split the model with train.tensor_parallel_size / expert_parallel_size")
+    if t.lr_decay_steps is not None:
+        positive(cfg, "train.lr_decay_steps")
+    decay_steps = (t.lr_decay_steps if t.lr_decay_steps is not None
+                   else cfg.run.num_rollout * t.num_steps_per_rollout)
+    require(t.lr_warmup_steps < max(decay_steps, 1) or t.lr_warmup_steps == 0, "train.lr_warmup_steps",
+             t.lr_warmup_steps, f"must be smaller than train.lr_decay_steps={decay_steps} (default: "
+             "run.num_rollout x train.num_steps_per_rollout)", "lower lr_warmup_steps or raise lr_decay_steps")
+    model_par = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
+    require(t.nprocs % model_par == 0, "train.nprocs", t.nprocs,
+             f"must be a multiple of tensor x pipeline x context parallel size = {model_par}",
+             f"use nprocs={model_par * max(t.nprocs // model_par, 1)} or smaller parallel sizes")
+    expert_par = t.tensor_parallel_size * t.pipeline_parallel_size * t.expert_parallel_size
+    require(t.nprocs % expert_par == 0, "train.expert_parallel_size", t.expert_parallel_size,
+             f"tensor x pipeline x expert parallel size = {expert_par} must divide train.nprocs={t.nprocs}",
+             "lower expert_parallel_size or raise nprocs")
+    require(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}", "lower min_lr")
+    for f in ("train.adam_beta1", "train.adam_beta2"):
+        v = get_field(cfg, f)
+        require(0 <= v < 1, f, v, "must be in [0, 1)", "e.g. 0.9 / 0.98")
+    per_rollout = r.batch_size * r.n_samples_per_prompt
+    if t.global_batch_size is None:
+        require(per_rollout % t.num_steps_per_rollout == 0, "train.num_steps_per_rollout",
+                 t.num_steps_per_rollout,
+                 f"must divide the {per_rollout} samples per rollout (batch_size x n_samples_per_prompt)",
+                 "pick a divisor")
+        gbs, gbs_field = per_rollout // t.num_steps_per_rollout, "train.micro_batch_size"
+    else:
+        gbs, gbs_field = t.global_batch_size, "train.global_batch_size"
+        require(gbs % r.n_samples_per_prompt == 0, gbs_field, gbs,
+                 f"must be a multiple of rollout.n_samples_per_prompt={r.n_samples_per_prompt} "
+                 "(whole groups)",
+                 f"use a multiple of {r.n_samples_per_prompt}, or leave it unset")
+        require(gbs * t.num_steps_per_rollout == per_rollout, gbs_field, gbs,
+                 f"x train.num_steps_per_rollout={t.num_steps_per_rollout} must equal the {per_rollout} "
+                 "samples per rollout (rollout.batch_size x n_samples_per_prompt)",
+                 "leave train.global_batch_size unset to derive it")
+    if gbs_field == "train.micro_batch_size":
+        require(gbs % t.micro_batch_size == 0, gbs_field, t.micro_batch_size,
+                 f"must divide the global batch of {gbs} samples", f"use a divisor of {gbs}")
+    else:
+        require(gbs % t.micro_batch_size == 0, gbs_field, gbs,
+                 f"must be a multiple of train.micro_batch_size={t.micro_batch_size}",
+                 "change the global or the micro batch size")
+
+
+def check_algorithm(cfg: Config) -> None:
+    a = cfg.algorithm
+    require(0 < a.eps_clip < 1, "algorithm.eps_clip", a.eps_clip, "must be in (0, 1)", "0.2 is common")
+    if a.eps_clip_high is not None:
+        require(a.eps_clip_high > 0, "algorithm.eps_clip_high", a.eps_clip_high, "must be > 0",
+                 "e.g. 0.28 (DAPO), or null for eps_clip")
+    if a.eps_clip_c is not None:
+        require(a.eps_clip_c > 1, "algorithm.eps_clip_c", a.eps_clip_c, "the dual-clip constant must be > 1",
+                 "e.g. 3.0, or null to disable dual clip")
+    non_negative(cfg, "algorithm.kl_loss_coef", "algorithm.entropy_coef", "algorithm.tis_clip_low")
+    require(not (a.kl_loss_coef > 0 and not a.use_kl_loss), "algorithm.kl_loss_coef", a.kl_loss_coef,
+             "has no effect unless algorithm.use_kl_loss is true",
+             "set algorithm.use_kl_loss=true or algorithm.kl_loss_coef=0")
+    positive(cfg, "algorithm.tis_clip")
+    require(a.tis_clip_low < a.tis_clip, "algorithm.tis_clip_low", a.tis_clip_low,
+             f"must be < algorithm.tis_clip={a.tis_clip}", "lower tis_clip_low")
+    require(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]", "1.0 is usual for LLM RL")
+
+
+def check_weights(cfg: Config) -> None:
+    w = cfg.weights
+    require(not (w.method == "tensor" and cfg.run.placement == "disaggregate"), "weights.method", w.method,
+             "tensor (CUDA IPC) needs trainer and engines on the same devices, but run.placement is "
+             "disaggregate",
+             "use weights.method=distributed (or disk, or auto)")
+    require(w.bucket_bytes >= MIB, "weights.bucket_bytes", w.bucket_bytes,
+             "must be at least 1 MiB (1048576)",
+             f"the default is {512 * MIB} (512 MiB)")
+    positive(cfg, "weights.timeout_s")
+
+
+def check_checkpoint(cfg: Config) -> None:
+    non_negative(cfg, "checkpoint.save_interval")
+    positive(cfg, "checkpoint.keep_last")
