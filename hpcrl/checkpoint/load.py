@@ -1,0 +1,96 @@
+"""Loading a checkpoint into a model and optimizer (resharded across tensor-parallel sizes), with the RNG states."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.checkpoint.layout import DIST_DIR, RNG_DIR, STATE_FILE, CheckpointError, validate_checkpoint
+from hpcrl.checkpoint.state import (broadcast_object, parallel_layout, require_dist, reset_to_initial,
+                                    restore_adam_steps, set_rng_state, sharded_state_dict, unwrap,
+                                    zero_state_to_load_into)
+
+logger = logging.getLogger("hpcrl.checkpoint")
+
+
+def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, optimizer: Any = None,
+                    load_rng: bool = True, strict: bool = True) -> dict[str, Any]:
+    """Restore a checkpoint written by :func:`save_checkpoint` into a freshly built model; every rank calls.
+
+    ``ddp_model`` / ``optimizer``: built as for training
+    (:func:`hpcrl.train.parallel.setup_model_and_optimizer`; the HF weights it loaded are overwritten).
+    The model may have another tensor-parallel size than the saved one (megatron-core reshards; build it
+    with the saved padded vocab, the marker's ``padded_vocab_size``, as :mod:`hpcrl.convert` does), and so
+    may an ordinary optimizer; a distributed optimizer saved as ``dp_reshardable`` needs the same TP/PP
+    sizes. ``optimizer=None`` loads the model only; a checkpoint saved before the first optimizer step
+    resets ``optimizer`` to a fresh one. This rank's RNG states are restored when ``load_rng`` and the
+    world, TP and PP sizes equal the saved ones (otherwise a warning says they are not). ``strict`` goes to
+    the model's ``load_state_dict``.
+
+    Returns the ``extra_state`` saved with it. Raises, on every rank: CheckpointError if the folder is
+    incomplete or truncated (checked by rank 0, sizes only) or has no optimizer state but ``optimizer`` is
+    given, ValueError if the ranks name different folders, RuntimeError without ``torch.distributed``;
+    megatron-core raises CheckpointingException for state that does not fit the model.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    rank, world = require_dist()
+    path = Path(path)
+    paths = [None] * world
+    dist.all_gather_object(paths, str(path.resolve()))
+    if len(set(paths)) > 1:
+        raise ValueError(f"ranks asked to load different checkpoints: {sorted(set(paths))}")
+    # Rank 0 checks the files (one pass over the listing, not one per rank) and reads state.json.
+    header: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            header = {"marker": validate_checkpoint(path),
+                      "extra": json.loads((path / STATE_FILE).read_text())}
+        except CheckpointError as e:
+            header = {"error": str(e)}
+        except (OSError, ValueError) as e:  # state.json unreadable or not JSON: name the checkpoint
+            header = {"error": f"{path}: unreadable {STATE_FILE} ({type(e).__name__}: {e})"}
+    header = broadcast_object(header)
+    if "error" in header:
+        raise CheckpointError(header["error"])
+    marker = header["marker"]
+    dist_dir = str(path / DIST_DIR)
+    metadata = (dist_checkpointing.load_content_metadata(dist_dir)
+                or dict(marker.get("sharding_metadata") or {}))
+    model = unwrap(ddp_model)
+    saved_optimizer = marker.get("optimizer", "saved")
+    if optimizer is not None and saved_optimizer == "none":
+        raise CheckpointError(f"{path} was saved without optimizer state; load it with optimizer=None")
+    load_optimizer = optimizer if saved_optimizer == "saved" else None
+    zero_state_to_load_into(load_optimizer)
+    sharded = sharded_state_dict(model, load_optimizer, metadata, is_loading=True)
+    # Tensors asked for but absent from the checkpoint fail in the load itself; extra ones (the optimizer's
+    # when loading the model only) are fine.
+    loaded = dist_checkpointing.load(sharded, dist_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    with torch.no_grad():  # the distributed optimizer copies into views of parameters that require grad
+        model.load_state_dict(loaded["model"], strict=strict)
+        if load_optimizer is not None:
+            optimizer.load_state_dict(loaded["optimizer"])
+            restore_adam_steps(optimizer)
+        elif optimizer is not None:  # saved before the first step
+            reset_to_initial(optimizer)
+
+    if load_rng:
+        layout = parallel_layout()
+        same = all(marker.get(k) == layout[k] for k in ("world_size", "tp_size", "pp_size"))
+        if same:
+            set_rng_state(torch.load(path / RNG_DIR / f"rank_{rank:05d}.pt", weights_only=True))
+        elif rank == 0:
+            logger.warning("RNG states not restored: %s was saved with world/TP/PP %s/%s/%s, this job has "
+                           "%s/%s/%s",
+                           path, marker.get("world_size"), marker.get("tp_size"), marker.get("pp_size"),
+                           layout["world_size"], layout["tp_size"], layout["pp_size"])
+    dist.barrier()
+    return header["extra"]

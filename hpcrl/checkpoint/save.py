@@ -1,0 +1,241 @@
+"""Saving a checkpoint, all ranks together, in phases: stage (the temp folder), write (distributed checkpoint, RNG,
+run state, extra files), verify (fsync and checksum per rank), publish (``COMPLETE``, rename), prune."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.fsutil import fsync_path
+from hpcrl.checkpoint.layout import (DIST_DIR, FORMAT, FORMAT_VERSION, MARKER_FILE, RNG_DIR, STATE_FILE,
+                                     checkpoint_path, file_owner, files_of, prune_checkpoints, size_and_crc,
+                                     subdirs, write_file)
+from hpcrl.checkpoint.state import (DISTRIB_OPTIM_SHARDING, broadcast_object, has_state, parallel_layout,
+                                    require_dist, rng_state, sharded_state_dict, sharding_metadata, unwrap)
+
+logger = logging.getLogger("hpcrl.checkpoint")
+
+
+def _writer_queue_dies_with_us() -> None:
+    """Start megatron-core's checkpoint-writer results queue ourselves, in a manager process that dies with
+    this one.
+
+    megatron-core's ``FileSystemWriterAsync`` (the ``torch_dist`` save strategy) lazily starts a
+    ``multiprocessing`` manager server (spawn context, ~200 MB, ~2 s to start) for its write results and keeps
+    it for the life of the process, and forks its writer workers. When the trainer is SIGKILLed (outside a Slurm step, whose cgroup is
+    cleaned up) that server was orphaned and lived on: 20 killed runs left 4 GB of them. Started here with
+    ``PR_SET_PDEATHSIG`` (:func:`hpcrl.procs.die_with_parent`), it ends with the trainer. A no-op
+    if the queue exists or this megatron-core version has no such queue.
+    """
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from hpcrl.procs import die_with_parent
+
+    if getattr(filesystem_async, "_results_queue", False) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(die_with_parent)
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager (and its server) alive
+    # Its writer workers are forked (multiprocessing fork context); one forked while the trainer is killed
+    # hung in JoinableQueue.task_done forever. Every Python-level fork of this process now dies with it.
+    os.register_at_fork(after_in_child=die_with_parent)
+
+
+def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model: torch.nn.Module,
+                    optimizer: Any, extra_state: Optional[Mapping[str, Any]] = None, keep_last: int = 2,
+                    distrib_optim_sharding_type: str = DISTRIB_OPTIM_SHARDING,
+                    checksums: bool = True,
+                    extra_files: Optional[Mapping[str, Callable[[Path], None]]] = None) -> Path:
+    """Write the checkpoint of ``rollout_id`` to ``run_dir/checkpoints/iter_{rollout_id:07d}/`` (all ranks).
+
+    ``ddp_model``: the trainer's model (megatron-core DDP / Float16Module wrappers or a bare GPTModel).
+    ``optimizer``: its megatron-core optimizer, or None to save the model only (an optimizer that has not
+    stepped yet has no state; the marker records ``"optimizer": "initial"`` and a load rebuilds it).
+    ``extra_state``: plain JSON (dicts, lists, str, numbers, bool, None) on rank 0, other ranks' is ignored:
+    rollout id, ``DataSource.state_dict()``, metrics so far, resolved config; :func:`load_checkpoint`
+    returns it. The layout and the atomic write are in the module docstring. An existing checkpoint of the
+    same rollout id is replaced. Afterwards rank 0 prunes to the newest ``keep_last`` complete checkpoints
+    (:func:`prune_checkpoints`; 0 or less keeps all, the one just written is always kept) and removes
+    ``.tmp-*`` / ``.del-*`` leftovers of crashed saves. ``distrib_optim_sharding_type``: see
+    :data:`DISTRIB_OPTIM_SHARDING`. ``checksums``: CRC-32 every file (each rank reads back the files it
+    wrote, mostly from its page cache); False lists sizes only, for very large checkpoints. ``extra_files``:
+    ``{name: writer}``; rank 0 calls ``writer(path)`` to write the file ``name`` at the checkpoint's top level
+    (e.g. the HDF5 data buffer), inside the same atomic save (listed and checksummed by ``COMPLETE``).
+
+    Returns the checkpoint folder. Raises, on every rank: RuntimeError without ``torch.distributed``,
+    TypeError if ``extra_state`` is not plain JSON (nothing is written then), OSError if a rank fails to
+    write; ValueError / NotImplementedError for a bad ``distrib_optim_sharding_type``.
+    """
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    rank, world = require_dist()
+    final = checkpoint_path(run_dir, rollout_id)
+    model = unwrap(ddp_model)
+    # An optimizer that has not stepped has no state to save (and megatron-core 0.16.1 mis-saves one whose
+    # torch-Adam step is 0: ``if step:``); the marker says so and a load rebuilds it from the model.
+    optimizer_state = "none" if optimizer is None else ("saved" if has_state(optimizer) else "initial")
+    save_optimizer = optimizer if optimizer_state == "saved" else None
+    metadata = sharding_metadata(save_optimizer, distrib_optim_sharding_type)
+    tmp, state_json = stage(final, extra_state, rank)
+    write(tmp, final, model, save_optimizer, metadata, state_json, extra_files, rank)
+    listing = verify(tmp, final, checksums, rank, world)
+    marker = {
+        "rollout_id": int(rollout_id), **parallel_layout(),
+        "params_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "padded_vocab_size": int(getattr(model, "vocab_size", 0)) or None,
+        "optimizer": optimizer_state, "sharding_metadata": _clean_metadata_for_serialization(metadata),
+    }
+    publish(tmp, final, marker, listing, rank)
+    if rank == 0:
+        try:
+            prune_checkpoints(run_dir, keep_last, keep=final)
+        except OSError as e:  # the new checkpoint is complete: a failed clean-up is no save failure
+            logger.warning("pruning old checkpoints in %s failed: %s", final.parent, e)
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def stage(final: Path, extra_state: Optional[Mapping[str, Any]], rank: int) -> tuple[Path, Optional[str]]:
+    """Phase 1 (collective): rank 0 checks that ``extra_state`` is plain JSON and makes the temp folder
+    ``<final>.tmp-<nonce>`` with ``dist/`` and ``rng/``; every rank learns its name. Returns ``(temp folder,
+    the state as JSON text on rank 0, None elsewhere)``. Raises TypeError (not plain JSON) or OSError (the
+    folder cannot be made) on every rank."""
+    header: dict[str, Any] = {}
+    state_json = None
+    if rank == 0:
+        try:
+            state_json = json.dumps(dict(extra_state or {}), indent=1, allow_nan=True)
+        except (TypeError, ValueError) as e:
+            header = {"error": f"extra_state is not plain JSON: {e}", "type": "TypeError"}
+        else:
+            try:
+                tmp = final.parent / f"{final.name}.tmp-{secrets.token_hex(4)}"
+                (tmp / DIST_DIR).mkdir(parents=True)
+                (tmp / RNG_DIR).mkdir()
+                header = {"tmp": str(tmp)}
+            except OSError as e:
+                header = {"error": f"cannot create {final.parent}: {e}", "type": "OSError"}
+    header = broadcast_object(header)
+    if "error" in header:
+        raise (TypeError if header["type"] == "TypeError" else OSError)(header["error"])
+    return Path(header["tmp"]), state_json
+
+
+def write(tmp: Path, final: Path, model: torch.nn.Module, optimizer: Any, metadata: dict[str, Any],
+          state_json: Optional[str], extra_files: Optional[Mapping[str, Callable[[Path], None]]],
+          rank: int) -> None:
+    """Phase 2 (collective): the megatron-core distributed checkpoint of model + optimizer (all ranks), each
+    rank's RNG states, and on rank 0 ``state.json`` and the ``extra_files``. Raises OSError on every rank if
+    any rank failed."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    sharded = sharded_state_dict(model, optimizer, metadata, is_loading=False)
+    _writer_queue_dies_with_us()
+    dist_checkpointing.save(sharded, str(tmp / DIST_DIR), get_default_save_sharded_strategy("torch_dist"),
+                            content_metadata=_clean_metadata_for_serialization(metadata))
+    try:
+        write_file(tmp / RNG_DIR / f"rank_{rank:05d}.pt", _torch_bytes(rng_state()))
+        if rank == 0:
+            write_file(tmp / STATE_FILE, state_json.encode())
+            for name, writer in (extra_files or {}).items():
+                writer(tmp / name)
+        error = None
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    _raise_if_any(error, final)
+
+
+def verify(tmp: Path, final: Path, checksums: bool, rank: int, world: int) -> Optional[dict[str, tuple]]:
+    """Phase 3 (collective): each rank fsyncs and checksums the files it wrote (its own view of its own files
+    is current, also on NFS). Returns the listing ``{name: (size in bytes, CRC-32 or None)}`` of every file
+    on rank 0, None elsewhere. Raises OSError on every rank if a rank's files are missing or unreadable."""
+    try:
+        mine = {n: size_and_crc(tmp / n, fsync=True, crc=checksums)
+                for n in files_of(tmp) if file_owner(n, world) == rank}
+        own_rng = f"{RNG_DIR}/rank_{rank:05d}.pt"
+        error = None if own_rng in mine else f"rank {rank}: {own_rng} is not in the folder"
+    except OSError as e:
+        mine, error = {}, f"rank {rank}: {e}"
+    _raise_if_any(error, final)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank != 0:
+        return None
+    files: dict[str, tuple] = {}
+    for part in gathered:
+        files.update(part)
+    return files
+
+
+def publish(tmp: Path, final: Path, marker: dict[str, Any], files: Optional[dict[str, tuple]], rank: int) -> None:
+    """Phase 4 (collective): rank 0 writes the ``COMPLETE`` marker (``marker`` plus format, time, host,
+    megatron-core version and the file listing), fsyncs the folders and renames the temp folder to ``final``
+    (replacing a checkpoint of the same rollout id). Raises OSError on every rank if that failed."""
+    error = None
+    if rank == 0:
+        try:
+            full = {
+                "format": FORMAT, "version": FORMAT_VERSION, "rollout_id": marker["rollout_id"],
+                "time": time.time(), "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "host": socket.gethostname(),
+                **{k: v for k, v in marker.items() if k != "rollout_id"},
+                "megatron_core": _megatron_version(),
+                "files": {n: {"size": files[n][0], "crc32": files[n][1]} for n in sorted(files)},
+            }
+            write_file(tmp / MARKER_FILE, json.dumps(full, indent=1).encode())
+            for d in reversed(subdirs(tmp)):
+                fsync_path(d)
+            root = final.parent
+            if final.exists():  # the same rollout id saved again (e.g. after a resume): replace it
+                old = root / f"{final.name}.del-{secrets.token_hex(4)}"
+                os.rename(final, old)
+                os.rename(tmp, final)
+                fsync_path(root)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            fsync_path(root)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    _raise_if_any(error, final)
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _raise_if_any(error: Optional[str], what: Path) -> None:
+    """Collective: raise OSError on every rank if any rank reports an error (so none waits forever)."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    errors = [e for e in errors if e]
+    if errors:
+        raise OSError(f"saving checkpoint {what} failed: {'; '.join(errors)}")
+
+
+def _megatron_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001
+        return None
