@@ -39,11 +39,11 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 """Exit status of a run stopped by a config or data error (the same as ``hpcrl validate``'s)."""
 
-_CONFIG_ERRORS = {"hpcrl.config.ConfigError", "hpcrl.data.sources.DataError"}
+_CONFIG_ERRORS = {"hpcrl.config.errors.ConfigError", "hpcrl.data.sources.DataError"}
 _RUN_ERRORS = {
     "hpcrl.rollout.client.RolloutError", "hpcrl.procs.ProcessStartError",
     "hpcrl.rollout.router.RouterError", "hpcrl.slurm.rollout_step.RolloutStepError",
-    "hpcrl.models.hf.ModelFolderError", "hpcrl.checkpoint.CheckpointError", "hpcrl.plugins.PluginError",
+    "hpcrl.models.hf.ModelFolderError", "hpcrl.checkpoint.layout.CheckpointError", "hpcrl.plugins.PluginError",
     "hpcrl.weights.common.WeightSyncError",
     "megatron.core.dist_checkpointing.core.CheckpointingException",
 }

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpcrl.config import Config
-from hpcrl.rollout.manager import EngineLauncher, NullRolloutManager, RolloutManager
-from hpcrl.run_setup import new_attempt_dir, quiet_logs
+from hpcrl.rollout.manager import EngineLauncher, rollout_manager
+from hpcrl.run_setup import quiet_logs
 
 log = logging.getLogger("hpcrl.loop")
 
@@ -61,8 +61,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     start_rollout_id = ckpt.resume()
     watch.install()  # the signal sets a flag and is blocked for every child process; see hpcrl.preempt
     # --- engines, router, client (a twin that does nothing on the other ranks) -------------------------
-    rollout = (RolloutManager(cfg, run_dir, new_attempt_dir(run_dir), model_path, datasets,
-                              launch_engines or launch_local_engines) if controller else NullRolloutManager())
+    rollout = rollout_manager(controller, cfg, run_dir, model_path, datasets, launch_engines or launch_local_engines)
     multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size, cfg.train.num_steps_per_rollout)
     stopped: Optional[str] = None
     last: dict[str, Any] = {}

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcrl.rollout.engines import engine_sglang_args
+from hpcrl.run_setup import new_attempt_dir
 
 EngineLauncher = Callable[[Any, Path, Path, Path, Path], tuple[list, Any]]
 """``launch(cfg, run_dir, attempt_dir, model_path, secret_path) -> (engines, step)``: starts the run's engines
@@ -240,6 +241,15 @@ class NullRolloutManager:
 
     def stop(self) -> None:
         pass
+
+
+def rollout_manager(controller: bool, cfg, run_dir: Path, model_path: Path, datasets,
+                    launch: EngineLauncher) -> "RolloutManager | NullRolloutManager":
+    """The rollout manager of a trainer rank: a :class:`RolloutManager` (with a new ``logs/attempt-N`` folder)
+    on the controller, a :class:`NullRolloutManager` on every other rank."""
+    if not controller:
+        return NullRolloutManager()
+    return RolloutManager(cfg, run_dir, new_attempt_dir(run_dir), model_path, datasets, launch)
 
 
 def rollout_metrics(cfg, samples: list, metrics: dict[str, float], trained_groups: int,

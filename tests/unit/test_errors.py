@@ -14,6 +14,17 @@ from hpcrl.slurm import entry
 from hpcrl.weights.common import WeightSyncError
 
 
+def test_every_known_error_name_is_a_class_where_it_says():
+    """The known errors are matched by qualified name; a class that moved module would silently become
+    unknown (a traceback instead of one line)."""
+    import importlib
+
+    for name in sorted(errors._CONFIG_ERRORS | errors._RUN_ERRORS):
+        module, _, cls = name.rpartition(".")
+        assert isinstance(getattr(importlib.import_module(module), cls), type), name
+        assert f"{getattr(importlib.import_module(module), cls).__module__}.{cls}" == name
+
+
 def test_known_errors_and_their_line():
     assert errors.exit_code_of(DataError("d.jsonl", 2, "bad JSON", "fix it")) == errors.EXIT_CONFIG
     assert errors.exit_code_of(ConfigError("data.source", "x", "bad", "fix")) == errors.EXIT_CONFIG

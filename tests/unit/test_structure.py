@@ -1,0 +1,135 @@
+"""The shape issue #10 gave the package, read from the source (ast) so that it stays true: no import cycle between
+hpcrl modules (function-level imports included; ``if TYPE_CHECKING:`` blocks, which never run, excluded), no
+``from hpcrl.x import _name`` across modules, no module over 700 lines, the loop function at most 100 lines with
+no branch on the rank, and the loop importing nothing from ``hpcrl.slurm``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "hpcrl"
+MAX_MODULE_LINES = 700
+MAX_LOOP_LINES = 100
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports(tree: ast.AST):
+    """Every import node that runs (module level or inside functions), skipping ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    mods = modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    private = []
+    for m, path in mods.items():
+        for node in imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    target = full if full in mods else node.module
+                    if target in mods and target != m:
+                        edges[m].add(target)
+                    if (node.module.startswith("hpcrl") and alias.name.startswith("_")
+                            and not alias.name.startswith("__") and target != m):
+                        private.append((m, node.module, alias.name))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in mods and alias.name != m:
+                        edges[m].add(alias.name)
+    return edges, private
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_hpcrl_modules():
+    edges, _ = import_graph()
+    assert cycles(edges) == []
+
+
+def test_no_private_name_imported_across_modules():
+    _, private = import_graph()
+    assert private == []
+
+
+def test_no_module_over_700_lines():
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_the_loop_is_a_page_without_rank_branches_or_slurm():
+    path = PACKAGE / "loop.py"
+    tree = ast.parse(path.read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_main")
+    assert fn.end_lineno - fn.lineno + 1 <= MAX_LOOP_LINES
+    tests = [ast.unparse(n.test) for n in ast.walk(fn) if isinstance(n, (ast.If, ast.IfExp))]
+    assert not [t for t in tests if "controller" in t or "rank" in t or "rollout is" in t], tests
+    edges, _ = import_graph()
+    assert not [m for m in edges["hpcrl.loop"] if m.startswith("hpcrl.slurm")]
+
+
+def test_the_checks_find_what_they_look_for():
+    """The cycle finder fires on a cycle; imports under ``if TYPE_CHECKING:`` are skipped, function-level ones
+    are not."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from x import y\n"
+                     "def f():\n    from hpcrl.z import _w\n")
+    found = sorted((n.module, n.names[0].name) for n in imports(tree) if isinstance(n, ast.ImportFrom))
+    assert found == [("hpcrl.z", "_w"), ("typing", "TYPE_CHECKING")]
