@@ -13,6 +13,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Optional
 
@@ -130,3 +131,38 @@ def open_log(log_path: Optional[str | os.PathLike], prefix: str) -> tuple[Path, 
 
 
 # ---------------------------------------------------------------------------------------------- command lines
+
+
+@dataclass
+class ManagedProcess:
+    """A server process hpcrl started (an engine, the router): its base ``url``, the ``process`` and its
+    combined stdout/stderr ``log_path`` (``_log_file`` the open handle). A context manager that stops it."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    _log_file: Optional[IO[bytes]] = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        """Process id of the server."""
+        return int(self.process.pid)
+
+    def alive(self) -> bool:
+        """True while the server process runs."""
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> Optional[int]:
+        """SIGTERM the server (its PID only), SIGKILL after ``grace_s`` seconds; returns its exit code
+        (:func:`stop_process`) and closes the log. Idempotent."""
+        rc = stop_process(self.process, grace_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return rc
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -28,9 +28,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
-from hpcrl.procs import die_with_parent, find_free_port, open_log, stop_process, url_for, wait_for_http_ok
+from hpcrl.procs import ManagedProcess, die_with_parent, find_free_port, open_log, url_for, wait_for_http_ok
 from hpcrl.rollout.secret import read_secret
 
 logger = logging.getLogger(__name__)
@@ -183,38 +183,12 @@ def redact(cmd: Sequence[str]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- processes
 @dataclass
-class EngineProcess:
-    """A running engine server. ``url`` is its base URL, ``log_path`` its combined stdout/stderr."""
+class EngineProcess(ManagedProcess):
+    """A running engine server (:class:`hpcrl.procs.ManagedProcess`): ``url`` its base URL, ``log_path`` its
+    combined stdout/stderr."""
 
-    url: str
-    process: subprocess.Popen
-    log_path: Path
     command: list[str] = field(default_factory=list)
     """The command line, API key redacted."""
-    _log_file: Optional[IO[bytes]] = field(default=None, repr=False)
-
-    @property
-    def pid(self) -> int:
-        """Process id of the server."""
-        return int(self.process.pid)
-
-    def alive(self) -> bool:
-        """True while the server process runs."""
-        return self.process.poll() is None
-
-    def stop(self, grace_s: float = 10.0) -> Optional[int]:
-        """SIGTERM the server, SIGKILL after ``grace_s`` seconds; returns its exit code (idempotent)."""
-        rc = stop_process(self.process, grace_s)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        return rc
-
-    def __enter__(self) -> "EngineProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], model_path: str | os.PathLike,
@@ -239,7 +213,8 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                preexec_fn=die_with_parent,
                                env=child_env)
-    eng = EngineProcess(url_for(host, port), process, path, redact(cmd), log_file)
+    eng = EngineProcess(url=url_for(host, port), process=process, log_path=path, command=redact(cmd),
+                        _log_file=log_file)
     key = read_secret(api_key_file) if api_key_file is not None else None
     try:
         wait_for_http_ok(eng.url + "/health", process, startup_timeout_s, path, f"engine {eng.url}", key)

@@ -52,10 +52,9 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
-from hpcrl.procs import (ProcessStartError, die_with_parent, find_free_port, log_tail, open_log, stop_process,
+from hpcrl.procs import (ManagedProcess, ProcessStartError, die_with_parent, find_free_port, log_tail, open_log,
                          url_for, wait_for_http_ok)
 
 KEY_STDIN_FLAG = "--api-key-stdin"
@@ -70,24 +69,13 @@ class RouterError(RuntimeError):
 
 
 @dataclass
-class RouterProcess:
-    """A running sglang-router. ``url`` is its base URL; ``log_path`` its combined stdout/stderr."""
+class RouterProcess(ManagedProcess):
+    """A running sglang-router (:class:`hpcrl.procs.ManagedProcess`): ``url`` its base URL, ``log_path`` its
+    combined stdout/stderr. ``stop()`` SIGKILLs it after the grace period, which it would otherwise spend
+    waiting up to ``--shutdown-grace-period-secs`` for requests in flight."""
 
-    url: str
-    process: subprocess.Popen
-    log_path: Path
     api_key: Optional[str] = field(default=None, repr=False)
     prometheus_port: Optional[int] = None
-    _log_file: Optional[IO[bytes]] = field(default=None, repr=False)
-
-    @property
-    def pid(self) -> int:
-        """Process id of the router."""
-        return int(self.process.pid)
-
-    def alive(self) -> bool:
-        """True while the router process runs."""
-        return self.process.poll() is None
 
     # ------------------------------------------------------------------ worker API
     def _call(self, method: str, path: str, payload: Any = None, timeout_s: float = 10.0) -> tuple[int, Any]:
@@ -171,22 +159,6 @@ class RouterProcess:
                 raise RouterError(f"worker {url} still listed by {self.url} {timeout_s:g} s after removal")
             time.sleep(0.25)
 
-    # ------------------------------------------------------------------ lifecycle
-    def stop(self, grace_s: float = 10.0) -> Optional[int]:
-        """SIGTERM the router (its PID only), SIGKILL after ``grace_s`` seconds (it would otherwise wait up to
-        ``--shutdown-grace-period-secs`` for requests in flight). Returns its exit code; idempotent."""
-        rc = stop_process(self.process, grace_s)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        return rc
-
-    def __enter__(self) -> "RouterProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 def router_command(worker_urls: Sequence[str], host: str, port: int, policy: str = "round_robin",
                    prometheus_port: Optional[int] = None, log_level: str = "info",
@@ -249,7 +221,8 @@ def start_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
             process.stdin.close()
         except BrokenPipeError:
             pass  # the wrapper died at once; the health wait below reports it with the log tail
-    router = RouterProcess(url_for(host, port), process, path, api_key, prometheus_port, log_file)
+    router = RouterProcess(url=url_for(host, port), process=process, log_path=path, api_key=api_key,
+                           prometheus_port=prometheus_port, _log_file=log_file)
     deadline = time.monotonic() + startup_timeout_s
     try:
         wait_for_http_ok(router.url + "/health", process, startup_timeout_s, path,
