@@ -98,10 +98,10 @@ async def bench_method(url: str, model, method: str, bucket_bytes: int, repeats:
 
 def bench_model(name: str, model_path: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
     from hpcrl.config import TrainSection
-    from hpcrl.train import parallel
+    from hpcrl.train import model as tmodel
 
     t0 = time.perf_counter()
-    model, _ = parallel.setup_model_and_optimizer(model_path, TrainSection())
+    model, _ = tmodel.setup_model_and_optimizer(model_path, TrainSection())
     params = sum(p.numel() for p in model.parameters())
     print(f"[{name}] trainer model: {params / 1e6:.1f}M parameters, "
           f"built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -123,7 +123,7 @@ def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str
     from transformers import AutoConfig
 
     from hpcrl import checkpoint
-    from hpcrl.train import bridge, parallel
+    from hpcrl.train import bridge, parallel, model as tmodel
 
     checkpoint_dir, hf_base_path, out_dir = Path(checkpoint_dir), Path(hf_base_path), Path(out_dir)
     marker = checkpoint.validate_checkpoint(checkpoint_dir)
@@ -154,7 +154,7 @@ def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str
         tmp = Path(box[0]["path"])
 
         hf_config = AutoConfig.from_pretrained(str(hf_base_path))
-        extra = parallel.split_megatron_kwargs(megatron)
+        extra = tmodel.split_megatron_kwargs(megatron)
         model_kwargs = dict(extra["model"], **extra["transformer"])
         for key in ("bf16", "fp16", "params_dtype", "pipeline_dtype"):  # the checkpoint's dtype decides
             model_kwargs.pop(key, None)

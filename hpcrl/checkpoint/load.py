@@ -24,7 +24,7 @@ def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, o
     """Restore a checkpoint written by :func:`save_checkpoint` into a freshly built model; every rank calls.
 
     ``ddp_model`` / ``optimizer``: built as for training
-    (:func:`hpcrl.train.parallel.setup_model_and_optimizer`; the HF weights it loaded are overwritten).
+    (:func:`hpcrl.train.model.setup_model_and_optimizer`; the HF weights it loaded are overwritten).
     The model may have another tensor-parallel size than the saved one (megatron-core reshards; build it
     with the saved padded vocab, the marker's ``padded_vocab_size``, as :mod:`hpcrl.convert` does), and so
     may an ordinary optimizer; a distributed optimizer saved as ``dp_reshardable`` needs the same TP/PP

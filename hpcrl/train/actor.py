@@ -1,7 +1,7 @@
 """The training side of one RL step: rollout samples in, optimizer steps out (slime's ``train_actor``).
 
 :class:`Actor` lives on every trainer rank. It owns the megatron-core model (wrapped in DDP) and its
-optimizer, built from an HF folder by :func:`hpcrl.train.parallel.setup_model_and_optimizer`, and, with a KL
+optimizer, built from an HF folder by :func:`hpcrl.train.model.setup_model_and_optimizer`, and, with a KL
 loss, a CPU copy of the initial weights (the reference policy) that is swapped into the same model for the
 reference forward (:class:`WeightBackup`, slime's ``TensorBackuper``: no second model).
 
@@ -15,7 +15,7 @@ loop do for one rollout:
 3. old log-probs recomputed with the current weights, or taken from the training forward itself when the step
    is exactly on-policy (slime's ``can_reuse_log_probs_in_loss``);
 4. reference log-probs with the reference weights swapped in (``algorithm.use_kl_loss``);
-5. the optimizer steps, each a :func:`~hpcrl.train.parallel.train_step` whose loss is
+5. the optimizer steps, each a :func:`~hpcrl.train.model.train_step` whose loss is
    :func:`~hpcrl.train.algorithms.compute_loss` reduced with slime's per-rollout token mean over the step's
    *global* batch (so neither micro-batching nor data parallelism changes the loss or its gradient);
 6. metrics summed over micro-batches and data-parallel ranks, and slime's ``--ci-test`` gates.
@@ -277,7 +277,7 @@ class Actor:
                  ci_logprob_abs_diff_threshold: Optional[float] = None) -> None:
         from megatron.core import parallel_state
 
-        from hpcrl.train import bridge, parallel
+        from hpcrl.train import bridge, model as tmodel
 
         if cfg.run.deterministic:
             if torch.cuda.is_available():
@@ -297,8 +297,8 @@ class Actor:
             raise ValueError(f"megatron's tensor-parallel size is {tp} but train.tensor_parallel_size is "
                              f"{cfg.train.tensor_parallel_size}; call initialize_model_parallel with the "
                              f"config's size")
-        self.ddp_model, self.optimizer = parallel.setup_model_and_optimizer(hf_path, cfg.train, cfg.megatron)
-        self.lr_scheduler = parallel.lr_scheduler(self.optimizer, cfg.train, cfg.run.num_rollout)
+        self.ddp_model, self.optimizer = tmodel.setup_model_and_optimizer(hf_path, cfg.train, cfg.megatron)
+        self.lr_scheduler = tmodel.lr_scheduler(self.optimizer, cfg.train, cfg.run.num_rollout)
         self.model = bridge.unwrap_model(self.ddp_model)
         self.vocab_size: int = self.model.hf_config.vocab_size
         self.device = next(self.model.parameters()).device
@@ -369,7 +369,7 @@ class Actor:
         inconsistent lengths; AssertionError (``ci_checks``) naming the failed metric and its value;
         RuntimeError when the optimizer skips a step (non-finite gradients).
         """
-        from hpcrl.train import parallel
+        from hpcrl.train import model as tmodel
 
         t0 = time.perf_counter()
         cfg, alg = self.cfg, self.cfg.algorithm
@@ -413,7 +413,7 @@ class Actor:
         # function of rollout_id, so a resumed run continues the schedule exactly).
         per_step = []
         for k, (step, sums) in enumerate(zip(steps, step_sums, strict=True)):
-            lr = parallel.set_lr_step(self.lr_scheduler, rollout_id * cfg.train.num_steps_per_rollout + k)
+            lr = tmodel.set_lr_step(self.lr_scheduler, rollout_id * cfg.train.num_steps_per_rollout + k)
             per_step.append(self._optimizer_step(step, sums))
             per_step[-1]["lr"] = lr
         self.step_metrics = per_step
@@ -445,7 +445,7 @@ class Actor:
 
     def _optimizer_step(self, micro_batches: Sequence[MicroBatch], rollout_mask_sums: dict[int, float]
                         ) -> dict[str, Optional[float]]:
-        """One :func:`~hpcrl.train.parallel.train_step` over this rank's micro-batches of a step.
+        """One :func:`~hpcrl.train.model.train_step` over this rank's micro-batches of a step.
 
         The loss of a micro-batch is :func:`~hpcrl.train.algorithms.compute_loss` with the step's global
         ``rollout_token_mean`` reducer, times ``dp_size`` (slime: ``loss *= dp_size``; megatron-core DDP
@@ -453,7 +453,7 @@ class Actor:
         Returns the step's metrics, each summed over micro-batches and DP ranks (the global value), plus
         ``grad_norm``.
         """
-        from hpcrl.train.parallel import train_step
+        from hpcrl.train.model import train_step
 
         cfg = self.cfg.algorithm
         local: dict[str, Tensor] = {}

@@ -57,7 +57,7 @@ def draw_batch():
 
 
 def one_step(ddp_model, optimizer) -> dict:
-    from hpcrl.train import logprobs, parallel
+    from hpcrl.train import logprobs, model as tmodel
 
     tokens, total, resp, adv = draw_batch()
 
@@ -65,7 +65,7 @@ def one_step(ddp_model, optimizer) -> dict:
         out = logprobs.response_log_probs(model, tokens, total, resp)
         return -(out.log_probs * out.mask * adv[:, None]).sum() / out.mask.sum()
 
-    return parallel.train_step(ddp_model, optimizer, loss_fn, [None])
+    return tmodel.train_step(ddp_model, optimizer, loss_fn, [None])
 
 
 def model_tensors(ddp_model) -> dict[str, torch.Tensor]:
@@ -113,10 +113,10 @@ def resume_experiment(hf_dir, run_dir, train=TRAIN) -> dict:
     """An uninterrupted run (A) saving before the first step and after step SAVE_AT, and runs resumed from
     those two checkpoints (C from step 0, B from SAVE_AT) by a fresh model + optimizer; their states."""
     from hpcrl import checkpoint
-    from hpcrl.train import bridge, parallel
+    from hpcrl.train import bridge, model as tmodel
 
     seed_everything(1234)
-    model, opt = parallel.setup_model_and_optimizer(hf_dir, train)
+    model, opt = tmodel.setup_model_and_optimizer(hf_dir, train)
     res: dict = {"A": {}, "B": {}, "C": {}, "path": {}}
     for step in range(STEPS + 1):
         if step:
@@ -133,7 +133,7 @@ def resume_experiment(hf_dir, run_dir, train=TRAIN) -> dict:
 
     for run, start in (("B", SAVE_AT), ("C", 0)):
         seed_everything(999)  # a fresh start: other RNG states, the base weights, a new optimizer
-        model, opt = parallel.setup_model_and_optimizer(hf_dir, train)
+        model, opt = tmodel.setup_model_and_optimizer(hf_dir, train)
         res[run]["extra"] = checkpoint.load_checkpoint(res["path"][start], model, opt)
         res[run]["loaded_model"], res[run]["loaded_optim"] = model_tensors(model), optimizer_tensors(opt)
         for _ in range(start + 1, STEPS + 1):
@@ -231,9 +231,9 @@ def ranks(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def small_model(tp1, tiny_model_dir):
     """A model and its (never stepped) optimizer, for the quick model-only checkpoints below."""
-    from hpcrl.train import parallel
+    from hpcrl.train import model as tmodel
 
-    return parallel.setup_model_and_optimizer(tiny_model_dir, TRAIN)
+    return tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN)
 
 
 def _save(model_and_opt, run_dir, rollout_id, keep_last=2):
@@ -429,7 +429,7 @@ def test_mcore_to_hf_tp1(tp1_resume, tiny_model_dir, tmp_path):
 @pytest.mark.integration
 def test_mcore_to_hf_converts_tp2_checkpoint_at_tp1(tp1, ranks, tiny_model_dir, tmp_path, caplog):
     from hpcrl import checkpoint, convert
-    from hpcrl.train import bridge, parallel
+    from hpcrl.train import bridge, model as tmodel
 
     results, _ = ranks
     res = results[0]["tp2"]
@@ -443,7 +443,7 @@ def test_mcore_to_hf_converts_tp2_checkpoint_at_tp1(tp1, ranks, tiny_model_dir, 
 
     # The whole training state (model + optimizer) of the TP=2 checkpoint also loads at TP=1 (with the
     # saved padded vocab, 256); the RNG states are not restored, and a warning says so.
-    model, opt = parallel.setup_model_and_optimizer(tiny_model_dir, TRAIN,
+    model, opt = tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN,
                                                     {"make_vocab_size_divisible_by": 256})
     with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
         extra = checkpoint.load_checkpoint(res["path"][1], model, opt)

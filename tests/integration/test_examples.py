@@ -3,7 +3,6 @@ and all four plugged into one short ``hpcrl run`` (real engine and trainer) by t
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest

@@ -44,7 +44,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from hpcrl.train import bridge, logprobs, parallel
+    from hpcrl.train import bridge, logprobs, parallel, model as tmodel
 
     h = _unit_helpers()
     env = parallel.init_distributed()
@@ -82,8 +82,8 @@ def worker(dirs: dict[str, str], out: Path) -> None:
             parallel_state.destroy_model_parallel()
             parallel.initialize_model_parallel(tp=tp)
             parallel.model_parallel_cuda_manual_seed(1234)
-        ddp_model, optimizer = parallel.setup_model_and_optimizer(dirs["qwen2"], train, h.MEGATRON)
-        step = parallel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
+        ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs["qwen2"], train, h.MEGATRON)
+        step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
         res[name] = dict(step=step, dp=parallel_state.get_data_parallel_world_size(),
                          after=dict(bridge.export_hf_weights(ddp_model)))
 

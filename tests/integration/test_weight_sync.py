@@ -113,13 +113,13 @@ def worker(model_dir: str, url: str, key_file: str, out: Path) -> None:
 
     from hpcrl.config import TrainSection
     from hpcrl.rollout.client import RolloutClient
-    from hpcrl.train import parallel
+    from hpcrl.train import parallel, model as tmodel
     from hpcrl.weights import WeightSyncer, iterate_for_sync
 
     env = parallel.init_distributed()
     parallel.initialize_model_parallel(tp=2)
     parallel.model_parallel_cuda_manual_seed(1234)
-    model, _ = parallel.setup_model_and_optimizer(model_dir, TrainSection())
+    model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
     key = Path(key_file).read_text().strip()
     sender = env.rank == 0
     results = {}
@@ -178,12 +178,12 @@ def trainer(tiny_model_dir):
     pytest.importorskip("megatron.core")
     torch.set_num_threads(1)
     from hpcrl.config import TrainSection
-    from hpcrl.train import parallel
+    from hpcrl.train import parallel, model as tmodel
 
     parallel.init_distributed()
     parallel.initialize_model_parallel(tp=1)
     parallel.model_parallel_cuda_manual_seed(1234)
-    model, _ = parallel.setup_model_and_optimizer(tiny_model_dir, TrainSection())
+    model, _ = tmodel.setup_model_and_optimizer(tiny_model_dir, TrainSection())
     yield model
     parallel.destroy()
 

@@ -22,7 +22,7 @@ pytest.importorskip("megatron.core")
 from hpcrl.config import Config  # noqa: E402
 from hpcrl.data.sample import Sample  # noqa: E402
 from hpcrl.train import actor as actor_mod  # noqa: E402
-from hpcrl.train import bridge, parallel  # noqa: E402
+from hpcrl.train import bridge, parallel, model as tmodel  # noqa: E402
 from hpcrl.train.actor import Actor, WeightBackup, split_steps  # noqa: E402
 
 TEMPERATURE = 0.7
@@ -293,7 +293,7 @@ def test_grpo_step_raises_log_prob_of_rewarded_answers(tp1, tiny_model_dir, samp
 
 
 def test_weight_backup_swap_is_exact(tp1, tiny_model_dir):
-    ddp_model, _ = parallel.setup_model_and_optimizer(tiny_model_dir, make_config().train)
+    ddp_model, _ = tmodel.setup_model_and_optimizer(tiny_model_dir, make_config().train)
     model = bridge.unwrap_model(ddp_model)
     backup = WeightBackup(model)
     backup.backup("ref")

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from hpcrl.config import TrainSection  # noqa: E402
-from hpcrl.train import bridge, cpu_compat, logprobs, parallel  # noqa: E402
+from hpcrl.train import bridge, cpu_compat, logprobs, parallel, model as tmodel  # noqa: E402
 
 # --- helpers shared with the TP=2 integration test ------------------------------------------------------
 
@@ -270,14 +270,14 @@ def test_unsupported_architecture_is_refused():
 
 
 def test_split_megatron_kwargs_by_dataclass():
-    out = parallel.split_megatron_kwargs({"recompute_granularity": "full", "adam_eps": 1e-6, "bucket_size": 10,
+    out = tmodel.split_megatron_kwargs({"recompute_granularity": "full", "adam_eps": 1e-6, "bucket_size": 10,
                                           "params_dtype": "bfloat16", "make_vocab_size_divisible_by": 64})
     assert out["transformer"] == {"recompute_granularity": "full", "params_dtype": torch.bfloat16}
     assert out["optimizer"] == {"adam_eps": 1e-6, "params_dtype": torch.bfloat16}
     assert out["ddp"] == {"bucket_size": 10}
     assert out["model"] == {"make_vocab_size_divisible_by": 64}
     with pytest.raises(ValueError, match="megatron.adam_beta: .*adam_beta1"):
-        parallel.split_megatron_kwargs({"adam_beta": 0.9})
+        tmodel.split_megatron_kwargs({"adam_beta": 0.9})
 
 
 # --- optimizer step -------------------------------------------------------------------------------------
@@ -285,9 +285,9 @@ def test_split_megatron_kwargs_by_dataclass():
 
 def test_train_step_matches_hf_adamw_step(tp1, hf_dirs):
     path = hf_dirs["qwen2"]
-    ddp_model, optimizer = parallel.setup_model_and_optimizer(path, TRAIN, MEGATRON)
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, TRAIN, MEGATRON)
     batch = sample_batch(21, seed=5)
-    result = parallel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
+    result = tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
     ref_loss, ref_norm, ref_state = hf_train_step(load_hf(path).train(), *batch)
     assert result["update_successful"] and result["num_micro_batches"] == 1 and result["tokens"] == 10
     assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
@@ -301,9 +301,9 @@ def test_train_step_matches_hf_adamw_step(tp1, hf_dirs):
 
 def test_bf16_train_step_runs(tp1, hf_dirs):
     train = dataclasses.replace(TRAIN, bf16=True)
-    ddp_model, optimizer = parallel.setup_model_and_optimizer(hf_dirs["llama"], train)
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(hf_dirs["llama"], train)
     assert bridge.unwrap_model(ddp_model).embedding.word_embeddings.weight.dtype == torch.bfloat16
-    result = parallel.train_step(ddp_model, optimizer, megatron_loss_fn(sample_batch(37, seed=6)), [None, None])
+    result = tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(sample_batch(37, seed=6)), [None, None])
     assert result["update_successful"] and result["grad_norm"] > 0 and result["num_micro_batches"] == 2
 
 

@@ -1,0 +1,179 @@
+"""The trainer's Megatron model, optimizer and learning-rate schedule (the process groups are in
+:mod:`hpcrl.train.parallel`).
+
+- :func:`setup_model_and_optimizer` builds the GPTModel from an HF folder (:mod:`hpcrl.train.bridge`), loads
+  its weights, wraps it in megatron-core ``DistributedDataParallel`` and builds the megatron optimizer, from
+  hpcrl's :class:`~hpcrl.config.TrainSection` plus the free ``megatron:`` dict of the run config
+  (:func:`split_megatron_kwargs`).
+- :func:`lr_scheduler` / :func:`set_lr_step`: megatron-core's ``OptimizerParamScheduler``, driven by the
+  global optimizer step.
+- :func:`train_step` is one optimizer step over micro-batches, as Megatron-LM's ``train_step`` does it with
+  the no-pipelining schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
+
+import torch
+
+HPCRL_MODEL_KEYS = ("make_vocab_size_divisible_by",)
+"""``megatron:`` keys that are not dataclass fields but arguments of :func:`hpcrl.train.bridge.build_gpt_model`."""
+
+
+def _dtype_value(key: str, value: Any) -> Any:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` -> ``torch.bfloat16`` for ``*dtype`` keys (YAML has no dtypes)."""
+    if key.endswith("dtype") and isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"megatron.{key}: {value!r} is not a torch dtype (e.g. float32, bfloat16)")
+        return dtype
+    return value
+
+
+def split_megatron_kwargs(megatron: Optional[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Split the run config's free ``megatron:`` dict by which megatron-core dataclass has each field.
+
+    Returns ``{"transformer": ..., "optimizer": ..., "ddp": ..., "model": ...}``: ``TransformerConfig``,
+    ``OptimizerConfig`` and ``DistributedDataParallelConfig`` fields, and :data:`HPCRL_MODEL_KEYS`. A key that
+    several dataclasses have (``bf16``, ``params_dtype``, ``use_distributed_optimizer``) goes to each. Values of
+    ``*dtype`` keys may be dtype names (``"bfloat16"``). Raises ValueError naming an unknown key (with close
+    matches) or a bad dtype name.
+    """
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    targets = {"transformer": TransformerConfig, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+    fields = {k: {f.name for f in dataclasses.fields(cls)} for k, cls in targets.items()}
+    out: dict[str, dict[str, Any]] = {k: {} for k in (*targets, "model")}
+    for key, value in (megatron or {}).items():
+        if key in HPCRL_MODEL_KEYS:
+            out["model"][key] = value
+            continue
+        homes = [k for k in targets if key in fields[k]]
+        if not homes:
+            known = set().union(*fields.values(), HPCRL_MODEL_KEYS)
+            close = difflib.get_close_matches(key, known, n=3)
+            raise ValueError(f"megatron.{key}: not a field of TransformerConfig, OptimizerConfig or "
+                             f"DistributedDataParallelConfig" + (f"; did you mean {close}?" if close else ""))
+        for home in homes:
+            out[home][key] = _dtype_value(key, value)
+    return out
+
+
+def optimizer_config(train: Any, **extra: Any):
+    """megatron-core ``OptimizerConfig`` (Adam) from a :class:`~hpcrl.config.TrainSection`; ``extra`` wins."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    dtype = torch.bfloat16 if train.bf16 else torch.float32
+    kwargs = dict(optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
+                  adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, clip_grad=train.clip_grad,
+                  bf16=train.bf16, params_dtype=dtype, use_distributed_optimizer=train.use_distributed_optimizer)
+    kwargs.update(extra)
+    return OptimizerConfig(**kwargs)
+
+
+def wrap_model_and_optimizer(model: torch.nn.Module, train: Any, megatron: Optional[Mapping[str, Any]] = None):
+    """Wrap a GPTModel in megatron-core DDP (after ``Float16Module`` when ``train.bf16``) and build its optimizer.
+
+    DDP: ``grad_reduce_in_fp32=True``, ``overlap_grad_reduce=False``, ``use_distributed_optimizer`` from
+    ``train``; gradients are averaged over data-parallel ranks. Optimizer: :func:`optimizer_config` with
+    ``get_megatron_optimizer`` (Adam with decoupled weight decay). ``megatron`` DDP/optimizer keys override.
+    Returns ``(ddp_model, optimizer)``.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    extra = split_megatron_kwargs(megatron)
+    config = model.config
+    if train.bf16:
+        model = Float16Module(config, model)
+    ddp_kwargs = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                      use_distributed_optimizer=train.use_distributed_optimizer)
+    ddp_kwargs.update(extra["ddp"])
+    ddp_model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_kwargs),
+                                        module=model)
+    optimizer = get_megatron_optimizer(optimizer_config(train, **extra["optimizer"]), [ddp_model])
+    return ddp_model, optimizer
+
+
+def setup_model_and_optimizer(hf_path: Union[str, os.PathLike], train: Any,
+                              megatron: Optional[Mapping[str, Any]] = None, load_weights: bool = True):
+    """Build the trainer's model from an HF folder, load its weights, wrap it and build the optimizer.
+
+    Needs :func:`init_distributed` and :func:`initialize_model_parallel` first (tensor-parallel size from
+    megatron-core's parallel state). The model dtype is bf16 when ``train.bf16``, else fp32. ``megatron``:
+    the run config's free dict (:func:`split_megatron_kwargs`). Returns ``(ddp_model, optimizer)``; the bare
+    GPTModel is ``bridge.unwrap_model(ddp_model)``, with the HF config as its ``hf_config``.
+    """
+    from transformers import AutoConfig
+
+    from hpcrl.train import bridge
+
+    extra = split_megatron_kwargs(megatron)
+    hf_config = AutoConfig.from_pretrained(str(hf_path))
+    dtype = torch.bfloat16 if train.bf16 else torch.float32
+    model = bridge.build_gpt_model(hf_config, dtype=dtype, **extra["model"], **extra["transformer"])
+    if load_weights:
+        bridge.load_hf_weights(model, hf_path)
+    return wrap_model_and_optimizer(model, train, megatron)
+
+
+def lr_scheduler(optimizer: Any, train: Any, num_rollout: int) -> Any:
+    """megatron-core's ``OptimizerParamScheduler`` for ``train``'s learning-rate schedule, counted in optimizer
+    steps: linear warmup from 0 over ``train.lr_warmup_steps`` (slime ``--lr-warmup-iters``), then
+    ``train.lr_decay_style`` (``constant``/``linear``/``cosine``, slime ``--lr-decay-style``) from ``train.lr`` to
+    ``train.min_lr`` at ``train.lr_decay_steps`` (default ``num_rollout * train.num_steps_per_rollout``).
+    Weight decay stays ``train.weight_decay``. The optimizer's learning rate is set to that of step 0.
+    Raises AssertionError (megatron-core's) for warmup >= decay steps or ``min_lr > lr``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = train.lr_decay_steps or max(num_rollout * train.num_steps_per_rollout, 1)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if train.lr_warmup_steps else train.lr, max_lr=train.lr, min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_steps, lr_decay_steps=max(decay, train.lr_warmup_steps + 1),
+        lr_decay_style=train.lr_decay_style, start_wd=train.weight_decay, end_wd=train.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant")
+
+
+def set_lr_step(scheduler: Any, step: int) -> float:
+    """Move ``scheduler`` to global optimizer step ``step`` (0-based; forward or backward) and set the
+    optimizer's learning rate for it. Returns that learning rate. The schedule depends only on ``step``, so
+    a resumed run (step from its rollout id) gets exactly the learning rates of an uninterrupted one."""
+    scheduler.step(increment=step - scheduler.num_steps)
+    return float(scheduler.get_lr(scheduler.optimizer.param_groups[0]))
+
+
+def train_step(ddp_model: torch.nn.Module, optimizer: Any,
+               loss_fn: Callable[[torch.nn.Module, Any], Any], micro_batches: Iterable[Any]) -> dict[str, Any]:
+    """One optimizer step: zero grads, forward+backward every micro-batch, reduce grads, ``optimizer.step()``.
+
+    ``loss_fn(ddp_model, micro_batch)`` returns a scalar loss tensor, or ``(loss, metrics)`` with a dict of
+    floats. Gradients of all micro-batches are summed, so the loss must already carry its share of the
+    normalisation (e.g. divided by the tokens of the whole step); megatron-core DDP then averages over
+    data-parallel ranks. The loss is multiplied by the optimizer's loss scale before backward (1 for fp32/bf16).
+    Returns ``loss`` (sum over micro-batches), ``grad_norm`` (before clipping; None if not computed),
+    ``update_successful``, ``num_zeros`` (None unless ``log_num_zeros_in_grad``), ``num_micro_batches``, and the
+    mean of each metric over micro-batches.
+    """
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    total_loss, metrics, n = 0.0, {}, 0
+    for mb in micro_batches:
+        out = loss_fn(ddp_model, mb)
+        loss, mb_metrics = out if isinstance(out, tuple) else (out, {})
+        optimizer.scale_loss(loss).backward()
+        total_loss += float(loss.detach())
+        for k, v in mb_metrics.items():
+            metrics[k] = metrics.get(k, 0.0) + float(v)
+        n += 1
+    ddp_model.finish_grad_sync()
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    return dict(loss=total_loss, grad_norm=grad_norm, update_successful=update_successful, num_zeros=num_zeros,
+                num_micro_batches=n, **{k: v / max(n, 1) for k, v in metrics.items()})
