@@ -38,10 +38,12 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     :func:`hpcrl.rollout.engines.launch_local_engines`). Raises what a step raises, after checkpointing the
     last finished step when the weights had not changed yet (rollout, reward, filter, a dead engine).
     """
-    from hpcrl.data.buffer import trained_rows
+    from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
+    from hpcrl.data.buffer import TrainedRows
     from hpcrl.data.source import DataSource
     from hpcrl.data.sources import load_datasets
-    from hpcrl.preempt import PreemptionWatch, agree
+    from hpcrl.metrics import MetricsPosition
+    from hpcrl.preempt import PreemptionWatch
     from hpcrl.rollout.engines import launch_local_engines
     from hpcrl.rollout.rollout import group_multiple
     from hpcrl.train.actor import Actor
@@ -57,8 +59,11 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
                              shuffle=cfg.data.shuffle)
     # --- resume state, preemption watch ----------------------------------------------------------------
     watch = PreemptionWatch.from_config(cfg, controller)
-    ckpt = RunCheckpoint(cfg, run_dir, actor, data_source, watch, controller)
-    start_rollout_id = ckpt.resume()
+    trained = TrainedRows()
+    ckpt = CheckpointManager.from_config(cfg, run_dir, actor, watch=watch, states={
+        "progress": RolloutCounter(), "data_source": data_source, "trained": trained,
+        "metrics": MetricsPosition(run_dir, controller)})
+    start_rollout_id = ckpt.load()
     watch.install()  # the signal sets a flag and is blocked for every child process; see hpcrl.preempt
     # --- engines, router, client (a twin that does nothing on the other ranks) -------------------------
     rollout = rollout_manager(controller, cfg, run_dir, model_path, datasets, launch_engines or launch_local_engines)
@@ -91,11 +96,11 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
             if isinstance(samples, _StepFailed):  # before the weights changed: keep the last finished step
                 data_source.load_state_dict(before)
                 rollout.onload_trainer()
-                ckpt.save_before_failing(rollout_id, samples.message)
+                ckpt.save_before_failing(samples.message)
                 raise samples.error or RuntimeError(samples.message)
             rollout.onload_trainer()
             step.update(actor.train(rollout_id, samples))
-            ckpt.trained.extend(trained_rows(rollout_id, samples))
+            trained.extend(rollout_id, samples)
             step.update(_sync(actor, syncer, rollout, version=rollout_id + 1))
             if _due(rollout_id, cfg.rollout.eval_interval, cfg.run.num_rollout):
                 step.update(rollout.evaluate(rollout_id))
@@ -103,13 +108,11 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
             watch.record_step(step["timing/step_seconds"])
             metrics.log(rollout_id, step)  # before the checkpoint: a resume truncates the lines after its step
             last = step
-            saved = ckpt.maybe_save(rollout_id)
-            # Preemption or the time limit: every rank stops at this same step boundary, with a checkpoint.
-            if rollout_id + 1 < cfg.run.num_rollout:
-                stopped = agree(watch.local_reason())
-                if stopped is not None:
-                    ckpt.save_on_stop(rollout_id, saved, stopped)
-                    break
+            # Saved at the interval and the last step; preemption or the time limit: every rank stops at
+            # this same step boundary, with a checkpoint.
+            stopped = ckpt.end_step(rollout_id)
+            if stopped is not None:
+                break
         metrics.finish(stopped)
     finally:
         rollout.stop()
@@ -122,14 +125,6 @@ def _due(rollout_id: int, interval: int, num_rollout: int) -> bool:
     """True at every ``interval``-th step and at the last step (interval 0: only the last)."""
     last = rollout_id == num_rollout - 1
     return last or (interval > 0 and (rollout_id + 1) % interval == 0)
-
-
-def _extra_state(cfg: Config, rollout_id: int, data_source, run_dir: Path, is_controller: bool) -> dict:
-    from hpcrl.config import config_to_dict
-    from hpcrl.metrics import read_metrics
-
-    return {"rollout_id": rollout_id, "data_source": data_source.state_dict(with_buffer=False),
-            "metrics": read_metrics(run_dir) if is_controller else [], "config": config_to_dict(cfg)}
 
 
 @dataclass
@@ -190,77 +185,3 @@ class RunLog:
         if self.logger is not None:
             png = self.logger.close()
             log.info("%s: %s (curves: %s)", "stopped" if stopped else "done", self.run_dir, png)
-
-
-class RunCheckpoint:
-    """The run's resume state and when it is saved: the Megatron model and optimizer (``actor``), the data
-    source with its held-back groups, the trained-sample rows (``trained``: ``(rollout id, group index, sample
-    index)`` of every trained sample) and the metrics position, in ``run_dir/checkpoints/iter_XXXXXXX``
-    (:func:`hpcrl.checkpoint.save_checkpoint`, with ``buffer.h5``). Saves at ``checkpoint.save_interval``, at the
-    last step, on preemption, and before a failing step raises."""
-
-    def __init__(self, cfg: Config, run_dir: Path, actor, data_source, watch, controller: bool) -> None:
-        self.cfg, self.run_dir, self.actor, self.data_source = cfg, run_dir, actor, data_source
-        self.watch, self.controller = watch, controller
-        self.trained: list[tuple[int, int, int]] = []
-        self.last_saved: Optional[int] = None  # rollout id of the newest checkpoint of this run
-
-    def resume(self) -> int:
-        """Load the newest checkpoint (with ``checkpoint.resume``) and return the first rollout id to run
-        (0 for a new run). The controller truncates ``metrics.jsonl`` to the checkpoint's step. Raises what
-        :func:`hpcrl.checkpoint.load_checkpoint` raises for an unreadable checkpoint."""
-        from hpcrl.checkpoint import find_latest_checkpoint, load_checkpoint
-        from hpcrl.data.buffer import BUFFER_FILE, read_buffer
-        from hpcrl.metrics import truncate_metrics
-
-        ckpt = find_latest_checkpoint(self.run_dir) if self.cfg.checkpoint.resume else None
-        if ckpt is None:
-            if self.controller:
-                truncate_metrics(self.run_dir, -2)  # a start killed before its first checkpoint: rows redone
-            return 0
-        extra = load_checkpoint(ckpt, self.actor.ddp_model, self.actor.optimizer)
-        self.data_source.load_state_dict(extra["data_source"])
-        if (ckpt / BUFFER_FILE).exists():
-            self.data_source.buffer, rows = read_buffer(ckpt / BUFFER_FILE)
-            self.trained = [tuple(r) for r in rows.tolist()]
-        self.last_saved = extra["rollout_id"]
-        if self.controller:
-            truncate_metrics(self.run_dir, extra["rollout_id"])
-            log.info("resumed from %s: next rollout %d (%d held-back groups)", ckpt, extra["rollout_id"] + 1,
-                     len(self.data_source.buffer))
-        return extra["rollout_id"] + 1
-
-    def save(self, rollout_id: int) -> None:
-        """Checkpoint the state after rollout ``rollout_id`` (every rank; the controller writes the shared
-        files)."""
-        from hpcrl.checkpoint import save_checkpoint
-        from hpcrl.data.buffer import BUFFER_FILE, write_buffer
-
-        t0 = time.perf_counter()
-        save_checkpoint(self.run_dir, rollout_id, self.actor.ddp_model, self.actor.optimizer,
-                        _extra_state(self.cfg, rollout_id, self.data_source, self.run_dir, self.controller),
-                        keep_last=self.cfg.checkpoint.keep_last,
-                        extra_files={BUFFER_FILE: lambda p: write_buffer(p, self.data_source.buffer, self.trained)})
-        self.watch.record_save(time.perf_counter() - t0)
-        self.last_saved = rollout_id
-
-    def maybe_save(self, rollout_id: int) -> bool:
-        """Save when ``checkpoint.save_interval`` or the last step says so; returns whether it saved."""
-        due = _due(rollout_id, self.cfg.checkpoint.save_interval, self.cfg.run.num_rollout)
-        if due:
-            self.save(rollout_id)
-        return due
-
-    def save_on_stop(self, rollout_id: int, saved: bool, reason: str) -> None:
-        """The run stops early (preemption signal or deadline): make sure step ``rollout_id`` is saved."""
-        if not saved:
-            self.save(rollout_id)
-        log.warning("stopping after rollout %d (%s): checkpoint saved, the run resumes from it", rollout_id,
-                    reason)
-
-    def save_before_failing(self, rollout_id: int, message: str) -> None:
-        """Step ``rollout_id`` failed before the weights changed: save the last finished step unless it is."""
-        if rollout_id > 0 and self.last_saved != rollout_id - 1:
-            log.error("%s; saving the checkpoint of rollout %d first, a rerun resumes from it", message,
-                      rollout_id - 1)
-            self.save(rollout_id - 1)

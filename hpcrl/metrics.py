@@ -51,6 +51,23 @@ def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+class MetricsPosition:
+    """Where ``metrics.jsonl`` stands, as a stateful object for the checkpoint manager. ``state_dict()`` is
+    ``{"rows": [...]}``, the rows logged so far (the controller's; ``[]`` elsewhere); ``load_state_dict({"step":
+    k, ...})`` drops the rows logged after step ``k`` (steps a resumed run does again; ``k = -2`` for a new
+    run drops all, the eval before step 0 included). Only ``controller`` touches the file."""
+
+    def __init__(self, run_dir: str | os.PathLike, controller: bool) -> None:
+        self.run_dir, self.controller = Path(run_dir), controller
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": read_metrics(self.run_dir) if self.controller else []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.controller:
+            truncate_metrics(self.run_dir, int(state["step"]))
+
+
 @contextmanager
 def timed(metrics: dict[str, float], key: str) -> Iterator[None]:
     """Add the seconds spent in the block to ``metrics[key]``."""

@@ -39,7 +39,8 @@ first save of a process, which imports the ``__main__`` module again: the traine
 ``if __name__ == "__main__":`` guard (``python -m`` modules and torchrun scripts with it are fine).
 
 Modules: :mod:`~hpcrl.checkpoint.layout` (paths, marker, find, validate, prune), :mod:`~hpcrl.checkpoint.state`
-(RNG, sharded state dicts), :mod:`~hpcrl.checkpoint.save` (the save in phases), :mod:`~hpcrl.checkpoint.load`.
+(RNG, sharded state dicts), :mod:`~hpcrl.checkpoint.save` (the save in phases), :mod:`~hpcrl.checkpoint.load`,
+:mod:`~hpcrl.checkpoint.manager` (the run's :class:`CheckpointManager`: the stateful objects, when to save).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from hpcrl.checkpoint.layout import (CHECKPOINTS_DIR, DIST_DIR, RNG_DIR, STATE_F
 from hpcrl.checkpoint.state import DISTRIB_OPTIM_SHARDING
 from hpcrl.checkpoint.save import save_checkpoint
 from hpcrl.checkpoint.load import load_checkpoint
+from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter, Stateful
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -72,4 +74,7 @@ __all__ = [
     "DISTRIB_OPTIM_SHARDING",
     "save_checkpoint",
     "load_checkpoint",
+    "CheckpointManager",
+    "RolloutCounter",
+    "Stateful",
 ]

@@ -2,17 +2,33 @@
 
 It holds what a resumed run needs beyond the data-source position so that nothing is lost or repeated:
 
-* ``groups/000000 ...``: every group the data source holds back for later rollouts, in order: groups an
-  aborted rollout pushed back (partial responses when ``rollout.partial_rollout``, else reset prompts) and
-  finished groups the dynamic filter kept beyond the batch. One dataset per group, one UTF-8 JSON string per
-  sample (``Sample.to_dict()``: tokens, response, log-probs, loss mask, reward, status, weight versions), so a
-  sample comes back exactly as it was. (slime drops its partial-rollout buffer on restart; hpcrl keeps it.)
+* ``groups/``: every group the data source holds back for later rollouts, in order: groups an aborted
+  rollout pushed back (partial responses when ``rollout.partial_rollout``, else reset prompts) and finished
+  groups the dynamic filter kept beyond the batch. Stored as columns over all ``n`` held-back samples, group
+  after group (version 2):
+
+  ================================  ==================  =================================================
+  ``group_sizes``                   ``int64 [G]``       samples per group (the columns split by it)
+  ``group_index``, ``index``,       ``int64 [n]``       ``Sample`` fields of the same names
+  ``rollout_id``, ``response_length``
+  ``status``                        ``str [n]``         ``Status`` value (``"completed"``, ``"aborted"``, ...)
+  ``reward``                        ``float64 [n]``     the reward; NaN when None or a dict (then in ``fields``)
+  ``tokens`` / ``tokens_len``       ``int64 [sum]`` / ``[n]``  prompt + response token ids, concatenated
+  ``loss_mask`` / ``loss_mask_len`` ``int8 [sum]`` / ``[n]``   response loss mask, concatenated
+  ``rollout_log_probs`` / ``..._len`` ``float64 [sum]`` / ``[n]``  response log-probs, concatenated
+  ``fields``                        ``str [n]``         JSON of the free-form rest: prompt, label, response
+                                                        text, weight versions, metadata, a dict reward
+  ================================  ==================  =================================================
+
+  so a sample comes back exactly as it was (float64 holds the Python floats of log-probs and rewards
+  exactly). slime drops its partial-rollout buffer on restart; hpcrl keeps it.
 * ``trained``: ``int64 [n, 3]``, one row per sample trained so far, in training order: rollout id, group
   index, sample index (``Sample.index``, unique over the run). A resumed run appends to it, so a run's last
   checkpoint lists every sample it ever trained on: the check that each group was trained exactly once.
 
-Attributes ``format = "hpcrl-buffer"`` and ``version``. Written by rank 0 into the checkpoint's temp folder
-(the checkpoint's rename makes it atomic; its ``COMPLETE`` marker checksums it).
+Attributes ``format = "hpcrl-buffer"`` and ``version``. Version 1 files (one JSON string per sample, one
+dataset per group) are still read. Written by rank 0 into the checkpoint's temp folder (the checkpoint's
+rename makes it atomic; its ``COMPLETE`` marker checksums it).
 """
 
 from __future__ import annotations
@@ -28,7 +44,11 @@ from hpcrl.data.sample import Sample
 
 BUFFER_FILE = "buffer.h5"
 FORMAT = "hpcrl-buffer"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+_INT_COLUMNS = ("group_index", "index", "rollout_id", "response_length")
+_RAGGED = {"tokens": np.int64, "loss_mask": np.int8, "rollout_log_probs": np.float64}
+_FREE_FIELDS = ("prompt", "label", "response", "weight_versions", "metadata")
 
 
 def trained_rows(rollout_id: int, samples: Sequence[Sample]) -> list[tuple[int, int, int]]:
@@ -36,29 +56,70 @@ def trained_rows(rollout_id: int, samples: Sequence[Sample]) -> list[tuple[int, 
     return [(int(rollout_id), int(s.group_index), int(s.index)) for s in samples]
 
 
+class TrainedRows:
+    """``(rollout id, group index, sample index)`` of every sample trained so far, in training order (the
+    buffer file's ``trained``). A stateful object for the checkpoint manager: ``state_dict()`` is ``{"rows":
+    int64 [n, 3]}``."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, int]] = []
+
+    def extend(self, rollout_id: int, samples: Sequence[Sample]) -> None:
+        """Record that ``samples`` were trained on in rollout step ``rollout_id``."""
+        self.rows.extend(trained_rows(rollout_id, samples))
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"rows": np.asarray(self.rows, dtype=np.int64).reshape(-1, 3)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows = [tuple(r) for r in np.asarray(state["rows"], dtype=np.int64).reshape(-1, 3).tolist()]
+
+
 def write_buffer(path: str | os.PathLike, groups: Sequence[Sequence[Sample]],
                  trained: Sequence[Sequence[int]]) -> None:
-    """Write the buffer file (see the module doc) to ``path``, replacing it.
+    """Write the buffer file (version 2, see the module doc) to ``path``, replacing it.
 
     ``groups``: held-back groups, each a list of samples; ``trained``: ``[n, 3]`` rows (rollout id, group index,
     sample index). Raises OSError from h5py when the file cannot be written, TypeError for a sample whose
-    fields are not JSON.
+    free-form fields (label, metadata, ...) are not JSON.
     """
     import h5py
 
     rows = np.asarray(trained, dtype=np.int64).reshape(-1, 3)
+    samples = [s for g in groups for s in g]
+    text = h5py.string_dtype("utf-8")
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["version"] = VERSION
         g = f.create_group("groups")
-        for i, group in enumerate(groups):
-            g.create_dataset(f"{i:06d}", data=[json.dumps(s.to_dict()) for s in group],
-                             dtype=h5py.string_dtype("utf-8"))
+        g.create_dataset("group_sizes", data=np.asarray([len(x) for x in groups], dtype=np.int64).reshape(-1))
+        for name in _INT_COLUMNS:
+            g.create_dataset(name, data=np.asarray([getattr(s, name) for s in samples], dtype=np.int64).reshape(-1))
+        g.create_dataset("status", data=[s.status.value for s in samples], dtype=text, shape=(len(samples),))
+        g.create_dataset("reward", data=np.asarray([_float_reward(s.reward) for s in samples],
+                                                   dtype=np.float64).reshape(-1))
+        for name, dtype in _RAGGED.items():
+            values = [getattr(s, name) for s in samples]
+            g.create_dataset(name, data=np.asarray([v for vs in values for v in vs], dtype=dtype).reshape(-1))
+            g.create_dataset(f"{name}_len", data=np.asarray([len(v) for v in values], dtype=np.int64).reshape(-1))
+        g.create_dataset("fields", data=[json.dumps(_free_fields(s)) for s in samples], dtype=text,
+                         shape=(len(samples),))
         f.create_dataset("trained", data=rows, maxshape=(None, 3))
 
 
+def _float_reward(reward) -> float:
+    return float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else float("nan")
+
+
+def _free_fields(s: Sample) -> dict:
+    out = {k: getattr(s, k) for k in _FREE_FIELDS}
+    if not isinstance(s.reward, (int, float)) or isinstance(s.reward, bool):
+        out["reward"] = s.reward  # None or a dict of named rewards
+    return out
+
+
 def read_buffer(path: str | os.PathLike) -> tuple[list[list[Sample]], np.ndarray]:
-    """Read a buffer file: ``(groups, trained)`` with ``trained`` ``int64 [n, 3]``.
+    """Read a buffer file of version 1 or 2: ``(groups, trained)`` with ``trained`` ``int64 [n, 3]``.
 
     Raises FileNotFoundError, OSError (not HDF5), ValueError for another format or version.
     """
@@ -68,10 +129,38 @@ def read_buffer(path: str | os.PathLike) -> tuple[list[list[Sample]], np.ndarray
     if not path.exists():
         raise FileNotFoundError(f"no data buffer {path}")
     with h5py.File(path, "r") as f:
-        if f.attrs.get("format") != FORMAT or int(f.attrs.get("version", -1)) != VERSION:
-            raise ValueError(f"{path} is not an {FORMAT} v{VERSION} file "
+        version = int(f.attrs.get("version", -1))
+        if f.attrs.get("format") != FORMAT or version not in READABLE_VERSIONS:
+            raise ValueError(f"{path} is not an {FORMAT} file of version {READABLE_VERSIONS} "
                              f"(format {f.attrs.get('format')!r}, version {f.attrs.get('version')!r})")
-        groups = [[Sample.from_dict(json.loads(x)) for x in f["groups"][name].asstr()[()]]
-                  for name in sorted(f["groups"])]
+        groups = _read_groups_v1(f["groups"]) if version == 1 else _read_groups(f["groups"])
         trained = np.asarray(f["trained"][()], dtype=np.int64).reshape(-1, 3)
     return groups, trained
+
+
+def _read_groups_v1(g) -> list[list[Sample]]:
+    """Version 1: one dataset per group, one ``Sample.to_dict()`` JSON string per sample."""
+    return [[Sample.from_dict(json.loads(x)) for x in g[name].asstr()[()]] for name in sorted(g)]
+
+
+def _read_groups(g) -> list[list[Sample]]:
+    cols = {name: g[name][()].tolist() for name in _INT_COLUMNS}
+    status = g["status"].asstr()[()].tolist()
+    reward = g["reward"][()].tolist()
+    fields = [json.loads(x) for x in g["fields"].asstr()[()].tolist()]
+    ragged = {}
+    for name in _RAGGED:
+        flat, lengths = g[name][()].tolist(), g[f"{name}_len"][()]
+        ends = np.cumsum(lengths).tolist()
+        ragged[name] = [flat[e - n:e] for e, n in zip(ends, lengths.tolist())]
+    samples = []
+    for i in range(len(status)):
+        free = fields[i]
+        d = {**{k: cols[k][i] for k in _INT_COLUMNS}, **{k: ragged[k][i] for k in _RAGGED},
+             "status": status[i], "reward": free.pop("reward") if "reward" in free else reward[i], **free}
+        samples.append(Sample.from_dict(d))
+    out, start = [], 0
+    for n in g["group_sizes"][()].tolist():
+        out.append(samples[start:start + n])
+        start += n
+    return out

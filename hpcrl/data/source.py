@@ -146,7 +146,8 @@ class DataSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` output (its ``seed`` and ``shuffle`` win over the constructor's;
-        a state saved without its buffer leaves :attr:`buffer` empty).
+        a state saved without its buffer leaves :attr:`buffer` empty; the buffer's samples may be
+        ``Sample.to_dict()`` dicts or samples, as the checkpoint's ``buffer.h5`` returns them).
 
         Raises ValueError when the items differ from the saved ones (count or prompt fingerprint) or the state
         version is unknown, since the saved position would then point at other prompts.
@@ -162,5 +163,6 @@ class DataSource:
         self.seed = state["seed"]
         self.shuffle = bool(state["shuffle"])
         self.sample_counter = int(state["sample_counter"])
-        self.buffer = [[Sample.from_dict(d) for d in g] for g in state.get("buffer", [])]
+        self.buffer = [[d if isinstance(d, Sample) else Sample.from_dict(d) for d in g]
+                       for g in state.get("buffer", [])]
         self._order, self._order_epoch = None, -1

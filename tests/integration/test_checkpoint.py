@@ -457,3 +457,57 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     worker(args.hf, args.out)
+
+
+def test_checkpoint_manager_saves_its_states_when_due_and_restores_them(small_model, tmp_path):
+    """The run's CheckpointManager with the loop's four stateful objects: it saves at the interval and the
+    last step (not between), on a stop signal at any step, and a fresh set of objects loaded from it equals
+    the saved ones (held-back groups through the HDF5 columns, trained rows, metrics truncated to the step)."""
+    import json
+    import signal
+
+    from hpcrl.checkpoint import CheckpointManager, RolloutCounter, list_checkpoints
+    from hpcrl.data.buffer import TrainedRows
+    from hpcrl.data.sample import Sample, Status
+    from hpcrl.data.source import DataSource
+    from hpcrl.metrics import MetricsPosition
+    from hpcrl.preempt import PreemptionWatch
+
+    items = [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(10)]
+
+    def states():
+        return {"progress": RolloutCounter(), "data_source": DataSource(items, 2, seed=3),
+                "trained": TrainedRows(), "metrics": MetricsPosition(tmp_path, controller=True)}
+
+    def manager(st, watch):
+        return CheckpointManager(tmp_path, small_model[0], None, st, interval=3, num_rollout=8, keep_last=0,
+                                 resume=True, watch=watch)
+
+    st, watch = states(), PreemptionWatch(signal.SIGUSR2)
+    ckpt = manager(st, watch)
+    assert ckpt.load() == 0
+    saved_at = []
+    for step in range(5):
+        groups = st["data_source"].get_samples(2)
+        st["trained"].extend(step, groups[0])
+        (tmp_path / "metrics.jsonl").open("a").write(json.dumps({"step": step}) + "\n")
+        if step == 4:  # a preemption signal after step 4 (not due): the manager saves it and says stop
+            watch.requested = True
+            held = groups[1]
+            held[0].append_response_tokens([7, 8], [-0.25, -0.5])
+            held[0].status = Status.ABORTED
+            st["data_source"].add_samples([held])
+        stopped = ckpt.end_step(step)
+        saved_at = [int(p.name[5:]) for p in list_checkpoints(tmp_path)]
+        assert stopped == ("signal" if step == 4 else None)
+    assert saved_at == [2, 4] and watch.max_save_s > 0
+    (tmp_path / "metrics.jsonl").open("a").write(json.dumps({"step": 5}) + "\n")  # logged after the save
+
+    back = states()
+    assert manager(back, PreemptionWatch(signal.SIGUSR2)).load() == 5
+    assert back["progress"].rollout_id == 4 and back["trained"].rows == st["trained"].rows
+    assert back["data_source"].state_dict() == st["data_source"].state_dict()
+    assert isinstance(back["data_source"].buffer[0][0], Sample) and back["data_source"].buffer[0][0].tokens[-2:] == [7, 8]
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3, 4]
+    state = json.loads((tmp_path / "checkpoints" / "iter_0000004" / "state.json").read_text())
+    assert state["rollout_id"] == 4 and "buffer" not in state["data_source"] and len(state["metrics"]) == 5

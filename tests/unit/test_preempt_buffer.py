@@ -88,3 +88,39 @@ def test_buffer_round_trip_keeps_partial_and_finished_groups_exactly(tmp_path):
         read_buffer(tmp_path / "other.h5")
     with pytest.raises(FileNotFoundError):
         read_buffer(tmp_path / "missing.h5")
+
+
+def test_buffer_stores_groups_as_arrays_and_odd_fields_come_back(tmp_path):
+    chat = Sample(group_index=4, index=9, prompt=[{"role": "user", "content": "2+2?"}], label={"answer": 4},
+                  tokens=[5, 6, 7], response="4", response_length=1, loss_mask=[1], rollout_log_probs=[-0.1],
+                  reward={"reward": 0.5, "format": 1.0}, status=Status.TRUNCATED, metadata={"turns": 2})
+    groups = [[chat, _sample(10, 4, Status.ABORTED)], [_sample(11, 5), _sample(12, 5)]]
+    write_buffer(tmp_path / "b.h5", groups, [])
+    back, _ = read_buffer(tmp_path / "b.h5")
+    assert [[s.to_dict() for s in g] for g in back] == [[s.to_dict() for s in g] for g in groups]
+    with h5py.File(tmp_path / "b.h5", "r") as f:
+        g = f["groups"]
+        assert f.attrs["version"] == 2 and g["group_sizes"][()].tolist() == [2, 2]
+        assert g["tokens"].dtype == np.int64 and g["tokens"][()].tolist() == [5, 6, 7] + [1, 2, 3, 4] * 3
+        assert g["rollout_log_probs"].dtype == np.float64 and g["loss_mask"].shape == (1 + 2 * 3,)
+        assert g["index"][()].tolist() == [9, 10, 11, 12]
+        assert g["status"].asstr()[()].tolist() == ["truncated", "aborted", "completed", "completed"]
+        assert np.isnan(g["reward"][0]) and g["reward"][()].tolist()[2:] == [1.0, 1.0]
+
+
+def test_version_1_buffers_still_load(tmp_path):
+    """A checkpoint written before the columns (one JSON string per sample) resumes as before."""
+    import json
+
+    groups = [[_sample(0, 0), _sample(1, 0)], [_sample(2, 1, Status.ABORTED), _sample(3, 1, Status.PENDING)]]
+    with h5py.File(tmp_path / "v1.h5", "w") as f:  # the version 1 writer, as it was
+        f.attrs["format"] = "hpcrl-buffer"
+        f.attrs["version"] = 1
+        g = f.create_group("groups")
+        for i, group in enumerate(groups):
+            g.create_dataset(f"{i:06d}", data=[json.dumps(s.to_dict()) for s in group],
+                             dtype=h5py.string_dtype("utf-8"))
+        f.create_dataset("trained", data=np.asarray([[0, 7, 70]], dtype=np.int64), maxshape=(None, 3))
+    back, trained = read_buffer(tmp_path / "v1.h5")
+    assert [[s.to_dict() for s in g] for g in back] == [[s.to_dict() for s in g] for g in groups]
+    assert trained.tolist() == [[0, 7, 70]]
