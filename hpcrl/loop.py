@@ -40,11 +40,11 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     """
     from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
     from hpcrl.data.buffer import TrainedRows
-    from hpcrl.data.source import DataSource
     from hpcrl.data.sources import load_datasets
     from hpcrl.metrics import MetricsPosition
     from hpcrl.preempt import PreemptionWatch
     from hpcrl.rollout.engines import launch_local_engines
+    from hpcrl.rollout.plugins import make_data_source
     from hpcrl.rollout.rollout import group_multiple
     from hpcrl.train.actor import Actor
     from hpcrl.train.parallel import destroy, setup_parallel
@@ -55,8 +55,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     controller = setup_parallel(cfg).rank == 0
     actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
     datasets = load_datasets(cfg)
-    data_source = DataSource(datasets.train, cfg.rollout.n_samples_per_prompt, seed=cfg.run.seed,
-                             shuffle=cfg.data.shuffle)
+    data_source = make_data_source(cfg, datasets.train)  # rollout.data_source, hpcrl.rollout.plugins
     # --- resume state, preemption watch ----------------------------------------------------------------
     watch = PreemptionWatch.from_config(cfg, controller)
     trained = TrainedRows()

@@ -9,19 +9,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from hpcrl.config.errors import ConfigError
+from hpcrl.data.tasks import BUILTIN_TASKS
+from hpcrl.rewards.resolve import REMOTE_RM_PREFIX
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import Config
 
 
-BUILTIN_DATA_SOURCES = ("addition",)
-"""Built-in generators besides ``reasoning_gym:<task>``."""
+BUILTIN_DATA_SOURCES = tuple(BUILTIN_TASKS)
+"""Built-in generators besides ``reasoning_gym:<task>`` (the names :mod:`hpcrl.data.tasks` implements)."""
 
 
 DATA_FILE_SUFFIXES = (".jsonl", ".parquet")
-
-
-REMOTE_RM_PREFIX = "remote_rm:"
 
 
 _DOTTED_PATH_RE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")

@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 from hpcrl.config.checks import check_plugin, non_negative, positive, require
 from hpcrl.config.train import GROUP_ESTIMATORS
+from hpcrl.rewards.resolve import BUILTIN_REWARD_FACTORIES
+from hpcrl.rollout.filters import BUILTIN_FILTERS
+from hpcrl.rollout.plugins import DEFAULT_DATA_SOURCE, DEFAULT_GENERATE_FUNCTION, DEFAULT_ROLLOUT_FUNCTION
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import Config
@@ -45,20 +48,25 @@ class RolloutSection:
     request_timeout_s: float = 600.0
     max_retries: int = 3
     reward_function: str = "task"
-    """``task`` (the data source's own scorer) or a dotted import path (slime ``--custom-rm-path``)."""
-    generate_function: Optional[str] = None
-    """Dotted path of a custom per-sample generate (slime ``--custom-generate-function-path``)."""
-    rollout_function: Optional[str] = None
-    """Dotted path of a custom rollout (slime ``--rollout-function-path``)."""
+    """A built-in reward (``task``: the data source's own scorer; ``exact_match``, ``math_answer``,
+    ``countdown``, ``remote_rm:<url>``) or a dotted import path (slime ``--custom-rm-path``)."""
+    generate_function: Optional[str] = DEFAULT_GENERATE_FUNCTION
+    """Dotted path of the per-sample generate (slime ``--custom-generate-function-path``); null: the built-in."""
+    rollout_function: Optional[str] = DEFAULT_ROLLOUT_FUNCTION
+    """Dotted path of the rollout (slime ``--rollout-function-path``); null: the built-in."""
+    data_source: Optional[str] = DEFAULT_DATA_SOURCE
+    """Dotted path of the data source class (slime ``--data-source-path``); null: the built-in. See
+    :mod:`hpcrl.rollout.plugins` for what it is called with."""
     eval_interval: int = 10
     """Greedy eval every this many rollout steps (0: only at start and end)."""
 
 
-BUILTIN_REWARD_FUNCTIONS = ("task", "exact_match", "math_answer", "countdown")
+BUILTIN_REWARD_FUNCTIONS = tuple(BUILTIN_REWARD_FACTORIES)
 """Reward names :func:`hpcrl.rewards.resolve.get_reward_function` knows, besides ``remote_rm:<url>``."""
 
 
-BUILTIN_DYNAMIC_FILTERS = ("nonzero_std",)
+BUILTIN_DYNAMIC_FILTERS = tuple(BUILTIN_FILTERS)
+"""Filter names :mod:`hpcrl.rollout.filters` implements."""
 
 
 def check_rollout(cfg: Config, check_files: bool) -> None:
@@ -91,3 +99,4 @@ def check_rollout(cfg: Config, check_files: bool) -> None:
     check_plugin("rollout.dynamic_filter", r.dynamic_filter, BUILTIN_DYNAMIC_FILTERS, check_files)
     check_plugin("rollout.generate_function", r.generate_function, (), check_files)
     check_plugin("rollout.rollout_function", r.rollout_function, (), check_files)
+    check_plugin("rollout.data_source", r.data_source, (), check_files)

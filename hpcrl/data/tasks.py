@@ -231,12 +231,13 @@ class ReasoningGymTask:
         return value
 
 
-_BUILTIN = MappingProxyType({"addition": AdditionTask})
+BUILTIN_TASKS = MappingProxyType({"addition": AdditionTask})
+"""Built-in task generators by ``data.source`` name (read-only), besides ``reasoning_gym:<name>``."""
 _EXAMPLES = ("basic_arithmetic", "chain_sum", "countdown", "gsm_symbolic")
 
 
 def _known_tasks() -> str:
-    return (", ".join(_BUILTIN) + ", reasoning_gym:<name> for any reasoning-gym dataset (e.g. "
+    return (", ".join(BUILTIN_TASKS) + ", reasoning_gym:<name> for any reasoning-gym dataset (e.g. "
             + ", ".join(f"reasoning_gym:{n}" for n in _EXAMPLES) + ")")
 
 
@@ -246,9 +247,9 @@ def make_task(name: str, **kwargs: Any) -> Task:
     ``addition`` takes ``digits``. ``reasoning_gym:<name>`` takes ``few_shot``, ``few_shot_seed`` and
     ``binary`` (see :class:`ReasoningGymTask`); every other keyword is the reasoning-gym dataset's config.
     """
-    if name in _BUILTIN:
+    if name in BUILTIN_TASKS:
         try:
-            return _BUILTIN[name](**kwargs)
+            return BUILTIN_TASKS[name](**kwargs)
         except TypeError as e:
             raise ValueError(f"task {name!r}: bad task_kwargs {kwargs}: {e}") from e
     if name.startswith("reasoning_gym:"):

@@ -16,7 +16,8 @@ Accepted values:
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Union
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional, Union
 
 from hpcrl.data.sample import Sample
 from hpcrl.plugins import load_function
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 
 Reward = Union[float, dict[str, float]]
 RewardFn = Callable[[Sample], Awaitable[Reward]]
-BUILTIN_REWARDS = ("task", "exact_match", "math_answer", "countdown", "remote_rm:<url>")
 
 
 def item_from_sample(sample: Sample) -> dict[str, Any]:
@@ -59,6 +59,55 @@ def _check(value: Any, what: str) -> Reward:
                     "expected a float or a dict of floats")
 
 
+def _task_reward(cfg: "Config", task: Optional["Task"]) -> RewardFn:
+    """``task``: the data source's own scorer."""
+    if task is None:
+        raise ValueError("rollout.reward_function: 'task' needs the data source's task; got none")
+
+    async def task_reward(sample: Sample) -> Reward:
+        return _check(task.score(sample.response, item_from_sample(sample)), f"{task.name}.score")
+
+    return task_reward
+
+
+def _exact_match_reward(cfg: "Config", task: Optional["Task"]) -> RewardFn:
+    """``exact_match``: :func:`hpcrl.rewards.verifiers.exact_match` against the label."""
+    async def exact_match_reward(sample: Sample) -> Reward:
+        return verifiers.exact_match(sample.response, sample.label)
+
+    return exact_match_reward
+
+
+def _math_answer_reward(cfg: "Config", task: Optional["Task"]) -> RewardFn:
+    """``math_answer``: :func:`hpcrl.rewards.verifiers.math_answer` against the label."""
+    async def math_answer_reward(sample: Sample) -> Reward:
+        return verifiers.math_answer(sample.response, sample.label)
+
+    return math_answer_reward
+
+
+def _countdown_reward(cfg: "Config", task: Optional["Task"]) -> RewardFn:
+    """``countdown``: reasoning-gym's Countdown scorer on :func:`countdown_problem`."""
+    from reasoning_gym.factory import get_score_answer_fn
+
+    scorer = get_score_answer_fn("countdown")
+
+    async def countdown_reward(sample: Sample) -> Reward:
+        numbers, target = countdown_problem(sample)
+        return verifiers.countdown(sample.response, numbers, target, scorer=scorer)
+
+    return countdown_reward
+
+
+BUILTIN_REWARD_FACTORIES: Mapping[str, Callable[["Config", Optional["Task"]], RewardFn]] = MappingProxyType({
+    "task": _task_reward, "exact_match": _exact_match_reward, "math_answer": _math_answer_reward,
+    "countdown": _countdown_reward})
+"""The built-in rewards by ``rollout.reward_function`` name: ``factory(cfg, task) -> async fn(sample)``
+(read-only); ``remote_rm:<url>`` and dotted paths are resolved by :func:`get_reward_function`."""
+REMOTE_RM_PREFIX = "remote_rm:"
+BUILTIN_REWARDS = (*BUILTIN_REWARD_FACTORIES, REMOTE_RM_PREFIX + "<url>")
+
+
 def get_reward_function(cfg: "Config", task: Optional["Task"] = None) -> RewardFn:
     """Resolve ``cfg.rollout.reward_function`` (module docstring) to ``async fn(sample) -> float | dict``.
 
@@ -66,38 +115,8 @@ def get_reward_function(cfg: "Config", task: Optional["Task"] = None) -> RewardF
     :class:`~hpcrl.plugins.PluginError` for a dotted path that does not load.
     """
     name = cfg.rollout.reward_function.strip()
-
-    if name == "task":
-        if task is None:
-            raise ValueError("rollout.reward_function: 'task' needs the data source's task; got none")
-
-        async def task_reward(sample: Sample) -> Reward:
-            return _check(task.score(sample.response, item_from_sample(sample)), f"{task.name}.score")
-
-        return task_reward
-
-    if name == "exact_match":
-        async def exact_match_reward(sample: Sample) -> Reward:
-            return verifiers.exact_match(sample.response, sample.label)
-
-        return exact_match_reward
-
-    if name == "math_answer":
-        async def math_answer_reward(sample: Sample) -> Reward:
-            return verifiers.math_answer(sample.response, sample.label)
-
-        return math_answer_reward
-
-    if name == "countdown":
-        from reasoning_gym.factory import get_score_answer_fn
-
-        scorer = get_score_answer_fn("countdown")
-
-        async def countdown_reward(sample: Sample) -> Reward:
-            numbers, target = countdown_problem(sample)
-            return verifiers.countdown(sample.response, numbers, target, scorer=scorer)
-
-        return countdown_reward
+    if name in BUILTIN_REWARD_FACTORIES:
+        return BUILTIN_REWARD_FACTORIES[name](cfg, task)
 
     if name == "remote_rm" or name.startswith("remote_rm:"):
         url = name.partition(":")[2].strip()

@@ -72,11 +72,8 @@ class RolloutManager:
         from transformers import AutoTokenizer
 
         from hpcrl.offload import ColocatedMemory, create_trainer_memory
-        from hpcrl.plugins import load_function
-        from hpcrl.rewards import get_reward_function
         from hpcrl.rollout.client import RolloutClient
-        from hpcrl.rollout.filters import get_dynamic_filter
-        from hpcrl.rollout.generate import get_generate_function
+        from hpcrl.rollout.plugins import resolve_plugins
         from hpcrl.rollout.rollout import RolloutContext
         from hpcrl.rollout.router import start_router
         from hpcrl.rollout.secret import create_run_secret, read_secret
@@ -96,12 +93,11 @@ class RolloutManager:
         self.memory = ColocatedMemory(create_trainer_memory(cfg.run.placement == "colocate"), self.client,
                                       colocate=cfg.run.placement == "colocate")
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        custom_generate = load_function(rc.generate_function) if rc.generate_function else None
-        self.rollout_fn = load_function(rc.rollout_function) if rc.rollout_function else None
-        self.ctx = RolloutContext(client=self.client, tokenizer=tokenizer,
-                                  reward_fn=get_reward_function(cfg, self.datasets.task),
-                                  generate_fn=get_generate_function(custom_generate),
-                                  dynamic_filter=get_dynamic_filter(rc.dynamic_filter), seed=cfg.run.seed)
+        plugins = resolve_plugins(cfg, self.datasets.task)
+        self.rollout_fn = plugins.rollout_fn
+        self.ctx = RolloutContext(client=self.client, tokenizer=tokenizer, reward_fn=plugins.reward_fn,
+                                  generate_fn=plugins.generate_fn, dynamic_filter=plugins.dynamic_filter,
+                                  seed=cfg.run.seed)
 
     # ------------------------------------------------------------------------------------------------------
     def generate(self, rollout_id: int, data_source, multiple: int = 1) -> tuple[list, dict[str, float]]:
@@ -116,11 +112,10 @@ class RolloutManager:
         return self.call(self._generate(rollout_id, data_source, multiple))
 
     async def _generate(self, rollout_id: int, data_source, multiple: int) -> tuple[list, dict[str, float]]:
-        from hpcrl.rollout.rollout import generate_rollout, split_trainable
+        from hpcrl.rollout.rollout import split_trainable
 
         self.memory.mark("generate")
-        fn = self.rollout_fn or generate_rollout
-        out = await fn(self.cfg, rollout_id, data_source, self.ctx)
+        out = await self.rollout_fn(self.cfg, rollout_id, data_source, self.ctx)
         groups, hold = split_trainable(out.groups, multiple)
         if not groups:
             raise RuntimeError(f"rollout {rollout_id}: {len(out.groups)} groups kept, fewer than the {multiple} "

@@ -1,5 +1,5 @@
 """The example plug-ins (examples/plugins/, one per extension point) work: each called directly on real samples,
-and all four plugged into one short ``hpcrl run`` (real engine and trainer) by their dotted paths."""
+and all five plugged into one short ``hpcrl run`` (real engine and trainer) by their dotted paths."""
 
 from __future__ import annotations
 
@@ -38,12 +38,13 @@ def test_reward_and_filter_examples_on_samples(plugins):
     assert any_rewarded([scored("12"), scored("9")]) and not any_rewarded([scored("12"), scored("")])
 
 
-def test_all_four_examples_plug_into_a_run(tmp_path, plugins):
+def test_all_five_examples_plug_into_a_run(tmp_path, plugins):
     out = run_hpcrl(tmp_path, "ex", "rollout.max_new_tokens=8",
                     "rollout.reward_function=plugins.rewards.partial_credit",
                     "rollout.dynamic_filter=plugins.filters.any_rewarded",
                     "rollout.generate_function=plugins.generate.short_answers",
-                    "rollout.rollout_function=plugins.rollout.counted_rollout")
+                    "rollout.rollout_function=plugins.rollout.counted_rollout",
+                    "rollout.data_source=plugins.data_source.ShortPromptsFirst")
     assert out.returncode == 0, out.log[-3000:]
     steps = metrics(tmp_path / "runs" / "ex")[1:]
     assert [r["step"] for r in steps] == [0, 1, 2]
@@ -56,3 +57,5 @@ def test_all_four_examples_plug_into_a_run(tmp_path, plugins):
     # the reward function's values are 0, 0.25 and 1: the kept samples' reward sum is a multiple of 0.25
     sums = [r["rollout/reward_mean"] * r["rollout/example_samples"] * 4 for r in steps]
     assert all(abs(x - round(x)) < 1e-6 for x in sums), sums
+    # the data source ran (its order is checked in tests/plugin_contracts) and the run folder's config names it
+    assert "plugins.data_source.ShortPromptsFirst" in (tmp_path / "runs" / "ex" / "config.yaml").read_text()

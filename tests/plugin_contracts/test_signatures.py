@@ -77,6 +77,50 @@ def test_dynamic_filter():
     assert nonzero_std(group) is True and any_rewarded(group) is True
 
 
+def test_data_source():
+    """``rollout.data_source``: a class called ``cls(items, n_samples_per_prompt, seed=, shuffle=)`` with
+    ``get_samples(n)``, ``add_samples(groups)``, ``state_dict()``, ``load_state_dict(state)``; the example
+    subclass keeps the built-in's contract and exact resume."""
+    from plugins.data_source import ShortPromptsFirst
+
+    from hpcrl.data.source import DataSource
+    from hpcrl.rollout.plugins import DEFAULT_DATA_SOURCE, make_data_source
+
+    cfg = Config()
+    assert make_data_source(cfg, [{"prompt": "a"}]).__class__ is DataSource
+    assert DEFAULT_DATA_SOURCE == "hpcrl.data.source.DataSource" == cfg.rollout.data_source
+    assert params(DataSource)[:4] == ["items", "n_samples_per_prompt", "seed", "shuffle"]
+    cfg.rollout.data_source = "plugins.data_source.ShortPromptsFirst"
+    cfg.rollout.n_samples_per_prompt = 2
+    items = [{"prompt": p} for p in ("333+1=", "1+1=", "22+1=", "4444+1=")]
+    src = make_data_source(cfg, items)
+    assert isinstance(src, ShortPromptsFirst)
+    assert [g[0].prompt for g in src.get_samples(2)] == ["1+1=", "22+1="]
+    state = src.state_dict()
+    again = make_data_source(cfg, items)
+    again.load_state_dict(state)
+    assert [g[0].prompt for g in again.get_samples(2)] == [g[0].prompt for g in src.get_samples(2)] \
+        == ["333+1=", "4444+1="]
+
+
+def test_defaults_are_the_built_ins_resolved_in_one_place():
+    """Every plug-in field defaults to the dotted path of the built-in, and resolve_plugins loads exactly it."""
+    from hpcrl.rollout.generate import generate
+    from hpcrl.rollout.plugins import resolve_plugins
+    from hpcrl.rollout.rollout import generate_rollout
+
+    cfg = Config()
+    assert (cfg.rollout.rollout_function, cfg.rollout.generate_function) == (
+        "hpcrl.rollout.rollout.generate_rollout", "hpcrl.rollout.generate.generate")
+    cfg.rollout.reward_function = "exact_match"
+    resolved = resolve_plugins(cfg)
+    assert resolved.rollout_fn is generate_rollout and resolved.generate_fn is generate
+    assert resolved.dynamic_filter is None and asyncio.run(resolved.reward_fn(Sample(label="3", response="3"))) == 1.0
+    cfg.rollout.rollout_function = cfg.rollout.generate_function = None  # null: the built-in, as before
+    resolved = resolve_plugins(cfg)
+    assert resolved.rollout_fn is generate_rollout and resolved.generate_fn is generate
+
+
 def test_slurm_bootstrap():
     """``$HPCRL_SLURM_BOOTSTRAP``: ``(cfg, run_dir) -> int`` (the exit status of the job's task)."""
     from hpcrl.slurm.entry import default_bootstrap, slurm_bootstrap

@@ -133,3 +133,25 @@ def test_the_checks_find_what_they_look_for():
                      "def f():\n    from hpcrl.z import _w\n")
     found = sorted((n.module, n.names[0].name) for n in imports(tree) if isinstance(n, ast.ImportFrom))
     assert found == [("hpcrl.z", "_w"), ("typing", "TYPE_CHECKING")]
+
+
+def test_built_in_names_come_from_the_implementing_modules():
+    """Config validation knows the tasks, rewards and filters that their modules implement (no second list);
+    the estimator and KL literals, kept in the config so that it does not import torch, equal the algorithm
+    module's tuples."""
+    from typing import get_args, get_type_hints
+
+    from hpcrl import config
+    from hpcrl.config.train import GROUP_ESTIMATORS, AlgorithmSection
+    from hpcrl.data.tasks import BUILTIN_TASKS
+    from hpcrl.rewards.resolve import BUILTIN_REWARD_FACTORIES
+    from hpcrl.rollout.filters import BUILTIN_FILTERS
+    from hpcrl.train import algorithms
+
+    assert config.BUILTIN_DATA_SOURCES == tuple(BUILTIN_TASKS)
+    assert config.BUILTIN_REWARD_FUNCTIONS == tuple(BUILTIN_REWARD_FACTORIES)
+    assert config.BUILTIN_DYNAMIC_FILTERS == tuple(BUILTIN_FILTERS)
+    hints = get_type_hints(AlgorithmSection)
+    assert get_args(hints["advantage_estimator"]) == algorithms.ESTIMATORS
+    assert get_args(hints["kl_loss_type"]) == algorithms.KL_KINDS
+    assert set(GROUP_ESTIMATORS) <= set(algorithms.ESTIMATORS)

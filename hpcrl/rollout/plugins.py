@@ -1,0 +1,77 @@
+"""The rollout's extension points, resolved in one place (slime's ``--rollout-function-path``,
+``--custom-generate-function-path``, ``--custom-rm-path``, ``--dynamic-sampling-filter-path``,
+``--data-source-path``).
+
+Every plug-in field is a dotted import path whose default is hpcrl's built-in; the reward and the filter also
+take the names of their built-ins (owned by :mod:`hpcrl.rewards.resolve` and :mod:`hpcrl.rollout.filters`):
+
+==========================  ==============================================  ===========================================
+field                       default                                         called as
+==========================  ==============================================  ===========================================
+``rollout.data_source``     ``hpcrl.data.source.DataSource``                ``cls(items, n_samples_per_prompt, seed=,
+                                                                            shuffle=)``, then ``get_samples(n)``,
+                                                                            ``add_samples(groups)``, ``state_dict()``,
+                                                                            ``load_state_dict(state)``
+``rollout.rollout_function``  ``hpcrl.rollout.rollout.generate_rollout``    ``async (cfg, rollout_id, data_source, ctx)
+                                                                            -> RolloutOutput``
+``rollout.generate_function`` ``hpcrl.rollout.generate.generate``          ``async (client, sample, sampling_params)
+                                                                            -> Sample``
+``rollout.reward_function``   ``task`` (or another built-in name)           ``[async] (cfg, sample) -> float | dict``
+``rollout.dynamic_filter``    none (keep every group)                        ``(group) -> bool``
+==========================  ==============================================  ===========================================
+
+:func:`resolve_plugins` turns a config into the callables; config validation loads the same paths with the
+same loader (:func:`hpcrl.plugins.load_function`), so a bad path fails on the login node. The signatures are
+pinned by ``tests/plugin_contracts/``; ``examples/plugins/`` has one working plug-in per point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from hpcrl.plugins import load_function
+
+if TYPE_CHECKING:
+    from hpcrl.config import Config
+    from hpcrl.data.tasks import Task
+
+DEFAULT_DATA_SOURCE = "hpcrl.data.source.DataSource"
+DEFAULT_ROLLOUT_FUNCTION = "hpcrl.rollout.rollout.generate_rollout"
+DEFAULT_GENERATE_FUNCTION = "hpcrl.rollout.generate.generate"
+
+
+@dataclass
+class RolloutPlugins:
+    """The resolved extension points of a run (callables; see the module doc for their signatures)."""
+
+    data_source_cls: Callable[..., Any]
+    rollout_fn: Callable[..., Any]
+    generate_fn: Callable[..., Any]
+    reward_fn: Callable[..., Any]
+    dynamic_filter: Optional[Callable[..., bool]]
+
+
+def make_data_source(cfg: "Config", items: Sequence[dict[str, Any]]):
+    """The run's data source: ``rollout.data_source`` (default :class:`hpcrl.data.source.DataSource`) built on
+    the train ``items`` with ``rollout.n_samples_per_prompt``, ``run.seed`` and ``data.shuffle``. Raises
+    :class:`~hpcrl.plugins.PluginError` for a path that does not load, and what the class raises."""
+    cls = load_function(cfg.rollout.data_source or DEFAULT_DATA_SOURCE)
+    return cls(items, cfg.rollout.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+
+
+def resolve_plugins(cfg: "Config", task: Optional["Task"] = None) -> RolloutPlugins:
+    """Every extension point of ``cfg.rollout`` as a callable; ``task`` is the data source's task (for the
+    ``task`` reward). Raises :class:`~hpcrl.plugins.PluginError` for a dotted path that does not load,
+    ValueError for an unknown built-in name."""
+    from hpcrl.rewards import get_reward_function
+    from hpcrl.rollout.filters import get_dynamic_filter
+    from hpcrl.rollout.generate import get_generate_function
+
+    rc = cfg.rollout
+    return RolloutPlugins(
+        data_source_cls=load_function(rc.data_source or DEFAULT_DATA_SOURCE),
+        rollout_fn=load_function(rc.rollout_function or DEFAULT_ROLLOUT_FUNCTION),
+        generate_fn=get_generate_function(load_function(rc.generate_function or DEFAULT_GENERATE_FUNCTION)),
+        reward_fn=get_reward_function(cfg, task),
+        dynamic_filter=get_dynamic_filter(rc.dynamic_filter))
