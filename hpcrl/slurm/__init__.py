@@ -12,7 +12,9 @@ submitit):
 * :mod:`.templates`: the plain sbatch templates in ``sbatch/``, filled from a config
   (``hpcrl submit --plain``).
 * :mod:`.entry`: what runs inside the allocation (``hpcrl run-slurm CONFIG`` and the submitit function job):
-  torch.distributed from Slurm's variables, the loop, requeue after a preemption checkpoint.
+  torch.distributed from Slurm's variables, the loop.
+* :mod:`.requeue`: the one owner of requeueing: the exit status of a run that stopped with a checkpoint, who
+  runs ``scontrol requeue`` on each path (submitit, plain template), ``slurm.requeue: false``.
 * :mod:`.rollout_step`: the rollout job step (engines via ``srun --overlap`` or ``--het-group=1``) that
   trainer rank 0 starts, health-checks and tears down.
 * :mod:`.sweep`: ``hpcrl sweep``: points, one run folder each, one job array; status, report, resubmit.

@@ -23,6 +23,7 @@ from typing import Mapping, Optional
 from hpcrl.config import Config
 from hpcrl.slurm import SlurmCommandError
 from hpcrl.slurm.container import container_prefix, shell_join
+from hpcrl.slurm.requeue import sbatch_option
 from hpcrl.slurm.resources import GroupPlan, JobPlan, plan_job
 
 TEMPLATES = {"colocate": "colocate.sbatch", "disaggregate": "disaggregate.sbatch"}
@@ -56,7 +57,7 @@ def _optional_lines(plan: JobPlan, group: GroupPlan, first: bool) -> list[str]:
     if plan.exclusive:
         lines.append("--exclusive")
     if first:
-        lines.append("--requeue" if plan.requeue else "--no-requeue")
+        lines.append(sbatch_option(plan.requeue))
         lines += plan.extra_sbatch
     return [f"#SBATCH {line}" for line in lines]
 

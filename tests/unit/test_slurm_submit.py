@@ -23,7 +23,7 @@ import yaml
 from hpcrl.config import ConfigError, load_config
 from hpcrl.slurm import SlurmCommandError
 from hpcrl.slurm import container as ct
-from hpcrl.slurm import entry, state
+from hpcrl.slurm import entry, requeue, state
 from hpcrl.slurm.control import cancel, print_logs
 from hpcrl.slurm.executor import HETJOB_LINE, HetSlurmExecutor, HetSlurmInfoWatcher, insert_after_last_sbatch
 from hpcrl.slurm.resources import plan_job, slurm_config
@@ -631,7 +631,7 @@ def test_plain_sbatch_preemption_exits_for_requeue(work, monkeypatch):
         return 0
 
     try:
-        assert entry.run_slurm(res.run_dir / "config.yaml", bootstrap=boot) == entry.EXIT_REQUEUE
+        assert entry.run_slurm(res.run_dir / "config.yaml", bootstrap=boot) == requeue.EXIT_REQUEUE
     finally:
         signal.signal(signal.SIGUSR1, old)
 
