@@ -38,39 +38,20 @@ ATTEMPT_MARKER = "[hpcrl] attempt start:"
 Bootstrap = Callable[[Config, Path], int]
 
 
-def trainer_world_size(environ: Optional[dict] = None) -> int:
-    """Tasks of the trainer step (``SLURM_STEP_NUM_TASKS``, else group 0's ``SLURM_NTASKS``) in ``environ``
-    (default ``os.environ``); 1 outside Slurm."""
-    environ = os.environ if environ is None else environ
-    return int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS_HET_GROUP_0")
-               or environ.get("SLURM_NTASKS") or 1)
-
-
 def export_torch_env(environ: Optional[dict] = None) -> dict[str, str]:
-    """torch.distributed's variables from Slurm's, for the trainer step's task: ``RANK`` = ``SLURM_PROCID``,
-    ``WORLD_SIZE`` = the step's tasks, ``LOCAL_RANK`` = ``SLURM_LOCALID``, ``MASTER_ADDR`` = the step's first node
-    (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``; parsed with submitit's node-list parser), and
-    ``MASTER_PORT`` = a port in [20000, 32768) drawn from the job id (the same on every task, and again after a
-    requeue; below Linux's ephemeral range, 32768-60999 by default, where outgoing connections - srun's own
-    included - take their local ports: a job-id port in [20000, 60000) collided, EADDRINUSE). Variables
-    already set win (e.g. a site's launcher). Updates ``environ`` (default ``os.environ``) and returns what it
-    set. ``CUDA_VISIBLE_DEVICES`` is left as Slurm set it; each
-    rank picks device ``LOCAL_RANK`` of it.
+    """torch.distributed's variables from Slurm's, for the trainer step's task
+    (:class:`~hpcrl.slurm.torch_env.TrainerStepEnvironment`, submitit's ``TorchDistributedEnvironment`` for
+    hpcrl's trainer step): ``RANK`` = ``SLURM_PROCID``, ``WORLD_SIZE`` = the step's tasks, ``LOCAL_RANK`` =
+    ``SLURM_LOCALID``, ``MASTER_ADDR`` = the step's first node (``SLURM_STEP_NODELIST``, else
+    ``SLURM_JOB_NODELIST``), and ``MASTER_PORT`` = a port in [20000, 32768) drawn from the job id (the same on
+    every task, and again after a requeue; below Linux's ephemeral port range). Variables already set win
+    (e.g. a site's launcher). Updates ``environ`` (default ``os.environ``) and returns what it set.
+    ``CUDA_VISIBLE_DEVICES`` is left as Slurm set it; each rank picks device ``LOCAL_RANK`` of it. Raises
+    ValueError for a Slurm variable that should be an integer and is not.
     """
-    import random
+    from hpcrl.slurm.torch_env import TrainerStepEnvironment
 
-    from submitit.slurm.slurm import _parse_node_list
-
-    environ = os.environ if environ is None else environ
-    nodes = _parse_node_list(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                             or socket.gethostname())
-    job = environ.get("SLURM_JOB_ID", "0")
-    values = {"RANK": environ.get("SLURM_PROCID", "0"), "WORLD_SIZE": str(trainer_world_size(environ)),
-              "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"), "MASTER_ADDR": nodes[0],
-              "MASTER_PORT": str(random.Random(job).randint(20000, 32767))}
-    added = {k: v for k, v in values.items() if k not in environ}
-    environ.update(added)
-    return added
+    return TrainerStepEnvironment(environ).export().exported
 
 
 def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:

@@ -1,6 +1,6 @@
-"""hpcrl.slurm.requeue, the one owner of requeueing, without a cluster: which id ``scontrol requeue`` gets, that
-task 0 alone asks for it and every task then waits, and that ``slurm.requeue: false`` turns every path off.
-(On the local Slurm cluster: ``tests/integration/test_slurm_cluster_submit.py`` and
+"""hpcrl.slurm.requeue, the one owner of requeueing, without a cluster: which id ``scontrol requeue`` gets,
+that task 0 alone asks for it and every task then waits, and that ``slurm.requeue: false`` turns every path
+off. (On the local Slurm cluster: ``tests/integration/test_slurm_cluster_submit.py`` and
 ``tests/integration/test_preemption_slurm.py``.)"""
 
 from __future__ import annotations
