@@ -746,6 +746,21 @@ def test_templates_found_through_hpcrl_home(tmp_path):
     assert template_dir({"HPCRL_HOME": str(tmp_path)}) == tmp_path / "sbatch"
 
 
+def test_templates_are_strict_jinja(tmp_path, work):
+    """A variable a template uses and the code does not give is an error, not an empty string."""
+    import jinja2
+
+    from hpcrl.slurm.templates import render_template
+
+    cfg = load_config(None, ["model.create=tiny-qwen2"])
+    (tmp_path / "sbatch").mkdir()
+    (tmp_path / "sbatch" / "colocate.sbatch").write_text("#SBATCH --nodes={{ nodes }}\n{{ no_such_variable }}\n")
+    with pytest.raises(jinja2.UndefinedError, match="no_such_variable"):
+        render_template(cfg, tmp_path / "run", cwd=tmp_path, environ={"HPCRL_HOME": str(tmp_path)}, python="py")
+    text = (REPO / "sbatch" / "colocate.sbatch").read_text() + (REPO / "sbatch" / "disaggregate.sbatch").read_text()
+    assert "@@" not in text.replace("@@...@@", "")  # no token of the old engine is left unrendered
+
+
 def test_rollout_step_srun_command_colocated_and_het(tmp_path):
     from hpcrl.slurm.rollout_step import num_engines, srun_command
 
