@@ -2,7 +2,8 @@
 
 A run stops early with a checkpoint when :mod:`hpcrl.preempt` says so (the preemption signal,
 ``slurm.signal``, or the job's deadline); the trainer then returns :data:`EXIT_REQUEUE`. What happens next
-depends on how the job was submitted, and every one of those paths is here (``docs/slurm.md``, "Preemption and requeue"):
+depends on how the job was submitted, and every one of those paths is here (``docs/slurm.md``, "Preemption
+and requeue"):
 
 * **submitit job, hpcrl checkpointed** (:class:`~hpcrl.slurm.entry.SlurmEntry` got :data:`EXIT_REQUEUE`):
   :func:`requeue_after_checkpoint` - late copies of the signal are ignored, task 0 runs ``scontrol requeue``
@@ -16,9 +17,10 @@ depends on how the job was submitted, and every one of those paths is here (``do
 * **local run** (``hpcrl run``): nothing requeues; the exit status :data:`EXIT_REQUEUE` says "run it again".
 
 ``slurm.requeue: false`` turns all of them off: the job is submitted with ``--no-requeue``
-(:func:`sbatch_option`), ``SlurmEntry.checkpoint`` returns None, the trainer ends after its checkpoint and the
-template does not requeue. Slurm itself may still requeue a preempted job (``PreemptMode=REQUEUE``); then the
-``scontrol requeue`` here only reports that Slurm is already doing it.
+(:func:`sbatch_option`), so Slurm never requeues it either (a ``PreemptMode=REQUEUE`` partition cancels it
+when preempted), ``SlurmEntry.checkpoint`` returns None, the trainer ends after its checkpoint and the
+template does not requeue. With ``slurm.requeue: true`` Slurm may requeue a preempted job itself
+(``PreemptMode=REQUEUE``); the ``scontrol requeue`` here then fails, saying so, and the tasks wait for Slurm.
 """
 
 from __future__ import annotations
