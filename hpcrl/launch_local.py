@@ -15,10 +15,11 @@ from pathlib import Path
 from hpcrl.config import Config, save_resolved
 from hpcrl.procs import find_free_port
 from hpcrl.run_setup import prepare_model, quiet_logs, run_dir_of
+from hpcrl.slurm.requeue import EXIT_REQUEUE
 
-EXIT_PREEMPTED = 75
+EXIT_PREEMPTED = EXIT_REQUEUE
 """Exit status of a run that stopped early on the preemption signal or its deadline, after a checkpoint
-(``EX_TEMPFAIL``: run it again, or requeue it, and it resumes)."""
+(``EX_TEMPFAIL``: run it again, or requeue it, and it resumes); :data:`hpcrl.slurm.requeue.EXIT_REQUEUE`."""
 
 
 def main(cfg: Config) -> int:

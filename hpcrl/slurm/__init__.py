@@ -1,7 +1,7 @@
 """hpcrl on Slurm: submit from a login node, heterogeneous jobs, status and control.
 
-Modules, one job each (imported lazily by :mod:`hpcrl.cli`; only :mod:`.executor` and :mod:`.submit` import
-submitit):
+Modules, one job each (imported lazily by :mod:`hpcrl.cli`; only :mod:`.executor` and :mod:`.torch_env` import
+submitit when they are imported, the others inside functions):
 
 * :mod:`.resources`: the ``slurm:`` config section -> submitit parameters and het-job components
   (:func:`~hpcrl.slurm.resources.plan_job`); login-node checks that need the whole config.
@@ -12,7 +12,12 @@ submitit):
 * :mod:`.templates`: the plain sbatch templates in ``sbatch/``, filled from a config
   (``hpcrl submit --plain``).
 * :mod:`.entry`: what runs inside the allocation (``hpcrl run-slurm CONFIG`` and the submitit function job):
-  torch.distributed from Slurm's variables, the loop, requeue after a preemption checkpoint.
+  torch.distributed from Slurm's variables, the loop.
+* :mod:`.torch_env`: :class:`~hpcrl.slurm.torch_env.TrainerStepEnvironment`, submitit's
+  ``TorchDistributedEnvironment`` for the trainer step (the step's world size, a port below the ephemeral
+  range).
+* :mod:`.requeue`: the one owner of requeueing: the exit status of a run that stopped with a checkpoint, who
+  runs ``scontrol requeue`` on each path (submitit, plain template), ``slurm.requeue: false``.
 * :mod:`.rollout_step`: the rollout job step (engines via ``srun --overlap`` or ``--het-group=1``) that
   trainer rank 0 starts, health-checks and tears down.
 * :mod:`.sweep`: ``hpcrl sweep``: points, one run folder each, one job array; status, report, resubmit.

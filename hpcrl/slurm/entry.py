@@ -10,31 +10,27 @@ the in-allocation code (:func:`slurm_bootstrap`) that sets up torch.distributed 
 prepares the model on rank 0, and runs the loop, whose controller starts the engines as the rollout job step.
 ``$HPCRL_SLURM_BOOTSTRAP`` (``pkg.module.function``, called as ``f(cfg, run_dir) -> int``) replaces it.
 
-Preemption and the time limit: submitit calls :meth:`SlurmEntry.checkpoint` on the signal (``slurm.signal``)
-in task 0 and requeues the job, which starts again from the same run folder (the loop resumes from its newest
-checkpoint). With ``slurm.requeue: false`` it returns None and the job ends instead. Without submitit,
-:func:`run_slurm` turns the signal into exit status :data:`EXIT_REQUEUE` (a bootstrap that checkpoints first
-returns it itself) and the template requeues the job.
+Preemption and the time limit: the bootstrap returns :data:`~hpcrl.slurm.requeue.EXIT_REQUEUE` after a
+checkpoint; whether and how the job is then requeued is decided and done by :mod:`hpcrl.slurm.requeue`
+(the submitit job through :meth:`SlurmEntry.__call__` and :meth:`SlurmEntry.checkpoint`, the plain templates
+through the exit status).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hpcrl.config import Config, load_config
+from hpcrl.slurm.requeue import (EXIT_REQUEUE, exit_for_requeue_on_signal, requeue_after_checkpoint,
+                                  submitit_resubmission)
 
 log = logging.getLogger("hpcrl.slurm")
 
-EXIT_REQUEUE = 75
-"""Exit status of an entry point that checkpointed on the preemption signal and wants the job requeued
-(``EX_TEMPFAIL``); the plain sbatch templates run ``scontrol requeue`` on it."""
 BOOTSTRAP_ENV = "HPCRL_SLURM_BOOTSTRAP"
 ATTEMPT_MARKER = "[hpcrl] attempt start:"
 """First line each attempt prints to the job's log (``hpcrl logs`` shows the log from the last one)."""
@@ -42,39 +38,20 @@ ATTEMPT_MARKER = "[hpcrl] attempt start:"
 Bootstrap = Callable[[Config, Path], int]
 
 
-def trainer_world_size(environ: Optional[dict] = None) -> int:
-    """Tasks of the trainer step (``SLURM_STEP_NUM_TASKS``, else group 0's ``SLURM_NTASKS``) in ``environ``
-    (default ``os.environ``); 1 outside Slurm."""
-    environ = os.environ if environ is None else environ
-    return int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS_HET_GROUP_0")
-               or environ.get("SLURM_NTASKS") or 1)
-
-
 def export_torch_env(environ: Optional[dict] = None) -> dict[str, str]:
-    """torch.distributed's variables from Slurm's, for the trainer step's task: ``RANK`` = ``SLURM_PROCID``,
-    ``WORLD_SIZE`` = the step's tasks, ``LOCAL_RANK`` = ``SLURM_LOCALID``, ``MASTER_ADDR`` = the step's first node
-    (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``; parsed with submitit's node-list parser), and
-    ``MASTER_PORT`` = a port in [20000, 32768) drawn from the job id (the same on every task, and again after a
-    requeue; below Linux's ephemeral range, 32768-60999 by default, where outgoing connections - srun's own
-    included - take their local ports: a job-id port in [20000, 60000) collided, EADDRINUSE). Variables
-    already set win (e.g. a site's launcher). Updates ``environ`` (default ``os.environ``) and returns what it
-    set. ``CUDA_VISIBLE_DEVICES`` is left as Slurm set it; each
-    rank picks device ``LOCAL_RANK`` of it.
+    """torch.distributed's variables from Slurm's, for the trainer step's task
+    (:class:`~hpcrl.slurm.torch_env.TrainerStepEnvironment`, submitit's ``TorchDistributedEnvironment`` for
+    hpcrl's trainer step): ``RANK`` = ``SLURM_PROCID``, ``WORLD_SIZE`` = the step's tasks, ``LOCAL_RANK`` =
+    ``SLURM_LOCALID``, ``MASTER_ADDR`` = the step's first node (``SLURM_STEP_NODELIST``, else
+    ``SLURM_JOB_NODELIST``), and ``MASTER_PORT`` = a port in [20000, 32768) drawn from the job id (the same on
+    every task, and again after a requeue; below Linux's ephemeral port range). Variables already set win
+    (e.g. a site's launcher). Updates ``environ`` (default ``os.environ``) and returns what it set.
+    ``CUDA_VISIBLE_DEVICES`` is left as Slurm set it; each rank picks device ``LOCAL_RANK`` of it. Raises
+    ValueError for a Slurm variable that should be an integer and is not.
     """
-    import random
+    from hpcrl.slurm.torch_env import TrainerStepEnvironment
 
-    from submitit.slurm.slurm import _parse_node_list
-
-    environ = os.environ if environ is None else environ
-    nodes = _parse_node_list(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                             or socket.gethostname())
-    job = environ.get("SLURM_JOB_ID", "0")
-    values = {"RANK": environ.get("SLURM_PROCID", "0"), "WORLD_SIZE": str(trainer_world_size(environ)),
-              "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"), "MASTER_ADDR": nodes[0],
-              "MASTER_PORT": str(random.Random(job).randint(20000, 32767))}
-    added = {k: v for k, v in values.items() if k not in environ}
-    environ.update(added)
-    return added
+    return TrainerStepEnvironment(environ).export().exported
 
 
 def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
@@ -139,36 +116,13 @@ def _attempt_banner(run_dir: Path) -> str:
             f"on {socket.gethostname()} run {run_dir}")
 
 
-class Preempted(BaseException):
-    """Raised in the main thread by the plain-sbatch signal handler (see :func:`run_slurm`)."""
-
-
-def _install_requeue_handler(cfg: Config) -> bool:
-    """Outside submitit, in a Slurm job that may be requeued: the preemption signal ends the run with
-    :data:`EXIT_REQUEUE` (the template then requeues). A bootstrap that checkpoints first installs its own."""
-    if ("SUBMITIT_FOLDER" in os.environ or "SLURM_JOB_ID" not in os.environ or not cfg.slurm.requeue
-            or threading.current_thread() is not threading.main_thread()):
-        return False
-    from hpcrl.preempt import signal_from_config
-
-    try:
-        signum = signal_from_config(cfg.slurm.signal)
-    except ValueError:
-        return False
-
-    def handler(num, frame):
-        raise Preempted(signal.Signals(num).name)
-
-    signal.signal(signum, handler)
-    return True
-
-
 def run_slurm(config_path: str | os.PathLike, bootstrap: Optional[Bootstrap] = None) -> int:
     """Run the job of a run folder inside its allocation; returns the exit status (0 success).
 
     Under a plain sbatch script (no submitit) with ``slurm.requeue``, the preemption signal
     (``$HPCRL_PREEMPT_SIGNAL``, else ``slurm.signal``'s name) interrupts the bootstrap and the exit status is
-    :data:`EXIT_REQUEUE`, so the template requeues the job; the run resumes from its newest checkpoint.
+    :data:`~hpcrl.slurm.requeue.EXIT_REQUEUE`, so the template requeues the job; the run resumes from its
+    newest checkpoint (:func:`hpcrl.slurm.requeue.exit_for_requeue_on_signal`).
 
     Args:
         config_path: the run folder's resolved ``config.yaml`` (its folder is the run folder).
@@ -196,12 +150,7 @@ def _run(config_path: str | os.PathLike, bootstrap: Optional[Bootstrap] = None) 
 
     def run() -> int:
         cfg = load_config(config_path)
-        _install_requeue_handler(cfg)
-        try:
-            result = (bootstrap or _bootstrap())(cfg, run_dir)
-        except Preempted as e:
-            print(f"[hpcrl] caught {e}: exiting with {EXIT_REQUEUE} so the job is requeued", flush=True)
-            result = EXIT_REQUEUE
+        result = exit_for_requeue_on_signal(cfg, lambda: (bootstrap or _bootstrap())(cfg, run_dir))
         state["reported"] = False
         return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
@@ -222,50 +171,18 @@ class SlurmEntry:
 
     def __call__(self) -> int:
         code, reported = _run(self.config_path)
-        if code == EXIT_REQUEUE:
-            # checkpointed: a late copy of the signal (it may come from the steps, srun and the batch shell's trap)
-            # must not start submitit's own checkpoint-and-requeue handler as well
-            name = os.environ.get("HPCRL_PREEMPT_SIGNAL") or os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"
-            signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-            if signum is not None and threading.current_thread() is threading.main_thread():
-                signal.signal(signum, signal.SIG_IGN)
-            return self._requeue_and_wait()
+        if code == EXIT_REQUEUE:  # checkpointed: requeue (or, with slurm.requeue false, end)
+            return requeue_after_checkpoint(self.requeue)
         if reported:  # one line is on stderr, the traceback in the attempt's log: end the task with the
             raise SystemExit(code)  # status, past submitit's handler (it would print a traceback of this call)
         if code != 0:  # submitit reports a raised error as the job's failure; a return value would be lost
             raise RuntimeError(f"hpcrl run {self.config_path} exited with status {code}")
         return code
 
-    def _requeue_and_wait(self, wait_s: float = 600.0) -> int:
-        """After a checkpoint on preemption: task 0 asks Slurm to requeue the job (``scontrol requeue``; with
-        ``slurm.requeue: false`` the job just ends), then every task waits to be ended by the requeue, so no task
-        finishes first and lets the job complete. Returns 0 when not requeueing; raises RuntimeError if the
-        requeue did not end the job in ``wait_s`` seconds."""
-        import subprocess
-        import time
-
-        if not self.requeue:
-            print("[hpcrl] stopped with a checkpoint; slurm.requeue is false: not requeueing", flush=True)
-            return 0
-        job = os.environ.get("SLURM_ARRAY_JOB_ID") and \
-            f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}" or os.environ["SLURM_JOB_ID"]
-        if os.environ.get("SLURM_PROCID", "0") == "0":
-            print(f"[hpcrl] checkpoint written; requeueing job {job}", flush=True)
-            out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-            if out.returncode != 0:  # e.g. Slurm is already requeueing it (preemption): it ends us in GraceTime
-                print(f"[hpcrl] scontrol requeue {job}: {out.stderr.strip()}; waiting for Slurm to end the job",
-                      flush=True)
-                wait_s = min(wait_s, 120.0)
-        time.sleep(wait_s)
-        raise RuntimeError(f"job {job} was not requeued within {wait_s:.0f} s")
-
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        """The submission to requeue with (submitit calls this on the signal); None when not requeueing."""
-        if not self.requeue:
-            return None
-        from submitit.core.utils import DelayedSubmission
-
-        return DelayedSubmission(SlurmEntry(self.config_path, self.requeue))
+        """The submission to requeue with (submitit calls this on the signal when the loop is not watching it
+        yet); None when not requeueing (:func:`hpcrl.slurm.requeue.submitit_resubmission`)."""
+        return submitit_resubmission(SlurmEntry(self.config_path, self.requeue), self.requeue)
 
     def __repr__(self) -> str:
         return f"SlurmEntry({self.config_path!r}, requeue={self.requeue})"

@@ -20,9 +20,10 @@ The ``slurm:`` section maps to sbatch as: ``partition``, ``account``, ``qos``, `
 ``exclusive`` -> the options of the same name; ``time`` -> ``--time`` in whole minutes, rounded up
 (``UNLIMITED`` kept); ``nodes``, ``gpus_per_node``, ``cpus_per_task`` -> the trainer group (one task per GPU);
 ``signal`` (``USR2@120``) -> ``--signal=USR2@120`` and submitit's preemption signal; ``requeue`` ->
-``--requeue``/``--no-requeue`` (and whether submitit requeues on the signal); ``extra_sbatch`` -> verbatim
-``#SBATCH`` lines; ``setup`` -> shell lines before the job step (``module load ...``); ``container`` -> the
-step runs in ``apptainer exec`` (:mod:`hpcrl.slurm.container`); ``rollout`` -> het group 1.
+``--requeue``/``--no-requeue`` (and whether submitit requeues on the signal; :mod:`hpcrl.slurm.requeue`);
+``extra_sbatch`` -> verbatim ``#SBATCH`` lines; ``setup`` -> shell lines before the job step
+(``module load ...``); ``container`` -> the step runs in ``apptainer exec`` (:mod:`hpcrl.slurm.container`);
+``rollout`` -> het group 1.
 """
 
 from __future__ import annotations
@@ -44,12 +45,9 @@ from hpcrl.config import (Config, apply_overrides, build, load_raw, read_config_
                           set_dotted, validate)
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.container import container_prefix, shell_join
+from hpcrl.slurm.requeue import MAX_TIME_LIMIT_REQUEUES, sbatch_option
 from hpcrl.slurm.resources import JobPlan, gpu_trainer_ranks, group_flags, plan_job, slurm_config
 from hpcrl.slurm.state import FINAL_STATES, UNKNOWN, query_states, read_job_file, write_job_file
-
-MAX_TIME_LIMIT_REQUEUES = 100
-"""How often submitit requeues a run that reached its time limit (preemptions do not count)."""
-
 
 @dataclass
 class SubmitResult:
@@ -152,7 +150,7 @@ def submitit_parameters(plan: JobPlan, run_dir: str | os.PathLike, cwd: str | os
     if plan.het:  # submitit's step is the trainer: het group 0 (the engines go to group 1 from inside)
         params["srun_args"] = ["--het-group=0"]
     extra: dict[str, Any] = {"signal": plan.signal, "chdir": str(cwd),
-                             ("requeue" if plan.requeue else "no_requeue"): True}
+                             sbatch_option(plan.requeue)[2:].replace("-", "_"): True}  # submitit's spelling
     if plan.time_s is None:
         extra["time"] = "UNLIMITED"
     params["additional_parameters"] = extra

@@ -6,27 +6,30 @@ For users who do not use submitit: ``hpcrl submit --plain CONFIG`` writes the fi
 job (``python -m hpcrl run-slurm RUN/config.yaml``, see :mod:`hpcrl.slurm.entry`), in the same container
 wrapping (:mod:`hpcrl.slurm.container`).
 
-Tokens are ``@@NAME@@``; a line ``#@@NAME@@`` is replaced by zero or more lines (optional ``#SBATCH`` options,
-setup lines). Templates are read from ``$HPCRL_HOME/sbatch`` (the modulefile and the image set it), else from
-the ``sbatch/`` folder beside the ``hpcrl`` package (a source checkout).
+The templates are jinja2 (``{{ nodes }}``, ``{{ run_dir | quote }}`` for shell quoting, ``{% for option in
+sbatch_options %}`` for the zero or more optional ``#SBATCH`` lines and setup lines), rendered with
+``StrictUndefined``: a variable the template uses and :func:`template_variables` does not give raises.
+Templates are read from ``$HPCRL_HOME/sbatch`` (the modulefile and the image set it), else from the
+``sbatch/`` folder beside the ``hpcrl`` package (a source checkout).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
+
+import jinja2
 
 from hpcrl.config import Config
 from hpcrl.slurm import SlurmCommandError
 from hpcrl.slurm.container import container_prefix, shell_join
+from hpcrl.slurm.requeue import sbatch_option, template_values
 from hpcrl.slurm.resources import GroupPlan, JobPlan, plan_job
 
 TEMPLATES = {"colocate": "colocate.sbatch", "disaggregate": "disaggregate.sbatch"}
-_TOKEN_RE = re.compile(r"@@[A-Z_]+@@")
 
 
 def template_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
@@ -43,7 +46,7 @@ def template_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
                             + "); set HPCRL_HOME to the hpcrl source folder (module load hpcrl does)")
 
 
-def _optional_lines(plan: JobPlan, group: GroupPlan, first: bool) -> list[str]:
+def _optional_options(plan: JobPlan, group: GroupPlan, first: bool) -> list[str]:
     lines = []
     if group.gpus_per_node > 0:
         lines.append(f"--gpus-per-node={group.gpus_per_node}")
@@ -56,9 +59,9 @@ def _optional_lines(plan: JobPlan, group: GroupPlan, first: bool) -> list[str]:
     if plan.exclusive:
         lines.append("--exclusive")
     if first:
-        lines.append("--requeue" if plan.requeue else "--no-requeue")
+        lines.append(sbatch_option(plan.requeue))
         lines += plan.extra_sbatch
-    return [f"#SBATCH {line}" for line in lines]
+    return lines
 
 
 def launch_command(cfg: Config, run_dir: str | os.PathLike, cwd: str | os.PathLike,
@@ -70,10 +73,41 @@ def launch_command(cfg: Config, run_dir: str | os.PathLike, cwd: str | os.PathLi
     return f"{python or shlex.quote(sys.executable)} -m hpcrl"
 
 
+def template_variables(cfg: Config, run_dir: str | os.PathLike, cwd: str | os.PathLike,
+                       environ: Mapping[str, str], python: Optional[str], plan: JobPlan) -> dict[str, Any]:
+    """What the templates are rendered with (``sbatch/README.md`` lists them): the trainer group's ``nodes``,
+    ``ntasks_per_node``, ``cpus_per_task``; ``job_name``, ``time``, ``signal`` (``USR2@120``),
+    ``signal_name``, ``run_dir``, ``workdir`` (unquoted: the templates quote them), ``launch`` (shell words),
+    ``requeue`` and ``exit_requeue`` (:func:`hpcrl.slurm.requeue.template_values`), the lists
+    ``sbatch_options`` (without ``#SBATCH``) and ``setup``; for a disaggregated run also ``rollout_nodes``,
+    ``rollout_cpus_per_task`` and ``rollout_sbatch_options``."""
+    t = plan.trainer
+    values: dict[str, Any] = {
+        "job_name": plan.job_name, "nodes": t.nodes, "ntasks_per_node": t.ntasks_per_node,
+        "cpus_per_task": t.cpus_per_task, "time": plan.time, "signal": plan.signal,
+        "signal_name": plan.signal_name, "run_dir": str(run_dir), "workdir": str(cwd),
+        "launch": launch_command(cfg, run_dir, cwd, environ, python),
+        "sbatch_options": _optional_options(plan, t, first=True), "setup": list(plan.setup),
+        **template_values(plan.requeue),
+    }
+    if plan.rollout is not None:
+        values.update(rollout_nodes=plan.rollout.nodes, rollout_cpus_per_task=plan.rollout.cpus_per_task,
+                      rollout_sbatch_options=_optional_options(plan, plan.rollout, first=False))
+    return values
+
+
+def _environment(folder: Path) -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(folder)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
+                             autoescape=False)
+    env.filters["quote"] = lambda value: shlex.quote(str(value))
+    return env
+
+
 def render_template(cfg: Config, run_dir: str | os.PathLike, cwd: str | os.PathLike | None = None,
                     environ: Optional[Mapping[str, str]] = None, python: Optional[str] = None,
                     plan: Optional[JobPlan] = None) -> str:
-    """The plain sbatch script of a run: its placement's template with every token filled.
+    """The plain sbatch script of a run: its placement's template rendered with :func:`template_variables`.
 
     Args:
         cfg: the resolved config (as written to the run folder).
@@ -86,31 +120,11 @@ def render_template(cfg: Config, run_dir: str | os.PathLike, cwd: str | os.PathL
     Raises:
         ConfigError: from :func:`~hpcrl.slurm.resources.plan_job`.
         SlurmCommandError: the templates are not found.
+        jinja2.TemplateError: a template is malformed or uses a variable that is not given
+            (``jinja2.UndefinedError``).
     """
     environ = os.environ if environ is None else environ
     cwd = os.getcwd() if cwd is None else str(cwd)
     plan = plan_job(cfg) if plan is None else plan
-    text = (template_dir(environ) / TEMPLATES[plan.placement]).read_text(encoding="utf-8")
-    t = plan.trainer
-    values = {
-        "JOB_NAME": shlex.quote(plan.job_name), "NODES": str(t.nodes),
-        "NTASKS_PER_NODE": str(t.ntasks_per_node),
-        "CPUS_PER_TASK": str(t.cpus_per_task), "TIME": plan.time, "SIGNAL": plan.signal,
-        "SIGNAL_NAME": plan.signal_name, "RUN_DIR": shlex.quote(str(run_dir)), "WORKDIR": shlex.quote(cwd),
-        "REQUEUE": "1" if plan.requeue else "0",
-        "LAUNCH": launch_command(cfg, run_dir, cwd, environ, python),
-    }
-    blocks = {"SBATCH_OPTIONS": _optional_lines(plan, t, first=True), "SETUP": list(plan.setup)}
-    if plan.rollout is not None:
-        values.update(ROLLOUT_NODES=str(plan.rollout.nodes),
-                      ROLLOUT_CPUS_PER_TASK=str(plan.rollout.cpus_per_task))
-        blocks["ROLLOUT_SBATCH_OPTIONS"] = _optional_lines(plan, plan.rollout, first=False)
-    out_lines = []
-    for line in text.split("\n"):
-        name = line[3:-2] if line.startswith("#@@") and line.endswith("@@") else None
-        if name is not None and name in blocks:
-            out_lines += blocks[name]
-        else:
-            out_lines.append(line)
-    out = _TOKEN_RE.sub(lambda m: values[m.group(0)[2:-2]], "\n".join(out_lines))
-    return out
+    template = _environment(template_dir(environ)).get_template(TEMPLATES[plan.placement])
+    return template.render(template_variables(cfg, run_dir, cwd, environ, python, plan))

@@ -23,7 +23,7 @@ import yaml
 from hpcrl.config import ConfigError, load_config
 from hpcrl.slurm import SlurmCommandError
 from hpcrl.slurm import container as ct
-from hpcrl.slurm import entry, state
+from hpcrl.slurm import entry, requeue, state
 from hpcrl.slurm.control import cancel, print_logs
 from hpcrl.slurm.executor import HETJOB_LINE, HetSlurmExecutor, HetSlurmInfoWatcher, insert_after_last_sbatch
 from hpcrl.slurm.resources import plan_job, slurm_config
@@ -631,7 +631,7 @@ def test_plain_sbatch_preemption_exits_for_requeue(work, monkeypatch):
         return 0
 
     try:
-        assert entry.run_slurm(res.run_dir / "config.yaml", bootstrap=boot) == entry.EXIT_REQUEUE
+        assert entry.run_slurm(res.run_dir / "config.yaml", bootstrap=boot) == requeue.EXIT_REQUEUE
     finally:
         signal.signal(signal.SIGUSR1, old)
 
@@ -744,6 +744,21 @@ def test_templates_found_through_hpcrl_home(tmp_path):
     (tmp_path / "sbatch").mkdir()
     (tmp_path / "sbatch" / "colocate.sbatch").write_text("#!/bin/bash\n")
     assert template_dir({"HPCRL_HOME": str(tmp_path)}) == tmp_path / "sbatch"
+
+
+def test_templates_are_strict_jinja(tmp_path, work):
+    """A variable a template uses and the code does not give is an error, not an empty string."""
+    import jinja2
+
+    from hpcrl.slurm.templates import render_template
+
+    cfg = load_config(None, ["model.create=tiny-qwen2"])
+    (tmp_path / "sbatch").mkdir()
+    (tmp_path / "sbatch" / "colocate.sbatch").write_text("#SBATCH --nodes={{ nodes }}\n{{ no_such_variable }}\n")
+    with pytest.raises(jinja2.UndefinedError, match="no_such_variable"):
+        render_template(cfg, tmp_path / "run", cwd=tmp_path, environ={"HPCRL_HOME": str(tmp_path)}, python="py")
+    text = (REPO / "sbatch" / "colocate.sbatch").read_text() + (REPO / "sbatch" / "disaggregate.sbatch").read_text()
+    assert "@@" not in text  # no token of the old engine is left unrendered
 
 
 def test_rollout_step_srun_command_colocated_and_het(tmp_path):

@@ -1,0 +1,77 @@
+"""hpcrl.slurm.requeue, the one owner of requeueing, without a cluster: which id ``scontrol requeue`` gets,
+that task 0 alone asks for it and every task then waits, and that ``slurm.requeue: false`` turns every path
+off. (On the local Slurm cluster: ``tests/integration/test_slurm_cluster_submit.py`` and
+``tests/integration/test_preemption_slurm.py``.)"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from hpcrl.slurm import requeue
+
+
+@pytest.fixture
+def slurm_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "SUBMITIT_", "HPCRL_PREEMPT")):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    return monkeypatch
+
+
+def fake_scontrol(tmp_path, monkeypatch, rc: int = 0):
+    d = tmp_path / "bin"
+    d.mkdir()
+    p = d / "scontrol"
+    p.write_text(f'#!/bin/bash\necho "$@" >> {tmp_path / "calls"}\necho refused >&2\nexit {rc}\n')
+    p.chmod(p.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
+    return tmp_path / "calls"
+
+
+def test_job_to_requeue_names_the_array_task():
+    assert requeue.job_to_requeue({"SLURM_JOB_ID": "12"}) == "12"
+    assert requeue.job_to_requeue({"SLURM_JOB_ID": "15", "SLURM_ARRAY_JOB_ID": "12",
+                                   "SLURM_ARRAY_TASK_ID": "3"}) == "12_3"
+    with pytest.raises(KeyError):
+        requeue.job_to_requeue({})
+
+
+def test_options_follow_slurm_requeue():
+    assert requeue.sbatch_option(True) == "--requeue" and requeue.sbatch_option(False) == "--no-requeue"
+    assert requeue.template_values(True) == {"requeue": "1", "exit_requeue": 75}
+    assert requeue.template_values(False)["requeue"] == "0"
+    assert requeue.submitit_resubmission(print, False) is None
+    assert requeue.submitit_resubmission(print, True).function is print
+
+
+def test_task0_requeues_then_waits(tmp_path, slurm_env, monkeypatch):
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    slept = []
+    monkeypatch.setattr(requeue.time, "sleep", slept.append)
+    with pytest.raises(RuntimeError, match="job 12 was not requeued within 7 s"):
+        requeue.requeue_and_wait(True, wait_s=7)
+    assert calls.read_text() == "requeue 12\n" and slept == [7]
+
+
+def test_other_tasks_only_wait_and_refusal_shortens_the_wait(tmp_path, slurm_env, monkeypatch):
+    calls = fake_scontrol(tmp_path, monkeypatch, rc=1)
+    slept = []
+    monkeypatch.setattr(requeue.time, "sleep", slept.append)
+    slurm_env.setenv("SLURM_PROCID", "1")
+    with pytest.raises(RuntimeError):
+        requeue.requeue_and_wait(True)
+    assert not calls.exists() and slept == [requeue.WAIT_FOR_REQUEUE_S]
+    slurm_env.setenv("SLURM_PROCID", "0")
+    with pytest.raises(RuntimeError):  # Slurm is already requeueing it: wait less
+        requeue.requeue_and_wait(True)
+    assert slept[-1] == requeue.WAIT_WHEN_SLURM_REQUEUES_S
+
+
+def test_no_requeue_ends_at_once(tmp_path, slurm_env, monkeypatch):
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    assert requeue.requeue_and_wait(False) == 0
+    assert not calls.exists()
