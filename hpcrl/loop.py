@@ -38,41 +38,45 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     :func:`hpcrl.rollout.engines.launch_local_engines`). Raises what a step raises, after checkpointing the
     last finished step when the weights had not changed yet (rollout, reward, filter, a dead engine).
     """
-    from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
-    from hpcrl.data.buffer import TrainedRows
-    from hpcrl.data.sources import load_datasets
-    from hpcrl.metrics import MetricsPosition
     from hpcrl.preempt import PreemptionWatch
     from hpcrl.rollout.engines import launch_local_engines
-    from hpcrl.rollout.plugins import make_data_source
-    from hpcrl.rollout.rollout import group_multiple
-    from hpcrl.train.actor import Actor
-    from hpcrl.train.parallel import destroy, setup_parallel
-    from hpcrl.weights import WeightSyncer
+    from hpcrl.train.parallel import destroy, env_rank
 
-    # --- processes, model, optimizer, data -------------------------------------------------------------
+    # --- preemption watch; the engines start loading (not on GPUs shared with the trainer) --------------
     quiet_logs()
-    controller = setup_parallel(cfg).rank == 0
-    actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
-    datasets = load_datasets(cfg)
-    data_source = make_data_source(cfg, datasets.train)  # rollout.data_source, hpcrl.rollout.plugins
-    # --- resume state, preemption watch ----------------------------------------------------------------
+    controller = env_rank() == 0
     watch = PreemptionWatch.from_config(cfg, controller)
-    trained = TrainedRows()
-    ckpt = CheckpointManager.from_config(cfg, run_dir, actor, watch=watch, states={
-        "progress": RolloutCounter(), "data_source": data_source, "trained": trained,
-        "metrics": MetricsPosition(run_dir, controller)})
-    start_rollout_id = ckpt.load()
-    watch.install()  # the signal sets a flag and is blocked for every child process; see hpcrl.preempt
-    # --- engines, router, client (a twin that does nothing on the other ranks) -------------------------
-    rollout = rollout_manager(controller, cfg, run_dir, model_path, datasets, launch_engines or launch_local_engines)
-    multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size, cfg.train.num_steps_per_rollout)
+    watch.install()  # before any child process: the signal sets a flag and is blocked for them; hpcrl.preempt
+    rollout = rollout_manager(controller, cfg, run_dir, model_path, launch_engines or launch_local_engines)
+    rollout.launch(early=True)  # they load while the trainer imports Megatron and builds its model
     stopped: Optional[str] = None
     last: dict[str, Any] = {}
     try:
-        rollout.start()
+        from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
+        from hpcrl.data.buffer import TrainedRows
+        from hpcrl.data.sources import load_datasets
+        from hpcrl.metrics import MetricsPosition
+        from hpcrl.rollout.plugins import make_data_source
+        from hpcrl.rollout.rollout import group_multiple
+        from hpcrl.train.actor import Actor
+        from hpcrl.train.parallel import setup_parallel
+        from hpcrl.weights import WeightSyncer
+
+        # --- processes, model, optimizer, data, resume state -----------------------------------------
+        setup_parallel(cfg)
+        actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
+        datasets = load_datasets(cfg)
+        data_source = make_data_source(cfg, datasets.train)  # rollout.data_source, hpcrl.rollout.plugins
+        trained = TrainedRows()
+        ckpt = CheckpointManager.from_config(cfg, run_dir, actor, watch=watch, states={
+            "progress": RolloutCounter(), "data_source": data_source, "trained": trained,
+            "metrics": MetricsPosition(run_dir, controller)})
+        start_rollout_id = ckpt.load()
+        multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size, cfg.train.num_steps_per_rollout)
+        # --- engines up, router, client (a twin that does nothing on the other ranks) ----------------
+        rollout.start(datasets)
         metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller)
-        rollout.offload()  # slime: engines give their memory back before the actor is up
+        rollout.offload()  # colocated: the engines give their memory back before the first sync and train
         syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
                                           engine_tp_sizes=rollout.engine_tp_sizes, hf_checkpoint=str(model_path),
                                           disk_dir=str(run_dir / "weights"))

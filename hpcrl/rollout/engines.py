@@ -191,18 +191,16 @@ class EngineProcess(ManagedProcess):
     """The command line, API key redacted."""
 
 
-def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], model_path: str | os.PathLike,
+def spawn_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], model_path: str | os.PathLike,
                  host: str = "127.0.0.1", port: Optional[int] = None,
                  api_key_file: Optional[str | os.PathLike] = None, engine: Optional[str] = None,
-                 log_path: Optional[str | os.PathLike] = None, startup_timeout_s: float = 600.0,
-                 env: Optional[Mapping[str, str]] = None, key_via: str = "argv") -> EngineProcess:
-    """Start one engine (:func:`engine_command`) and wait until ``GET /health`` answers 200.
+                 log_path: Optional[str | os.PathLike] = None, env: Optional[Mapping[str, str]] = None,
+                 key_via: str = "argv") -> EngineProcess:
+    """Start one engine (:func:`engine_command`) without waiting for it: :func:`wait_engine` does that, so a
+    caller can load the model in the engine while it does other work (the trainer builds its model).
 
     ``port`` None picks a free one. stdout/stderr go to ``log_path`` (default: a new temporary file). ``env``
-    entries are added to this process's environment. ``startup_timeout_s`` bounds the wait (seconds; model
-    loading included).
-    Raises :class:`hpcrl.procs.ProcessStartError` with the log tail if the server exits or is not healthy in
-    time (the process is stopped first), plus what :func:`engine_command` raises.
+    entries are added to this process's environment. Raises what :func:`engine_command` raises.
     """
     port = int(port) if port is not None else find_free_port(host if host not in ("0.0.0.0", "::") else "")
     cmd = engine_command(cfg_rollout, sglang_args, model_path, host, port, api_key_file, engine=engine,
@@ -213,31 +211,77 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                preexec_fn=die_with_parent,
                                env=child_env)
-    eng = EngineProcess(url=url_for(host, port), process=process, log_path=path, command=redact(cmd),
-                        _log_file=log_file)
+    return EngineProcess(url=url_for(host, port), process=process, log_path=path, command=redact(cmd),
+                         _log_file=log_file)
+
+
+def wait_engine(eng: EngineProcess, api_key_file: Optional[str | os.PathLike] = None,
+                startup_timeout_s: float = 600.0) -> EngineProcess:
+    """Wait until ``eng`` answers ``GET /health`` with 200 (``startup_timeout_s`` seconds, model loading
+    included); returns it. Raises :class:`hpcrl.procs.ProcessStartError` with the log tail if the server exits
+    or is not healthy in time (the process is stopped first)."""
     key = read_secret(api_key_file) if api_key_file is not None else None
     try:
-        wait_for_http_ok(eng.url + "/health", process, startup_timeout_s, path, f"engine {eng.url}", key)
+        wait_for_http_ok(eng.url + "/health", eng.process, startup_timeout_s, eng.log_path, f"engine {eng.url}",
+                         key)
     except BaseException:
         eng.stop(grace_s=5.0)
         raise
     return eng
 
 
+def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], model_path: str | os.PathLike,
+                 host: str = "127.0.0.1", port: Optional[int] = None,
+                 api_key_file: Optional[str | os.PathLike] = None, engine: Optional[str] = None,
+                 log_path: Optional[str | os.PathLike] = None, startup_timeout_s: float = 600.0,
+                 env: Optional[Mapping[str, str]] = None, key_via: str = "argv") -> EngineProcess:
+    """Start one engine and wait until ``GET /health`` answers 200: :func:`spawn_engine` then
+    :func:`wait_engine` (arguments and errors as theirs)."""
+    eng = spawn_engine(cfg_rollout, sglang_args, model_path, host, port, api_key_file, engine, log_path, env,
+                       key_via)
+    return wait_engine(eng, api_key_file, startup_timeout_s)
+
+
+@dataclass
+class LocalEngineLaunch:
+    """Engines started on this machine and still loading (:data:`hpcrl.rollout.manager.EngineLauncher`'s
+    result for local runs): ``wait()`` returns ``(engines, None)`` once all answer ``/health``; ``stop()``
+    stops them (also those not up yet)."""
+
+    engines: list[EngineProcess]
+    secret_path: Path
+
+    def wait(self) -> tuple[list[EngineProcess], None]:
+        """Wait for every engine (they load in parallel). Raises :class:`hpcrl.procs.ProcessStartError` for
+        the first that fails, after stopping all of them."""
+        try:
+            for e in self.engines:
+                wait_engine(e, self.secret_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self.engines, None
+
+    def stop(self) -> None:
+        """Stop every engine of this launch. Idempotent."""
+        for e in self.engines:
+            e.stop()
+
+
 def launch_local_engines(cfg: Any, run_dir: Path, attempt_dir: Path, model_path: str | os.PathLike,
-                         secret_path: Path) -> tuple[list["EngineProcess"], None]:
+                         secret_path: Path) -> LocalEngineLaunch:
     """The engine launcher of a run on this machine (:data:`hpcrl.rollout.manager.EngineLauncher`):
-    ``rollout.num_engines`` local engine processes, logs in ``attempt_dir/engine-<i>.log``. Returns
-    ``(engines, None)`` (no job step). If one fails to start, the ones already up are stopped and the
-    :class:`hpcrl.procs.ProcessStartError` propagates."""
+    starts ``rollout.num_engines`` local engine processes, logs in ``attempt_dir/engine-<i>.log``, and returns
+    at once; :meth:`LocalEngineLaunch.wait` waits until they are healthy. If one cannot be started, the ones
+    already started are stopped and the error propagates."""
     args = engine_sglang_args(cfg)
     engines: list[EngineProcess] = []
     try:
         for i in range(cfg.rollout.num_engines):
-            engines.append(start_engine(cfg.rollout, args, model_path, api_key_file=secret_path,
+            engines.append(spawn_engine(cfg.rollout, args, model_path, api_key_file=secret_path,
                                         log_path=Path(attempt_dir) / f"engine-{i}.log"))
     except BaseException:
         for e in engines:
             e.stop()
         raise
-    return engines, None
+    return LocalEngineLaunch(engines, Path(secret_path))

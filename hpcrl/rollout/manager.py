@@ -24,14 +24,17 @@ from typing import Any, Callable
 from hpcrl.rollout.engines import engine_sglang_args
 from hpcrl.run_setup import new_attempt_dir
 
-EngineLauncher = Callable[[Any, Path, Path, Path, Path], tuple[list, Any]]
-"""``launch(cfg, run_dir, attempt_dir, model_path, secret_path) -> (engines, step)``: starts the run's engines
-and waits until they are healthy. ``engines`` have ``.url`` and ``.stop()``; ``step`` is None, or the job step
-hosting them with ``.check()`` (raises with its log tail when it died) and ``.stop()``."""
+EngineLauncher = Callable[[Any, Path, Path, Path, Path], Any]
+"""``launch(cfg, run_dir, attempt_dir, model_path, secret_path) -> pending``: starts the run's engines and
+returns at once, so they load while the trainer builds its model. ``pending.wait() -> (engines, step)`` waits
+until they are healthy (raising with their log tail when one died); ``pending.stop()`` stops them. ``engines``
+have ``.url`` and ``.stop()``; ``step`` is None, or the job step hosting them with ``.check()`` (raises with its
+log tail when it died) and ``.stop()``."""
 
 
 class RolloutManager:
-    """The controller's rollout side. ``start()`` launches engines (and the router), connects the client and
+    """The controller's rollout side. ``launch()`` starts the engines without waiting (they load while the
+    trainer builds its model); ``start(datasets)`` waits for them, starts the router, connects the client and
     builds the rollout context; the verbs then run one phase each; ``stop()`` ends only what this run started.
 
     Args:
@@ -39,14 +42,15 @@ class RolloutManager:
         run_dir: the run folder (its ``secret`` is created here).
         attempt_dir: this attempt's log folder (engine, router and phase logs).
         model_path: the HF folder the engines load.
-        datasets: :class:`hpcrl.data.sources.Datasets` (eval items and the task that scores them).
-        launch: how the engines start (:data:`EngineLauncher`).
+        launcher: how the engines start (:data:`EngineLauncher`).
     """
 
-    def __init__(self, cfg, run_dir: Path, attempt_dir: Path, model_path: Path, datasets,
-                 launch: EngineLauncher) -> None:
+    def __init__(self, cfg, run_dir: Path, attempt_dir: Path, model_path: Path, launcher: EngineLauncher) -> None:
         self.cfg, self.run_dir, self.attempt_dir, self.model_path = cfg, run_dir, attempt_dir, model_path
-        self.datasets, self.launch = datasets, launch
+        self.launcher = launcher
+        self.pending = None  # what the launcher returned, until start() has waited for it
+        self.secret_path: Path | None = None
+        self.datasets = None
         self.loop = asyncio.new_event_loop()
         self.step = None  # the job step hosting the engines, when the launcher made one
         self.engines: list = []
@@ -66,9 +70,28 @@ class RolloutManager:
                 self.step.check()
             raise
 
-    def start(self) -> None:
-        """Launch engines (and the router), wait until healthy, build the rollout context. Raises what the
-        launcher raises (:class:`hpcrl.procs.ProcessStartError`, a job step's error)."""
+    def launch(self, early: bool = False) -> None:
+        """Start the engines (the run secret first) and return while they load. Idempotent. Raises what the
+        launcher raises.
+
+        ``early=True`` is the call before the trainer builds its model: it does nothing when engines and
+        trainer share GPUs (``run.placement: colocate`` with SGLang), so that, as before, SGLang sizes its
+        memory pool with the trainer's model already resident; :meth:`start` launches them then.
+        """
+        from hpcrl.rollout.engines import resolve_engine
+        from hpcrl.rollout.secret import create_run_secret
+
+        if early and self.cfg.run.placement == "colocate" and resolve_engine(self.cfg.rollout.engine) != "cpu":
+            return
+        if self.pending is None and not self.engines:
+            self.secret_path = create_run_secret(self.run_dir)
+            self.pending = self.launcher(self.cfg, self.run_dir, self.attempt_dir, self.model_path, self.secret_path)
+
+    def start(self, datasets) -> None:
+        """Wait for the engines (launching them first unless :meth:`launch` did), start the router, connect
+        the client, build the rollout context. ``datasets``: :class:`hpcrl.data.sources.Datasets` (eval items
+        and the task that scores them). Raises what the launcher raises (:class:`hpcrl.procs.ProcessStartError`,
+        a job step's error)."""
         from transformers import AutoTokenizer
 
         from hpcrl.offload import ColocatedMemory, create_trainer_memory
@@ -76,12 +99,14 @@ class RolloutManager:
         from hpcrl.rollout.plugins import resolve_plugins
         from hpcrl.rollout.rollout import RolloutContext
         from hpcrl.rollout.router import start_router
-        from hpcrl.rollout.secret import create_run_secret, read_secret
+        from hpcrl.rollout.secret import read_secret
 
         cfg, rc = self.cfg, self.cfg.rollout
-        secret_path = create_run_secret(self.run_dir)
-        key = read_secret(secret_path)
-        self.engines, self.step = self.launch(cfg, self.run_dir, self.attempt_dir, self.model_path, secret_path)
+        self.datasets = datasets
+        self.launch()
+        key = read_secret(self.secret_path)
+        pending, self.pending = self.pending, None
+        self.engines, self.step = pending.wait()  # on failure it has stopped what it started
         self.engine_tp_sizes = [int(engine_sglang_args(cfg).get("tp_size", 1))] * len(self.engines)
         urls = [e.url for e in self.engines]
         if rc.router:
@@ -194,6 +219,8 @@ class RolloutManager:
         finally:
             if self.router is not None:
                 self.router.stop()
+            if self.pending is not None:  # launched, never waited for (the trainer failed to start)
+                self.pending.stop()
             for e in self.engines:
                 e.stop()
             if self.step is not None:
@@ -210,7 +237,10 @@ class NullRolloutManager:
     client = None
     engine_tp_sizes = None
 
-    def start(self) -> None:
+    def launch(self, early: bool = False) -> None:
+        pass
+
+    def start(self, datasets) -> None:
         pass
 
     def generate(self, rollout_id: int, data_source, multiple: int = 1) -> tuple[None, dict[str, float]]:
@@ -238,13 +268,13 @@ class NullRolloutManager:
         pass
 
 
-def rollout_manager(controller: bool, cfg, run_dir: Path, model_path: Path, datasets,
-                    launch: EngineLauncher) -> "RolloutManager | NullRolloutManager":
+def rollout_manager(controller: bool, cfg, run_dir: Path, model_path: Path,
+                    launcher: EngineLauncher) -> "RolloutManager | NullRolloutManager":
     """The rollout manager of a trainer rank: a :class:`RolloutManager` (with a new ``logs/attempt-N`` folder)
     on the controller, a :class:`NullRolloutManager` on every other rank."""
     if not controller:
         return NullRolloutManager()
-    return RolloutManager(cfg, run_dir, new_attempt_dir(run_dir), model_path, datasets, launch)
+    return RolloutManager(cfg, run_dir, new_attempt_dir(run_dir), model_path, launcher)
 
 
 def rollout_metrics(cfg, samples: list, metrics: dict[str, float], trained_groups: int,

@@ -134,25 +134,31 @@ class RolloutStep:
         return rc
 
 
-def start_rollout_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path, secret_path: Path,
-                       timeout_s: float = 600.0) -> RolloutStep:
-    """Start the rollout step with ``srun`` and wait until every engine answers ``/health`` (seconds:
-    ``timeout_s``, model loading included).
+def spawn_rollout_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path,
+                       secret_path: Path) -> RolloutStep:
+    """Start the rollout step with ``srun`` without waiting for its engines (:func:`wait_rollout_step`)."""
+    from hpcrl.procs import die_with_parent
 
-    Raises RolloutStepError with the step's log tail if ``srun`` exits first or the engines are not all up in
-    time (the step is stopped first).
-    """
-    from hpcrl.rollout.secret import read_secret
-    from hpcrl.procs import die_with_parent, http_status
-
-    engines_dir = attempt_dir / ENGINES_DIR
-    engines_dir.mkdir(parents=True, exist_ok=True)
+    (attempt_dir / ENGINES_DIR).mkdir(parents=True, exist_ok=True)
     cmd = srun_command(cfg, run_dir, attempt_dir, model_path, secret_path)
     log_file = open(attempt_dir / "rollout-step.log", "ab")
     log.info("starting the rollout step: %s", " ".join(cmd))
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                preexec_fn=die_with_parent)
-    step = RolloutStep(process, attempt_dir, cmd, _log=log_file)
+    return RolloutStep(process, attempt_dir, cmd, _log=log_file)
+
+
+def wait_rollout_step(step: RolloutStep, cfg: Config, secret_path: Path, timeout_s: float = 600.0) -> RolloutStep:
+    """Wait until every engine of ``step`` has reported its address and answers ``/health`` (seconds:
+    ``timeout_s``, model loading included); returns ``step`` with ``engines`` set.
+
+    Raises RolloutStepError with the step's log tail if ``srun`` exits first or the engines are not all up in
+    time (the step is stopped first).
+    """
+    from hpcrl.procs import http_status
+    from hpcrl.rollout.secret import read_secret
+
+    engines_dir = step.attempt_dir / ENGINES_DIR
     n = num_engines(cfg)
     key = read_secret(secret_path)
     deadline = time.monotonic() + timeout_s
@@ -177,13 +183,31 @@ def start_rollout_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path
 
 
 # ------------------------------------------------------------------------------------------ inside a task
+@dataclass
+class RolloutStepLaunch:
+    """The rollout step started and still loading (:data:`hpcrl.rollout.manager.EngineLauncher`'s result
+    inside a Slurm job): ``wait()`` returns ``(engine addresses, the step)``; ``stop()`` stops the step."""
+
+    step: RolloutStep
+    cfg: Config
+    secret_path: Path
+
+    def wait(self) -> tuple[list, RolloutStep]:
+        """Raises RolloutStepError as :func:`wait_rollout_step` does."""
+        wait_rollout_step(self.step, self.cfg, self.secret_path)
+        return list(self.step.engines), self.step
+
+    def stop(self) -> None:
+        self.step.stop()
+
+
 def launch_engine_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path,
-                       secret_path: Path) -> tuple[list, RolloutStep]:
-    """The engine launcher of a run inside a Slurm job (:data:`hpcrl.rollout.manager.EngineLauncher`): the
-    engines as the rollout job step (:func:`start_rollout_step`). Returns ``(engine addresses, the step)``;
-    raises RolloutStepError as :func:`start_rollout_step` does."""
-    step = start_rollout_step(cfg, run_dir, attempt_dir, Path(model_path).absolute(), secret_path)
-    return list(step.engines), step
+                       secret_path: Path) -> RolloutStepLaunch:
+    """The engine launcher of a run inside a Slurm job (:data:`hpcrl.rollout.manager.EngineLauncher`): starts
+    the engines as the rollout job step (:func:`spawn_rollout_step`) and returns at once; ``wait()`` on the
+    result waits until they are healthy."""
+    step = spawn_rollout_step(cfg, run_dir, attempt_dir, Path(model_path).absolute(), secret_path)
+    return RolloutStepLaunch(step, cfg, Path(secret_path))
 
 
 def task_main(argv: Optional[list[str]] = None) -> int:

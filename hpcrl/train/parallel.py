@@ -48,6 +48,12 @@ def setup_parallel(cfg: Any) -> DistEnv:
     return env
 
 
+def env_rank() -> int:
+    """The rank :func:`init_distributed` will take (``RANK``, 0 without it), known before the process group
+    forms."""
+    return int(os.environ.get("RANK", 0))
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> DistEnv:
     """Initialise the default process group from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``.
 
@@ -59,7 +65,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     if dist.is_initialized():
         return DistEnv(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
                        dist.get_backend())
-    rank = int(os.environ.get("RANK", 0))
+    rank = env_rank()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if world_size > 1:

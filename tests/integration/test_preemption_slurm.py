@@ -175,7 +175,7 @@ def test_time_limit_requeues_and_completes(work):
     """A 2-minute limit with ``USR2@40`` (Slurm may send it up to 60 s early) on a run that needs more than
     one such allocation (no filter, so late steps, all correct, still train): each attempt checkpoints before
     its limit (signal, or our own deadline) and is requeued."""
-    steps = 400  # ~3.5 steps/s here: ~2 min of work, so at least one limit is hit
+    steps = 300  # ~2.5 steps/s and ~55 s of steps per 2-minute attempt here: 3 attempts (2 at twice the speed)
     job_id, run_dir = submit(work, "timelimit", f"run.num_rollout={steps}", "slurm.time=00:02:00",
                              "slurm.signal=USR2@40", "rollout.dynamic_filter=null")  # the filter runs dry late
     assert wait_final(job_id, run_dir, timeout=840) == "COMPLETED", job_log(run_dir)

@@ -336,3 +336,42 @@ def test_generate_batch_without_router_equals_single_requests(stack):
         assert [t[0] for t in b["meta_info"]["output_token_logprobs"]] == \
             pytest.approx([t[0] for t in s["meta_info"]["output_token_logprobs"]], abs=1e-5)
     assert all(s.tokens == PROMPT + ids[0] and s.response_length == 6 for s in group)
+
+
+def test_engines_load_while_the_trainer_starts(tmp_path, tiny_model_dir):
+    """``RolloutManager.launch(early=True)`` (called before the trainer builds its model) starts the engine
+    process and returns before it is up; ``start`` waits for it, then the rollout verbs work. With SGLang
+    colocated on the trainer's GPUs the early launch starts nothing: SGLang sizes its memory pool after the
+    trainer's model is resident, as before (checked here without a GPU: nothing is spawned)."""
+    from hpcrl.config import load_config
+    from hpcrl.data.sources import load_datasets
+    from hpcrl.procs import http_status
+    from hpcrl.rollout.engines import launch_local_engines
+    from hpcrl.rollout.manager import RolloutManager
+
+    def manager(*overrides: str) -> RolloutManager:
+        cfg = load_config(None, [f"run.output_dir={tmp_path}", f"model.path={tiny_model_dir}", "data.num_eval=8",
+                                 "rollout.router=false", *overrides])
+        attempt = tmp_path / f"attempt-{len(overrides)}"
+        attempt.mkdir()
+        return RolloutManager(cfg, tmp_path, attempt, tiny_model_dir, launch_local_engines)
+
+    gpu_colocated = manager("rollout.engine=sglang", "run.placement=colocate")
+    gpu_colocated.launch(early=True)
+    assert gpu_colocated.pending is None and gpu_colocated.secret_path is None  # nothing started
+    gpu_colocated.stop()
+
+    m = manager("rollout.engine=cpu")
+    t0 = time.monotonic()
+    m.launch(early=True)
+    try:
+        assert time.monotonic() - t0 < 1.0  # no health wait
+        [eng] = m.pending.engines
+        assert eng.alive() and http_status(eng.url + "/health", read_secret(m.secret_path), timeout_s=1.0) != 200
+        m.start(load_datasets(m.cfg))
+        assert m.pending is None and m.engines == [eng]
+        assert http_status(eng.url + "/health", read_secret(m.secret_path), timeout_s=5.0) == 200
+        assert 0.0 <= m.evaluate(-1)["eval/accuracy"] <= 1.0
+    finally:
+        m.stop()
+    assert not eng.alive()
