@@ -62,12 +62,13 @@ class RolloutManager:
     # ------------------------------------------------------------------------------------------------------
     def call(self, coro):
         """Run a coroutine on the rollout's event loop and return its result. When the engines run as a job
-        step and a call fails with the step gone, raises the step's error (its log tail) instead."""
+        step and a call fails with the step gone (or going: ``srun`` gets up to 10 s to notice), raises the
+        step's error (its log tail) instead."""
         try:
             return self.loop.run_until_complete(coro)
         except Exception:
             if self.step is not None:
-                self.step.check()
+                self.step.check(grace_s=10.0)
             raise
 
     def launch(self, early: bool = False) -> None:

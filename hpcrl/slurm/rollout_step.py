@@ -116,8 +116,14 @@ class RolloutStep:
                  if p.exists()]
         return "\n".join(parts)
 
-    def check(self) -> None:
-        """Raise RolloutStepError with the log tail if the step has exited."""
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise RolloutStepError with the log tail if the step has exited, or exits within ``grace_s``
+        seconds (a request can fail on a dead engine before ``srun`` has noticed its task is gone)."""
+        if grace_s > 0 and self.alive():
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         if not self.alive():
             raise RolloutStepError(f"the rollout step ({' '.join(self.command[:6])} ...) exited with status "
                                    f"{self.process.returncode}; its logs:\n{self.log_tail()}")

@@ -824,3 +824,22 @@ def test_engine_gets_model_dtype(tmp_path):
     cmd = engine_command(load_config(tmp_path / "c.yaml").rollout, engine_sglang_args(load_config(
         tmp_path / "c.yaml")), "/m", "127.0.0.1", 30000, None)
     assert cmd[1:3] == ["-m", "hpcrl.engine.server"] and " --dtype bfloat16" in " ".join(cmd)
+
+
+def test_rollout_step_check_waits_for_a_dying_step(tmp_path):
+    """A request can fail on a killed engine before ``srun`` has exited: check(grace_s) waits for the step and
+    reports it (RolloutStepError with its log), while a step that stays up lets the caller's own error stand."""
+    from hpcrl.slurm.rollout_step import RolloutStep, RolloutStepError
+
+    (tmp_path / "rollout-step.log").write_text("srun: error: task 0: Killed\n")
+    dying = RolloutStep(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"]), tmp_path,
+                        ["srun", "x"])
+    dying.check()  # still running: nothing to report yet
+    with pytest.raises(RolloutStepError, match="task 0: Killed"):
+        dying.check(grace_s=30.0)
+    alive = RolloutStep(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]), tmp_path,
+                        ["srun", "y"])
+    try:
+        alive.check(grace_s=0.2)
+    finally:
+        alive.stop(grace_s=1.0)
