@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import pytest
 
@@ -48,10 +49,19 @@ def test_options_follow_slurm_requeue():
     assert requeue.submitit_resubmission(print, True).function is print
 
 
+def fake_sleep(monkeypatch, slept: list) -> None:
+    """requeue's ``time.sleep`` records its argument instead of sleeping. Only requeue's: patching the shared
+    ``time.sleep`` also caught subprocess's own polling sleeps inside ``scontrol``'s ``subprocess.run``."""
+    import types
+
+    monkeypatch.setattr(requeue, "time", types.SimpleNamespace(sleep=slept.append, monotonic=time.monotonic,
+                                                                time=time.time))
+
+
 def test_task0_requeues_then_waits(tmp_path, slurm_env, monkeypatch):
     calls = fake_scontrol(tmp_path, monkeypatch)
     slept = []
-    monkeypatch.setattr(requeue.time, "sleep", slept.append)
+    fake_sleep(monkeypatch, slept)
     with pytest.raises(RuntimeError, match="job 12 was not requeued within 7 s"):
         requeue.requeue_and_wait(True, wait_s=7)
     assert calls.read_text() == "requeue 12\n" and slept == [7]
@@ -60,7 +70,7 @@ def test_task0_requeues_then_waits(tmp_path, slurm_env, monkeypatch):
 def test_other_tasks_only_wait_and_refusal_shortens_the_wait(tmp_path, slurm_env, monkeypatch):
     calls = fake_scontrol(tmp_path, monkeypatch, rc=1)
     slept = []
-    monkeypatch.setattr(requeue.time, "sleep", slept.append)
+    fake_sleep(monkeypatch, slept)
     slurm_env.setenv("SLURM_PROCID", "1")
     with pytest.raises(RuntimeError):
         requeue.requeue_and_wait(True)
