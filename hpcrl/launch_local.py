@@ -2,8 +2,10 @@
 ``train.nprocs > 1``, as several trainer processes (:func:`run_local_workers`).
 
 Each worker gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT`` on loopback) and runs :func:`hpcrl.loop.train_main`; rank 0 is the controller. Under Slurm the
-same function runs as a job step instead (``hpcrl submit``).
+``MASTER_PORT`` on loopback) and runs the loop of ``run.mode`` (:func:`loop_of`: :func:`hpcrl.loop.train_main` or
+:func:`hpcrl.loop_async.train_async_main`); rank 0 is the controller. Under Slurm the same function runs as a
+job step instead (``hpcrl submit``). With ``run.placement: disaggregate`` the trainer is pinned to its CPU set
+and the engines to theirs (:mod:`hpcrl.placement`).
 """
 
 from __future__ import annotations
@@ -30,21 +32,51 @@ def main(cfg: Config) -> int:
     are started as local torch.distributed workers on this machine. Returns :data:`EXIT_PREEMPTED` when the
     run stopped early on the preemption signal (``kill -USR2``) with a checkpoint.
     """
-    from hpcrl.loop import train_main
+    from hpcrl.placement import pin, unpin
     from hpcrl.slurm.state import local_run_record
 
     quiet_logs()
+    cpus = resolve_cpu_sets(cfg)
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
     with local_run_record(run_dir, stopped_codes=(EXIT_PREEMPTED,)) as record:  # for hpcrl status
         model_path = prepare_model(cfg)
         if cfg.train.nprocs == 1:
-            result = train_main(cfg, run_dir, model_path)
+            before = pin(cpus.train) if cpus is not None else None
+            try:
+                result = loop_of(cfg)(cfg, run_dir, model_path)
+            finally:
+                if before is not None:
+                    unpin(before)
             record.exit_code = EXIT_PREEMPTED if result.get("preempted") else 0
         else:
             record.exit_code = run_local_workers(cfg, run_dir, model_path)
         return record.exit_code
+
+
+def loop_of(cfg: Config):
+    """The loop function of ``run.mode``: :func:`hpcrl.loop.train_main` (sync) or
+    :func:`hpcrl.loop_async.train_async_main` (async); both take ``(cfg, run_dir, model_path, ...)``."""
+    if cfg.run.mode == "async":
+        from hpcrl.loop_async import train_async_main
+
+        return train_async_main
+    from hpcrl.loop import train_main
+
+    return train_main
+
+
+def resolve_cpu_sets(cfg: Config):
+    """A disaggregated local run's CPU sets (:func:`hpcrl.placement.local_cpu_sets`), written into
+    ``cfg.train.cpus`` / ``cfg.rollout.cpus`` (so the resolved config and the engine launcher see them);
+    None when colocated. Raises ConfigError (CPUs this machine does not give the run, or only one CPU)."""
+    from hpcrl.placement import format_cpu_list, run_cpu_sets
+
+    cpus = run_cpu_sets(cfg)
+    if cpus is not None:
+        cfg.train.cpus, cfg.rollout.cpus = format_cpu_list(cpus.train), format_cpu_list(cpus.rollout)
+    return cpus
 
 
 def _worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, model_path: Path) -> None:
@@ -52,12 +84,17 @@ def _worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, model_pat
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    from hpcrl.placement import parse_cpu_list, pin
+
+    if cfg.run.placement == "disaggregate" and cfg.train.cpus is not None:  # resolved by main()
+        cpus = parse_cpu_list(cfg.train.cpus)
+        pin(cpus, threads=max(1, len(cpus) // world_size))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     from hpcrl.errors import run_worker
-    from hpcrl.loop import train_main
 
     # a known error is handed to the parent (one line there), not printed here as a traceback
-    run_worker(run_dir, rank, lambda: train_main(cfg, run_dir, model_path))
+    run_worker(run_dir, rank, lambda: loop_of(cfg)(cfg, run_dir, model_path))
 
 
 def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:

@@ -80,7 +80,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
         syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
                                           engine_tp_sizes=rollout.engine_tp_sizes, hf_checkpoint=str(model_path),
                                           disk_dir=str(run_dir / "weights"))
-        _sync(actor, syncer, rollout, version=start_rollout_id)  # engines may hold older weights after a resume
+        sync_weights(actor, syncer, rollout, version=start_rollout_id)  # engines may hold older weights after a resume
         if start_rollout_id == 0:
             last = rollout.evaluate(-1)
             metrics.log(-1, last, advance=False)
@@ -93,10 +93,10 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
                 samples, step = rollout.generate(rollout_id, data_source, multiple)
                 rollout.offload()
             except Exception as e:  # noqa: BLE001 - every rank learns of it below, then it is re-raised
-                samples, step = _StepFailed(f"rollout {rollout_id} failed on the controller: "
+                samples, step = StepFailed(f"rollout {rollout_id} failed on the controller: "
                                             f"{type(e).__name__}: {e}", e), {}
-            samples = _broadcast(samples)
-            if isinstance(samples, _StepFailed):  # before the weights changed: keep the last finished step
+            samples = broadcast(samples)
+            if isinstance(samples, StepFailed):  # before the weights changed: keep the last finished step
                 data_source.load_state_dict(before)
                 rollout.onload_trainer()
                 ckpt.save_before_failing(samples.message)
@@ -104,8 +104,8 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
             rollout.onload_trainer()
             step.update(actor.train(rollout_id, samples))
             trained.extend(rollout_id, samples)
-            step.update(_sync(actor, syncer, rollout, version=rollout_id + 1))
-            if _due(rollout_id, cfg.rollout.eval_interval, cfg.run.num_rollout):
+            step.update(sync_weights(actor, syncer, rollout, version=rollout_id + 1))
+            if due(rollout_id, cfg.rollout.eval_interval, cfg.run.num_rollout):
                 step.update(rollout.evaluate(rollout_id))
             step["timing/step_seconds"] = time.perf_counter() - t_step
             watch.record_step(step["timing/step_seconds"])
@@ -124,14 +124,14 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     return dict(last, preempted=stopped) if stopped is not None else last
 
 
-def _due(rollout_id: int, interval: int, num_rollout: int) -> bool:
+def due(rollout_id: int, interval: int, num_rollout: int) -> bool:
     """True at every ``interval``-th step and at the last step (interval 0: only the last)."""
     last = rollout_id == num_rollout - 1
     return last or (interval > 0 and (rollout_id + 1) % interval == 0)
 
 
 @dataclass
-class _StepFailed:
+class StepFailed:
     """What the controller broadcasts instead of the samples when a step's rollout failed (every rank then
     checkpoints the last finished step and raises: the controller its ``error``, the others RuntimeError)."""
 
@@ -142,7 +142,7 @@ class _StepFailed:
         return {"message": self.message, "error": None}
 
 
-def _broadcast(obj: Any) -> Any:
+def broadcast(obj: Any) -> Any:
     """Send the controller's object to every trainer rank (a no-op with one rank)."""
     import torch.distributed as dist
 
@@ -153,7 +153,7 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _sync(actor, syncer, rollout, version: int) -> dict[str, Any]:
+def sync_weights(actor, syncer, rollout, version: int) -> dict[str, Any]:
     """Weight sync in the colocated phase order: trainer off and engine weights on, sync, engine KV on.
 
     Every trainer rank iterates the exported weights (TP all-gathers); only the controller sends.

@@ -103,6 +103,20 @@ def die_with_parent() -> None:
         pass
 
 
+def child_preexec(cpus=None):
+    """The ``preexec_fn`` of a server child: :func:`die_with_parent`, and with ``cpus`` (CPU ids) also pinned
+    to them (``sched_setaffinity``; :mod:`hpcrl.placement`)."""
+    if cpus is None:
+        return die_with_parent
+    cpus = set(cpus)
+
+    def preexec() -> None:
+        die_with_parent()
+        os.sched_setaffinity(0, cpus)
+
+    return preexec
+
+
 def stop_process(process: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
     """SIGTERM ``process`` (its PID only), SIGKILL it if it is still alive after ``grace_s`` seconds.
 

@@ -12,6 +12,8 @@ name               object                                              where it 
                    (position, held-back groups)                         ``buffer.h5`` ``groups`` (held-back groups)
 ``trained``        :class:`hpcrl.data.buffer.TrainedRows`               ``buffer.h5`` ``trained``
 ``metrics``        :class:`hpcrl.metrics.MetricsPosition`               ``state.json`` ``metrics`` (rows so far)
+``pending``        async runs: :class:`hpcrl.loop_async.PendingRollout`  ``buffer.h5`` ``pending`` (its groups);
+                   (the next rollout, finished)                         ``state.json`` ``pending`` (the rest)
 any other name     a stateful whose state is plain JSON                 ``state.json`` under its name
 =================  ==================================================  ==========================================
 
@@ -37,6 +39,8 @@ from hpcrl.checkpoint.save import save_checkpoint
 log = logging.getLogger("hpcrl.checkpoint")
 
 REQUIRED_STATES = ("progress", "data_source", "trained", "metrics")
+PENDING = "pending"
+"""The optional state whose ``"groups"`` (lists of samples) go to the buffer file's ``pending/``."""
 
 
 class Stateful(Protocol):
@@ -80,12 +84,12 @@ def pack_states(states: Mapping[str, dict[str, Any]], config: Optional[dict] = N
 
 def unpack_states(extra: Mapping[str, Any], groups: list, trained: Any, names) -> dict[str, dict[str, Any]]:
     """Inverse of :func:`pack_states` for the stateful objects ``names``: each one's ``load_state_dict``
-    argument. ``groups`` / ``trained`` are ``[]`` / ``[]`` for a checkpoint without a buffer file."""
+    argument (a name the checkpoint does not have is left out: that state keeps its fresh value). ``groups`` / ``trained`` are ``[]`` / ``[]`` for a checkpoint without a buffer file."""
     out = {"progress": {"rollout_id": extra["rollout_id"]},
            "data_source": {**extra["data_source"], "buffer": groups},
            "trained": {"rows": trained},
            "metrics": {"step": extra["rollout_id"], "rows": extra.get("metrics", [])}}
-    out.update({k: extra[k] for k in names if k not in REQUIRED_STATES})
+    out.update({k: extra[k] for k in names if k not in REQUIRED_STATES and k in extra})
     return out
 
 
@@ -133,15 +137,19 @@ class CheckpointManager:
         and return the first rollout id to run (0 for a new run, whose metrics rows of a killed earlier start
         are dropped). Raises :class:`~hpcrl.checkpoint.CheckpointError` for an unreadable checkpoint and what
         a state's ``load_state_dict`` raises (ValueError when the data changed since the checkpoint)."""
-        from hpcrl.data.buffer import BUFFER_FILE, read_buffer
+        from hpcrl.data.buffer import BUFFER_FILE, read_buffer, read_pending
 
         path = find_latest_checkpoint(self.run_dir) if self.resume else None
         if path is None:
             self.states["metrics"].load_state_dict({"step": -2, "rows": []})
             return 0
         extra = load_checkpoint(path, self.model, self.optimizer)
-        groups, trained = read_buffer(path / BUFFER_FILE) if (path / BUFFER_FILE).exists() else ([], [])
-        for name, state in unpack_states(extra, groups, trained, self.states).items():
+        buffer = path / BUFFER_FILE
+        groups, trained = read_buffer(buffer) if buffer.exists() else ([], [])
+        states = unpack_states(extra, groups, trained, self.states)
+        if PENDING in states:
+            states[PENDING] = {**states[PENDING], "groups": (read_pending(buffer) if buffer.exists() else None) or []}
+        for name, state in states.items():
             self.states[name].load_state_dict(state)
         self.last_saved = self.progress.rollout_id
         log.info("resumed from %s: next rollout %d (%d held-back groups)", path, self.progress.next_rollout_id,
@@ -155,10 +163,15 @@ class CheckpointManager:
 
         t0 = time.perf_counter()
         self.progress.rollout_id = rollout_id
-        extra, groups, trained = pack_states({k: v.state_dict() for k, v in self.states.items()}, self.config)
+        states = {k: v.state_dict() for k, v in self.states.items()}
+        pending = None
+        if PENDING in states:
+            states[PENDING] = dict(states[PENDING])
+            pending = states[PENDING].pop("groups")
+        extra, groups, trained = pack_states(states, self.config)
         path = save_checkpoint(self.run_dir, rollout_id, self.model, self.optimizer, extra,
                                keep_last=self.keep_last,
-                               extra_files={BUFFER_FILE: lambda p: write_buffer(p, groups, trained)})
+                               extra_files={BUFFER_FILE: lambda p: write_buffer(p, groups, trained, pending)})
         self.watch.record_save(time.perf_counter() - t0)
         self.last_saved = rollout_id
         return path

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from hpcrl.config.checks import check_plugin, non_negative, positive, require
 from hpcrl.config.train import GROUP_ESTIMATORS
@@ -43,6 +43,10 @@ class RolloutSection:
     engine: Literal["auto", "cpu", "sglang"] = "auto"
     """``auto``: SGLang when CUDA is present, else hpcrl's CPU engine."""
     num_engines: int = 1
+    cpus: Optional[Union[int, str]] = None
+    """Local runs with ``run.placement: disaggregate``: the CPUs of the engines and the router (``"2-3"``;
+    default: the half of this machine's CPUs the trainer does not take; engines split them). Each engine uses
+    one thread per CPU it gets. On Slurm the het job's rollout group is the rollout's (this is ignored)."""
     router: bool = True
     """Put the real ``sglang-router`` in front of the engines."""
     request_timeout_s: float = 600.0

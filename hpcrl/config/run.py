@@ -28,7 +28,9 @@ class RunSection:
     num_rollout: int = 100
     """Number of rollout -> train steps (slime ``--num-rollout``)."""
     mode: Literal["sync", "async"] = "sync"
-    """``sync``: rollout, train, sync in order. ``async``: one-step off-policy (disaggregate only)."""
+    """``sync``: rollout, train, sync in order (:func:`hpcrl.loop.train_main`). ``async``: one step
+    off-policy, rollout k+1 generated while step k trains (:func:`hpcrl.loop_async.train_async_main`;
+    ``run.placement: disaggregate`` only)."""
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """``colocate``: trainer and engines share devices; ``disaggregate``: separate devices / het groups."""
     deterministic: bool = False
@@ -116,9 +118,14 @@ def check_run(cfg: Config) -> None:
              "async (one-step off-policy) mode needs run.placement: disaggregate, since colocated "
              "trainer and engines take turns on the same devices",
              "set run.placement=disaggregate or run.mode=sync")
-    require(r.mode != "async", "run.mode", r.mode,
-             "one-step off-policy async is not implemented yet (the loop would silently run sync)",
-             "set run.mode=sync")
+    if r.placement == "colocate":
+        for f in ("train.cpus", "rollout.cpus"):
+            require(get_field(cfg, f) is None, f, get_field(cfg, f),
+                    "CPU sets split trainer and engines, but run.placement is colocate (they take turns on "
+                    "the same CPUs)", f"set run.placement=disaggregate or {f}=null")
+    from hpcrl.placement import check_cpu_specs
+
+    check_cpu_specs(cfg.train.cpus, cfg.rollout.cpus)  # syntax and overlap; the machine's CPUs at start
 
 
 def check_model(cfg: Config, check_files: bool) -> None:

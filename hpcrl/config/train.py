@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from hpcrl.config.errors import MIB
 from hpcrl.config.checks import get_field, non_negative, positive, require
@@ -22,6 +22,10 @@ class TrainSection:
     expert_parallel_size: int = 1
     nprocs: int = 1
     """Trainer processes for local runs (Slurm runs take it from the allocation)."""
+    cpus: Optional[Union[int, str]] = None
+    """Local runs with ``run.placement: disaggregate``: the trainer's CPUs (``"0-1"``; default: the first
+    half of this machine's CPUs); torch uses one thread per CPU (shared by ``nprocs`` processes). Ignored on
+    Slurm, where the trainer's het group is the trainer's."""
     micro_batch_size: int = 64
     global_batch_size: Optional[int] = None
     """Samples per optimizer step; default ``rollout.batch_size * rollout.n_samples_per_prompt //

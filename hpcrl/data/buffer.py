@@ -22,6 +22,9 @@ It holds what a resumed run needs beyond the data-source position so that nothin
 
   so a sample comes back exactly as it was (float64 holds the Python floats of log-probs and rewards
   exactly). slime drops its partial-rollout buffer on restart; hpcrl keeps it.
+* ``pending/`` (async runs only, same columns as ``groups/``): the next rollout, finished at the step boundary
+  with the weights before the checkpoint's step, so a resumed async run trains on exactly what the
+  uninterrupted one would have (its metrics are in ``state.json`` ``pending``).
 * ``trained``: ``int64 [n, 3]``, one row per sample trained so far, in training order: rollout id, group
   index, sample index (``Sample.index``, unique over the run). A resumed run appends to it, so a run's last
   checkpoint lists every sample it ever trained on: the check that each group was trained exactly once.
@@ -36,7 +39,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -76,35 +79,43 @@ class TrainedRows:
 
 
 def write_buffer(path: str | os.PathLike, groups: Sequence[Sequence[Sample]],
-                 trained: Sequence[Sequence[int]]) -> None:
+                 trained: Sequence[Sequence[int]], pending: Optional[Sequence[Sequence[Sample]]] = None) -> None:
     """Write the buffer file (version 2, see the module doc) to ``path``, replacing it.
 
     ``groups``: held-back groups, each a list of samples; ``trained``: ``[n, 3]`` rows (rollout id, group index,
-    sample index). Raises OSError from h5py when the file cannot be written, TypeError for a sample whose
-    free-form fields (label, metadata, ...) are not JSON.
+    sample index); ``pending``: the finished next rollout of an async run (``pending/``, same columns as
+    ``groups/``), or None. Raises OSError from h5py when the file cannot be written, TypeError for a sample
+    whose free-form fields (label, metadata, ...) are not JSON.
     """
     import h5py
 
     rows = np.asarray(trained, dtype=np.int64).reshape(-1, 3)
-    samples = [s for g in groups for s in g]
-    text = h5py.string_dtype("utf-8")
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["version"] = VERSION
-        g = f.create_group("groups")
-        g.create_dataset("group_sizes", data=np.asarray([len(x) for x in groups], dtype=np.int64).reshape(-1))
-        for name in _INT_COLUMNS:
-            g.create_dataset(name, data=np.asarray([getattr(s, name) for s in samples], dtype=np.int64).reshape(-1))
-        g.create_dataset("status", data=[s.status.value for s in samples], dtype=text, shape=(len(samples),))
-        g.create_dataset("reward", data=np.asarray([_float_reward(s.reward) for s in samples],
-                                                   dtype=np.float64).reshape(-1))
-        for name, dtype in _RAGGED.items():
-            values = [getattr(s, name) for s in samples]
-            g.create_dataset(name, data=np.asarray([v for vs in values for v in vs], dtype=dtype).reshape(-1))
-            g.create_dataset(f"{name}_len", data=np.asarray([len(v) for v in values], dtype=np.int64).reshape(-1))
-        g.create_dataset("fields", data=[json.dumps(_free_fields(s)) for s in samples], dtype=text,
-                         shape=(len(samples),))
+        _write_groups(f.create_group("groups"), groups)
+        if pending is not None:
+            _write_groups(f.create_group("pending"), pending)
         f.create_dataset("trained", data=rows, maxshape=(None, 3))
+
+
+def _write_groups(g, groups: Sequence[Sequence[Sample]]) -> None:
+    import h5py
+
+    samples = [s for grp in groups for s in grp]
+    text = h5py.string_dtype("utf-8")
+    g.create_dataset("group_sizes", data=np.asarray([len(x) for x in groups], dtype=np.int64).reshape(-1))
+    for name in _INT_COLUMNS:
+        g.create_dataset(name, data=np.asarray([getattr(s, name) for s in samples], dtype=np.int64).reshape(-1))
+    g.create_dataset("status", data=[s.status.value for s in samples], dtype=text, shape=(len(samples),))
+    g.create_dataset("reward", data=np.asarray([_float_reward(s.reward) for s in samples],
+                                               dtype=np.float64).reshape(-1))
+    for name, dtype in _RAGGED.items():
+        values = [getattr(s, name) for s in samples]
+        g.create_dataset(name, data=np.asarray([v for vs in values for v in vs], dtype=dtype).reshape(-1))
+        g.create_dataset(f"{name}_len", data=np.asarray([len(v) for v in values], dtype=np.int64).reshape(-1))
+    g.create_dataset("fields", data=[json.dumps(_free_fields(s)) for s in samples], dtype=text,
+                     shape=(len(samples),))
 
 
 def _float_reward(reward) -> float:
@@ -136,6 +147,16 @@ def read_buffer(path: str | os.PathLike) -> tuple[list[list[Sample]], np.ndarray
         groups = _read_groups_v1(f["groups"]) if version == 1 else _read_groups(f["groups"])
         trained = np.asarray(f["trained"][()], dtype=np.int64).reshape(-1, 3)
     return groups, trained
+
+
+def read_pending(path: str | os.PathLike) -> Optional[list[list[Sample]]]:
+    """The ``pending/`` groups of a buffer file (an async run's finished next rollout), or None when it has
+    none. Raises what :func:`read_buffer` raises."""
+    import h5py
+
+    read_buffer(path)  # format and version checks
+    with h5py.File(path, "r") as f:
+        return _read_groups(f["pending"]) if "pending" in f else None
 
 
 def _read_groups_v1(g) -> list[list[Sample]]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hpcrl.procs import ManagedProcess, die_with_parent, find_free_port, open_log, url_for, wait_for_http_ok
+from hpcrl.procs import ManagedProcess, child_preexec, find_free_port, open_log, url_for, wait_for_http_ok
 from hpcrl.rollout.secret import read_secret
 
 logger = logging.getLogger(__name__)
@@ -195,9 +195,10 @@ def spawn_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
                  host: str = "127.0.0.1", port: Optional[int] = None,
                  api_key_file: Optional[str | os.PathLike] = None, engine: Optional[str] = None,
                  log_path: Optional[str | os.PathLike] = None, env: Optional[Mapping[str, str]] = None,
-                 key_via: str = "argv") -> EngineProcess:
+                 key_via: str = "argv", cpus: Optional[Sequence[int]] = None) -> EngineProcess:
     """Start one engine (:func:`engine_command`) without waiting for it: :func:`wait_engine` does that, so a
     caller can load the model in the engine while it does other work (the trainer builds its model).
+    ``cpus``: pin it to these CPUs, one torch thread each (``OMP_NUM_THREADS``); None: inherit.
 
     ``port`` None picks a free one. stdout/stderr go to ``log_path`` (default: a new temporary file). ``env``
     entries are added to this process's environment. Raises what :func:`engine_command` raises.
@@ -207,9 +208,11 @@ def spawn_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
                          key_via=key_via)
     path, log_file = open_log(log_path, "hpcrl-engine-")
     child_env = dict(os.environ)
+    if cpus is not None:
+        child_env["OMP_NUM_THREADS"] = str(len(cpus))
     child_env.update(env or {})
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               preexec_fn=die_with_parent,
+                               preexec_fn=child_preexec(cpus),
                                env=child_env)
     return EngineProcess(url=url_for(host, port), process=process, log_path=path, command=redact(cmd),
                          _log_file=log_file)
@@ -272,14 +275,21 @@ def launch_local_engines(cfg: Any, run_dir: Path, attempt_dir: Path, model_path:
                          secret_path: Path) -> LocalEngineLaunch:
     """The engine launcher of a run on this machine (:data:`hpcrl.rollout.manager.EngineLauncher`):
     starts ``rollout.num_engines`` local engine processes, logs in ``attempt_dir/engine-<i>.log``, and returns
-    at once; :meth:`LocalEngineLaunch.wait` waits until they are healthy. If one cannot be started, the ones
+    at once (disaggregated: each pinned to its share of ``rollout.cpus``, :mod:`hpcrl.placement`); :meth:`LocalEngineLaunch.wait` waits until they are healthy. If one cannot be started, the ones
     already started are stopped and the error propagates."""
+    from hpcrl.placement import CpuSets, parse_cpu_list
+
     args = engine_sglang_args(cfg)
+    n = cfg.rollout.num_engines
+    sets = None
+    if cfg.run.placement == "disaggregate" and cfg.rollout.cpus is not None:  # resolved by hpcrl run
+        sets = CpuSets(tuple(parse_cpu_list(cfg.train.cpus or [])), tuple(parse_cpu_list(cfg.rollout.cpus)))
     engines: list[EngineProcess] = []
     try:
-        for i in range(cfg.rollout.num_engines):
+        for i in range(n):
             engines.append(spawn_engine(cfg.rollout, args, model_path, api_key_file=secret_path,
-                                        log_path=Path(attempt_dir) / f"engine-{i}.log"))
+                                        log_path=Path(attempt_dir) / f"engine-{i}.log",
+                                        cpus=sets.engine(i, n) if sets is not None else None))
     except BaseException:
         for e in engines:
             e.stop()

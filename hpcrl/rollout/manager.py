@@ -16,7 +16,9 @@ Colocated phase order per step (no-op adapters on CPU; see :mod:`hpcrl.offload`)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -51,7 +53,11 @@ class RolloutManager:
         self.pending = None  # what the launcher returned, until start() has waited for it
         self.secret_path: Path | None = None
         self.datasets = None
+        # the rollout's event loop runs in its own thread, so a rollout can run while the trainer trains
+        # (async mode: generate_async); the verbs wait for their coroutine there
         self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="hpcrl-rollout-loop", daemon=True)
+        self._thread.start()
         self.step = None  # the job step hosting the engines, when the launcher made one
         self.engines: list = []
         self.router = None
@@ -61,14 +67,21 @@ class RolloutManager:
 
     # ------------------------------------------------------------------------------------------------------
     def call(self, coro):
-        """Run a coroutine on the rollout's event loop and return its result. When the engines run as a job
-        step and a call fails with the step gone (or going: ``srun`` gets up to 10 s to notice), raises the
-        step's error (its log tail) instead."""
+        """Run a coroutine on the rollout's event loop, wait and return its result (:meth:`result`)."""
+        return self.result(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def result(self, future: concurrent.futures.Future):
+        """Wait for a coroutine started on the rollout's event loop and return its result. When the engines
+        run as a job step and it failed with the step gone (or going: ``srun`` gets up to 10 s to notice),
+        raises the step's error (its log tail) instead."""
         try:
-            return self.loop.run_until_complete(coro)
+            return future.result()
         except Exception:
             if self.step is not None:
                 self.step.check(grace_s=10.0)
+            raise
+        except BaseException:  # KeyboardInterrupt while waiting: the coroutine must not go on alone
+            future.cancel()
             raise
 
     def launch(self, early: bool = False) -> None:
@@ -96,6 +109,7 @@ class RolloutManager:
         from transformers import AutoTokenizer
 
         from hpcrl.offload import ColocatedMemory, create_trainer_memory
+        from hpcrl.placement import parse_cpu_list
         from hpcrl.rollout.client import RolloutClient
         from hpcrl.rollout.plugins import resolve_plugins
         from hpcrl.rollout.rollout import RolloutContext
@@ -111,7 +125,8 @@ class RolloutManager:
         self.engine_tp_sizes = [int(engine_sglang_args(cfg).get("tp_size", 1))] * len(self.engines)
         urls = [e.url for e in self.engines]
         if rc.router:
-            self.router = start_router(urls, api_key=key, log_path=self.attempt_dir / "router.log")
+            cpus = parse_cpu_list(rc.cpus) if cfg.run.placement == "disaggregate" and rc.cpus is not None else None
+            self.router = start_router(urls, api_key=key, log_path=self.attempt_dir / "router.log", cpus=cpus)
         self.client = RolloutClient(self.router.url if self.router else None, urls, api_key=key,
                                     timeout_s=rc.request_timeout_s, max_retries=rc.max_retries)
         self.call(self.client.open())
@@ -136,6 +151,12 @@ class RolloutManager:
         what the rollout function raises (:class:`hpcrl.rollout.client.RolloutError`, a starving filter).
         """
         return self.call(self._generate(rollout_id, data_source, multiple))
+
+    def generate_async(self, rollout_id: int, data_source, multiple: int = 1) -> concurrent.futures.Future:
+        """Start :meth:`generate` on the rollout's event loop and return at once (async mode: the engines
+        generate rollout k+1 while the trainer trains on rollout k). ``result(future)`` waits for
+        ``(samples, metrics)``. ``data_source`` must not be used by the caller until then."""
+        return asyncio.run_coroutine_threadsafe(self._generate(rollout_id, data_source, multiple), self.loop)
 
     async def _generate(self, rollout_id: int, data_source, multiple: int) -> tuple[list, dict[str, float]]:
         from hpcrl.rollout.rollout import split_trainable
@@ -226,6 +247,25 @@ class RolloutManager:
                 e.stop()
             if self.step is not None:
                 self.step.stop()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        """Cancel what still runs on the event loop (a rollout the trainer no longer waits for), stop and
+        close it."""
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=30)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+        if not self._thread.is_alive():
             self.loop.close()
 
 
@@ -246,6 +286,14 @@ class NullRolloutManager:
 
     def generate(self, rollout_id: int, data_source, multiple: int = 1) -> tuple[None, dict[str, float]]:
         return None, {}
+
+    def generate_async(self, rollout_id: int, data_source, multiple: int = 1) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result((None, {}))
+        return future
+
+    def result(self, future: concurrent.futures.Future):
+        return future.result()
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         return {}
@@ -282,7 +330,8 @@ def rollout_metrics(cfg, samples: list, metrics: dict[str, float], trained_group
                     held_groups: int) -> dict[str, Any]:
     """The ``rollout/*`` metrics of one step's trained samples, added to the rollout function's own:
     reward mean and std (:meth:`hpcrl.data.sample.Sample.scalar_reward`), accuracy (share of rewards >= 1),
-    mean response length (tokens), truncated share, tokens per second, weight version, groups held and short."""
+    mean response length (tokens), truncated share, tokens per second, weight version, groups held and short,
+    and the policy lag of the samples (``rollout/lag_mean``, ``rollout/lag_max``: :func:`sample_lag`)."""
     rewards = [s.scalar_reward() for s in samples]
     n = max(len(samples), 1)
     lengths = [s.response_length for s in samples]
@@ -299,4 +348,17 @@ def rollout_metrics(cfg, samples: list, metrics: dict[str, float], trained_group
         "rollout/tokens_per_s": sum(lengths) / secs if secs > 0 else 0.0,
         "rollout/weight_version": samples[0].weight_version if samples else None,
     })
+    lags = [lag for lag in (sample_lag(s) for s in samples) if lag is not None]
+    if lags:
+        m["rollout/lag_mean"], m["rollout/lag_max"] = sum(lags) / len(lags), max(lags)
     return m
+
+
+def sample_lag(sample) -> "int | None":
+    """How many optimizer-step versions the policy that generated ``sample`` is behind the one it is trained
+    for: its rollout id minus the oldest weight version its tokens came from (0 in sync mode, 1 one step off,
+    more for a partial rollout continued across steps); None when the engine's versions are not integers."""
+    try:
+        return sample.rollout_id - min(int(v) for v in sample.weight_versions)
+    except ValueError:  # no versions, or not integers (an engine's own version names)
+        return None

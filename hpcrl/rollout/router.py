@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hpcrl.procs import (ManagedProcess, ProcessStartError, die_with_parent, find_free_port, log_tail, open_log,
+from hpcrl.procs import (ManagedProcess, ProcessStartError, child_preexec, find_free_port, log_tail, open_log,
                          url_for, wait_for_http_ok)
 
 KEY_STDIN_FLAG = "--api-key-stdin"
@@ -184,7 +184,7 @@ def start_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
                  api_key: Optional[str] = None, policy: str = "round_robin",
                  log_path: Optional[str | os.PathLike] = None, extra_args: Sequence[str] = (),
                  startup_timeout_s: float = 60.0, wait_workers: bool = True, log_level: str = "info",
-                 prometheus_port: Optional[int] = None) -> RouterProcess:
+                 prometheus_port: Optional[int] = None, cpus: Optional[Sequence[int]] = None) -> RouterProcess:
     """Start sglang-router in front of ``worker_urls`` and wait until it serves.
 
     Args:
@@ -199,6 +199,7 @@ def start_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
             requests sent right after start are refused with 503 "no available workers").
         log_level: router log level (``debug``, ``info``, ``warn``, ``error``).
         prometheus_port: port of the router's Prometheus exporter (bound to ``host``); default a free port.
+        cpus: pin the router to these CPU ids (a disaggregated local run: the rollout's); None: inherit.
 
     Raises ProcessStartError with the log tail if the router exits, does not answer ``/health``, or does not
     register the workers in time (the router is stopped first); ValueError for bad arguments.
@@ -212,7 +213,7 @@ def start_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
     if api_key:
         cmd.insert(3, KEY_STDIN_FLAG)
     path, log_file = open_log(log_path, "hpcrl-router-")
-    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=child_preexec(cpus),
                                stdin=subprocess.PIPE if api_key else subprocess.DEVNULL)
     if api_key:
         assert process.stdin is not None

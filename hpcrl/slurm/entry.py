@@ -60,7 +60,8 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     Every task: torch.distributed from Slurm's environment (:func:`export_torch_env`; gloo with hpcrl's CPU
     compat module on CPU nodes, NCCL on GPUs), ``SLURM_CPUS_PER_TASK`` torch threads. Rank 0 prepares the
     model (creation, SFT warm start, GGUF conversion; cached in the run's paths) while the others wait at a
-    barrier, then every rank runs :func:`hpcrl.loop.train_main`, whose controller (rank 0) starts the engines
+    barrier, then every rank runs the loop of ``run.mode`` (:func:`hpcrl.launch_local.loop_of`), whose
+    controller (rank 0) starts the engines
     as the rollout job step (:mod:`hpcrl.slurm.rollout_step`), waits for their health, runs the loop and stops
     the step at the end. Returns 0, or :data:`EXIT_REQUEUE` when the loop stopped on the preemption signal or
     the job's deadline after writing a checkpoint (:mod:`hpcrl.preempt`); errors propagate (the job fails).
@@ -68,7 +69,7 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from hpcrl.loop import train_main
+    from hpcrl.launch_local import loop_of
     from hpcrl.run_setup import prepare_model, quiet_logs
     from hpcrl.slurm.rollout_step import launch_engine_step
     from hpcrl.train.parallel import init_distributed
@@ -83,12 +84,16 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
         log.warning("the trainer step has %d tasks, train.nprocs is %d: using the step's", env.world_size,
                     cfg.train.nprocs)
         cfg.train.nprocs = env.world_size
+    if cfg.train.cpus is not None or cfg.rollout.cpus is not None:
+        log.warning("train.cpus / rollout.cpus are for local runs; on Slurm the het groups place trainer and "
+                    "engines (ignored)")
+        cfg.train.cpus = cfg.rollout.cpus = None
     model_path = prepare_model(cfg) if env.rank == 0 else None
     if env.world_size > 1:
         box = [str(model_path) if model_path is not None else None]
         dist.broadcast_object_list(box, src=0)
         model_path = Path(box[0])
-    result = train_main(cfg, run_dir, Path(model_path), launch_engines=launch_engine_step)
+    result = loop_of(cfg)(cfg, run_dir, Path(model_path), launch_engines=launch_engine_step)
     if result.get("preempted"):
         return EXIT_REQUEUE
     return 0

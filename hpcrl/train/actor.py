@@ -255,7 +255,8 @@ class Actor:
         hf_path: HF folder of the initial policy.
         ci_checks: slime's ``--ci-test`` gates in :meth:`train` (raise AssertionError on failure).
         recompute_log_probs: ``None`` (slime's rule): recompute old log-probs unless the step is exactly
-            on-policy; ``True``: always recompute; ``False``: never (an error when off-policy).
+            on-policy (``run.mode: async`` never is); ``True``: always recompute; ``False``: never (an error
+            when off-policy).
         ci_logprob_abs_diff_threshold: with ``ci_checks``, also require ``train_rollout_logprob_abs_diff``
             at most this (slime's ``--ci-train-rollout-logprob-abs-diff-threshold``); None: no check.
 
@@ -286,11 +287,13 @@ class Actor:
         self.cfg = cfg
         self.ci_checks = ci_checks
         self.ci_logprob_abs_diff_threshold = ci_logprob_abs_diff_threshold
-        self.on_policy = (cfg.train.num_steps_per_rollout == 1 and not cfg.algorithm.use_kl_loss
-                          and not cfg.algorithm.use_tis)
+        # async (one step off): the samples come from the weights before the last step, so the old log-probs
+        # are recomputed with the current ones (slime train_async.py)
+        self.on_policy = (cfg.run.mode == "sync" and cfg.train.num_steps_per_rollout == 1
+                          and not cfg.algorithm.use_kl_loss and not cfg.algorithm.use_tis)
         if recompute_log_probs is False and not self.on_policy:
             raise ValueError("recompute_log_probs=False needs an exactly on-policy step "
-                             "(num_steps_per_rollout 1, no KL loss, no TIS)")
+                             "(sync mode, num_steps_per_rollout 1, no KL loss, no TIS)")
         self.recompute = (not self.on_policy) if recompute_log_probs is None else recompute_log_probs
         tp = parallel_state.get_tensor_model_parallel_world_size()
         if tp != cfg.train.tensor_parallel_size:

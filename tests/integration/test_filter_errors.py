@@ -3,7 +3,7 @@
 * A starving dynamic filter does not kill the run: the step trains on the groups it kept and records
   ``rollout/groups_short`` (and ``train/entropy``, so a collapse is visible).
 * A rollout that fails (here: the reward function raises at rollout 2) first checkpoints the last finished
-  step; running the same command again resumes from it and trains every sample once.
+  step; running the same command again resumes from it and trains every sample once (sync and async).
 * ``run.deterministic`` with over-sampling, ``nonzero_std`` and partial rollouts: two runs are bitwise equal
   (weights and trained rows).
 """
@@ -49,11 +49,16 @@ def test_starving_filter_trains_on_the_kept_groups(tmp_path):
     assert sorted(set(map(tuple, rows[:, :2].tolist()))) == [(0, 0), (0, 1), (1, 50), (2, 100)]
 
 
-def test_failed_rollout_checkpoints_the_last_step_and_the_rerun_resumes(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failed_rollout_checkpoints_the_last_step_and_the_rerun_resumes(tmp_path, mode):
+    """Sync: rollout 2 fails before step 2 changes the weights, so step 1 is kept. Async (two trainer ranks):
+    rollout 2 is generated while step 1 trains and fails after it, so step 1 is kept too, without a pending
+    rollout (the rerun generates rollout 2 again)."""
     (tmp_path / "filter_plugins.py").write_text(PLUGINS)
     (tmp_path / "fail").write_text("")
     args = ("run.num_rollout=4", "checkpoint.save_interval=0", "train.nprocs=2",
-            "rollout.reward_function=filter_plugins.fails_at_2")
+            "rollout.reward_function=filter_plugins.fails_at_2", f"run.mode={mode}",
+            "run.placement=" + ("disaggregate" if mode == "async" else "colocate"))
     first = run_hpcrl(tmp_path, "err", *args)
     assert first.returncode != 0 and "reward server down" in first.log, first.log[-3000:]
     assert "saving the checkpoint of rollout 1 first" in first.log

@@ -49,8 +49,14 @@ def assert_one_line(err: ConfigError, field: str) -> str:
 
 # (id, yaml text, overrides, expected field, expected value, substrings of the message)
 BAD = [
-    ("async-not-implemented", M + "run: {mode: async, placement: disaggregate}\nslurm: {rollout: {nodes: 1}}\n",
-     [], "run.mode", "async", ["not implemented yet"]),
+    ("cpus-with-colocate", M + "train: {cpus: '0'}\n", [], "train.cpus", "0",
+     ["run.placement is colocate", "set run.placement=disaggregate or train.cpus=null"]),
+    ("cpus-overlap", M + "run: {placement: disaggregate}\ntrain: {cpus: '0-1'}\nrollout: {cpus: '1-2'}\n", [],
+     "rollout.cpus", "1-2", ["overlaps train.cpus='0-1' on CPUs 1", "disjoint"]),
+    ("cpus-malformed", M + "run: {placement: disaggregate}\nrollout: {cpus: '3-1'}\n", [], "rollout.cpus", "3-1",
+     ["not a range of CPUs", "0-3,8"]),
+    ("cpus-not-a-number", M + "run: {placement: disaggregate}\ntrain: {cpus: 'a,b'}\n", [], "train.cpus", "a,b",
+     ["'a' is not a CPU number or range"]),
     ("lr-warmup-not-below-decay", M + "run: {num_rollout: 10}\ntrain: {lr_warmup_steps: 10}\n", [],
      "train.lr_warmup_steps", 10, ["must be smaller than train.lr_decay_steps=10"]),
     ("lr-decay-style-unknown", M + "train: {lr_decay_style: exponential}\n", [], "train.lr_decay_style",

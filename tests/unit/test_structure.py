@@ -6,6 +6,8 @@ no branch on the rank, and the loop importing nothing from ``hpcrl.slurm``."""
 from __future__ import annotations
 
 import ast
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,15 +116,25 @@ def test_no_module_over_700_lines():
     assert long == {}
 
 
-def test_the_loop_is_a_page_without_rank_branches_or_slurm():
-    path = PACKAGE / "loop.py"
-    tree = ast.parse(path.read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_main")
+def loop_function(module: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+@pytest.mark.parametrize("module,name", [("loop", "train_main"), ("loop_async", "train_async_main")])
+def test_the_loop_is_a_page_without_rank_branches_or_slurm(module, name):
+    """The sync loop and the async one beside it (issue #11: at most the sync one's length)."""
+    fn = loop_function(module, name)
     assert fn.end_lineno - fn.lineno + 1 <= MAX_LOOP_LINES
     tests = [ast.unparse(n.test) for n in ast.walk(fn) if isinstance(n, (ast.If, ast.IfExp))]
     assert not [t for t in tests if "controller" in t or "rank" in t or "rollout is" in t], tests
     edges, _ = import_graph()
-    assert not [m for m in edges["hpcrl.loop"] if m.startswith("hpcrl.slurm")]
+    assert not [m for m in edges[f"hpcrl.{module}"] if m.startswith("hpcrl.slurm")]
+
+
+def test_the_async_loop_is_no_longer_than_the_sync_one():
+    sync, async_ = loop_function("loop", "train_main"), loop_function("loop_async", "train_async_main")
+    assert async_.end_lineno - async_.lineno <= sync.end_lineno - sync.lineno
 
 
 def test_the_checks_find_what_they_look_for():

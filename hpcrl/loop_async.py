@@ -1,0 +1,184 @@
+"""The one-step-off-policy RL loop (``run.mode: async``), written out beside the synchronous one like slime's
+``train_async.py`` beside ``train.py``: :func:`train_async_main`.
+
+While the trainer trains step k on rollout k, the engines generate rollout k+1 with the weights of step k-1::
+
+    trainer:  train k ------------| wait | sync k+1 | eval | ckpt | train k+1 -----------| wait | sync ...
+    engines:  generate k+1 ---------|                          generate k+2 ---------|
+
+At the step boundary the loop waits for the rollout in flight ("sync generate before update weights",
+slime), so the weights change only while the engines are idle, and the checkpoint of step k holds rollout k+1
+finished (:class:`PendingRollout`): a resumed run trains on exactly what the uninterrupted one would have. The
+samples are one step off policy, so the trainer recomputes the old log-probs with its current weights
+(:class:`hpcrl.train.actor.Actor`; TIS against the rollout log-probs with ``algorithm.use_tis``), and each
+sample's lag (:func:`hpcrl.rollout.manager.sample_lag`) is logged as ``rollout/lag_mean`` / ``rollout/lag_max``.
+``timing/rollout_wait_seconds`` is how long the trainer waited for the engines at the boundary.
+
+Trainer and engines need their own devices (``run.placement: disaggregate``: a het job on Slurm, disjoint CPU
+sets on one machine, :mod:`hpcrl.placement`); colocated async is refused at validation.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from hpcrl.config import Config
+from hpcrl.loop import RunLog, StepFailed, broadcast, due, sync_weights
+from hpcrl.rollout.manager import EngineLauncher, rollout_manager
+from hpcrl.run_setup import quiet_logs
+
+
+def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None,
+                     launch_engines: Optional[EngineLauncher] = None) -> dict[str, Any]:
+    """One trainer rank's whole async run; returns the last step's metrics (on the controller the rollout and
+    eval ones too), plus ``"preempted": reason`` when it stopped early with a checkpoint.
+
+    Arguments as :func:`hpcrl.loop.train_main`. Raises what a step raises; a rollout that fails is reported
+    after the last trained step is checkpointed (without the failed rollout: a rerun generates it again).
+    """
+    from hpcrl.preempt import PreemptionWatch
+    from hpcrl.rollout.engines import launch_local_engines
+    from hpcrl.train.parallel import destroy, env_rank
+
+    # --- preemption watch; the engines start loading --------------------------------------------------
+    quiet_logs()
+    controller = env_rank() == 0
+    watch = PreemptionWatch.from_config(cfg, controller)
+    watch.install()  # before any child process (hpcrl.preempt)
+    rollout = rollout_manager(controller, cfg, run_dir, model_path, launch_engines or launch_local_engines)
+    rollout.launch(early=True)
+    stopped: Optional[str] = None
+    last: dict[str, Any] = {}
+    try:
+        from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
+        from hpcrl.data.buffer import TrainedRows
+        from hpcrl.data.sources import load_datasets
+        from hpcrl.metrics import MetricsPosition
+        from hpcrl.rollout.plugins import make_data_source
+        from hpcrl.rollout.rollout import group_multiple
+        from hpcrl.train.actor import Actor
+        from hpcrl.train.parallel import setup_parallel
+        from hpcrl.weights import WeightSyncer
+
+        # --- processes, model, optimizer, data, resume state (with the next rollout, finished) -------
+        setup_parallel(cfg)
+        actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
+        datasets = load_datasets(cfg)
+        data_source = make_data_source(cfg, datasets.train)
+        trained, pending = TrainedRows(), PendingRollout()
+        ckpt = CheckpointManager.from_config(cfg, run_dir, actor, watch=watch, states={
+            "progress": RolloutCounter(), "data_source": data_source, "trained": trained,
+            "metrics": MetricsPosition(run_dir, controller), "pending": pending})
+        start_rollout_id = ckpt.load()
+        multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size, cfg.train.num_steps_per_rollout)
+        # --- engines up, router, client; weights; the first rollout ---------------------------------
+        rollout.start(datasets)
+        metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller)
+        syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
+                                          engine_tp_sizes=rollout.engine_tp_sizes, hf_checkpoint=str(model_path),
+                                          disk_dir=str(run_dir / "weights"))
+        sync_weights(actor, syncer, rollout, version=start_rollout_id)
+        if start_rollout_id == 0:
+            last = rollout.evaluate(-1)
+            metrics.log(-1, last, advance=False)
+        if pending.rollout_id != start_rollout_id:  # a new run (or a checkpoint without it): generate it now
+            before = data_source.state_dict()
+            finish_rollout(rollout, rollout.generate_async(start_rollout_id, data_source, multiple),
+                           start_rollout_id, pending, data_source, before, ckpt.save_before_failing)
+
+        # --- the loop: rollout k+1 is generated while step k trains ----------------------------------
+        for rollout_id in range(start_rollout_id, cfg.run.num_rollout):
+            t_step = time.perf_counter()
+            samples, step = pending.take(rollout_id)
+            has_next = rollout_id + 1 < cfg.run.num_rollout
+            before = data_source.state_dict()  # the data as step k-1 left it, in case rollout k+1 fails
+            future = rollout.generate_async(rollout_id + 1, data_source, multiple) if has_next else None
+            step.update(actor.train(rollout_id, samples))
+            trained.extend(rollout_id, samples)
+            t_wait = time.perf_counter()
+            if has_next:  # the rollout in flight finishes before the weights change (slime train_async.py)
+                finish_rollout(rollout, future, rollout_id + 1, pending, data_source, before,
+                               lambda message: keep_step(ckpt, metrics, rollout_id, step, message))
+            step["timing/rollout_wait_seconds"] = time.perf_counter() - t_wait
+            step.update(sync_weights(actor, syncer, rollout, version=rollout_id + 1))
+            if due(rollout_id, cfg.rollout.eval_interval, cfg.run.num_rollout):
+                step.update(rollout.evaluate(rollout_id))
+            step["timing/step_seconds"] = time.perf_counter() - t_step
+            watch.record_step(step["timing/step_seconds"])
+            metrics.log(rollout_id, step)
+            last = step
+            stopped = ckpt.end_step(rollout_id)  # the checkpoint holds rollout k+1 (pending)
+            if stopped is not None:
+                break
+        metrics.finish(stopped)
+    finally:
+        rollout.stop()
+        watch.uninstall()
+        destroy()
+    return dict(last, preempted=stopped) if stopped is not None else last
+
+
+def finish_rollout(rollout, future, rollout_id: int, pending: "PendingRollout", data_source, before: dict,
+                   on_error: Callable[[str], None]) -> None:
+    """Wait for rollout ``rollout_id`` (:func:`collect`) and make it the pending one on every rank. When it
+    failed: the data source back to ``before`` (its state when the rollout started), ``on_error(message)``
+    (which checkpoints what is finished), then the error is raised (RuntimeError on the other ranks)."""
+    out = collect(rollout, future, rollout_id)
+    if isinstance(out, StepFailed):
+        data_source.load_state_dict(before)
+        on_error(out.message)
+        raise out.error or RuntimeError(out.message)
+    pending.put(rollout_id, *out)
+
+
+def keep_step(ckpt, metrics: RunLog, rollout_id: int, step: dict[str, Any], message: str) -> None:
+    """Step ``rollout_id`` is trained but the next rollout failed: log the step and checkpoint it (without a
+    pending rollout; a rerun generates it again, from these weights)."""
+    metrics.log(rollout_id, step)
+    ckpt.progress.rollout_id = rollout_id
+    ckpt.save_before_failing(message)
+
+
+def collect(rollout, future, rollout_id: int):
+    """Wait for a rollout started with ``generate_async`` and hand ``(samples, metrics)`` to every trainer rank;
+    a :class:`~hpcrl.loop.StepFailed` instead when it raised on the controller."""
+    try:
+        out = rollout.result(future)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it, then it is re-raised
+        out = StepFailed(f"rollout {rollout_id} failed on the controller: {type(e).__name__}: {e}", e)
+    return broadcast(out)
+
+
+class PendingRollout:
+    """The next rollout of an async run, finished at the step boundary: its id, samples (flat, group after
+    group) and ``rollout/*`` metrics. The checkpoint manager's ``pending`` state (samples in the buffer file's
+    ``pending/``, the rest in ``state.json``), so a checkpoint at step k holds rollout k+1."""
+
+    def __init__(self) -> None:
+        self.rollout_id: Optional[int] = None
+        self.samples: Optional[list] = None
+        self.metrics: dict[str, Any] = {}
+
+    def put(self, rollout_id: int, samples: Optional[list], metrics: dict[str, Any]) -> None:
+        self.rollout_id, self.samples, self.metrics = rollout_id, samples, dict(metrics)
+
+    def take(self, rollout_id: int) -> tuple[Optional[list], dict[str, Any]]:
+        """The samples and metrics of rollout ``rollout_id`` (emptied). Raises RuntimeError when another
+        rollout is pending (a bug: the loop always puts the next one before it takes it)."""
+        if self.rollout_id != rollout_id:
+            raise RuntimeError(f"rollout {rollout_id} is due but the pending rollout is {self.rollout_id}")
+        out = (self.samples, self.metrics)
+        self.rollout_id, self.samples, self.metrics = None, None, {}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollout_id": self.rollout_id, "metrics": dict(self.metrics),
+                "groups": [list(self.samples)] if self.samples else []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        groups = state.get("groups") or []
+        self.rollout_id = state.get("rollout_id")
+        self.samples = [s for g in groups for s in g] if self.rollout_id is not None else None
+        self.metrics = dict(state.get("metrics") or {})
