@@ -70,7 +70,8 @@ def loop_of(cfg: Config):
 def resolve_cpu_sets(cfg: Config):
     """A disaggregated local run's CPU sets (:func:`hpcrl.placement.local_cpu_sets`), written into
     ``cfg.train.cpus`` / ``cfg.rollout.cpus`` (so the resolved config and the engine launcher see them);
-    None when colocated. Raises ConfigError (CPUs this machine does not give the run, or only one CPU)."""
+    None when colocated. Idempotent (``hpcrl run`` calls it before :func:`main` to refuse bad sets as config
+    errors). Raises ConfigError (CPUs this machine does not give the run, or only one CPU)."""
     from hpcrl.placement import format_cpu_list, run_cpu_sets
 
     cpus = run_cpu_sets(cfg)

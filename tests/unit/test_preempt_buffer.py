@@ -124,3 +124,38 @@ def test_version_1_buffers_still_load(tmp_path):
     back, trained = read_buffer(tmp_path / "v1.h5")
     assert [[s.to_dict() for s in g] for g in back] == [[s.to_dict() for s in g] for g in groups]
     assert trained.tolist() == [[0, 7, 70]]
+
+
+def test_pending_rollout_round_trips_through_the_buffer_and_the_manager_state(tmp_path):
+    """An async run's next rollout (``pending/``) comes back exactly; a buffer without it reads as None."""
+    from hpcrl.data.buffer import read_pending
+    from hpcrl.loop_async import PendingRollout
+
+    pending = PendingRollout()
+    samples = [_sample(20, 6), _sample(21, 6), _sample(22, 7), _sample(23, 7)]
+    pending.put(4, samples, {"rollout/reward_mean": 0.25, "rollout/weight_version": "3"})
+    state = pending.state_dict()
+    write_buffer(tmp_path / "b.h5", [[_sample(1, 0)]], [], pending=state.pop("groups"))
+    assert read_buffer(tmp_path / "b.h5")[0][0][0].index == 1  # the held-back groups are unchanged
+    back = PendingRollout()
+    back.load_state_dict({**state, "groups": read_pending(tmp_path / "b.h5")})
+    got, metrics = back.take(4)
+    assert [s.to_dict() for s in got] == [s.to_dict() for s in samples] and metrics["rollout/weight_version"] == "3"
+    with pytest.raises(RuntimeError, match="rollout 4 is due but the pending rollout is None"):
+        back.take(4)
+    write_buffer(tmp_path / "sync.h5", [], [])
+    assert read_pending(tmp_path / "sync.h5") is None
+
+
+def test_sample_lag_is_the_rollout_id_minus_the_oldest_weight_version():
+    from hpcrl.rollout.manager import sample_lag
+
+    s = _sample(0, 0)
+    s.rollout_id, s.weight_versions = 5, ["4"]
+    assert sample_lag(s) == 1
+    s.weight_versions = ["3", "4"]  # a partial rollout continued after a weight sync
+    assert sample_lag(s) == 2
+    s.weight_versions = []
+    assert sample_lag(s) is None
+    s.weight_versions = ["default"]  # an engine's own version name
+    assert sample_lag(s) is None
