@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -136,3 +137,36 @@ def test_async_sigkill_then_rerun_resumes_exactly(tmp_path, reference):
     np.testing.assert_array_equal(trained(tmp_path, "kill"), ref_rows)
     got = weights(tmp_path, "kill")
     assert all(got[k].equal(ref_weights[k]) for k in ref_weights), "rerun async run diverged"
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
+def test_async_het_job_preempted_by_usr2_resumes_exactly(tmp_path, monkeypatch, slurm_cluster, reference):
+    """The same async run as a het job on the local Slurm cluster (trainer on n1, engine on n2, one thread
+    each like the local reference), USR2 mid-run: it checkpoints with the next rollout, requeues, resumes and
+    ends bitwise equal to the uninterrupted local run, every sample trained once."""
+    from tests.integration.test_preemption_local import write_config
+    from tests.integration.test_preemption_slurm import job_log, metric_steps, submit, wait_final
+    from tests.integration.test_preemption_slurm import wait_steps as wait_job_steps
+
+    _, ref_weights, ref_rows, _ = reference
+    write_config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the engine's threads, as in the local run
+    job_id, run_dir = submit(tmp_path, "het", *ASYNC, "slurm.cpus_per_task=1",
+                             "slurm.rollout={nodes: 1, cpus_per_task: 1}")
+    try:
+        wait_job_steps(job_id, run_dir, 3)
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        assert wait_final(job_id, run_dir) == "COMPLETED", job_log(run_dir)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)
+    log = job_log(run_dir, tail=10**6)
+    assert "(signal)" in log and "requeueing job" in log
+    assert metric_steps(run_dir) == list(range(STEPS))
+    engine = json.loads((run_dir / "logs" / "attempt-0" / "engines" / "engine-0.json").read_text())
+    assert engine["node"] == "n2"  # het group 1
+    np.testing.assert_array_equal(trained(tmp_path, "het"), ref_rows)
+    got = weights(tmp_path, "het")
+    assert all(got[k].equal(ref_weights[k]) for k in ref_weights), "the resumed async het job diverged"
