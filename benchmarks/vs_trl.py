@@ -256,7 +256,7 @@ async def gated_rollout(cfg, rollout_id, data_source, ctx):
     if rollout_id > 0:
         m = _last_metrics(Path(cfg.run.output_dir) / cfg.run.name)
         extra = {k: m.get(k) for k in ("rollout/seconds", "train/seconds", "sync/seconds", "timing/step_seconds",
-                                        "rollout/reward_mean")}
+                                        "rollout/reward_mean", "timing/rollout_wait_seconds", "rollout/lag_mean")}
         extra["gen_tokens"] = _HPCRL.pop("gen_tokens", 0)
         extra.update(_DETAIL)
     _DETAIL.clear()
@@ -333,18 +333,24 @@ def hpcrl_worker(spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     from hpcrl.data.sources import load_datasets
-    from hpcrl.loop import train_main
+    from hpcrl.launch_local import loop_of, resolve_cpu_sets
+    from hpcrl.placement import pin
 
     cfg = build_config(spec["model"], spec["start"], spec["out_dir"], spec["seed"], spec["dtype"],
                        spec["micro_batch"])
     if spec.get("router") is not None:
         cfg.rollout.router = spec["router"]
+    if spec.get("mode") == "async":  # one step off policy; trainer and engine on disjoint CPUs, as hpcrl run does
+        cfg.run.mode, cfg.run.placement = "async", "disaggregate"
+        cpus = resolve_cpu_sets(cfg)
+        pin(cpus.train)
+        _GATE.info["cpus"] = {"train": cfg.train.cpus, "rollout": cfg.rollout.cpus}
     _HPCRL["datasets"] = load_datasets(cfg)
     _GATE.info["eval_items"] = len(_HPCRL["datasets"].eval)
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        train_main(cfg, run_dir, Path(spec["start"]))
+        loop_of(cfg)(cfg, run_dir, Path(spec["start"]))
     except StopRun:
         pass
 
@@ -511,6 +517,7 @@ class Worker:
         self._procs: dict = {}
         self._hwm: dict[int, tuple[str, int]] = {}
         self.done = False
+        self.cpu_marks: list[tuple[float, dict[str, float]]] = []
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -538,6 +545,23 @@ class Worker:
             parts[name] = parts.get(name, 0) + b
         self.peak, self.peak_parts = sum(parts.values()), parts
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, seconds) used so far by each kind of process of the tree (trainer, engine,
+        router, ...), read now (psutil)."""
+        out: dict[str, float] = {}
+        for p in _tree(self.proc.pid):
+            try:
+                t = p.cpu_times()
+                kind = "trainer" if p.pid == self.proc.pid else _proc_kind(p)
+                out[kind] = out.get(kind, 0.0) + t.user + t.system
+            except Exception:  # noqa: BLE001 - it exited meanwhile
+                pass
+        return out
+
+    def mark_cpu(self) -> None:
+        """Start or end the timed window of the busy shares: wall clock and CPU seconds per process kind."""
+        self.cpu_marks.append((time.perf_counter(), self.cpu_seconds()))
+
     def kill_tree(self) -> None:
         """Stop what is left of this worker's process tree (only the processes this script started): SIGTERM
         to the worker (its handler unwinds ``train_main``, which stops engine and router), then to any
@@ -559,6 +583,7 @@ class Worker:
                 pass
 
     def finish(self) -> None:
+        self.mark_cpu()
         self.sample_rss(refresh=True)  # before the final eval, which is not part of training
         self.final = self.command("stop")
         self.done = True
@@ -579,7 +604,8 @@ def _fmt(x, spec: str) -> str:
 
 
 def parse_side(text: str) -> dict:
-    """``kind[:key=value,...]``: kind ``trl`` or ``hpcrl``; keys ``router=on|off`` (hpcrl), ``threads=N``,
+    """``kind[:key=value,...]``: kind ``trl`` or ``hpcrl``; keys ``router=on|off`` (hpcrl), ``mode=sync|async``
+    (hpcrl: ``run.mode``; async pins trainer and engine to disjoint halves of the CPUs), ``threads=N``,
     ``src=DIR`` (hpcrl: import hpcrl from this source tree, e.g. an unpacked older commit, for before/after
     comparisons), ``name=LABEL`` (the column title)."""
     kind, _, rest = text.partition(":")
@@ -592,6 +618,8 @@ def parse_side(text: str) -> dict:
             opts["router"] = value == "on"
         elif key == "threads" and value.isdigit():
             opts["threads"] = int(value)
+        elif key == "mode" and value in ("sync", "async"):
+            opts["mode"] = value
         elif key == "name" and value:
             opts["label"] = value
         elif key == "src" and value:
@@ -630,7 +658,8 @@ def run(args) -> int:
     for i, side in enumerate(sides):
         spec = {"model": args.model, "start": str(start), "out_dir": str(out_dir / f"side{i}-{side['kind']}"),
                 "seed": args.seed, "threads": side.get("threads", args.threads), "router": side.get("router"),
-                "src": side.get("src"), "dtype": args.dtype, "micro_batch": args.micro_batch}
+                "src": side.get("src"), "dtype": args.dtype, "micro_batch": args.micro_batch,
+                "mode": side.get("mode", "sync")}
         workers.append(Worker(side["kind"], spec, out_dir / f"side{i}-{side['kind']}.log", side["label"]))
     stop_sampler = threading.Event()
 
@@ -650,10 +679,16 @@ def run(args) -> int:
             w.ready = w.read()
             print(f"[{w.label}] ready: start accuracy {w.ready.get('start_accuracy')}", file=sys.stderr)
         need = args.warmup + args.steps
+        sequential = args.sequential or any(sd.get("mode") == "async" for sd in sides)
+        if sequential and not args.sequential:
+            print("an async side overlaps generation with training, so its steps cannot be gated one at a time "
+                  "between sides: the sides run one after the other (--sequential)", file=sys.stderr)
         t_loop = time.perf_counter()
         while not all(w.done for w in workers):
             live = [w for w in workers if not w.done]
-            w = min(live, key=lambda x: (x.cum, workers.index(x)))
+            w = live[0] if sequential else min(live, key=lambda x: (x.cum, workers.index(x)))
+            if len(w.steps) == args.warmup:
+                w.mark_cpu()  # the busy shares cover the timed steps
             rep = w.command("step")
             w.steps.append(rep)
             w.cum += rep["seconds"]
@@ -673,8 +708,14 @@ def run(args) -> int:
 
     # ---------------------------------------------------------------- the tables
     rows: list[dict[str, Any]] = []
+    ncpu = len(os.sched_getaffinity(0))
     for w in workers:
         timed = w.steps[args.warmup:]
+        busy, parts = float("nan"), {}
+        if len(w.cpu_marks) == 2:
+            (t0, c0), (t1, c1) = w.cpu_marks
+            parts = {k: (c1.get(k, 0.0) - c0.get(k, 0.0)) / max(t1 - t0, 1e-9) for k in c1}
+            busy = sum(parts.values()) / ncpu
         secs = [r["seconds"] for r in timed]
         med = _median(secs)
         tok_s = sum(r.get("gen_tokens", 0) for r in timed) / max(sum(secs), 1e-9)
@@ -682,7 +723,8 @@ def run(args) -> int:
                      "tok_s": tok_s, "rss": w.peak / 2**20, "n_timed": len(timed), "n_steps": len(w.steps),
                      "acc0": w.ready.get("start_accuracy"), "acc1": w.final.get("final_accuracy"),
                      "eval_items": w.ready.get("eval_items"),
-                     "p1090": f"{_fmt(_quantile(secs, 0.1), '.3f')} / {_fmt(_quantile(secs, 0.9), '.3f')}"})
+                     "p1090": f"{_fmt(_quantile(secs, 0.1), '.3f')} / {_fmt(_quantile(secs, 0.9), '.3f')}",
+                     "busy": busy, "idle": 1.0 - busy, "busy_parts": parts})
     labels = [("TRL" if w.label == "trl" else w.label) for w in workers]
     width = max(12, *(len(x) for x in labels))
     ratio_names = [f"{labels[i]}/{labels[0]}" for i in range(1, len(workers))]
@@ -726,6 +768,13 @@ def run(args) -> int:
     row("steps in the budget", "n_steps", "d")
     row("greedy accuracy at start", "acc0", ".3f", show_ratio=False)
     row("greedy accuracy after the budget", "acc1", ".3f")
+    row(f"CPU busy share of the {ncpu} cores", "busy", ".0%")
+    row(f"CPU idle share of the {ncpu} cores", "idle", ".0%", show_ratio=False)
+    lines.append("")
+    for lab, w, r in zip(labels, workers, rows):
+        parts = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["busy_parts"].items()) if v >= 0.005)
+        lines.append(f"busy share of one core by process, {lab} (CPU seconds / wall seconds of the timed steps): "
+                     f"{parts}" + (f"; CPUs {w.ready['cpus']}" if w.ready.get("cpus") else ""))
     lines.append("")
     for lab, w in zip(labels, workers):
         parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(w.peak_parts.items()))
@@ -739,14 +788,22 @@ def run(args) -> int:
         lines.append(f"| {'phase':38} | " + " | ".join(f"{lab:>{width + 7}}" for lab, _, _ in hp) + " |")
         lines.append("|" + "-" * 40 + "|" + "|".join("-" * (width + 9) for _ in hp) + "|")
         keys = (("rollout (generate + rewards)", "rollout/seconds"), ("train (Actor.train)", "train/seconds"),
-                ("weight sync", "sync/seconds"))
+                ("weight sync", "sync/seconds"),
+                ("async: trainer waits for the rollout", "timing/rollout_wait_seconds"))
         meds = []
         for lab, w, r in hp:
             timed = w.steps[args.warmup:]
             m = {k: _median([x.get(k) for x in timed]) for _, k in keys}
             m["gate"] = r["s_step"]
-            m["rest"] = m["gate"] - sum(m[k] for _, k in keys)
+            wait = m["timing/rollout_wait_seconds"]
+            if wait == wait:  # async: the rollout overlaps training; the trainer's step is train + wait + sync
+                m["rest"] = m["gate"] - m["train/seconds"] - m["sync/seconds"] - wait
+            else:
+                m["rest"] = m["gate"] - m["rollout/seconds"] - m["train/seconds"] - m["sync/seconds"]
             meds.append(m)
+        if any(m["timing/rollout_wait_seconds"] == m["timing/rollout_wait_seconds"] for m in meds):
+            lines.append("(async: the rollout of step k+1 runs during step k's training, so it is not part of "
+                         "the sum; the trainer's step is train + wait + sync + rest)")
         for name, k in (*keys, ("rest of the loop (offload, metrics...)", "rest"), ("step, gate to gate", "gate")):
             cells = [f"{_fmt(m[k], '.4f')} {_fmt(m[k] / m['gate'] * 100, '3.0f')}%" for m in meds]
             lines.append(f"| {name:38} | " + " | ".join(f"{c:>{width + 7}}" for c in cells) + " |")
@@ -802,6 +859,9 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch", type=int, default=BATCH_PROMPTS * GROUP_SIZE,
                    help=f"samples per micro-batch on both sides, a divisor of {BATCH_PROMPTS * GROUP_SIZE} "
                         f"(default {BATCH_PROMPTS * GROUP_SIZE}: one micro-batch per step)")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the sides one after the other instead of alternating steps (always so with an "
+                        "async side, whose generation overlaps its training)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--start", default=None, help="starting HF checkpoint instead of the model's default one")
     p.add_argument("--out-dir", default=None, help="run folder (default: a new temp folder)")

@@ -52,35 +52,19 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     stopped: Optional[str] = None
     last: dict[str, Any] = {}
     try:
-        from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
-        from hpcrl.data.buffer import TrainedRows
-        from hpcrl.data.sources import load_datasets
-        from hpcrl.metrics import MetricsPosition
-        from hpcrl.rollout.plugins import make_data_source
-        from hpcrl.rollout.rollout import group_multiple
-        from hpcrl.train.actor import Actor
-        from hpcrl.train.parallel import setup_parallel
         from hpcrl.weights import WeightSyncer
 
         # --- processes, model, optimizer, data, resume state -----------------------------------------
-        setup_parallel(cfg)
-        actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
-        datasets = load_datasets(cfg)
-        data_source = make_data_source(cfg, datasets.train)  # rollout.data_source, hpcrl.rollout.plugins
-        trained = TrainedRows()
-        ckpt = CheckpointManager.from_config(cfg, run_dir, actor, watch=watch, states={
-            "progress": RolloutCounter(), "data_source": data_source, "trained": trained,
-            "metrics": MetricsPosition(run_dir, controller)})
-        start_rollout_id = ckpt.load()
-        multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size, cfg.train.num_steps_per_rollout)
+        t = build_trainer(cfg, run_dir, model_path, watch, controller, ci_checks)
+        actor, data_source, trained, ckpt, start_rollout_id = t.actor, t.data_source, t.trained, t.ckpt, t.start
         # --- engines up, router, client (a twin that does nothing on the other ranks) ----------------
-        rollout.start(datasets)
+        rollout.start(t.datasets)
         metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller)
         rollout.offload()  # colocated: the engines give their memory back before the first sync and train
         syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
                                           engine_tp_sizes=rollout.engine_tp_sizes, hf_checkpoint=str(model_path),
                                           disk_dir=str(run_dir / "weights"))
-        sync_weights(actor, syncer, rollout, version=start_rollout_id)  # engines may hold older weights after a resume
+        sync_weights(actor, syncer, rollout, version=start_rollout_id)  # after a resume engines hold older ones
         if start_rollout_id == 0:
             last = rollout.evaluate(-1)
             metrics.log(-1, last, advance=False)
@@ -90,7 +74,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
             t_step = time.perf_counter()
             before = data_source.state_dict()  # the data as the last finished step left it (copies)
             try:
-                samples, step = rollout.generate(rollout_id, data_source, multiple)
+                samples, step = rollout.generate(rollout_id, data_source, t.multiple)
                 rollout.offload()
             except Exception as e:  # noqa: BLE001 - every rank learns of it below, then it is re-raised
                 samples, step = StepFailed(f"rollout {rollout_id} failed on the controller: "
@@ -122,6 +106,55 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
         watch.uninstall()
         destroy()
     return dict(last, preempted=stopped) if stopped is not None else last
+
+
+@dataclass
+class Trainer:
+    """The trainer side both loops build before the first step (:func:`build_trainer`)."""
+
+    actor: Any
+    """:class:`hpcrl.train.actor.Actor`: the Megatron model and optimizer."""
+    datasets: Any
+    """:class:`hpcrl.data.sources.Datasets`: train items, eval items, the task."""
+    data_source: Any
+    """The rollout's data source (``rollout.data_source``), resumed."""
+    trained: Any
+    """:class:`hpcrl.data.buffer.TrainedRows`, resumed."""
+    ckpt: Any
+    """:class:`hpcrl.checkpoint.manager.CheckpointManager` holding all of the above."""
+    start: int
+    """The first rollout id to run (0 for a new run)."""
+    multiple: int
+    """Groups per step must be a multiple of this (data-parallel ranks x optimizer steps per rollout)."""
+
+
+def build_trainer(cfg: Config, run_dir: Path, model_path: Path, watch, controller: bool,
+                  ci_checks: Optional[bool] = None, **states) -> Trainer:
+    """Processes, model, optimizer, data and resume state of a run, on every trainer rank: process groups
+    (:func:`hpcrl.train.parallel.setup_parallel`), the actor (slime's ``--ci-test`` gates with
+    ``run.deterministic`` unless ``ci_checks`` says otherwise), the datasets and data source, and a checkpoint
+    manager holding them (plus the extra stateful ``states``, e.g. the async loop's ``pending``) that has
+    loaded the newest checkpoint. Raises what those raise (ConfigError, DataError, CheckpointError)."""
+    from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
+    from hpcrl.data.buffer import TrainedRows
+    from hpcrl.data.sources import load_datasets
+    from hpcrl.metrics import MetricsPosition
+    from hpcrl.rollout.plugins import make_data_source
+    from hpcrl.rollout.rollout import group_multiple
+    from hpcrl.train.actor import Actor
+    from hpcrl.train.parallel import setup_parallel
+
+    setup_parallel(cfg)
+    actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
+    datasets = load_datasets(cfg)
+    data_source = make_data_source(cfg, datasets.train)  # rollout.data_source, hpcrl.rollout.plugins
+    trained = TrainedRows()
+    ckpt = CheckpointManager.from_config(cfg, run_dir, actor, watch=watch, states={
+        "progress": RolloutCounter(), "data_source": data_source, "trained": trained,
+        "metrics": MetricsPosition(run_dir, controller), **states})
+    start = ckpt.load()
+    multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size, cfg.train.num_steps_per_rollout)
+    return Trainer(actor, datasets, data_source, trained, ckpt, start, multiple)
 
 
 def due(rollout_id: int, interval: int, num_rollout: int) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hpcrl.config import Config
-from hpcrl.loop import RunLog, StepFailed, broadcast, due, sync_weights
+from hpcrl.loop import RunLog, StepFailed, broadcast, build_trainer, due, sync_weights
 from hpcrl.rollout.manager import EngineLauncher, rollout_manager
 from hpcrl.run_setup import quiet_logs
 
@@ -52,29 +52,14 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
     stopped: Optional[str] = None
     last: dict[str, Any] = {}
     try:
-        from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
-        from hpcrl.data.buffer import TrainedRows
-        from hpcrl.data.sources import load_datasets
-        from hpcrl.metrics import MetricsPosition
-        from hpcrl.rollout.plugins import make_data_source
-        from hpcrl.rollout.rollout import group_multiple
-        from hpcrl.train.actor import Actor
-        from hpcrl.train.parallel import setup_parallel
         from hpcrl.weights import WeightSyncer
 
         # --- processes, model, optimizer, data, resume state (with the next rollout, finished) -------
-        setup_parallel(cfg)
-        actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
-        datasets = load_datasets(cfg)
-        data_source = make_data_source(cfg, datasets.train)
-        trained, pending = TrainedRows(), PendingRollout()
-        ckpt = CheckpointManager.from_config(cfg, run_dir, actor, watch=watch, states={
-            "progress": RolloutCounter(), "data_source": data_source, "trained": trained,
-            "metrics": MetricsPosition(run_dir, controller), "pending": pending})
-        start_rollout_id = ckpt.load()
-        multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size, cfg.train.num_steps_per_rollout)
+        pending = PendingRollout()
+        t = build_trainer(cfg, run_dir, model_path, watch, controller, ci_checks, pending=pending)
+        actor, data_source, trained, ckpt, start_rollout_id = t.actor, t.data_source, t.trained, t.ckpt, t.start
         # --- engines up, router, client; weights; the first rollout ---------------------------------
-        rollout.start(datasets)
+        rollout.start(t.datasets)
         metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller)
         syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
                                           engine_tp_sizes=rollout.engine_tp_sizes, hf_checkpoint=str(model_path),
@@ -85,7 +70,7 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
             metrics.log(-1, last, advance=False)
         if pending.rollout_id != start_rollout_id:  # a new run (or a checkpoint without it): generate it now
             before = data_source.state_dict()
-            finish_rollout(rollout, rollout.generate_async(start_rollout_id, data_source, multiple),
+            finish_rollout(rollout, rollout.generate_async(start_rollout_id, data_source, t.multiple),
                            start_rollout_id, pending, data_source, before, ckpt.save_before_failing)
 
         # --- the loop: rollout k+1 is generated while step k trains ----------------------------------
@@ -94,7 +79,7 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
             samples, step = pending.take(rollout_id)
             has_next = rollout_id + 1 < cfg.run.num_rollout
             before = data_source.state_dict()  # the data as step k-1 left it, in case rollout k+1 fails
-            future = rollout.generate_async(rollout_id + 1, data_source, multiple) if has_next else None
+            future = rollout.generate_async(rollout_id + 1, data_source, t.multiple) if has_next else None
             step.update(actor.train(rollout_id, samples))
             trained.extend(rollout_id, samples)
             t_wait = time.perf_counter()

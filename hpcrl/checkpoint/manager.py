@@ -84,7 +84,8 @@ def pack_states(states: Mapping[str, dict[str, Any]], config: Optional[dict] = N
 
 def unpack_states(extra: Mapping[str, Any], groups: list, trained: Any, names) -> dict[str, dict[str, Any]]:
     """Inverse of :func:`pack_states` for the stateful objects ``names``: each one's ``load_state_dict``
-    argument (a name the checkpoint does not have is left out: that state keeps its fresh value). ``groups`` / ``trained`` are ``[]`` / ``[]`` for a checkpoint without a buffer file."""
+    argument (a name the checkpoint does not have is left out: that state keeps its fresh value).
+    ``groups`` / ``trained`` are ``[]`` / ``[]`` for a checkpoint without a buffer file."""
     out = {"progress": {"rollout_id": extra["rollout_id"]},
            "data_source": {**extra["data_source"], "buffer": groups},
            "trained": {"rows": trained},
@@ -148,7 +149,8 @@ class CheckpointManager:
         groups, trained = read_buffer(buffer) if buffer.exists() else ([], [])
         states = unpack_states(extra, groups, trained, self.states)
         if PENDING in states:
-            states[PENDING] = {**states[PENDING], "groups": (read_pending(buffer) if buffer.exists() else None) or []}
+            pending = read_pending(buffer) if buffer.exists() else None
+            states[PENDING] = {**states[PENDING], "groups": pending or []}
         for name, state in states.items():
             self.states[name].load_state_dict(state)
         self.last_saved = self.progress.rollout_id
