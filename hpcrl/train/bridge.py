@@ -210,6 +210,10 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         rope_scaling=scaling is not None,
         rope_scaling_factor=scaling or 8.0,
     )
+    if torch.cuda.is_available():
+        # Megatron's get_model does this too: the local spec's torch norms are built on the CPU even where the
+        # linear layers are allocated on the GPU (seen on an H100: "weight is on cpu ... fused_rms_norm")
+        model.cuda(torch.cuda.current_device())
     model.hf_config = hf_config
     return model
 
