@@ -138,6 +138,10 @@ def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str
     started_mp = not parallel_state.model_parallel_is_initialized()
     if started_mp:
         parallel.initialize_model_parallel(tp=1)
+        # the model-parallel RNG states the layers' init forks (on CUDA a missing one is an error: "cuda rng
+        # state model-parallel-rng is not added", seen on an H100); the values are overwritten by the checkpoint
+        if torch.cuda.is_available():
+            parallel.model_parallel_cuda_manual_seed(0)
     try:
         rank = dist.get_rank()
         tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -41,8 +41,16 @@ class TorchMemorySaverTrainerMemory(TrainerMemory):
     """
 
     def __init__(self) -> None:
-        from torch_memory_saver import torch_memory_saver  # GPU-only, imported lazily
+        """Raises ConfigError (one line) when torch-memory-saver is not installed."""
+        try:
+            from torch_memory_saver import torch_memory_saver  # GPU-only, imported lazily
+        except ImportError:
+            from hpcrl.config import ConfigError
 
+            raise ConfigError("run.placement", "colocate", "trainer and engines sharing GPUs need "
+                              "torch-memory-saver to hand memory back and forth, and it is not installed",
+                              "pip install torch-memory-saver (the gpu extra), or set "
+                              "run.placement=disaggregate") from None
         self._tms = torch_memory_saver
 
     def offload(self) -> None:

@@ -1,0 +1,32 @@
+"""hpcrl.offload's trainer adapters without a GPU: the no-op adapter off CUDA, and the one-line refusal when
+colocated GPU runs lack torch-memory-saver (seen on an H100 as a ModuleNotFoundError traceback before)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from hpcrl.config import ConfigError
+from hpcrl.offload import TorchMemorySaverTrainerMemory, TrainerMemory, create_trainer_memory
+
+
+def test_without_cuda_the_trainer_adapter_does_nothing():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU path")
+    memory = create_trainer_memory(colocate=True)
+    assert type(memory) is TrainerMemory
+    memory.offload()
+    memory.onload()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_memory_saver") is not None,
+                    reason="torch-memory-saver is installed here")
+def test_missing_torch_memory_saver_is_one_config_line():
+    with pytest.raises(ConfigError) as e:
+        TorchMemorySaverTrainerMemory()
+    text = str(e.value)
+    assert e.value.field == "run.placement" and "\n" not in text
+    assert "torch-memory-saver" in text and "run.placement=disaggregate" in text
