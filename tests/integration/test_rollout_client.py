@@ -186,12 +186,25 @@ def test_wait_healthy(stack):
     assert stack[2][0].url not in str(err)
 
 
+async def mid_decode_seconds(c) -> float:
+    """A wait after which a LONG request started now is decoding but not done, on this machine: a quarter of the
+    faster of two LONG requests here (the first one pays for the connection). Fixed waits failed on faster CPUs,
+    where 240 tokens took less than 0.3 s."""
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        await c.generate(PROMPT, dict(LONG))
+        times.append(time.perf_counter() - t0)
+    return min(times) / 4
+
+
 def test_abort_all_returns_partial_samples(stack):
     async def run():
         async with _client(stack) as c:
+            wait = await mid_decode_seconds(c)
             samples = [Sample(index=i, tokens=list(PROMPT)) for i in range(4)]
             tasks = [asyncio.create_task(generate(c, s, dict(LONG))) for s in samples]
-            await asyncio.sleep(0.4)
+            await asyncio.sleep(wait)
             await c.abort_all()
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
             aborted = [(s.status, s.response_length, len(s.loss_mask), len(s.rollout_log_probs),
@@ -213,8 +226,9 @@ def test_abort_all_returns_partial_samples(stack):
 def test_pause_and_continue(stack):
     async def run():
         async with _client(stack) as c:
+            wait = await mid_decode_seconds(c)
             running = asyncio.create_task(c.generate(PROMPT, dict(LONG)))
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(wait)
             await c.pause(mode="abort")  # the running request ends, aborted
             aborted = await asyncio.wait_for(running, 30)
             waiting = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 4}))
