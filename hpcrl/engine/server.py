@@ -91,6 +91,19 @@ def quiet_refused_requests() -> None:
         server_log.addFilter(RefusedRequestFilter())
 
 
+def engine_failure(results: list) -> "tuple[str, int] | None":
+    """``(message, status)`` of the first row that the engine failed (finish reason ``abort`` with a
+    ``status_code`` >= 500: a broken forward pass, the engine stopping), else None. SGLang answers such a
+    request with that HTTP status, so clients and the router retry it elsewhere; an abort that was asked for
+    (``/abort_request``, a pause) has no status code and stays a 200 with its partial output."""
+    for r in results:
+        reason = ((r or {}).get("meta_info") or {}).get("finish_reason") or {}
+        code = reason.get("status_code") if isinstance(reason, dict) else None
+        if reason.get("type") == "abort" and isinstance(code, int) and code >= 500:
+            return str(reason.get("message") or "engine error"), code
+    return None
+
+
 def error_response(message: str, status: int = 400) -> web.Response:
     """SGLang's error body ``{"error": {"message": ...}}`` with HTTP ``status``."""
     return web.json_response({"error": {"message": message}}, status=status)
@@ -176,7 +189,8 @@ class EngineServer:
                         ("/ping", self.ping), ("/ready", self.ready), ("/get_model_info", self.model_info),
                         ("/model_info", self.model_info), ("/get_server_info", self.server_info),
                         ("/server_info", self.server_info), ("/get_weight_version", self.get_weight_version),
-                        ("/v1/models", self.v1_models), ("/get_load", self.get_load)]:
+                        ("/v1/models", self.v1_models), ("/get_load", self.get_load),
+                        ("/v1/loads", self.v1_loads)]:
             r.add_route("GET", path, h)
         for path, h in [("/flush_cache", self.flush_cache),
                         ("/release_memory_occupation", self.release_memory),
@@ -251,6 +265,9 @@ class EngineServer:
             for base in {row.base_rid for row in spec.rows}:
                 self.scheduler.abort(base, "Abort: the client disconnected.")
             raise
+        failed = engine_failure(results)
+        if failed is not None:  # an internal failure is an HTTP error, not a 200 with an abort reason
+            return error_response(*failed)
         return web.json_response(results[0] if spec.is_single else results)
 
     async def _generate_stream(self, request: web.Request, spec: protocol.GenerateSpec,
@@ -338,11 +355,13 @@ class EngineServer:
         return web.Response(status=200 if self.scheduler.is_alive() else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """``/health_generate``: 200 if a 1-token greedy generation answers in time (or the engine is busy or
-        deliberately paused/released), else 503."""
-        if not self.scheduler.is_alive():
+        """``/health_generate``: 200 if a 1-token greedy generation answers in time, or at once while the engine
+        is generating anyway; 503 otherwise, and while it is paused (``/pause_generation``) or its memory is
+        released, as SGLang answers then (its probe request waits, unanswered, for 20 s): a health monitor must
+        know those states from what it asked the engine to do (:mod:`hpcrl.rollout.health`)."""
+        if not self.scheduler.is_alive() or self.scheduler.paused or self.scheduler.released_tags:
             return web.Response(status=503)
-        if self.scheduler.paused or self.scheduler.released_tags or self.scheduler.has_kv():
+        if self.scheduler.has_kv():
             return web.Response(status=200)
         spec = protocol.parse_generate(
             {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
@@ -417,8 +436,26 @@ class EngineServer:
         return web.json_response(info)
 
     async def get_load(self, request: web.Request) -> web.Response:
-        """``/get_load``: running and waiting rows."""
+        """``/get_load``: running and waiting rows (hpcrl's older form; SGLang now serves ``/v1/loads``)."""
         return web.json_response([self.scheduler.load()])
+
+    async def v1_loads(self, request: web.Request) -> web.Response:
+        """``/v1/loads`` as SGLang 0.5 serves it: ``{"timestamp", "version", "accelerator", "num_accelerators",
+        "loads": [{"dp_rank": 0, "num_running_reqs", "num_waiting_reqs", "max_running_requests", ...}]}``
+        (rows, not tokens; one data-parallel rank). ``include`` is accepted (``core`` or ``all``; other
+        sections do not exist here and are answered with the core fields)."""
+        import datetime
+
+        import hpcrl
+
+        load = self.scheduler.load()
+        core = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": load["num_running_reqs"],
+                "num_waiting_reqs": load["num_waiting_reqs"],
+                "max_running_requests": self.args.max_running_requests,
+                "max_total_num_tokens": self.context_len * self.args.max_running_requests}
+        return web.json_response({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                  "version": hpcrl.__version__, "accelerator": None, "num_accelerators": 0,
+                                  "loads": [core]})
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         """``/get_weight_version``."""
@@ -583,7 +620,9 @@ class EngineServer:
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, stop: asyncio.Event,
                     on_ready: Callable[[], Awaitable[None] | None] | None = None) -> None:
-        """Serve until ``stop`` is set, then shut down the HTTP server, the scheduler and the groups."""
+        """Serve until ``stop`` is set, then shut down: the scheduler first, so requests in flight are answered
+        with HTTP 503 (a client or router retries them on another engine), then the HTTP server and the
+        groups."""
         quiet_refused_requests()
         self.scheduler.start()
         runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
@@ -601,9 +640,10 @@ class EngineServer:
             await stop.wait()
         finally:
             logger.info("shutting down")
+            await asyncio.to_thread(self.scheduler.stop)  # in-flight rows finish with 503 ...
+            await asyncio.sleep(0.1)  # ... and their handlers answer before the server closes
             await runner.cleanup()
             logger.debug("http server closed")
-            self.scheduler.stop()
             self.groups.destroy_all()
             logger.info("stopped")
 

@@ -383,7 +383,8 @@ def test_pause_continue_and_flush(engine):
     newcomer = run_in_thread(gen, engine, {"input_ids": [7], "sampling_params": {"max_new_tokens": 2}})
     time.sleep(0.5)
     assert not fut.done() and not newcomer.done()
-    assert get(engine, "/health_generate")[0] == 200
+    # paused: SGLang's /health_generate answers 503 (its probe waits unanswered); /health stays 200
+    assert get(engine, "/health_generate")[0] == 503 and get(engine, "/health")[0] == 200
     assert post(engine, "/continue_generation")[1]["status"] == "ok"
     assert fut.result(timeout=60)["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
     assert newcomer.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "length"
@@ -409,6 +410,7 @@ def test_pause_continue_and_flush(engine):
 
 def test_release_and_resume_memory(engine):
     assert post(engine, "/release_memory_occupation", {"tags": None}) == (200, None)
+    assert get(engine, "/health_generate")[0] == 503  # released: no generation, as SGLang
     status, err = post(engine, "/generate", {"text": "1", "sampling_params": {"max_new_tokens": 1}})
     assert status == 503 and "kv_cache" in err["error"]["message"] and "weights" in err["error"]["message"]
     assert get(engine, "/health")[0] == 200
@@ -571,3 +573,42 @@ def test_api_key_required(engine, tiny_model_dir, tmp_path):
     from hpcrl.engine.server import main
 
     assert main(["--model-path", str(tiny_model_dir), "--api-key-file", str(bad_file)]) == 2
+
+
+def test_v1_loads_counts_running_and_waiting_rows(engine):
+    """``/v1/loads`` in SGLang 0.5's shape: one load per data-parallel rank with the row counts."""
+    status, idle = get(engine, "/v1/loads")
+    assert status == 200 and idle["loads"][0]["num_running_reqs"] == 0, idle
+    assert {"timestamp", "version", "loads"} <= set(idle)
+    assert idle["loads"][0]["dp_rank"] == 0 and idle["loads"][0]["num_waiting_reqs"] == 0
+    long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 400,
+                                                          "ignore_eos": True}}
+    post(engine, "/pause_generation", {"mode": "in_place"})
+    futs = [run_in_thread(gen, engine, long) for _ in range(3)]
+    deadline = time.monotonic() + 20
+    while get(engine, "/v1/loads")[1]["loads"][0]["num_waiting_reqs"] < 3:
+        assert time.monotonic() < deadline, get(engine, "/v1/loads")
+        time.sleep(0.05)
+    post(engine, "/continue_generation")
+    wait_running(engine, at_least=3)
+    assert get(engine, "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 3
+    post(engine, "/abort_request", {"abort_all": True})
+    for f in futs:
+        assert f.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "abort"  # asked for: a 200
+
+
+def test_engine_failure_is_an_http_error_not_an_abort(tiny_model_dir, tmp_path):
+    """A request the engine cannot finish because it fails (here: it is shutting down) is answered with HTTP
+    503, as SGLang does, so a client or router retries it elsewhere instead of recording an aborted sample."""
+    with EngineProcess(tiny_model_dir, log_path=tmp_path / "engine.log") as eng:
+        long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 4000,
+                                                              "ignore_eos": True}}
+        fut = run_in_thread(http_json, "POST", eng.url + "/generate", long, None, 60.0)
+        deadline = time.monotonic() + 20
+        while http_json("GET", eng.url + "/get_load")[1][0]["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        eng.proc.terminate()
+        status, body = fut.result(timeout=30)
+        assert status == 503, (status, body)
+        assert "stopped" in body["error"]["message"]
