@@ -51,6 +51,18 @@ class RolloutSection:
     """Put the real ``sglang-router`` in front of the engines."""
     request_timeout_s: float = 600.0
     max_retries: int = 3
+    heartbeat_interval_s: float = 10.0
+    """Seconds between two health probes of each engine (``/health_generate``) and of the router
+    (``/health``) by the controller's monitor (slime ``--rollout-health-check-interval``)."""
+    heartbeat_timeout_s: float = 30.0
+    """An engine whose probes have not succeeded for this many seconds is hung and is replaced; one whose
+    process exited or refuses connections is replaced at once (slime ``--rollout-health-check-timeout``).
+    Must be >= ``heartbeat_interval_s``."""
+    max_engine_restarts: int = 10
+    """Restarts allowed per engine in one attempt of the run (a requeue starts a new count), with a
+    backoff of 1, 2, 4 ... 30 s while a new engine dies before serving. 0: a dead engine stops the run (after
+    checkpointing its last finished step). When no engine is left and none may restart, the run
+    checkpoints and exits for requeue (exit status 75)."""
     reward_function: str = "task"
     """A built-in reward (``task``: the data source's own scorer; ``exact_match``, ``math_answer``,
     ``countdown``, ``remote_rm:<url>``) or a dotted import path (slime ``--custom-rm-path``)."""
@@ -77,7 +89,13 @@ def check_rollout(cfg: Config, check_files: bool) -> None:
     r = cfg.rollout
     positive(cfg, "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.over_sampling_batch_size",
               "rollout.max_new_tokens", "rollout.num_engines", "rollout.request_timeout_s")
-    non_negative(cfg, "rollout.max_retries", "rollout.eval_interval", "rollout.temperature")
+    non_negative(cfg, "rollout.max_retries", "rollout.eval_interval", "rollout.temperature",
+                 "rollout.max_engine_restarts")
+    positive(cfg, "rollout.heartbeat_interval_s", "rollout.heartbeat_timeout_s")
+    require(r.heartbeat_timeout_s >= r.heartbeat_interval_s, "rollout.heartbeat_timeout_s",
+            r.heartbeat_timeout_s, f"is below rollout.heartbeat_interval_s={r.heartbeat_interval_s:g}, so a "
+            "healthy engine could be declared hung between two probes",
+            f"set it to at least {r.heartbeat_interval_s:g} (3x the interval is usual)")
     if r.over_sampling_batch_size is not None:
         require(r.over_sampling_batch_size >= r.batch_size, "rollout.over_sampling_batch_size",
                  r.over_sampling_batch_size, f"must be >= rollout.batch_size={r.batch_size}",
