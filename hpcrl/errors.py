@@ -9,6 +9,8 @@ and the process exits non-zero (:func:`exit_code_of`). Known errors (matched by 
 
 * exit 2 (:data:`EXIT_CONFIG`): ``ConfigError`` (a config that no longer validates where the run starts),
   ``DataError`` (a bad dataset file or row);
+* exit 75 (:data:`EXIT_RETRY`): ``EnginesLost`` (no engine left and none may restart; the last finished step
+  is checkpointed, so the run goes on when started again, and a Slurm job is requeued);
 * exit 1 (:data:`EXIT_FAILED`): ``RolloutError`` (a request to the engines failed for good),
   ``ProcessStartError`` (an engine or the router did not start), ``RouterError``, ``RolloutStepError`` (the
   Slurm rollout step did not start or died), ``WeightSyncError`` (an engine refused or lost a weight
@@ -38,6 +40,11 @@ EXIT_FAILED = 1
 """Exit status of a run stopped by a known error that is not the config's or the data's."""
 EXIT_CONFIG = 2
 """Exit status of a run stopped by a config or data error (the same as ``hpcrl validate``'s)."""
+EXIT_RETRY = 75
+"""Exit status of a run that checkpointed and can go on when started again (``EX_TEMPFAIL``; the same as
+:data:`hpcrl.slurm.requeue.EXIT_REQUEUE`, on which a Slurm job is requeued): no engine was left to generate."""
+
+_RETRY_ERRORS = {"hpcrl.rollout.client.EnginesLost"}
 
 _CONFIG_ERRORS = {"hpcrl.config.errors.ConfigError", "hpcrl.data.sources.DataError"}
 _RUN_ERRORS = {
@@ -66,6 +73,8 @@ def exit_code_of(exc: BaseException) -> Optional[int]:
     if isinstance(exc, WorkerError):
         return exc.exit_code
     names = {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
+    if names & _RETRY_ERRORS:
+        return EXIT_RETRY
     if names & _CONFIG_ERRORS:
         return EXIT_CONFIG
     if names & _RUN_ERRORS:

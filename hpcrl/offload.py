@@ -100,18 +100,18 @@ class ColocatedMemory:
 
     async def onload_engine_weights(self) -> None:
         if self.colocate:
-            await self.client.post_all("/resume_memory_occupation", {"tags": ENGINE_WEIGHTS})
+            await self.client.post_all("/resume_memory_occupation", {"tags": ENGINE_WEIGHTS}, skip_lost=True)
             self._mark("onload_engine_weights")
 
     async def onload_engine_kv(self) -> None:
         if self.colocate:
-            await self.client.post_all("/resume_memory_occupation", {"tags": ENGINE_KV})
+            await self.client.post_all("/resume_memory_occupation", {"tags": ENGINE_KV}, skip_lost=True)
             self._mark("onload_engine_kv")
 
     async def offload_engine(self) -> None:
         if self.colocate:
             await self.client.flush_cache()
-            await self.client.post_all("/release_memory_occupation", {"tags": None})
+            await self.client.post_all("/release_memory_occupation", {"tags": None}, skip_lost=True)
             self._mark("offload_engine")
 
     def mark(self, phase: str) -> None:

@@ -15,6 +15,14 @@ Retries. Connection errors, timeouts and HTTP 5xx are retried with exponential b
 retry moves on to the next engine. HTTP 4xx is never retried. When the attempts are used up a
 :class:`RolloutError` names the URL and the last error.
 
+Engines that die. The set of engines (and the router) can change while requests run: the rollout's health
+monitor (:mod:`hpcrl.rollout.health`) removes a dead engine with :meth:`RolloutClient.set_engine_urls`, marks
+the router down or moved with :meth:`RolloutClient.set_router`, and is told of every failed attempt through
+``on_failure(base_url, error)``. A request whose target was taken out of rotation by that call is sent again at
+once, to another engine, without using up a retry; when nothing is left to send to, requests wait until an
+engine (or the router) is back, or until :meth:`RolloutClient.set_lost` says none will come
+(:class:`EnginesLost`). :attr:`RolloutClient.retried_requests` counts requests sent more than once.
+
 Auth. With ``api_key`` set, every request carries ``Authorization: Bearer <api_key>`` (engines started with
 the run secret, and a router started with the same key, require it).
 
@@ -47,6 +55,11 @@ class RolloutError(RuntimeError):
         self.url = url
         self.status = status
         self.body = body
+
+
+class EnginesLost(RolloutError):
+    """No engine is left to generate and none may be restarted (``rollout.max_engine_restarts`` used up): the
+    run checkpoints its last finished step and exits for requeue (:data:`hpcrl.errors.EXIT_REQUEUE`)."""
 
 
 class _Retryable(Exception):
@@ -110,6 +123,8 @@ class RolloutClient:
             too few for a rollout with hundreds of requests in flight).
         connect_timeout_s: bound on opening one connection, seconds (a dead node that does not refuse
             connections costs this much per attempt, not ``timeout_s``).
+        on_failure: called as ``on_failure(base_url, error_text)`` after each failed attempt on an engine or
+            the router (connection error, timeout, 5xx), before the retry; the health monitor's hook.
 
     Use as ``async with RolloutClient(...) as client`` (or call :meth:`open` / :meth:`close`).
     Raises ValueError if neither a router nor any engine is given.
@@ -118,7 +133,7 @@ class RolloutClient:
     def __init__(self, router_url: Optional[str] = None, engine_urls: Sequence[str] = (),
                  api_key: Optional[str] = None, timeout_s: float = 600.0, max_retries: int = 3,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0, max_connections: int = 0,
-                 connect_timeout_s: float = 10.0):
+                 connect_timeout_s: float = 10.0, on_failure=None):
         if not router_url and not engine_urls:
             raise ValueError("RolloutClient needs a router_url or at least one engine URL")
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
@@ -135,6 +150,13 @@ class RolloutClient:
         self._session: Optional[aiohttp.ClientSession] = None
         self._rr = 0
         self._weight_version: Optional[str] = None
+        self.on_failure = on_failure
+        self._uses_router = self.router_url is not None
+        self._knows_engines = bool(self._engine_urls)
+        self._changed: Optional[asyncio.Event] = None  # set (and replaced) when engines or router change
+        self._lost: Optional[str] = None
+        self.retried_requests = 0
+        """Requests that needed more than one attempt (a metric of engine failures)."""
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> "RolloutClient":
@@ -165,8 +187,57 @@ class RolloutClient:
         return list(self._engine_urls)
 
     def set_engine_urls(self, urls: Sequence[str]) -> None:
-        """Replace the engine URLs (after an engine was restarted on a new port or removed)."""
+        """Replace the engine URLs (after an engine was restarted on a new port or removed); requests waiting
+        for an engine go on. Call on the client's event loop."""
         self._engine_urls = [u.rstrip("/") for u in urls]
+        self._notify()
+
+    def set_router(self, url: Optional[str]) -> None:
+        """The router's new base URL after a restart, or None while it is down (requests wait for it).
+        Only for a client made with a router. Call on the client's event loop."""
+        self.router_url = url.rstrip("/") if url else None
+        self._notify()
+
+    def set_lost(self, reason: str) -> None:
+        """No engine will come back: requests waiting for one, and every later one, raise
+        :class:`EnginesLost` with ``reason``. Call on the client's event loop."""
+        self._lost = reason
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def _target(self) -> str:
+        """Where the next generation attempt goes: the router, else the next engine (round robin); waits
+        while there is none (at most ``timeout_s``). Raises EnginesLost, or RolloutError after the wait."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self._lost is not None:
+                raise EnginesLost(f"no engine left: {self._lost}", self.router_url or "engines")
+            if self._uses_router and self.router_url and (self._engine_urls or not self._knows_engines):
+                return self.router_url  # (given the engines too: only while one of them serves)
+            if not self._uses_router and self._engine_urls:
+                return self._next_engine()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RolloutError(f"no {'router' if self._uses_router else 'engine'} to send to for "
+                                   f"{self.timeout_s:g} s", "engines")
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def out_of_rotation(self, engine_url: str) -> bool:
+        """Whether ``engine_url`` was one of this client's engines and the health monitor took it out."""
+        return (self.on_failure is not None and self._knows_engines
+                and engine_url.rstrip("/") not in self._engine_urls and engine_url.rstrip("/") != self.router_url)
+
+    def _in_rotation(self, base: str) -> bool:
+        return base == self.router_url if self._uses_router else base in self._engine_urls
 
     @property
     def weight_version(self) -> Optional[str]:
@@ -225,30 +296,49 @@ class RolloutClient:
         attempts = 1 + (self.max_retries if retry else 0)
         url = ""
         last: Optional[_Retryable] = None
-        for attempt in range(attempts):
-            base = base_url or self.router_url or self._next_engine()
+        attempt = sent = 0
+        while attempt < attempts:
+            base = base_url or await self._target()
             url = base + path
+            sent += 1
+            if sent == 2:
+                self.retried_requests += 1
             try:
                 return await self._attempt(method, url, payload, params, timeout_s)
             except _Retryable as e:
                 last = e
-                if attempt + 1 < attempts:
-                    await asyncio.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
+                if self.on_failure is not None:
+                    self.on_failure(base, str(e))
+                if base_url is None and retry and not self._in_rotation(base):
+                    continue  # the monitor took it out of rotation: try elsewhere, this attempt is free
+                if base_url is not None and self.out_of_rotation(base_url):
+                    break  # an engine the monitor took out: it is being replaced, no use retrying it
+                attempt += 1
+                if attempt < attempts:
+                    await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
         assert last is not None
         raise RolloutError(f"{method} {url} failed after {attempts} attempt(s): {last}", url, last.status,
                            last.body)
 
     async def _to_engines(self, method: str, path: str, payload: Any, *, retry: bool,
-                          params: Optional[dict] = None, timeout_s: Optional[float] = None) -> list[dict]:
+                          params: Optional[dict] = None, timeout_s: Optional[float] = None,
+                          skip_lost: bool = False) -> list[dict]:
         """Send the same request to every engine concurrently; results in engine order.
 
         Every request runs to completion; then the first failure (in engine order) is raised as RolloutError,
-        its message also counting how many engines failed.
+        its message also counting how many engines failed. ``skip_lost``: an engine that failed and that the
+        health monitor took out of rotation meanwhile (it is being replaced) answers ``{"skipped": reason}``
+        instead of failing the call.
         """
+        if skip_lost and not self._engine_urls and self.on_failure is not None:
+            return []  # every engine is being replaced; they start in the state they are wanted in
         urls = self._need_engines()
         results = await asyncio.gather(
             *(self.request(method, path, payload, base_url=u, params=params, retry=retry, timeout_s=timeout_s)
               for u in urls), return_exceptions=True)
+        if skip_lost:
+            results = [{"skipped": str(r)} if isinstance(r, RolloutError) and self.out_of_rotation(u) else r
+                       for u, r in zip(urls, results)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             first = errors[0]
@@ -316,20 +406,20 @@ class RolloutClient:
     async def abort_all(self) -> list[dict]:
         """POST ``/abort_request {"abort_all": true}`` to every engine: running requests return early with
         ``finish_reason.type == "abort"`` and the tokens generated so far. Raises RolloutError."""
-        return await self._to_engines("POST", "/abort_request", {"abort_all": True}, retry=True)
+        return await self._to_engines("POST", "/abort_request", {"abort_all": True}, retry=True, skip_lost=True)
 
     async def abort(self, rid: str) -> list[dict]:
         """Abort the request ``rid`` wherever it runs (``/abort_request {"rid": rid}`` to every engine)."""
-        return await self._to_engines("POST", "/abort_request", {"rid": rid}, retry=True)
+        return await self._to_engines("POST", "/abort_request", {"rid": rid}, retry=True, skip_lost=True)
 
     async def pause(self, mode: str = "abort") -> list[dict]:
         """POST ``/pause_generation {"mode": mode}`` to every engine (``abort``: running requests are aborted;
         ``retract`` / ``in_place``: kept and resumed by :meth:`resume`). Raises RolloutError."""
-        return await self._to_engines("POST", "/pause_generation", {"mode": mode}, retry=True)
+        return await self._to_engines("POST", "/pause_generation", {"mode": mode}, retry=True, skip_lost=True)
 
     async def resume(self) -> list[dict]:
         """POST ``/continue_generation`` to every engine. Raises RolloutError."""
-        return await self._to_engines("POST", "/continue_generation", {}, retry=True)
+        return await self._to_engines("POST", "/continue_generation", {}, retry=True, skip_lost=True)
 
     async def flush_cache(self, wait_s: float = 60.0, poll_s: float = 1.0) -> list[dict]:
         """POST ``/flush_cache`` to every engine.
@@ -344,10 +434,14 @@ class RolloutClient:
                 try:
                     return _as_dict(await self.request("POST", "/flush_cache", None, base_url=url))
                 except RolloutError as e:
+                    if self.out_of_rotation(url):
+                        return {"skipped": str(e)}
                     if e.status != 400 or time.monotonic() + poll_s > deadline:
                         raise
                 await asyncio.sleep(poll_s)
 
+        if not self._engine_urls and self.on_failure is not None:
+            return []  # every engine is being replaced (they start with an empty cache)
         results = await asyncio.gather(*(one(u) for u in self._need_engines()), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -355,7 +449,7 @@ class RolloutClient:
         return list(results)  # type: ignore[arg-type]
 
     async def post_all(self, endpoint: str, payload: Any = None, retry: bool = False,
-                       timeout_s: Optional[float] = None) -> list[dict]:
+                       timeout_s: Optional[float] = None, skip_lost: bool = False) -> list[dict]:
         """POST ``payload`` to ``endpoint`` on every engine concurrently (weight sync, memory occupation...).
 
         Returns one dict per engine, in :attr:`engine_urls` order (a ``null``/empty body becomes ``{}``, a
@@ -364,7 +458,7 @@ class RolloutClient:
         Raises RolloutError for the first engine that failed (4xx, 5xx, connection error).
         """
         path = endpoint if endpoint.startswith("/") else "/" + endpoint
-        return await self._to_engines("POST", path, payload, retry=retry, timeout_s=timeout_s)
+        return await self._to_engines("POST", path, payload, retry=retry, timeout_s=timeout_s, skip_lost=skip_lost)
 
     async def get_weight_versions(self) -> dict[str, Optional[str]]:
         """``{engine_url: weight_version}`` from each engine's ``/get_model_info``. Raises RolloutError."""

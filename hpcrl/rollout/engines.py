@@ -253,6 +253,8 @@ class LocalEngineLaunch:
 
     engines: list[EngineProcess]
     secret_path: Path
+    cfg: Any = None
+    attempt_dir: Optional[Path] = None
 
     def wait(self) -> tuple[list[EngineProcess], None]:
         """Wait for every engine (they load in parallel). Raises :class:`hpcrl.procs.ProcessStartError` for
@@ -269,6 +271,29 @@ class LocalEngineLaunch:
         """Stop every engine of this launch. Idempotent."""
         for e in self.engines:
             e.stop()
+
+    def restart(self, index: int, model_path: str | os.PathLike, weight_version: Optional[str],
+                attempt: int) -> EngineProcess:
+        """Start engine ``index`` again (after it died), from the HF folder ``model_path`` serving
+        ``weight_version`` (None: the engine's default), on a new port, pinned as before; its log is
+        ``engine-<index>.restart-<attempt>.log``. Waits until it answers ``/health``
+        (:data:`hpcrl.rollout.health.RestartEngine`). Raises ProcessStartError with its log tail."""
+        from hpcrl.placement import CpuSets, parse_cpu_list
+
+        cfg = self.cfg
+        args = engine_sglang_args(cfg)
+        if weight_version is not None:
+            args["weight_version"] = weight_version
+        sets = None
+        if cfg.run.placement == "disaggregate" and cfg.rollout.cpus is not None:
+            sets = CpuSets(tuple(parse_cpu_list(cfg.train.cpus or [])), tuple(parse_cpu_list(cfg.rollout.cpus)))
+        n = len(self.engines)
+        eng = spawn_engine(cfg.rollout, args, model_path, api_key_file=self.secret_path,
+                           log_path=Path(self.attempt_dir) / f"engine-{index}.restart-{attempt}.log",
+                           cpus=sets.engine(index, n) if sets is not None else None)
+        wait_engine(eng, self.secret_path)
+        self.engines.append(eng)  # stopped with the others at the end
+        return eng
 
 
 def launch_local_engines(cfg: Any, run_dir: Path, attempt_dir: Path, model_path: str | os.PathLike,
@@ -294,4 +319,4 @@ def launch_local_engines(cfg: Any, run_dir: Path, attempt_dir: Path, model_path:
         for e in engines:
             e.stop()
         raise
-    return LocalEngineLaunch(engines, Path(secret_path))
+    return LocalEngineLaunch(engines, Path(secret_path), cfg, Path(attempt_dir))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -64,6 +65,8 @@ class RolloutManager:
         self.client = None
         self.memory = None
         self.engine_tp_sizes: list[int] = []
+        self.monitor = None  # hpcrl.rollout.health.HealthMonitor, once started
+        self.snapshot = None  # hpcrl.weights.snapshot.WeightSnapshot, when engines may restart
 
     # ------------------------------------------------------------------------------------------------------
     def call(self, coro):
@@ -131,6 +134,7 @@ class RolloutManager:
                                     timeout_s=rc.request_timeout_s, max_retries=rc.max_retries)
         self.call(self.client.open())
         self.call(self.client.wait_healthy(timeout_s=600))
+        self.call(self._start_monitor(pending, key))
         self.memory = ColocatedMemory(create_trainer_memory(cfg.run.placement == "colocate"), self.client,
                                       colocate=cfg.run.placement == "colocate")
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
@@ -139,6 +143,36 @@ class RolloutManager:
         self.ctx = RolloutContext(client=self.client, tokenizer=tokenizer, reward_fn=plugins.reward_fn,
                                   generate_fn=plugins.generate_fn, dynamic_filter=plugins.dynamic_filter,
                                   seed=cfg.run.seed)
+
+    async def _start_monitor(self, launched, key: str) -> None:
+        """The health monitor (:mod:`hpcrl.rollout.health`): engines that die or hang are restarted by the
+        launcher (``launched.restart``, where it has one) from the weight snapshot; so is the router."""
+        from hpcrl.placement import parse_cpu_list
+        from hpcrl.rollout.health import HealthMonitor
+        from hpcrl.rollout.router import start_router
+        from hpcrl.weights.snapshot import WeightSnapshot
+
+        rc = self.cfg.rollout
+        restart = getattr(launched, "restart", None)
+        if restart is not None and rc.max_engine_restarts > 0:
+            self.snapshot = WeightSnapshot(self.run_dir / "weights-rejoin", self.model_path,
+                                           self.cfg.weights.bucket_bytes)
+        router_cpus = (parse_cpu_list(rc.cpus) if self.cfg.run.placement == "disaggregate" and rc.cpus is not None
+                       else None)
+
+        def restart_router(urls: list[str], port):
+            return start_router(urls, port=port, api_key=key, cpus=router_cpus,
+                                log_path=self.attempt_dir / "router.log")  # appended
+
+        self.monitor = HealthMonitor(self.client, list(self.engines), restart,
+                                     self.snapshot, rc.heartbeat_interval_s, rc.heartbeat_timeout_s,
+                                     rc.max_engine_restarts, api_key=key, router=self.router,
+                                     restart_router=restart_router)
+        await self.monitor.start()
+
+    def _generating(self, on: bool) -> None:
+        if self.monitor is not None:
+            self.monitor.generating = on
 
     # ------------------------------------------------------------------------------------------------------
     def generate(self, rollout_id: int, data_source, multiple: int = 1) -> tuple[list, dict[str, float]]:
@@ -162,7 +196,14 @@ class RolloutManager:
         from hpcrl.rollout.rollout import split_trainable
 
         self.memory.mark("generate")
-        out = await self.rollout_fn(self.cfg, rollout_id, data_source, self.ctx)
+        self._generating(True)
+        try:
+            out = await self.rollout_fn(self.cfg, rollout_id, data_source, self.ctx)
+        finally:
+            self._generating(False)
+        if self.monitor is not None:
+            self.monitor.served()
+            out.metrics.update(self.monitor.take_metrics())
         groups, hold = split_trainable(out.groups, multiple)
         if not groups:
             raise RuntimeError(f"rollout {rollout_id}: {len(out.groups)} groups kept, fewer than the {multiple} "
@@ -179,6 +220,7 @@ class RolloutManager:
         return self.call(self._evaluate())
 
     async def _evaluate(self) -> dict[str, float]:
+        from hpcrl.rollout.client import EnginesLost
         from hpcrl.rollout.rollout import sampling_params
 
         t0 = time.perf_counter()
@@ -192,7 +234,14 @@ class RolloutManager:
             out = await self.client.generate(ids, params, return_logprob=False)
             return float(self.datasets.task.score(out.get("text") or "", item))
 
-        scores = await asyncio.gather(*(one(it) for it in items))
+        self._generating(True)
+        try:
+            scores = await asyncio.gather(*(one(it) for it in items))
+        except EnginesLost as e:  # the step stays whole and is checkpointed; the next rollout stops the run
+            logging.getLogger("hpcrl.health").error("eval skipped: %s", e)
+            return {}
+        finally:
+            self._generating(False)
         return {"eval/accuracy": sum(scores) / max(len(scores), 1), "eval/seconds": time.perf_counter() - t0}
 
     # ---------------------------------------------------------------------------------- colocated memory
@@ -216,7 +265,43 @@ class RolloutManager:
         """Send the trainer's weights ``named`` (an iterator of ``(name, tensor)``) to the engines as weight
         version ``version``; returns the syncer's metrics (seconds, bytes, GB/s). Raises
         :class:`hpcrl.weights.WeightSyncError`."""
-        return self.call(syncer.sync(named, str(version)))
+        return self.call(self._update_weights(syncer, named, version))
+
+    async def _update_weights(self, syncer, named, version: int) -> dict[str, Any]:
+        if self.snapshot is not None:  # a restarted engine loads this version (hpcrl.weights.snapshot)
+            named = self.snapshot.tee(named, version)
+        if self.monitor is None:
+            return await syncer.sync(named, str(version))
+        from hpcrl.rollout.client import RolloutError
+        from hpcrl.weights import WeightSyncError
+
+        async with self.monitor.sync_lock:  # no engine joins halfway through
+            t0 = time.perf_counter()
+            if not self.client.engine_urls:  # all being replaced (they load the snapshot), or lost
+                for _ in named:  # (the next rollout raises EnginesLost, after this step is checkpointed)
+                    pass
+                return {"method": "snapshot", "weight_version": str(version), "seconds": time.perf_counter() - t0}
+            try:
+                return await syncer.sync(named, str(version))
+            except (WeightSyncError, RolloutError):
+                # an engine that died mid-sync is replaced by the monitor; the others get this version from
+                # the snapshot, which the failed sync still completed (it drains its stream)
+                if self.snapshot is None or self.snapshot.version != str(version) or not await self.monitor.settle():
+                    raise
+                return await self._resync_from_snapshot(t0)
+
+    async def _resync_from_snapshot(self, t0: float) -> dict[str, Any]:
+        """Load the snapshot's version on every engine in rotation (``/update_weights_from_disk``) and let
+        them generate again: the end of a weight sync an engine died in. Raises RolloutError."""
+        path, version = await asyncio.to_thread(self.snapshot.folder)
+        timeout = self.cfg.weights.timeout_s
+        for url in self.client.engine_urls:
+            await self.client.request("POST", "/update_weights_from_disk",
+                                      {"model_path": str(path), "weight_version": version}, base_url=url,
+                                      retry=False, timeout_s=timeout)
+            await self.client.request("POST", "/continue_generation", {}, base_url=url, timeout_s=timeout)
+        return {"method": "snapshot", "weight_version": version, "seconds": time.perf_counter() - t0,
+                "recovered": 1}
 
     def onload_kv(self) -> None:
         """The engines' KV cache back after the weights (slime ``onload_kv``)."""
@@ -236,9 +321,14 @@ class RolloutManager:
         try:
             if self.memory is not None:
                 self.write_phases()
+            if self.monitor is not None:
+                self.call(self.monitor.stop())
             if self.client is not None:
                 self.call(self.client.close())
         finally:
+            if self.monitor is not None:
+                self.router = self.monitor.router  # restarted ones included
+                self.engines = list(self.engines) + [e for e in self.monitor.engines() if e not in self.engines]
             if self.router is not None:
                 self.router.stop()
             if self.pending is not None:  # launched, never waited for (the trainer failed to start)

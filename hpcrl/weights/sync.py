@@ -108,6 +108,7 @@ class WeightSyncer:
     num_syncs: int = field(default=0, init=False)
     _group: Any = field(default=None, init=False, repr=False)
     _groups_created: int = field(default=0, init=False, repr=False)
+    _group_urls: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -139,6 +140,8 @@ class WeightSyncer:
             infos = await calls.server_infos()
             self.engine_tp_sizes = [int(i.get("tp_size") or 1) for i in infos]
         sizes = [int(t) for t in self.engine_tp_sizes]
+        if len(set(sizes)) == 1 and len(sizes) != len(calls.urls):  # engines replaced or out of rotation
+            sizes = sizes[:1] * len(calls.urls)
         if len(sizes) != len(calls.urls) or min(sizes) < 1:
             raise ValueError(f"engine_tp_sizes {sizes} do not fit {len(calls.urls)} engines")
         return sizes
@@ -184,8 +187,11 @@ class WeightSyncer:
         stream = itertools.chain([first], stream)
         calls = self._calls()
         tp_sizes = await self._tp_sizes(calls) if self.method != "disk" else None
+        if self.method == "distributed" and self._group is not None and self._group_urls != list(calls.urls):
+            await self._drop_group()  # an engine was replaced: a new group with today's engines (slime reconnects)
         if self.method == "distributed" and self._group is None:  # before the pause: engines keep serving
             await self._create_group(calls, tp_sizes)
+            self._group_urls = list(calls.urls)
         t0 = time.perf_counter()
         await calls.pause(self.pause_mode)
         await calls.flush_cache()

@@ -1,0 +1,73 @@
+"""The weights the engines serve, kept on the controller's host so that a restarted engine can load them.
+
+An engine that died is replaced by a new process (:mod:`hpcrl.rollout.health`), which must serve the current
+weight version before it rejoins. The trainer cannot push them then: in sync mode it waits for the rollout
+(and with tensor parallelism its export is a collective of all TP ranks), in async mode it is already training
+the next version. So every weight sync is teed (:meth:`WeightSnapshot.tee`): each HF tensor the sync sends is
+also copied to host memory, and a restart writes that copy once as an HF safetensors folder
+(``run_dir/weights-rejoin/v<version>``, the run folder being shared with the engines' nodes) that the new
+engine starts from. Before the first sync the snapshot is the model folder the engines started from.
+
+Cost: one copy of the model in host memory on the controller, in the dtype the sync sends (e.g. 1 GB for a
+0.5B model in bf16), and a device-to-host copy per sync on GPUs. It is only made when engines may restart
+(``rollout.max_engine_restarts`` > 0). slime keeps no copy: it restarts dead engines only at the next weight
+sync, so a run whose every engine died cannot finish its rollout.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+
+class WeightSnapshot:
+    """Host copy of the last weight version sent to the engines.
+
+    Args:
+        root: folder for the written snapshots (created when first written).
+        model_path: the HF folder the engines started from (what a restart loads before the first sync; its
+            config and tokenizer files are copied into every written snapshot).
+        bucket_bytes: most bytes per safetensors shard written.
+    """
+
+    def __init__(self, root: Path, model_path: Path, bucket_bytes: int = 512 * 1024 * 1024) -> None:
+        self.root, self.model_path, self.bucket_bytes = Path(root), Path(model_path), int(bucket_bytes)
+        self.version: Optional[str] = None
+        """The version of the held tensors (None before the first sync)."""
+        self._tensors: Optional[list[tuple[str, Any]]] = None
+        self._written: Optional[tuple[str, Path]] = None
+        self._lock = threading.Lock()
+
+    def tee(self, named_tensors: Iterable[tuple[str, Any]], version: Any) -> Iterator[tuple[str, Any]]:
+        """Yield ``named_tensors`` unchanged (``(hf_name, tensor)``) while copying each tensor to host memory;
+        once the stream is consumed whole, the copy becomes the snapshot of ``version``. A stream stopped
+        early leaves the previous snapshot in place."""
+        kept = []
+        for name, t in named_tensors:
+            kept.append((name, t.detach().to("cpu", copy=True)))
+            yield name, t
+        with self._lock:
+            self._tensors, self.version = kept, str(version)
+
+    def folder(self) -> tuple[Path, Optional[str]]:
+        """``(HF folder, version)`` a restarted engine starts from: the snapshot written as a folder (once per
+        version; older ones removed), or ``(model_path, None)`` before the first sync. Raises OSError when
+        the folder cannot be written."""
+        from hpcrl.weights.disk import write_hf_folder
+
+        with self._lock:
+            tensors, version = self._tensors, self.version
+            if tensors is None or version is None:
+                return self.model_path, None
+            if self._written is not None and self._written[0] == version:
+                return self._written[1], version
+            dest = self.root / f"v{version}"
+            write_hf_folder(tensors, dest, bucket_bytes=self.bucket_bytes, hf_checkpoint=self.model_path)
+            for old in self.root.iterdir():
+                if old.is_dir() and old != dest and old.name.startswith("v"):
+                    shutil.rmtree(old, ignore_errors=True)
+            self._written = (version, dest)
+            return dest, version

@@ -1,0 +1,119 @@
+"""The pieces of engine replacement (issue #12) on their own: the client's rotation (a request taken out of
+rotation goes elsewhere for free, waits while nothing serves, and fails with EnginesLost once the monitor gives
+up) against a real aiohttp engine stand-in, and the weight snapshot a restarted engine starts from."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+from aiohttp import web
+
+from hpcrl.rollout.client import EnginesLost, RolloutClient
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def _serve() -> tuple[web.AppRunner, str, list]:
+    """A minimal /generate server (answers at once) and the list of requests it saw."""
+    seen: list = []
+
+    async def generate(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"text": "4", "output_ids": [4], "meta_info": {"weight_version": "3"}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}", seen
+
+
+def test_a_request_to_an_engine_taken_out_goes_elsewhere_without_using_a_retry():
+    async def run():
+        runner, live, seen = await _serve()
+        dead = _closed_port_url()
+        failures = []
+        client = RolloutClient(None, [dead, live], max_retries=0, backoff_s=0.0)
+
+        def on_failure(url, error):  # what the health monitor does on a connection error
+            failures.append(url)
+            client.set_engine_urls([u for u in client.engine_urls if u != url])
+
+        client.on_failure = on_failure
+        async with client:
+            out = await client.generate([1, 2], {"max_new_tokens": 1})  # first to the dead one, round robin
+        await runner.cleanup()
+        return out, failures, seen, client.retried_requests
+
+    out, failures, seen, retried = asyncio.run(run())
+    assert out["text"] == "4" and len(seen) == 1 and retried == 1
+    assert len(failures) == 1  # max_retries=0, yet it went on: the failed engine was out of rotation
+
+
+def test_requests_wait_while_no_engine_serves_and_go_on_when_one_is_back():
+    async def run():
+        runner, live, seen = await _serve()
+        client = RolloutClient(None, [live], timeout_s=30)
+        client.on_failure = lambda url, error: None
+        async with client:
+            client.set_engine_urls([])  # being replaced
+            task = asyncio.create_task(client.generate([1], {}))
+            await asyncio.sleep(0.3)
+            assert not task.done() and not seen
+            client.set_engine_urls([live])  # the new engine joins
+            out = await asyncio.wait_for(task, 10)
+        await runner.cleanup()
+        return out
+
+    assert asyncio.run(run())["meta_info"]["weight_version"] == "3"
+
+
+def test_waiting_requests_fail_with_engines_lost_when_none_will_come():
+    async def run():
+        client = RolloutClient(None, [_closed_port_url()], timeout_s=30)
+        async with client:
+            client.set_engine_urls([])
+            task = asyncio.create_task(client.generate([1], {}))
+            await asyncio.sleep(0.2)
+            client.set_lost("engine 0 died and rollout.max_engine_restarts=0 used up")
+            with pytest.raises(EnginesLost, match="max_engine_restarts=0"):
+                await asyncio.wait_for(task, 10)
+            client.on_failure = lambda url, error: None  # with a monitor: control calls skip the missing
+            assert await client.abort_all() == []
+
+    asyncio.run(run())
+
+
+def test_weight_snapshot_is_the_model_folder_until_a_whole_sync_then_its_version(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from hpcrl.weights.snapshot import WeightSnapshot
+
+    snap = WeightSnapshot(tmp_path / "rejoin", tiny_model_dir, bucket_bytes=1 << 20)
+    assert snap.folder() == (tiny_model_dir, None)
+    w = {"model.embed_tokens.weight": torch.arange(6.0).reshape(2, 3), "lm_head.weight": torch.ones(2, 3)}
+    sent = dict(snap.tee(iter(w.items()), 4))
+    w["lm_head.weight"].add_(1)  # the trainer goes on training: the snapshot keeps what was sent
+    folder, version = snap.folder()
+    assert version == "4" and folder == tmp_path / "rejoin" / "v4"
+    got = {}
+    for f in folder.glob("*.safetensors"):
+        got.update(load_file(f))
+    assert got["lm_head.weight"].equal(torch.ones(2, 3)) and sent.keys() == got.keys()
+    assert (folder / "config.json").exists()  # config and tokenizer files come from the model folder
+    stream = snap.tee(iter(w.items()), 5)
+    next(stream)  # a sync that stopped after one tensor leaves version 4 in place
+    assert snap.folder() == (folder, "4")
+    for _ in snap.tee(iter(w.items()), 5):
+        pass
+    assert snap.folder()[1] == "5" and not folder.exists()  # the older folder is removed
