@@ -13,7 +13,8 @@ metrics:
   starts from the weight snapshot, ``hpcrl.weights.snapshot``);
 * ``version ok``: the next step's rollout came from the weight version the loop expects
   (``rollout/weight_version``: step k in sync mode, k-1 in async);
-* ``step cost``: the hit step's ``timing/step_seconds`` minus the median step of the run.
+* ``step cost``: ``timing/step_seconds`` of the first step logged after the recovery (the one the kill hit)
+  minus the median step of the run.
 
     python benchmarks/fault_recovery.py [--kills 5] [--steps 300] [--modes sync,async] [--signal KILL|STOP]
 
@@ -75,7 +76,9 @@ def _steps(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] >= 0]
+    text = path.read_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]  # not a line being written
+    return [r for r in map(json.loads, lines) if r["step"] >= 0]
 
 
 def one_mode(work: Path, mode: str, args) -> list[dict]:
@@ -124,7 +127,7 @@ checkpoint: {{save_interval: 0, keep_last: 1}}
     rows = []
     for k, (d, b) in enumerate(zip(dead, back)):
         kill = kills[k]
-        hit = next((r for r in steps if r["step"] >= kill["step"]), steps[-1])
+        hit = next((r for r in steps if r["time"] >= b), steps[-1])  # the first step logged after recovery
         nxt = next((r for r in steps if r["step"] > hit["step"]), hit)
         rows.append({"mode": mode, "kill": k + 1, "step": hit["step"], "found": d - kill["t"],
                      "serving": b - kill["t"], "version_ok": nxt["rollout/weight_version"] == str(max(nxt["step"] - off, 0)),

@@ -266,7 +266,7 @@ class HealthMonitor:
         self._publish()
         if self.router is not None:
             await self._router_call("remove_worker", old.url)
-        await asyncio.to_thread(old.stop, 2.0)
+        await asyncio.to_thread(old.stop, 0.0 if reason.endswith("hung") else 2.0)  # a hung one ignores SIGTERM
         while True:
             if self.restart_engine is None or slot.restarts >= self.max_restarts:
                 slot.state = LOST
