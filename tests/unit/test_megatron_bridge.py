@@ -5,6 +5,11 @@ hpcrl.train.bridge: bitwise weight round trip, logits, log-probs and entropy aga
 with megatron-core DDP + optimizer against the same step done with HF + torch AdamW.
 The tensor-parallel (2 process) versions are in tests/integration/test_megatron_tp2.py, which reuses the
 helpers at the top of this file.
+
+Device-aware: on a machine with CUDA the trainer's process group is NCCL and the megatron models live on
+the current GPU, so inputs go to the model's device (:func:`device_of`) and results come back with ``.cpu()``
+to be compared against the HF references, which stay on the CPU. On the CPU every ``.to(device)`` and
+``.cpu()`` is a no-op and the tests are the CPU tests they were.
 """
 
 from __future__ import annotations
@@ -107,13 +112,24 @@ def hf_train_step(hf_model, tokens, total, resp, adv, lr=1.0, eps=1.0, clip=1.0)
 
 def megatron_loss_fn(micro_batch):
     """A ``train_step`` loss: :func:`pg_loss` on the response log-probs, the loss of :func:`hf_train_step`."""
-    tokens, total, resp, adv = micro_batch
 
     def loss_fn(model, _):
+        tokens, total, resp, adv = (t.to(device_of(model)) for t in micro_batch)
         out = logprobs.response_log_probs(model, tokens, total, resp)
         return pg_loss(out.log_probs, out.mask, adv), {"tokens": float(out.mask.sum())}
 
     return loss_fn
+
+
+def device_of(model=None) -> torch.device:
+    """Where a test's inputs go: the parameters' device of ``model`` (megatron-core, possibly wrapped);
+    without a model, the device :func:`hpcrl.train.parallel.init_distributed` uses, whose collectives (NCCL
+    on CUDA, gloo on the CPU) need tensors there."""
+    if model is not None:
+        return next(bridge.unwrap_model(model).parameters()).device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 TRAIN = TrainSection(lr=1.0, adam_beta1=0.9, adam_beta2=0.98, clip_grad=1.0, weight_decay=0.0)
@@ -155,7 +171,9 @@ def build_loaded(path):
 def test_load_then_export_is_bitwise_identical(tp1, hf_dirs, kind):
     model = build_loaded(hf_dirs[kind])
     hf = bridge.read_hf_state_dict(hf_dirs[kind])
-    out = dict(bridge.export_hf_weights(model))
+    exported = dict(bridge.export_hf_weights(model))
+    assert {t.device for t in exported.values()} == {device_of(model)}  # on the parameters' device
+    out = {name: t.cpu() for name, t in exported.items()}
     assert sorted(out) == sorted(hf)
     for name, tensor in hf.items():
         assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
@@ -174,7 +192,7 @@ def test_load_from_state_dict_and_errors(tp1, hf_dirs):
     hf_model = load_hf(hf_dirs["llama"])  # tied: its state dict has lm_head.weight, which is skipped
     model = bridge.build_gpt_model(AutoConfig.from_pretrained(str(hf_dirs["llama"])))
     bridge.load_hf_weights(model, hf_model.state_dict())
-    assert all(torch.equal(t, hf_model.state_dict()[n]) for n, t in bridge.export_hf_weights(model))
+    assert all(torch.equal(t.cpu(), hf_model.state_dict()[n]) for n, t in bridge.export_hf_weights(model))
     state = bridge.read_hf_state_dict(hf_dirs["llama"])
     with pytest.raises(KeyError, match="no megatron-core counterpart"):
         bridge.load_hf_weights(model, {**state, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)})
@@ -187,32 +205,38 @@ def test_load_from_state_dict_and_errors(tp1, hf_dirs):
 def test_logits_log_probs_entropy_match_hf(tp1, hf_dirs, kind):
     model, hf_model = build_loaded(hf_dirs[kind]), load_hf(hf_dirs[kind])
     vocab = hf_model.config.vocab_size
-    tokens = sample_batch(vocab)[0]
+    tokens = sample_batch(vocab)[0]  # the CPU copy feeds the HF reference
+    dev = device_of(model)
     with torch.no_grad():
-        logits = model(input_ids=tokens, position_ids=torch.arange(SEQ).expand(3, -1), attention_mask=None)
+        logits = model(input_ids=tokens.to(dev), position_ids=torch.arange(SEQ, device=dev).expand(3, -1),
+                       attention_mask=None)
         hf_logits = hf_model(tokens).logits
     assert logits.shape == (3, SEQ, bridge.padded_vocab_size(vocab))
-    assert (logits[..., :vocab] - hf_logits).abs().max() < 1e-5
+    assert (logits[..., :vocab].cpu() - hf_logits).abs().max() < 1e-5
     for temperature in (1.0, 0.7):
         _, ref_lp, ref_ent = hf_reference(hf_model, tokens, temperature)
-        lp = logprobs.compute_log_probs(logits[:, :-1], tokens[:, 1:], temperature, vocab_size=vocab)
+        lp = logprobs.compute_log_probs(logits[:, :-1], tokens[:, 1:].to(dev), temperature, vocab_size=vocab)
         ent = logprobs.compute_entropy(logits[:, :-1], temperature, vocab_size=vocab)
-        assert (lp - ref_lp).abs().max() < 1e-5
-        assert (ent - ref_ent).abs().max() < 1e-5
+        assert lp.device == ent.device == dev
+        assert (lp.cpu() - ref_lp).abs().max() < 1e-5
+        assert (ent.cpu() - ref_ent).abs().max() < 1e-5
 
 
 def test_padded_vocab_is_excluded_only_when_vocab_size_given(tp1):
     logits = torch.randn(2, 3, 8)
     labels = torch.randint(0, 5, (2, 3))
     ref = torch.log_softmax(logits[..., :5], -1).gather(-1, labels[..., None])[..., 0]
-    assert torch.allclose(logprobs.compute_log_probs(logits, labels, vocab_size=5), ref, atol=1e-6)
+    dev = device_of()  # vocab_parallel_cross_entropy all-reduces over the TP group even at TP=1
+    on_dev = logits.to(dev), labels.to(dev)
+    assert torch.allclose(logprobs.compute_log_probs(*on_dev, vocab_size=5).cpu(), ref, atol=1e-6)
     full = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
-    assert torch.allclose(logprobs.compute_log_probs(logits, labels), full, atol=1e-6)
+    assert torch.allclose(logprobs.compute_log_probs(*on_dev).cpu(), full, atol=1e-6)
 
 
 def test_entropy_gradient_matches_autograd_reference(tp1):
-    logits = torch.randn(2, 4, 8, dtype=torch.float32, requires_grad=True)
-    weights = torch.randn(2, 4)
+    dev = device_of()
+    logits = torch.randn(2, 4, 8, dtype=torch.float32).to(dev).requires_grad_(True)
+    weights = torch.randn(2, 4).to(dev)
     (logprobs.compute_entropy(logits, 0.9, vocab_size=6) * weights).sum().backward()
     ours = logits.grad.clone()
     logits.grad = None
@@ -224,20 +248,23 @@ def test_entropy_gradient_matches_autograd_reference(tp1):
 
 def test_response_log_probs_reads_response_positions(tp1, hf_dirs):
     model, hf_model = build_loaded(hf_dirs["qwen2"]), load_hf(hf_dirs["qwen2"])
-    tokens, total, resp, _ = sample_batch(hf_model.config.vocab_size, seed=3)
+    tokens, total, resp, _ = sample_batch(hf_model.config.vocab_size, seed=3)  # on the CPU for HF
+    dev = device_of(model)
     with torch.no_grad():
-        out = logprobs.response_log_probs(model, tokens, total, resp, temperature=0.8, with_entropy=True)
+        out = logprobs.response_log_probs(model, tokens.to(dev), total, resp, temperature=0.8,
+                                          with_entropy=True)
     assert out.log_probs.shape == out.entropy.shape == out.mask.shape == (3, int(resp.max()))
+    assert out.log_probs.device == out.entropy.device == out.mask.device == dev
     for i in range(3):
         n, r = int(total[i]), int(resp[i])
         # HF on the unpadded row: the response tokens are tokens[n - r:n], predicted from positions n-r-1..n-2
         _, lp, ent = hf_reference(hf_model, tokens[i:i + 1, :n], 0.8)
-        assert (out.log_probs[i, :r] - lp[0, n - r - 1:]).abs().max() < 1e-5
-        assert (out.entropy[i, :r] - ent[0, n - r - 1:]).abs().max() < 1e-5
+        assert (out.log_probs[i, :r].cpu() - lp[0, n - r - 1:]).abs().max() < 1e-5
+        assert (out.entropy[i, :r].cpu() - ent[0, n - r - 1:]).abs().max() < 1e-5
         assert out.mask[i].tolist() == [True] * r + [False] * (int(resp.max()) - r)
         assert (out.log_probs[i, r:] == 0).all()
     with pytest.raises(ValueError, match="prompt"):
-        logprobs.response_log_probs(model, tokens, total, total)
+        logprobs.response_log_probs(model, tokens.to(dev), total, total)
 
 
 # --- config ---------------------------------------------------------------------------------------------
@@ -249,8 +276,9 @@ def test_mcore_config_from_hf_fields(hf_dirs):
     q2 = bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(hf_dirs["qwen2"])))
     assert (q2.normalization, q2.gated_linear_unit, q2.add_qkv_bias, q2.add_bias_linear, q2.qk_layernorm) == \
         ("RMSNorm", True, True, False, False)
+    cpu_init = not torch.cuda.is_available()  # CPU initialisation only without CUDA (megatron-core's default)
     assert (q2.num_query_groups, q2.kv_channels, q2.use_cpu_initialization, q2.params_dtype) == \
-        (2, 32, True, torch.float32)
+        (2, 32, cpu_init, torch.float32)
     q3 = bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(hf_dirs["qwen3"])), dtype=torch.bfloat16)
     assert (q3.qk_layernorm, q3.add_qkv_bias, q3.kv_channels, q3.bf16, q3.params_dtype) == \
         (True, False, 24, True, torch.bfloat16)
@@ -293,7 +321,7 @@ def test_train_step_matches_hf_adamw_step(tp1, hf_dirs):
     assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     assert ref_norm > TRAIN.clip_grad  # so clipping was exercised
-    after = dict(bridge.export_hf_weights(ddp_model))
+    after = {k: v.cpu() for k, v in bridge.export_hf_weights(ddp_model)}  # the HF step ran on the CPU
     before = bridge.read_hf_state_dict(path)
     assert max((after[k] - before[k]).abs().max().item() for k in after) > 1e-2
     assert max((after[k] - ref_state[k]).abs().max().item() for k in after) < 1e-6
