@@ -17,6 +17,7 @@ metrics:
   minus the median step of the run.
 
     python benchmarks/fault_recovery.py [--kills 5] [--steps 300] [--modes sync,async] [--signal KILL|STOP]
+        [--set KEY=VALUE ...]
 
 Not measured here yet: the same on the local Slurm cluster (engines of a Slurm job are not restarted yet:
 a dead rollout step still fails the job; see docs/performance.md).
@@ -72,6 +73,12 @@ def _engines(pid: int) -> list[int]:
     return out
 
 
+def _tail(path: Path) -> str:
+    """The end of a run's log, progress bars folded (what a failed run printed)."""
+    lines = path.read_text(errors="replace").replace("\r", "\n").splitlines()
+    return "\n".join(x for x in lines if "rollout:" not in x)[-3000:]
+
+
 def _steps(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -95,7 +102,7 @@ checkpoint: {{save_interval: 0, keep_last: 1}}
 """)
     log_path = work / f"{mode}.log"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg)], cwd=work, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), *args.set], cwd=work, env=env,
                             stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     run_dir = work / "runs" / mode
     sig = signal.SIGKILL if args.signal == "KILL" else signal.SIGSTOP
@@ -104,7 +111,7 @@ checkpoint: {{save_interval: 0, keep_last: 1}}
         target = int((i + 1) * args.steps / (args.kills + 1))
         while len(_steps(run_dir)) < target or not _engines(proc.pid):
             if proc.poll() is not None:
-                raise SystemExit(f"{mode}: the run ended ({proc.returncode}); see {log_path}")
+                raise SystemExit(f"{mode}: the run ended ({proc.returncode}):\n{_tail(log_path)}")
             time.sleep(0.01)
         victim = _engines(proc.pid)[0]
         t = time.time()
@@ -112,10 +119,10 @@ checkpoint: {{save_interval: 0, keep_last: 1}}
         kills.append({"t": t, "step": len(_steps(run_dir))})
         while [p for p in _engines(proc.pid) if p != victim] == [] or victim in _engines(proc.pid):
             if proc.poll() is not None:
-                raise SystemExit(f"{mode}: the run ended ({proc.returncode}); see {log_path}")
+                raise SystemExit(f"{mode}: the run ended ({proc.returncode}):\n{_tail(log_path)}")
             time.sleep(0.01)
     if proc.wait() != 0:
-        raise SystemExit(f"{mode}: the run failed ({proc.returncode}); see {log_path}")
+        raise SystemExit(f"{mode}: the run failed ({proc.returncode}):\n{_tail(log_path)}")
     text = log_path.read_text(errors="replace")
     events = [(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), m.group(2).startswith("at"))
               for m in LINE.finditer(text)]
@@ -144,8 +151,12 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=1.0, help="rollout.heartbeat_interval_s")
     p.add_argument("--timeout", type=float, default=3.0, help="rollout.heartbeat_timeout_s")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="more `hpcrl run` overrides (on a GPU: rollout.engine=cpu run.placement=disaggregate)")
     args = p.parse_args()
     print(machine_header(threads=args.threads, precision="fp32"))
+    if args.set:
+        print("overrides:", " ".join(args.set))
     print(f"SIG{args.signal} x {args.kills} per run, {args.steps} steps, heartbeat {args.interval:g} s / "
           f"timeout {args.timeout:g} s, 1 engine (the run waits while it is replaced)")
     rows = []
