@@ -19,8 +19,8 @@ metrics:
     python benchmarks/fault_recovery.py [--kills 5] [--steps 300] [--modes sync,async] [--signal KILL|STOP]
         [--set KEY=VALUE ...]
 
-Not measured here yet: the same on the local Slurm cluster (engines of a Slurm job are not restarted yet:
-a dead rollout step still fails the job; see docs/performance.md).
+Not measured here yet: the same on the local Slurm cluster (a dead engine's job step is replaced by a new
+``srun`` step there: tests/integration/test_fault_tolerance_slurm.py).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class RolloutManager:
         try:
             return future.result()
         except Exception:
-            if self.step is not None:
+            if self.step is not None and self.snapshot is None:  # engines are not restarted: say why they died
                 self.step.check(grace_s=10.0)
             raise
         except BaseException:  # KeyboardInterrupt while waiting: the coroutine must not go on alone

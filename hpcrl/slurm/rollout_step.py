@@ -9,8 +9,11 @@ atomically) and ``exec``s the engine (hpcrl's CPU engine, or ``python -m sglang.
 ``sglang:`` flags on GPU nodes), bound to all interfaces and protected by the run's secret. The controller
 reads the addresses from the shared run folder, waits for ``/health`` on each, and stops the step at the end.
 
-If the step dies (a task fails: ``--kill-on-bad-exit``), :meth:`RolloutStep.check` raises with the step's log
-tail, so the run fails fast instead of hanging on requests to dead engines.
+If the step dies (a task fails: ``--kill-on-bad-exit``, which takes the step's other engines with it), the
+controller's health monitor (:mod:`hpcrl.rollout.health`) replaces each dead engine with a one-engine step on
+its node (:meth:`RolloutStepLaunch.restart`); with ``rollout.max_engine_restarts: 0``,
+:meth:`RolloutStep.check` raises with the step's log tail, so the run fails fast instead of hanging on requests
+to dead engines.
 """
 
 from __future__ import annotations
@@ -48,32 +51,44 @@ def num_engines(cfg: Config) -> int:
 
 
 def srun_command(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path, secret_path: Path,
-                 environ: Optional[dict] = None, python: str = sys.executable) -> list[str]:
+                 environ: Optional[dict] = None, python: str = sys.executable,
+                 restart: Optional[tuple[int, int, str, Optional[str]]] = None) -> list[str]:
     """The ``srun`` command line of the rollout step (see the module doc). ``environ`` defaults to
-    ``os.environ`` (``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_ID``)."""
+    ``os.environ`` (``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_ID``). ``restart``: ``(index, attempt, node,
+    weight_version)`` for the one-engine step that replaces engine ``index`` on ``node`` (``model_path`` then
+    the weight snapshot, :mod:`hpcrl.weights.snapshot`)."""
     from hpcrl.slurm.container import container_prefix
 
     environ = os.environ if environ is None else environ
-    n = num_engines(cfg)
+    n = num_engines(cfg) if restart is None else 1
     # --overlap and --mem=0: share the CPUs, memory and GPUs the trainer step holds (colocated), or take group
     # 1 whole (disaggregated); without --mem=0 Slurm 22.05 refuses the step ("Memory required by task is not
     # available") because the trainer step holds all of the job's memory.
+    log = f"{attempt_dir}/engine-%t.log" if restart is None else \
+        f"{attempt_dir}/engine-{restart[0]}.restart-{restart[1]}.log"
     cmd = ["srun", "--overlap", "--mem=0", f"--ntasks={n}", "--kill-on-bad-exit=1", "--unbuffered",
-           f"--job-name={cfg.run.name}-rollout", f"--output={attempt_dir}/engine-%t.log"]
+           f"--job-name={cfg.run.name}-rollout", f"--output={log}"]
     if environ.get("SLURM_JOB_ID"):
         cmd.append(f"--jobid={environ['SLURM_JOB_ID']}")
     if cfg.run.placement == "disaggregate" and cfg.slurm.rollout is not None:
-        cmd += ["--het-group=1", f"--nodes={cfg.slurm.rollout.nodes}", "--ntasks-per-node=1"]
+        nodes = cfg.slurm.rollout.nodes if restart is None else 1
+        cmd += ["--het-group=1", f"--nodes={nodes}", "--ntasks-per-node=1"]
         gpus = cfg.slurm.rollout.gpus_per_node
     else:
         nodes = int(environ.get("SLURM_JOB_NUM_NODES_HET_GROUP_0") or environ.get("SLURM_JOB_NUM_NODES") or 1)
         cmd.append(f"--nodes={max(1, min(n, nodes))}")
         gpus = cfg.slurm.gpus_per_node
+    if restart is not None:
+        cmd.append(f"--nodelist={restart[2]}")  # where the dead engine ran (its GPUs are free again)
     if gpus:
         cmd.append(f"--gres=gpu:{gpus}")
     cmd += container_prefix(cfg, run_dir, "rollout")
     cmd += [python, "-m", "hpcrl.slurm.rollout_step", "--config", str(run_dir / "config.yaml"),
             "--model-path", str(model_path), "--attempt-dir", str(attempt_dir), "--secret", str(secret_path)]
+    if restart is not None:
+        cmd += ["--address-file", f"engine-{restart[0]}.restart-{restart[1]}.json"]
+        if restart[3] is not None:
+            cmd += ["--weight-version", str(restart[3])]
     return cmd
 
 
@@ -84,9 +99,22 @@ class EngineAddress:
     url: str
     node: str
     pid: int
+    step: Optional["RolloutStep"] = field(default=None, repr=False, compare=False)
+
+    def alive(self) -> bool:
+        """False once its step has exited (a task that dies takes the step with it: ``--kill-on-bad-exit``)."""
+        return self.step is None or self.step.alive()
+
+    @property
+    def process(self):
+        """The step's ``srun`` process (its ``returncode`` says how it ended)."""
+        return self.step.process if self.step is not None else None
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Engines stop with their step (:meth:`RolloutStep.stop`)."""
+        """A replacement's own step is stopped; the engines of the run's first step stop with it
+        (:meth:`RolloutStep.stop`)."""
+        if self.step is not None and self.step.owned_by_engine:
+            self.step.stop(grace_s)
 
 
 @dataclass
@@ -98,6 +126,8 @@ class RolloutStep:
     command: list[str]
     engines: list[EngineAddress] = field(default_factory=list)
     _log: Optional[IO[bytes]] = field(default=None, repr=False)
+    owned_by_engine: bool = False
+    """A one-engine step started to replace a dead engine (stopped with that engine)."""
 
     @property
     def urls(self) -> list[str]:
@@ -154,7 +184,8 @@ def spawn_rollout_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path
     return RolloutStep(process, attempt_dir, cmd, _log=log_file)
 
 
-def wait_rollout_step(step: RolloutStep, cfg: Config, secret_path: Path, timeout_s: float = 600.0) -> RolloutStep:
+def wait_rollout_step(step: RolloutStep, cfg: Config, secret_path: Path, timeout_s: float = 600.0,
+                      pattern: str = "engine-*.json", n: Optional[int] = None) -> RolloutStep:
     """Wait until every engine of ``step`` has reported its address and answers ``/health`` (seconds:
     ``timeout_s``, model loading included); returns ``step`` with ``engines`` set.
 
@@ -165,15 +196,16 @@ def wait_rollout_step(step: RolloutStep, cfg: Config, secret_path: Path, timeout
     from hpcrl.rollout.secret import read_secret
 
     engines_dir = step.attempt_dir / ENGINES_DIR
-    n = num_engines(cfg)
+    n = num_engines(cfg) if n is None else n
     key = read_secret(secret_path)
     deadline = time.monotonic() + timeout_s
     try:
         while True:
             step.check()
-            found = sorted(engines_dir.glob("engine-*.json"))
+            found = sorted(p for p in engines_dir.glob(pattern)
+                           if ".restart-" in pattern or ".restart-" not in p.name)  # the first step: its own
             if len(found) == n:
-                engines = [EngineAddress(**json.loads(p.read_text())) for p in found]
+                engines = [EngineAddress(**json.loads(p.read_text()), step=step) for p in found]
                 if all(http_status(e.url + "/health", key, timeout_s=2.0) == 200 for e in engines):
                     step.engines = engines
                     log.info("rollout step up: %s", ", ".join(step.urls))
@@ -197,6 +229,7 @@ class RolloutStepLaunch:
     step: RolloutStep
     cfg: Config
     secret_path: Path
+    replacements: list = field(default_factory=list)
 
     def wait(self) -> tuple[list, RolloutStep]:
         """Raises RolloutStepError as :func:`wait_rollout_step` does."""
@@ -205,6 +238,29 @@ class RolloutStepLaunch:
 
     def stop(self) -> None:
         self.step.stop()
+        for s in self.replacements:
+            s.stop()
+
+    def restart(self, index: int, model_path, weight_version: Optional[str], attempt: int) -> EngineAddress:
+        """Replace engine ``index`` (dead) with a new one-engine job step on the node it ran on, from the HF
+        folder ``model_path`` serving ``weight_version`` (:data:`hpcrl.rollout.health.RestartEngine`); its log
+        is ``engine-<index>.restart-<attempt>.log``. Waits until it answers ``/health``. Raises
+        RolloutStepError with the step's log tail (e.g. the node is down)."""
+        from hpcrl.procs import die_with_parent
+
+        node = self.step.engines[index].node if index < len(self.step.engines) else ""
+        attempt_dir, run_dir = self.step.attempt_dir, self.step.attempt_dir.parent.parent
+        cmd = srun_command(self.cfg, run_dir, attempt_dir, Path(model_path).absolute(), self.secret_path,
+                           restart=(index, attempt, node, weight_version))
+        log_file = open(attempt_dir / "rollout-step.log", "ab")
+        log.info("replacing engine %d: %s", index, " ".join(cmd))
+        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   preexec_fn=die_with_parent)
+        step = RolloutStep(process, attempt_dir, cmd, _log=log_file, owned_by_engine=True)
+        self.replacements.append(step)
+        wait_rollout_step(step, self.cfg, self.secret_path, pattern=f"engine-{index}.restart-{attempt}.json",
+                          n=1)
+        return step.engines[0]
 
 
 def launch_engine_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path,
@@ -230,14 +286,19 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model-path", required=True)
     p.add_argument("--attempt-dir", required=True)
     p.add_argument("--secret", required=True)
+    p.add_argument("--address-file", default=None, help="default engine-<SLURM_PROCID>.json")
+    p.add_argument("--weight-version", default=None, help="the engine's weight version (a replacement's)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     port = find_free_port("")
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    cmd = engine_command(cfg.rollout, engine_sglang_args(cfg), args.model_path, "0.0.0.0", port, args.secret,
+    sglang_args = engine_sglang_args(cfg)
+    if args.weight_version is not None:
+        sglang_args["weight_version"] = args.weight_version
+    cmd = engine_command(cfg.rollout, sglang_args, args.model_path, "0.0.0.0", port, args.secret,
                          key_via="config")  # SGLang: the key in a 0600 file, not in ps (the CPU engine reads it)
     procid = os.environ.get("SLURM_PROCID", "0")
-    out = Path(args.attempt_dir) / ENGINES_DIR / f"engine-{procid}.json"
+    out = Path(args.attempt_dir) / ENGINES_DIR / (args.address_file or f"engine-{procid}.json")
     atomic_write_text(out, json.dumps({"url": url_for(node, port), "node": node, "pid": os.getpid()}))
     print(f"[hpcrl] rollout task {procid} on {node}: engine at {url_for(node, port)}", flush=True)
     # Slurm sends the preemption signal (USR2 by default, which terminates) to every step; the engines must

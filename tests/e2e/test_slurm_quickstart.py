@@ -106,12 +106,13 @@ def test_quickstart_disaggregated_het_job_over_two_nodes(tmp_path, slurm_cluster
 
 
 def test_dead_rollout_step_fails_the_job_fast_with_its_log(tmp_path, slurm_cluster):
-    """Killing the rollout job step mid-run ends the job within seconds, with the step's log tail in the job's
-    error log (never a hang on requests to dead engines)."""
+    """With engine restarts off (``rollout.max_engine_restarts: 0``; by default a new engine step replaces it:
+    tests/integration/test_fault_tolerance_slurm.py), killing the rollout job step mid-run ends the job within
+    seconds, with the step's log tail in the job's error log (never a hang on requests to dead engines)."""
     shutil.copy(REPO / "configs" / "quickstart.yaml", tmp_path / "quickstart.yaml")
     out = subprocess.run([str(HPCRL), "submit", "quickstart.yaml", "run.name=dies", "sft.enabled=false",
                           f"model.path={tmp_path}/tiny", "run.num_rollout=100000", "rollout.eval_interval=0",
-                          "rollout.dynamic_filter=null",
+                          "rollout.dynamic_filter=null", "rollout.max_engine_restarts=0",
                           "slurm.cpus_per_task=2", "slurm.time=00:10:00", "slurm.signal=USR2@60"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr

@@ -29,8 +29,9 @@ pytestmark = pytest.mark.integration
 STEPS = 100
 
 
-def start(tmp_path: Path, name: str, *overrides: str, steps: int = STEPS) -> subprocess.Popen:
-    """``hpcrl run`` of a short run with a quick health monitor; output in ``tmp_path/<name>.log``."""
+def write_config(tmp_path: Path, steps: int = STEPS) -> Path:
+    """``tmp_path/run.yaml``: a short run with a quick health monitor (runs under ``tmp_path/runs``), and the
+    reward module it names."""
     (tmp_path / "loop_rewards.py").write_text(REWARD_MODULE)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"""
@@ -43,6 +44,12 @@ rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 6, eval_inter
 train: {{lr: 1.0e-3, micro_batch_size: 8}}
 checkpoint: {{save_interval: 0, keep_last: 1}}
 """)
+    return cfg
+
+
+def start(tmp_path: Path, name: str, *overrides: str, steps: int = STEPS) -> subprocess.Popen:
+    """``hpcrl run`` of :func:`write_config`'s run as ``run.name=name``; output in ``tmp_path/<name>.log``."""
+    cfg = write_config(tmp_path, steps)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
     log = open(tmp_path / f"{name}.log", "ab")

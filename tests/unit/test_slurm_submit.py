@@ -787,6 +787,27 @@ def test_rollout_step_srun_command_colocated_and_het(tmp_path):
     assert cmd[cmd.index("apptainer"):cmd.index("py")][-1] == str(image)
 
 
+def test_rollout_step_srun_command_of_a_replacement_engine(tmp_path):
+    """Issue #12: a dead engine is replaced by a one-engine step on its node, from the weight snapshot at the
+    current version, with its own log and address file."""
+    from hpcrl.slurm.rollout_step import srun_command
+
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1"}
+    het = load_config(None, ["model.create=tiny-qwen2", "run.placement=disaggregate",
+                             "slurm.rollout={nodes: 3, gpus_per_node: 8}"])
+    cmd = srun_command(het, tmp_path, tmp_path / "a", tmp_path / "snap", tmp_path / "secret", env, python="py",
+                       restart=(2, 1, "n4", "17"))
+    assert {"--het-group=1", "--nodes=1", "--ntasks=1", "--nodelist=n4", "--gres=gpu:8",
+            f"--output={tmp_path / 'a'}/engine-2.restart-1.log"} <= set(cmd)
+    tail = cmd[cmd.index("py"):]
+    assert tail[tail.index("--model-path") + 1] == str(tmp_path / "snap")
+    assert tail[-4:] == ["--address-file", "engine-2.restart-1.json", "--weight-version", "17"]
+    colo = load_config(None, ["model.create=tiny-qwen2", "rollout.num_engines=2"])
+    cmd = srun_command(colo, tmp_path, tmp_path, tmp_path / "m", tmp_path / "secret", env, python="py",
+                       restart=(0, 3, "n1", None))
+    assert {"--ntasks=1", "--nodes=1", "--nodelist=n1"} <= set(cmd) and "--weight-version" not in cmd
+
+
 def test_rollout_step_engine_command_passes_gpu_sglang_flags(tmp_path):
     """Point 4: GPU-only SGLang flags of the ``sglang:`` section reach the real ``sglang.launch_server`` command
     line the rollout step execs; colocated adds ``--enable-memory-saver``, deterministic runs SGLang's

@@ -1,0 +1,98 @@
+"""Engines that die are replaced on the local Slurm cluster too (issue #12 point 3): the engine of a run's
+rollout job step is killed (colocated on n1, and in a het job on n2), and a new one-engine job step on that
+node takes its place, at the current weight version; the run completes with every group trained once.
+
+The run of tests/integration/test_fault_tolerance.py (tiny model, heartbeat 1 s / timeout 3 s), submitted with
+``hpcrl submit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.slurm.state import FINAL_STATES, query_states
+from tests.integration.test_fault_tolerance import assert_each_group_once, metrics, write_config
+from tests.integration.test_preemption_local import steps_done
+
+pytestmark = [pytest.mark.integration, pytest.mark.slurm, pytest.mark.timeout(900)]
+
+HPCRL = Path(sys.executable).with_name("hpcrl")
+STEPS = 40
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch, slurm_cluster):
+    """The run config and the reward module (on the job's PYTHONPATH)."""
+    write_config(tmp_path, STEPS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    yield tmp_path
+    queued = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True, timeout=30).stdout
+    left = [line.split()[0] for line in queued.splitlines() if line.split()[1:] == [str(tmp_path)]]
+    if left:
+        subprocess.run(["scancel", *left], timeout=30)
+
+
+def submit(work: Path, name: str, *overrides: str) -> tuple[str, Path]:
+    out = subprocess.run([str(HPCRL), "submit", "run.yaml", f"run.name={name}",                           "slurm.cpus_per_task=2", "slurm.time=00:10:00", *overrides], cwd=work,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    return words[words.index("job") + 1], Path(words[words.index("job") + 3])
+
+
+def rollout_steps(job_id: str, name: str) -> list[str]:
+    """The job's rollout job steps (a het job's group 1 is listed under its own job id, JOB + 1)."""
+    out = subprocess.run(["squeue", "-h", "-s", "-o", "%i %j"], capture_output=True, text=True,
+                         timeout=30).stdout.splitlines()
+    return [line.split()[0] for line in out
+            if line.endswith(f" {name}-rollout")
+            and int(line.split()[0].split(".")[0].split("+")[0]) in (int(job_id), int(job_id) + 1)]
+
+
+def job_log(run_dir: Path) -> str:
+    logs = sorted((run_dir / "submitit").glob("*")) + sorted((run_dir / "logs").rglob("*.log"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in logs if p.is_file())
+
+
+def kill_the_engine_step_and_complete(work: Path, name: str, node: str, *overrides: str) -> Path:
+    job_id, run_dir = submit(work, name, *overrides)
+    assert run_dir == work / "runs" / name
+    deadline = time.monotonic() + 300
+    while steps_done(run_dir) < 5:
+        assert time.monotonic() < deadline and query_states([job_id])[job_id] not in FINAL_STATES, job_log(run_dir)
+        time.sleep(0.5)
+    first = rollout_steps(job_id, name)
+    assert len(first) == 1, subprocess.run(["squeue", "-s", "-o", "%i %j %N"], capture_output=True, text=True,
+                                           timeout=30).stdout
+    subprocess.run(["scancel", first[0]], check=True, timeout=30)  # the engine's job step dies
+    while query_states([job_id])[job_id] not in FINAL_STATES:
+        assert time.monotonic() < deadline + 300, job_log(run_dir)
+        time.sleep(1)
+    assert query_states([job_id])[job_id] == "COMPLETED", job_log(run_dir)
+    assert steps_done(run_dir) == STEPS
+    rows = metrics(work, name)
+    assert sum(m["rollout/engine_restarts"] for m in rows) == 1, job_log(run_dir)
+    engines = run_dir / "logs" / "attempt-0" / "engines"
+    new = json.loads((engines / "engine-0.restart-1.json").read_text())
+    assert new["node"] == node and new["url"].startswith(f"http://{node}:")
+    off = 1 if "run.mode=async" in overrides else 0
+    assert [m["rollout/weight_version"] for m in rows] == [str(max(k - off, 0)) for k in range(STEPS)]
+    assert_each_group_once(work, name, STEPS)
+    return run_dir
+
+
+def test_colocated_engine_step_killed_is_replaced(work):
+    kill_the_engine_step_and_complete(work, "colo", "n1")
+
+
+def test_het_job_engine_step_killed_is_replaced(work):
+    kill_the_engine_step_and_complete(work, "het", "n2", "run.placement=disaggregate", "train.nprocs=1",
+                                      "slurm.cpus_per_task=1", "slurm.rollout={nodes: 1, cpus_per_task: 2}")
