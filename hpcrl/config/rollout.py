@@ -32,7 +32,10 @@ class RolloutSection:
     ``train`` on the kept groups (at least one; warns, ``rollout/groups_short`` in the metrics), or ``error``
     (the run stops, after checkpointing its last finished step)."""
     partial_rollout: bool = False
-    """Keep aborted partial groups in the buffer and continue them next step."""
+    """Keep aborted partial groups in the buffer and continue them next step (slime ``--partial-rollout``);
+    generations are then streamed, so an engine that dies mid-generation costs only the tokens it had not sent
+    (the rest continue on another engine). Each SSE chunk carries the response so far (SGLang's default), so
+    for long responses set ``sglang.stream_interval`` (tokens per chunk) on SGLang engines."""
     max_new_tokens: int = 16
     """Response length limit in tokens (slime ``--rollout-max-response-len``)."""
     temperature: float = 1.0

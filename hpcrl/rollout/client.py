@@ -125,6 +125,8 @@ class RolloutClient:
             connections costs this much per attempt, not ``timeout_s``).
         on_failure: called as ``on_failure(base_url, error_text)`` after each failed attempt on an engine or
             the router (connection error, timeout, 5xx), before the retry; the health monitor's hook.
+        keep_partial: stream single-sequence :meth:`generate` calls and, when the engine dies mid-generation,
+            keep the tokens it sent and continue from them elsewhere (``rollout.partial_rollout``).
 
     Use as ``async with RolloutClient(...) as client`` (or call :meth:`open` / :meth:`close`).
     Raises ValueError if neither a router nor any engine is given.
@@ -133,7 +135,7 @@ class RolloutClient:
     def __init__(self, router_url: Optional[str] = None, engine_urls: Sequence[str] = (),
                  api_key: Optional[str] = None, timeout_s: float = 600.0, max_retries: int = 3,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0, max_connections: int = 0,
-                 connect_timeout_s: float = 10.0, on_failure=None):
+                 connect_timeout_s: float = 10.0, on_failure=None, keep_partial: bool = False):
         if not router_url and not engine_urls:
             raise ValueError("RolloutClient needs a router_url or at least one engine URL")
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
@@ -157,6 +159,9 @@ class RolloutClient:
         self._lost: Optional[str] = None
         self.retried_requests = 0
         """Requests that needed more than one attempt (a metric of engine failures)."""
+        self.keep_partial = bool(keep_partial)
+        self.kept_partial_tokens = 0
+        """Tokens received from an engine that then died, kept and continued from on another one."""
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> "RolloutClient":
@@ -293,6 +298,13 @@ class RolloutClient:
         next engine on each retry). ``timeout_s`` overrides the client's per-attempt timeout (seconds).
         Raises RolloutError (naming the URL and the last error) after a 4xx, or when the retries are used up.
         """
+        return await self._with_retries(
+            lambda base: self._attempt(method, base + path, payload, params, timeout_s),
+            method, path, base_url=base_url, retry=retry)
+
+    async def _with_retries(self, send, method: str, path: str, *, base_url: Optional[str],
+                            retry: bool) -> Any:
+        """The retry policy of :meth:`request` around ``await send(base_url_of_this_attempt)``."""
         attempts = 1 + (self.max_retries if retry else 0)
         url = ""
         last: Optional[_Retryable] = None
@@ -304,7 +316,7 @@ class RolloutClient:
             if sent == 2:
                 self.retried_requests += 1
             try:
-                return await self._attempt(method, url, payload, params, timeout_s)
+                return await send(base)
             except _Retryable as e:
                 last = e
                 if self.on_failure is not None:
@@ -319,6 +331,42 @@ class RolloutClient:
         assert last is not None
         raise RolloutError(f"{method} {url} failed after {attempts} attempt(s): {last}", url, last.status,
                            last.body)
+
+    async def _stream_attempt(self, url: str, payload: dict, on_chunk) -> dict:
+        """One streamed ``/generate`` (SSE ``data: {json}`` ... ``data: [DONE]``): ``on_chunk(chunk)`` for
+        every chunk as it comes; returns the last one. A stream cut before ``[DONE]`` (the engine died), a
+        connection error, a timeout or a 5xx raise _Retryable; a 4xx raises RolloutError."""
+        if self._session is None:
+            await self.open()
+        assert self._session is not None
+        last: Optional[dict] = None
+        try:
+            async with self._session.post(url, json=payload) as resp:
+                if resp.status != 200:
+                    text = await resp.text()
+                    message = f"HTTP {resp.status}: {_error_message(_decode(text))}"
+                    if resp.status >= 500:
+                        raise _Retryable(message, resp.status, text[:_BODY_LIMIT])
+                    raise RolloutError(f"POST {url} failed: {message}", url, resp.status, text[:_BODY_LIMIT])
+                async for raw in resp.content:
+                    line = raw.decode(errors="replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        if last is None:
+                            raise _Retryable("stream ended without a chunk")
+                        return last
+                    chunk = _decode(data)
+                    if not isinstance(chunk, dict) or "error" in chunk:  # e.g. a router whose worker died
+                        raise _Retryable(f"stream error: {_error_message(chunk)}")
+                    last = chunk
+                    on_chunk(chunk)
+        except asyncio.TimeoutError:
+            raise _Retryable(f"timed out after {self.timeout_s:g} s") from None
+        except aiohttp.ClientError as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        raise _Retryable("stream ended before [DONE]")
 
     async def _to_engines(self, method: str, path: str, payload: Any, *, retry: bool,
                           params: Optional[dict] = None, timeout_s: Optional[float] = None,
@@ -366,7 +414,10 @@ class RolloutClient:
         if rid is not None:
             payload["rid"] = rid
         payload.update(extra)
-        out = await self.request("POST", "/generate", payload)
+        if self.keep_partial and not payload.get("stream"):
+            out = await self._generate_keeping_partial(payload)
+        else:
+            out = await self.request("POST", "/generate", payload)
         if not isinstance(out, dict):
             raise RolloutError(f"/generate returned {type(out).__name__}, expected a JSON object",
                                self.router_url or "engines")
@@ -374,6 +425,58 @@ class RolloutClient:
         if version is not None:
             self._weight_version = str(version)
         return out
+
+    async def _generate_keeping_partial(self, payload: dict) -> dict:
+        """:meth:`generate` streamed, so that an engine dying mid-generation costs only what it had not sent:
+        the tokens received so far (cumulative in each SSE chunk, SGLang's default) are kept, and the retry
+        continues from ``prompt + kept`` with ``max_new_tokens`` reduced by their number, on another engine
+        (as slime's ``sglang_streaming_rollout`` keeps an aborted sample's partial state). Returns one
+        response as a non-streamed call would (``output_ids``, ``text`` and ``output_token_logprobs`` joined,
+        ``completion_tokens`` counted over all attempts). :attr:`kept_partial_tokens` counts kept tokens."""
+        prompt = list(payload["input_ids"])
+        params = dict(payload["sampling_params"])
+        limit = params.get("max_new_tokens")
+        kept_ids: list[int] = []
+        kept_lp: list = []
+        kept_text = ""
+        current: dict = {}
+
+        def on_chunk(chunk: dict) -> None:
+            current["chunk"] = chunk
+
+        def split(chunk: dict) -> tuple[list[int], list, str]:
+            triples = (chunk.get("meta_info") or {}).get("output_token_logprobs")
+            ids = [int(t[1]) for t in triples] if triples is not None else list(chunk.get("output_ids") or [])
+            return ids, list(triples or []), str(chunk.get("text") or "")
+
+        async def send(base: str) -> dict:
+            nonlocal kept_ids, kept_lp, kept_text
+            body = dict(payload, stream=True, input_ids=prompt + kept_ids, sampling_params=dict(params))
+            if kept_ids and limit is not None:
+                body["sampling_params"]["max_new_tokens"] = max(int(limit) - len(kept_ids), 0)
+            current.clear()
+            try:
+                return await self._stream_attempt(base + "/generate", body, on_chunk)
+            except _Retryable:
+                chunk = current.get("chunk")
+                if chunk is not None:  # the engine died mid-stream: keep what it sent
+                    ids, lp, text = split(chunk)
+                    kept_ids, kept_lp, kept_text = kept_ids + ids, kept_lp + lp, kept_text + text
+                    self.kept_partial_tokens += len(ids)
+                raise
+
+        if limit is not None and int(limit) <= 0:
+            return await self.request("POST", "/generate", payload)
+        final = await self._with_retries(send, "POST", "/generate", base_url=None, retry=True)
+        if not kept_ids:
+            return final
+        ids, lp, text = split(final)
+        meta = dict(final.get("meta_info") or {})
+        if "output_token_logprobs" in meta:
+            meta["output_token_logprobs"] = kept_lp + lp
+        meta["completion_tokens"] = len(kept_ids) + len(ids)
+        meta["prompt_tokens"] = len(prompt)
+        return {**final, "text": kept_text + text, "output_ids": kept_ids + ids, "meta_info": meta}
 
     async def generate_batch(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict],
                              return_logprob: bool = True) -> list[dict]:

@@ -17,8 +17,9 @@ A dead engine is replaced (:meth:`HealthMonitor.replace`): taken out of the clie
 short grace: a hung one does not answer SIGTERM), and started again through the launcher from the current
 weights (:class:`hpcrl.weights.snapshot.WeightSnapshot`: the weight version the others serve), then added back
 to the router and the client. Requests that were in flight on it fail with a connection error and are sent
-again to the other engines, or wait until one is back (:class:`hpcrl.rollout.client.RolloutClient`); a
-partial sample being continued keeps what it had. ``rollout.max_engine_restarts`` bounds restarts per engine;
+again to the other engines, or wait until one is back (:class:`hpcrl.rollout.client.RolloutClient`); with
+``rollout.partial_rollout`` the client streams each generation and continues from the tokens the dead engine
+had sent. ``rollout.max_engine_restarts`` bounds restarts per engine;
 a new engine that dies soon after starting raises a backoff of 1, 2, 4 ... 30 s. When no engine is left and
 none may restart, the client raises :class:`hpcrl.rollout.client.EnginesLost` to the rollout: the loop
 checkpoints its last finished step and the run exits for requeue. The router is watched the same way
@@ -26,7 +27,8 @@ checkpoints its last finished step and the run exits for requeue. The router is 
 
 Metrics (:meth:`HealthMonitor.take_metrics`, per rollout step): ``rollout/engine_restarts``,
 ``rollout/router_restarts``, ``rollout/retried_requests``, ``rollout/seconds_without_engine`` and
-``rollout/engine_recovery_seconds`` (the longest death-to-serving time of the step).
+``rollout/engine_recovery_seconds`` (the longest death-to-serving time of the step) and
+``rollout/kept_partial_tokens`` (tokens from engines that died mid-generation, kept and continued from).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class HealthMonitor:
         self._m = {"engine_restarts": 0, "router_restarts": 0, "seconds_without_engine": 0.0,
                    "engine_recovery_seconds": 0.0}
         self._retried_seen = 0
+        self._kept_seen = 0
 
     # ------------------------------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -180,6 +183,8 @@ class HealthMonitor:
         out = {f"rollout/{k}": v for k, v in self._m.items()}
         out["rollout/retried_requests"] = self.client.retried_requests - self._retried_seen
         self._retried_seen = self.client.retried_requests
+        out["rollout/kept_partial_tokens"] = self.client.kept_partial_tokens - self._kept_seen
+        self._kept_seen = self.client.kept_partial_tokens
         self._m = dict.fromkeys(self._m, 0)
         self._m["seconds_without_engine"] = self._m["engine_recovery_seconds"] = 0.0
         return out

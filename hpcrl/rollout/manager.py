@@ -131,7 +131,8 @@ class RolloutManager:
             cpus = parse_cpu_list(rc.cpus) if cfg.run.placement == "disaggregate" and rc.cpus is not None else None
             self.router = start_router(urls, api_key=key, log_path=self.attempt_dir / "router.log", cpus=cpus)
         self.client = RolloutClient(self.router.url if self.router else None, urls, api_key=key,
-                                    timeout_s=rc.request_timeout_s, max_retries=rc.max_retries)
+                                    timeout_s=rc.request_timeout_s, max_retries=rc.max_retries,
+                                    keep_partial=rc.partial_rollout)
         self.call(self.client.open())
         self.call(self.client.wait_healthy(timeout_s=600))
         self.call(self._start_monitor(pending, key))

@@ -201,10 +201,11 @@ async def _generate_group(cfg, ctx: RolloutContext, group: list[Sample], params:
     for s in group:
         tokenize_prompt(ctx.tokenizer, s, cfg.data.apply_chat_template)
     todo = [s for s in group if s.status in (Status.PENDING, Status.ABORTED)]  # others finished earlier
-    # Without a router, the default generate's calls of a group go out as one batch request (same samples).
+    # Without a router, the default generate's calls of a group go out as one batch request (same samples),
+    # unless they stream to keep partial responses (rollout.partial_rollout).
     client = ctx.client
     if (ctx.generate_fn is default_generate and len(todo) > 1 and client.router_url is None
-            and hasattr(client, "generate_batch")):
+            and hasattr(client, "generate_batch") and not getattr(client, "keep_partial", False)):
         client = _GroupBatcher(ctx.client)
     calls = []
     for s in todo:

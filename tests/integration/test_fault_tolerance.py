@@ -124,9 +124,12 @@ def test_sync_run_survives_ten_engine_kills(tmp_path):
 
 def test_async_run_survives_ten_engine_kills(tmp_path):
     """Async (one step off, disaggregated, weights over a torch.distributed group that is rebuilt for the
-    new engine): ten kills, the run completes, every group once, every rollout k+1 from version k."""
-    rows = kill_engine_ten_times(tmp_path, "async", "run.mode=async", "run.placement=disaggregate")
+    new engine): ten kills, the run completes, every group once, every rollout k+1 from version k. With
+    ``rollout.partial_rollout`` generations stream (a response cut by a kill is continued, not redone)."""
+    rows = kill_engine_ten_times(tmp_path, "async", "run.mode=async", "run.placement=disaggregate",
+                                 "rollout.partial_rollout=true")
     assert [m["rollout/weight_version"] for m in rows] == ["0"] + [str(k - 1) for k in range(1, STEPS)]
+    assert all(m["rollout/kept_partial_tokens"] >= 0 for m in rows)
 
 
 def test_hung_engine_is_replaced_within_the_heartbeat_timeout(tmp_path):

@@ -316,6 +316,76 @@ def test_engine_killed_mid_run(stack, tiny_model_dir, tmp_path):
     assert all(len(o["output_ids"]) == 3 for o in later) and len(direct["output_ids"]) == 3
 
 
+def _running(client: RolloutClient, url: str):
+    """``num_running_reqs`` of the engine at ``url`` (``/v1/loads``)."""
+    async def get():
+        return (await client.request("GET", "/v1/loads", base_url=url))["loads"][0]["num_running_reqs"]
+    return get()
+
+
+def test_partial_response_kept_when_the_engine_dies(stack, tiny_model_dir, tmp_path):
+    """``keep_partial`` (``rollout.partial_rollout``): a generation streams; its engine is SIGKILLed mid-way;
+    the tokens it had sent are kept and the rest is generated on another engine from prompt + kept. Greedy, so
+    exact: the kept part is what the dead engine generated (the same engine type alone from the prompt), the
+    rest is what the survivor answers to prompt + kept. Directly (round robin starts on the victim), then
+    through the router (whichever engine got it is killed)."""
+    secret, key, _, _ = stack
+    greedy = {**LONG, "temperature": 0.0}
+    start = lambda name: start_engine(None, {}, tiny_model_dir, api_key_file=secret, engine="cpu",  # noqa: E731
+                                      log_path=tmp_path / f"{name}.log", env={"OMP_NUM_THREADS": "1"},
+                                      startup_timeout_s=120)
+    a, b, c = map(start, ["a", "b", "c"])  # (not from a thread pool: an engine dies with the thread that made it)
+    router = None
+
+    async def kill_mid_way(client: RolloutClient, candidates, seconds: float):
+        task = asyncio.create_task(client.generate(PROMPT, dict(greedy)))
+        victim = None
+        while victim is None:
+            for e in candidates:
+                if await _running(client, e.url):
+                    victim = e
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(seconds / 3)
+        os.kill(victim.pid, signal.SIGKILL)
+        return victim, await asyncio.wait_for(task, 60)
+
+    async def check(client: RolloutClient, out: dict, survivor, reference: list[int]):
+        kept = client.kept_partial_tokens
+        assert 0 < kept < LONG["max_new_tokens"], kept
+        meta = out["meta_info"]
+        assert len(out["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"]) == 240
+        assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
+        assert out["output_ids"][:kept] == reference[:kept]
+        rest = await client.request("POST", "/generate", {
+                "input_ids": PROMPT + out["output_ids"][:kept], "return_logprob": True,
+                "sampling_params": {**greedy, "max_new_tokens": 240 - kept}}, base_url=survivor.url)
+        assert out["output_ids"][kept:] == rest["output_ids"]
+        assert meta["finish_reason"]["type"] == "length" and client.retried_requests == 1
+
+    try:
+        async def run():
+            async with RolloutClient(None, [b.url], api_key=key) as plain:
+                t0 = time.monotonic()
+                reference = (await plain.generate(PROMPT, dict(greedy)))["output_ids"]
+                seconds = time.monotonic() - t0
+            async with RolloutClient(None, [a.url, b.url], api_key=key, backoff_s=0.1, keep_partial=True) as d:
+                victim, out = await kill_mid_way(d, [a], seconds)
+                await check(d, out, b, reference)
+            nonlocal router
+            router = start_router([b.url, c.url], api_key=key, log_path=tmp_path / "router.log")
+            async with RolloutClient(router.url, [b.url, c.url], api_key=key, backoff_s=0.1,
+                                     keep_partial=True) as r:
+                victim, out = await kill_mid_way(r, [b, c], seconds)
+                await check(r, out, c if victim is b else b, reference)
+
+        asyncio.run(run())
+    finally:
+        if router is not None:
+            router.stop()
+        for e in (a, b, c):
+            e.stop()
+
+
 def test_start_engine_failure_has_log_tail(tmp_path):
     with pytest.raises(ProcessStartError) as e:
         start_engine(None, {}, tmp_path / "no-such-model", engine="cpu", log_path=tmp_path / "bad.log",
