@@ -17,10 +17,12 @@ metrics:
   minus the median step of the run.
 
     python benchmarks/fault_recovery.py [--kills 5] [--steps 300] [--modes sync,async] [--signal KILL|STOP]
-        [--set KEY=VALUE ...]
+        [--set KEY=VALUE ...] [--slurm]
 
-Not measured here yet: the same on the local Slurm cluster (a dead engine's job step is replaced by a new
-``srun`` step there: tests/integration/test_fault_tolerance_slurm.py).
+``--slurm``: the same runs submitted with ``hpcrl submit`` to the Slurm cluster this machine talks to (the
+local one of tests/cluster/: ``python3 tests/cluster/local_slurm.py start``): sync colocated on one node,
+async as a het job (trainer on one node, the engine's job step on another). The engine process of the
+rollout job step is SIGKILLed (found by its ``HPCRL_RUN_DIR``); a new one-engine ``srun`` step replaces it.
 """
 
 from __future__ import annotations
@@ -88,6 +90,62 @@ def _steps(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["step"] >= 0]
 
 
+def _slurm_engines(run_dir: Path) -> list[int]:
+    """Live engine processes of a Slurm run (their environment names the run folder)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if b"hpcrl.engine.server" not in (p / "cmdline").read_bytes():
+                continue
+            if f"HPCRL_RUN_DIR={run_dir}".encode() not in (p / "environ").read_bytes().split(b"\0"):
+                continue
+            if (p / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "T"):
+                continue
+        except OSError:
+            continue
+        out.append(int(p.name))
+    return out
+
+
+class _SlurmRun:
+    """``hpcrl submit`` of a run config; ``poll()``/``returncode``/``wait()`` as a Popen, engines by
+    :func:`_slurm_engines`, the log the controller writes (submitit's stderr of task 0)."""
+
+    def __init__(self, cfg: Path, work: Path, name: str, overrides: list[str]):
+        het = ["run.placement=disaggregate", "train.nprocs=1", "slurm.cpus_per_task=1",
+               "slurm.rollout={nodes: 1, cpus_per_task: 2}"] if "run.mode=async" in overrides else []
+        out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(cfg), "slurm.cpus_per_task=2",
+                              "slurm.time=01:00:00", *het, *overrides], cwd=work, capture_output=True,
+                             text=True, timeout=120, stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise SystemExit(f"hpcrl submit failed: {out.stderr}")
+        words = out.stdout.split()
+        self.job_id, self.run_dir = words[words.index("job") + 1], Path(words[words.index("job") + 3])
+        self.returncode = None
+
+    def poll(self):
+        from hpcrl.slurm.state import FINAL_STATES, query_states
+
+        state = query_states([self.job_id])[self.job_id]
+        if state in FINAL_STATES:
+            self.returncode = 0 if state == "COMPLETED" else 1
+        return self.returncode
+
+    def wait(self):
+        while self.poll() is None:
+            time.sleep(1)
+        return self.returncode
+
+    def engines(self) -> list[int]:
+        return _slurm_engines(self.run_dir)
+
+    def log_text(self) -> str:
+        logs = sorted((self.run_dir / "submitit").glob("*_0_log.err"))
+        return "\n".join(p.read_text(errors="replace") for p in logs)
+
+
 def one_mode(work: Path, mode: str, args) -> list[dict]:
     cfg = work / f"{mode}.yaml"
     cfg.write_text(f"""
@@ -101,28 +159,42 @@ train: {{lr: 1.0e-3, micro_batch_size: 8}}
 checkpoint: {{save_interval: 0, keep_last: 1}}
 """)
     log_path = work / f"{mode}.log"
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), *args.set], cwd=work, env=env,
-                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    run_dir = work / "runs" / mode
+    if args.slurm:
+        proc = _SlurmRun(cfg, work, mode, [f"run.mode={mode}", *args.set])
+        run_dir, engines = proc.run_dir, proc.engines
+        log_path.write_text("")
+    else:
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), *args.set], cwd=work, env=env,
+                                stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+        run_dir = work / "runs" / mode
+        engines = lambda: _engines(proc.pid)  # noqa: E731
     sig = signal.SIGKILL if args.signal == "KILL" else signal.SIGSTOP
     kills = []
+
+    def ended(what: str) -> SystemExit:
+        if args.slurm:
+            log_path.write_text(proc.log_text())
+        return SystemExit(f"{mode}: the run {what} ({proc.returncode}):\n{_tail(log_path)}")
+
     for i in range(args.kills):
         target = int((i + 1) * args.steps / (args.kills + 1))
-        while len(_steps(run_dir)) < target or not _engines(proc.pid):
+        while len(_steps(run_dir)) < target or not engines():
             if proc.poll() is not None:
-                raise SystemExit(f"{mode}: the run ended ({proc.returncode}):\n{_tail(log_path)}")
+                raise ended("ended")
             time.sleep(0.01)
-        victim = _engines(proc.pid)[0]
+        victim = engines()[0]
         t = time.time()
         os.kill(victim, sig)
         kills.append({"t": t, "step": len(_steps(run_dir))})
-        while [p for p in _engines(proc.pid) if p != victim] == [] or victim in _engines(proc.pid):
+        while [p for p in engines() if p != victim] == [] or victim in engines():
             if proc.poll() is not None:
-                raise SystemExit(f"{mode}: the run ended ({proc.returncode}):\n{_tail(log_path)}")
+                raise ended("ended")
             time.sleep(0.01)
     if proc.wait() != 0:
-        raise SystemExit(f"{mode}: the run failed ({proc.returncode}):\n{_tail(log_path)}")
+        raise ended("failed")
+    if args.slurm:
+        log_path.write_text(proc.log_text())
     text = log_path.read_text(errors="replace")
     events = [(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), m.group(2).startswith("at"))
               for m in LINE.finditer(text)]
@@ -151,6 +223,7 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=1.0, help="rollout.heartbeat_interval_s")
     p.add_argument("--timeout", type=float, default=3.0, help="rollout.heartbeat_timeout_s")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--slurm", action="store_true", help="submit to the (local) Slurm cluster instead")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="more `hpcrl run` overrides (on a GPU: rollout.engine=cpu run.placement=disaggregate)")
     args = p.parse_args()
@@ -158,7 +231,9 @@ def main() -> None:
     if args.set:
         print("overrides:", " ".join(args.set))
     print(f"SIG{args.signal} x {args.kills} per run, {args.steps} steps, heartbeat {args.interval:g} s / "
-          f"timeout {args.timeout:g} s, 1 engine (the run waits while it is replaced)")
+          f"timeout {args.timeout:g} s, 1 engine (the run waits while it is replaced), "
+          + ("on Slurm (sync: colocated job; async: het job, engine on its own node)" if args.slurm
+             else "local runs"))
     rows = []
     with tempfile.TemporaryDirectory(prefix="hpcrl-fault-") as tmp:
         for mode in args.modes.split(","):

@@ -47,7 +47,8 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     controller = env_rank() == 0
     watch = PreemptionWatch.from_config(cfg, controller)
     watch.install()  # before any child process: the signal sets a flag and is blocked for them; hpcrl.preempt
-    rollout = rollout_manager(controller, cfg, run_dir, model_path, launch_engines or launch_local_engines)
+    rollout = rollout_manager(controller, cfg, run_dir, model_path, launch_engines or launch_local_engines,
+                              watch.job_ending)
     rollout.launch(early=True)  # they load while the trainer imports Megatron and builds its model
     stopped: Optional[str] = None
     last: dict[str, Any] = {}

@@ -47,7 +47,8 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
     controller = env_rank() == 0
     watch = PreemptionWatch.from_config(cfg, controller)
     watch.install()  # before any child process (hpcrl.preempt)
-    rollout = rollout_manager(controller, cfg, run_dir, model_path, launch_engines or launch_local_engines)
+    rollout = rollout_manager(controller, cfg, run_dir, model_path, launch_engines or launch_local_engines,
+                              watch.job_ending)
     rollout.launch(early=True)
     stopped: Optional[str] = None
     last: dict[str, Any] = {}

@@ -14,6 +14,14 @@ step:
   (the slowest seen so far, x1.5, plus 10 s). So a run saves in time even when no signal comes (a short
   ``--signal`` lead, a site that sends none).
 
+Inside a Slurm job, **SIGTERM** is watched too: Slurm sends it when it ends the job now (``scancel``, a node
+of the job that failed or was set DOWN, preemption without the user signal) and SIGKILLs ``KillWait`` seconds
+later (30 s by default). It also sets the flag (the run checkpoints at the end of its step), and
+:meth:`PreemptionWatch.job_ending` says so to the rollout's health monitor, which then restarts no engine:
+with none left the rollout stops at once and the last finished step is checkpointed
+(:class:`hpcrl.rollout.client.EnginesLost`). SIGTERM is not blocked (children must stay stoppable by it);
+a handler is not inherited across ``exec``.
+
 Outside Slurm there is no deadline; the signal still works (``kill -USR2 PID`` checkpoints and stops a local
 ``hpcrl run``).
 """
@@ -75,7 +83,10 @@ class PreemptionWatch:
         self.requested = False
         self.max_step_s = 0.0
         self.max_save_s: Optional[float] = None
+        self.ending = False
+        """SIGTERM came (inside a Slurm job): the job is being ended; see :meth:`job_ending`."""
         self._old_handler = None
+        self._old_term = None
         self._old_mask: Optional[set] = None
 
     @classmethod
@@ -87,12 +98,24 @@ class PreemptionWatch:
         self.requested = True
         log.warning("got %s: checkpoint and stop at the end of this step", signal.Signals(signum).name)
 
+    def _term_handler(self, signum, frame) -> None:
+        self.ending = self.requested = True
+        log.warning("got SIGTERM: Slurm is ending the job (scancel, a failed node, preemption); checkpoint "
+                    "the last finished step and stop, no engine is restarted")
+
+    def job_ending(self) -> bool:
+        """Whether Slurm is ending the job (SIGTERM came): nothing should be restarted, only saved."""
+        return self.ending
+
     def install(self) -> bool:
-        """Set the flag handler and block the signal in this thread; False (nothing done) off the main thread."""
+        """Set the flag handler and block the signal in this thread, and inside a Slurm job a SIGTERM handler;
+        False (nothing done) off the main thread."""
         if threading.current_thread() is not threading.main_thread():
             return False
         self._old_handler = signal.signal(self.signum, self._handler)
         self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
+        if os.environ.get("SLURM_JOB_ID") and self.signum != signal.SIGTERM:
+            self._old_term = signal.signal(signal.SIGTERM, self._term_handler)
         return True
 
     def uninstall(self) -> None:
@@ -103,6 +126,9 @@ class PreemptionWatch:
             signal.sigtimedwait({self.signum}, 0)
         signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
         signal.signal(self.signum, self._old_handler)
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, self._old_term)
+            self._old_term = None
         self._old_mask = None
 
     def record_step(self, seconds: float) -> None:

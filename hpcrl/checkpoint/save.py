@@ -34,20 +34,22 @@ def _writer_queue_dies_with_us() -> None:
     ``multiprocessing`` manager server (spawn context, ~200 MB, ~2 s to start) for its write results and keeps
     it for the life of the process, and forks its writer workers. When the trainer is SIGKILLed (outside a Slurm step, whose cgroup is
     cleaned up) that server was orphaned and lived on: 20 killed runs left 4 GB of them. Started here with
-    ``PR_SET_PDEATHSIG`` (:func:`hpcrl.procs.die_with_parent`), it ends with the trainer. A no-op
-    if the queue exists or this megatron-core version has no such queue.
+    ``PR_SET_PDEATHSIG`` (:func:`hpcrl.procs.saver_helper_init`), it ends with the trainer; and it ignores
+    SIGTERM, which Slurm sends to every process of a step it ends (a failed node): the trainer checkpoints
+    then, and the save failed with a broken pipe when the server had died first. A no-op if the queue exists
+    or this megatron-core version has no such queue.
     """
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from hpcrl.procs import die_with_parent
+    from hpcrl.procs import die_with_parent, saver_helper_init
 
     if getattr(filesystem_async, "_results_queue", False) is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(die_with_parent)
+    manager.start(saver_helper_init)
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager (and its server) alive
     # Its writer workers are forked (multiprocessing fork context); one forked while the trainer is killed
     # hung in JoinableQueue.task_done forever. Every Python-level fork of this process now dies with it.

@@ -86,12 +86,17 @@ class HealthMonitor:
         api_key: the run secret (probes of ``/health_generate`` carry it).
         router: the router process (:class:`hpcrl.rollout.router.RouterProcess`) or None.
         restart_router: ``restart_router(engine_urls, port) -> RouterProcess`` (blocking), or None.
+        job_ending: ``job_ending() -> bool``, true once Slurm is ending the job
+            (:meth:`hpcrl.preempt.PreemptionWatch.job_ending`): then no engine is restarted, and with none in
+            rotation the client is told none will come (the run checkpoints and stops).
     """
 
     def __init__(self, client, engines: list, restart: Optional[RestartEngine], snapshot, interval_s: float,
                  timeout_s: float, max_restarts: int, api_key: Optional[str] = None, router=None,
-                 restart_router: Optional[Callable[[list[str], Optional[int]], Any]] = None) -> None:
+                 restart_router: Optional[Callable[[list[str], Optional[int]], Any]] = None,
+                 job_ending: Callable[[], bool] = lambda: False) -> None:
         self.client, self.restart_engine, self.snapshot = client, restart, snapshot
+        self.job_ending = job_ending
         self.interval_s, self.timeout_s, self.max_restarts = float(interval_s), float(timeout_s), int(max_restarts)
         self.api_key, self.router, self.restart_router = api_key, router, restart_router
         self.slots = [EngineSlot(i, e) for i, e in enumerate(engines)]
@@ -229,8 +234,15 @@ class HealthMonitor:
             pass
         event.clear()
 
+    def _lost_if_ending(self) -> None:
+        """Slurm is ending the job and no engine serves: requests stop waiting for a replacement."""
+        if (self.job_ending() and self.client._lost is None
+                and not any(s.state in (SERVING, SUSPECT) for s in self.slots)):
+            self.client.set_lost("the job is ending (SIGTERM) and no engine is serving")
+
     async def _watch(self, slot: EngineSlot) -> None:
         while True:
+            self._lost_if_ending()
             if slot.state in (SERVING, SUSPECT):
                 reason = await self._check(slot)
                 if reason is not None:
@@ -273,9 +285,10 @@ class HealthMonitor:
             await self._router_call("remove_worker", old.url)
         await asyncio.to_thread(old.stop, 0.0 if reason.endswith("hung") else 2.0)  # a hung one ignores SIGTERM
         while True:
-            if self.restart_engine is None or slot.restarts >= self.max_restarts:
+            if self.restart_engine is None or slot.restarts >= self.max_restarts or self.job_ending():
                 slot.state = LOST
-                why = (f"rollout.max_engine_restarts={self.max_restarts} used up"
+                why = ("the job is ending (SIGTERM)" if self.job_ending()
+                       else f"rollout.max_engine_restarts={self.max_restarts} used up"
                        if slot.restarts >= self.max_restarts else "the launcher cannot restart engines")
                 log.error("engine %d is not restarted: %s", slot.index, why)
                 if not any(s.state in (SERVING, SUSPECT, RESTARTING) for s in self.slots):
@@ -341,6 +354,10 @@ class HealthMonitor:
                     continue
                 if status is not None and time.monotonic() - last_ok < self.timeout_s:
                     continue
+            if self.job_ending():  # (Slurm SIGTERMs every process of the step, the router too)
+                log.error("the router at %s is dead and the job is ending (SIGTERM): not restarted", router.url)
+                self.client.set_lost("the job is ending (SIGTERM) and the router died")
+                return
             await self._restart_router(router)
             last_ok = time.monotonic()
 

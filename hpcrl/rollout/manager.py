@@ -67,6 +67,7 @@ class RolloutManager:
         self.engine_tp_sizes: list[int] = []
         self.monitor = None  # hpcrl.rollout.health.HealthMonitor, once started
         self.snapshot = None  # hpcrl.weights.snapshot.WeightSnapshot, when engines may restart
+        self.job_ending: Callable[[], bool] = lambda: False  # Slurm is ending the job: restart nothing
 
     # ------------------------------------------------------------------------------------------------------
     def call(self, coro):
@@ -168,7 +169,7 @@ class RolloutManager:
         self.monitor = HealthMonitor(self.client, list(self.engines), restart,
                                      self.snapshot, rc.heartbeat_interval_s, rc.heartbeat_timeout_s,
                                      rc.max_engine_restarts, api_key=key, router=self.router,
-                                     restart_router=restart_router)
+                                     restart_router=restart_router, job_ending=self.job_ending)
         await self.monitor.start()
 
     def _generating(self, on: bool) -> None:
@@ -408,13 +409,16 @@ class NullRolloutManager:
         pass
 
 
-def rollout_manager(controller: bool, cfg, run_dir: Path, model_path: Path,
-                    launcher: EngineLauncher) -> "RolloutManager | NullRolloutManager":
+def rollout_manager(controller: bool, cfg, run_dir: Path, model_path: Path, launcher: EngineLauncher,
+                    job_ending: Callable[[], bool] = lambda: False) -> "RolloutManager | NullRolloutManager":
     """The rollout manager of a trainer rank: a :class:`RolloutManager` (with a new ``logs/attempt-N`` folder)
-    on the controller, a :class:`NullRolloutManager` on every other rank."""
+    on the controller, a :class:`NullRolloutManager` on every other rank. ``job_ending()``: whether Slurm is
+    ending the job (:meth:`hpcrl.preempt.PreemptionWatch.job_ending`; no engine is restarted then)."""
     if not controller:
         return NullRolloutManager()
-    return RolloutManager(cfg, run_dir, new_attempt_dir(run_dir), model_path, launcher)
+    manager = RolloutManager(cfg, run_dir, new_attempt_dir(run_dir), model_path, launcher)
+    manager.job_ending = job_ending
+    return manager
 
 
 def rollout_metrics(cfg, samples: list, metrics: dict[str, float], trained_groups: int,

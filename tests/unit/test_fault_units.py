@@ -94,6 +94,49 @@ def test_waiting_requests_fail_with_engines_lost_when_none_will_come():
     asyncio.run(run())
 
 
+class _ExitedEngine:
+    """The handle of an engine whose real process has exited (what the monitor reads of an engine)."""
+
+    def __init__(self, url: str):
+        import subprocess
+        import sys
+
+        self.url = url
+        self.process = subprocess.Popen([sys.executable, "-c", "pass"])
+        self.process.wait()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        pass
+
+
+def test_no_engine_is_restarted_while_the_job_is_ending():
+    """Slurm is ending the job (SIGTERM: :meth:`hpcrl.preempt.PreemptionWatch.job_ending`): a dead engine is
+    not restarted, and with none left the waiting request fails with EnginesLost at once (the loop then
+    checkpoints its last finished step), instead of waiting out restarts that cannot succeed."""
+    from hpcrl.rollout.health import LOST, HealthMonitor
+
+    restarts = []
+
+    async def run():
+        url = _closed_port_url()
+        client = RolloutClient(None, [url], timeout_s=30)
+        async with client:
+            monitor = HealthMonitor(client, [_ExitedEngine(url)], lambda *a: restarts.append(a), snapshot=None,
+                                    interval_s=0.1, timeout_s=1.0, max_restarts=5, job_ending=lambda: True)
+            await monitor.start()
+            try:
+                with pytest.raises(EnginesLost, match="the job is ending"):
+                    await asyncio.wait_for(client.generate([1], {}), 10)
+            finally:
+                await monitor.stop()
+            return monitor.slots[0].state
+
+    assert asyncio.run(run()) == LOST and restarts == []
+
+
 def test_weight_snapshot_is_the_model_folder_until_a_whole_sync_then_its_version(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file
 

@@ -50,6 +50,35 @@ def test_signal_sets_the_flag_and_children_are_immune():
     assert signal.SIGUSR2 not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
 
 
+def test_sigterm_in_a_slurm_job_means_the_job_is_ending(monkeypatch):
+    """Inside a Slurm job SIGTERM (Slurm ending the job: scancel, a failed node) sets the flag and
+    ``job_ending``, unblocked (a child stays stoppable by it); outside one it is left alone; uninstall puts
+    the previous handler back."""
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    outside = PreemptionWatch(signal.SIGUSR2)
+    outside.install()
+    try:
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        outside.uninstall()
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    watch = PreemptionWatch(signal.SIGUSR2)
+    assert watch.install()
+    try:
+        assert not watch.job_ending() and watch.local_reason() is None
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        time.sleep(0.3)
+        child.terminate()
+        assert child.wait(timeout=10) == -signal.SIGTERM  # not blocked, not handled in the child
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs in the main thread at the next bytecode
+        assert watch.job_ending() and watch.local_reason() == "signal"
+    finally:
+        watch.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_deadline_counts_a_step_and_a_save():
     now = 1_000_000.0
     watch = PreemptionWatch(signal.SIGUSR2, end_time=now + 100)
