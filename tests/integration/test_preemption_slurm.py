@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from hpcrl.slurm.state import FINAL_STATES, query_states
+from tests.integration.test_loop import REWARD_MODULE
 from tests.integration.test_preemption_local import (STEPS, _cmdline, descendants, finish, start, steps_done,
                                                      trained, weights, write_config)
 
@@ -108,6 +109,22 @@ def node_of(job_id: str) -> str:
                           timeout=30).stdout.strip()
 
 
+SLOW_REWARD_MODULE = REWARD_MODULE + '''
+import time
+_fast = digit_fraction
+def digit_fraction(args, sample):
+    time.sleep(0.03)  # ~1.5 s a step: the urgent job's preemption (scheduler latency) lands mid-run
+    return _fast(args, sample)
+'''
+
+
+def slow_steps(work: Path) -> None:
+    """Make each step last ~1.5 s (a sleeping reward; the values are the same, so the reference still holds):
+    preemption by the ``urgent`` partition waits for Slurm's scheduler, and at full speed the 8-step run could
+    finish before the signal came."""
+    (work / "loop_rewards.py").write_text(SLOW_REWARD_MODULE)
+
+
 def check_exact(work: Path, name: str, reference) -> None:
     ref_weights, ref_rows = reference
     rows = trained(work, name)
@@ -138,6 +155,7 @@ def test_scancel_usr2_checkpoints_requeues_and_resumes_exactly(work, reference):
 
 
 def test_preempted_by_urgent_partition_resumes_exactly(work, reference):
+    slow_steps(work)
     job_id, run_dir = submit(work, "preempted")
     wait_steps(job_id, run_dir, 2)
     node = node_of(job_id)
@@ -269,6 +287,7 @@ def test_usr2_to_the_batch_shell_too_checkpoints_requeues_and_resumes_exactly(wo
 def test_own_sbatch_with_batch_signal_preempted_resumes_exactly(work, reference):
     """A user's own sbatch script (the plain template, ``--signal=B:USR2@60``: Slurm signals the batch shell
     only) preempted by the ``urgent`` partition (``preempt_send_user_signal``: the signal comes at once)."""
+    slow_steps(work)
     out = subprocess.run([str(HPCRL), "submit", "run.yaml", "run.name=bsig", *SLURM, "--plain", "--dry-run"],
                          cwd=work, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
