@@ -27,6 +27,16 @@ class TrainSection:
     half of this machine's CPUs); torch uses one thread per CPU (shared by ``nprocs`` processes). Ignored on
     Slurm, where the trainer's het group is the trainer's."""
     micro_batch_size: int = 64
+    """Samples per micro-batch, padded to the longest (ignored with ``max_tokens_per_microbatch``)."""
+    max_tokens_per_microbatch: Optional[int] = None
+    """Pack samples back to back (no padding) into micro-batches of at most this many tokens, balanced over
+    data-parallel ranks (slime ``--use-dynamic-batch-size --max-tokens-per-gpu``); null: fixed
+    ``micro_batch_size`` micro-batches, padded. Must hold the longest possible sample (prompt +
+    ``rollout.max_new_tokens``)."""
+    share_group_prompt: bool = True
+    """With ``max_tokens_per_microbatch``: samples of a micro-batch with identical prompt tokens (a group) run
+    the prompt once and every response attends to it ("Prefix Grouper", arXiv 2506.05433); exact, it only
+    saves compute. Off: each sample carries its prompt."""
     global_batch_size: Optional[int] = None
     """Samples per optimizer step; default ``rollout.batch_size * rollout.n_samples_per_prompt //
     num_steps_per_rollout``. Must be a multiple of ``n_samples_per_prompt`` and ``micro_batch_size``."""
@@ -104,7 +114,10 @@ def check_train(cfg: Config) -> None:
     t, r = cfg.train, cfg.rollout
     positive(cfg, "train.tensor_parallel_size", "train.pipeline_parallel_size",
               "train.context_parallel_size", "train.expert_parallel_size", "train.nprocs",
-              "train.micro_batch_size", "train.global_batch_size", "train.num_steps_per_rollout", "train.lr")
+              "train.micro_batch_size", "train.global_batch_size", "train.num_steps_per_rollout", "train.lr",
+              "train.max_tokens_per_microbatch")
+    if t.max_tokens_per_microbatch is not None:
+        check_microbatch_budget(cfg, r.max_new_tokens + 1, "a 1-token prompt")
     non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps")
     for f in ("train.pipeline_parallel_size", "train.context_parallel_size"):
         require(get_field(cfg, f) == 1, f, get_field(cfg, f), "the trainer does not support pipeline or context "
@@ -146,6 +159,8 @@ def check_train(cfg: Config) -> None:
                  f"x train.num_steps_per_rollout={t.num_steps_per_rollout} must equal the {per_rollout} "
                  "samples per rollout (rollout.batch_size x n_samples_per_prompt)",
                  "leave train.global_batch_size unset to derive it")
+    if t.max_tokens_per_microbatch is not None:
+        return  # micro-batches by tokens: micro_batch_size is not used
     if gbs_field == "train.micro_batch_size":
         require(gbs % t.micro_batch_size == 0, gbs_field, t.micro_batch_size,
                  f"must divide the global batch of {gbs} samples", f"use a divisor of {gbs}")
@@ -153,6 +168,18 @@ def check_train(cfg: Config) -> None:
         require(gbs % t.micro_batch_size == 0, gbs_field, gbs,
                  f"must be a multiple of train.micro_batch_size={t.micro_batch_size}",
                  "change the global or the micro batch size")
+
+
+def check_microbatch_budget(cfg: Config, longest: int, what: str) -> None:
+    """``train.max_tokens_per_microbatch`` holds the longest possible sample, ``longest`` tokens (``what``:
+    where the prompt length comes from), else ConfigError naming both numbers."""
+    budget = cfg.train.max_tokens_per_microbatch
+    if budget is None:
+        return
+    m = cfg.rollout.max_new_tokens
+    require(budget >= longest, "train.max_tokens_per_microbatch", budget,
+            f"is smaller than the longest possible sample: {longest} tokens ({what} of {longest - m} tokens + "
+            f"rollout.max_new_tokens={m})", f"set it to at least {longest}")
 
 
 def check_algorithm(cfg: Config) -> None:

@@ -27,7 +27,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from hpcrl.config import ConfigError
 from hpcrl.data.tasks import Task, VerifierTask, make_task
@@ -318,16 +318,41 @@ class PromptLengthCheck:
         p = item["prompt"]
         if isinstance(p, str) and len(p.encode()) + 8 < self.context:
             return None  # tokens <= bytes + special tokens (byte-level BPE, byte-fallback and char tokenizers)
-        if self.apply_chat_template and isinstance(p, list):
-            n = len(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
-        elif isinstance(p, str):
-            n = len(self.tokenizer(p, add_special_tokens=True)["input_ids"])
-        else:
-            return None
-        if n < self.context:
+        n = self.num_tokens(item)
+        if n is None or n < self.context:
             return None
         return (f"prompt is {n} tokens, not less than the model's context of {self.context} tokens "
                 f"(max_position_embeddings of {self.model_path})", "shorten the prompt")
+
+
+    def num_tokens(self, item: dict[str, Any]) -> Optional[int]:
+        """Tokens of the item's prompt as the rollout tokenises it; None for a prompt of another kind."""
+        p = item["prompt"]
+        if self.apply_chat_template and isinstance(p, list):
+            return len(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
+        if isinstance(p, str):
+            return len(self.tokenizer(p, add_special_tokens=True)["input_ids"])
+        return None
+
+
+def check_microbatch_budget(cfg: "Config", items: Sequence[dict[str, Any]], check: PromptLengthCheck) -> None:
+    """With ``train.max_tokens_per_microbatch``: the longest prompt of ``items`` plus ``rollout.max_new_tokens``
+    fits the budget (a sample longer than a micro-batch could not be trained). Prompts whose bytes + 8 +
+    ``max_new_tokens`` fit are not tokenised (tokens <= bytes + special tokens). Raises ConfigError naming the
+    budget and the longest sample."""
+    from hpcrl.config.train import check_microbatch_budget as require_budget
+
+    budget, m = cfg.train.max_tokens_per_microbatch, cfg.rollout.max_new_tokens
+    if budget is None:
+        return
+    longest = 0
+    for item in items:
+        p = item["prompt"]
+        if isinstance(p, str) and len(p.encode()) + 8 + m <= budget:
+            continue
+        longest = max(longest, check.num_tokens(item) or 0)
+    if longest:
+        require_budget(cfg, longest + m, "the longest prompt")
 
 
 def _prompt_length_check(cfg: "Config") -> Optional[PromptLengthCheck]:
@@ -393,6 +418,7 @@ def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> 
                                 "lower data.num_eval or set data.eval_source")
             cut = len(rows) - d.num_eval
             train, eval_items = rows[:cut], rows[cut:]
+        _check_budget(cfg, train, check)
         return Datasets(train=train, eval=eval_items, task=task)
 
     task = make_task(d.source, **d.task_kwargs)
@@ -403,7 +429,18 @@ def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> 
         eval_items = task.generate(d.num_eval, seed=seed + 1)
     seen = {prompt_key_of(it) for it in train}
     eval_items = [it for it in eval_items if prompt_key_of(it) not in seen]
+    _check_budget(cfg, train, check)
     return Datasets(train=train, eval=eval_items, task=task)
+
+
+def _check_budget(cfg: "Config", train: Sequence[dict[str, Any]], check: Optional[PromptLengthCheck]) -> None:
+    """:func:`check_microbatch_budget` of the train items when a token budget is set and the model's tokenizer
+    is there (otherwise it runs at the start of the run, where the model exists)."""
+    if cfg.train.max_tokens_per_microbatch is None:
+        return
+    check = check or _prompt_length_check(cfg)
+    if check is not None:
+        check_microbatch_budget(cfg, train, check)
 
 
 def _load_eval(cfg: "Config", task: Task, check: Optional[RowCheck] = None,

@@ -50,6 +50,7 @@ from hpcrl.train import algorithms
 if TYPE_CHECKING:
     from hpcrl.config import Config
     from hpcrl.data.sample import Sample
+    from hpcrl.train.packing import Pack
 
 Tensor = torch.Tensor
 
@@ -174,16 +175,32 @@ class MicroBatch:
     """``[b, R]`` float32, set by the recompute pass (None: reuse the training forward's)."""
     ref_log_probs: Optional[Tensor] = None
     """``[b, R]`` float32, set by the reference pass (KL loss only)."""
+    pack: Optional["Pack"] = None
+    """The packed (THD) layout of the same samples (:mod:`hpcrl.train.packing`); None: the forward runs on
+    the padded ``tokens``."""
+
+    @property
+    def forward_tokens(self) -> int:
+        """Tokens the decoder processes for this micro-batch: the pack's (padding included), else ``b x T``."""
+        return int(self.pack.tokens.shape[1]) if self.pack is not None else int(self.tokens.numel())
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens of the padded layout (``b x T``), whichever layout runs."""
+        return int(self.tokens.numel())
 
 
 def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], advantages: Sequence[Tensor],
                       device: Union[str, torch.device] = "cpu",
-                      with_rollout_log_probs: bool = True) -> MicroBatch:
+                      with_rollout_log_probs: bool = True, packed: bool = False, share_prompt: bool = True,
+                      pad_to_multiple: int = 1) -> MicroBatch:
     """Pad ``samples[p] for p in positions`` into a :class:`MicroBatch` on ``device``.
 
     ``advantages``: per sample of the full list, ``[response_length]``. An empty response is allowed (it
-    trains nothing). Raises ValueError for a sample without prompt or whose ``loss_mask`` /
-    ``rollout_log_probs`` lengths differ from ``response_length``.
+    trains nothing). ``packed``: also lay the samples out as one :class:`~hpcrl.train.packing.Pack` (the
+    forward then runs on it; ``share_prompt`` and ``pad_to_multiple`` as in
+    :func:`~hpcrl.train.packing.build_pack`). Raises ValueError for a sample without prompt or whose
+    ``loss_mask`` / ``rollout_log_probs`` lengths differ from ``response_length``.
     """
     rows = [samples[p] for p in positions]
     for p, s in zip(positions, rows, strict=True):
@@ -205,9 +222,14 @@ def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], adv
     total = torch.tensor([len(s.tokens) for s in rows], dtype=torch.long)
     resp = torch.tensor([s.response_length for s in rows], dtype=torch.long)
     to = dict(device=device)
+    pack = None
+    if packed:
+        from hpcrl.train.packing import build_pack
+
+        pack = build_pack(rows, share_prompt=share_prompt, pad_to_multiple=pad_to_multiple, device=device)
     return MicroBatch(positions=list(positions), tokens=tokens.to(**to), total_lengths=total.to(**to),
                       response_lengths=resp.to(**to), mask=mask.to(**to), advantages=adv.to(**to),
-                      rollout_log_probs=rollout_lp.to(**to) if rollout_lp is not None else None)
+                      rollout_log_probs=rollout_lp.to(**to) if rollout_lp is not None else None, pack=pack)
 
 
 def split_steps(num_samples: int, dp_rank: int, dp_size: int, num_steps: int,
@@ -319,6 +341,11 @@ class Actor:
         """Response log-probs (and entropy) of a micro-batch at the rollout temperature, ``[b, R]`` each."""
         from hpcrl.train.logprobs import response_log_probs
 
+        if mb.pack is not None:
+            from hpcrl.train.packing import packed_response_log_probs
+
+            return packed_response_log_probs(self.ddp_model, mb.pack, mb.response_lengths,
+                                             self.cfg.rollout.temperature, with_entropy, self.vocab_size)
         start = _logits_window_start(self.model, mb)
         if start > 0:
             return _windowed_response_log_probs(self.ddp_model, self.model.output_layer, mb, start,
@@ -364,7 +391,8 @@ class Actor:
         global per-sample token mean of its step; entropy in nats, log-prob diff in nats per token),
         ``train/kl_loss`` (KL loss), ``train/{tis, tis_clipfrac, tis_abs}`` (TIS),
         ``train/first_step_ppo_kl``, ``train/ref_logprob_diff`` (rollout 0 with a reference: masked mean
-        ``|old - ref|``), ``train/seconds`` (wall time of this call), ``train/tokens_per_s`` (prompt +
+        ``|old - ref|``), ``train/forward_tokens`` / ``train/padded_tokens`` (tokens through the decoder per
+        pass over the rollout, all ranks, and what the padded layout would take), ``train/seconds`` (wall time of this call), ``train/tokens_per_s`` (prompt +
         response tokens of all ``N`` samples per second), ``train/num_steps``. Per-step values are in
         :attr:`step_metrics`.
 
@@ -388,10 +416,12 @@ class Actor:
                                                    cfg.rollout.n_samples_per_prompt, cfg=alg)
 
         # 2. this rank's micro-batches per step; step-wide (global) denominators of the reduction.
-        local, global_ = split_steps(n, self.dp_rank, self.dp_size, cfg.train.num_steps_per_rollout,
-                                     cfg.train.micro_batch_size)
-        steps = [[build_micro_batch(samples, mb, advantages, self.device, with_rollout_lp) for mb in step]
-                 for step in local]
+        local, global_ = self._plan(samples)
+        packed = cfg.train.max_tokens_per_microbatch is not None
+        pad = self.model.config.tensor_model_parallel_size if self.model.config.sequence_parallel else 1
+        steps = [[build_micro_batch(samples, mb, advantages, self.device, with_rollout_lp, packed=packed,
+                                    share_prompt=cfg.train.share_group_prompt, pad_to_multiple=pad)
+                  for mb in step] for step in local]
         step_sums = [algorithms.compute_rollout_mask_sums([masks[p] for p in g], g) for g in global_]
         flat = [mb for step in steps for mb in step]
 
@@ -434,11 +464,29 @@ class Actor:
             if not diff <= self.ci_logprob_abs_diff_threshold:
                 raise AssertionError(f"train/train_rollout_logprob_abs_diff = {diff!r} > "
                                      f"{self.ci_logprob_abs_diff_threshold}")
+        tokens = self._all_reduce_sum({"forward": sum(mb.forward_tokens for mb in flat),
+                                       "padded": sum(mb.padded_tokens for mb in flat)})
+        metrics["train/forward_tokens"], metrics["train/padded_tokens"] = tokens["forward"], tokens["padded"]
         seconds = time.perf_counter() - t0
         metrics["train/num_steps"] = float(len(per_step))
         metrics["train/seconds"] = seconds
         metrics["train/tokens_per_s"] = sum(len(s.tokens) for s in samples) / max(seconds, 1e-9)
         return metrics
+
+    def _plan(self, samples: Sequence["Sample"]) -> tuple[list[list[list[int]]], list[list[int]]]:
+        """``(local, global_)`` as :func:`split_steps` returns them: fixed ``train.micro_batch_size`` micro-batches
+        of contiguous rank slices, or, with ``train.max_tokens_per_microbatch``, token-budget micro-batches
+        balanced over data-parallel ranks (:func:`~hpcrl.train.packing.plan_micro_batches`)."""
+        t = self.cfg.train
+        n = len(samples)
+        if t.max_tokens_per_microbatch is None:
+            return split_steps(n, self.dp_rank, self.dp_size, t.num_steps_per_rollout, t.micro_batch_size)
+        from hpcrl.train.packing import plan_micro_batches
+
+        _, global_ = split_steps(n, 0, 1, t.num_steps_per_rollout, max(n // t.num_steps_per_rollout, 1))
+        local = [plan_micro_batches(samples, g, self.dp_rank, self.dp_size, t.max_tokens_per_microbatch,
+                                    t.share_group_prompt) for g in global_]
+        return local, global_
 
     def _rollout_mean(self, flat: Sequence[MicroBatch], masks: Sequence[Tensor], values) -> float:
         """Per-sample token mean of ``values(mb)`` ``[b, R]``, averaged over all ``N`` samples."""

@@ -187,7 +187,8 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from hpcrl.train import packed_attention
 
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise NotImplementedError("the HF bridge supports pipeline parallel size 1 only")
@@ -197,7 +198,8 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
     scaling = _rope_scaling(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm"),
+        # the local spec with packed (THD) core attention beside megatron's padded one (hpcrl.train.packing)
+        transformer_layer_spec=packed_attention.layer_spec(config.qk_layernorm),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=True,

@@ -7,6 +7,11 @@ process does the same at world size 1. Every layout must give the same per-step 
 1e-5 for the first step): that checks the tensor-parallel log-probs/entropy and, at DP=2, the global
 reduction (step-wide ``rollout_mask_sums`` and ``loss *= dp_size``). Samples and configs come from
 tests/unit/test_actor.py.
+
+Issue #13: the same two layouts with packed micro-batches and shared group prompts
+(``train.max_tokens_per_microbatch``, token-budget micro-batches balanced over the DP ranks) pass the CI gates
+and match world size 1 padded; at TP=2 the packed and shared forwards' per-token log-probs equal the padded
+forward's to 1e-5 and so does one backward's gradient (relative norm; tests/unit/test_packing.py at TP=1).
 """
 
 from __future__ import annotations
@@ -27,24 +32,26 @@ CHANGES = {"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5, "algori
            "algorithm.use_tis": True, "algorithm.entropy_coef": 0.01, "train.num_steps_per_rollout": 2,
            "train.micro_batch_size": 3}
 ROLLOUTS = 2
+PACKED = {"train.max_tokens_per_microbatch": 64, "train.share_group_prompt": True}
 
 
-def _unit_helpers():
-    spec = importlib.util.spec_from_file_location("hpcrl_tests_actor_helpers", _UNIT)
+def _unit_helpers(path: Path = _UNIT):
+    spec = importlib.util.spec_from_file_location(f"hpcrl_tests_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def run_actor(model_dir, samples) -> dict:
-    """Train :data:`ROLLOUTS` rollouts on ``samples`` with CI gates; per-rollout metrics and step metrics."""
+def run_actor(model_dir, samples, **extra) -> dict:
+    """Train :data:`ROLLOUTS` rollouts on ``samples`` with CI gates (config :data:`CHANGES` and ``extra``);
+    per-rollout metrics and step metrics."""
     from megatron.core import parallel_state
 
     from hpcrl.train.actor import Actor
 
     h = _unit_helpers()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    actor = Actor(h.make_config(**CHANGES, **{"train.tensor_parallel_size": tp}), model_dir, ci_checks=True)
+    actor = Actor(h.make_config(**CHANGES, **extra, **{"train.tensor_parallel_size": tp}), model_dir, ci_checks=True)
     out: dict = {"tp": tp, "dp": actor.dp_size,
                  "metrics": [], "steps": []}
     for rollout_id in range(ROLLOUTS):
@@ -70,10 +77,17 @@ def worker(model_dir: str, samples_file: Path, out: Path) -> None:
     samples = [Sample.from_dict(d) for d in torch.load(samples_file, weights_only=False)]
     env = parallel.init_distributed()
     res = {}
-    for name, tp in (("tp2", 2), ("dp2", 1)):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: tests/unit/test_packing imports
+    packing = _unit_helpers(_UNIT.with_name("test_packing.py"))
+    for name, tp, extra in (("tp2", 2, {}), ("dp2", 1, {}), ("tp2-packed", 2, PACKED), ("dp2-packed", 1, PACKED)):
         parallel.initialize_model_parallel(tp=tp)
         parallel.model_parallel_cuda_manual_seed(1234)
-        res[name] = run_actor(model_dir, samples)
+        res[name] = run_actor(model_dir, samples, **extra)
+        if name == "tp2":
+            from hpcrl.train.actor import Actor
+
+            res["tp2-gates"] = packing.forward_gates(Actor(_unit_helpers().make_config(
+                **{"train.tensor_parallel_size": 2}), model_dir), samples)
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
@@ -131,8 +145,11 @@ def single(tiny_model_dir, samples):
         parallel.destroy()
 
 
+LAYOUTS = (("tp2", 2, 1), ("dp2", 1, 2), ("tp2-packed", 2, 1), ("dp2-packed", 1, 2))
+
+
 def test_layouts_and_ranks_agree(ranks):
-    for name, tp, dp in (("tp2", 2, 1), ("dp2", 1, 2)):
+    for name, tp, dp in LAYOUTS:
         r0, r1 = ranks[0][name], ranks[1][name]
         assert (r0["tp"], r0["dp"]) == (tp, dp)
         assert r0["metrics"] == r1["metrics"]  # all-reduced: the same floats on every rank
@@ -140,7 +157,7 @@ def test_layouts_and_ranks_agree(ranks):
 
 
 def test_ci_gates_hold_at_tp2_and_dp2(ranks, single):
-    for run in (ranks[0]["tp2"], ranks[0]["dp2"], single):
+    for run in [ranks[0][name] for name, _, _ in LAYOUTS] + [single]:
         first = run["metrics"][0]
         assert first["train/ref_logprob_diff"] == 0.0 and first["train/first_step_ppo_kl"] == 0.0
         assert run["metrics"][1]["train/first_step_ppo_kl"] == 0.0
@@ -148,7 +165,15 @@ def test_ci_gates_hold_at_tp2_and_dp2(ranks, single):
         assert [len(steps) for steps in run["steps"]] == [2] * ROLLOUTS
 
 
-@pytest.mark.parametrize("name", ("tp2", "dp2"))
+def test_packed_and_shared_forwards_equal_the_padded_one_at_tp2(ranks):
+    for gates in (ranks[0]["tp2-gates"], ranks[1]["tp2-gates"]):
+        for name in ("packed", "shared"):
+            assert gates[f"{name}_logprob"] < 1e-5 and gates[f"{name}_entropy"] < 1e-5, gates
+            assert gates[f"{name}_grad"] < 1e-5, gates
+        assert gates["shared_tokens"] < gates["packed_tokens"] < gates["padded_tokens"], gates
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in LAYOUTS])
 def test_grad_norm_and_loss_match_world_size_1(ranks, single, name):
     run = ranks[0][name]
     first, ref = run["steps"][0][0], single["steps"][0][0]

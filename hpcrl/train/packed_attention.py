@@ -1,0 +1,146 @@
+"""Core attention over packed (THD) micro-batches, per segment: megatron-core's local layer spec with
+:class:`PackedDotProductAttention` in place of its ``DotProductAttention``.
+
+megatron-core 0.16.1's ``DotProductAttention`` (the local spec, what runs on CPU) asserts
+``packed_seq_params is None``; TransformerEngine's THD attention needs TE and a GPU, and knows nothing of shared
+prompts. :class:`PackedDotProductAttention` is megatron's ``DotProductAttention`` (unchanged, bitwise, for
+padded ``[s, b, ...]`` input) that also takes THD input ``[T, heads, dim]`` with :class:`SharedPrefixSeqParams`:
+
+- a segment without prefix attends causally to itself;
+- a segment with a prefix (a response of a shared prompt, :mod:`hpcrl.train.packing`) attends to all of the
+  prefix and causally to itself: keys and values are the prefix's followed by its own, the causal mask aligned
+  bottom-right.
+
+Cost is per segment (``L x (p + L)`` scores), never a block-diagonal mask over the whole pack. On CPU (or
+without flash-attn) each segment is one ``torch.nn.functional.scaled_dot_product_attention`` call; on a GPU
+with ``flash_attn`` installed, one ``flash_attn_varlen_func`` call over all segments with the prefixes'
+keys/values gathered in front of each response (bottom-right causal). The GPU path is unverified until run on
+one (docs/gpu-verification.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from torch import Tensor
+
+
+@dataclasses.dataclass
+class SharedPrefixSeqParams(PackedSeqParams):
+    """megatron-core's ``PackedSeqParams`` plus, per segment, the segment it also attends to."""
+
+    prefix_of: tuple[int, ...] = ()
+    """``[S]``: index of the prefix segment of segment ``s`` (its group's shared prompt), or -1."""
+
+
+def _kv_rows(cu: list[int], prefix_of: tuple[int, ...], s: int) -> tuple[int, int, int, int]:
+    """``(prefix_start, prefix_end, start, end)`` rows of segment ``s`` (an empty prefix when it has none)."""
+    a, b = cu[s], cu[s + 1]
+    k = prefix_of[s] if s < len(prefix_of) else -1
+    return (cu[k], cu[k + 1], a, b) if k >= 0 else (a, a, a, b)
+
+
+def segment_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
+                      prefix_of: tuple[int, ...], scale: float, dropout_p: float = 0.0) -> Tensor:
+    """Attention of THD tensors per segment, with :class:`SharedPrefixSeqParams` semantics.
+
+    ``query``: ``[T, heads, dim]``; ``key``, ``value``: ``[T, groups, dim]`` (grouped-query attention:
+    ``heads`` a multiple of ``groups``); ``cu_seqlens``: ``[S + 1]``. Returns ``[T, heads, dim]``.
+    """
+    cu = cu_seqlens.tolist()
+    rep = query.shape[1] // key.shape[1]
+    outs = []
+    for s in range(len(cu) - 1):
+        pa, pb, a, b = _kv_rows(cu, prefix_of, s)
+        if a == b:
+            continue
+        q = query[a:b].transpose(0, 1)  # [heads, L, dim]
+        if pb > pa:
+            k = torch.cat((key[pa:pb], key[a:b])).transpose(0, 1)
+            v = torch.cat((value[pa:pb], value[a:b])).transpose(0, 1)
+        else:
+            k, v = key[a:b].transpose(0, 1), value[a:b].transpose(0, 1)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+        if pb > pa:  # all of the prefix, then causal over the segment (bottom-right aligned)
+            n, p = b - a, pb - pa
+            mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device)
+            mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, prefix_of: tuple[int, ...],
+                  scale: float, dropout_p: float) -> Tensor:
+    """:func:`segment_attention` with flash-attn's varlen kernel (GPU; unverified): keys/values of each
+    segment are its prefix's followed by its own, ``cu_seqlens_k`` over that gathered layout."""
+    from flash_attn import flash_attn_varlen_func
+
+    cu = cu_seqlens.tolist()
+    index, cu_k = [], [0]
+    for s in range(len(cu) - 1):
+        pa, pb, a, b = _kv_rows(cu, prefix_of, s)
+        index.extend(range(pa, pb))
+        index.extend(range(a, b))
+        cu_k.append(len(index))
+    idx = torch.tensor(index, device=key.device)
+    k, v = key.index_select(0, idx), value.index_select(0, idx)
+    cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=key.device)
+    lens_q = [cu[s + 1] - cu[s] for s in range(len(cu) - 1)]
+    lens_k = [cu_k[s + 1] - cu_k[s] for s in range(len(cu_k) - 1)]
+    return flash_attn_varlen_func(query, k, v, cu_seqlens.to(torch.int32), cu_k_t, max(lens_q), max(lens_k),
+                                  dropout_p=dropout_p, softmax_scale=scale, causal=True)
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """megatron-core ``DotProductAttention`` that also runs packed THD micro-batches (module docstring).
+
+    Padded input (``packed_seq_params`` None) goes to megatron's own forward, unchanged. THD input:
+    ``query`` ``[T, heads/tp, dim]``, ``key``/``value`` ``[T, groups/tp, dim]``, ``packed_seq_params`` a
+    :class:`SharedPrefixSeqParams` (or a plain ``PackedSeqParams``: no prefixes); returns ``[T, heads/tp * dim]``.
+    Raises ValueError for a ``qkv_format`` other than ``thd``.
+    """
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type=None, attention_bias: Optional[Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> Tensor:
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed attention needs qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
+        prefix_of = getattr(packed_seq_params, "prefix_of", ())
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        if query.is_cuda and _has_flash_attn():
+            out = _flash_varlen(query, key, value, packed_seq_params.cu_seqlens_q, prefix_of, self.softmax_scale,
+                                dropout_p)
+        else:
+            out = segment_attention(query, key, value, packed_seq_params.cu_seqlens_q, prefix_of,
+                                    self.softmax_scale, dropout_p)
+        return out.reshape(out.shape[0], -1)
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(qk_layernorm: bool):
+    """megatron-core's local GPT layer spec (RMSNorm) with :class:`PackedDotProductAttention` as core
+    attention: padded forwards are megatron's own, packed ones run per segment."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec

@@ -1,0 +1,284 @@
+"""Packed micro-batches: samples back to back in one sequence (THD), no padding, one prompt per group.
+
+The padded micro-batch (:func:`hpcrl.train.actor.build_micro_batch`) is ``[b, T]`` with every sample padded to
+the longest; a GRPO group's ``n`` samples also carry ``n`` copies of the same prompt. A :class:`Pack` holds the
+same samples as one row of ``T = sum of real tokens`` (slime ``--use-dynamic-batch-size``), in *segments*:
+
+- a sample on its own is one segment (prompt + response), positions ``0 .. L-1``, causal attention inside it;
+- with ``share_prompt``, the samples of a micro-batch whose prompt tokens are identical (a group) become one
+  *prefix segment* (the prompt once, positions ``0 .. p-1``) and one segment per response (positions
+  ``p .. p+r-1``) that attends to the prefix and causally to itself ("Prefix Grouper", arXiv 2506.05433). The
+  log-prob of a response's first token is read from the prefix's last row, shared by the group; gradients
+  reach the prompt from every response, exactly as through ``n`` copies.
+
+Attention never spans two samples (or two groups): :mod:`hpcrl.train.packed_attention` runs it per segment,
+with megatron-core's ``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens`` of the segments) carried
+through ``GPTModel``; rotary positions come from :attr:`Pack.positions` (:func:`packed_response_log_probs`).
+
+:func:`plan_micro_batches` splits each optimizer step's samples into micro-batches of at most
+``train.max_tokens_per_microbatch`` tokens (slime ``--max-tokens-per-gpu``), balanced over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from hpcrl.data.sample import Sample
+
+
+@dataclasses.dataclass
+class Pack:
+    """The token layout of one packed micro-batch (``T`` tokens in ``S`` segments, ``K`` response tokens)."""
+
+    tokens: Tensor
+    """``[1, T]`` token ids, segments back to back (then padding, if any, as a last segment of its own)."""
+    positions: Tensor
+    """``[T]`` rotary position of each token (restarting per sample; a shared prompt's responses continue
+    from the prompt length)."""
+    cu_seqlens: Tensor
+    """``[S + 1]`` int32 segment boundaries (``cu_seqlens[s] .. cu_seqlens[s+1]``)."""
+    prefix_of: tuple[int, ...]
+    """``[S]``: the segment whose tokens segment ``s`` also attends to (its group's shared prompt), or -1."""
+    logit_rows: Tensor
+    """``[K]`` the row whose logits predict each response token, in the order of the micro-batch's
+    ``[b, R]`` mask (sample-major)."""
+    labels: Tensor
+    """``[K]`` the response tokens."""
+    num_tokens: int
+    """Real tokens ``T`` (without padding)."""
+    padded_tokens: int
+    """Tokens of the padded layout of the same samples (``b x`` longest sample), for comparison."""
+
+    @property
+    def max_seqlen(self) -> int:
+        """Length of the longest segment (tokens)."""
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+
+
+def prompt_of(sample: "Sample") -> tuple[int, ...]:
+    """The sample's prompt tokens (all tokens before the response)."""
+    return tuple(sample.tokens[: len(sample.tokens) - sample.response_length])
+
+
+def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multiple: int = 1,
+               device: torch.device | str = "cpu") -> Pack:
+    """Lay out ``rows`` as one :class:`Pack`, in the order of ``rows`` (a group's shared prompt where its first
+    sample is, its responses in the order of its samples).
+
+    ``share_prompt``: samples with identical prompt tokens share one prefix segment (only when at least two
+    do). ``pad_to_multiple``: pad ``T`` to a multiple of it (sequence parallelism splits the sequence over TP
+    ranks) with a segment of zeros that no response reads. Raises ValueError for a sample without a prompt
+    token.
+    """
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(rows):
+        if s.response_length >= len(s.tokens) or s.response_length < 0:
+            raise ValueError(f"sample {s.index}: response_length {s.response_length} leaves no prompt token in "
+                             f"{len(s.tokens)} tokens")
+        by_prompt.setdefault(prompt_of(s) if share_prompt else (i,), []).append(i)
+    tokens: list[int] = []
+    positions: list[int] = []
+    bounds = [0]
+    prefix_of: list[int] = []
+    first_row: dict[int, int] = {}  # sample -> pack row of its first response token's prediction
+    resp_start: dict[int, int] = {}  # sample -> pack row of its first response token
+    done: set[int] = set()
+    for i in range(len(rows)):
+        if i in done:
+            continue
+        members = by_prompt[prompt_of(rows[i]) if share_prompt else (i,)]
+        done.update(members)
+        if len(members) == 1:
+            s = rows[i]
+            start, p = len(tokens), len(s.tokens) - s.response_length
+            tokens.extend(s.tokens)
+            positions.extend(range(len(s.tokens)))
+            bounds.append(len(tokens))
+            prefix_of.append(-1)
+            first_row[i], resp_start[i] = start + p - 1, start + p
+            continue
+        prompt = prompt_of(rows[i])
+        p = len(prompt)
+        tokens.extend(prompt)
+        positions.extend(range(p))
+        bounds.append(len(tokens))
+        prefix_of.append(-1)
+        prefix_seg, last_prompt_row = len(prefix_of) - 1, len(tokens) - 1
+        for m in members:
+            s = rows[m]
+            first_row[m], resp_start[m] = last_prompt_row, len(tokens)
+            if s.response_length == 0:
+                continue
+            tokens.extend(s.tokens[p:])
+            positions.extend(range(p, p + s.response_length))
+            bounds.append(len(tokens))
+            prefix_of.append(prefix_seg)
+    num_tokens = len(tokens)
+    pad = (-num_tokens) % pad_to_multiple
+    if pad:
+        tokens.extend([0] * pad)
+        positions.extend(range(pad))
+        bounds.append(len(tokens))
+        prefix_of.append(-1)
+    logit_rows, labels = [], []
+    for i, s in enumerate(rows):
+        for j in range(s.response_length):
+            logit_rows.append(first_row[i] if j == 0 else resp_start[i] + j - 1)
+            labels.append(s.tokens[len(s.tokens) - s.response_length + j])
+    width = max(len(s.tokens) for s in rows)
+    t = dict(device=device)
+    return Pack(tokens=torch.tensor([tokens], dtype=torch.long, **t),
+                positions=torch.tensor(positions, dtype=torch.long, **t),
+                cu_seqlens=torch.tensor(bounds, dtype=torch.int32, **t), prefix_of=tuple(prefix_of),
+                logit_rows=torch.tensor(logit_rows, dtype=torch.long, **t),
+                labels=torch.tensor(labels, dtype=torch.long, **t),
+                num_tokens=num_tokens, padded_tokens=width * len(rows))
+
+
+def unit_tokens(rows: Sequence["Sample"], share_prompt: bool) -> int:
+    """Tokens :func:`build_pack` lays out for ``rows`` of one group (prompt once when shared by >= 2)."""
+    if share_prompt and len(rows) > 1 and len({prompt_of(s) for s in rows}) == 1:
+        return len(rows[0].tokens) - rows[0].response_length + sum(s.response_length for s in rows)
+    return sum(len(s.tokens) for s in rows)
+
+
+def plan_micro_batches(samples: Sequence["Sample"], positions: Sequence[int], dp_rank: int, dp_size: int,
+                       max_tokens: int, share_prompt: bool = True) -> list[list[int]]:
+    """This data-parallel rank's micro-batches (lists of positions into ``samples``) of one optimizer step
+    whose samples are ``positions``: each at most ``max_tokens`` tokens as :func:`build_pack` lays them out.
+
+    Units: with ``share_prompt``, each run of adjacent samples with identical prompts (a group), split into
+    chunks that fit ``max_tokens``; otherwise single samples. Units go to ranks longest first, each to the
+    least-loaded rank (ties: the lowest rank), so ranks get about equal tokens; on a rank they fill
+    micro-batches first-fit, longest first. Every rank gets at least one micro-batch. The plan depends only on
+    the samples' lengths and prompts, so every rank computes the same one.
+
+    Raises ValueError when a sample alone exceeds ``max_tokens`` (names the sample, its length and the
+    budget) or when the step has fewer samples than ``dp_size``.
+    """
+    if len(positions) < dp_size:
+        raise ValueError(f"{len(positions)} samples per optimizer step cannot feed {dp_size} data-parallel ranks")
+    units: list[list[int]] = []
+    for p in positions:
+        s = samples[p]
+        if len(s.tokens) > max_tokens:
+            raise ValueError(f"sample {s.index} has {len(s.tokens)} tokens (prompt + response), more than "
+                             f"train.max_tokens_per_microbatch={max_tokens}")
+        last = units[-1] if units else None
+        if (share_prompt and last and prompt_of(samples[last[0]]) == prompt_of(s)
+                and unit_tokens([samples[q] for q in last + [p]], True) <= max_tokens):
+            last.append(p)
+        else:
+            units.append([p])
+    if len(units) < dp_size:
+        units = [[p] for p in positions]
+
+    def cost(unit: list[int]) -> int:
+        return unit_tokens([samples[q] for q in unit], share_prompt)
+
+    order = sorted(range(len(units)), key=lambda u: (-cost(units[u]), units[u][0]))
+    loads, mine = [0] * dp_size, []
+    for u in order:
+        r = min(range(dp_size), key=lambda k: (loads[k], k))
+        loads[r] += cost(units[u])
+        if r == dp_rank:
+            mine.append(units[u])
+    bins: list[list[int]] = []
+    fill: list[int] = []
+    for unit in mine:  # already longest first
+        c = cost(unit)
+        for b in range(len(bins)):
+            if fill[b] + c <= max_tokens:
+                bins[b].extend(unit)
+                fill[b] += c
+                break
+        else:
+            bins.append(list(unit))
+            fill.append(c)
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+@contextlib.contextmanager
+def rotary_positions(model: torch.nn.Module, positions: Tensor) -> Iterator[None]:
+    """While active, ``model.rotary_pos_emb`` (megatron-core's ``RotaryEmbedding``) returns the embedding of
+    each token's own position, ``[T, 1, 1, dim]`` rows of its usual table: with ``T == cu_seqlens[-1]``,
+    megatron's THD rotary path maps token ``t`` to row ``t`` (its "exact mapping with offsets"), so positions
+    may restart per sample or continue after a shared prompt. The table is megatron's own (``get_emb`` of
+    ``max(positions) + 1``), so a position gets the very values it would in a padded forward."""
+    rotary = model.rotary_pos_emb
+
+    def per_token(module, args, output):
+        table = output[0] if isinstance(output, tuple) else output
+        if table.shape[0] <= int(positions.max()):
+            raise RuntimeError(f"rotary table of {table.shape[0]} rows for position {int(positions.max())}")
+        return table.index_select(0, positions.to(table.device))
+
+    handle = rotary.register_forward_hook(per_token)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def packed_seq_params(pack: Pack):
+    """megatron-core ``PackedSeqParams`` (``thd``) for ``pack``, with ``prefix_of`` attached for
+    :class:`~hpcrl.train.packed_attention.PackedDotProductAttention`. ``max_seqlen_q/kv`` is the largest
+    position + 1: megatron sizes its rotary table by it (see :func:`rotary_positions`)."""
+    from hpcrl.train.packed_attention import SharedPrefixSeqParams
+
+    span = int(pack.positions.max()) + 1
+    return SharedPrefixSeqParams(qkv_format="thd", cu_seqlens_q=pack.cu_seqlens, cu_seqlens_kv=pack.cu_seqlens,
+                                 max_seqlen_q=span, max_seqlen_kv=span, prefix_of=pack.prefix_of)
+
+
+def packed_response_log_probs(model: torch.nn.Module, pack: Pack, response_lengths: Tensor, temperature: float,
+                              with_entropy: bool = False, vocab_size: Optional[int] = None):
+    """Per-token log-probs (and entropy) of the response tokens of a packed micro-batch.
+
+    ``model``: the (wrapped) GPTModel, built with :func:`hpcrl.train.packed_attention.layer_spec`.
+    ``response_lengths``: ``[b]`` of the pack's samples, in order (``K`` tokens in all). The decoder runs once over the pack; the output
+    layer, log-softmax and entropy only over the ``K`` rows that predict response tokens (no logits for prompt
+    positions), unless sequence parallelism splits the output layer's input. Returns a
+    :class:`~hpcrl.train.logprobs.ResponseLogProbs` with ``[b, R]`` float32 tensors, 0 beyond each response.
+    ``vocab_size`` defaults to ``hf_config.vocab_size`` of a model built by :mod:`hpcrl.train.bridge` (padded
+    vocab columns get probability 0, as in :func:`~hpcrl.train.logprobs.response_log_probs`).
+    """
+    from hpcrl.train.bridge import unwrap_model
+    from hpcrl.train.logprobs import ResponseLogProbs, compute_entropy, compute_log_probs
+
+    bare = unwrap_model(model)
+    if vocab_size is None and getattr(bare, "hf_config", None) is not None:
+        vocab_size = bare.hf_config.vocab_size
+    layer = bare.output_layer
+    rows = pack.logit_rows
+    select = not getattr(layer, "sequence_parallel", False)
+
+    def keep_rows(module, args, kwargs):
+        return (args[0].index_select(0, rows), *args[1:]), kwargs
+
+    handle = layer.register_forward_pre_hook(keep_rows, with_kwargs=True) if select else None
+    try:
+        with rotary_positions(bare, pack.positions):
+            logits = model(input_ids=pack.tokens, position_ids=pack.positions.unsqueeze(0), attention_mask=None,
+                           packed_seq_params=packed_seq_params(pack))
+    finally:
+        if handle is not None:
+            handle.remove()
+    if not select:  # [1, T, V/tp] -> the K rows
+        logits = logits.index_select(1, rows)
+    width = int(response_lengths.max()) if response_lengths.numel() else 0
+    mask = torch.arange(width, device=rows.device).unsqueeze(0) < response_lengths.to(rows.device).unsqueeze(1)
+    labels = pack.labels.unsqueeze(0)
+    flat_lp = compute_log_probs(logits, labels, temperature, vocab_size)[0]  # [K]
+    zeros = torch.zeros(mask.shape, dtype=flat_lp.dtype, device=flat_lp.device)
+    log_probs = zeros.masked_scatter(mask, flat_lp)
+    entropy = None
+    if with_entropy:
+        entropy = zeros.masked_scatter(mask, compute_entropy(logits, temperature, vocab_size)[0])
+    return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)

@@ -1,0 +1,197 @@
+"""Packed micro-batches (issue #13): the THD layout, the token-budget plan, and the exactness gates at TP=1.
+
+Layout and plan are checked on hand-made samples. The gates run the real tiny Qwen2 in megatron-core: per-token
+log-probs and entropy of the packed forward and of the shared-prompt forward equal the padded forward's to
+1e-5 (fp32), and so does the gradient of one backward (relative norm); an Actor with packing and sharing on
+passes slime's CI gates, trains the same first step as the padded Actor and is bitwise repeatable. TP=2 and
+DP=2 are in tests/integration/test_actor_tp2.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from hpcrl.config import ConfigError  # noqa: E402
+from hpcrl.data.sample import Sample  # noqa: E402
+from hpcrl.train.actor import Actor, build_micro_batch  # noqa: E402
+from hpcrl.train.packing import build_pack, plan_micro_batches, unit_tokens  # noqa: E402
+from tests.unit.test_actor import make_config, make_samples, tp1  # noqa: E402,F401
+
+PACKED = {"train.max_tokens_per_microbatch": 64}
+
+
+def sample(prompt: list[int], response: list[int], index: int = 0) -> Sample:
+    return Sample(index=index, tokens=prompt + response, response_length=len(response),
+                  loss_mask=[1] * len(response), reward=0.0)
+
+
+# --- layout -----------------------------------------------------------------------------------------------
+
+
+def test_pack_layout_separate_samples():
+    rows = [sample([1, 2, 3], [4, 5]), sample([6, 7], [8])]
+    p = build_pack(rows, share_prompt=True)  # different prompts: nothing shared
+    assert p.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert p.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert p.cu_seqlens.tolist() == [0, 5, 8] and p.prefix_of == (-1, -1)
+    assert p.logit_rows.tolist() == [2, 3, 6] and p.labels.tolist() == [4, 5, 8]
+    assert (p.num_tokens, p.padded_tokens) == (8, 10)
+
+
+def test_pack_layout_shared_prompt():
+    rows = [sample([1, 2, 3], [4, 5]), sample([9], [8]), sample([1, 2, 3], [6]), sample([1, 2, 3], [])]
+    p = build_pack(rows, share_prompt=True, pad_to_multiple=3)
+    # the group's prompt once (where its first sample is), then its non-empty responses; the other sample; pad
+    assert p.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 9, 8, 0]]
+    assert p.positions.tolist() == [0, 1, 2, 3, 4, 3, 0, 1, 0]
+    assert p.cu_seqlens.tolist() == [0, 3, 5, 6, 8, 9] and p.prefix_of == (-1, 0, 0, -1, -1)
+    # a response's first token is predicted by the prompt's last row (2), shared by the group
+    assert p.logit_rows.tolist() == [2, 3, 6, 2] and p.labels.tolist() == [4, 5, 8, 6]
+    assert p.num_tokens == 8 and unit_tokens(rows[:1] + rows[2:], True) == 3 + 2 + 1 + 0
+    unshared = build_pack(rows, share_prompt=False)
+    assert unshared.num_tokens == sum(len(r.tokens) for r in rows) and set(unshared.prefix_of) == {-1}
+
+
+# --- plan -------------------------------------------------------------------------------------------------
+
+
+def _groups(num_groups: int, n: int, seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(num_groups):
+        prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(3, 20))]
+        for _ in range(n):
+            out.append(sample(prompt, [7] * rng.randrange(0, 12), index=len(out)))
+    return out
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_plan_fits_budget_covers_each_sample_once_and_balances_ranks(share, dp):
+    samples = _groups(8, 4, seed=dp)
+    positions = list(range(len(samples)))
+    budget = 48
+    plans = [plan_micro_batches(samples, positions, r, dp, budget, share) for r in range(dp)]
+    assert plans == [plan_micro_batches(samples, positions, r, dp, budget, share) for r in range(dp)]
+    flat = sorted(p for plan in plans for mb in plan for p in mb)
+    assert flat == positions
+    loads = []
+    for plan in plans:
+        assert plan, "every rank gets a micro-batch"
+        for mb in plan:
+            assert build_pack([samples[p] for p in mb], share).num_tokens <= budget
+        loads.append(sum(build_pack([samples[p] for p in mb], share).num_tokens for mb in plan))
+    biggest_unit = max(len(s.tokens) for s in samples) if not share else budget
+    assert max(loads) - min(loads) <= biggest_unit
+    if share:  # fewer tokens than one sample per segment
+        assert sum(loads) < sum(len(s.tokens) for s in samples)
+
+
+def test_plan_rejects_a_sample_longer_than_the_budget():
+    samples = [sample([1] * 10, [2] * 5, index=3)]
+    with pytest.raises(ValueError, match=r"sample 3 has 15 tokens .*max_tokens_per_microbatch=12"):
+        plan_micro_batches(samples, [0], 0, 1, 12)
+
+
+# --- exactness gates (TP=1) ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_model_dir):
+    return make_samples(tiny_model_dir, num_groups=4, seed=0, correct_first=True)
+
+
+def _flat_grad(ddp) -> torch.Tensor:
+    return torch.cat([p.main_grad.flatten().clone() for p in ddp.parameters()])
+
+
+def forward_gates(actor: Actor, samples: list[Sample]) -> dict[str, float]:
+    """Max |packed - padded| of per-token log-probs and entropy, and the relative norm of the gradient
+    difference after one backward of ``sum(log-probs) + sum(entropy)``, for the packed and the shared-prompt
+    layouts of ``samples`` (one micro-batch)."""
+    adv = [torch.zeros(s.response_length) for s in samples]
+    positions = list(range(len(samples)))
+    out = {}
+    grads = {}
+    for name, packed, share in (("padded", False, False), ("packed", True, False), ("shared", True, True)):
+        mb = build_micro_batch(samples, positions, adv, actor.device, packed=packed, share_prompt=share)
+        actor.ddp_model.zero_grad_buffer()
+        res = actor._forward(mb, with_entropy=True)
+        (res.log_probs.sum() + res.entropy.sum()).backward()
+        actor.ddp_model.finish_grad_sync()
+        grads[name] = (res.log_probs.detach(), res.entropy.detach(), _flat_grad(actor.ddp_model))
+        if packed:
+            out[f"{name}_tokens"] = mb.pack.num_tokens
+    lp, ent, g = grads["padded"]
+    for name in ("packed", "shared"):
+        out[f"{name}_logprob"] = (grads[name][0] - lp).abs().max().item()
+        out[f"{name}_entropy"] = (grads[name][1] - ent).abs().max().item()
+        out[f"{name}_grad"] = ((grads[name][2] - g).norm() / g.norm()).item()
+    out["padded_tokens"] = mb.padded_tokens
+    actor.ddp_model.zero_grad_buffer()
+    return out
+
+
+def test_packed_and_shared_forwards_equal_the_padded_one(tp1, tiny_model_dir, samples):
+    gates = forward_gates(Actor(make_config(), tiny_model_dir), samples)
+    for name in ("packed", "shared"):
+        assert gates[f"{name}_logprob"] < 1e-5 and gates[f"{name}_entropy"] < 1e-5, gates
+        assert gates[f"{name}_grad"] < 1e-5, gates
+    assert gates["shared_tokens"] < gates["packed_tokens"] < gates["padded_tokens"], gates
+
+
+def test_packed_actor_passes_ci_gates_and_trains_the_padded_step(tp1, tiny_model_dir, samples):
+    changes = {"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5, "algorithm.kl_loss_type": "k3",
+               "algorithm.use_tis": True, "algorithm.entropy_coef": 0.01, "train.num_steps_per_rollout": 2}
+    padded = Actor(make_config(**changes), tiny_model_dir, ci_checks=True)
+    m_pad = padded.train(0, samples)
+    steps_pad = padded.step_metrics
+    packed = Actor(make_config(**changes, **PACKED), tiny_model_dir, ci_checks=True)  # gates raise on failure
+    m_pack = packed.train(0, samples)
+    assert m_pack["train/first_step_ppo_kl"] == 0.0 and m_pack["train/ref_logprob_diff"] == 0.0
+    for key in ("grad_norm", "loss", "pg_loss", "kl_loss", "entropy", "tis"):
+        assert packed.step_metrics[0][key] == pytest.approx(steps_pad[0][key], rel=1e-5, abs=1e-7), key
+    assert m_pad["train/forward_tokens"] == m_pad["train/padded_tokens"]
+    assert m_pack["train/forward_tokens"] < min(m_pack["train/padded_tokens"], m_pad["train/forward_tokens"])
+    packed_weights = dict(packed.hf_weights())  # Adam magnifies rounding of near-zero gradients: as at TP=2
+    for name, w in padded.hf_weights():
+        assert (packed_weights[name] - w).abs().max().item() < 1e-3, name
+
+
+def test_packed_actor_same_seed_is_bitwise_repeatable(tp1, tiny_model_dir, samples):
+    def run():
+        actor = Actor(make_config(**PACKED, **{"run.deterministic": True}), tiny_model_dir, ci_checks=True)
+        for rollout_id in range(2):
+            actor.train(rollout_id, samples)
+        return {k: v.clone() for k, v in actor.hf_weights()}
+
+    a, b = run(), run()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- bad input ----------------------------------------------------------------------------------------------
+
+
+def test_budget_smaller_than_a_sample_is_a_config_error_naming_both_numbers(tmp_path, tiny_model_dir):
+    from hpcrl.config import load_config
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {{path: {tiny_model_dir}}}\nrollout: {{max_new_tokens: 16}}\n"
+                   "train: {max_tokens_per_microbatch: 12}\n")
+    with pytest.raises(ConfigError, match=r"train\.max_tokens_per_microbatch.*12.*17 tokens.*max_new_tokens=16"):
+        load_config(cfg)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n' * 3 + '{"prompt": "' + "9" * 40 + '=", "label": "9"}\n'
+                    + '{"prompt": "2+2=", "label": "4"}\n')
+    cfg.write_text(f"model: {{path: {tiny_model_dir}}}\nrollout: {{max_new_tokens: 16}}\n"
+                   f"data: {{source: {data}, num_eval: 1}}\ntrain: {{max_tokens_per_microbatch: 40}}\n")
+    from hpcrl.data.sources import check_data
+
+    with pytest.raises(ConfigError, match=r"train\.max_tokens_per_microbatch.*40.*longest prompt of (\d+) "
+                                          r"tokens \+ rollout\.max_new_tokens=16.*at least"):
+        check_data(load_config(cfg))
