@@ -118,6 +118,9 @@ def check_train(cfg: Config) -> None:
               "train.max_tokens_per_microbatch")
     if t.max_tokens_per_microbatch is not None:
         check_microbatch_budget(cfg, r.max_new_tokens + 1, "a 1-token prompt")
+        require(not (cfg.megatron or {}).get("apply_rope_fusion"), "megatron.apply_rope_fusion", True,
+                "the fused THD rotary kernel ignores the per-token positions that packed micro-batches "
+                "(train.max_tokens_per_microbatch) need", "leave megatron.apply_rope_fusion unset (false)")
     non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps")
     for f in ("train.pipeline_parallel_size", "train.context_parallel_size"):
         require(get_field(cfg, f) == 1, f, get_field(cfg, f), "the trainer does not support pipeline or context "

@@ -12,7 +12,8 @@ padded ``[s, b, ...]`` input) that also takes THD input ``[T, heads, dim]`` with
   bottom-right.
 
 Cost is per segment (``L x (p + L)`` scores), never a block-diagonal mask over the whole pack. On CPU (or
-without flash-attn) each segment is one ``torch.nn.functional.scaled_dot_product_attention`` call; on a GPU
+without flash-attn) the segments are gathered into (at most two) padded batches, one
+``torch.nn.functional.scaled_dot_product_attention`` call each; on a GPU
 with ``flash_attn`` installed, one ``flash_attn_varlen_func`` call over all segments with the prefixes'
 keys/values gathered in front of each response (bottom-right causal). The GPU path is unverified until run on
 one (docs/gpu-verification.md).
@@ -36,6 +37,8 @@ class SharedPrefixSeqParams(PackedSeqParams):
 
     prefix_of: tuple[int, ...] = ()
     """``[S]``: index of the prefix segment of segment ``s`` (its group's shared prompt), or -1."""
+    plan: Optional[tuple] = None
+    """:func:`plan_segments` of this layout, made by the first layer and reused by the others."""
 
 
 def _kv_rows(cu: list[int], prefix_of: tuple[int, ...], s: int) -> tuple[int, int, int, int]:
@@ -45,37 +48,80 @@ def _kv_rows(cu: list[int], prefix_of: tuple[int, ...], s: int) -> tuple[int, in
     return (cu[k], cu[k + 1], a, b) if k >= 0 else (a, a, a, b)
 
 
+@dataclasses.dataclass
+class _SegmentBatch:
+    """Segments of one kind (with or without a prefix) gathered into a padded batch of ``n`` segments."""
+
+    q_index: Tensor
+    """``[n, Lq]`` pack rows of each segment's queries (0 where padded)."""
+    q_valid: Tensor
+    """``[n, Lq]`` bool: a real query row."""
+    kv_index: Tensor
+    """``[n, Lk]`` pack rows of its keys/values: the prefix's, then its own (0 where padded)."""
+    mask: Tensor
+    """``[n, 1, Lq, Lk]`` bool: which keys each query sees (prefix, then causal; a padded query row sees key 0
+    only, so that no softmax row is empty; its output is dropped)."""
+
+
+def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...]) -> tuple[list[_SegmentBatch], Tensor]:
+    """Gather plan of :func:`segment_attention`: one :class:`_SegmentBatch` for the segments without a prefix and
+    one for those with (each padded to its own longest), and the inverse permutation ``[T]`` that puts their
+    real query rows back in pack order."""
+    cu = cu_seqlens.tolist()
+    device = cu_seqlens.device
+    kinds: dict[bool, list[tuple[int, int, int, int]]] = {}
+    for s in range(len(cu) - 1):
+        rows = _kv_rows(cu, prefix_of, s)
+        if rows[3] > rows[2]:
+            kinds.setdefault(rows[1] > rows[0], []).append(rows)
+    batches, order = [], []
+    for segs in kinds.values():
+        lq = max(b - a for _, _, a, b in segs)
+        lk = max(pb - pa + b - a for pa, pb, a, b in segs)
+        n = len(segs)
+        q_index = torch.zeros(n, lq, dtype=torch.long)
+        kv_index = torch.zeros(n, lk, dtype=torch.long)
+        q_valid = torch.zeros(n, lq, dtype=torch.bool)
+        mask = torch.zeros(n, 1, lq, lk, dtype=torch.bool)
+        for i, (pa, pb, a, b) in enumerate(segs):
+            p, L = pb - pa, b - a
+            q_index[i, :L] = torch.arange(a, b)
+            kv_index[i, :p] = torch.arange(pa, pb)
+            kv_index[i, p:p + L] = torch.arange(a, b)
+            q_valid[i, :L] = True
+            mask[i, 0, :L, :p] = True
+            mask[i, 0, :L, p:p + L] = torch.ones(L, L, dtype=torch.bool).tril()
+            mask[i, 0, L:, 0] = True
+            order.append(torch.arange(a, b))
+        batches.append(_SegmentBatch(q_index.to(device), q_valid.to(device), kv_index.to(device), mask.to(device)))
+    inverse = torch.empty(int(cu[-1]), dtype=torch.long)
+    inverse[torch.cat(order)] = torch.arange(int(cu[-1]))
+    return batches, inverse.to(device)
+
+
 def segment_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
-                      prefix_of: tuple[int, ...], scale: float, dropout_p: float = 0.0) -> Tensor:
+                      prefix_of: tuple[int, ...], scale: float, dropout_p: float = 0.0,
+                      plan: Optional[tuple[list[_SegmentBatch], Tensor]] = None) -> Tensor:
     """Attention of THD tensors per segment, with :class:`SharedPrefixSeqParams` semantics.
 
     ``query``: ``[T, heads, dim]``; ``key``, ``value``: ``[T, groups, dim]`` (grouped-query attention:
-    ``heads`` a multiple of ``groups``); ``cu_seqlens``: ``[S + 1]``. Returns ``[T, heads, dim]``.
+    ``heads`` a multiple of ``groups``); ``cu_seqlens``: ``[S + 1]``. Returns ``[T, heads, dim]``. The segments
+    of each kind (with, without a prefix) run as one batched ``scaled_dot_product_attention`` of
+    ``[segments, heads, longest, longest keys]`` scores: the cost is per segment, padded to the longest segment
+    of its kind, never ``T x T``. ``plan``: :func:`plan_segments` of the same layout (reused across layers).
     """
-    cu = cu_seqlens.tolist()
+    batches, inverse = plan if plan is not None else plan_segments(cu_seqlens, prefix_of)
     rep = query.shape[1] // key.shape[1]
     outs = []
-    for s in range(len(cu) - 1):
-        pa, pb, a, b = _kv_rows(cu, prefix_of, s)
-        if a == b:
-            continue
-        q = query[a:b].transpose(0, 1)  # [heads, L, dim]
-        if pb > pa:
-            k = torch.cat((key[pa:pb], key[a:b])).transpose(0, 1)
-            v = torch.cat((value[pa:pb], value[a:b])).transpose(0, 1)
-        else:
-            k, v = key[a:b].transpose(0, 1), value[a:b].transpose(0, 1)
+    for sb in batches:
+        q = query[sb.q_index].transpose(1, 2)  # [n, heads, Lq, dim]
+        k = key[sb.kv_index].transpose(1, 2)  # [n, groups, Lk, dim]
+        v = value[sb.kv_index].transpose(1, 2)
         if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-        if pb > pa:  # all of the prefix, then causal over the segment (bottom-right aligned)
-            n, p = b - a, pb - pa
-            mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device)
-            mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=sb.mask, dropout_p=dropout_p, scale=scale)
+        outs.append(o.transpose(1, 2)[sb.q_valid])  # [real rows, heads, dim]
+    return torch.cat(outs).index_select(0, inverse)
 
 
 def _flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, prefix_of: tuple[int, ...],
@@ -123,8 +169,13 @@ class PackedDotProductAttention(DotProductAttention):
             out = _flash_varlen(query, key, value, packed_seq_params.cu_seqlens_q, prefix_of, self.softmax_scale,
                                 dropout_p)
         else:
+            plan = getattr(packed_seq_params, "plan", None)
+            if plan is None:
+                plan = plan_segments(packed_seq_params.cu_seqlens_q, prefix_of)
+                if isinstance(packed_seq_params, SharedPrefixSeqParams):
+                    packed_seq_params.plan = plan  # the next layers reuse it
             out = segment_attention(query, key, value, packed_seq_params.cu_seqlens_q, prefix_of,
-                                    self.softmax_scale, dropout_p)
+                                    self.softmax_scale, dropout_p, plan=plan)
         return out.reshape(out.shape[0], -1)
 
 
