@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hpcrl.procs import ManagedProcess, child_preexec, find_free_port, open_log, url_for, wait_for_http_ok
+from hpcrl.procs import ManagedProcess, ProcessStartError, child_preexec, find_free_port, open_log, url_for, wait_for_http_ok
 from hpcrl.rollout.secret import read_secret
 
 logger = logging.getLogger(__name__)
@@ -255,17 +255,42 @@ class LocalEngineLaunch:
     secret_path: Path
     cfg: Any = None
     attempt_dir: Optional[Path] = None
+    model_path: Optional[str | os.PathLike] = None
+    """The folder the engines load (to start one again when its port was taken before it bound it)."""
 
     def wait(self) -> tuple[list[EngineProcess], None]:
         """Wait for every engine (they load in parallel). Raises :class:`hpcrl.procs.ProcessStartError` for
         the first that fails, after stopping all of them."""
         try:
-            for e in self.engines:
-                wait_engine(e, self.secret_path)
+            for i, e in enumerate(list(self.engines)):
+                try:
+                    wait_engine(e, self.secret_path)
+                except ProcessStartError as err:
+                    if "address already in use" not in err.log_tail or self.model_path is None:
+                        raise
+                    # the port was free when picked, then another process took it before the engine bound it
+                    # (the OS hands out released ports as ephemeral ones): once more, on a new port
+                    logger.warning("engine %d: port taken before it could bind (%s); starting it on another", i,
+                                e.url)
+                    self.engines[i] = self._spawn(i, engine_sglang_args(self.cfg), self.model_path,
+                                                  Path(self.attempt_dir) / f"engine-{i}.port-retry.log")
+                    wait_engine(self.engines[i], self.secret_path)
         except BaseException:
             self.stop()
             raise
         return self.engines, None
+
+    def _spawn(self, index: int, args: dict, model_path: str | os.PathLike, log_path: Path) -> EngineProcess:
+        """:func:`spawn_engine` of engine ``index`` on a new port, pinned as the launch pins it."""
+        from hpcrl.placement import CpuSets, parse_cpu_list
+
+        cfg = self.cfg
+        sets = None
+        if cfg.run.placement == "disaggregate" and cfg.rollout.cpus is not None:
+            sets = CpuSets(tuple(parse_cpu_list(cfg.train.cpus or [])), tuple(parse_cpu_list(cfg.rollout.cpus)))
+        n = len(self.engines)
+        return spawn_engine(cfg.rollout, args, model_path, api_key_file=self.secret_path, log_path=log_path,
+                            cpus=sets.engine(index, n) if sets is not None else None)
 
     def stop(self) -> None:
         """Stop every engine of this launch. Idempotent."""
@@ -278,19 +303,10 @@ class LocalEngineLaunch:
         ``weight_version`` (None: the engine's default), on a new port, pinned as before; its log is
         ``engine-<index>.restart-<attempt>.log``. Waits until it answers ``/health``
         (:data:`hpcrl.rollout.health.RestartEngine`). Raises ProcessStartError with its log tail."""
-        from hpcrl.placement import CpuSets, parse_cpu_list
-
-        cfg = self.cfg
-        args = engine_sglang_args(cfg)
+        args = engine_sglang_args(self.cfg)
         if weight_version is not None:
             args["weight_version"] = weight_version
-        sets = None
-        if cfg.run.placement == "disaggregate" and cfg.rollout.cpus is not None:
-            sets = CpuSets(tuple(parse_cpu_list(cfg.train.cpus or [])), tuple(parse_cpu_list(cfg.rollout.cpus)))
-        n = len(self.engines)
-        eng = spawn_engine(cfg.rollout, args, model_path, api_key_file=self.secret_path,
-                           log_path=Path(self.attempt_dir) / f"engine-{index}.restart-{attempt}.log",
-                           cpus=sets.engine(index, n) if sets is not None else None)
+        eng = self._spawn(index, args, model_path, Path(self.attempt_dir) / f"engine-{index}.restart-{attempt}.log")
         wait_engine(eng, self.secret_path)
         self.engines.append(eng)  # stopped with the others at the end
         return eng
@@ -319,4 +335,4 @@ def launch_local_engines(cfg: Any, run_dir: Path, attempt_dir: Path, model_path:
         for e in engines:
             e.stop()
         raise
-    return LocalEngineLaunch(engines, Path(secret_path), cfg, Path(attempt_dir))
+    return LocalEngineLaunch(engines, Path(secret_path), cfg, Path(attempt_dir), model_path)
