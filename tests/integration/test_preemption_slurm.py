@@ -113,16 +113,17 @@ SLOW_REWARD_MODULE = REWARD_MODULE + '''
 import time
 _fast = digit_fraction
 def digit_fraction(args, sample):
-    time.sleep(0.03)  # ~1.5 s a step: the urgent job's preemption (scheduler latency) lands mid-run
+    time.sleep(SECONDS)  # a floor under each step's time, whatever the CPU
     return _fast(args, sample)
 '''
 
 
-def slow_steps(work: Path) -> None:
-    """Make each step last ~1.5 s (a sleeping reward; the values are the same, so the reference still holds):
-    preemption by the ``urgent`` partition waits for Slurm's scheduler, and at full speed the 8-step run could
-    finish before the signal came."""
-    (work / "loop_rewards.py").write_text(SLOW_REWARD_MODULE)
+def slow_steps(work: Path, seconds_per_sample: float = 0.03) -> None:
+    """Put a floor under each step's time (a reward that sleeps ``seconds_per_sample`` per sample, ~1.5 s a
+    step at the default; the values are the same, so the reference still holds): preemption by the ``urgent``
+    partition waits for Slurm's scheduler, and at full speed the 8-step run could finish before the signal came;
+    a time-limit run must outlast one allocation on a fast CPU too."""
+    (work / "loop_rewards.py").write_text(SLOW_REWARD_MODULE.replace("SECONDS", repr(seconds_per_sample)))
 
 
 def check_exact(work: Path, name: str, reference) -> None:
@@ -193,7 +194,11 @@ def test_time_limit_requeues_and_completes(work):
     """A 2-minute limit with ``USR2@40`` (Slurm may send it up to 60 s early) on a run that needs more than
     one such allocation (no filter, so late steps, all correct, still train): each attempt checkpoints before
     its limit (signal, or our own deadline) and is requeued."""
-    steps = 300  # ~2.5 steps/s and ~55 s of steps per 2-minute attempt here: 3 attempts (2 at twice the speed)
+    # An attempt has at most ~80 s of steps (the signal comes 40-60 s before the limit) and each step at least
+    # ~1 s (a reward sleeping 20 ms for each sample): 120 steps need 2 attempts however fast the CPU (the CI of
+    # 943244c did 300 unfloored steps in 55 s, one attempt); ~3 on a slow one
+    steps = 120
+    slow_steps(work, seconds_per_sample=0.02)
     job_id, run_dir = submit(work, "timelimit", f"run.num_rollout={steps}", "slurm.time=00:02:00",
                              "slurm.signal=USR2@40", "rollout.dynamic_filter=null")  # the filter runs dry late
     assert wait_final(job_id, run_dir, timeout=840) == "COMPLETED", job_log(run_dir)
