@@ -256,7 +256,10 @@ async def gated_rollout(cfg, rollout_id, data_source, ctx):
     if rollout_id > 0:
         m = _last_metrics(Path(cfg.run.output_dir) / cfg.run.name)
         extra = {k: m.get(k) for k in ("rollout/seconds", "train/seconds", "sync/seconds", "timing/step_seconds",
-                                        "rollout/reward_mean", "timing/rollout_wait_seconds", "rollout/lag_mean")}
+                                        "rollout/reward_mean", "timing/rollout_wait_seconds", "rollout/lag_mean",
+                                        "train/forward_tokens", "train/padded_tokens")}
+        if m.get("train/tokens_per_s") is not None and m.get("train/seconds") is not None:
+            extra["sample_tokens"] = m["train/tokens_per_s"] * m["train/seconds"]  # prompt + response, each sample
         extra["gen_tokens"] = _HPCRL.pop("gen_tokens", 0)
         extra.update(_DETAIL)
     _DETAIL.clear()
@@ -340,6 +343,9 @@ def hpcrl_worker(spec: dict) -> None:
                        spec["micro_batch"])
     if spec.get("router") is not None:
         cfg.rollout.router = spec["router"]
+    if spec.get("pack"):  # token-budget packed micro-batches instead of --micro-batch
+        cfg.train.max_tokens_per_microbatch = spec["pack"]
+        cfg.train.share_group_prompt = spec.get("share", True)
     if spec.get("mode") == "async":  # one step off policy; trainer and engine on disjoint CPUs, as hpcrl run does
         cfg.run.mode, cfg.run.placement = "async", "disaggregate"
         cpus = resolve_cpu_sets(cfg)
@@ -410,7 +416,10 @@ def trl_worker(spec: dict) -> None:
                 r = counts["reward"]
                 extra = {"gen_tokens": counts["gen_tokens"], "rollout/reward_mean": sum(r) / max(len(r), 1),
                          "trl/generate_seconds": counts.pop("gen_seconds", None),
-                         "trl/generate_and_score_seconds": counts.pop("rollout_seconds", None)}
+                         "trl/generate_and_score_seconds": counts.pop("rollout_seconds", None),
+                         "train/forward_tokens": counts.get("forward_tokens"),
+                         "train/padded_tokens": counts.pop("forward_tokens", None),  # TRL trains on padded rows
+                         "sample_tokens": counts.pop("sample_tokens", None)}
                 counts["gen_tokens"], counts["reward"] = 0, []
             cmd = gate.enter(extra)
             if cmd == "stop":
@@ -447,9 +456,15 @@ def trl_worker(spec: dict) -> None:
         def _generate_and_score_completions(self, *a, **k):
             t0 = time.perf_counter()
             try:
-                return super()._generate_and_score_completions(*a, **k)
+                out = super()._generate_and_score_completions(*a, **k)
             finally:
                 counts["rollout_seconds"] = counts.get("rollout_seconds", 0.0) + time.perf_counter() - t0
+            # the training forward runs over the padded [micro-batch, prompt + completion] rows
+            counts["forward_tokens"] = counts.get("forward_tokens", 0) + out["prompt_ids"].numel() + \
+                out["completion_ids"].numel()
+            counts["sample_tokens"] = counts.get("sample_tokens", 0) + int(out["prompt_mask"].sum()) + \
+                int(out["completion_mask"].sum())
+            return out
 
     train = Dataset.from_list([{"prompt": it["prompt"]} for it in data.train])
     trainer = TimedGRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=train,
@@ -607,7 +622,9 @@ def parse_side(text: str) -> dict:
     """``kind[:key=value,...]``: kind ``trl`` or ``hpcrl``; keys ``router=on|off`` (hpcrl), ``mode=sync|async``
     (hpcrl: ``run.mode``; async pins trainer and engine to disjoint halves of the CPUs), ``threads=N``,
     ``src=DIR`` (hpcrl: import hpcrl from this source tree, e.g. an unpacked older commit, for before/after
-    comparisons), ``name=LABEL`` (the column title)."""
+    comparisons), ``pack=N`` (hpcrl: packed micro-batches of at most N tokens, ``train.max_tokens_per_microbatch``,
+    instead of ``--micro-batch``), ``share=on|off`` (hpcrl with ``pack``: ``train.share_group_prompt``, default on),
+    ``name=LABEL`` (the column title)."""
     kind, _, rest = text.partition(":")
     if kind not in SIDES:
         raise SystemExit(f"--sides: unknown kind {kind!r} in {text!r}; use trl or hpcrl")
@@ -620,6 +637,10 @@ def parse_side(text: str) -> dict:
             opts["threads"] = int(value)
         elif key == "mode" and value in ("sync", "async"):
             opts["mode"] = value
+        elif key == "pack" and value.isdigit():
+            opts["pack"] = int(value)
+        elif key == "share" and value in ("on", "off"):
+            opts["share"] = value == "on"
         elif key == "name" and value:
             opts["label"] = value
         elif key == "src" and value:
@@ -659,7 +680,7 @@ def run(args) -> int:
         spec = {"model": args.model, "start": str(start), "out_dir": str(out_dir / f"side{i}-{side['kind']}"),
                 "seed": args.seed, "threads": side.get("threads", args.threads), "router": side.get("router"),
                 "src": side.get("src"), "dtype": args.dtype, "micro_batch": args.micro_batch,
-                "mode": side.get("mode", "sync")}
+                "mode": side.get("mode", "sync"), "pack": side.get("pack"), "share": side.get("share", True)}
         workers.append(Worker(side["kind"], spec, out_dir / f"side{i}-{side['kind']}.log", side["label"]))
     stop_sampler = threading.Event()
 
@@ -721,6 +742,10 @@ def run(args) -> int:
         tok_s = sum(r.get("gen_tokens", 0) for r in timed) / max(sum(secs), 1e-9)
         rows.append({"s_step": med, "s_mean": statistics.fmean(secs) if secs else float("nan"), "steps_s": 1.0 / med if med == med and med > 0 else float("nan"),
                      "tok_s": tok_s, "rss": w.peak / 2**20, "n_timed": len(timed), "n_steps": len(w.steps),
+                     "rss_trainer": w.peak_parts.get("trainer", 0) / 2**20 or None,
+                     "fwd_tok": _median([r.get("train/forward_tokens") for r in timed]),
+                     "pad_tok": _median([r.get("train/padded_tokens") for r in timed]),
+                     "smp_tok": _median([r.get("sample_tokens") for r in timed]),
                      "acc0": w.ready.get("start_accuracy"), "acc1": w.final.get("final_accuracy"),
                      "eval_items": w.ready.get("eval_items"),
                      "p1090": f"{_fmt(_quantile(secs, 0.1), '.3f')} / {_fmt(_quantile(secs, 0.9), '.3f')}",
@@ -764,6 +789,10 @@ def run(args) -> int:
     row("steps/s", "steps_s", ".2f")
     row("generated tokens/s", "tok_s", ".0f")
     row("peak RSS, process tree (MiB)", "rss", ".0f")
+    row("peak RSS, trainer process (MiB)", "rss_trainer", ".0f")
+    row("tokens of the samples / step", "smp_tok", ".0f", show_ratio=False)
+    row("tokens through the model / step", "fwd_tok", ".0f")
+    row("tokens if padded / step", "pad_tok", ".0f", show_ratio=False)
     row("timed steps", "n_timed", "d", show_ratio=False)
     row("steps in the budget", "n_steps", "d")
     row("greedy accuracy at start", "acc0", ".3f", show_ratio=False)

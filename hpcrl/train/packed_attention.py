@@ -66,7 +66,8 @@ class _SegmentBatch:
 def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...]) -> tuple[list[_SegmentBatch], Tensor]:
     """Gather plan of :func:`segment_attention`: one :class:`_SegmentBatch` for the segments without a prefix and
     one for those with (each padded to its own longest), and the inverse permutation ``[T]`` that puts their
-    real query rows back in pack order."""
+    real query rows back in pack order. Built with whole-tensor ops (no per-segment loop): a pack holds up to
+    hundreds of segments and the plan is made once per forward."""
     cu = cu_seqlens.tolist()
     device = cu_seqlens.device
     kinds: dict[bool, list[tuple[int, int, int, int]]] = {}
@@ -76,24 +77,22 @@ def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...]) -> tuple[list[
             kinds.setdefault(rows[1] > rows[0], []).append(rows)
     batches, order = [], []
     for segs in kinds.values():
-        lq = max(b - a for _, _, a, b in segs)
-        lk = max(pb - pa + b - a for pa, pb, a, b in segs)
-        n = len(segs)
-        q_index = torch.zeros(n, lq, dtype=torch.long)
-        kv_index = torch.zeros(n, lk, dtype=torch.long)
-        q_valid = torch.zeros(n, lq, dtype=torch.bool)
-        mask = torch.zeros(n, 1, lq, lk, dtype=torch.bool)
-        for i, (pa, pb, a, b) in enumerate(segs):
-            p, L = pb - pa, b - a
-            q_index[i, :L] = torch.arange(a, b)
-            kv_index[i, :p] = torch.arange(pa, pb)
-            kv_index[i, p:p + L] = torch.arange(a, b)
-            q_valid[i, :L] = True
-            mask[i, 0, :L, :p] = True
-            mask[i, 0, :L, p:p + L] = torch.ones(L, L, dtype=torch.bool).tril()
-            mask[i, 0, L:, 0] = True
-            order.append(torch.arange(a, b))
-        batches.append(_SegmentBatch(q_index.to(device), q_valid.to(device), kv_index.to(device), mask.to(device)))
+        pa, pb, a, b = torch.tensor(segs, dtype=torch.long).unbind(1)  # each [n]
+        p, L = (pb - pa)[:, None], (b - a)[:, None]  # [n, 1]
+        lq, lk = int(L.max()), int((p + L).max())
+        i = torch.arange(lq)[None, :]  # query row of a segment, [1, Lq]
+        j = torch.arange(lk)[None, :]  # key row: the prefix's (j < p), then its own
+        q_valid = i < L  # [n, Lq]
+        q_index = torch.where(q_valid, a[:, None] + i, 0)
+        own = (j >= p) & (j < p + L)
+        kv_index = torch.where(j < p, pa[:, None] + j, torch.where(own, a[:, None] + j - p, 0))
+        qi, kj = i[:, :, None], j[:, None, :]  # [1, Lq, 1], [1, 1, Lk]
+        valid = q_valid[:, :, None]
+        mask = valid & ((kj < p[:, :, None]) | (own[:, None, :] & (kj - p[:, :, None] <= qi)))
+        mask |= ~valid & (kj == 0)  # a padded query row sees key 0 only: no empty softmax row
+        order.append(q_index[q_valid])
+        batches.append(_SegmentBatch(q_index.to(device), q_valid.to(device), kv_index.to(device),
+                                     mask[:, None].to(device)))
     inverse = torch.empty(int(cu[-1]), dtype=torch.long)
     inverse[torch.cat(order)] = torch.arange(int(cu[-1]))
     return batches, inverse.to(device)

@@ -229,11 +229,19 @@ def rotary_positions(model: torch.nn.Module, positions: Tensor) -> Iterator[None
 def packed_seq_params(pack: Pack):
     """megatron-core ``PackedSeqParams`` (``thd``) for ``pack``, with ``prefix_of`` attached for
     :class:`~hpcrl.train.packed_attention.PackedDotProductAttention`. ``max_seqlen_q/kv`` is the largest
-    position + 1: megatron sizes its rotary table by it (see :func:`rotary_positions`)."""
+    position + 1: megatron sizes its rotary table by it (see :func:`rotary_positions`).
+
+    ``cu_seqlens_q/kv_padded`` (which megatron's attention prefers for rotary embedding, and nothing else reads
+    in our layer spec) span the pack as one sequence ``[0, T]``: the rotary rows are already per token, so
+    megatron's THD rotary path applies them in one call instead of slicing them segment by segment in Python
+    (the same values; a pack holds up to hundreds of segments, and the slices cost ~5% of the tiny model's
+    training step). Attention reads the segments from ``cu_seqlens_q``."""
     from hpcrl.train.packed_attention import SharedPrefixSeqParams
 
     span = int(pack.positions.max()) + 1
+    whole = torch.tensor([0, int(pack.cu_seqlens[-1])], dtype=pack.cu_seqlens.dtype, device=pack.cu_seqlens.device)
     return SharedPrefixSeqParams(qkv_format="thd", cu_seqlens_q=pack.cu_seqlens, cu_seqlens_kv=pack.cu_seqlens,
+                                 cu_seqlens_q_padded=whole, cu_seqlens_kv_padded=whole,
                                  max_seqlen_q=span, max_seqlen_kv=span, prefix_of=pack.prefix_of)
 
 

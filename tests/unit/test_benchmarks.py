@@ -34,8 +34,8 @@ def _header_calls(tree: ast.AST) -> list[ast.Call]:
 
 def test_the_benchmarks_are_all_checked():
     # vs_trl.py included: its header call comes from a parallel branch (issue #9), this test covers it too
-    assert {"engine_throughput.py", "preemption.py", "profile_actor.py", "slurm_overhead.py", "vs_trl.py",
-            "weight_sync.py"} <= set(SCRIPTS)
+    assert {"engine_throughput.py", "memory.py", "preemption.py", "profile_actor.py", "slurm_overhead.py",
+            "vs_trl.py", "weight_sync.py"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -84,3 +84,21 @@ def test_header_tells_avx2_only_from_avx512_amx(tmp_path, monkeypatch, model, fl
     line = m.machine_header(threads=1)
     assert f"CPU {model}" in line and f"bf16 {bf16}" in line and "1 thread(s)" in line
     assert ("vector " + "/".join(ext)) in line if ext else "vector none of avx2" in line
+
+
+def test_memory_phase_peaks_charge_each_allocation_to_its_phase():
+    """benchmarks/memory.py's tracker: a phase's figure is the process's peak RSS during that phase (the
+    kernel's high-water mark, reset at each boundary), so a 256 MiB buffer held only inside ``big`` shows there
+    and not in the phase after it."""
+    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_memory", BENCHMARKS / "memory.py")
+    memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory)
+    phases = memory.PhasePeaks("small")
+    phases.enter("big")
+    buf = torch.ones(64 * 2**20)  # 256 MiB, touched
+    del buf
+    phases.enter("after")
+    phases.enter("end")
+    small, big, after = (phases.peaks[k] for k in ("small", "big", "after"))
+    assert big - small >= 200 * 2**20, (small, big)
+    assert big - after >= 200 * 2**20, (big, after)  # freed back to the kernel; the mark was reset
