@@ -25,7 +25,9 @@ or weight sync; its ``rollout`` is ``model.generate`` and the reward.
 
 Layouts (``--layouts``, any of): ``padded`` (``train.micro_batch_size``, ``--micro-batch``, default the whole
 batch of 64), ``packed`` (``train.max_tokens_per_microbatch`` = ``--max-tokens``, ``share_group_prompt`` on),
-``packed-noshare`` (packing without prompt sharing), ``trl`` (TRL at ``--micro-batch``).
+``packed-noshare`` (packing without prompt sharing), ``packed-recompute`` (packed, with megatron's full
+activation recomputation, :data:`RECOMPUTE`), ``trl`` (TRL at ``--micro-batch``, with its defaults, which
+include ``gradient_checkpointing=True``).
 
     python benchmarks/memory.py --model tiny --steps 3
     python benchmarks/memory.py --model smollm2 --steps 2 --layouts "trl padded packed" --micro-batch 16
@@ -50,7 +52,10 @@ from typing import Any, Callable, Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-LAYOUTS = ("padded", "packed", "packed-noshare", "trl")
+LAYOUTS = ("padded", "packed", "packed-noshare", "packed-recompute", "trl")
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+"""megatron-core activation recomputation (slime: ``--recompute-granularity full --recompute-method uniform
+--recompute-num-layers 1``), the counterpart of TRL's default ``gradient_checkpointing=True``."""
 PHASES = ("set-up", "rollout", "log-probs (no grad)", "forward", "backward", "optimizer", "weight sync",
           "metrics log", "run end (curves.png)", "other")
 MiB = 2**20
@@ -141,7 +146,9 @@ def hpcrl_worker(spec: dict) -> dict:
     cfg.run.num_rollout = spec["steps"]
     if spec["layout"].startswith("packed"):
         cfg.train.max_tokens_per_microbatch = spec["max_tokens"]
-        cfg.train.share_group_prompt = spec["layout"] == "packed"
+        cfg.train.share_group_prompt = spec["layout"] != "packed-noshare"
+    if spec["layout"] == "packed-recompute":
+        cfg.megatron.update(RECOMPUTE)
 
     actor_init = Actor.__init__
 

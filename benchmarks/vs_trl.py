@@ -34,6 +34,10 @@ of a worker's tree (hpcrl: trainer + engine + router + torch's shared-memory man
 All processes get ``--threads`` OpenMP threads (default 1: on 2 shared cores, 2 threads per process made the
 engine 13x slower under load).
 
+TRL runs with its ``GRPOConfig`` defaults beyond what is listed here, which include
+``gradient_checkpointing=True`` (activations recomputed in backward: less memory, more compute); the hpcrl side
+option ``recompute=on`` does the same with megatron-core (full recomputation, one layer at a time).
+
 Precision is set on both sides by ``--dtype`` (default ``fp32``), never left to a side's default (TRL's
 ``GRPOConfig`` defaults to ``bf16=True``, which on a CPU without native bf16 is emulated and slow):
 
@@ -131,6 +135,7 @@ def build_config(model: str, start_path: str, out_dir: str, seed: int, dtype: st
     cfg.train.num_steps_per_rollout = 1
     cfg.train.global_batch_size = BATCH_PROMPTS * GROUP_SIZE  # one optimizer step per rollout step
     cfg.train.micro_batch_size = micro_batch
+    cfg.train.max_tokens_per_microbatch = None  # padded micro-batches unless a side asks for packing (pack=N)
     cfg.model.dtype = DTYPES[dtype]
     cfg.train.bf16 = dtype == "bf16"
     cfg.sglang["dtype"] = DTYPES[dtype]  # the engine's weights
@@ -346,6 +351,8 @@ def hpcrl_worker(spec: dict) -> None:
     if spec.get("pack"):  # token-budget packed micro-batches instead of --micro-batch
         cfg.train.max_tokens_per_microbatch = spec["pack"]
         cfg.train.share_group_prompt = spec.get("share", True)
+    if spec.get("recompute"):
+        cfg.megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if spec.get("mode") == "async":  # one step off policy; trainer and engine on disjoint CPUs, as hpcrl run does
         cfg.run.mode, cfg.run.placement = "async", "disaggregate"
         cpus = resolve_cpu_sets(cfg)
@@ -624,6 +631,8 @@ def parse_side(text: str) -> dict:
     ``src=DIR`` (hpcrl: import hpcrl from this source tree, e.g. an unpacked older commit, for before/after
     comparisons), ``pack=N`` (hpcrl: packed micro-batches of at most N tokens, ``train.max_tokens_per_microbatch``,
     instead of ``--micro-batch``), ``share=on|off`` (hpcrl with ``pack``: ``train.share_group_prompt``, default on),
+    ``recompute=on`` (hpcrl: megatron's full activation recomputation, the counterpart of TRL's default
+    ``gradient_checkpointing=True``),
     ``name=LABEL`` (the column title)."""
     kind, _, rest = text.partition(":")
     if kind not in SIDES:
@@ -639,6 +648,8 @@ def parse_side(text: str) -> dict:
             opts["mode"] = value
         elif key == "pack" and value.isdigit():
             opts["pack"] = int(value)
+        elif key == "recompute" and value in ("on", "off"):
+            opts["recompute"] = value == "on"
         elif key == "share" and value in ("on", "off"):
             opts["share"] = value == "on"
         elif key == "name" and value:
@@ -680,7 +691,8 @@ def run(args) -> int:
         spec = {"model": args.model, "start": str(start), "out_dir": str(out_dir / f"side{i}-{side['kind']}"),
                 "seed": args.seed, "threads": side.get("threads", args.threads), "router": side.get("router"),
                 "src": side.get("src"), "dtype": args.dtype, "micro_batch": args.micro_batch,
-                "mode": side.get("mode", "sync"), "pack": side.get("pack"), "share": side.get("share", True)}
+                "mode": side.get("mode", "sync"), "pack": side.get("pack"), "share": side.get("share", True),
+                "recompute": side.get("recompute", False)}
         workers.append(Worker(side["kind"], spec, out_dir / f"side{i}-{side['kind']}.log", side["label"]))
     stop_sampler = threading.Event()
 

@@ -48,7 +48,11 @@ def summarize(cfg: Config) -> list[str]:
         (f"  rollout:   {r.batch_size} prompts x {r.n_samples_per_prompt} samples, max_new_tokens "
          f"{r.max_new_tokens}, temperature {r.temperature}, engine {r.engine}"
          + (f", filter {r.dynamic_filter}" if r.dynamic_filter else "")),
-        (f"  train:     global batch {t.global_batch_size}, micro batch {t.micro_batch_size}, lr {t.lr}, "
+        (f"  train:     global batch {t.global_batch_size}, "
+         + (f"micro batch {t.micro_batch_size}" if t.max_tokens_per_microbatch is None else
+            f"packed <= {t.max_tokens_per_microbatch} tokens per micro-batch"
+            + (", shared prompts" if t.share_group_prompt else ""))
+         + f", lr {t.lr}, "
          f"tp{t.tensor_parallel_size} pp{t.pipeline_parallel_size} cp{t.context_parallel_size} "
          f"ep{t.expert_parallel_size}, nprocs {t.nprocs}"),
         (f"  algorithm: {a.advantage_estimator}, eps_clip {a.eps_clip}/{a.eps_clip_high}, {kl}"

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from hpcrl.config import Config
 from hpcrl.rollout.manager import EngineLauncher, rollout_manager
+from hpcrl.procs import release_freed_memory_eagerly
 from hpcrl.run_setup import quiet_logs
 
 log = logging.getLogger("hpcrl.loop")
@@ -44,6 +45,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
 
     # --- preemption watch; the engines start loading (not on GPUs shared with the trainer) --------------
     quiet_logs()
+    release_freed_memory_eagerly()  # freed activations and sync buffers leave the RSS (hpcrl.procs)
     controller = env_rank() == 0
     watch = PreemptionWatch.from_config(cfg, controller)
     watch.install()  # before any child process: the signal sets a flag and is blocked for them; hpcrl.preempt

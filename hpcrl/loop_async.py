@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 from hpcrl.config import Config
 from hpcrl.loop import RunLog, StepFailed, broadcast, build_trainer, due, sync_weights
 from hpcrl.rollout.manager import EngineLauncher, rollout_manager
+from hpcrl.procs import release_freed_memory_eagerly
 from hpcrl.run_setup import quiet_logs
 
 
@@ -44,6 +45,7 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
 
     # --- preemption watch; the engines start loading --------------------------------------------------
     quiet_logs()
+    release_freed_memory_eagerly()  # freed activations and sync buffers leave the RSS (hpcrl.procs)
     controller = env_rank() == 0
     watch = PreemptionWatch.from_config(cfg, controller)
     watch.install()  # before any child process (hpcrl.preempt)

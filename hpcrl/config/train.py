@@ -91,7 +91,10 @@ class WeightsSection:
     """``auto``: ``tensor`` when colocated, ``distributed`` when disaggregated (resolved by :func:`resolve`).
     ``tensor`` needs colocation (CUDA IPC shares device memory)."""
     bucket_bytes: int = 512 * 1024 * 1024
-    """Bytes per ``/update_weights_from_tensor`` bucket (slime ``--update-weight-buffer-size``); >= 1 MiB."""
+    """Bytes per ``/update_weights_from_tensor`` bucket (slime ``--update-weight-buffer-size``); >= 1 MiB.
+    With CPU trainers a bucket is held about three times while it is sent (the exported tensors, the flat
+    bucket, its shared-memory copy): lower it (``configs/smollm2-arith.yaml``: 64 MiB) to keep the trainer's
+    peak down."""
     timeout_s: float = 300.0
 
 

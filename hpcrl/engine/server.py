@@ -38,6 +38,7 @@ from hpcrl.engine.memory import create_memory_saver, normalize_tags
 from hpcrl.engine.scheduler import EngineUnavailable, Job, Scheduler
 from hpcrl.engine.serialize import deserialize_flattened_bucket, deserialize_named_tensors
 from hpcrl.engine.weights import WeightLoader, WeightUpdateError, WeightUpdateGroups
+from hpcrl.procs import release_freed_memory_eagerly
 
 logger = logging.getLogger("hpcrl.engine")
 
@@ -657,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    release_freed_memory_eagerly()  # freed KV and weight-update buffers leave the RSS (hpcrl.procs)
     try:
         server = EngineServer(args)
     except Exception as e:  # noqa: BLE001 - report the load failure and exit non-zero

@@ -110,16 +110,21 @@ def segment_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Ten
     of its kind, never ``T x T``. ``plan``: :func:`plan_segments` of the same layout (reused across layers).
     """
     batches, inverse = plan if plan is not None else plan_segments(cu_seqlens, prefix_of)
-    rep = query.shape[1] // key.shape[1]
+    heads, groups, dim = query.shape[1], key.shape[1], query.shape[2]
+    rep = heads // groups
     outs = []
     for sb in batches:
-        q = query[sb.q_index].transpose(1, 2)  # [n, heads, Lq, dim]
+        n, lq = sb.q_index.shape
+        # Grouped-query attention without copying keys/values per head: the ``rep`` query heads of a key/value
+        # group are folded into the query length ([n, groups, rep * Lq, dim]; megatron orders a group's query
+        # heads next to each other), so each query row meets its group's keys once; the mask is tiled over rep.
+        q = query[sb.q_index].view(n, lq, groups, rep, dim).permute(0, 2, 3, 1, 4).reshape(n, groups, rep * lq, dim)
         k = key[sb.kv_index].transpose(1, 2)  # [n, groups, Lk, dim]
         v = value[sb.kv_index].transpose(1, 2)
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=sb.mask, dropout_p=dropout_p, scale=scale)
-        outs.append(o.transpose(1, 2)[sb.q_valid])  # [real rows, heads, dim]
+        mask = sb.mask if rep == 1 else sb.mask.repeat(1, 1, rep, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        o = o.view(n, groups, rep, lq, dim).permute(0, 3, 1, 2, 4).reshape(n, lq, heads, dim)
+        outs.append(o[sb.q_valid])  # [real rows, heads, dim]
     return torch.cat(outs).index_select(0, inverse)
 
 

@@ -174,6 +174,29 @@ def test_packed_actor_same_seed_is_bitwise_repeatable(tp1, tiny_model_dir, sampl
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_packed_forward_with_megatron_activation_recompute(tp1, tiny_model_dir, samples):
+    """With megatron's full recomputation (the memory setting of docs/performance.md, TRL's default
+    gradient checkpointing) the packed and shared forwards still equal the padded one, and the shared layout's
+    gradient equals the one without recomputation."""
+    cfg = make_config()
+    cfg.megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recompute = Actor(cfg, tiny_model_dir)
+    gates = forward_gates(recompute, samples)
+    for name in ("packed", "shared"):
+        assert gates[f"{name}_logprob"] < 1e-5 and gates[f"{name}_grad"] < 1e-5, gates
+
+    def shared_grad(actor):
+        mb = build_micro_batch(samples, list(range(len(samples))), [torch.zeros(s.response_length) for s in samples],
+                               actor.device, packed=True, share_prompt=True)
+        actor.ddp_model.zero_grad_buffer()
+        actor._forward(mb).log_probs.sum().backward()
+        actor.ddp_model.finish_grad_sync()
+        return _flat_grad(actor.ddp_model)
+
+    g_plain, g_recompute = shared_grad(Actor(make_config(), tiny_model_dir)), shared_grad(recompute)
+    assert ((g_recompute - g_plain).norm() / g_plain.norm()).item() < 1e-6
+
+
 # --- bad input ----------------------------------------------------------------------------------------------
 
 
