@@ -52,6 +52,8 @@ def summarize(cfg: Config) -> list[str]:
          + (f"micro batch {t.micro_batch_size}" if t.max_tokens_per_microbatch is None else
             f"packed <= {t.max_tokens_per_microbatch} tokens per micro-batch"
             + (", shared prompts" if t.share_group_prompt else ""))
+         + (f", activation recompute {cfg.megatron['recompute_granularity']}"
+            if cfg.megatron.get("recompute_granularity") else "")
          + f", lr {t.lr}, "
          f"tp{t.tensor_parallel_size} pp{t.pipeline_parallel_size} cp{t.context_parallel_size} "
          f"ep{t.expert_parallel_size}, nprocs {t.nprocs}"),

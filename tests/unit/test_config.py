@@ -288,6 +288,9 @@ def test_smollm2_values():
     cfg = load_config(REPO / "configs" / "smollm2-arith.yaml")
     assert cfg.model.gguf_file == "smollm2" and cfg.data.source == "reasoning_gym:basic_arithmetic"
     assert cfg.rollout.stop == ["\n"] and cfg.rollout.max_new_tokens == 16 and cfg.run.num_rollout == 20
+    # packed, and megatron's activation recompute (issue #13: trainer peak below TRL's on the same work)
+    assert cfg.train.max_tokens_per_microbatch == 2048 and cfg.weights.bucket_bytes == 64 * 2**20
+    assert cfg.megatron["recompute_granularity"] == "full" and cfg.megatron["recompute_num_layers"] == 1
 
 
 def test_defaults_only_need_a_model():
