@@ -26,7 +26,7 @@ or weight sync; its ``rollout`` is ``model.generate`` and the reward.
 Layouts (``--layouts``, any of): ``padded`` (``train.micro_batch_size``, ``--micro-batch``, default the whole
 batch of 64), ``packed`` (``train.max_tokens_per_microbatch`` = ``--max-tokens``, ``share_group_prompt`` on),
 ``packed-noshare`` (packing without prompt sharing), ``packed-recompute`` (packed, with megatron's full
-activation recomputation, :data:`RECOMPUTE`), ``trl`` (TRL at ``--micro-batch``, with its defaults, which
+activation recomputation, ``vs_trl.RECOMPUTE``), ``trl`` (TRL at ``--micro-batch``, with its defaults, which
 include ``gradient_checkpointing=True``).
 
     python benchmarks/memory.py --model tiny --steps 3
@@ -53,9 +53,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 LAYOUTS = ("padded", "packed", "packed-noshare", "packed-recompute", "trl")
-RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-"""megatron-core activation recomputation (slime: ``--recompute-granularity full --recompute-method uniform
---recompute-num-layers 1``), the counterpart of TRL's default ``gradient_checkpointing=True``."""
 PHASES = ("set-up", "rollout", "log-probs (no grad)", "forward", "backward", "optimizer", "weight sync",
           "metrics log", "run end (curves.png)", "other")
 MiB = 2**20
@@ -139,7 +136,7 @@ def hpcrl_worker(spec: dict) -> dict:
     import hpcrl.loop as loop
     from hpcrl.config.rollout import DEFAULT_ROLLOUT_FUNCTION
     from hpcrl.train.actor import Actor
-    from vs_trl import build_config
+    from vs_trl import RECOMPUTE, build_config
 
     cfg = build_config(spec["model"], spec["start"], spec["out_dir"], spec["seed"], "fp32", spec["micro_batch"])
     cfg.rollout.rollout_function = DEFAULT_ROLLOUT_FUNCTION

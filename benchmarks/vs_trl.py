@@ -89,6 +89,10 @@ EPS_CLIP = 0.2
 SMOLLM2_TASK = {"few_shot": 3, "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
                 "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False}
 SMOLLM2_NUM_TRAIN = 64
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+"""megatron-core activation recomputation for ``recompute=on`` (slime: ``--recompute-granularity full
+--recompute-method uniform --recompute-num-layers 1``), the counterpart of TRL's default
+``gradient_checkpointing=True``; ``configs/smollm2-arith.yaml`` sets the same."""
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 """``--dtype`` choices -> hpcrl's ``model.dtype`` (and the engine's ``--dtype``)."""
 """reasoning-gym basic_arithmetic settings for SmolLM2-135M (``data.task_kwargs``, used when the config sets none):
@@ -352,7 +356,7 @@ def hpcrl_worker(spec: dict) -> None:
         cfg.train.max_tokens_per_microbatch = spec["pack"]
         cfg.train.share_group_prompt = spec.get("share", True)
     if spec.get("recompute"):
-        cfg.megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        cfg.megatron.update(RECOMPUTE)
     if spec.get("mode") == "async":  # one step off policy; trainer and engine on disjoint CPUs, as hpcrl run does
         cfg.run.mode, cfg.run.placement = "async", "disaggregate"
         cpus = resolve_cpu_sets(cfg)
