@@ -68,6 +68,11 @@ class AlgorithmSection:
 
     advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     grpo_std_normalization: bool = True
+    policy_loss: Literal["ppo_clip", "cispo"] = "ppo_clip"
+    """``ppo_clip``: PPO's clipped surrogate (with ``eps_clip_high``, ``eps_clip_c``, GSPO's ratio).
+    ``cispo``: MiniMax-M1's clipped, detached importance weight times ``A * logp``, no token dropped
+    (arXiv 2506.13585; ``eps_clip`` is its ``eps_low``, up to 1.0 = no lower bound, ``eps_clip_high`` its
+    ``eps_high``)."""
     eps_clip: float = 0.2
     eps_clip_high: Optional[float] = None
     """Upper clip; default ``eps_clip`` (DAPO recipes use 0.28)."""
@@ -190,7 +195,16 @@ def check_microbatch_budget(cfg: Config, longest: int, what: str) -> None:
 
 def check_algorithm(cfg: Config) -> None:
     a = cfg.algorithm
-    require(0 < a.eps_clip < 1, "algorithm.eps_clip", a.eps_clip, "must be in (0, 1)", "0.2 is common")
+    if a.policy_loss == "cispo":
+        require(0 < a.eps_clip <= 1, "algorithm.eps_clip", a.eps_clip,
+                "is CISPO's eps_low and must be in (0, 1]", "1.0 (no lower bound, as in the paper) or 0.2")
+        require(a.advantage_estimator != "gspo", "algorithm.policy_loss", a.policy_loss,
+                "does not take GSPO's sequence-level ratio (advantage_estimator: gspo)",
+                "use advantage_estimator=grpo with cispo, or policy_loss=ppo_clip with gspo")
+        require(a.eps_clip_c is None, "algorithm.eps_clip_c", a.eps_clip_c,
+                "is PPO's dual clip; CISPO clips the weight, not the loss", "set algorithm.eps_clip_c=null")
+    else:
+        require(0 < a.eps_clip < 1, "algorithm.eps_clip", a.eps_clip, "must be in (0, 1)", "0.2 is common")
     if a.eps_clip_high is not None:
         require(a.eps_clip_high > 0, "algorithm.eps_clip_high", a.eps_clip_high, "must be > 0",
                  "e.g. 0.28 (DAPO), or null for eps_clip")

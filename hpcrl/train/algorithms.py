@@ -36,9 +36,11 @@ Reducer = Callable[[Tensor], Tensor]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 Estimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 ReductionKind = Literal["rollout_token_mean", "sequence_mean", "token_mean"]
+PolicyLoss = Literal["ppo_clip", "cispo"]
 
 ESTIMATORS: tuple[str, ...] = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
+POLICY_LOSSES: tuple[str, ...] = ("ppo_clip", "cispo")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -322,6 +324,32 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     return loss, clipfrac.detach(), ppo_kl.detach()
 
 
+def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_clip: float = 0.2,
+               eps_clip_high: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO: the clipped, detached importance weight times the advantage times the token's log-prob.
+
+    MiniMax-M1 (arXiv 2506.13585, eq. 4-5): ``L = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp`` with
+    ``r = exp(logp - old_logp)``. Unlike PPO's clip (:func:`policy_loss`) no token's gradient is dropped: a
+    clipped weight only bounds how much the token counts. slime: the ``cispo`` branch of
+    ``policy_loss_function`` (``--eps-clip`` is ``eps_low``, ``--eps-clip-high`` is ``eps_high``; slime warns
+    when ``eps_clip < 1`` because the paper's weight has no lower bound - ``eps_clip: 1.0`` is that).
+
+    The gradient per token is ``-w * A * d logp`` with ``w`` the clipped weight, so at ``r == 1`` (the first
+    optimizer step on a rollout) it equals PPO's. ``eps_clip_high`` defaults to ``eps_clip``.
+
+    logp (with grad), old_logp, advantages: ``[B, T]``. Returns ``(pg_loss, clipfrac, ppo_kl)``, each
+    ``[B, T]``; ``clipfrac`` is 1 where the weight was clipped; clipfrac and ppo_kl are detached.
+    """
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
+    ppo_kl = (old_logp - logp).detach()
+    ratio = torch.exp(-ppo_kl)
+    weight = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    clipfrac = (weight != ratio).to(logp.dtype)
+    loss = -weight * advantages.detach() * logp
+    return loss, clipfrac, ppo_kl
+
+
 def tis_weights(old_logp_train: Tensor, rollout_logp: Tensor, tis_clip: float = 2.0,
                 tis_clip_low: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
     """Truncated importance sampling weights for the trainer/rollout-engine mismatch.
@@ -486,15 +514,19 @@ def compute_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tenso
                  ref_logp: Optional[Tensor] = None, rollout_logp: Optional[Tensor] = None) -> LossOutput:
     """The policy loss of one micro-batch as slime's ``policy_loss_function`` computes it.
 
-    :func:`policy_loss` (GSPO ratio when ``cfg.advantage_estimator == "gspo"``), then TIS weights when
+    :func:`policy_loss` (GSPO ratio when ``cfg.advantage_estimator == "gspo"``) or, with
+    ``cfg.policy_loss == "cispo"``, :func:`cispo_loss`; then TIS weights when
     ``cfg.use_tis`` (:func:`tis_weights` of ``old_logp`` against ``rollout_logp``), then :func:`total_loss`
     with ``cfg.entropy_coef`` and, when ``cfg.use_kl_loss``, ``approx_kl(logp, ref_logp, cfg.kl_loss_type)``.
 
     logp (with grad), old_logp, advantages, mask, entropy, ref_logp, rollout_logp: ``[B, T]``. reduce: from
     :func:`make_reducer`.
     """
-    pg, clipfrac, ppo_kl = policy_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.eps_clip_high,
-                                       cfg.eps_clip_c, gspo=cfg.advantage_estimator == "gspo")
+    if cfg.policy_loss == "cispo":
+        pg, clipfrac, ppo_kl = cispo_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.eps_clip_high)
+    else:
+        pg, clipfrac, ppo_kl = policy_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.eps_clip_high,
+                                           cfg.eps_clip_c, gspo=cfg.advantage_estimator == "gspo")
     tis_stats: dict[str, Tensor] = {}
     if cfg.use_tis:
         if rollout_logp is None:

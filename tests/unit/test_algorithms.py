@@ -134,6 +134,44 @@ def test_ppo_kl_is_exactly_zero_on_the_first_step():
     assert torch.equal(loss, -adv)
 
 
+def test_cispo_by_hand_keeps_every_tokens_gradient():
+    # r = (1.5, 1.1, 0.5, 0.5); A = (1, 1, 1, -1); eps_low 0.2, eps_high 0.28 -> w = (1.28, 1.1, 0.8, 0.8).
+    # Loss per token -w * A * logp; its gradient -w * A: the clipped tokens (1 and 3, 4) still get one, where
+    # PPO's clip zeroes it (r=1.5, A>0 and r=0.5, A<0).
+    old = t([[-1.0, -1.0, -1.0, -1.0]])
+    logp = (old + torch.log(t([[1.5, 1.1, 0.5, 0.5]])))
+    logp_grad = logp.clone().requires_grad_()
+    adv = t([[1.0, 1.0, 1.0, -1.0]])
+    loss, clipfrac, ppo_kl = alg.cispo_loss(logp_grad, old, adv, eps_clip=0.2, eps_clip_high=0.28)
+    w = t([[1.28, 1.1, 0.8, 0.8]])
+    close(loss, -w * adv * logp)
+    close(clipfrac, [[1.0, 0.0, 1.0, 1.0]])
+    close(ppo_kl, old - logp)
+    loss.sum().backward()
+    close(logp_grad.grad, -w * adv)
+    ppo_grad = logp.clone().requires_grad_()
+    alg.policy_loss(ppo_grad, old, adv, torch.ones(1, 4), eps_clip=0.2, eps_clip_high=0.28)[0].sum().backward()
+    close(ppo_grad.grad, [[0.0, -1.1, -0.5, 0.0]])  # PPO: clipped tokens drop out; r * -A elsewhere
+
+
+def test_cispo_equals_ppo_gradient_on_policy_and_eps_low_one_has_no_lower_bound():
+    g = torch.Generator().manual_seed(1)
+    logp = -torch.rand(2, 3, generator=g, dtype=F64)
+    adv = torch.randn(2, 3, generator=g, dtype=F64)
+    grads = []
+    for kind in ("ppo_clip", "cispo"):
+        x = logp.clone().requires_grad_()
+        cfg = AlgorithmSection(policy_loss=kind)
+        alg.compute_loss(x, logp, adv, torch.ones(2, 3), alg.make_reducer("token_mean", torch.ones(2, 3)),
+                         cfg).loss.backward()
+        grads.append(x.grad)
+    close(grads[0], grads[1])  # r == 1: the same gradient -A / n
+    loss, clipfrac, _ = alg.cispo_loss(t([[math.log(0.01)]]), t([[0.0]]), t([[-1.0]]), eps_clip=1.0,
+                                       eps_clip_high=4.0)
+    close(clipfrac, [[0.0]])  # weight 0.01 kept: eps_low 1.0 is no lower bound
+    close(loss, [[0.01 * math.log(0.01)]])
+
+
 # --- TIS ----------------------------------------------------------------------------------------------------
 
 

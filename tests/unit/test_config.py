@@ -134,6 +134,14 @@ BAD = [
      -1, [">= 0"]),
     ("eps-clip-1", M + "algorithm: {eps_clip: 1.0}\n", [], "algorithm.eps_clip", 1.0, ["(0, 1)"]),
     ("eps-clip-c-below-1", M + "algorithm: {eps_clip_c: 0.5}\n", [], "algorithm.eps_clip_c", 0.5, ["> 1"]),
+    ("cispo-eps-low-above-1", M + "algorithm: {policy_loss: cispo, eps_clip: 1.5}\n", [], "algorithm.eps_clip",
+     1.5, ["CISPO's eps_low", "(0, 1]"]),
+    ("cispo-with-gspo", M + "algorithm: {policy_loss: cispo, advantage_estimator: gspo}\n", [],
+     "algorithm.policy_loss", "cispo", ["GSPO", "advantage_estimator=grpo"]),
+    ("cispo-with-dual-clip", M + "algorithm: {policy_loss: cispo, eps_clip_c: 3.0}\n", [],
+     "algorithm.eps_clip_c", 3.0, ["dual clip"]),
+    ("unknown-policy-loss", M + "algorithm: {policy_loss: dapo}\n", [], "algorithm.policy_loss", "dapo",
+     ["ppo_clip", "cispo"]),
     ("kl-coef-without-kl-loss", M + "algorithm: {kl_loss_coef: 0.01}\n", [], "algorithm.kl_loss_coef", 0.01,
      ["use_kl_loss"]),
     ("pipeline-parallel", M + "train: {pipeline_parallel_size: 2, nprocs: 2}\n", [], "train.pipeline_parallel_size",
@@ -424,6 +432,14 @@ def test_validate_checks_types_of_configs_built_in_code():
 def test_int_is_accepted_for_float_and_converted():
     cfg = load_config(None, ["model.create=tiny-qwen2", "rollout.temperature=1", "train.lr=1"])
     assert type(cfg.rollout.temperature) is float and type(cfg.train.lr) is float
+
+
+def test_cispo_takes_eps_low_one_which_ppo_clip_refuses():
+    cfg = load_config(None, ["model.create=tiny-qwen2", "algorithm.policy_loss=cispo", "algorithm.eps_clip=1.0",
+                             "algorithm.eps_clip_high=4.0"])
+    assert (cfg.algorithm.policy_loss, cfg.algorithm.eps_clip) == ("cispo", 1.0)
+    with pytest.raises(ConfigError, match="algorithm.eps_clip"):
+        load_config(None, ["model.create=tiny-qwen2", "algorithm.eps_clip=1.0"])
 
 
 def test_resolve_fills_derived_defaults_without_mutating():

@@ -166,4 +166,5 @@ def test_built_in_names_come_from_the_implementing_modules():
     hints = get_type_hints(AlgorithmSection)
     assert get_args(hints["advantage_estimator"]) == algorithms.ESTIMATORS
     assert get_args(hints["kl_loss_type"]) == algorithms.KL_KINDS
+    assert get_args(hints["policy_loss"]) == algorithms.POLICY_LOSSES
     assert set(GROUP_ESTIMATORS) <= set(algorithms.ESTIMATORS)
