@@ -57,10 +57,14 @@ def summarize(cfg: Config) -> list[str]:
          + f", lr {t.lr}, "
          f"tp{t.tensor_parallel_size} pp{t.pipeline_parallel_size} cp{t.context_parallel_size} "
          f"ep{t.expert_parallel_size}, nprocs {t.nprocs}"),
-        (f"  algorithm: {a.advantage_estimator}, eps_clip {a.eps_clip}/{a.eps_clip_high}, {kl}"
-         + (", tis" if a.use_tis else "")),
+        (f"  algorithm: {a.advantage_estimator}, {a.policy_loss} loss, eps_clip {a.eps_clip}/{a.eps_clip_high}, "
+         f"{kl}" + (", tis" if a.use_tis else "")),
         f"  weights:   {cfg.weights.method}",
     ]
+    for i, t in enumerate(a.opd.teachers):
+        made = f" (made by SFT to {t.sft_target_accuracy} if missing)" if t.sft_target_accuracy is not None else ""
+        lines.append(f"  teacher:   {t.name or f't{i}'}: {t.path}{made}, "
+                     f"{t.num_engines} engine(s), opd coef {a.opd.coef}")
     if cfg.sft.enabled:
         s = cfg.sft
         until = (f"until greedy accuracy >= {s.target_accuracy} (eval every {s.eval_interval} steps), at most "

@@ -41,8 +41,33 @@ def prepare_model(cfg: Config) -> Path:
     if cfg.sft.enabled:
         from hpcrl.sft import run_sft
 
-        return run_sft(cfg)
-    return ensure_model(cfg.model, seed=cfg.run.seed)
+        path = run_sft(cfg)
+    else:
+        path = ensure_model(cfg.model, seed=cfg.run.seed)
+    prepare_teachers(cfg)
+    return path
+
+
+def prepare_teachers(cfg: Config) -> None:
+    """The on-policy distillation teachers' folders (``algorithm.opd.teachers``): each one with
+    ``sft_target_accuracy`` is made (or reused from its cache) by the run's ``sft`` recipe from ``model.path``
+    stopped at that accuracy; then every teacher must have the student's tokenizer. Raises ConfigError (a
+    missing folder, another tokenizer) and what :func:`hpcrl.sft.run_sft` raises."""
+    import dataclasses
+
+    from hpcrl.config import ConfigError
+    from hpcrl.config.train import check_teacher_tokenizers
+
+    for i, t in enumerate(cfg.algorithm.opd.teachers):
+        if t.sft_target_accuracy is not None:
+            from hpcrl.sft import run_sft
+
+            sft = dataclasses.replace(cfg.sft, enabled=True, output=t.path, target_accuracy=t.sft_target_accuracy)
+            run_sft(dataclasses.replace(cfg, sft=sft))
+        elif not (Path(t.path) / "config.json").is_file():
+            raise ConfigError(f"algorithm.opd.teachers[{i}].path", t.path, "is not an HF model folder",
+                              "fix the path, or set sft_target_accuracy to make it by SFT")
+    check_teacher_tokenizers(cfg)
 
 
 def quiet_logs() -> None:

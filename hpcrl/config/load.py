@@ -213,7 +213,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     check_rollout(cfg, check_files)
     check_sft(cfg)
     check_train(cfg)
-    check_algorithm(cfg)
+    check_algorithm(cfg, check_files)
     check_weights(cfg)
     check_checkpoint(cfg)
     check_slurm(cfg, check_files)

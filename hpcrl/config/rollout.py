@@ -112,10 +112,11 @@ def check_rollout(cfg: Config, check_files: bool) -> None:
     for i, t in enumerate(r.stop_token_ids):
         require(t >= 0, f"rollout.stop_token_ids[{i}]", t, "token ids must be >= 0", "fix the token id")
     est = cfg.algorithm.advantage_estimator
-    if est in GROUP_ESTIMATORS:
+    if est in GROUP_ESTIMATORS and not cfg.algorithm.opd.teachers:
         require(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt", r.n_samples_per_prompt,
                  f"{est} normalises rewards within a group, so a group of 1 has zero advantage",
-                 "use 2 or more samples per prompt (8 is common)")
+                 "use 2 or more samples per prompt (8 is common), or distil from a teacher "
+                 "(algorithm.opd.teachers), whose advantage needs no group")
     if r.dynamic_filter == "nonzero_std":
         require(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt", r.n_samples_per_prompt,
                  "dynamic_filter nonzero_std drops every group of 1 sample",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from hpcrl.config.errors import MIB
@@ -63,6 +65,35 @@ class TrainSection:
 
 
 @dataclass
+class TeacherSection:
+    """One on-policy distillation teacher (``algorithm.opd.teachers``)."""
+
+    path: str = ""
+    """HF folder of the teacher model; its tokenizer must be the student's (token ids must mean the same)."""
+    name: str = ""
+    """Names its logs (``logs/attempt-N/teacher-<name>/``) and lets a data row pick it (``metadata.teacher``);
+    default ``t<index>``."""
+    num_engines: int = 1
+    """Engines serving this teacher (started like the student's, never weight-synced)."""
+    sft_target_accuracy: Optional[float] = None
+    """Create ``path`` when it is missing (or was made by another recipe): the run's ``sft`` recipe from
+    ``model.path``, stopped at this greedy accuracy instead of ``sft.target_accuracy`` (cached like the
+    student's warm start). Null: ``path`` must exist."""
+
+
+@dataclass
+class OPDSection:
+    """On-policy distillation (GLM-5's last stage; slime ``--use-opd --opd-type sglang``): the per-token
+    advantage gains ``coef * (log pi_teacher - log pi_student)`` on the student's own samples. On when
+    ``teachers`` names at least one teacher."""
+
+    teachers: list[TeacherSection] = field(default_factory=list)
+    coef: float = 1.0
+    """slime ``--opd-kl-coef``: weight of the distillation advantage, added to the estimator's advantage (with
+    ``rollout.n_samples_per_prompt: 1`` the group advantage is 0 and distillation is the only signal)."""
+
+
+@dataclass
 class AlgorithmSection:
     """Advantage estimator and policy loss (slime's definitions and flag names)."""
 
@@ -86,6 +117,7 @@ class AlgorithmSection:
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
     gamma: float = 1.0
+    opd: OPDSection = field(default_factory=OPDSection)
 
 
 @dataclass
@@ -193,7 +225,7 @@ def check_microbatch_budget(cfg: Config, longest: int, what: str) -> None:
             f"rollout.max_new_tokens={m})", f"set it to at least {longest}")
 
 
-def check_algorithm(cfg: Config) -> None:
+def check_algorithm(cfg: Config, check_files: bool = True) -> None:
     a = cfg.algorithm
     if a.policy_loss == "cispo":
         require(0 < a.eps_clip <= 1, "algorithm.eps_clip", a.eps_clip,
@@ -219,6 +251,61 @@ def check_algorithm(cfg: Config) -> None:
     require(a.tis_clip_low < a.tis_clip, "algorithm.tis_clip_low", a.tis_clip_low,
              f"must be < algorithm.tis_clip={a.tis_clip}", "lower tis_clip_low")
     require(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]", "1.0 is usual for LLM RL")
+    check_opd(cfg, check_files)
+
+
+_TEACHER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_opd(cfg: Config, check_files: bool) -> None:
+    """On-policy distillation: teachers named with a folder (or a way to make one), a positive
+    coefficient, and, when the folders exist, the student's tokenizer."""
+    o = cfg.algorithm.opd
+    require(o.coef > 0, "algorithm.opd.coef", o.coef, "must be > 0 (it weighs log pi_teacher - log pi_student)",
+            "e.g. algorithm.opd.coef=1.0 (slime's default)")
+    if not o.teachers:
+        require(o.coef == 1.0, "algorithm.opd.teachers", [], f"is empty, so algorithm.opd.coef={o.coef:g} has no "
+                "teacher to distil from", "name a teacher: algorithm.opd.teachers=[{path: FOLDER}]")
+        return
+    names = []
+    for i, t in enumerate(o.teachers):
+        f = f"algorithm.opd.teachers[{i}]"
+        require(bool(t.path), f"{f}.path", t.path, "is required", "set it to the teacher's HF model folder")
+        name = t.name or f"t{i}"
+        require(bool(_TEACHER_NAME_RE.fullmatch(name)), f"{f}.name", t.name,
+                "must be letters, digits and ._- (it names a log folder)", "e.g. name: math")
+        require(name not in names, f"{f}.name", name, "is used by another teacher", "give each a unique name")
+        names.append(name)
+        require(t.num_engines >= 1, f"{f}.num_engines", t.num_engines, "must be >= 1", "e.g. 1")
+        if t.sft_target_accuracy is not None:
+            require(0 < t.sft_target_accuracy <= 1, f"{f}.sft_target_accuracy", t.sft_target_accuracy,
+                    "must be in (0, 1]", "e.g. 0.7, or null when the teacher folder exists")
+            require(t.path not in (cfg.model.path, cfg.sft.output), f"{f}.path", t.path,
+                    "is the student's model or SFT folder, which a teacher made by SFT would overwrite",
+                    "give the teacher its own folder")
+        elif check_files:
+            require((Path(t.path) / "config.json").is_file(), f"{f}.path", t.path,
+                    "is not an HF model folder (no config.json)",
+                    f"fix the path, or set {f}.sft_target_accuracy to make it by SFT")
+    if check_files:
+        check_teacher_tokenizers(cfg)
+
+
+def check_teacher_tokenizers(cfg: Config) -> None:
+    """Every existing teacher folder has the student's tokenizer (same vocabulary and special tokens), when
+    the student's folder exists too (else :func:`hpcrl.run_setup.prepare_model` checks at start). Raises
+    ConfigError naming the teacher."""
+    from hpcrl.models.hf import same_tokenizer
+
+    student = Path(cfg.model.path)
+    if not (student / "config.json").is_file():
+        return
+    for i, t in enumerate(cfg.algorithm.opd.teachers):
+        if (Path(t.path) / "config.json").is_file():
+            why = same_tokenizer(student, Path(t.path))
+            require(why is None, f"algorithm.opd.teachers[{i}].path", t.path,
+                    f"has another tokenizer than the student's model.path ({why}), so its log-probs would be "
+                    "of other tokens", "use a teacher of the student's model family (same tokenizer)")
 
 
 def check_weights(cfg: Config) -> None:

@@ -16,6 +16,8 @@ It holds what a resumed run needs beyond the data-source position so that nothin
   ``tokens`` / ``tokens_len``       ``int64 [sum]`` / ``[n]``  prompt + response token ids, concatenated
   ``loss_mask`` / ``loss_mask_len`` ``int8 [sum]`` / ``[n]``   response loss mask, concatenated
   ``rollout_log_probs`` / ``..._len`` ``float64 [sum]`` / ``[n]``  response log-probs, concatenated
+  ``teacher_log_probs`` / ``..._len`` ``float64 [sum]`` / ``[n]``  OPD teachers' log-probs (absent in older
+                                                        files: read as empty)
   ``fields``                        ``str [n]``         JSON of the free-form rest: prompt, label, response
                                                         text, weight versions, metadata, a dict reward
   ================================  ==================  =================================================
@@ -50,7 +52,8 @@ FORMAT = "hpcrl-buffer"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 _INT_COLUMNS = ("group_index", "index", "rollout_id", "response_length")
-_RAGGED = {"tokens": np.int64, "loss_mask": np.int8, "rollout_log_probs": np.float64}
+_RAGGED = {"tokens": np.int64, "loss_mask": np.int8, "rollout_log_probs": np.float64,
+           "teacher_log_probs": np.float64}
 _FREE_FIELDS = ("prompt", "label", "response", "weight_versions", "metadata")
 
 
@@ -171,6 +174,9 @@ def _read_groups(g) -> list[list[Sample]]:
     fields = [json.loads(x) for x in g["fields"].asstr()[()].tolist()]
     ragged = {}
     for name in _RAGGED:
+        if name not in g:  # written before the column existed (teacher_log_probs): empty for every sample
+            ragged[name] = [[] for _ in status]
+            continue
         flat, lengths = g[name][()].tolist(), g[f"{name}_len"][()]
         ends = np.cumsum(lengths).tolist()
         ragged[name] = [flat[e - n:e] for e, n in zip(ends, lengths.tolist())]

@@ -40,6 +40,9 @@ class Sample:
     response_length: int = 0
     loss_mask: list[int] = field(default_factory=list)
     rollout_log_probs: list[float] = field(default_factory=list)
+    teacher_log_probs: list[float] = field(default_factory=list)
+    """On-policy distillation (``algorithm.opd``): the teachers' log-probs of the response tokens,
+    ``[response_length]`` (mean over the teachers that scored it); empty without OPD."""
     reward: Optional[Union[float, dict[str, float]]] = None
     status: Status = Status.PENDING
     weight_versions: list[str] = field(default_factory=list)

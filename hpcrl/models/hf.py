@@ -85,6 +85,25 @@ def load_hf_model(path: str | os.PathLike, dtype: str = "float32"):
     return model, tokenizer
 
 
+def same_tokenizer(a: str | os.PathLike, b: str | os.PathLike) -> "str | None":
+    """None when the HF folders ``a`` and ``b`` have the same tokenizer (vocabulary: token -> id, and the
+    eos/bos/pad ids), else a short reason (``"vocabulary 49152 vs 49153 tokens"``). Loads both with
+    transformers' AutoTokenizer (raises what it raises for a folder without one)."""
+    from transformers import AutoTokenizer
+
+    ta, tb = (AutoTokenizer.from_pretrained(str(p)) for p in (a, b))
+    va, vb = ta.get_vocab(), tb.get_vocab()
+    if len(va) != len(vb):
+        return f"vocabulary {len(va)} vs {len(vb)} tokens"
+    if va != vb:
+        token = next(t for t in sorted(va) if vb.get(t) != va[t])
+        return f"token {token!r} is id {va[token]} vs {vb.get(token)}"
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(ta, attr) != getattr(tb, attr):
+            return f"{attr} {getattr(ta, attr)} vs {getattr(tb, attr)}"
+    return None
+
+
 def ensure_model(model_cfg: Any, seed: int = 0) -> Path:
     """Return ``model_cfg.path`` as an existing HF folder, creating it first when missing.
 

@@ -68,6 +68,7 @@ class RolloutManager:
         self.monitor = None  # hpcrl.rollout.health.HealthMonitor, once started
         self.snapshot = None  # hpcrl.weights.snapshot.WeightSnapshot, when engines may restart
         self.job_ending: Callable[[], bool] = lambda: False  # Slurm is ending the job: restart nothing
+        self.teachers: list = []  # hpcrl.rollout.teacher.Teacher, with algorithm.opd.teachers
 
     # ------------------------------------------------------------------------------------------------------
     def call(self, coro):
@@ -104,6 +105,12 @@ class RolloutManager:
         if self.pending is None and not self.engines:
             self.secret_path = create_run_secret(self.run_dir)
             self.pending = self.launcher(self.cfg, self.run_dir, self.attempt_dir, self.model_path, self.secret_path)
+            if self.cfg.algorithm.opd.teachers and not self.teachers:
+                from hpcrl.rollout.teacher import start_teacher
+
+                self.teachers = [start_teacher(self.cfg, t, i, self.run_dir, self.attempt_dir, self.secret_path,
+                                               self.launcher)
+                                 for i, t in enumerate(self.cfg.algorithm.opd.teachers)]
 
     def start(self, datasets) -> None:
         """Wait for the engines (launching them first unless :meth:`launch` did), start the router, connect
@@ -137,6 +144,11 @@ class RolloutManager:
         self.call(self.client.open())
         self.call(self.client.wait_healthy(timeout_s=600))
         self.call(self._start_monitor(pending, key))
+        if self.teachers:
+            from hpcrl.rollout.teacher import connect_teacher
+
+            for teacher in self.teachers:
+                self.call(connect_teacher(teacher, cfg, key))
         self.memory = ColocatedMemory(create_trainer_memory(cfg.run.placement == "colocate"), self.client,
                                       colocate=cfg.run.placement == "colocate")
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
@@ -214,6 +226,12 @@ class RolloutManager:
         if hold:
             data_source.add_samples(hold)
         samples = [s for g in groups for s in g]
+        if self.teachers:  # on-policy distillation: the teachers score the trained samples' tokens
+            from hpcrl.rollout.teacher import opd_metrics, score_samples
+
+            out.metrics["rollout/opd_teacher_seconds"] = await score_samples(self.teachers, samples,
+                                                                             self.cfg.rollout.temperature)
+            out.metrics.update(opd_metrics(samples))
         return samples, rollout_metrics(self.cfg, samples, out.metrics, len(groups), len(hold))
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
@@ -327,7 +345,14 @@ class RolloutManager:
                 self.call(self.monitor.stop())
             if self.client is not None:
                 self.call(self.client.close())
+            if self.teachers:
+                from hpcrl.rollout.teacher import stop_teacher
+
+                for teacher in self.teachers:
+                    self.call(stop_teacher(teacher))
         finally:
+            for teacher in self.teachers:  # stopped above unless that failed; stopping again is harmless
+                teacher.launch.stop()
             if self.monitor is not None:
                 self.router = self.monitor.router  # restarted ones included
                 self.engines = list(self.engines) + [e for e in self.monitor.engines() if e not in self.engines]

@@ -102,6 +102,7 @@ def reset_sample(sample: Sample) -> None:
     sample.response, sample.response_length = "", 0
     sample.loss_mask.clear()
     sample.rollout_log_probs.clear()
+    sample.teacher_log_probs.clear()
     sample.weight_versions.clear()
     sample.reward, sample.status = None, Status.PENDING
 

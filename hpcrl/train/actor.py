@@ -171,6 +171,8 @@ class MicroBatch:
     """``[b, R]`` float32."""
     rollout_log_probs: Optional[Tensor]
     """``[b, R]`` float32 log-probs of the rollout engine, or None when the samples have none."""
+    teacher_log_probs: Optional[Tensor] = None
+    """``[b, R]`` float32 log-probs of the on-policy distillation teachers (``algorithm.opd``), or None."""
     old_log_probs: Optional[Tensor] = None
     """``[b, R]`` float32, set by the recompute pass (None: reuse the training forward's)."""
     ref_log_probs: Optional[Tensor] = None
@@ -193,14 +195,15 @@ class MicroBatch:
 def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], advantages: Sequence[Tensor],
                       device: Union[str, torch.device] = "cpu",
                       with_rollout_log_probs: bool = True, packed: bool = False, share_prompt: bool = True,
-                      pad_to_multiple: int = 1) -> MicroBatch:
+                      pad_to_multiple: int = 1, with_teacher_log_probs: bool = False) -> MicroBatch:
     """Pad ``samples[p] for p in positions`` into a :class:`MicroBatch` on ``device``.
 
     ``advantages``: per sample of the full list, ``[response_length]``. An empty response is allowed (it
     trains nothing). ``packed``: also lay the samples out as one :class:`~hpcrl.train.packing.Pack` (the
     forward then runs on it; ``share_prompt`` and ``pad_to_multiple`` as in
     :func:`~hpcrl.train.packing.build_pack`). Raises ValueError for a sample without prompt or whose
-    ``loss_mask`` / ``rollout_log_probs`` lengths differ from ``response_length``.
+    ``loss_mask`` / ``rollout_log_probs`` lengths differ from ``response_length`` (``teacher_log_probs`` too,
+    with ``with_teacher_log_probs``).
     """
     rows = [samples[p] for p in positions]
     for p, s in zip(positions, rows, strict=True):
@@ -212,8 +215,14 @@ def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], adv
     mask = torch.zeros(b, resp_width, dtype=torch.float32)
     adv = torch.zeros(b, resp_width, dtype=torch.float32)
     rollout_lp = torch.zeros(b, resp_width, dtype=torch.float32) if with_rollout_log_probs else None
+    teacher_lp = torch.zeros(b, resp_width, dtype=torch.float32) if with_teacher_log_probs else None
     for i, (p, s) in enumerate(zip(positions, rows, strict=True)):
         n = s.response_length
+        if teacher_lp is not None:
+            if len(s.teacher_log_probs) != n:
+                raise ValueError(f"sample {p} (index {s.index}): teacher_log_probs has "
+                                 f"{len(s.teacher_log_probs)} entries for response_length {n}")
+            teacher_lp[i, :n] = torch.as_tensor(s.teacher_log_probs, dtype=torch.float32)
         tokens[i, : len(s.tokens)] = torch.as_tensor(s.tokens, dtype=torch.long)
         mask[i, :n] = torch.as_tensor(s.loss_mask, dtype=torch.float32)
         adv[i, :n] = advantages[p].to(torch.float32)
@@ -229,7 +238,8 @@ def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], adv
         pack = build_pack(rows, share_prompt=share_prompt, pad_to_multiple=pad_to_multiple, device=device)
     return MicroBatch(positions=list(positions), tokens=tokens.to(**to), total_lengths=total.to(**to),
                       response_lengths=resp.to(**to), mask=mask.to(**to), advantages=adv.to(**to),
-                      rollout_log_probs=rollout_lp.to(**to) if rollout_lp is not None else None, pack=pack)
+                      rollout_log_probs=rollout_lp.to(**to) if rollout_lp is not None else None, pack=pack,
+                      teacher_log_probs=teacher_lp.to(**to) if teacher_lp is not None else None)
 
 
 def split_steps(num_samples: int, dp_rank: int, dp_size: int, num_steps: int,
@@ -419,8 +429,10 @@ class Actor:
         local, global_ = self._plan(samples)
         packed = cfg.train.max_tokens_per_microbatch is not None
         pad = self.model.config.tensor_model_parallel_size if self.model.config.sequence_parallel else 1
+        opd = bool(alg.opd.teachers)
         steps = [[build_micro_batch(samples, mb, advantages, self.device, with_rollout_lp, packed=packed,
-                                    share_prompt=cfg.train.share_group_prompt, pad_to_multiple=pad)
+                                    share_prompt=cfg.train.share_group_prompt, pad_to_multiple=pad,
+                                    with_teacher_log_probs=opd)
                   for mb in step] for step in local]
         step_sums = [algorithms.compute_rollout_mask_sums([masks[p] for p in g], g) for g in global_]
         flat = [mb for step in steps for mb in step]
@@ -436,6 +448,9 @@ class Actor:
                     mb.ref_log_probs = lp
 
         metrics: dict[str, float] = {}
+        # 4b. on-policy distillation (slime --use-opd): advantage += coef * (teacher - student) per token
+        if opd:
+            metrics["train/opd_reverse_kl"] = self._add_opd_advantage(flat, masks, alg.opd.coef)
         if rollout_id == 0 and alg.use_kl_loss:  # (a KL loss always recomputes)
             metrics["train/ref_logprob_diff"] = self._rollout_mean(
                 flat, masks, lambda mb: (mb.old_log_probs - mb.ref_log_probs).abs())
@@ -487,6 +502,25 @@ class Actor:
         local = [plan_micro_batches(samples, g, self.dp_rank, self.dp_size, t.max_tokens_per_microbatch,
                                     t.share_group_prompt) for g in global_]
         return local, global_
+
+    def _add_opd_advantage(self, flat: Sequence[MicroBatch], masks: Sequence[Tensor], coef: float) -> float:
+        """On-policy distillation's advantage, GLM-5's ``A_t = sg[log pi_teacher - log pi_train]`` (slime
+        ``--use-opd``, ``--opd-kl-coef``): adds ``coef * (teacher - student) * mask`` to every micro-batch's
+        ``advantages`` ``[b, R]``. The student's log-probs are the recomputed old ones when there are (slime's
+        default), else, on an exactly on-policy step, the rollout engine's (slime ``--use-rollout-logprobs``).
+        Returns the reverse KL estimate ``mean(student - teacher)`` (nats per token, per-sample token mean
+        over all samples). Raises ValueError when neither student log-probs exist."""
+        def student(mb: MicroBatch) -> Tensor:
+            lp = mb.old_log_probs if mb.old_log_probs is not None else mb.rollout_log_probs
+            if lp is None:
+                raise ValueError("on-policy distillation needs the student's log-probs: the rollout's "
+                                 "(return_logprob) or recomputed ones")
+            return lp
+
+        for mb in flat:
+            mb.advantages = algorithms.opd_advantages(mb.advantages, mb.teacher_log_probs, student(mb), mb.mask,
+                                                      coef)
+        return self._rollout_mean(flat, masks, lambda mb: student(mb) - mb.teacher_log_probs)
 
     def _rollout_mean(self, flat: Sequence[MicroBatch], masks: Sequence[Tensor], values) -> float:
         """Per-sample token mean of ``values(mb)`` ``[b, R]``, averaged over all ``N`` samples."""

@@ -350,6 +350,20 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_clip: flo
     return loss, clipfrac, ppo_kl
 
 
+def opd_advantages(advantages: Tensor, teacher_logp: Tensor, student_logp: Tensor, mask: Tensor,
+                   coef: float = 1.0) -> Tensor:
+    """On-policy distillation: ``advantages + coef * (teacher_logp - student_logp) * mask``.
+
+    GLM-5 report (on-policy distillation stage): ``A_t = sg[log pi_teacher(y_t | x, y_<t) - log pi_train(y_t |
+    x, y_<t)]`` on the student's own samples, i.e. the per-token negative reverse-KL estimate. slime:
+    ``--use-opd`` / ``--opd-kl-coef`` (``A_t <- A_t - coef * (logp_student - logp_teacher)``), orthogonal to
+    the advantage estimator. All inputs ``[B, T]``; returns ``[B, T]`` (no gradient flows through the
+    log-probs: they are detached).
+    """
+    delta = teacher_logp.detach() - student_logp.detach()
+    return advantages + coef * delta * mask
+
+
 def tis_weights(old_logp_train: Tensor, rollout_logp: Tensor, tis_clip: float = 2.0,
                 tis_clip_low: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
     """Truncated importance sampling weights for the trainer/rollout-engine mismatch.

@@ -1,0 +1,119 @@
+"""The algorithms side by side on the quickstart task: greedy accuracy and seconds per step after a fixed budget.
+
+Every algorithm trains the quickstart's model (``configs/quickstart.yaml``: tiny Qwen2, 3-digit addition) from
+the same SFT warm start (made once in the work folder and reused: same base model, seed and recipe) for the
+same number of rollout steps, 64 samples per step:
+
+- ``grpo``: the quickstart as it is (8 prompts x 8 samples, group advantage, PPO clip);
+- ``gspo``: ``algorithm.advantage_estimator=gspo`` (sequence-level ratio, GSPO's small clip range);
+- ``reinforce++``: ``advantage_estimator=reinforce_plus_plus`` (batch-whitened returns);
+- ``cispo``: ``algorithm.policy_loss=cispo`` (eps_low 1.0, eps_high 4.0: no lower bound, as in the paper);
+- ``opd``: on-policy distillation only: 64 prompts x 1 sample, no dynamic filter, advantage
+  ``log pi_teacher - log pi_student`` from a teacher made by the same SFT run on to ``--teacher-accuracy``.
+
+    python benchmarks/algorithms.py                       # 300 steps each, in a fresh temporary folder
+    python benchmarks/algorithms.py --steps 100 --only grpo cispo
+
+Prints the machine header, then one row per algorithm: start and end greedy accuracy (500 held-out problems),
+gain, seconds per rollout step (median of the run's ``timing/step_seconds`` or wall time / steps), wall seconds.
+Results in docs/performance.md ("Algorithms side by side").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from machine import machine_header  # noqa: E402
+
+TEACHER = ".cache/models/tiny-qwen2-addition-teacher"
+
+
+def algorithms(teacher_accuracy: float) -> dict[str, list[str]]:
+    """Overrides of ``configs/quickstart.yaml`` per algorithm (see the module doc)."""
+    return {
+        "grpo": [],
+        "gspo": ["algorithm.advantage_estimator=gspo", "algorithm.eps_clip=0.0003", "algorithm.eps_clip_high=0.0004"],
+        "reinforce++": ["algorithm.advantage_estimator=reinforce_plus_plus"],
+        "cispo": ["algorithm.policy_loss=cispo", "algorithm.eps_clip=1.0", "algorithm.eps_clip_high=4.0"],
+        "opd": ["rollout.batch_size=64", "rollout.n_samples_per_prompt=1", "rollout.dynamic_filter=null",
+                f"algorithm.opd.teachers=[{{name: strong, path: {TEACHER}, "
+                f"sft_target_accuracy: {teacher_accuracy}}}]"],
+    }
+
+
+def run_one(folder: Path, name: str, overrides: list[str], steps: int) -> dict:
+    """``hpcrl run quickstart.yaml`` in ``folder`` as run ``name``; returns the row (accuracies in [0, 1])."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    hpcrl = Path(sys.executable).with_name("hpcrl")
+    cmd = [str(hpcrl), "run", "quickstart.yaml", f"run.name={name}", f"run.num_rollout={steps}",
+           f"rollout.eval_interval={steps}", *overrides]
+    t0 = time.perf_counter()
+    with open(folder / f"{name}.log", "wb") as log:
+        rc = subprocess.run(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    row = {"name": name, "rc": rc, "wall_s": time.perf_counter() - t0}
+    metrics = folder / "runs" / name / "metrics.jsonl"
+    if rc == 0 and metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+        step_s = [r["timing/step_seconds"] for r in rows if r["step"] >= 1 and "timing/step_seconds" in r]
+        row.update(start=evals[0], end=evals[-1],
+                   step_s=statistics.median(step_s) if step_s else row["wall_s"] / steps,
+                   kl=[r.get("rollout/opd_reverse_kl") for r in rows if r["step"] >= 0])
+    else:
+        row["tail"] = (folder / f"{name}.log").read_text(errors="replace")[-2000:]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=300, help="rollout steps per algorithm (default 300)")
+    p.add_argument("--only", nargs="+", default=None, help="a subset of: grpo gspo reinforce++ cispo opd")
+    p.add_argument("--teacher-accuracy", type=float, default=0.7, help="OPD teacher's SFT target (0.7)")
+    p.add_argument("--folder", default=None, help="work folder (default: a new temporary one, deleted after)")
+    args = p.parse_args(argv)
+    import torch
+
+    algos = algorithms(args.teacher_accuracy)
+    names = args.only or list(algos)
+    folder = Path(args.folder) if args.folder else Path(tempfile.mkdtemp(prefix="hpcrl-algorithms-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "configs" / "quickstart.yaml", folder / "quickstart.yaml")
+    rows = []
+    for name in names:
+        row = run_one(folder, name, algos[name], args.steps)
+        rows.append(row)
+        print(f"[{name}] rc {row['rc']} {row.get('start')} -> {row.get('end')} in {row['wall_s']:.0f} s",
+              file=sys.stderr, flush=True)
+        if row["rc"] != 0:
+            print(row.get("tail", ""), file=sys.stderr)
+    print(machine_header(threads=torch.get_num_threads(), precision="fp32"))
+    print(f"# configs/quickstart.yaml from one SFT warm start, {args.steps} rollout steps of 64 samples each, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}")
+    print("| algorithm | start | end | gain | s/step | wall s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "start" not in r:
+            print(f"| {r['name']} | failed (exit {r['rc']}, folder {folder}) |")
+            continue
+        print(f"| {r['name']} | {r['start']:.3f} | {r['end']:.3f} | {100 * (r['end'] - r['start']):+.1f} | "
+              f"{r['step_s']:.3f} | {r['wall_s']:.0f} |")
+    if not args.folder and all(r["rc"] == 0 for r in rows):
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
