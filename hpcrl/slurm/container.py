@@ -10,7 +10,7 @@ A step's command ``CMD ...`` becomes::
   devices are the ones Slurm gave the step.
 * ``--bind``: the run folder, the submit directory (relative model/data paths and the job's working
   directory), the nearest existing folder of every absolute path the config reads or writes outside those two
-  (``model.path``, ``sft.output``, data files), and the comma-separated folders in ``$HPCRL_CONTAINER_BINDS``
+  (``model.path``, ``sft.output``, data files, OPD teachers), and the comma-separated folders in ``$HPCRL_CONTAINER_BINDS``
   (e.g. ``/scratch,/etc/slurm`` for sites whose steps call Slurm commands from inside the image).
 * ``--env``: for torch-memory-saver in a colocated GPU trainer, ``LD_PRELOAD`` = the preload library inside
   the image (:data:`TMS_PRELOAD_IN_IMAGE`, made by ``singularity/hpcrl.def``; ``$HPCRL_TMS_PRELOAD`` overrides
@@ -66,7 +66,8 @@ def container_binds(cfg: Config, run_dir: str | os.PathLike, cwd: str | os.PathL
     binds: list[str] = [str(run_dir), str(cwd)]
     data_files = [p for p in (cfg.data.source, cfg.data.eval_source or "")
                   if p.endswith((".jsonl", ".parquet"))]
-    for p in (cfg.model.path, cfg.sft.output, cfg.model.gguf_file or "", *data_files):
+    teachers = [t.path for t in cfg.algorithm.opd.teachers]
+    for p in (cfg.model.path, cfg.sft.output, cfg.model.gguf_file or "", *data_files, *teachers):
         if not p or not os.path.isabs(p):
             continue
         path = Path(p)

@@ -337,6 +337,10 @@ def test_container_binds_outside_paths_and_roles(work, tmp_path_factory):
     assert "--nv" not in trainer and "--env" not in trainer and trainer[-1] == "docker://x/y:1"
     assert rollout[:3] == ["singularity", "exec", "--nv"] and "--env" not in rollout
     assert ct.container_prefix(load_config(None, ["model.create=tiny-qwen2"]), "/r") == []
+    teachers = tmp_path_factory.mktemp("teachers")
+    cfg = load_config(None, ["model.create=tiny-qwen2", f"model.path={outside}/tiny",
+                             f"algorithm.opd.teachers=[{{path: {teachers}/t, sft_target_accuracy: 0.5}}]"])
+    assert ct.container_binds(cfg, "/runs/r", str(work), {}) == ["/runs/r", str(work), str(outside), str(teachers)]
 
 
 def test_tms_preload_override(work):
