@@ -9,7 +9,8 @@ same number of rollout steps, 64 samples per step:
 - ``reinforce++``: ``advantage_estimator=reinforce_plus_plus`` (batch-whitened returns);
 - ``cispo``: ``algorithm.policy_loss=cispo`` (eps_low 1.0, eps_high 4.0: no lower bound, as in the paper);
 - ``opd``: on-policy distillation only: 64 prompts x 1 sample, no dynamic filter, advantage
-  ``log pi_teacher - log pi_student`` from a teacher made by the same SFT run on to ``--teacher-accuracy``.
+  ``log pi_teacher - log pi_student`` from a teacher made by the same SFT run on to ``--teacher-accuracy``
+  (0.6), with ``configs/opd-quickstart.yaml``'s learning rate (4e-4 cosine to 4e-5, 20 warmup steps).
 
     python benchmarks/algorithms.py                       # 300 steps each, in a fresh temporary folder
     python benchmarks/algorithms.py --steps 100 --only grpo cispo
@@ -49,6 +50,7 @@ def algorithms(teacher_accuracy: float) -> dict[str, list[str]]:
         "reinforce++": ["algorithm.advantage_estimator=reinforce_plus_plus"],
         "cispo": ["algorithm.policy_loss=cispo", "algorithm.eps_clip=1.0", "algorithm.eps_clip_high=4.0"],
         "opd": ["rollout.batch_size=64", "rollout.n_samples_per_prompt=1", "rollout.dynamic_filter=null",
+                "train.lr=4e-4", "train.min_lr=4e-5", "train.lr_warmup_steps=20",  # configs/opd-quickstart.yaml's
                 f"algorithm.opd.teachers=[{{name: strong, path: {TEACHER}, "
                 f"sft_target_accuracy: {teacher_accuracy}}}]"],
     }
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=300, help="rollout steps per algorithm (default 300)")
     p.add_argument("--only", nargs="+", default=None, help="a subset of: grpo gspo reinforce++ cispo opd")
-    p.add_argument("--teacher-accuracy", type=float, default=0.7, help="OPD teacher's SFT target (0.7)")
+    p.add_argument("--teacher-accuracy", type=float, default=0.6, help="OPD teacher's SFT target (0.6)")
     p.add_argument("--folder", default=None, help="work folder (default: a new temporary one, deleted after)")
     args = p.parse_args(argv)
     import torch
