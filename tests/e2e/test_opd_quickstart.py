@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HPCRL = Path(sys.executable).with_name("hpcrl")
 STEPS = 100
 MIN_GAIN = 0.05
-"""Greedy accuracy points the student must gain in :data:`STEPS` steps (measured +8 to +12 on two machines;
-the eval of 500 problems has about 2 points of noise)."""
+"""Greedy accuracy points the student must gain in :data:`STEPS` steps (the full run gained +8.3 in its first 100
+steps from a 60% teacher; the eval of 500 problems has about 2 points of noise)."""
 
 
 def run(args: list[str], cwd: Path, log: Path, timeout: int = 1200) -> int:
