@@ -4,7 +4,8 @@ by its own CPU engine, started, keyed and health-checked like the student's, nev
 The teacher here is the student's own starting model (a copy of the folder), so at rollout 0 the teacher's
 prefill-only log-probs of the student's samples must equal the rollout engine's decode log-probs: the reverse
 KL starts at 0 and grows as the student trains away from its start. The teacher's engine is SIGKILLed
-mid-run and must be replaced from its folder.
+mid-run and must be replaced from its folder. On the local Slurm cluster the teacher's engine runs as its own
+rollout job step.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def teacher_engines(proc: subprocess.Popen, teacher: Path) -> list[int]:
             if _alive(p) and "hpcrl.engine.server" in (c := full_cmdline(p)) and str(teacher) in c]
 
 
-def test_teacher_engine_scores_like_the_rollout_engine_and_is_replaced_when_killed(tmp_path, tiny_model_dir):
+def write_run(tmp_path: Path, tiny_model_dir: Path, steps: int) -> tuple[Path, Path]:
+    """``tmp_path/run.yaml``: a short OPD run whose teacher (``tmp_path/teacher``) is a copy of the student's
+    starting model (``tmp_path/student``); returns ``(config, teacher folder)``."""
     student = shutil.copytree(tiny_model_dir, tmp_path / "student")
     teacher = shutil.copytree(tiny_model_dir, tmp_path / "teacher")
     (tmp_path / "loop_rewards.py").write_text(REWARD_MODULE)
-    steps = 20
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"""
 run: {{name: opd, output_dir: {tmp_path / 'runs'}, num_rollout: {steps}, seed: 3}}
@@ -55,6 +57,24 @@ train: {{lr: 3.0e-3, micro_batch_size: 16}}
 algorithm: {{opd: {{coef: 1.0, teachers: [{{name: same, path: {teacher}}}]}}}}
 checkpoint: {{save_interval: 0, keep_last: 1}}
 """)
+    return cfg, teacher
+
+
+def assert_teacher_scored(run_dir: Path, steps: int) -> list[dict]:
+    """Rollout 0: the teacher is the student, so its prefill log-probs equal the rollout's decode log-probs (and
+    the trainer's); the student then trains away from it. Returns the step rows."""
+    rows = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["step"] >= 0]
+    assert len(rows) == steps
+    assert abs(rows[0]["rollout/opd_reverse_kl"]) < 1e-4, rows[0]
+    assert abs(rows[0]["train/opd_reverse_kl"]) < 1e-4, rows[0]
+    assert rows[-1]["rollout/opd_reverse_kl"] > 1e-3, [r["rollout/opd_reverse_kl"] for r in rows]
+    assert all(r["rollout/opd_teacher_seconds"] > 0 for r in rows)
+    return rows
+
+
+def test_teacher_engine_scores_like_the_rollout_engine_and_is_replaced_when_killed(tmp_path, tiny_model_dir):
+    steps = 20
+    cfg, teacher = write_run(tmp_path, tiny_model_dir, steps)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
     log = tmp_path / "run.log"
@@ -69,18 +89,41 @@ checkpoint: {{save_interval: 0, keep_last: 1}}
     victim = teacher_engines(proc, teacher)[0]
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(timeout=300) == 0, log.read_text(errors="replace")[-3000:]
-
-    rows = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["step"] >= 0]
-    assert len(rows) == steps
-    # rollout 0: the teacher is the student, so its prefill log-probs equal the rollout's decode log-probs
-    assert abs(rows[0]["rollout/opd_reverse_kl"]) < 1e-4, rows[0]
-    assert abs(rows[0]["train/opd_reverse_kl"]) < 1e-4, rows[0]
-    # the student trains away from the teacher (lr 3e-3 on a digit-fraction reward)
-    assert rows[-1]["rollout/opd_reverse_kl"] > 1e-3, [r["rollout/opd_reverse_kl"] for r in rows]
-    assert all(r["rollout/opd_teacher_seconds"] > 0 for r in rows)
+    assert_teacher_scored(run_dir, steps)
     # the teacher's engine logs in its own folder, and the killed one was replaced from the teacher folder
     attempt = run_dir / "logs" / "attempt-0"
     assert (attempt / "teacher-same" / "engine-0.log").is_file()
     assert len(list((attempt / "teacher-same").glob("engine-0.restart-*.log"))) == 1
     assert not list(attempt.glob("engine-0.restart-*.log"))  # the student's engine was not touched
     assert not _alive(victim)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
+def test_teacher_engines_run_as_their_own_job_step_on_slurm(tmp_path, tiny_model_dir, slurm_cluster, monkeypatch):
+    """``hpcrl submit`` of the same run, colocated on one node: the teacher's engine is a second rollout job
+    step (its address file in the teacher's folder of the attempt) and the job completes with the same
+    exactness at rollout 0."""
+    from hpcrl.slurm.state import FINAL_STATES, query_states
+
+    steps = 8
+    write_run(tmp_path, tiny_model_dir, steps)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([str(Path(sys.executable).with_name("hpcrl")), "submit", "run.yaml", "slurm.cpus_per_task=2",
+                          "slurm.time=00:10:00"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    job_id, run_dir = words[words.index("job") + 1], Path(words[words.index("job") + 3])
+    deadline = time.monotonic() + 600
+    try:
+        while query_states([job_id])[job_id] not in FINAL_STATES:
+            assert time.monotonic() < deadline, "the job did not finish in 600 s"
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)  # nothing left in the queue, whatever happened
+    logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((run_dir / "submitit").glob("*")))
+    assert query_states([job_id])[job_id] == "COMPLETED", logs
+    assert_teacher_scored(run_dir, steps)
+    address = json.loads((run_dir / "logs" / "attempt-0" / "teacher-same" / "engines" / "engine-0.json").read_text())
+    assert address["node"] == "n1"
