@@ -223,7 +223,8 @@ def convert_run_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.Path
     """``hpcrl convert mcore-to-hf``: export a checkpoint folder, or a run folder's newest complete one.
 
     ``hf_base`` defaults to the HF folder the run trained from, read from the checkpoint's ``state.json``
-    (``sft.output`` when SFT was enabled, else ``model.path``). Raises FileNotFoundError when ``src`` holds no
+    (``sft.output`` when SFT was enabled, else ``model.path``; a relative one is taken from the folder the run
+    started in, :func:`_launch_relative`). Raises FileNotFoundError when ``src`` holds no
     complete checkpoint, ValueError when the base cannot be derived.
     """
     from hpcrl import checkpoint
@@ -241,7 +242,22 @@ def convert_run_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.Path
         hf_base = sft.get("output") if sft.get("enabled") else model.get("path")
         if not hf_base:
             raise ValueError(f"{path}: cannot tell the base HF folder from state.json; pass --hf-base")
+        hf_base = _launch_relative(Path(hf_base), path, (cfg.get("run") or {}).get("output_dir"))
     return mcore_to_hf(path, hf_base, dst, dtype=dtype)
+
+
+def _launch_relative(base: Path, checkpoint_dir: Path, output_dir: Optional[str]) -> Path:
+    """A run config's relative model path, resolved against the folder the run was started from.
+
+    Relative paths in a run config are relative to the folder ``hpcrl run``/``submit`` ran in, which is not
+    necessarily the one ``convert`` runs in. That folder is found from the checkpoint's place:
+    ``LAUNCH/output_dir/name/checkpoints/iter_N`` when ``run.output_dir`` is relative. An absolute path, or one
+    that exists from the current folder, is kept as it is.
+    """
+    if base.is_absolute() or base.exists() or not output_dir or Path(output_dir).is_absolute():
+        return base
+    launch = checkpoint_dir.resolve().parents[2 + len(Path(output_dir).parts)]
+    return launch / base if (launch / base).exists() else base
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -162,3 +162,22 @@ def test_convert_mcore_to_hf_without_checkpoint_fails_cleanly(tmp_path, capsys):
 
 def test_convert_needs_a_kind(capsys):
     assert cli.main(["convert"]) == 2
+
+
+def test_convert_finds_a_relative_base_from_the_folder_the_run_started_in(tmp_path, monkeypatch):
+    """A run config's ``model.path: .cache/models/x`` is relative to where ``hpcrl run`` ran; ``convert`` run
+    from another folder finds it through the checkpoint's place (``LAUNCH/runs/NAME/checkpoints/iter_N``)."""
+    from hpcrl.convert import _launch_relative
+
+    launch = tmp_path / "launch"
+    (launch / ".cache" / "models" / "x").mkdir(parents=True)
+    ckpt = launch / "out" / "runs" / "q" / "checkpoints" / "iter_0000003"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    base = Path(".cache/models/x")
+    assert _launch_relative(base, ckpt, "out/runs") == launch / base
+    assert _launch_relative(base, ckpt, str(launch / "out" / "runs")) == base  # absolute output_dir: unknown
+    assert _launch_relative(launch / base, ckpt, "out/runs") == launch / base  # absolute: kept
+    monkeypatch.chdir(launch)
+    assert _launch_relative(base, ckpt, "out/runs") == base  # exists from here: kept as given
