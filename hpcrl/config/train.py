@@ -213,6 +213,48 @@ def check_train(cfg: Config) -> None:
                  "change the global or the micro batch size")
 
 
+def model_experts(cfg: Config, check_files: bool) -> Optional[tuple[int, int]]:
+    """``(routed experts per layer, experts per token)`` of the policy model, ``(0, 0)`` for a dense one, or
+    None when it cannot be known on the login node (the folder does not exist yet, or ``check_files`` is
+    off). Read from ``model.create``'s ``tiny_*`` keys or the folder's ``config.json`` (no transformers)."""
+    import json
+
+    m = cfg.model
+    if m.create == "tiny-qwen3-moe" and not (m.path and Path(m.path, "config.json").is_file()):
+        return m.tiny_num_experts, m.tiny_moe_top_k
+    if m.create == "tiny-qwen2" and not (m.path and Path(m.path, "config.json").is_file()):
+        return 0, 0
+    if not (check_files and m.path and Path(m.path, "config.json").is_file()):
+        return None
+    try:
+        hf = json.loads(Path(m.path, "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # check_model names an unreadable folder
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    return experts, int(hf.get("num_experts_per_tok") or 0) if experts else 0
+
+
+def check_moe(cfg: Config, check_files: bool) -> None:
+    """Expert parallelism fits the model: a MoE model whose expert count ``train.expert_parallel_size``
+    divides and whose top-k is at most that count; a dense model only with EP=1."""
+    t = cfg.train
+    known = model_experts(cfg, check_files)
+    if known is None:
+        return  # checked when the model is built (hpcrl.train.bridge)
+    experts, top_k = known
+    if not experts:
+        require(t.expert_parallel_size == 1, "train.expert_parallel_size", t.expert_parallel_size,
+                f"the model at model.path={cfg.model.path!r} is dense (no experts)",
+                "set train.expert_parallel_size=1, or train a mixture-of-experts model")
+        return
+    require(experts % t.expert_parallel_size == 0, "train.expert_parallel_size", t.expert_parallel_size,
+            f"must divide the model's {experts} experts per layer",
+            f"use a divisor of {experts}")
+    require(top_k <= experts, "model.path", cfg.model.path,
+            f"routes each token to num_experts_per_tok={top_k} of only {experts} experts",
+            "fix the model's config.json (num_experts_per_tok <= num_experts)")
+
+
 def check_microbatch_budget(cfg: Config, longest: int, what: str) -> None:
     """``train.max_tokens_per_microbatch`` holds the longest possible sample, ``longest`` tokens (``what``:
     where the prompt length comes from), else ConfigError naming both numbers."""

@@ -80,3 +80,43 @@ def create_tiny_qwen2(path: str | os.PathLike, hidden_size: int = 128, num_layer
     path.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, path)
     return path
+
+
+def create_tiny_qwen3_moe(path: str | os.PathLike, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
+                          num_kv_heads: int = 2, head_dim: int = 32, num_experts: int = 8, top_k: int = 2,
+                          moe_intermediate_size: int = 256, seed: int = 0, max_position_embeddings: int = 256,
+                          tie_word_embeddings: bool = True) -> Path:
+    """Create a random-init ``Qwen3MoeForCausalLM`` with the character tokenizer and save it as an HF folder.
+
+    Every layer is a mixture of experts: ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, a
+    top-``top_k`` softmax router renormalised over the k (``norm_topk_prob``), no shared expert; q/k RMSNorm,
+    GQA, RoPE, tied embeddings by default. With the defaults: 3,350,528 parameters (991,232 active per token).
+    The checkpoint stores experts by HF's per-expert names (``mlp.experts.{e}.{gate,up,down}_proj.weight``), as
+    released Qwen3-MoE checkpoints and SGLang do. The write is atomic. Returns ``path``; raises FileExistsError
+    if it already exists.
+    """
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} already exists")
+    tokenizer = build_char_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=moe_intermediate_size,
+        moe_intermediate_size=moe_intermediate_size, num_experts=num_experts, num_experts_per_tok=top_k,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, path)
+    return path

@@ -43,13 +43,14 @@ import math
 import os
 import re
 from collections.abc import Iterator, Mapping
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 _LAYER_RULES = {
     # megatron suffix -> (HF suffixes, layout)
@@ -67,12 +68,20 @@ _LAYER_RULES = {
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
 }
+_EXPERT_RULES = {
+    # megatron suffix of ``mlp.experts.local_experts.{j}.`` -> (HF suffixes of ``mlp.experts.{J}.``, layout)
+    "linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), "fc1"),
+    "linear_fc2.weight": (("down_proj.weight",), "row"),
+}
+_LAYER_RULES["mlp.router.weight"] = (("mlp.gate.weight",), "replicated")
 _TOP_RULES = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab"),
     "output_layer.weight": (("lm_head.weight",), "vocab"),
     "decoder.final_layernorm.weight": (("model.norm.weight",), "replicated"),
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_EXPERT_HF_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -107,6 +116,12 @@ def head_dim(hf_config: Any) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def num_experts(hf_config: Any) -> int:
+    """Routed experts per MoE layer of an HF config (``num_experts``, or transformers 5's
+    ``num_local_experts``); 0 for a dense model."""
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0)
+
+
 def _check_supported(hf_config: Any) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -119,16 +134,25 @@ def _check_supported(hf_config: Any) -> None:
         raise NotImplementedError("mlp_bias=True is not supported")
     if getattr(hf_config, "use_sliding_window", False):
         raise NotImplementedError("sliding-window attention is not supported")
+    if model_type == "qwen3_moe":
+        if list(getattr(hf_config, "mlp_only_layers", None) or []) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+            raise NotImplementedError("dense layers between MoE layers (mlp_only_layers, decoder_sparse_step > 1) "
+                                      "are not supported: every layer must be MoE")
+        if getattr(hf_config, "shared_expert_intermediate_size", 0):
+            raise NotImplementedError("shared experts are not supported")
 
 
-def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch.float32, **overrides: Any):
+def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
+                         **overrides: Any):
     """Return the megatron-core ``TransformerConfig`` equivalent to an HF Qwen2 / Qwen3 / Llama config.
 
     RMSNorm with the HF epsilon, SwiGLU (``gated_linear_unit`` + silu), GQA (``num_query_groups``), head size
     from ``head_dim``, qkv bias for Qwen2, q/k RMSNorm for Qwen3, no other biases, HF dropouts (0 for these
     families). ``dtype`` is ``torch.float32`` or ``torch.bfloat16`` (sets ``params_dtype`` and ``bf16``).
     Without CUDA: ``use_cpu_initialization=True`` and every fusion off. ``overrides`` are further
-    ``TransformerConfig`` fields and win over the derived ones.
+    ``TransformerConfig`` fields and win over the derived ones. ``ep``: the expert-parallel size the model is
+    built for (megatron-core's layers read it from the config to keep expert gradients out of the
+    data-parallel all-reduce; a MoE model built with the wrong one sums different experts' gradients).
     Raises NotImplementedError for unsupported architectures, ValueError for an unsupported dtype,
     TypeError for unknown override names.
     """
@@ -151,7 +175,7 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=hf_config.model_type == "qwen2",
-        qk_layernorm=hf_config.model_type == "qwen3",
+        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -162,12 +186,40 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
         pipeline_dtype=dtype,
         attention_softmax_in_fp32=True,
     )
+    if num_experts(hf_config):
+        kwargs.update(_moe_kwargs(hf_config), expert_model_parallel_size=ep)
     if not torch.cuda.is_available():
         kwargs.update(use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
                       persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
                       gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe_kwargs(hf_config: Any) -> dict[str, Any]:
+    """``TransformerConfig`` MoE fields for a Qwen3-MoE config (every layer MoE, no shared experts).
+
+    Routing as HF's ``Qwen3MoeSparseMoeBlock``: softmax of the router logits in fp32, top-k, renormalised over
+    the k when ``norm_topk_prob`` (megatron: top-k of the logits, then softmax over the k, which is the same
+    thing) or not (``moe_router_pre_softmax``: softmax over all experts, then top-k). The load-balancing loss is
+    HF's: megatron's ``aux_loss`` with ``router_aux_loss_coef`` when the config has ``output_router_logits``
+    (HF adds it only then), else none; ``megatron:`` keys of the run config override any of these (e.g.
+    ``moe_token_dispatcher_type: alltoall``, ``moe_z_loss_coeff``).
+    """
+    aux = bool(getattr(hf_config, "output_router_logits", False))
+    return dict(
+        num_moe_experts=num_experts(hf_config),
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True),
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux else "none",
+        moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0) if aux else 0.0,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        moe_permute_fusion=False,
+    )
 
 
 def padded_vocab_size(vocab_size: int, tp: int = 1, make_vocab_size_divisible_by: int = 128) -> int:
@@ -194,12 +246,13 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         raise NotImplementedError("the HF bridge supports pipeline parallel size 1 only")
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size()
-    config = mcore_config_from_hf(hf_config, tp=tp, dtype=dtype, **overrides)
+    config = mcore_config_from_hf(hf_config, tp=tp, dtype=dtype,
+                                  ep=parallel_state.get_expert_model_parallel_world_size(), **overrides)
     scaling = _rope_scaling(hf_config)
     model = GPTModel(
         config=config,
         # the local spec with packed (THD) core attention beside megatron's padded one (hpcrl.train.packing)
-        transformer_layer_spec=packed_attention.layer_spec(config.qk_layernorm),
+        transformer_layer_spec=packed_attention.layer_spec(config.qk_layernorm, config.num_moe_experts),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=True,
@@ -235,6 +288,15 @@ class _Geometry:
     head_dim: int
     vocab_size: int  # HF (unpadded)
     padded_vocab_size: int
+    ep: int = 1  # expert-parallel size and rank: rank r holds experts r * local_experts ... (r + 1) * local - 1
+    ep_rank: int = 0
+    local_experts: int = 0
+    etp: int = 1  # expert tensor-parallel size and rank (the experts' fc1/fc2 split as the dense MLP's)
+    etp_rank: int = 0
+
+    def for_experts(self) -> "_Geometry":
+        """The same geometry with the expert tensor-parallel split in place of the dense one."""
+        return dataclasses.replace(self, tp=self.etp, rank=self.etp_rank)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -248,6 +310,8 @@ def _geometry(model: torch.nn.Module) -> _Geometry:
     from megatron.core import parallel_state
 
     cfg = model.config
+    experts = cfg.num_moe_experts or 0
+    ep = parallel_state.get_expert_model_parallel_world_size() if experts else 1
     return _Geometry(
         tp=parallel_state.get_tensor_model_parallel_world_size(),
         rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -256,27 +320,58 @@ def _geometry(model: torch.nn.Module) -> _Geometry:
         head_dim=cfg.kv_channels,
         vocab_size=model.hf_config.vocab_size,
         padded_vocab_size=model.vocab_size,
+        ep=ep,
+        ep_rank=parallel_state.get_expert_model_parallel_rank() if experts else 0,
+        local_experts=experts // ep,
+        etp=parallel_state.get_expert_tensor_parallel_world_size() if experts else 1,
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank() if experts else 0,
     )
 
 
-def _hf_names(mcore_name: str) -> tuple[tuple[str, ...], str]:
-    """HF names and layout for one megatron-core parameter name; KeyError if it has no HF counterpart."""
+def _hf_names(mcore_name: str, expert: Optional[int] = None) -> tuple[tuple[str, ...], str]:
+    """HF names and layout for one megatron-core parameter name; KeyError if it has no HF counterpart.
+
+    A routed expert's parameter (``mlp.experts.local_experts.{j}.``) maps to the HF expert ``expert`` (the
+    global index: this EP rank's first expert + j); its layout is ``expert_fc1`` / ``expert_row``."""
     if mcore_name in _TOP_RULES:
         return _TOP_RULES[mcore_name]
     m = _LAYER_RE.match(mcore_name)
     if m and m.group(2) in _LAYER_RULES:
         hf, layout = _LAYER_RULES[m.group(2)]
         return tuple(f"model.layers.{m.group(1)}.{name}" for name in hf), layout
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    if e and e.group(2) in _EXPERT_RULES:
+        hf, layout = _EXPERT_RULES[e.group(2)]
+        index = int(e.group(1)) if expert is None else expert
+        return tuple(f"model.layers.{m.group(1)}.mlp.experts.{index}.{name}" for name in hf), f"expert_{layout}"
     raise KeyError(f"no HF name for megatron-core parameter {mcore_name!r}")
 
 
+def _local_expert(mcore_name: str) -> Optional[int]:
+    """``j`` of a ``mlp.experts.local_experts.{j}.`` parameter name, else None."""
+    m = _LAYER_RE.match(mcore_name)
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    return int(e.group(1)) if e else None
+
+
+def _names_on_rank(mcore_name: str, g: "_Geometry") -> tuple[tuple[str, ...], str]:
+    """:func:`_hf_names` for this rank's parameter ``mcore_name`` (experts at their global index)."""
+    j = _local_expert(mcore_name)
+    return _hf_names(mcore_name, None if j is None else g.ep_rank * g.local_experts + j)
+
+
 def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
-    """Map each megatron-core parameter name of ``model`` to the HF tensor name(s) it is built from."""
-    return {name: _hf_names(name)[0] for name, _ in unwrap_model(model).named_parameters()}
+    """Map each megatron-core parameter name of ``model`` to the HF tensor name(s) it is built from (this
+    rank's: a routed expert's names carry its global expert index)."""
+    module = unwrap_model(model)
+    g = _geometry(module)
+    return {name: _names_on_rank(name, g)[0] for name, _ in module.named_parameters()}
 
 
 def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor:
     """This rank's megatron-core tensor from the full HF tensor(s)."""
+    if layout.startswith("expert_"):
+        return _to_shard(layout.removeprefix("expert_"), hf, g.for_experts())
     if layout == "replicated":
         return hf[0]
     if layout == "vocab":
@@ -300,6 +395,8 @@ def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor
 
 def _from_shards(layout: str, shards: list[torch.Tensor], g: _Geometry) -> list[torch.Tensor]:
     """The full HF tensor(s) from every rank's megatron-core tensor (rank order)."""
+    if layout.startswith("expert_"):
+        return _from_shards(layout.removeprefix("expert_"), shards, g.for_experts())
     if layout == "replicated":
         return [shards[0].clone()]
     if layout == "vocab":
@@ -327,6 +424,59 @@ def _safetensors_files(path: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     return files
+
+
+_FUSED_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def unfuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF state dict with transformers 5's fused run-time experts in checkpoint (per-expert) names.
+
+    transformers 5 keeps a MoE layer's experts as ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first)
+    and ``mlp.experts.down_proj [E, H, I]`` in memory, while checkpoints, SGLang and this bridge name them
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (``[I, H]``, ``[I, H]``, ``[H, I]``). Other tensors pass
+    through; the expert tensors are views of the fused ones.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        m = _FUSED_EXPERTS_RE.match(name)
+        if not m:
+            out[name] = tensor
+            continue
+        for e, t in enumerate(tensor):
+            if m.group(2) == "down_proj":
+                out[f"{m.group(1)}.{e}.down_proj.weight"] = t
+            else:
+                gate, up = t.chunk(2, dim=0)
+                out[f"{m.group(1)}.{e}.gate_proj.weight"] = gate
+                out[f"{m.group(1)}.{e}.up_proj.weight"] = up
+    return out
+
+
+def fuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`unfuse_experts`: per-expert names to transformers 5's fused ``gate_up_proj`` /
+    ``down_proj`` (experts stacked in index order). Raises KeyError when an expert index or one of an expert's
+    three tensors is missing."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    pattern = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    for name, tensor in state.items():
+        m = pattern.match(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = tensor
+        else:
+            out[name] = tensor
+    for prefix, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise KeyError(f"{prefix}: experts {sorted(by_index)} are not 0..{len(by_index) - 1}")
+        ordered = [by_index[e] for e in range(len(by_index))]
+        for e, parts in enumerate(ordered):
+            if len(parts) != 3:
+                raise KeyError(f"{prefix}.{e}: the experts' tensors lack "
+                               f"{sorted({'gate_proj', 'up_proj', 'down_proj'} - set(parts))}")
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([t["gate_proj"], t["up_proj"]]) for t in ordered])
+        out[f"{prefix}.down_proj"] = torch.stack([t["down_proj"] for t in ordered])
+    return out
 
 
 def read_hf_state_dict(path: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
@@ -372,17 +522,18 @@ def load_hf_weights(model: torch.nn.Module,
     """Copy HF weights into a megatron-core GPTModel built by :func:`build_gpt_model` (this rank's shards).
 
     ``model`` may be wrapped in megatron-core DDP / Float16Module. ``hf_weights`` is an HF folder
-    (safetensors) or a state dict of full HF tensors (``HFModel.state_dict()``). Values are copied in place
+    (safetensors) or a state dict of full HF tensors (``HFModel.state_dict()``; transformers 5's fused
+    experts are read through :func:`unfuse_experts`). Values are copied in place
     (cast to the parameter dtype), so DDP grad/param buffers stay valid. Every HF tensor must be used, except
     ``lm_head.weight`` of a tied model and ``rotary_emb.inv_freq`` buffers.
     Raises KeyError for a missing or unused HF tensor, ValueError for a shape mismatch.
     """
     module = unwrap_model(model)
-    state = _LazyHFWeights(hf_weights) if isinstance(hf_weights, (str, os.PathLike)) else hf_weights
+    state = _LazyHFWeights(hf_weights) if isinstance(hf_weights, (str, os.PathLike)) else unfuse_experts(hf_weights)
     g = _geometry(module)
     used = set()
     for name, param in module.named_parameters():
-        hf_names, layout = _hf_names(name)
+        hf_names, layout = _names_on_rank(name, g)
         missing = [n for n in hf_names if n not in state]
         if missing:
             raise KeyError(f"HF weights lack {missing} (for megatron-core {name})")
@@ -393,7 +544,8 @@ def load_hf_weights(model: torch.nn.Module,
         param.copy_(shard)
         used.update(hf_names)
     ignorable = {"lm_head.weight"} if module.share_embeddings_and_output_weights else set()
-    unused = [n for n in state if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
+    unused = [n for n in state if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
+              and not (g.ep > 1 and _EXPERT_HF_RE.match(n))]  # other EP ranks' experts
     if unused:
         raise KeyError(f"HF tensors with no megatron-core counterpart: {unused[:8]}"
                        + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
@@ -404,10 +556,12 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every HF tensor of the model, in megatron-core parameter order.
 
-    Tensor-parallel shards are all-gathered over the TP group, so every TP rank yields the same full tensors
-    (all TP ranks must iterate together: each tensor is a collective). Vocab padding is stripped; a tied
-    model yields no ``lm_head.weight`` (as HF saves it). Tensors are fresh copies, on the parameters'
-    device, cast to ``dtype`` if given.
+    Tensor-parallel shards are all-gathered over the TP group (a routed expert's over the expert-TP group),
+    and a routed expert's tensors over the expert-parallel group (local expert j of EP rank r is HF expert
+    ``r * local_experts + j``; the EP ranks' copies of j are yielded in rank order), so every rank yields the
+    same full tensors (all ranks of the model-parallel group must iterate together: each tensor is a
+    collective). Vocab padding is stripped; a tied model yields no ``lm_head.weight`` (as HF saves it).
+    Tensors are fresh copies, on the parameters' device, cast to ``dtype`` if given.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -416,12 +570,33 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     g = _geometry(module)
     group = parallel_state.get_tensor_model_parallel_group() if g.tp > 1 else None
     for name, param in module.named_parameters():
-        hf_names, layout = _hf_names(name)
+        j = _local_expert(name)
         local = param.detach()
-        if g.tp > 1 and layout != "replicated":
-            shards = [torch.empty_like(local) for _ in range(g.tp)]
-            dist.all_gather(shards, local.contiguous(), group=group)
-        else:
-            shards = [local]
-        for hf_name, tensor in zip(hf_names, _from_shards(layout, shards, g)):
-            yield hf_name, tensor if dtype is None else tensor.to(dtype)
+        if j is None:
+            hf_names, layout = _hf_names(name)
+            yield from _gathered(hf_names, layout, local, g.tp, group, g, dtype)
+            continue
+        _, layout = _hf_names(name, 0)
+        etp_group = parallel_state.get_expert_tensor_parallel_group() if g.etp > 1 else None
+        copies = [local]
+        if g.ep > 1:
+            copies = [torch.empty_like(local) for _ in range(g.ep)]
+            dist.all_gather(copies, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+        for r, tensor in enumerate(copies):
+            hf_names, _ = _hf_names(name, r * g.local_experts + j)
+            yield from _gathered(hf_names, layout, tensor, g.etp, etp_group, g, dtype)
+
+
+def _gathered(hf_names: tuple[str, ...], layout: str, local: torch.Tensor, size: int, group: Any, g: _Geometry,
+              dtype: Optional[torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` of one parameter from its shards all-gathered over ``group`` (``size`` ranks;
+    none gathered for a replicated layout or size 1)."""
+    import torch.distributed as dist
+
+    if size > 1 and layout not in ("replicated", "expert_replicated"):
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local.contiguous(), group=group)
+    else:
+        shards = [local]
+    for hf_name, tensor in zip(hf_names, _from_shards(layout, shards, g)):
+        yield hf_name, tensor if dtype is None else tensor.to(dtype)

@@ -50,6 +50,16 @@ returns at once and megatron-core runs unmodified):
    and raise ``TypeError`` for CPU tensors. Only while those two constructors run, ``torch.Tensor.type()``
    called without arguments reports the CUDA type name of a CPU tensor.
 
+5. MoE (megatron-core 0.16.1): ``transformer.moe.router``, ``moe_utils``, ``token_dispatcher``, ``experts`` and
+   ``shared_experts`` are in :data:`PATCHED_MODULES` (router weights moved to the current device at ~90, the
+   aux-loss tracker's ``device="cuda"`` buffers at ~998, the all-to-all dispatcher's device-to-host stream at
+   ~445 and ~871, the shared experts' overlap stream); and ``moe_utils.te_general_gemm``, which
+   ``router_gating_linear`` reads even when TransformerEngine is absent (its import sits in a ``try`` that
+   leaves the name undefined), is set to None when ``moe_utils.HAVE_TE`` is false, so the router's logits come
+   from ``torch.mm`` as megatron's own fallback intends; the all-to-all dispatcher's
+   ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` gives numpy split sizes for CPU tensors too (megatron
+   converts only CUDA tensors, and gloo's ``all_to_all_single`` refuses a tensor of split sizes).
+
 Nothing else is changed. :func:`apply` is idempotent; :func:`is_applied` tells whether it has patched.
 """
 
@@ -77,6 +87,11 @@ PATCHED_MODULES = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.shared_experts",
 )
 """megatron-core modules whose global ``torch`` is replaced by the CPU alias (see the module docstring)."""
 
@@ -121,6 +136,10 @@ class _Inert:
 
     def query(self) -> bool:
         return True
+
+    def record_event(self, event=None) -> "_Inert":
+        """A stream's event (the all-to-all dispatcher waits on it): inert too."""
+        return event or _Inert()
 
 
 class _CpuCuda(types.ModuleType):
@@ -231,6 +250,19 @@ def is_applied() -> bool:
     return _applied
 
 
+def _move_to_host(move: Callable) -> Callable:
+    """megatron-core's ``maybe_move_tensor_to_cpu`` that also gives a CPU tensor as numpy when asked (the
+    all-to-all split sizes, which gloo's ``all_to_all_single`` takes as a sequence of ints, not a tensor)."""
+
+    @functools.wraps(move)
+    def wrapper(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return wrapper
+
+
 def apply() -> bool:
     """Patch megatron-core for a CUDA-less torch (see the module docstring for exactly what changes).
 
@@ -256,5 +288,12 @@ def apply() -> bool:
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE:  # point 5 of the module docstring
+        moe_utils.te_general_gemm = None
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _move_to_host(moe_utils.maybe_move_tensor_to_cpu)
     _applied = True
     return True

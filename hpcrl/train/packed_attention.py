@@ -191,11 +191,13 @@ def _has_flash_attn() -> bool:
     return True
 
 
-def layer_spec(qk_layernorm: bool):
+def layer_spec(qk_layernorm: bool, num_experts: Optional[int] = None):
     """megatron-core's local GPT layer spec (RMSNorm) with :class:`PackedDotProductAttention` as core
-    attention: padded forwards are megatron's own, packed ones run per segment."""
+    attention: padded forwards are megatron's own, packed ones run per segment. With ``num_experts`` the MLP
+    is megatron-core's MoE layer with ``SequentialMLP`` experts (no grouped GEMM, no TransformerEngine)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+                                    normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import dataclasses
 import pickle
 from pathlib import Path
@@ -48,7 +49,16 @@ def assert_one_line(err: ConfigError, field: str) -> str:
 
 
 # (id, yaml text, overrides, expected field, expected value, substrings of the message)
+MOE = "model: {create: tiny-qwen3-moe, tiny_num_experts: 6}\n"
 BAD = [
+    ("ep-on-a-dense-model", M + "train: {expert_parallel_size: 2, nprocs: 2}\n", [], "train.expert_parallel_size", 2,
+     ["is dense (no experts)", "set train.expert_parallel_size=1"]),
+    ("ep-not-dividing-experts", MOE + "train: {expert_parallel_size: 4, nprocs: 4}\n", [],
+     "train.expert_parallel_size", 4, ["must divide the model's 6 experts", "use a divisor of 6"]),
+    ("ep-not-dividing-world", MOE + "train: {expert_parallel_size: 2, nprocs: 3}\n", [],
+     "train.expert_parallel_size", 2, ["must divide train.nprocs=3"]),
+    ("moe-top-k-above-experts", MOE + "", ["model.tiny_moe_top_k=8"], "model.tiny_moe_top_k", 8,
+     ["is above model.tiny_num_experts=6"]),
     ("cpus-with-colocate", M + "train: {cpus: '0'}\n", [], "train.cpus", "0",
      ["run.placement is colocate", "set run.placement=disaggregate or train.cpus=null"]),
     ("cpus-overlap", M + "run: {placement: disaggregate}\ntrain: {cpus: '0-1'}\nrollout: {cpus: '1-2'}\n", [],
@@ -87,7 +97,7 @@ BAD = [
     ("bad-literal", M + "run: {mode: asynch}\n", [], "run.mode", "asynch",
      ["must be one of 'sync', 'async'", "did you mean 'async'?"]),
     ("bad-optional-literal", "model: {path: m, create: tiny-qwen3}\n", [], "model.create", "tiny-qwen3",
-     ["'tiny-qwen2', 'gguf'"]),
+     ["'tiny-qwen2', 'tiny-qwen3-moe', 'gguf'"]),
     ("bad-list-item", M + "rollout: {stop_token_ids: [1, two]}\n", [], "rollout.stop_token_ids[1]", "two",
      ["expected an integer"]),
     ("section-not-mapping", M + "rollout: 5\n", [], "rollout", 5, ["expected a mapping"]),
@@ -502,3 +512,21 @@ def test_config_to_dict_is_a_deep_copy():
     d["sglang"]["a"] = 1
     assert cfg.rollout.stop == [] and cfg.sglang == {}
     assert d["weights"]["bucket_bytes"] == 512 * MIB
+
+
+def test_expert_parallel_size_is_checked_against_an_existing_model_folder(tmp_path):
+    """The expert count and top-k come from the folder's config.json on the login node (no transformers)."""
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                    "num_experts_per_tok": 6}))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"model.path={folder}"])
+    assert "num_experts_per_tok=6 of only 4 experts" in assert_one_line(e.value, "model.path")
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                    "num_experts_per_tok": 2}))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"model.path={folder}", "train.expert_parallel_size=3", "train.nprocs=3"])
+    assert "must divide the model's 4 experts" in assert_one_line(e.value, "train.expert_parallel_size")
+    cfg = load_config(None, [f"model.path={folder}", "train.expert_parallel_size=2", "train.nprocs=2"])
+    assert cfg.train.expert_parallel_size == 2

@@ -28,13 +28,15 @@ from hpcrl.train import bridge, cpu_compat, logprobs, parallel, model as tmodel 
 
 # --- helpers shared with the TP=2 integration test ------------------------------------------------------
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 SEQ = 12
 
 
 def make_tiny_hf(kind: str, path: Path) -> Path:
-    """Save a random tiny Qwen3 (explicit head_dim, q/k norm, untied) or Llama (tied, llama3 RoPE scaling)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """Save a random tiny Qwen3 (explicit head_dim, q/k norm, untied), Llama (tied, llama3 RoPE scaling) or
+    Qwen3-MoE (4 experts, top-2, untied; ``qwen3_moe_pre_softmax``: without ``norm_topk_prob``)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=37, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
@@ -46,6 +48,10 @@ def make_tiny_hf(kind: str, path: Path) -> Path:
         rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         config, cls = LlamaConfig(tie_word_embeddings=True, rope_parameters=rope, **common), LlamaForCausalLM
+    elif kind in ("qwen3_moe", "qwen3_moe_pre_softmax"):
+        config, cls = Qwen3MoeConfig(head_dim=24, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=48, norm_topk_prob=kind == "qwen3_moe",
+                                     decoder_sparse_step=1, mlp_only_layers=[], **common), Qwen3MoeForCausalLM
     else:
         raise ValueError(kind)
     with torch.random.fork_rng():
@@ -152,8 +158,8 @@ def tp1():
 @pytest.fixture(scope="module")
 def hf_dirs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {"qwen2": tiny_model_dir, "qwen3": make_tiny_hf("qwen3", root / "qwen3"),
-            "llama": make_tiny_hf("llama", root / "llama")}
+    return {"qwen2": tiny_model_dir, **{kind: make_tiny_hf(kind, root / kind) for kind in FAMILIES[1:]},
+            "qwen3_moe_pre_softmax": make_tiny_hf("qwen3_moe_pre_softmax", root / "qwen3_moe_pre_softmax")}
 
 
 def build_loaded(path):
@@ -178,8 +184,13 @@ def test_load_then_export_is_bitwise_identical(tp1, hf_dirs, kind):
     for name, tensor in hf.items():
         assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
     names = bridge.mcore_to_hf_names(model)
-    assert names["decoder.layers.1.mlp.linear_fc1.weight"] == ("model.layers.1.mlp.gate_proj.weight",
-                                                              "model.layers.1.mlp.up_proj.weight")
+    if kind == "qwen3_moe":
+        assert names["decoder.layers.1.mlp.router.weight"] == ("model.layers.1.mlp.gate.weight",)
+        assert names["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"] == (
+            "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
+    else:
+        assert names["decoder.layers.1.mlp.linear_fc1.weight"] == ("model.layers.1.mlp.gate_proj.weight",
+                                                                  "model.layers.1.mlp.up_proj.weight")
     from transformers import AutoConfig
 
     tied = AutoConfig.from_pretrained(str(hf_dirs[kind])).tie_word_embeddings
@@ -201,7 +212,7 @@ def test_load_from_state_dict_and_errors(tp1, hf_dirs):
         bridge.load_hf_weights(model, state)
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("kind", (*FAMILIES, "qwen3_moe_pre_softmax"))
 def test_logits_log_probs_entropy_match_hf(tp1, hf_dirs, kind):
     model, hf_model = build_loaded(hf_dirs[kind]), load_hf(hf_dirs[kind])
     vocab = hf_model.config.vocab_size
@@ -286,6 +297,17 @@ def test_mcore_config_from_hf_fields(hf_dirs):
     legacy = types.SimpleNamespace(rope_theta=12345.0)  # transformers 4.x keeps it as an attribute
     assert bridge.rope_theta(legacy) == 12345.0
     assert bridge.padded_vocab_size(21, 1) == 128 and bridge.padded_vocab_size(21, 2, 8) == 32
+    moe = AutoConfig.from_pretrained(str(hf_dirs["qwen3_moe"]))
+    m = bridge.mcore_config_from_hf(moe)
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_router_pre_softmax,
+            m.moe_router_load_balancing_type, m.qk_layernorm, m.moe_grouped_gemm) == (4, 2, 48, False, "none", True,
+                                                                                     False)
+    moe.output_router_logits = True  # HF trains with its load-balancing loss only then
+    m = bridge.mcore_config_from_hf(moe, moe_token_dispatcher_type="alltoall")
+    assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff, m.moe_token_dispatcher_type) == \
+        ("aux_loss", moe.router_aux_loss_coef, "alltoall")
+    assert bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(hf_dirs["qwen3_moe_pre_softmax"]))
+                                       ).moe_router_pre_softmax
 
 
 def test_unsupported_architecture_is_refused():
@@ -295,6 +317,12 @@ def test_unsupported_architecture_is_refused():
         bridge.mcore_config_from_hf(GPT2Config())
     with pytest.raises(NotImplementedError, match="attention_bias"):
         bridge.mcore_config_from_hf(LlamaConfig(attention_bias=True))
+    from transformers import Qwen3MoeConfig
+
+    with pytest.raises(NotImplementedError, match="mlp_only_layers"):
+        bridge.mcore_config_from_hf(Qwen3MoeConfig(num_hidden_layers=2, mlp_only_layers=[1]))
+    with pytest.raises(NotImplementedError, match="decoder_sparse_step"):
+        bridge.mcore_config_from_hf(Qwen3MoeConfig(num_hidden_layers=2, decoder_sparse_step=2))
 
 
 def test_split_megatron_kwargs_by_dataclass():
@@ -325,6 +353,49 @@ def test_train_step_matches_hf_adamw_step(tp1, hf_dirs):
     before = bridge.read_hf_state_dict(path)
     assert max((after[k] - before[k]).abs().max().item() for k in after) > 1e-2
     assert max((after[k] - ref_state[k]).abs().max().item() for k in after) < 1e-6
+
+
+@pytest.mark.parametrize("dispatcher", ("allgather", "alltoall"))
+def test_moe_train_step_matches_hf_adamw_step(tp1, hf_dirs, dispatcher):
+    """One optimizer step of the MoE model (router and experts get gradients through the routing weights)
+    equals HF's step, with either token dispatcher."""
+    path = hf_dirs["qwen3_moe"]
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(
+        path, TRAIN, {**MEGATRON, "moe_token_dispatcher_type": dispatcher})
+    assert bridge.unwrap_model(ddp_model).config.moe_token_dispatcher_type == dispatcher
+    batch = sample_batch(37, seed=5)
+    result = tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
+    ref_loss, ref_norm, ref_state = hf_train_step(load_hf(path).train(), *batch)
+    ref_state = bridge.unfuse_experts(ref_state)  # transformers 5 fuses the experts in memory
+    assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    after = {k: v.cpu() for k, v in bridge.export_hf_weights(ddp_model)}
+    before = bridge.read_hf_state_dict(path)
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.0.up_proj.weight"):
+        assert not torch.equal(after[name], before[name]), f"{name} got no update"
+    assert max((after[k] - ref_state[k]).abs().max().item() for k in after) < 1e-6
+
+
+def test_fused_experts_round_trip_and_load_from_a_module_state_dict(tp1, hf_dirs):
+    """transformers 5's in-memory fused experts <-> the checkpoint's per-expert names, and a megatron model
+    loaded from ``HFModel.state_dict()`` (fused) equals one loaded from the folder (per expert)."""
+    from transformers import AutoConfig
+
+    path = hf_dirs["qwen3_moe"]
+    fused = load_hf(path).state_dict()
+    assert fused["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 96, 64)
+    per_expert = bridge.read_hf_state_dict(path)
+    unfused = bridge.unfuse_experts(fused)
+    assert sorted(unfused) == sorted(k for k in per_expert)
+    assert all(torch.equal(unfused[k], per_expert[k]) for k in per_expert)
+    refused = bridge.fuse_experts(per_expert)
+    assert sorted(refused) == sorted(fused) and all(torch.equal(refused[k], fused[k]) for k in fused)
+    model = bridge.build_gpt_model(AutoConfig.from_pretrained(str(path)))
+    bridge.load_hf_weights(model, fused)
+    assert all(torch.equal(t.cpu(), per_expert[n]) for n, t in bridge.export_hf_weights(model))
+    del per_expert["model.layers.1.mlp.experts.2.up_proj.weight"]
+    with pytest.raises(KeyError, match="experts"):
+        bridge.fuse_experts(per_expert)
 
 
 def test_bf16_train_step_runs(tp1, hf_dirs):

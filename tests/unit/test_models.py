@@ -172,3 +172,25 @@ def test_ensure_model_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         ensure_model(ModelSection(path=str(tmp_path / "g"), create="gguf", gguf_file=str(tmp_path / "no.gguf")))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ensure_model_creates_tiny_qwen3_moe_that_transformers_and_the_tokenizer_load(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    section = ModelSection(path=str(tmp_path / "moe"), create="tiny-qwen3-moe", tiny_hidden_size=64,
+                           tiny_num_layers=2, tiny_num_heads=4, tiny_num_kv_heads=2, tiny_num_experts=4,
+                           tiny_moe_top_k=2, tiny_moe_intermediate_size=32)
+    path = ensure_model(section, seed=3)
+    config = json.loads((path / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"],
+            config["moe_intermediate_size"], config["head_dim"], config["norm_topk_prob"]) == \
+        ("qwen3_moe", 4, 2, 32, 16, True)
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:  # per-expert names, as checkpoints have them
+        assert "model.layers.1.mlp.experts.3.down_proj.weight" in set(f.keys())
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(path))
+    ids = tok("12+34=")["input_ids"]
+    assert tok.decode(ids) == "12+34=" and len(ids) == 6
+    assert model(torch.tensor([ids])).logits.shape == (1, 6, config["vocab_size"])

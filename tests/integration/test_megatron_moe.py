@@ -1,0 +1,165 @@
+"""The MoE model layer across 2 real processes (torchrun, gloo on loopback): expert parallel and tensor parallel.
+
+One torchrun job (this file run as a script, see ``worker``) builds the tiny Qwen3-MoE of
+tests/unit/test_megatron_bridge.py (4 experts, top-2) in each layout below, with each of megatron-core's two
+CPU-capable token dispatchers (``allgather``, ``alltoall``; ``flex`` needs DeepEP/GPUs), and saves per rank
+what it computed; the tests compare it with HF transformers in this process:
+
+- EP=2 (experts 0-1 on rank 0, 2-3 on rank 1; attention data-parallel) and TP=2 x EP=1 (every expert split
+  over the two ranks): HF -> megatron -> HF export bitwise equal on both ranks; logits equal HF's (1e-5).
+- One optimizer step at EP=2 on the same batch on both ranks: loss, grad norm and the weights after the step
+  equal HF AdamW's step (the experts' gradients come from both ranks' tokens, and megatron-core scales them
+  as the dense ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_UNIT = Path(__file__).resolve().parents[1] / "unit" / "test_megatron_bridge.py"
+LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
+DISPATCHERS = ("allgather", "alltoall")
+
+
+def _unit_helpers():
+    spec = importlib.util.spec_from_file_location("hpcrl_tests_megatron_bridge_helpers", _UNIT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the distributed side: `torchrun --nproc_per_node=2 test_megatron_moe.py --path DIR --out DIR` ----------
+
+
+def worker(path: str, out: Path) -> None:
+    """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from transformers import AutoConfig
+
+    from hpcrl.train import bridge, parallel, model as tmodel
+
+    h = _unit_helpers()
+    env = parallel.init_distributed()
+    res: dict = {}
+    hf_config = AutoConfig.from_pretrained(path)
+    tokens = h.sample_batch(hf_config.vocab_size)[0]
+    for name, tp, ep in LAYOUTS:
+        parallel.initialize_model_parallel(tp=tp, ep=ep)
+        parallel.model_parallel_cuda_manual_seed(1234)
+        for dispatcher in DISPATCHERS:
+            model = bridge.build_gpt_model(hf_config, moe_token_dispatcher_type=dispatcher)
+            bridge.load_hf_weights(model, path)
+            model.eval()
+            with torch.no_grad():
+                logits = model(input_ids=tokens, position_ids=torch.arange(h.SEQ).expand(3, -1),
+                               attention_mask=None)
+            res[f"{name}-{dispatcher}"] = dict(
+                ep_rank=parallel_state.get_expert_model_parallel_rank(),
+                tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                local_experts=sorted({n.split(".")[6] for n, _ in model.named_parameters() if "local_experts" in n}),
+                export=dict(bridge.export_hf_weights(model)),
+                logits=gather_from_tensor_model_parallel_region(logits)[..., :hf_config.vocab_size].clone())
+        if name == "ep2":
+            batch = h.sample_batch(hf_config.vocab_size, seed=5)
+            ddp_model, optimizer = tmodel.setup_model_and_optimizer(
+                path, h.TRAIN, {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"})
+            step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
+            res["ep2-step"] = dict(step=step, after=dict(bridge.export_hf_weights(ddp_model)))
+        parallel_state.destroy_model_parallel()
+    torch.save(res, out / f"rank{env.rank}.pt")
+    parallel.destroy()
+
+
+# --- the test side ------------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def h():
+    pytest.importorskip("megatron.core")
+    return _unit_helpers()
+
+
+@pytest.fixture(scope="module")
+def moe_dir(h, tmp_path_factory):
+    return h.make_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("hf-moe") / "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def ranks(moe_dir, tmp_path_factory):
+    """Run the torchrun job once; the per-rank results, rank 0 first."""
+    out = tmp_path_factory.mktemp("moe-out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--path", str(moe_dir),
+           "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+@pytest.mark.parametrize("layout", [name for name, _, _ in LAYOUTS])
+def test_moe_export_is_bitwise_and_logits_match_hf(h, moe_dir, ranks, layout, dispatcher):
+    from hpcrl.train import bridge
+
+    hf = bridge.read_hf_state_dict(moe_dir)
+    hf_model = h.load_hf(moe_dir)
+    with torch.no_grad():
+        hf_logits = hf_model(h.sample_batch(hf_model.config.vocab_size)[0]).logits
+    results = [r[f"{layout}-{dispatcher}"] for r in ranks]
+    if layout == "ep2":  # each rank holds two whole experts
+        assert [r["ep_rank"] for r in results] == [0, 1]
+        assert [r["local_experts"] for r in results] == [["0", "1"], ["0", "1"]]
+    else:  # each rank holds half of every expert
+        assert [r["tp_rank"] for r in results] == [0, 1]
+        assert results[0]["local_experts"] == ["0", "1", "2", "3"]
+    for res in results:
+        assert sorted(res["export"]) == sorted(hf)
+        for name, tensor in hf.items():
+            assert torch.equal(res["export"][name], tensor), name
+        assert (res["logits"] - hf_logits).abs().max() < 1e-5
+
+
+def test_ep2_train_step_matches_hf(h, moe_dir, ranks):
+    from hpcrl.train import bridge
+
+    batch = h.sample_batch(37, seed=5)
+    ref_loss, ref_norm, ref_state = h.hf_train_step(h.load_hf(moe_dir).train(), *batch)
+    ref_state = bridge.unfuse_experts(ref_state)
+    for res in ranks:
+        run = res["ep2-step"]
+        assert run["step"]["update_successful"]
+        assert sorted(run["after"]) == sorted(ref_state)
+        diffs = {k: (run["after"][k] - ref_state[k]).abs().max().item() for k in ref_state}
+        worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+        assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), (run["step"]["grad_norm"], ref_norm, worst)
+        assert max(diffs.values()) < 1e-6, worst
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument("--path", required=True, help="the tiny Qwen3-MoE HF folder")
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    worker(args.path, args.out)
