@@ -126,6 +126,7 @@ class GenerateOptions:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    return_routed_experts: bool = False
 
 
 @dataclasses.dataclass
@@ -158,13 +159,15 @@ def _as_bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
-def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int) -> GenerateSpec:
+def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
+                   routed_experts: bool = False) -> GenerateSpec:
     """Parse and validate a ``/generate`` body.
 
     ``tokenizer`` encodes ``text`` inputs; token ids must be in ``[0, vocab_size)``. ``max_new_tokens`` is
     clamped so prompt plus output fit in ``context_len`` tokens. Raises :class:`RequestError` (HTTP 400) on a
     bad request: neither or both of text/input_ids, empty or too long prompts, ids out of range, list lengths
-    that do not match the batch, n differing across a batch, bad sampling parameters.
+    that do not match the batch, n differing across a batch, bad sampling parameters, ``return_routed_experts``
+    when the model has no routed experts (``routed_experts`` false).
     """
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
@@ -238,7 +241,10 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int) -> G
     options = GenerateOptions(
         return_logprob=_as_bool(body, "return_logprob"), logprob_start_len=start, top_logprobs_num=top_num,
         return_text_in_logprobs=_as_bool(body, "return_text_in_logprobs"), stream=_as_bool(body, "stream"),
+        return_routed_experts=_as_bool(body, "return_routed_experts"),
     )
+    if options.return_routed_experts and not routed_experts:
+        raise RequestError("return_routed_experts: the served model has no routed experts (not a MoE model)")
     if options.return_logprob:
         for i, p in enumerate(prompts):
             if start >= len(p):

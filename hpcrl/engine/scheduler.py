@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from hpcrl.engine import protocol, sampling
+from hpcrl.engine import protocol, routing, sampling
 from hpcrl.engine.memory import TAG_KV_CACHE, TAG_WEIGHTS
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class Row:
     output_top: list[tuple[list[float], list[int]]] = dataclasses.field(default_factory=list)
     input_logprobs: list | None = None
     input_top: list | None = None
+    routed_experts: list | None = None
+    """int32 ``[layers, top_k]`` per fed token (prompt, then outputs), with ``return_routed_experts``."""
     finish_reason: dict | None = None
     next_pos: int = 0
 
@@ -111,6 +113,7 @@ class Scheduler:
         self.max_rows = max_rows
         self.pad_id = pad_id
         self.weight_version = weight_version
+        self.routed = routing.RoutedExperts(model)
         self.stats = Stats()
         self._master_gen = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
@@ -388,8 +391,10 @@ class Scheduler:
         keep = max([1] + [len(row.spec.prompt_ids) + len(row.output_ids) - self._logprob_start(row)
                           for row in rows if row.needs_input_logprobs()])
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=keep)
+        with self.routed.recording(any(row.job.options.return_routed_experts for row in rows)):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                             use_cache=True, logits_to_keep=keep)
+        experts = self.routed.take(ku, width)  # [distinct, width, layers, top_k] or None
         self.stats.prefill_batches += 1
         self.stats.batches_run += 1
         self.stats.max_prefill_rows = max(self.stats.max_prefill_rows, k)
@@ -404,6 +409,8 @@ class Scheduler:
             mask = mask.index_select(0, sel)
         for i, row in enumerate(rows):
             row.next_pos = len(seqs[i])
+            if experts is not None and row.job.options.return_routed_experts:  # every token fed so far
+                row.routed_experts = list(experts[owner[i], width - len(seqs[i]):])
             if row.needs_input_logprobs():
                 self._input_logprobs(row, logits[i], keep)
         live = [i for i, row in enumerate(rows) if len(row.output_ids) < row.params.max_new_tokens]
@@ -430,8 +437,14 @@ class Scheduler:
         ids = torch.tensor([[row.output_ids[-1]] for row in rows], dtype=torch.long)
         mask = torch.cat([self._mask, torch.ones((b, 1), dtype=self._mask.dtype)], dim=1)
         pos = torch.tensor([[row.next_pos] for row in rows], dtype=torch.long)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self._cache,
-                         use_cache=True)
+        with self.routed.recording(any(row.job.options.return_routed_experts for row in rows)):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self._cache,
+                             use_cache=True)
+        experts = self.routed.take(b, 1)
+        if experts is not None:
+            for i, row in enumerate(rows):
+                if row.routed_experts is not None:
+                    row.routed_experts.append(experts[i, 0])
         self._cache = out.past_key_values
         self._mask = mask
         self.stats.decode_steps += 1
@@ -584,6 +597,9 @@ class Scheduler:
                 meta["output_top_logprobs"] = protocol.top_logprob_triples(
                     tok, [t[0] for t in row.output_top], [t[1] for t in row.output_top],
                     opts.return_text_in_logprobs)
+        if opts.return_routed_experts:
+            fed = len(row.spec.prompt_ids) + len(row.output_ids) - 1  # SGLang's rows: the last token is not fed
+            meta["routed_experts"] = routing.encode(row.routed_experts or [], fed)
         return {
             "text": protocol.output_text(tok, row.output_ids, row.finish_reason, row.params),
             "output_ids": list(row.output_ids),

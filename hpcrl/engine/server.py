@@ -236,7 +236,8 @@ class EngineServer:
         """``/generate``: SGLang's native generation (see :func:`hpcrl.engine.protocol.parse_generate`)."""
         try:
             body = await self._body(request)
-            spec = protocol.parse_generate(body, self.tokenizer, self.vocab_size, self.context_len)
+            spec = protocol.parse_generate(body, self.tokenizer, self.vocab_size, self.context_len,
+                                           routed_experts=self.scheduler.routed.layers > 0)
         except protocol.RequestError as e:
             return error_response(str(e), 400)
         loop = asyncio.get_running_loop()

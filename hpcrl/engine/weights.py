@@ -46,14 +46,21 @@ class WeightLoader:
     """Copies named tensors into ``model``'s parameters and persistent buffers.
 
     ``model``: the HF model. Tied ``lm_head.weight`` (with ``tie_word_embeddings``) and rotary ``inv_freq``
-    buffers are accepted and skipped, as SGLang's loaders do.
+    buffers are accepted and skipped, as SGLang's loaders do. A MoE model's experts are also addressed by
+    their checkpoint names (``mlp.experts.{e}.gate_proj.weight`` ...: views into transformers 5's fused
+    ``gate_up_proj`` / ``down_proj``, :mod:`hpcrl.models.moe`), which is what the trainer sends and SGLang
+    loads.
     """
 
     def __init__(self, model: torch.nn.Module):
+        from hpcrl.models.moe import unfuse_experts
+
         self.model = model
         self._targets = dict(model.named_parameters())
         for name, buf in model.named_buffers():
             self._targets.setdefault(name, buf)
+        for name, view in unfuse_experts(dict(model.named_parameters())).items():
+            self._targets.setdefault(name, view)
         self._tied = bool(getattr(model.config, "tie_word_embeddings", False))
 
     def names(self) -> list[str]:

@@ -43,12 +43,16 @@ def iterate_for_sync(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]
     keep the parameters' dtype; the engine casts to its own). On ranks of rank 0's TP group (data-parallel
     and context-parallel rank 0) this is :func:`hpcrl.train.bridge.export_hf_weights`, whose every tensor is
     an all-gather over the TP group, so all of them must consume it; other ranks get an empty iterator (they
-    hold replicas and take no part). Needs megatron-core's parallel state to be initialised.
+    hold replicas and take no part). With expert parallelism every rank exports (a routed expert is gathered
+    over its expert-parallel group, which spans data-parallel ranks); rank 0 still sends alone. Needs
+    megatron-core's parallel state to be initialised.
     """
     from megatron.core import parallel_state
 
     from hpcrl.train.bridge import export_hf_weights
 
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return export_hf_weights(model, dtype)  # every rank: expert gathers span data-parallel ranks
     if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
         return iter(())
     return export_hf_weights(model, dtype)

@@ -334,10 +334,12 @@ def test_bad_requests_are_400(engine):
         {"text": "1", "sampling_params": {"top_p": 0}},
         {"text": "1", "sampling_params": {"frequency_penalty": 0.5}},
         {"input_ids": [[3], [4]], "rid": ["only-one"]},
+        {"input_ids": [3, 4], "return_routed_experts": True},  # a dense model routes nothing
     ]
     for body in cases:
         status, err = post(engine, "/generate", body)
         assert status == 400 and err["error"]["message"], body
+    assert "no routed experts" in post(engine, "/generate", cases[-1])[1]["error"]["message"]
     req = urllib.request.Request(engine.url + "/generate", data=b"{not json", method="POST",
                                  headers=auth("/generate"))
     try:

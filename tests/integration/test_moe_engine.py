@@ -1,0 +1,257 @@
+"""The CPU engine serving a mixture-of-experts model (issue #15 point 2), against real processes.
+
+A tiny random Qwen3-MoE (4 experts, top-2, 2 layers) served by ``python -m hpcrl.engine.server``:
+
+- ``return_routed_experts`` (SGLang's request field and response shape: ``meta_info["routed_experts"]``, base64
+  int32 ``[len(prompt) + len(output) - 1, layers, top_k]``) equals the experts HF transformers' own routers
+  choose for the same tokens in one forward pass, for a group of samples (one shared prefill, then batched
+  decode steps) and for a prefill-only request.
+- Weight sync of expert weights from a megatron-core trainer (per-expert HF names into the engine's fused
+  ``gate_up_proj`` / ``down_proj``): at EP=1 in this process and at EP=2 (two torchrun processes, the experts
+  gathered across the expert-parallel group, rank 0 sends), the engine's log-probs then equal the trainer's
+  to 1e-5 in fp32 and its routing equals the trainer's model's.
+This file is the EP=2 torchrun worker when run as a script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    from tests.integration.engine_utils import EngineProcess, http_json
+except ImportError:  # tests/integration is not a package (also when run by torchrun)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_utils import EngineProcess, http_json
+
+KEY = "moe-engine-test-key"
+TOL = 1e-5
+SEQS = [[1, 5, 9, 12, 3, 7, 18, 4, 11, 6], [1, 14, 8, 20, 10, 2, 17]]
+"""Token ids (tiny vocab of 21) of sequences whose log-probs and routing are compared."""
+LAYERS, EXPERTS, TOP_K = 2, 4, 2
+
+
+def make_moe(path: Path) -> Path:
+    from hpcrl.models.tiny import create_tiny_qwen3_moe
+
+    return create_tiny_qwen3_moe(path, hidden_size=64, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
+                                 head_dim=16, num_experts=EXPERTS, top_k=TOP_K, moe_intermediate_size=32, seed=5)
+
+
+def hf_routing(model, tokens: list[int]) -> torch.Tensor:
+    """int32 ``[len(tokens), layers, top_k]``: HF's routers' choices in one forward pass over ``tokens``."""
+    from hpcrl.engine.routing import RoutedExperts
+
+    recorder = getattr(model, "_recorder", None) or RoutedExperts(model)
+    model._recorder = recorder
+    with torch.no_grad(), recorder.recording():
+        model(torch.tensor([tokens]))
+    return recorder.take(1, len(tokens))[0]
+
+
+def engine_view(url: str, key: str = KEY) -> tuple[list[list[float]], list, str]:
+    """Per sequence of SEQS: the engine's input log-probs (tokens 1..n-1), its routed experts
+    ``[n - 1, layers, top_k]`` (prefill only), and its weight_version."""
+    from hpcrl.engine.routing import decode
+
+    lps, routes, version = [], [], None
+    for seq in SEQS:
+        status, body = http_json("POST", url + "/generate", {
+            "input_ids": seq, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": 0, "return_routed_experts": True},
+            headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert status == 200, body
+        lps.append([t[0] for t in body["meta_info"]["input_token_logprobs"][1:]])
+        routes.append(decode(body["meta_info"]["routed_experts"], len(seq), LAYERS, TOP_K).tolist())
+        version = body["meta_info"]["weight_version"]
+    return lps, routes, version
+
+
+def trainer_view(model) -> tuple[list[list[float]], list]:
+    """The trainer's log-probs of tokens 1..n-1 of each sequence, and the routing of its weights (exported to
+    an HF model) for tokens 0..n-2 (a collective on every rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpcrl.train.bridge import export_hf_weights, fuse_experts, unwrap_model
+    from hpcrl.train.logprobs import response_log_probs
+
+    out = []
+    with torch.no_grad():
+        for seq in SEQS:
+            res = response_log_probs(model, torch.tensor([seq]), [len(seq)], [len(seq) - 1])
+            out.append(res.log_probs[0].tolist())
+    state = fuse_experts(dict(export_hf_weights(model)))
+    hf_config = unwrap_model(model).hf_config
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config.to_dict())).eval()
+    hf.load_state_dict(state, strict=False)  # a tied lm_head is not exported
+    return out, [hf_routing(hf, seq[:-1]).tolist() for seq in SEQS]
+
+
+def perturb(model, seed: int, scale: float = 0.05) -> None:
+    """Seeded noise on every parameter (the same on every rank for same-shaped shards)."""
+    from hpcrl.train.bridge import unwrap_model
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in unwrap_model(model).parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def max_diff(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+async def sync(url: str, model, version: str, sender: bool = True) -> dict:
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.weights import WeightSyncer, iterate_for_sync
+
+    client = RolloutClient(engine_urls=[url], api_key=KEY) if sender else None
+    syncer = WeightSyncer(client, "tensor", bucket_bytes=64 * 1024, timeout_s=60, is_sender=sender)
+    try:
+        return await syncer.sync(iterate_for_sync(model), version)
+    finally:
+        await syncer.close()
+        if client is not None:
+            await client.close()
+
+
+# --- the EP=2 worker: `torchrun --nproc_per_node=2 test_moe_engine.py --model DIR --url URL --out DIR` ------
+
+def worker(model_dir: str, url: str, out: Path) -> None:
+    """Each of 2 ranks (EP=2: experts 0-1 on rank 0, 2-3 on rank 1) exports; rank 0 syncs."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from hpcrl.config import TrainSection
+    from hpcrl.train import parallel, model as tmodel
+
+    env = parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1, ep=2)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
+    perturb(model, seed=200)  # the same noise on both ranks: the replicated weights stay replicas
+    metrics = asyncio.run(sync(url, model, "ep2", sender=env.rank == 0))
+    mine, routes = trainer_view(model)
+    (out / f"rank{env.rank}.json").write_text(json.dumps(dict(metrics=metrics, trainer=mine, routes=routes)))
+    dist.barrier()
+    parallel.destroy()
+
+
+# --- fixtures -----------------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_moe(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def engine(moe_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-engine")
+    (root / "key").write_text(KEY + "\n")
+    os.chmod(root / "key", 0o600)
+    with EngineProcess(moe_dir, ["--api-key-file", str(root / "key"), "--dist-timeout", "60"],
+                       log_path=root / "engine.log") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def trainer(moe_dir):
+    pytest.importorskip("megatron.core")
+    torch.set_num_threads(1)
+    from hpcrl.config import TrainSection
+    from hpcrl.train import parallel, model as tmodel
+
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    model, _ = tmodel.setup_model_and_optimizer(moe_dir, TrainSection())
+    yield model
+    parallel.destroy()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- tests --------------------------------------------------------------------------------------------------
+
+def test_routed_experts_of_a_sampled_group_equal_hf_routing(engine, moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.engine.routing import decode
+
+    hf = AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
+    prompt = [1, 5, 9, 12, 3]
+    status, body = http_json("POST", engine.url + "/generate", {
+        "input_ids": prompt, "return_routed_experts": True,
+        "sampling_params": {"n": 3, "max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True,
+                            "sampling_seed": 11}}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert status == 200, body
+    assert len(body) == 3
+    for out in body:
+        tokens = prompt + out["output_ids"]
+        assert len(out["output_ids"]) == 6
+        routed = decode(out["meta_info"]["routed_experts"], len(tokens), LAYERS, TOP_K)  # the shape SGLang gives
+        assert ((0 <= routed) & (routed < EXPERTS)).all()
+        ref = hf_routing(hf, tokens[:-1]).numpy()
+        # same expert set per token and layer (the order within top-k is by weight in both)
+        assert (routed == ref).all(), (routed.tolist(), ref.tolist())
+    status, body = http_json("POST", engine.url + "/generate", {
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 2}},
+        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert status == 200 and "routed_experts" not in body["meta_info"]  # only when asked
+
+
+def test_weight_sync_of_experts_gives_the_trainers_log_probs_and_routing(engine, trainer):
+    perturb(trainer, seed=1)
+    before, _, _ = engine_view(engine.url)
+    mine, routes = trainer_view(trainer)
+    assert max_diff(before, mine) > 1e-3  # the engine serves other weights
+    metrics = asyncio.run(sync(engine.url, trainer, "ep1"))
+    assert metrics["tensors"] > 0
+    theirs, engine_routes, version = engine_view(engine.url)
+    assert version == "ep1"
+    assert max_diff(theirs, mine) < TOL
+    assert engine_routes == routes
+
+
+def test_ep2_trainer_syncs_every_expert(engine, moe_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--model", str(moe_dir),
+           "--url", engine.url, "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    log = tmp_path / "torchrun.log"  # a file, not a pipe: torch's shared-memory manager outlives the workers
+    with open(log, "wb") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=env).returncode
+    assert rc == 0, f"torchrun failed:\n{log.read_text(errors='replace')[-6000:]}"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert max_diff(ranks[0]["trainer"], ranks[1]["trainer"]) < 1e-6  # one model across the ranks
+    theirs, engine_routes, version = engine_view(engine.url)
+    assert version == "ep2"
+    assert max_diff(theirs, ranks[0]["trainer"]) < TOL
+    assert engine_routes == ranks[0]["routes"]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    worker(args.model, args.url, args.out)
