@@ -250,6 +250,10 @@ def check_moe(cfg: Config, check_files: bool) -> None:
     require(experts % t.expert_parallel_size == 0, "train.expert_parallel_size", t.expert_parallel_size,
             f"must divide the model's {experts} experts per layer",
             f"use a divisor of {experts}")
+    dispatcher = (cfg.megatron or {}).get("moe_token_dispatcher_type")
+    require(not (dispatcher == "allgather" and t.expert_parallel_size > 1), "megatron.moe_token_dispatcher_type",
+            dispatcher, "needs the same number of tokens on every expert-parallel rank, which data-parallel "
+            "micro-batches of different lengths do not have", "use alltoall (the default with expert parallelism)")
     require(top_k <= experts, "model.path", cfg.model.path,
             f"routes each token to num_experts_per_tok={top_k} of only {experts} experts",
             "fix the model's config.json (num_experts_per_tok <= num_experts)")

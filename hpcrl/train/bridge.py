@@ -190,6 +190,8 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
     )
     if num_experts(hf_config):
         kwargs.update(_moe_kwargs(hf_config), expert_model_parallel_size=ep)
+        if ep > 1:  # allgather needs equal token counts on the EP ranks; data-parallel micro-batches differ
+            kwargs["moe_token_dispatcher_type"] = "alltoall"
     if not torch.cuda.is_available():
         kwargs.update(use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
                       persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
@@ -205,8 +207,10 @@ def _moe_kwargs(hf_config: Any) -> dict[str, Any]:
     the k when ``norm_topk_prob`` (megatron: top-k of the logits, then softmax over the k, which is the same
     thing) or not (``moe_router_pre_softmax``: softmax over all experts, then top-k). The load-balancing loss is
     HF's: megatron's ``aux_loss`` with ``router_aux_loss_coef`` when the config has ``output_router_logits``
-    (HF adds it only then), else none; ``megatron:`` keys of the run config override any of these (e.g.
-    ``moe_token_dispatcher_type: alltoall``, ``moe_z_loss_coeff``).
+    (HF adds it only then), else none; token dispatcher ``allgather`` at EP=1 and ``alltoall`` above (the
+    all-gather one needs the same number of tokens on every expert-parallel rank, which data-parallel
+    micro-batches of different lengths do not have); ``megatron:`` keys of the run config override any of these
+    (e.g. ``moe_token_dispatcher_type``, ``moe_z_loss_coeff``).
     """
     aux = bool(getattr(hf_config, "output_router_logits", False))
     return dict(

@@ -57,6 +57,9 @@ BAD = [
      "train.expert_parallel_size", 4, ["must divide the model's 6 experts", "use a divisor of 6"]),
     ("ep-not-dividing-world", MOE + "train: {expert_parallel_size: 2, nprocs: 3}\n", [],
      "train.expert_parallel_size", 2, ["must divide train.nprocs=3"]),
+    ("moe-allgather-with-ep", MOE + "train: {expert_parallel_size: 2, nprocs: 2}\n"
+     "megatron: {moe_token_dispatcher_type: allgather}\n", [], "megatron.moe_token_dispatcher_type", "allgather",
+     ["same number of tokens on every expert-parallel rank", "use alltoall"]),
     ("moe-top-k-above-experts", MOE + "", ["model.tiny_moe_top_k=8"], "model.tiny_moe_top_k", 8,
      ["is above model.tiny_num_experts=6"]),
     ("cpus-with-colocate", M + "train: {cpus: '0'}\n", [], "train.cpus", "0",
