@@ -43,13 +43,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_engine(model_path: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """Start the engine and wait (at most 180 s) for ``/health``. Returns (process, base URL)."""
+def start_engine(model_path: str, threads: int, log: Path, extra_args: tuple[str, ...] = ()
+                 ) -> tuple[subprocess.Popen, str]:
+    """Start the engine (``extra_args``: more server flags) and wait (at most 180 s) for ``/health``.
+    Returns (process, base URL)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "hpcrl.engine.server", "--model-path", model_path, "--port", str(port),
-           "--log-level", "warning"]
+           "--log-level", "warning", *extra_args]
     with open(log, "ab") as out:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180

@@ -254,6 +254,10 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         tp = parallel_state.get_tensor_model_parallel_world_size()
     config = mcore_config_from_hf(hf_config, tp=tp, dtype=dtype,
                                   ep=parallel_state.get_expert_model_parallel_world_size(), **overrides)
+    if config.moe_enable_routing_replay:
+        from hpcrl.train import routing_replay
+
+        routing_replay.reset()  # megatron keeps one replay instance per router in a class-level list
     scaling = _rope_scaling(hf_config)
     model = GPTModel(
         config=config,

@@ -424,3 +424,22 @@ def test_cpu_compat_apply_is_idempotent_and_leaves_torch_alone(tp1):
     assert torch.zeros(1).type() == "torch.FloatTensor"  # the real torch is untouched
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1, device="cuda")
+
+
+def test_routing_replay_indices_follow_megatrons_token_order():
+    """Padded ``[b, s]`` input reaches the routers sequence-first (row ``s * b + i``); a pack in its own order;
+    the last token of a sample (never fed to the engine), padding and unrouted samples get experts 0..k-1."""
+    from hpcrl.train import routing_replay as rr
+
+    a = torch.tensor([[[5, 6]], [[7, 1]]])  # sample 0: 3 tokens -> routing of tokens 0, 1 (1 layer, top-2)
+    b = torch.tensor([[[2, 3]]])  # sample 1: 2 tokens -> token 0
+    out = rr.padded_indices([a, b], [3, 2], width=3, layers=1, top_k=2)
+    assert out.shape == (6, 1, 2)
+    assert out[:, 0].tolist() == [[5, 6], [2, 3],  # position 0 of samples 0 and 1
+                                  [7, 1], [0, 1],  # position 1: sample 1's last token
+                                  [0, 1], [0, 1]]  # position 2: sample 0's last token, sample 1's padding
+    sources = torch.tensor([[0, 0], [0, 1], [0, 2], [1, 1], [-1, -1]])
+    packed = rr.packed_indices([a, b], sources, layers=1, top_k=2)
+    assert packed[:, 0].tolist() == [[5, 6], [7, 1], [0, 1], [0, 1], [0, 1]]
+    with pytest.raises(ValueError, match="routed experts of shape"):
+        rr.padded_indices([a], [4], width=4, layers=1, top_k=2)

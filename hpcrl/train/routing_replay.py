@@ -1,0 +1,102 @@
+"""Rollout routing replay (R3): the trainer's MoE forward routes each token to the experts the engine chose.
+
+A MoE policy's router is a discontinuous function of the hidden state: a rounding difference between the
+rollout engine (another precision, other kernels) and the trainer flips some tokens' top-k choice, and the
+trainer then computes the log-prob of a different network than the one that sampled. Rollout routing replay
+(slime ``--use-rollout-routing-replay``; "R3" in the papers) takes the experts the engine returned for every
+token (SGLang's ``return_routed_experts``, :mod:`hpcrl.engine.routing`) and makes the trainer's routers use
+them: the routing weights are still the trainer's own softmax, over the replayed experts, so gradients reach the
+router as before.
+
+This module uses megatron-core's own mechanism (``transformer.moe.router_replay.RouterReplay``, built when
+``moe_enable_routing_replay`` is set): one instance per MoE layer in a class-level list (megatron's global
+state), target indices ``[tokens, top_k]`` per layer in the router's token order, which is the decoder's
+sequence-first order: position-major over the batch (``s * b + i``) for padded ``[b, s]`` input, the pack's
+token order for packed (THD) input.
+
+- :func:`padded_indices` / :func:`packed_indices`: the replay tensor ``[tokens, layers, top_k]`` of a micro-batch
+  from its samples' routed experts (each ``[len(tokens) - 1, layers, top_k]``: every token but the last, which
+  the engine never fed; the last token, padding, and tokens without routing get experts ``0..top_k-1``, whose
+  outputs no response log-prob depends on).
+- :func:`replaying`: a context manager that sets the targets and the replay action for one forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+def filler(tokens: int, layers: int, top_k: int) -> Tensor:
+    """int64 ``[tokens, layers, top_k]`` of experts ``0..top_k-1``: the routing of positions nothing reads."""
+    return torch.arange(top_k, dtype=torch.long).expand(tokens, layers, top_k).clone()
+
+
+def _rows(routed: Optional[Tensor], n: int, layers: int, top_k: int) -> Tensor:
+    """``[n, layers, top_k]`` for a sample of ``n`` tokens: its routed experts for tokens ``0..n-2``, filler for
+    the last (and for a sample without routing). Raises ValueError for a routing of another shape."""
+    out = filler(n, layers, top_k)
+    if routed is not None:
+        routed = torch.as_tensor(routed)
+        if tuple(routed.shape) != (n - 1, layers, top_k):
+            raise ValueError(f"routed experts of shape {tuple(routed.shape)} for a sample of {n} tokens; "
+                             f"expected {(n - 1, layers, top_k)}")
+        out[: n - 1] = routed.to(torch.long)
+    return out
+
+
+def padded_indices(routed: Sequence[Optional[Tensor]], lengths: Sequence[int], width: int, layers: int,
+                   top_k: int) -> Tensor:
+    """The replay tensor of a right-padded ``[b, width]`` batch: int64 ``[width * b, layers, top_k]`` in
+    megatron's sequence-first order (position-major). ``routed[i]``: sample i's ``[lengths[i] - 1, layers,
+    top_k]`` (or None). Raises ValueError for a routing whose shape does not fit its sample."""
+    b = len(lengths)
+    out = filler(b * width, layers, top_k).view(width, b, layers, top_k)
+    for i, (r, n) in enumerate(zip(routed, lengths, strict=True)):
+        out[:n, i] = _rows(r, n, layers, top_k)
+    return out.reshape(width * b, layers, top_k)
+
+
+def packed_indices(routed: Sequence[Optional[Tensor]], sources: Tensor, layers: int, top_k: int) -> Tensor:
+    """The replay tensor of a pack: int64 ``[T, layers, top_k]`` where ``sources`` ``[T, 2]`` gives, per pack
+    token, ``(sample, token index)`` in ``routed`` (``(-1, -1)`` for padding). ``routed[i]``: sample i's
+    ``[len(tokens_i) - 1, layers, top_k]`` (or None); a token index past its routing (the last token) gets
+    filler."""
+    out = filler(sources.shape[0], layers, top_k)
+    for i, r in enumerate(routed):
+        if r is None:
+            continue
+        r = torch.as_tensor(r).to(torch.long)
+        rows = ((sources[:, 0] == i) & (sources[:, 1] < r.shape[0])).nonzero().squeeze(1)
+        out[rows] = r[sources[rows, 1]]
+    return out
+
+
+@contextlib.contextmanager
+def replaying(indices: Optional[Tensor]) -> Iterator[None]:
+    """Within the block, every MoE router of the model (built with ``moe_enable_routing_replay``) routes the
+    forward's tokens to ``indices`` int64 ``[tokens, layers, top_k]`` (layer order of the model). None: nothing
+    replayed. Raises ValueError when the model has another number of MoE layers."""
+    if indices is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    RouterReplay.set_replay_data([indices[:, layer].contiguous() for layer in range(indices.shape[1])])
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+
+
+def reset() -> None:
+    """Forget megatron-core's router-replay instances of earlier models in this process (call before building
+    a model with ``moe_enable_routing_replay``: the class-level list must hold exactly its layers)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
