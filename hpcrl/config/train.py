@@ -117,6 +117,10 @@ class AlgorithmSection:
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
     gamma: float = 1.0
+    routing_replay: bool = False
+    """Rollout routing replay for MoE policies (R3, slime ``--use-rollout-routing-replay``): the engines return
+    the experts each token was routed to (``return_routed_experts``) and the trainer's forwards of those
+    samples (old, reference and training log-probs) route the same way (megatron-core's router replay)."""
     opd: OPDSection = field(default_factory=OPDSection)
 
 
@@ -236,9 +240,20 @@ def model_experts(cfg: Config, check_files: bool) -> Optional[tuple[int, int]]:
 
 def check_moe(cfg: Config, check_files: bool) -> None:
     """Expert parallelism fits the model: a MoE model whose expert count ``train.expert_parallel_size``
-    divides and whose top-k is at most that count; a dense model only with EP=1."""
+    divides and whose top-k is at most that count; a dense model only with EP=1 and without routing replay."""
     t = cfg.train
     known = model_experts(cfg, check_files)
+    if cfg.algorithm.routing_replay:
+        require(known is None or known[0] > 0, "algorithm.routing_replay", True,
+                f"the model at model.path={cfg.model.path!r} is dense: it has no routing to replay",
+                "set algorithm.routing_replay=false, or train a mixture-of-experts model")
+        require(not cfg.rollout.router, "rollout.router", cfg.rollout.router,
+                "sglang-router drops the return_routed_experts field that routing replay needs (its request type "
+                "has no such field: measured with sglang-router 0.3)", "set rollout.router=false")
+        recompute = (cfg.megatron or {}).get("recompute_granularity")
+        require(recompute is None, "megatron.recompute_granularity", recompute,
+                "activation recompute re-runs the routers in backward, which routing replay does not cover yet",
+                "leave megatron.recompute_granularity unset with algorithm.routing_replay")
     if known is None:
         return  # checked when the model is built (hpcrl.train.bridge)
     experts, top_k = known

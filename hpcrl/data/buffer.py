@@ -54,7 +54,7 @@ READABLE_VERSIONS = (1, 2)
 _INT_COLUMNS = ("group_index", "index", "rollout_id", "response_length")
 _RAGGED = {"tokens": np.int64, "loss_mask": np.int8, "rollout_log_probs": np.float64,
            "teacher_log_probs": np.float64}
-_FREE_FIELDS = ("prompt", "label", "response", "weight_versions", "metadata")
+_FREE_FIELDS = ("prompt", "label", "response", "weight_versions", "metadata", "rollout_routed_experts")
 
 
 def trained_rows(rollout_id: int, samples: Sequence[Sample]) -> list[tuple[int, int, int]]:

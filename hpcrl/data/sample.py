@@ -43,6 +43,10 @@ class Sample:
     teacher_log_probs: list[float] = field(default_factory=list)
     """On-policy distillation (``algorithm.opd``): the teachers' log-probs of the response tokens,
     ``[response_length]`` (mean over the teachers that scored it); empty without OPD."""
+    rollout_routed_experts: str = ""
+    """Rollout routing replay (``algorithm.routing_replay``): the engine's ``meta_info.routed_experts`` of the
+    last generate call, base64 of int32 ``[len(tokens) - 1, moe_layers, top_k]`` (SGLang's shape; every token
+    the engine was fed); empty otherwise."""
     reward: Optional[Union[float, dict[str, float]]] = None
     status: Status = Status.PENDING
     weight_versions: list[str] = field(default_factory=list)

@@ -127,6 +127,8 @@ class RolloutClient:
             the router (connection error, timeout, 5xx), before the retry; the health monitor's hook.
         keep_partial: stream single-sequence :meth:`generate` calls and, when the engine dies mid-generation,
             keep the tokens it sent and continue from them elsewhere (``rollout.partial_rollout``).
+        generate_fields: fields added to every ``/generate`` payload of :meth:`generate` and
+            :meth:`generate_batch` (``{"return_routed_experts": True}`` for routing replay).
 
     Use as ``async with RolloutClient(...) as client`` (or call :meth:`open` / :meth:`close`).
     Raises ValueError if neither a router nor any engine is given.
@@ -135,7 +137,8 @@ class RolloutClient:
     def __init__(self, router_url: Optional[str] = None, engine_urls: Sequence[str] = (),
                  api_key: Optional[str] = None, timeout_s: float = 600.0, max_retries: int = 3,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0, max_connections: int = 0,
-                 connect_timeout_s: float = 10.0, on_failure=None, keep_partial: bool = False):
+                 connect_timeout_s: float = 10.0, on_failure=None, keep_partial: bool = False,
+                 generate_fields: Optional[dict[str, Any]] = None):
         if not router_url and not engine_urls:
             raise ValueError("RolloutClient needs a router_url or at least one engine URL")
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
@@ -160,6 +163,7 @@ class RolloutClient:
         self.retried_requests = 0
         """Requests that needed more than one attempt (a metric of engine failures)."""
         self.keep_partial = bool(keep_partial)
+        self.generate_fields: dict[str, Any] = dict(generate_fields or {})
         self.kept_partial_tokens = 0
         """Tokens received from an engine that then died, kept and continued from on another one."""
 
@@ -410,7 +414,7 @@ class RolloutClient:
         Raises RolloutError (see :meth:`request`).
         """
         payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
-                                   "return_logprob": bool(return_logprob)}
+                                   "return_logprob": bool(return_logprob), **self.generate_fields}
         if rid is not None:
             payload["rid"] = rid
         payload.update(extra)
@@ -493,7 +497,8 @@ class RolloutClient:
             raise ValueError(f"generate_batch needs as many sampling_params ({len(sampling_params)}) as "
                              f"inputs ({len(input_ids)}), and at least one")
         payload = {"input_ids": [list(ids) for ids in input_ids],
-                   "sampling_params": [dict(p) for p in sampling_params], "return_logprob": bool(return_logprob)}
+                   "sampling_params": [dict(p) for p in sampling_params], "return_logprob": bool(return_logprob),
+                   **self.generate_fields}
         out = await self.request("POST", "/generate", payload)
         if not isinstance(out, list) or len(out) != len(input_ids) or not all(isinstance(o, dict) for o in out):
             raise RolloutError(f"batch /generate of {len(input_ids)} inputs returned "

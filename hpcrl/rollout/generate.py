@@ -41,7 +41,8 @@ async def generate(client: RolloutClient, sample: Sample, sampling_params: dict)
     output tokens and their log-probs (from ``meta_info.output_token_logprobs``, as slime does) are appended
     as trainable tokens, the text to ``response``; ``status`` follows ``finish_reason``
     (:func:`finish_status`); the engine's ``meta_info.weight_version`` is appended to ``weight_versions``; an
-    abort/failure message goes to ``metadata["finish_message"]``.
+    abort/failure message goes to ``metadata["finish_message"]``; ``meta_info.routed_experts`` (when the client
+    asks for it, :attr:`RolloutClient.generate_fields`) replaces ``rollout_routed_experts``.
 
     Raises RolloutError if the request fails for good or the response lacks the log-probs of its tokens.
     """
@@ -77,6 +78,13 @@ async def generate(client: RolloutClient, sample: Sample, sampling_params: dict)
     version = meta.get("weight_version")
     if version is not None:
         sample.weight_versions.append(str(version))
+    routed = meta.get("routed_experts")
+    if routed is not None:  # asked for by the client (routing replay): covers the whole sample so far
+        sample.rollout_routed_experts = str(routed)
+    elif getattr(client, "generate_fields", {}).get("return_routed_experts") and tokens:
+        raise RolloutError("/generate answered without meta_info.routed_experts although the request asked for "
+                           "them (a router that drops the field, or SGLang started without "
+                           "--enable-return-routed-experts)", client.router_url or "engines")
     return sample
 
 

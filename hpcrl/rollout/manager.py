@@ -140,7 +140,9 @@ class RolloutManager:
             self.router = start_router(urls, api_key=key, log_path=self.attempt_dir / "router.log", cpus=cpus)
         self.client = RolloutClient(self.router.url if self.router else None, urls, api_key=key,
                                     timeout_s=rc.request_timeout_s, max_retries=rc.max_retries,
-                                    keep_partial=rc.partial_rollout)
+                                    keep_partial=rc.partial_rollout,
+                                    generate_fields={"return_routed_experts": True}
+                                    if cfg.algorithm.routing_replay else None)
         self.call(self.client.open())
         self.call(self.client.wait_healthy(timeout_s=600))
         self.call(self._start_monitor(pending, key))

@@ -103,6 +103,7 @@ def reset_sample(sample: Sample) -> None:
     sample.loss_mask.clear()
     sample.rollout_log_probs.clear()
     sample.teacher_log_probs.clear()
+    sample.rollout_routed_experts = ""
     sample.weight_versions.clear()
     sample.reward, sample.status = None, Status.PENDING
 
@@ -126,6 +127,11 @@ class _GroupBatcher:
     @property
     def router_url(self):
         return self._client.router_url
+
+    @property
+    def generate_fields(self) -> dict:
+        """The wrapped client's extra ``/generate`` fields (sent with the batch too)."""
+        return self._client.generate_fields
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None, **extra) -> dict:
         if rid is not None or extra or not return_logprob:

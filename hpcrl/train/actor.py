@@ -180,6 +180,9 @@ class MicroBatch:
     pack: Optional["Pack"] = None
     """The packed (THD) layout of the same samples (:mod:`hpcrl.train.packing`); None: the forward runs on
     the padded ``tokens``."""
+    routed_experts: Optional[Tensor] = None
+    """Routing replay: int64 ``[forward tokens, moe_layers, top_k]``, the engine's experts in the routers'
+    token order (:mod:`hpcrl.train.routing_replay`); None: the routers choose."""
 
     @property
     def forward_tokens(self) -> int:
@@ -195,7 +198,8 @@ class MicroBatch:
 def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], advantages: Sequence[Tensor],
                       device: Union[str, torch.device] = "cpu",
                       with_rollout_log_probs: bool = True, packed: bool = False, share_prompt: bool = True,
-                      pad_to_multiple: int = 1, with_teacher_log_probs: bool = False) -> MicroBatch:
+                      pad_to_multiple: int = 1, with_teacher_log_probs: bool = False,
+                      routing: Optional[tuple[int, int]] = None) -> MicroBatch:
     """Pad ``samples[p] for p in positions`` into a :class:`MicroBatch` on ``device``.
 
     ``advantages``: per sample of the full list, ``[response_length]``. An empty response is allowed (it
@@ -203,7 +207,9 @@ def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], adv
     forward then runs on it; ``share_prompt`` and ``pad_to_multiple`` as in
     :func:`~hpcrl.train.packing.build_pack`). Raises ValueError for a sample without prompt or whose
     ``loss_mask`` / ``rollout_log_probs`` lengths differ from ``response_length`` (``teacher_log_probs`` too,
-    with ``with_teacher_log_probs``).
+    with ``with_teacher_log_probs``). ``routing``: ``(moe_layers, top_k)`` for routing replay: the samples'
+    ``rollout_routed_experts`` become :attr:`MicroBatch.routed_experts` (ValueError for a sample without them
+    or with another shape).
     """
     rows = [samples[p] for p in positions]
     for p, s in zip(positions, rows, strict=True):
@@ -236,10 +242,31 @@ def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], adv
         from hpcrl.train.packing import build_pack
 
         pack = build_pack(rows, share_prompt=share_prompt, pad_to_multiple=pad_to_multiple, device=device)
+    routed = None
+    if routing is not None:
+        from hpcrl.engine.routing import decode
+        from hpcrl.train import routing_replay
+
+        layers, top_k = routing
+        per_sample = []
+        for p, s in zip(positions, rows, strict=True):
+            if not s.rollout_routed_experts:
+                raise ValueError(f"sample {p} (index {s.index}) has no rollout_routed_experts for routing replay "
+                                 "(the generate call must ask for return_routed_experts)")
+            try:
+                per_sample.append(torch.from_numpy(decode(s.rollout_routed_experts, len(s.tokens), layers,
+                                                          top_k).copy()))
+            except ValueError as e:
+                raise ValueError(f"sample {p} (index {s.index}): routed experts do not fit {len(s.tokens)} tokens "
+                                 f"x {layers} layers x top-{top_k}: {e}") from e
+        routed = (routing_replay.packed_indices(per_sample, pack.sources, layers, top_k) if pack is not None
+                  else routing_replay.padded_indices(per_sample, [len(s.tokens) for s in rows], width, layers,
+                                                     top_k)).to(device)
     return MicroBatch(positions=list(positions), tokens=tokens.to(**to), total_lengths=total.to(**to),
                       response_lengths=resp.to(**to), mask=mask.to(**to), advantages=adv.to(**to),
                       rollout_log_probs=rollout_lp.to(**to) if rollout_lp is not None else None, pack=pack,
-                      teacher_log_probs=teacher_lp.to(**to) if teacher_lp is not None else None)
+                      teacher_log_probs=teacher_lp.to(**to) if teacher_lp is not None else None,
+                      routed_experts=routed)
 
 
 def split_steps(num_samples: int, dp_rank: int, dp_size: int, num_steps: int,
@@ -332,7 +359,10 @@ class Actor:
             raise ValueError(f"megatron's tensor-parallel size is {tp} but train.tensor_parallel_size is "
                              f"{cfg.train.tensor_parallel_size}; call initialize_model_parallel with the "
                              f"config's size")
-        self.ddp_model, self.optimizer = tmodel.setup_model_and_optimizer(hf_path, cfg.train, cfg.megatron)
+        megatron = dict(cfg.megatron or {})
+        if cfg.algorithm.routing_replay:
+            megatron["moe_enable_routing_replay"] = True
+        self.ddp_model, self.optimizer = tmodel.setup_model_and_optimizer(hf_path, cfg.train, megatron)
         self.lr_scheduler = tmodel.lr_scheduler(self.optimizer, cfg.train, cfg.run.num_rollout)
         self.model = bridge.unwrap_model(self.ddp_model)
         self.vocab_size: int = self.model.hf_config.vocab_size
@@ -341,6 +371,13 @@ class Actor:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self._dp_group = parallel_state.get_data_parallel_group()
         self.weights = WeightBackup(self.model)
+        self.routing: Optional[tuple[int, int]] = None
+        if cfg.algorithm.routing_replay:
+            mc = self.model.config
+            if not mc.num_moe_experts:
+                raise ValueError("algorithm.routing_replay: the model is dense (no experts to route); set it to "
+                                 "false or train a mixture-of-experts model")
+            self.routing = (mc.num_layers, mc.moe_router_topk)
         self.step_metrics: list[dict[str, Optional[float]]] = []
         if cfg.algorithm.use_kl_loss:
             self.weights.backup("ref")
@@ -349,6 +386,13 @@ class Actor:
 
     def _forward(self, mb: MicroBatch, with_entropy: bool = False):
         """Response log-probs (and entropy) of a micro-batch at the rollout temperature, ``[b, R]`` each."""
+        from hpcrl.train import routing_replay
+
+        with routing_replay.replaying(mb.routed_experts):  # the engine's routing, when replayed
+            return self._forward_routed(mb, with_entropy)
+
+    def _forward_routed(self, mb: MicroBatch, with_entropy: bool):
+        """:meth:`_forward` under whatever routing is in force."""
         from hpcrl.train.logprobs import response_log_probs
 
         if mb.pack is not None:
@@ -432,7 +476,7 @@ class Actor:
         opd = bool(alg.opd.teachers)
         steps = [[build_micro_batch(samples, mb, advantages, self.device, with_rollout_lp, packed=packed,
                                     share_prompt=cfg.train.share_group_prompt, pad_to_multiple=pad,
-                                    with_teacher_log_probs=opd)
+                                    with_teacher_log_probs=opd, routing=self.routing)
                   for mb in step] for step in local]
         step_sums = [algorithms.compute_rollout_mask_sums([masks[p] for p in g], g) for g in global_]
         flat = [mb for step in steps for mb in step]

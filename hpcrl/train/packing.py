@@ -54,6 +54,9 @@ class Pack:
     """Real tokens ``T`` (without padding)."""
     padded_tokens: int
     """Tokens of the padded layout of the same samples (``b x`` longest sample), for comparison."""
+    sources: Optional[Tensor] = None
+    """``[T, 2]`` int64: the ``(row, token index)`` each pack token comes from (a shared prompt's from the
+    group's first row), ``(-1, -1)`` for padding; used by routing replay."""
 
     @property
     def max_seqlen(self) -> int:
@@ -83,6 +86,7 @@ def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multi
                              f"{len(s.tokens)} tokens")
         by_prompt.setdefault(prompt_of(s) if share_prompt else (i,), []).append(i)
     tokens: list[int] = []
+    sources: list[tuple[int, int]] = []
     positions: list[int] = []
     bounds = [0]
     prefix_of: list[int] = []
@@ -97,6 +101,7 @@ def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multi
         if len(members) == 1:
             s = rows[i]
             start, p = len(tokens), len(s.tokens) - s.response_length
+            sources.extend((i, j) for j in range(len(s.tokens)))
             tokens.extend(s.tokens)
             positions.extend(range(len(s.tokens)))
             bounds.append(len(tokens))
@@ -105,6 +110,7 @@ def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multi
             continue
         prompt = prompt_of(rows[i])
         p = len(prompt)
+        sources.extend((i, j) for j in range(p))
         tokens.extend(prompt)
         positions.extend(range(p))
         bounds.append(len(tokens))
@@ -115,6 +121,7 @@ def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multi
             first_row[m], resp_start[m] = last_prompt_row, len(tokens)
             if s.response_length == 0:
                 continue
+            sources.extend((m, j) for j in range(p, len(s.tokens)))
             tokens.extend(s.tokens[p:])
             positions.extend(range(p, p + s.response_length))
             bounds.append(len(tokens))
@@ -122,6 +129,7 @@ def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multi
     num_tokens = len(tokens)
     pad = (-num_tokens) % pad_to_multiple
     if pad:
+        sources.extend([(-1, -1)] * pad)
         tokens.extend([0] * pad)
         positions.extend(range(pad))
         bounds.append(len(tokens))
@@ -138,7 +146,8 @@ def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multi
                 cu_seqlens=torch.tensor(bounds, dtype=torch.int32, **t), prefix_of=tuple(prefix_of),
                 logit_rows=torch.tensor(logit_rows, dtype=torch.long, **t),
                 labels=torch.tensor(labels, dtype=torch.long, **t),
-                num_tokens=num_tokens, padded_tokens=width * len(rows))
+                num_tokens=num_tokens, padded_tokens=width * len(rows),
+                sources=torch.tensor(sources, dtype=torch.long, **t).reshape(-1, 2))
 
 
 def unit_tokens(rows: Sequence["Sample"], share_prompt: bool) -> int:

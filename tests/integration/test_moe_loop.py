@@ -84,3 +84,45 @@ def test_ep2_run_matches_the_engine_and_resumes_bitwise(tmp_path):
     start = read_hf_state_dict(tmp_path / "moe")
     changed = [k for k in a if not a[k].equal(start[k])]
     assert any(".mlp.experts." in k for k in changed) and any(".mlp.gate." in k for k in changed)
+
+
+def replay_run(tmp_path: Path, name: str, *overrides: str) -> dict:
+    """Step 0 of a deterministic 1-step run of a tiny 8-expert MoE whose engine samples in bf16 while the
+    trainer computes in fp32 (``sglang.dtype``): its metrics row."""
+    (tmp_path / "moe_rewards.py").write_text(REWARD_MODULE)
+    cfg = tmp_path / "replay.yaml"
+    cfg.write_text(textwrap.dedent(f"""
+        run: {{name: {name}, output_dir: {tmp_path / 'runs'}, num_rollout: 1, seed: 3, deterministic: true}}
+        model: {{path: {tmp_path / 'moe8'}, create: tiny-qwen3-moe, tiny_hidden_size: 64, tiny_num_layers: 4,
+                tiny_num_experts: 8, tiny_moe_intermediate_size: 64}}
+        data: {{source: addition, num_train: 200, num_eval: 16}}
+        rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 12,
+                  reward_function: moe_rewards.digit_fraction, eval_interval: 0, router: false}}
+        sglang: {{dtype: bfloat16}}
+        train: {{lr: 1.0e-3, micro_batch_size: 8}}
+        checkpoint: {{save_interval: 0}}
+    """))
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    log = tmp_path / f"{name}.log"
+    with open(log, "ab") as f:
+        rc = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path, stdout=f,
+                            stderr=subprocess.STDOUT, timeout=600, env=env).returncode
+    assert rc == 0, log.read_text(errors="replace")[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in rows if r["step"] == 0)
+
+
+@pytest.mark.timeout(600)
+def test_routing_replay_brings_the_trainer_to_the_bf16_engines_log_probs(tmp_path):
+    """The same deterministic rollout scored three ways: the trainer routing by itself, replaying the engine's
+    routing on padded micro-batches, and on packed ones (a shared prompt per group). Replay must bring the
+    train/rollout log-prob difference down (bf16 flips some top-k choices that fp32 does not)."""
+    free = replay_run(tmp_path, "free")
+    padded = replay_run(tmp_path, "padded", "algorithm.routing_replay=true")
+    packed = replay_run(tmp_path, "packed", "algorithm.routing_replay=true", "train.max_tokens_per_microbatch=64")
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in (free, padded, packed)]
+    print("train/rollout |logprob diff| free, replay padded, replay packed:", diffs)
+    assert free["rollout/reward_mean"] == padded["rollout/reward_mean"] == packed["rollout/reward_mean"]
+    assert diffs[1] < diffs[0] and diffs[2] < diffs[0], diffs
+    assert diffs[2] == pytest.approx(diffs[1], rel=0.2, abs=1e-4)  # the same routing in either layout

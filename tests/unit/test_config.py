@@ -60,6 +60,13 @@ BAD = [
     ("moe-allgather-with-ep", MOE + "train: {expert_parallel_size: 2, nprocs: 2}\n"
      "megatron: {moe_token_dispatcher_type: allgather}\n", [], "megatron.moe_token_dispatcher_type", "allgather",
      ["same number of tokens on every expert-parallel rank", "use alltoall"]),
+    ("routing-replay-on-a-dense-model", M + "algorithm: {routing_replay: true}\n", [], "algorithm.routing_replay",
+     True, ["is dense: it has no routing to replay"]),
+    ("routing-replay-through-the-router", MOE + "algorithm: {routing_replay: true}\n", [], "rollout.router", True,
+     ["drops the return_routed_experts field", "set rollout.router=false"]),
+    ("routing-replay-with-recompute", MOE + "rollout: {router: false}\nalgorithm: {routing_replay: true}\n"
+     "megatron: {recompute_granularity: full}\n", [], "megatron.recompute_granularity", "full",
+     ["re-runs the routers in backward"]),
     ("moe-top-k-above-experts", MOE + "", ["model.tiny_moe_top_k=8"], "model.tiny_moe_top_k", 8,
      ["is above model.tiny_num_experts=6"]),
     ("cpus-with-colocate", M + "train: {cpus: '0'}\n", [], "train.cpus", "0",
