@@ -56,7 +56,6 @@ def create_tiny_qwen2(path: str | os.PathLike, hidden_size: int = 128, num_layer
     has), RMSNorm, SwiGLU, RoPE, GQA. With the defaults: 987,904 parameters (990,592 untied). The write is
     atomic (temp folder + rename). Returns ``path``; raises FileExistsError if it already exists.
     """
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
@@ -71,15 +70,7 @@ def create_tiny_qwen2(path: str | os.PathLike, hidden_size: int = 128, num_layer
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, path)
-    return path
+    return _save_random(path, Qwen2ForCausalLM, config, tokenizer, seed)
 
 
 def create_tiny_qwen3_moe(path: str | os.PathLike, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
@@ -95,7 +86,6 @@ def create_tiny_qwen3_moe(path: str | os.PathLike, hidden_size: int = 128, num_l
     released Qwen3-MoE checkpoints and SGLang do. The write is atomic. Returns ``path``; raises FileExistsError
     if it already exists.
     """
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     path = Path(path)
@@ -111,9 +101,17 @@ def create_tiny_qwen3_moe(path: str | os.PathLike, hidden_size: int = 128, num_l
         rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )
+    return _save_random(path, Qwen3MoeForCausalLM, config, tokenizer, seed)
+
+
+def _save_random(path: Path, model_cls, config, tokenizer, seed: int) -> Path:
+    """Initialise ``model_cls(config)`` from ``seed`` (without touching the global RNG) and save it with
+    ``tokenizer`` to ``path`` atomically (a temp folder, then a rename). Returns ``path``."""
+    import torch
+
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config)
+        model = model_cls(config)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

@@ -18,7 +18,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,8 @@ import pytest
 import torch
 
 _UNIT = Path(__file__).resolve().parents[1] / "unit" / "test_megatron_bridge.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
+from engine_utils import free_port  # noqa: E402
 LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
 DISPATCHERS = ("allgather", "alltoall")
 
@@ -87,12 +88,6 @@ def worker(path: str, out: Path) -> None:
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def h():
     pytest.importorskip("megatron.core")
@@ -109,7 +104,7 @@ def ranks(moe_dir, tmp_path_factory):
     """Run the torchrun job once; the per-rank results, rank 0 first."""
     out = tmp_path_factory.mktemp("moe-out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--path", str(moe_dir),
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--path", str(moe_dir),
            "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +27,10 @@ import pytest
 import torch
 
 try:
-    from tests.integration.engine_utils import EngineProcess, http_json
+    from tests.integration.engine_utils import EngineProcess, free_port, http_json
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_utils import EngineProcess, http_json
+    from engine_utils import EngineProcess, free_port, http_json
 
 KEY = "moe-engine-test-key"
 TOL = 1e-5
@@ -181,12 +180,6 @@ def trainer(moe_dir):
     parallel.destroy()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- tests --------------------------------------------------------------------------------------------------
 
 def test_routed_experts_of_a_sampled_group_equal_hf_routing(engine, moe_dir):
@@ -233,7 +226,7 @@ def test_ep2_trainer_syncs_every_expert(engine, moe_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--model", str(moe_dir),
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--model", str(moe_dir),
            "--url", engine.url, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     log = tmp_path / "torchrun.log"  # a file, not a pipe: torch's shared-memory manager outlives the workers
