@@ -293,7 +293,7 @@ def test_problem_text_with_newlines_stays_one_line():
 # Valid configs, overrides, YAML details
 # ------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["quickstart.yaml", "smollm2-arith.yaml"])
+@pytest.mark.parametrize("name", ["quickstart.yaml", "smollm2-arith.yaml", "moe-quickstart.yaml"])
 def test_shipped_configs_load(name):
     cfg = load_config(REPO / "configs" / name)
     assert cfg.model.create is not None and cfg.model.path.startswith(".cache/models/")
@@ -540,3 +540,12 @@ def test_expert_parallel_size_is_checked_against_an_existing_model_folder(tmp_pa
     assert "must divide the model's 4 experts" in assert_one_line(e.value, "train.expert_parallel_size")
     cfg = load_config(None, [f"model.path={folder}", "train.expert_parallel_size=2", "train.nprocs=2"])
     assert cfg.train.expert_parallel_size == 2
+
+
+def test_moe_quickstart_values():
+    """The MoE quickstart: the tiny MoE, GSPO, experts over 2 trainer processes (issue #15 point 4)."""
+    cfg = load_config(REPO / "configs" / "moe-quickstart.yaml")
+    assert (cfg.model.create, cfg.train.expert_parallel_size, cfg.train.nprocs) == ("tiny-qwen3-moe", 2, 2)
+    assert (cfg.algorithm.advantage_estimator, cfg.rollout.router) == ("gspo", False)
+    replayed = load_config(REPO / "configs" / "moe-quickstart.yaml", ["algorithm.routing_replay=true"])
+    assert replayed.algorithm.routing_replay
