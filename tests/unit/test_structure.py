@@ -168,3 +168,10 @@ def test_built_in_names_come_from_the_implementing_modules():
     assert get_args(hints["kl_loss_type"]) == algorithms.KL_KINDS
     assert get_args(hints["policy_loss"]) == algorithms.POLICY_LOSSES
     assert set(GROUP_ESTIMATORS) <= set(algorithms.ESTIMATORS)
+
+
+def test_test_files_have_unique_basenames():
+    """pytest imports test files by basename (no packages under tests/): two files of one name in different
+    tiers stop the whole collection ("import file mismatch"), as tests/unit and tests/integration test_opd.py did."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
