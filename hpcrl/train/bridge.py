@@ -42,15 +42,15 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
 import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from hpcrl.models.moe import fuse_experts, unfuse_experts  # noqa: F401 - HF expert layouts, used here and by tests
+from hpcrl.models.moe import unfuse_experts
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
@@ -69,13 +69,13 @@ _LAYER_RULES = {
     "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "replicated"),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
+    "mlp.router.weight": (("mlp.gate.weight",), "replicated"),
 }
 _EXPERT_RULES = {
     # megatron suffix of ``mlp.experts.local_experts.{j}.`` -> (HF suffixes of ``mlp.experts.{J}.``, layout)
     "linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), "fc1"),
     "linear_fc2.weight": (("down_proj.weight",), "row"),
 }
-_LAYER_RULES["mlp.router.weight"] = (("mlp.gate.weight",), "replicated")
 _TOP_RULES = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab"),
     "output_layer.weight": (("lm_head.weight",), "vocab"),
@@ -338,11 +338,12 @@ def _geometry(model: torch.nn.Module) -> _Geometry:
     )
 
 
-def _hf_names(mcore_name: str, expert: Optional[int] = None) -> tuple[tuple[str, ...], str]:
+def _hf_names(mcore_name: str, first_expert: int = 0) -> tuple[tuple[str, ...], str]:
     """HF names and layout for one megatron-core parameter name; KeyError if it has no HF counterpart.
 
-    A routed expert's parameter (``mlp.experts.local_experts.{j}.``) maps to the HF expert ``expert`` (the
-    global index: this EP rank's first expert + j); its layout is ``expert_fc1`` / ``expert_row``."""
+    A routed expert's parameter (``mlp.experts.local_experts.{j}.``) maps to HF expert ``first_expert + j``
+    (``first_expert``: the first expert of the EP rank that holds it); its layout is ``expert_fc1`` /
+    ``expert_row``."""
     if mcore_name in _TOP_RULES:
         return _TOP_RULES[mcore_name]
     m = _LAYER_RE.match(mcore_name)
@@ -352,22 +353,9 @@ def _hf_names(mcore_name: str, expert: Optional[int] = None) -> tuple[tuple[str,
     e = _EXPERT_RE.match(m.group(2)) if m else None
     if e and e.group(2) in _EXPERT_RULES:
         hf, layout = _EXPERT_RULES[e.group(2)]
-        index = int(e.group(1)) if expert is None else expert
+        index = first_expert + int(e.group(1))
         return tuple(f"model.layers.{m.group(1)}.mlp.experts.{index}.{name}" for name in hf), f"expert_{layout}"
     raise KeyError(f"no HF name for megatron-core parameter {mcore_name!r}")
-
-
-def _local_expert(mcore_name: str) -> Optional[int]:
-    """``j`` of a ``mlp.experts.local_experts.{j}.`` parameter name, else None."""
-    m = _LAYER_RE.match(mcore_name)
-    e = _EXPERT_RE.match(m.group(2)) if m else None
-    return int(e.group(1)) if e else None
-
-
-def _names_on_rank(mcore_name: str, g: "_Geometry") -> tuple[tuple[str, ...], str]:
-    """:func:`_hf_names` for this rank's parameter ``mcore_name`` (experts at their global index)."""
-    j = _local_expert(mcore_name)
-    return _hf_names(mcore_name, None if j is None else g.ep_rank * g.local_experts + j)
 
 
 def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
@@ -375,7 +363,7 @@ def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     rank's: a routed expert's names carry its global expert index)."""
     module = unwrap_model(model)
     g = _geometry(module)
-    return {name: _names_on_rank(name, g)[0] for name, _ in module.named_parameters()}
+    return {name: _hf_names(name, g.ep_rank * g.local_experts)[0] for name, _ in module.named_parameters()}
 
 
 def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor:
@@ -490,7 +478,7 @@ def load_hf_weights(model: torch.nn.Module,
     g = _geometry(module)
     used = set()
     for name, param in module.named_parameters():
-        hf_names, layout = _names_on_rank(name, g)
+        hf_names, layout = _hf_names(name, g.ep_rank * g.local_experts)
         missing = [n for n in hf_names if n not in state]
         if missing:
             raise KeyError(f"HF weights lack {missing} (for megatron-core {name})")
@@ -527,21 +515,18 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     g = _geometry(module)
     group = parallel_state.get_tensor_model_parallel_group() if g.tp > 1 else None
     for name, param in module.named_parameters():
-        j = _local_expert(name)
+        hf_names, layout = _hf_names(name)
         local = param.detach()
-        if j is None:
-            hf_names, layout = _hf_names(name)
+        if not layout.startswith("expert_"):
             yield from _gathered(hf_names, layout, local, g.tp, group, g, dtype)
             continue
-        _, layout = _hf_names(name, 0)
         etp_group = parallel_state.get_expert_tensor_parallel_group() if g.etp > 1 else None
         copies = [local]
         if g.ep > 1:
             copies = [torch.empty_like(local) for _ in range(g.ep)]
             dist.all_gather(copies, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
         for r, tensor in enumerate(copies):
-            hf_names, _ = _hf_names(name, r * g.local_experts + j)
-            yield from _gathered(hf_names, layout, tensor, g.etp, etp_group, g, dtype)
+            yield from _gathered(_hf_names(name, r * g.local_experts)[0], layout, tensor, g.etp, etp_group, g, dtype)
 
 
 def _gathered(hf_names: tuple[str, ...], layout: str, local: torch.Tensor, size: int, group: Any, g: _Geometry,
@@ -550,7 +535,7 @@ def _gathered(hf_names: tuple[str, ...], layout: str, local: torch.Tensor, size:
     none gathered for a replicated layout or size 1)."""
     import torch.distributed as dist
 
-    if size > 1 and layout not in ("replicated", "expert_replicated"):
+    if size > 1 and layout != "replicated":
         shards = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(shards, local.contiguous(), group=group)
     else:

@@ -16,8 +16,8 @@ token order for packed (THD) input.
 
 - :func:`padded_indices` / :func:`packed_indices`: the replay tensor ``[tokens, layers, top_k]`` of a micro-batch
   from its samples' routed experts (each ``[len(tokens) - 1, layers, top_k]``: every token but the last, which
-  the engine never fed; the last token, padding, and tokens without routing get experts ``0..top_k-1``, whose
-  outputs no response log-prob depends on).
+  the engine never fed; the last token and padding get experts ``0..top_k-1``, whose outputs no response
+  log-prob depends on).
 - :func:`replaying`: a context manager that sets the targets and the replay action for one forward.
 """
 
@@ -35,24 +35,22 @@ def filler(tokens: int, layers: int, top_k: int) -> Tensor:
     return torch.arange(top_k, dtype=torch.long).expand(tokens, layers, top_k).clone()
 
 
-def _rows(routed: Optional[Tensor], n: int, layers: int, top_k: int) -> Tensor:
+def _rows(routed: Tensor, n: int, layers: int, top_k: int) -> Tensor:
     """``[n, layers, top_k]`` for a sample of ``n`` tokens: its routed experts for tokens ``0..n-2``, filler for
-    the last (and for a sample without routing). Raises ValueError for a routing of another shape."""
+    the last. Raises ValueError for a routing of another shape."""
+    if tuple(routed.shape) != (n - 1, layers, top_k):
+        raise ValueError(f"routed experts of shape {tuple(routed.shape)} for a sample of {n} tokens; "
+                         f"expected {(n - 1, layers, top_k)}")
     out = filler(n, layers, top_k)
-    if routed is not None:
-        routed = torch.as_tensor(routed)
-        if tuple(routed.shape) != (n - 1, layers, top_k):
-            raise ValueError(f"routed experts of shape {tuple(routed.shape)} for a sample of {n} tokens; "
-                             f"expected {(n - 1, layers, top_k)}")
-        out[: n - 1] = routed.to(torch.long)
+    out[: n - 1] = routed.to(torch.long)
     return out
 
 
-def padded_indices(routed: Sequence[Optional[Tensor]], lengths: Sequence[int], width: int, layers: int,
+def padded_indices(routed: Sequence[Tensor], lengths: Sequence[int], width: int, layers: int,
                    top_k: int) -> Tensor:
     """The replay tensor of a right-padded ``[b, width]`` batch: int64 ``[width * b, layers, top_k]`` in
     megatron's sequence-first order (position-major). ``routed[i]``: sample i's ``[lengths[i] - 1, layers,
-    top_k]`` (or None). Raises ValueError for a routing whose shape does not fit its sample."""
+    top_k]``. Raises ValueError for a routing whose shape does not fit its sample."""
     b = len(lengths)
     out = filler(b * width, layers, top_k).view(width, b, layers, top_k)
     for i, (r, n) in enumerate(zip(routed, lengths, strict=True)):
@@ -60,16 +58,13 @@ def padded_indices(routed: Sequence[Optional[Tensor]], lengths: Sequence[int], w
     return out.reshape(width * b, layers, top_k)
 
 
-def packed_indices(routed: Sequence[Optional[Tensor]], sources: Tensor, layers: int, top_k: int) -> Tensor:
+def packed_indices(routed: Sequence[Tensor], sources: Tensor, layers: int, top_k: int) -> Tensor:
     """The replay tensor of a pack: int64 ``[T, layers, top_k]`` where ``sources`` ``[T, 2]`` gives, per pack
     token, ``(sample, token index)`` in ``routed`` (``(-1, -1)`` for padding). ``routed[i]``: sample i's
-    ``[len(tokens_i) - 1, layers, top_k]`` (or None); a token index past its routing (the last token) gets
-    filler."""
+    ``[len(tokens_i) - 1, layers, top_k]``; a token index past its routing (the last token) gets filler."""
     out = filler(sources.shape[0], layers, top_k)
     for i, r in enumerate(routed):
-        if r is None:
-            continue
-        r = torch.as_tensor(r).to(torch.long)
+        r = r.to(torch.long)
         rows = ((sources[:, 0] == i) & (sources[:, 1] < r.shape[0])).nonzero().squeeze(1)
         out[rows] = r[sources[rows, 1]]
     return out

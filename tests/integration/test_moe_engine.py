@@ -80,7 +80,8 @@ def trainer_view(model) -> tuple[list[list[float]], list]:
     an HF model) for tokens 0..n-2 (a collective on every rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hpcrl.train.bridge import export_hf_weights, fuse_experts, unwrap_model
+    from hpcrl.models.moe import fuse_experts
+    from hpcrl.train.bridge import export_hf_weights, unwrap_model
     from hpcrl.train.logprobs import response_log_probs
 
     out = []

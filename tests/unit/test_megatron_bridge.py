@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from hpcrl.config import TrainSection  # noqa: E402
+from hpcrl.models import moe  # noqa: E402
 from hpcrl.train import bridge, cpu_compat, logprobs, parallel, model as tmodel  # noqa: E402
 
 # --- helpers shared with the TP=2 integration test ------------------------------------------------------
@@ -366,7 +367,7 @@ def test_moe_train_step_matches_hf_adamw_step(tp1, hf_dirs, dispatcher):
     batch = sample_batch(37, seed=5)
     result = tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
     ref_loss, ref_norm, ref_state = hf_train_step(load_hf(path).train(), *batch)
-    ref_state = bridge.unfuse_experts(ref_state)  # transformers 5 fuses the experts in memory
+    ref_state = moe.unfuse_experts(ref_state)  # transformers 5 fuses the experts in memory
     assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     after = {k: v.cpu() for k, v in bridge.export_hf_weights(ddp_model)}
@@ -385,17 +386,17 @@ def test_fused_experts_round_trip_and_load_from_a_module_state_dict(tp1, hf_dirs
     fused = load_hf(path).state_dict()
     assert fused["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 96, 64)
     per_expert = bridge.read_hf_state_dict(path)
-    unfused = bridge.unfuse_experts(fused)
+    unfused = moe.unfuse_experts(fused)
     assert sorted(unfused) == sorted(k for k in per_expert)
     assert all(torch.equal(unfused[k], per_expert[k]) for k in per_expert)
-    refused = bridge.fuse_experts(per_expert)
+    refused = moe.fuse_experts(per_expert)
     assert sorted(refused) == sorted(fused) and all(torch.equal(refused[k], fused[k]) for k in fused)
     model = bridge.build_gpt_model(AutoConfig.from_pretrained(str(path)))
     bridge.load_hf_weights(model, fused)
     assert all(torch.equal(t.cpu(), per_expert[n]) for n, t in bridge.export_hf_weights(model))
     del per_expert["model.layers.1.mlp.experts.2.up_proj.weight"]
     with pytest.raises(KeyError, match="experts"):
-        bridge.fuse_experts(per_expert)
+        moe.fuse_experts(per_expert)
 
 
 def test_bf16_train_step_runs(tp1, hf_dirs):
