@@ -329,7 +329,8 @@ class PromptLengthCheck:
         """Tokens of the item's prompt as the rollout tokenises it; None for a prompt of another kind."""
         p = item["prompt"]
         if self.apply_chat_template and isinstance(p, list):
-            return len(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
+            return len(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))
         if isinstance(p, str):
             return len(self.tokenizer(p, add_special_tokens=True)["input_ids"])
         return None

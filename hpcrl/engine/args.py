@@ -33,6 +33,8 @@ class EngineArgs:
     log_level: str = "info"
     dist_timeout: int = 300
     health_check_timeout: float = 20.0
+    allow_auto_truncate: bool = False
+    chat_template: str | None = None
     # Fixed facts of this engine, reported for clients and the router.
     tp_size: int = 1
     dp_size: int = 1
@@ -97,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--dist-timeout", type=int, default=300,
                    help="seconds for weight-update group rendezvous and broadcasts")
+    p.add_argument("--allow-auto-truncate", action="store_true",
+                   help="shorten a prompt or max_new_tokens that does not fit the context instead of answering "
+                        "400 (SGLang's flag)")
+    p.add_argument("--chat-template", default=None,
+                   help="jinja chat template file for /v1/chat/completions (default: the tokenizer's)")
     p.add_argument("--health-check-timeout", type=float, default=20.0,
                    help="seconds /health_generate waits for its 1-token generation")
     return p
@@ -117,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
     if ns.max_running_requests < 1:
         raise ValueError("--max-running-requests must be >= 1")
     model_path = str(ns.model_path)
+    if ns.chat_template and not Path(ns.chat_template).is_file():
+        raise ValueError(f"--chat-template {ns.chat_template}: no such file (give a jinja template file)")
     return EngineArgs(
         model_path=model_path, tokenizer_path=ns.tokenizer_path or model_path, host=ns.host, port=ns.port,
         api_key=api_key or None, admin_api_key=admin_key or None, dtype=ns.dtype,
@@ -124,5 +133,6 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
         enable_memory_saver=ns.enable_memory_saver,
         random_seed=ns.random_seed, served_model_name=ns.served_model_name or model_path,
         weight_version=ns.weight_version, log_level=ns.log_level, dist_timeout=ns.dist_timeout,
-        health_check_timeout=ns.health_check_timeout,
+        health_check_timeout=ns.health_check_timeout, allow_auto_truncate=ns.allow_auto_truncate,
+        chat_template=ns.chat_template,
     )

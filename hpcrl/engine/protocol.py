@@ -1,9 +1,22 @@
 """SGLang's ``/generate`` protocol: request parsing and validation, response and meta_info building.
 
-The JSON fields and their meaning follow SGLang's ``GenerateReqInput`` and ``SamplingParams`` (see
-``/work/shared/reference/cpu-stack.md`` section 3). Unknown keys are ignored, as in SGLang. Parameters that
-would change the sampled distribution but that this engine does not implement (penalties, logit bias,
-grammars) are rejected with a clear error instead of being silently ignored.
+The JSON fields and their meaning follow SGLang 0.5.23's ``GenerateReqInput`` (``srt/managers/io_struct.py``)
+and its HTTP contract (``sglang/api/v1/api_types.py``), strictly, so a pipeline that works against this engine
+works unchanged against real SGLang:
+
+- an unknown key in ``sampling_params`` is a 400 with SGLang's own text (``unknown field `max_tokens`,
+  expected one of ...``), in SGLang's contract-error body ``{"error": "<text>"}``;
+- a field SGLang knows but this engine does not implement (penalties, grammars, LoRA, hidden states,
+  ``token_ids_logprob``, multimodal inputs, sessions, PD disaggregation...) is a 400 when set to anything but
+  its "off" value, never silently ignored;
+- a prompt plus an explicit ``max_new_tokens`` over the context is a 400 with SGLang's message unless the
+  engine runs with ``--allow-auto-truncate`` (then ``max_new_tokens`` is shortened, as SGLang does); without
+  an explicit ``max_new_tokens`` the default is shortened silently, as in SGLang;
+- top-level keys SGLang does not know are ignored, as SGLang's dataclass parse ignores them.
+
+:data:`GENERATE_FIELDS_IMPLEMENTED`, :data:`GENERATE_FIELDS_NO_EFFECT`, :data:`GENERATE_FIELDS_UNSUPPORTED`
+and :data:`SGLANG_SAMPLING_FIELDS` name every field; ``tests/unit/test_sglang_conformance.py`` checks them
+against SGLang's own schema.
 """
 
 from __future__ import annotations
@@ -15,15 +28,75 @@ from typing import Any
 TOP_K_OFF = 1 << 30
 """SGLang's ``top_k`` default, meaning no top-k filtering (as does -1)."""
 
-# Unsupported sampling parameters and the value that means "off" (accepted).
-_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
-    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None,
+SGLANG_SAMPLING_FIELDS: tuple[str, ...] = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
+    "watermark", "choice",
+)
+"""Every key of SGLang 0.5.23's ``sampling_params`` contract (``api_types.SamplingParams``), in its order: the
+list SGLang's "unknown field" error names."""
+
+SAMPLING_FIELDS_UNSUPPORTED: dict[str, tuple] = {
+    "stop_regex": (None, "", []), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
+    "structural_tag": (None,), "spaces_between_special_tokens": (None, True), "stream_interval": (None, 1),
+    "logit_bias": (None, {}), "custom_params": (None, {}), "beam_width": (None, 0, 1), "watermark": (None,),
+    "choice": (None, []),
 }
+"""SGLang sampling parameters this engine does not implement, with the values that mean "off" (accepted);
+any other value is a 400."""
+
+GENERATE_FIELDS_IMPLEMENTED = frozenset({
+    "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+    "return_text_in_logprobs", "stream", "return_routed_experts", "routed_experts_start_len",
+    "return_prompt_token_ids",
+})
+"""``/generate`` fields with SGLang's meaning."""
+
+GENERATE_FIELDS_NO_EFFECT = frozenset({
+    "log_metrics", "custom_labels", "extra_key", "cache_salt", "routing_key", "conversation_id",
+    "external_trace_header", "received_time", "http_worker_ipc", "routed_dp_rank", "data_parallel_rank",
+    "disagg_prefill_dp_rank", "no_logs",
+})
+"""Fields accepted with any value because their meaning holds trivially on one engine without a prefix cache,
+data parallelism or metrics labels: cache-isolation keys (nothing is shared), routing hints (one rank),
+tracing and metrics labels, ``no_logs`` (this engine never logs request contents)."""
+
+GENERATE_FIELDS_UNSUPPORTED = frozenset({
+    "session_id", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
+    "use_audio_in_video", "video_config", "watermark", "token_ids_logprob", "return_sampling_mask",
+    "sampling_logprobs_mode", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
+    "return_flat_raw_top_logprobs_b64", "return_hidden_states", "return_indexer_topk", "modalities",
+    "session_params", "lora_path", "lora_id", "custom_logit_processor", "positional_embed_overrides",
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
+    "background", "require_reasoning", "max_thinking_tokens", "priority", "return_bytes", "return_entropy",
+    "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls", "max_dynamic_patch",
+    "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config",
+    "mm_processor_kwargs", "multi_item_delimiter_indices", "token_indices_to_pool", "kv_hints",
+})
+"""SGLang ``/generate`` fields this engine does not implement: a 400 unless off (null, false, 0 or empty)."""
 
 
 class RequestError(ValueError):
-    """A bad request (HTTP 400 with ``{"error": {"message": ...}}``)."""
+    """A bad request (HTTP 400 with ``{"error": {"message": ...}}``, SGLang's body for a refused request)."""
+
+
+class ContractError(RequestError):
+    """A request that breaks SGLang's JSON contract (an unknown sampling field): HTTP 400 with SGLang's
+    contract-error body ``{"error": "<text>"}``."""
+
+
+def unknown_field(key: str, fields: tuple[str, ...]) -> ContractError:
+    """SGLang's (serde's) ``unknown field`` error text for ``key`` given the known ``fields``."""
+    listed = ", ".join(f"`{f}`" for f in fields)
+    return ContractError(f"unknown field `{key}`, expected one of {listed}")
+
+
+def _sampling_off(value: Any, offs: tuple) -> bool:
+    """Whether ``value`` is one of ``offs`` (a bool never equals an int here)."""
+    return any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in offs)
 
 
 def _num(d: dict, key: str, default, kind):
@@ -63,6 +136,8 @@ class SamplingParams:
     sampling_seed: int | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    explicit_max_new_tokens: bool = False
+    """Whether the request gave ``max_new_tokens`` (SGLang checks only an explicit one against the context)."""
 
     @classmethod
     def from_json(cls, d: dict | None) -> "SamplingParams":
@@ -70,8 +145,11 @@ class SamplingParams:
         d = d or {}
         if not isinstance(d, dict):
             raise RequestError("sampling_params must be an object or a list of objects")
-        for key, off in _UNSUPPORTED_DEFAULTS.items():
-            if d.get(key, off) not in (off, None):
+        for key in d:
+            if key not in SGLANG_SAMPLING_FIELDS:
+                raise unknown_field(key, SGLANG_SAMPLING_FIELDS)
+        for key, offs in SAMPLING_FIELDS_UNSUPPORTED.items():
+            if key in d and not _sampling_off(d[key], offs):
                 raise RequestError(f"sampling_params.{key}={d[key]!r} is not supported by the hpcrl CPU "
                                    "engine")
         stop = d.get("stop") or []
@@ -97,6 +175,7 @@ class SamplingParams:
             n=_num(d, "n", 1, int),
             sampling_seed=seed, skip_special_tokens=bool(d.get("skip_special_tokens", True)),
             no_stop_trim=bool(d.get("no_stop_trim", False)),
+            explicit_max_new_tokens=d.get("max_new_tokens") is not None,
         )
         if p.max_new_tokens < 0:
             raise RequestError("sampling_params.max_new_tokens must be >= 0")
@@ -121,24 +200,26 @@ class SamplingParams:
 class GenerateOptions:
     """Per-request output options shared by all rows of one ``/generate`` call."""
 
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    return_prompt_token_ids: bool = False
 
 
 @dataclasses.dataclass
 class RowSpec:
     """One sequence to generate: the prompt token ids, its sampling parameters, its id and response
-    position."""
+    position, and its input's log-prob options (SGLang accepts them per input)."""
 
     prompt_ids: list[int]
     params: SamplingParams
     rid: str
     base_rid: str
     index: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
 
 
 @dataclasses.dataclass
@@ -159,23 +240,61 @@ def _as_bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
-def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
-                   routed_experts: bool = False) -> GenerateSpec:
-    """Parse and validate a ``/generate`` body.
+def _per_input(body: dict, key: str, batch: int, n: int, default, check) -> list:
+    """``body[key]`` as one value per input: a scalar for all, or a list of ``batch`` values (SGLang's
+    ``normalize_param``; a list with ``n > 1`` is refused as SGLang refuses it). ``check(value)`` returns the
+    validated value or raises RequestError."""
+    v = body.get(key)
+    if v is None:
+        return [default] * batch
+    if isinstance(v, list):
+        if n > 1:
+            raise RequestError(f"Cannot use list {key} with parallel_sample_num > 1")
+        if len(v) != batch:
+            raise RequestError(f"{key} has {len(v)} entries for {batch} inputs")
+        return [default if x is None else check(x) for x in v]
+    return [check(v)] * batch
 
-    ``tokenizer`` encodes ``text`` inputs; token ids must be in ``[0, vocab_size)``. ``max_new_tokens`` is
-    clamped so prompt plus output fit in ``context_len`` tokens. Raises :class:`RequestError` (HTTP 400) on a
-    bad request: neither or both of text/input_ids, empty or too long prompts, ids out of range, list lengths
-    that do not match the batch, n differing across a batch, bad sampling parameters, ``return_routed_experts``
-    when the model has no routed experts (``routed_experts`` false).
+
+def _check_bool(key: str):
+    def check(x):
+        if not isinstance(x, bool):
+            raise RequestError(f"{key} must be a boolean or a list of booleans")
+        return x
+    return check
+
+
+def _check_int(key: str, low: int):
+    def check(x):
+        if isinstance(x, bool) or not isinstance(x, int) or x < low:
+            raise RequestError(f"{key} must be an integer >= {low} (or a list of them)")
+        return x
+    return check
+
+
+def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
+                   routed_experts: bool = False, allow_auto_truncate: bool = False) -> GenerateSpec:
+    """Parse and validate a ``/generate`` body as SGLang 0.5.23 does (see the module docstring).
+
+    ``tokenizer`` encodes ``text`` inputs; token ids must be in ``[0, vocab_size)``. A prompt of
+    ``context_len`` tokens or more, or a prompt plus an explicit ``max_new_tokens`` over ``context_len``, is
+    refused unless ``allow_auto_truncate`` (then the prompt keeps its first ``context_len - 1`` tokens and
+    ``max_new_tokens`` is shortened, as SGLang's ``--allow-auto-truncate``). A ``rid`` string for a batch is a
+    prefix: input ``i`` gets ``{rid}_{i}``. Raises :class:`ContractError` for an unknown sampling field and
+    :class:`RequestError` (HTTP 400) on any other bad request: neither or both of text/input_ids, empty
+    prompts, ids out of range, list lengths that do not match the batch, n differing across a batch, bad
+    sampling parameters, an unimplemented SGLang field that is not off, ``return_routed_experts`` when the
+    model has no routed experts (``routed_experts`` false).
     """
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
+    for key in sorted(GENERATE_FIELDS_UNSUPPORTED & body.keys()):
+        if body[key]:
+            raise RequestError(f"{key} is not supported by the hpcrl CPU engine (got {body[key]!r:.80}); "
+                               "leave it unset")
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise RequestError("give exactly one of 'text' or 'input_ids'")
-    if body.get("input_embeds") is not None or body.get("image_data") is not None:
-        raise RequestError("input_embeds and image_data are not supported by the hpcrl CPU engine")
     if text is not None:
         if isinstance(text, str):
             is_single, texts = True, [text]
@@ -201,8 +320,10 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
         if bad:
             raise RequestError(f"input {i} has token ids out of range [0, {vocab_size}): {bad[:5]}")
         if len(p) >= context_len:
-            raise RequestError(f"input {i} has {len(p)} tokens, not less than the context length "
-                               f"{context_len}")
+            if not allow_auto_truncate:  # SGLang's message
+                raise RequestError(f"The input ({len(p)} tokens) is longer than the model's context length "
+                                   f"({context_len} tokens).")
+            prompts[i] = p = list(p[:context_len - 1])
 
     sp = body.get("sampling_params")
     if isinstance(sp, list):
@@ -221,44 +342,69 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(batch)]
     elif isinstance(rid, str):
-        if batch != 1:
-            raise RequestError("a single 'rid' string was given for a batch; give one rid per input")
-        rids = [rid]
+        rids = [rid] if batch == 1 and (is_single or n > 1) else [f"{rid}_{i}" for i in range(batch)]
     elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
         if len(rid) != batch:
             raise RequestError(f"rid has {len(rid)} entries for {batch} inputs")
         rids = list(rid)
     else:
         raise RequestError("'rid' must be a string or a list of strings")
+    if len(set(rids)) != len(rids):
+        raise RequestError(f"Duplicate request IDs detected within the request: "
+                           f"{sorted({r for r in rids if rids.count(r) > 1})}")
 
-    start = body.get("logprob_start_len", -1)
-    start = -1 if start is None else start
-    top_num = body.get("top_logprobs_num", 0) or 0
-    if isinstance(start, bool) or not isinstance(start, int) or start < -1:
-        raise RequestError("logprob_start_len must be an integer >= -1")
-    if isinstance(top_num, bool) or not isinstance(top_num, int) or top_num < 0:
-        raise RequestError("top_logprobs_num must be an integer >= 0")
+    want_lp = _per_input(body, "return_logprob", batch, n, False, _check_bool("return_logprob"))
+    starts = _per_input(body, "logprob_start_len", batch, n, -1, _check_int("logprob_start_len", -1))
+    tops = _per_input(body, "top_logprobs_num", batch, n, 0, _check_int("top_logprobs_num", 0))
+    re_start = body.get("routed_experts_start_len") or 0
+    if isinstance(re_start, bool) or not isinstance(re_start, int) or re_start < 0:
+        raise RequestError("routed_experts_start_len must be an integer >= 0")
     options = GenerateOptions(
-        return_logprob=_as_bool(body, "return_logprob"), logprob_start_len=start, top_logprobs_num=top_num,
         return_text_in_logprobs=_as_bool(body, "return_text_in_logprobs"), stream=_as_bool(body, "stream"),
-        return_routed_experts=_as_bool(body, "return_routed_experts"),
+        return_routed_experts=_as_bool(body, "return_routed_experts"), routed_experts_start_len=re_start,
+        return_prompt_token_ids=_as_bool(body, "return_prompt_token_ids"),
     )
     if options.return_routed_experts and not routed_experts:
         raise RequestError("return_routed_experts: the served model has no routed experts (not a MoE model)")
-    if options.return_logprob:
-        for i, p in enumerate(prompts):
-            if start >= len(p):
-                raise RequestError(f"logprob_start_len {start} must be less than input {i}'s length {len(p)}")
+    for i, p in enumerate(prompts):
+        if want_lp[i] and starts[i] >= len(p):
+            raise RequestError(f"logprob_start_len {starts[i]} must be less than input {i}'s length {len(p)}")
+        if options.return_routed_experts and re_start > len(p):
+            raise RequestError(f"routed_experts_start_len {re_start} must be in [0, {len(p)}] (input {i}'s "
+                               "length)")
 
     rows: list[RowSpec] = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        p.max_new_tokens = min(p.max_new_tokens, context_len - len(prompt))
+        room = context_len - len(prompt)
+        if p.max_new_tokens > room:
+            if p.explicit_max_new_tokens and not allow_auto_truncate:  # SGLang's message
+                total = p.max_new_tokens + len(prompt)
+                raise RequestError(
+                    f"Requested token count exceeds the model's maximum context length of {context_len} "
+                    f"tokens. You requested a total of {total} tokens: {len(prompt)} tokens from the input "
+                    f"messages and {p.max_new_tokens} tokens for the completion. Please reduce the number of "
+                    "tokens in the input messages or the completion to fit within the limit.")
+            p.max_new_tokens = room
         p.min_new_tokens = min(p.min_new_tokens, p.max_new_tokens)
         for j in range(n):
             row_rid = rids[i] if n == 1 else f"{rids[i]}-{j}"
             rows.append(RowSpec(prompt_ids=list(prompt), params=p, rid=row_rid, base_rid=rids[i],
-                                index=len(rows)))
+                                index=len(rows), return_logprob=want_lp[i], logprob_start_len=starts[i],
+                                top_logprobs_num=tops[i]))
     return GenerateSpec(rows=rows, options=options, is_single=is_single and n == 1)
+
+
+def engine_failure(results: list) -> "tuple[str, int] | None":
+    """``(message, status)`` of the first row that the engine failed (finish reason ``abort`` with a
+    ``status_code`` >= 500: a broken forward pass, the engine stopping), else None. SGLang answers such a
+    request with that HTTP status, so clients and the router retry it elsewhere; an abort that was asked for
+    (``/abort_request``, a pause) has no status code and stays a 200 with its partial output."""
+    for r in results:
+        reason = ((r or {}).get("meta_info") or {}).get("finish_reason") or {}
+        code = reason.get("status_code") if isinstance(reason, dict) else None
+        if reason.get("type") == "abort" and isinstance(code, int) and code >= 500:
+            return str(reason.get("message") or "engine error"), code
+    return None
 
 
 def finish_length(length: int) -> dict:

@@ -61,7 +61,7 @@ class Row:
         return self.spec.params
 
     def needs_input_logprobs(self) -> bool:
-        return self.job.options.return_logprob and self.input_logprobs is None
+        return self.spec.return_logprob and self.input_logprobs is None
 
 
 class Job:
@@ -480,19 +480,18 @@ class Scheduler:
             logprobs, greedy, [row.params.top_k for row in rows], [row.params.top_p for row in rows],
             [row.params.min_p for row in rows], [row.generator for row in rows])
         chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
-        top_k = max((row.job.options.top_logprobs_num for row in rows if row.job.options.return_logprob),
-                    default=0)
+        top_k = max((row.spec.top_logprobs_num for row in rows if row.spec.return_logprob), default=0)
         top_vals, top_ids = sampling.top_logprobs(logprobs, top_k)
         for i, row in enumerate(rows):
-            if row.job.options.return_logprob:
+            if row.spec.return_logprob:
                 row.output_logprobs.append(chosen[i])
-                n = row.job.options.top_logprobs_num
+                n = row.spec.top_logprobs_num
                 if n > 0:
                     row.output_top.append((top_vals[i][:n], top_ids[i][:n]))
         return tokens
 
     def _logprob_start(self, row: Row) -> int:
-        start = row.job.options.logprob_start_len
+        start = row.spec.logprob_start_len
         return len(row.spec.prompt_ids) - 1 if start == -1 else start
 
     def _input_logprobs(self, row: Row, logits: torch.Tensor, kept: int) -> None:
@@ -500,7 +499,7 @@ class Scheduler:
         null."""
         prompt = row.spec.prompt_ids
         start = self._logprob_start(row)
-        n = row.job.options.top_logprobs_num
+        n = row.spec.top_logprobs_num
         values: list = [None]
         tops: list = [None]
         if start < len(prompt) - 1:
@@ -581,7 +580,7 @@ class Scheduler:
             "weight_version": self.weight_version,
             "e2e_latency": time.monotonic() - row.job.created,
         }
-        if opts.return_logprob:
+        if row.spec.return_logprob:
             start = self._logprob_start(row)
             in_ids = row.spec.prompt_ids[start:]
             meta["input_token_logprobs"] = protocol.logprob_triples(
@@ -589,7 +588,7 @@ class Scheduler:
             meta["output_token_logprobs"] = protocol.logprob_triples(
                 tok, row.output_logprobs, row.output_ids, opts.return_text_in_logprobs)
             meta["output_token_logprobs_length"] = len(row.output_logprobs)
-            if opts.top_logprobs_num > 0:
+            if row.spec.top_logprobs_num > 0:
                 in_top = row.input_top or []
                 meta["input_top_logprobs"] = protocol.top_logprob_triples(
                     tok, [None if t is None else t[0] for t in in_top],
@@ -599,12 +598,16 @@ class Scheduler:
                     opts.return_text_in_logprobs)
         if opts.return_routed_experts:
             fed = len(row.spec.prompt_ids) + len(row.output_ids) - 1  # SGLang's rows: the last token is not fed
-            meta["routed_experts"] = routing.encode(row.routed_experts or [], fed)
-        return {
+            start = opts.routed_experts_start_len
+            meta["routed_experts"] = routing.encode((row.routed_experts or [])[start:], fed - start)
+        out = {
             "text": protocol.output_text(tok, row.output_ids, row.finish_reason, row.params),
             "output_ids": list(row.output_ids),
             "meta_info": meta,
         }
+        if opts.return_prompt_token_ids:
+            out["prompt_token_ids"] = list(row.spec.prompt_ids)
+        return out
 
     # ------------------------------------------------------------------ KV cache surgery
     def _check_cache_layers(self, cache) -> None:

@@ -6,14 +6,20 @@ decode on HF transformers, so hpcrl's rollout client, weight sync and the sglang
 unchanged.
 
 Authentication follows SGLang: with ``--api-key`` (or ``--api-key-file``) every endpoint needs
-``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) and answers 401 otherwise, except ``/health*``,
+``Authorization: Bearer KEY`` and answers 401 with SGLang's body ``{"error": "Unauthorized"}`` otherwise,
+except ``/health*``,
 ``/ready`` and ``/metrics``, which stay open for probes. This exemption is needed by sglang-router 0.3.2,
 whose first worker probe (``detect_connection_mode``: ``GET /health``) is sent without the key, so a worker
 that demands it on ``/health`` is never registered (its later health checks and info calls do carry the
 key). Admin endpoints
-(weight updates, memory release/resume, pause/continue, flush, weight version) need ``--admin-api-key`` when
-one is set, else the API key (SGLang's ``ADMIN_OPTIONAL`` level). Keys are compared with
-``hmac.compare_digest``.
+(weight updates, memory release/resume, pause/continue, flush, weight version, ``/abort_request``) need
+``--admin-api-key`` when one is set, else the API key (SGLang's ``ADMIN_OPTIONAL`` level). Keys are compared
+with ``hmac.compare_digest``.
+
+Besides SGLang's native endpoints the server speaks OpenAI's API (``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/detokenize``: :mod:`hpcrl.engine.openai_api`).
+``/get_weight_version`` and ``/get_load`` are hpcrl-specific aliases kept for older clients (SGLang 0.5 has
+the weight version in ``/model_info`` and the load in ``/v1/loads``).
 
 Run: ``python -m hpcrl.engine.server --model-path DIR [--port 30000] [--api-key-file FILE]``.
 """
@@ -21,19 +27,20 @@ Run: ``python -m hpcrl.engine.server --model-path DIR [--port 30000] [--api-key-
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from hpcrl.engine import protocol
+from hpcrl.engine import openai_server, protocol
 from hpcrl.engine.args import EngineArgs, parse_args
+from hpcrl.engine.auth import ADMIN_PATHS, OPEN_PREFIXES, make_auth_middleware  # noqa: F401 - re-exported
 from hpcrl.engine.memory import create_memory_saver, normalize_tags
 from hpcrl.engine.scheduler import EngineUnavailable, Job, Scheduler
 from hpcrl.engine.serialize import deserialize_flattened_bucket, deserialize_named_tensors
@@ -41,17 +48,6 @@ from hpcrl.engine.weights import WeightLoader, WeightUpdateError, WeightUpdateGr
 from hpcrl.procs import release_freed_memory_eagerly
 
 logger = logging.getLogger("hpcrl.engine")
-
-OPEN_PREFIXES = ("/health", "/ready", "/metrics")
-"""Paths that never need a key (SGLang leaves health, readiness and metrics open for probes)."""
-
-ADMIN_PATHS = frozenset({
-    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
-    "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
-    "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/flush_cache",
-    "/update_weight_version",
-})
-"""Endpoints that need the admin key when ``--admin-api-key`` is set (else the API key)."""
 
 COMMAND_MARGIN_S = 30.0
 
@@ -92,51 +88,17 @@ def quiet_refused_requests() -> None:
         server_log.addFilter(RefusedRequestFilter())
 
 
-def engine_failure(results: list) -> "tuple[str, int] | None":
-    """``(message, status)`` of the first row that the engine failed (finish reason ``abort`` with a
-    ``status_code`` >= 500: a broken forward pass, the engine stopping), else None. SGLang answers such a
-    request with that HTTP status, so clients and the router retry it elsewhere; an abort that was asked for
-    (``/abort_request``, a pause) has no status code and stays a 200 with its partial output."""
-    for r in results:
-        reason = ((r or {}).get("meta_info") or {}).get("finish_reason") or {}
-        code = reason.get("status_code") if isinstance(reason, dict) else None
-        if reason.get("type") == "abort" and isinstance(code, int) and code >= 500:
-            return str(reason.get("message") or "engine error"), code
-    return None
-
-
 def error_response(message: str, status: int = 400) -> web.Response:
     """SGLang's error body ``{"error": {"message": ...}}`` with HTTP ``status``."""
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-def _token_ok(request: web.Request, expected: str) -> bool:
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected.encode()):
-        return True
-    x_key = request.headers.get("x-api-key")
-    return bool(x_key) and hmac.compare_digest(x_key.encode(), expected.encode())
-
-
-def make_auth_middleware(api_key: str | None, admin_api_key: str | None):
-    """aiohttp middleware enforcing the keys as described in the module docstring (401 on a missing/wrong
-    key)."""
-
-    @web.middleware
-    async def auth(request: web.Request, handler):
-        path = request.path
-        if request.method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
-            return await handler(request)
-        if path in ADMIN_PATHS and admin_api_key:
-            expected = admin_api_key
-        else:
-            expected = api_key
-        if expected and not _token_ok(request, expected):
-            return error_response("Unauthorized", 401)
-        return await handler(request)
-
-    return auth
+def request_error_response(e: protocol.RequestError) -> web.Response:
+    """A refused ``/generate``: 400 with SGLang's contract-error body ``{"error": "<text>"}`` for a
+    :class:`~hpcrl.engine.protocol.ContractError`, else ``{"error": {"message": ...}}``."""
+    if isinstance(e, protocol.ContractError):
+        return web.json_response({"error": str(e)}, status=400)
+    return error_response(str(e), 400)
 
 
 class EngineServer:
@@ -174,6 +136,9 @@ class EngineServer:
         pad = self.tokenizer.pad_token_id
         self.scheduler = Scheduler(self.model, self.tokenizer, eos, args.max_running_requests,
                                    args.random_seed, args.weight_version, pad_id=0 if pad is None else pad)
+        self.chat_template = (Path(args.chat_template).read_text() if args.chat_template
+                              else getattr(self.tokenizer, "chat_template", None))
+        """Jinja chat template for ``/v1/chat/completions`` (``--chat-template`` file, else the tokenizer's)."""
         self.loader = WeightLoader(self.model)
         self.groups = WeightUpdateGroups(args.dist_timeout)
         self.started = time.time()
@@ -186,6 +151,8 @@ class EngineServer:
         r = app.router
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
+        for path, h in openai_server.routes(self).items():
+            r.add_route("POST", path, h)
         for path, h in [("/health", self.health), ("/health_generate", self.health_generate),
                         ("/ping", self.ping), ("/ready", self.ready), ("/get_model_info", self.model_info),
                         ("/model_info", self.model_info), ("/get_server_info", self.server_info),
@@ -210,7 +177,7 @@ class EngineServer:
         return app
 
     @staticmethod
-    async def _body(request: web.Request) -> dict:
+    async def read_body(request: web.Request) -> dict:
         """The JSON body as a dict ({} when empty). Raises protocol.RequestError on invalid JSON."""
         raw = await request.read()
         if not raw.strip():
@@ -232,17 +199,15 @@ class EngineServer:
         return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        """``/generate``: SGLang's native generation (see :func:`hpcrl.engine.protocol.parse_generate`)."""
-        try:
-            body = await self._body(request)
-            spec = protocol.parse_generate(body, self.tokenizer, self.vocab_size, self.context_len,
-                                           routed_experts=self.scheduler.routed.layers > 0)
-        except protocol.RequestError as e:
-            return error_response(str(e), 400)
+    def parse_generate(self, body: dict) -> protocol.GenerateSpec:
+        return protocol.parse_generate(body, self.tokenizer, self.vocab_size, self.context_len,
+                                       routed_experts=self.scheduler.routed.layers > 0,
+                                       allow_auto_truncate=self.args.allow_auto_truncate)
+
+    async def collect(self, spec: protocol.GenerateSpec) -> list[dict]:
+        """Run ``spec`` and return every row's finished response (response order). Raises EngineUnavailable
+        when generation is refused; aborts the rows if the client goes away (CancelledError)."""
         loop = asyncio.get_running_loop()
-        if spec.options.stream:
-            return await self._generate_stream(request, spec, loop)
         results: list[dict | None] = [None] * len(spec.rows)
         done: asyncio.Future = loop.create_future()
         remaining = [len(spec.rows)]
@@ -257,30 +222,50 @@ class EngineServer:
             if finished:
                 loop.call_soon_threadsafe(deliver, index, response)
 
-        try:
-            self.scheduler.submit(Job(spec, on_update))
-        except EngineUnavailable as e:
-            return error_response(str(e), 503)
+        self.scheduler.submit(Job(spec, on_update))
         try:
             await done
         except asyncio.CancelledError:
-            for base in {row.base_rid for row in spec.rows}:
-                self.scheduler.abort(base, "Abort: the client disconnected.")
+            self.abort_spec(spec, "Abort: the client disconnected.")
             raise
-        failed = engine_failure(results)
-        if failed is not None:  # an internal failure is an HTTP error, not a 200 with an abort reason
-            return error_response(*failed)
-        return web.json_response(results[0] if spec.is_single else results)
+        return results  # type: ignore[return-value]
 
-    async def _generate_stream(self, request: web.Request, spec: protocol.GenerateSpec,
-                               loop: asyncio.AbstractEventLoop) -> web.StreamResponse:
+    def updates(self, spec: protocol.GenerateSpec) -> asyncio.Queue:
+        """Submit ``spec`` with streaming callbacks: a queue of ``(index, response, finished)``. Raises
+        EngineUnavailable."""
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def on_update(index: int, response: dict, finished: bool) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (index, response, finished))
 
+        self.scheduler.submit(Job(spec, on_update))
+        return queue
+
+    def abort_spec(self, spec: protocol.GenerateSpec, message: str) -> None:
+        for base in {row.base_rid for row in spec.rows}:
+            self.scheduler.abort(base, message)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """``/generate``: SGLang's native generation (see :func:`hpcrl.engine.protocol.parse_generate`)."""
         try:
-            self.scheduler.submit(Job(spec, on_update))
+            spec = self.parse_generate(await self.read_body(request))
+        except protocol.RequestError as e:
+            return request_error_response(e)
+        if spec.options.stream:
+            return await self._generate_stream(request, spec)
+        try:
+            results = await self.collect(spec)
+        except EngineUnavailable as e:
+            return error_response(str(e), 503)
+        failed = protocol.engine_failure(results)
+        if failed is not None:  # an internal failure is an HTTP error, not a 200 with an abort reason
+            return error_response(*failed)
+        return web.json_response(results[0] if spec.is_single else results)
+
+    async def _generate_stream(self, request: web.Request, spec: protocol.GenerateSpec) -> web.StreamResponse:
+        try:
+            queue = self.updates(spec)
         except EngineUnavailable as e:
             return error_response(str(e), 503)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -295,8 +280,7 @@ class EngineServer:
                 left -= finished
             await resp.write(b"data: [DONE]\n\n")
         except (asyncio.CancelledError, ConnectionResetError):
-            for base in {row.base_rid for row in spec.rows}:
-                self.scheduler.abort(base, "Abort: the client disconnected.")
+            self.abort_spec(spec, "Abort: the client disconnected.")
             raise
         await resp.write_eof()
         return resp
@@ -305,7 +289,7 @@ class EngineServer:
         """``/abort_request``: ``rid`` or ``abort_all: true``; the rows finish with an abort reason. Empty
         200."""
         try:
-            body = await self._body(request)
+            body = await self.read_body(request)
         except protocol.RequestError as e:
             return error_response(str(e))
         message = body.get("abort_message") or "Abort by /abort_request."
@@ -321,7 +305,7 @@ class EngineServer:
         """``/pause_generation``: ``mode`` abort (default), retract or in_place; new requests wait until
         continue."""
         try:
-            body = await self._body(request)
+            body = await self.read_body(request)
             mode = body.get("mode") or "abort"
             if mode not in ("abort", "retract", "in_place"):
                 raise protocol.RequestError(f"unknown mode {mode!r}; use abort, retract or in_place")
@@ -484,7 +468,7 @@ class EngineServer:
             return web.json_response({"success": False, "message": message, **extra}, status=400)
 
         try:
-            body = await self._body(request)
+            body = await self.read_body(request)
         except protocol.RequestError as e:
             return fail(str(e))
         missing = [k for k in required if body.get(k) is None]
@@ -572,7 +556,7 @@ class EngineServer:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``/update_weight_version``: set ``new_version`` (aborting all requests unless told not to)."""
         try:
-            body = await self._body(request)
+            body = await self.read_body(request)
         except protocol.RequestError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         version = body.get("new_version")
@@ -587,7 +571,7 @@ class EngineServer:
 
     async def _memory(self, request: web.Request, release: bool) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await self.read_body(request)
             tags = normalize_tags(body.get("tags"))
         except (protocol.RequestError, ValueError) as e:
             return error_response(str(e))

@@ -90,7 +90,8 @@ def tokenize_prompt(tokenizer, sample: Sample, apply_chat_template: bool = False
     if sample.tokens:
         return
     if apply_chat_template and isinstance(sample.prompt, list):
-        ids = tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)  # transformers 5 returns a dict by default
     else:
         ids = tokenizer(sample.prompt, add_special_tokens=True)["input_ids"]
     sample.tokens = list(ids)

@@ -325,6 +325,44 @@ def test_concurrent_requests_are_batched(engine):
     assert passes <= 24 < tokens  # one prefill for all 32 rows, then at most 23 decode steps
 
 
+def test_sglang_strict_protocol(engine):
+    """What SGLang 0.5.23 refuses is refused here, with SGLang's bodies (issue #16 point 2)."""
+    # an unknown sampling key: SGLang's contract error, a plain string body
+    status, err = post(engine, "/generate", {"text": "1", "sampling_params": {"max_tokens": 8}})
+    assert status == 400 and err["error"].startswith("unknown field `max_tokens`, expected one of `max_new_tokens`")
+    # prompt + explicit max_new_tokens over the 256-token context: SGLang's message; the default is shortened
+    status, err = post(engine, "/generate", {"input_ids": [3] * 200, "sampling_params": {"max_new_tokens": 100}})
+    assert status == 400 and "maximum context length of 256 tokens" in err["error"]["message"]
+    status, err = post(engine, "/generate", {"input_ids": [3] * 256})
+    assert status == 400 and "longer than the model's context length" in err["error"]["message"]
+    out = gen(engine, {"input_ids": [3] * 200, "sampling_params": {"temperature": 0, "ignore_eos": True}})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 56}
+    # SGLang fields this engine does not implement are refused when set, accepted when off
+    for field, value in (("token_ids_logprob", [3, 4]), ("return_hidden_states", True), ("lora_path", "a"),
+                         ("session_params", {"id": "s"}), ("image_data", "x.png")):
+        status, err = post(engine, "/generate", {"text": "1", field: value})
+        assert status == 400 and field in err["error"]["message"], (field, err)
+        assert post(engine, "/generate", {"text": "1", field: None,
+                                          "sampling_params": {"max_new_tokens": 1}})[0] == 200
+    # per-input log-prob options and a batch rid prefix
+    outs = gen(engine, {"input_ids": [[3, 4, 5], [6, 7]], "rid": "b", "return_logprob": [True, False],
+                        "logprob_start_len": [0, -1], "top_logprobs_num": [2, 0],
+                        "sampling_params": {"max_new_tokens": 2}})
+    assert [o["meta_info"]["id"] for o in outs] == ["b_0", "b_1"]
+    assert len(outs[0]["meta_info"]["input_token_logprobs"]) == 3 and len(outs[0]["meta_info"]["output_top_logprobs"][0]) == 2
+    assert "input_token_logprobs" not in outs[1]["meta_info"]
+    status, err = post(engine, "/generate", {"input_ids": [3], "return_logprob": [True],
+                                             "sampling_params": {"n": 2}})
+    assert status == 400 and "parallel_sample_num" in err["error"]["message"]
+    assert gen(engine, {"input_ids": [3, 4], "return_prompt_token_ids": True,
+                        "sampling_params": {"max_new_tokens": 1}})["prompt_token_ids"] == [3, 4]
+    # the hpcrl-only aliases still answer (documented as such)
+    assert get(engine, "/get_weight_version")[0] == 200 and get(engine, "/get_load")[0] == 200
+    # no chat template on this engine: chat is a 400 that says how to give one
+    status, err = post(engine, "/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]})
+    assert status == 400 and "--chat-template" in err["message"] and err["object"] == "error"
+
+
 def test_bad_requests_are_400(engine):
     cases = [
         {"sampling_params": {"max_new_tokens": 2}},
@@ -543,8 +581,8 @@ def test_api_key_required(engine, tiny_model_dir, tmp_path):
     gen_body = {"text": "1", "sampling_params": {"max_new_tokens": 2}}
     user = {"Authorization": f"Bearer {API_KEY}"}
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"x-api-key": "no"}):
-        assert post(engine, "/generate", gen_body, headers=headers)[0] == 401
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"x-api-key": API_KEY}):
+        assert post(engine, "/generate", gen_body, headers=headers) == (401, {"error": "Unauthorized"})
         assert get(engine, "/get_model_info", headers=headers)[0] == 401
         assert get(engine, "/get_server_info", headers=headers)[0] == 401
         assert get(engine, "/v1/models", headers=headers)[0] == 401
@@ -552,13 +590,14 @@ def test_api_key_required(engine, tiny_model_dir, tmp_path):
                     headers=headers)[0] == 401
         assert post(engine, "/abort_request", {"abort_all": True}, headers=headers)[0] == 401
     assert post(engine, "/generate", gen_body, headers=user)[0] == 200
-    assert post(engine, "/generate", gen_body, headers={"x-api-key": API_KEY})[0] == 200
     assert get(engine, "/get_model_info", headers=user)[0] == 200
     status, info = get(engine, "/get_server_info", headers=user)
     assert status == 200 and info["api_key"] == "<redacted>" and info["admin_api_key"] == "<redacted>"
     assert API_KEY not in json.dumps(info) and ADMIN_KEY not in json.dumps(info)
     # admin endpoints take the admin key, not the API key
     assert post(engine, "/pause_generation", {"mode": "in_place"}, headers=user)[0] == 401
+    assert post(engine, "/abort_request", {"abort_all": True}, headers=user)[0] == 401  # SGLang: admin only
+    assert post(engine, "/abort_request", {"abort_all": True}, headers=admin)[0] == 200
     assert post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"]},
                 headers=user)[0] == 401
     assert post(engine, "/pause_generation", {"mode": "in_place"}, headers=admin)[0] == 200
@@ -583,7 +622,7 @@ def test_v1_loads_counts_running_and_waiting_rows(engine):
     assert status == 200 and idle["loads"][0]["num_running_reqs"] == 0, idle
     assert {"timestamp", "version", "loads"} <= set(idle)
     assert idle["loads"][0]["dp_rank"] == 0 and idle["loads"][0]["num_waiting_reqs"] == 0
-    long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 400,
+    long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 253,
                                                           "ignore_eos": True}}
     post(engine, "/pause_generation", {"mode": "in_place"})
     futs = [run_in_thread(gen, engine, long) for _ in range(3)]
@@ -603,7 +642,7 @@ def test_engine_failure_is_an_http_error_not_an_abort(tiny_model_dir, tmp_path):
     """A request the engine cannot finish because it fails (here: it is shutting down) is answered with HTTP
     503, as SGLang does, so a client or router retries it elsewhere instead of recording an aborted sample."""
     with EngineProcess(tiny_model_dir, log_path=tmp_path / "engine.log") as eng:
-        long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 4000,
+        long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 253,
                                                               "ignore_eos": True}}
         fut = run_in_thread(http_json, "POST", eng.url + "/generate", long, None, 60.0)
         deadline = time.monotonic() + 20

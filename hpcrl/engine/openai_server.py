@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP handlers of the engine server (``/v1/completions``, ``/v1/chat/completions``,
+``/tokenize``, ``/detokenize``): request checks and response shapes live in :mod:`hpcrl.engine.openai_api`,
+generation in the server's scheduler (:class:`hpcrl.engine.server.EngineServer`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from aiohttp import web
+
+from hpcrl.engine import openai_api, protocol
+from hpcrl.engine.scheduler import EngineUnavailable
+
+if TYPE_CHECKING:
+    from hpcrl.engine.server import EngineServer
+
+
+def routes(server: "EngineServer") -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:
+    """``{path: handler}`` of the POST endpoints, bound to ``server``."""
+    def bind(fn):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await fn(server, request)
+        return handler
+
+    return {"/v1/completions": bind(v1_completions), "/v1/chat/completions": bind(v1_chat_completions),
+            "/tokenize": bind(tokenize), "/v1/tokenize": bind(tokenize), "/detokenize": bind(detokenize),
+            "/v1/detokenize": bind(detokenize)}
+
+
+def _spec(server: "EngineServer", body: dict, chat: bool) -> tuple[Any, protocol.GenerateSpec]:
+    """Validate an OpenAI request and turn it into a generate spec. Raises OpenAIError."""
+    tok = server.tokenizer
+    if chat:
+        req = openai_api.parse(openai_api.ChatCompletionRequest, body, openai_api.CHAT_UNSUPPORTED)
+        if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
+            raise openai_api.OpenAIError("tool_choice 'required' or naming a function is not supported by the hpcrl "
+                                         "CPU engine (no tool-call parser); use 'auto' or 'none'",
+                                         param="tool_choice")
+        tools = None if req.tool_choice == "none" else req.tools
+        ids = openai_api.render_chat(tok, server.chat_template, req.messages, tools, True,
+                                     req.continue_final_message, req.chat_template_kwargs)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        native = openai_api.native_body(req, [ids], req.temperature, req.top_p,
+                                        req.max_completion_tokens or req.max_tokens, top, server.context_len)
+    else:
+        req = openai_api.parse(openai_api.CompletionRequest, body, openai_api.COMPLETION_UNSUPPORTED)
+        prompts = openai_api.completion_prompts(tok, req.prompt)
+        native = openai_api.native_body(req, prompts, req.temperature, req.top_p, req.max_tokens,
+                                        req.logprobs, server.context_len)
+    try:
+        return req, server.parse_generate(native)
+    except protocol.RequestError as e:
+        raise openai_api.OpenAIError(str(e)) from None
+
+async def _completions(server: "EngineServer", request: web.Request, chat: bool) -> web.StreamResponse:
+    try:
+        req, spec = _spec(server, await server.read_body(request), chat)
+    except protocol.RequestError as e:  # invalid JSON
+        return web.json_response(openai_api.OpenAIError(str(e)).body(), status=400)
+    except openai_api.OpenAIError as e:
+        return web.json_response(e.body(), status=e.status)
+    rid = openai_api.new_id("chatcmpl" if chat else "cmpl")
+    if req.stream:
+        return await _stream(server, request, req, spec, rid, chat)
+    try:
+        results = await server.collect(spec)
+    except EngineUnavailable as e:
+        return web.json_response(openai_api.OpenAIError(str(e), 503, "ServiceUnavailableError").body(),
+                                 status=503)
+    failed = protocol.engine_failure(results)
+    if failed is not None:
+        return web.json_response(openai_api.OpenAIError(failed[0], failed[1], "InternalServerError").body(),
+                                 status=failed[1])
+    build = openai_api.chat_response if chat else openai_api.completion_response
+    return web.json_response(build(server.tokenizer, req, results, rid))
+
+async def _stream(server: "EngineServer", request: web.Request, req, spec: protocol.GenerateSpec, rid: str,
+                         chat: bool) -> web.StreamResponse:
+    """OpenAI's server-sent events: one chunk per new text of a choice, then a ``usage`` chunk when asked,
+    then ``data: [DONE]``."""
+    try:
+        queue = server.updates(spec)
+    except EngineUnavailable as e:
+        return web.json_response(openai_api.OpenAIError(str(e), 503, "ServiceUnavailableError").body(),
+                                 status=503)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    states = [openai_api.StreamState(row.params.stop) for row in spec.rows]
+    finals: list[dict | None] = [None] * len(spec.rows)
+    want_lp = req.logprobs if chat else req.logprobs is not None
+
+    async def send(payload: dict) -> None:
+        await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    left = len(spec.rows)
+    try:
+        while left:
+            index, response, finished = await queue.get()
+            left -= finished
+            failed = protocol.engine_failure([response]) if finished else None
+            if failed is not None:
+                await send({"error": {"message": failed[0], "type": "InternalServerError",
+                                      "code": failed[1]}})
+                server.abort_spec(spec, "Abort: another choice failed.")
+                break
+            state = states[index]
+            text = state.delta(response["text"], finished)
+            reason, matched = openai_api.finish_reason(response["meta_info"]["finish_reason"])
+            ntok = len(response["output_ids"])
+            if not text and not finished and state.started:
+                continue
+            logprobs = None
+            if want_lp:
+                meta = response["meta_info"]
+                logprobs = (openai_api.chat_logprobs(server.tokenizer, meta, state.sent_tokens) if chat else
+                            openai_api.completion_logprobs(server.tokenizer, meta, state.sent_tokens,
+                                                           len(state.sent_text) - len(text)))
+                state.sent_tokens = ntok
+            if chat:
+                delta: dict[str, Any] = {"content": text}
+                if not state.started:
+                    delta = {"role": "assistant", "content": text}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                          "matched_stop": matched}
+            else:
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                          "matched_stop": matched}
+            state.started = True
+            if finished:
+                finals[index] = response
+            await send({"id": rid, "object": obj, "created": created, "model": req.model,
+                        "choices": [choice]})
+        else:
+            if req.stream_options is not None and req.stream_options.include_usage:
+                await send({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+                            "usage": openai_api.usage(finals, req.n)})
+        await resp.write(b"data: [DONE]\n\n")
+    except (asyncio.CancelledError, ConnectionResetError):
+        server.abort_spec(spec, "Abort: the client disconnected.")
+        raise
+    await resp.write_eof()
+    return resp
+
+async def v1_completions(server: "EngineServer", request: web.Request) -> web.StreamResponse:
+    """``/v1/completions`` (OpenAI; :mod:`hpcrl.engine.openai_api`)."""
+    return await _completions(server, request, chat=False)
+
+async def v1_chat_completions(server: "EngineServer", request: web.Request) -> web.StreamResponse:
+    """``/v1/chat/completions`` (OpenAI; the chat template renders ``messages``)."""
+    return await _completions(server, request, chat=True)
+
+async def tokenize(server: "EngineServer", request: web.Request) -> web.Response:
+    """``/tokenize`` and ``/v1/tokenize``: ``{"tokens", "count", "max_model_len"}`` (lists for a list of
+    prompts)."""
+    try:
+        req = openai_api.parse(openai_api.TokenizeRequest, await server.read_body(request))
+        if (req.prompt is None) == (req.messages is None):
+            raise openai_api.OpenAIError("Exactly one of 'prompt' or 'messages' must be provided.")
+        if req.messages is not None:
+            gen = True if req.add_generation_prompt is None else req.add_generation_prompt
+            tokens: Any = openai_api.render_chat(server.tokenizer, server.chat_template, req.messages, req.tools,
+                                                 gen, False, req.chat_template_kwargs)
+            count: Any = len(tokens)
+        elif isinstance(req.prompt, str):
+            tokens = list(server.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            count = len(tokens)
+        else:
+            tokens = [list(server.tokenizer(p, add_special_tokens=req.add_special_tokens)["input_ids"])
+                      for p in req.prompt]
+            count = [len(t) for t in tokens]
+    except protocol.RequestError as e:
+        return web.json_response(openai_api.OpenAIError(str(e)).body(), status=400)
+    except openai_api.OpenAIError as e:
+        return web.json_response(e.body(), status=e.status)
+    return web.json_response({"tokens": tokens, "count": count, "max_model_len": server.context_len})
+
+async def detokenize(server: "EngineServer", request: web.Request) -> web.Response:
+    """``/detokenize`` and ``/v1/detokenize``: ``{"text"}`` (a list for lists of ids)."""
+    try:
+        req = openai_api.parse(openai_api.DetokenizeRequest, await server.read_body(request))
+    except protocol.RequestError as e:
+        return web.json_response(openai_api.OpenAIError(str(e)).body(), status=400)
+    except openai_api.OpenAIError as e:
+        return web.json_response(e.body(), status=e.status)
+    batch = bool(req.tokens) and isinstance(req.tokens[0], list)
+    seqs = req.tokens if batch else [req.tokens]
+    bad = [t for s in seqs for t in s if not 0 <= t < server.vocab_size]
+    if bad:
+        return web.json_response(openai_api.OpenAIError(
+            f"tokens out of range [0, {server.vocab_size}): {bad[:5]}", param="tokens").body(), status=400)
+    texts = [server.tokenizer.decode(s, skip_special_tokens=req.skip_special_tokens) for s in seqs]
+    return web.json_response({"text": texts if batch else texts[0]})
