@@ -16,6 +16,34 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class AgentSection:
+    """Agentic rollouts over HTTP (``rollout.agent``, ``docs/agents.md``): each sample is one episode of an agent
+    that talks to the policy through the controller's OpenAI-compatible gateway (:mod:`hpcrl.agent`). Set
+    exactly one of ``function`` and ``command`` to turn it on."""
+
+    function: Optional[str] = None
+    """Dotted path of ``async def agent(item, *, base_url, api_key, session_id) -> str | None`` (the final
+    answer; None: the last assistant message)."""
+    command: list[str] = field(default_factory=list)
+    """An executable and its arguments, run once per episode with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
+    ``HPCRL_SESSION_ID`` set and the task item as JSON on standard input; its standard output (stripped) is the
+    final answer (empty: the last assistant message). Any language; no hpcrl import needed."""
+    timeout_s: float = 120.0
+    """An episode still running after this many seconds is ended (the command killed) and its sample fails."""
+    failure_reward: float = 0.0
+    """Reward of a failed episode (timeout, crashed agent, no calls)."""
+    chat_template: Optional[str] = None
+    """Jinja chat template file for the gateway (default: the policy tokenizer's)."""
+    tool_parser: Optional[Literal["hermes"]] = None
+    """Turn generated ``<tool_call>{json}</tool_call>`` text into OpenAI ``tool_calls``."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether agentic rollouts are on."""
+        return bool(self.function or self.command)
+
+
+@dataclass
 class RolloutSection:
     """Generation: batch shape, sampling, engines and plug-ins (slime's rollout arguments)."""
 
@@ -52,6 +80,8 @@ class RolloutSection:
     one thread per CPU it gets. On Slurm the het job's rollout group is the rollout's (this is ignored)."""
     router: bool = True
     """Put the real ``sglang-router`` in front of the engines."""
+    agent: AgentSection = field(default_factory=AgentSection)
+    """Agentic rollouts over HTTP (off unless ``agent.function`` or ``agent.command`` is set)."""
     request_timeout_s: float = 600.0
     max_retries: int = 3
     heartbeat_interval_s: float = 10.0
@@ -124,5 +154,34 @@ def check_rollout(cfg: Config, check_files: bool) -> None:
     check_plugin("rollout.reward_function", r.reward_function, BUILTIN_REWARD_FUNCTIONS, check_files)
     check_plugin("rollout.dynamic_filter", r.dynamic_filter, BUILTIN_DYNAMIC_FILTERS, check_files)
     check_plugin("rollout.generate_function", r.generate_function, (), check_files)
+    check_agent(cfg, check_files)
     check_plugin("rollout.rollout_function", r.rollout_function, (), check_files)
     check_plugin("rollout.data_source", r.data_source, (), check_files)
+
+
+def check_agent(cfg: "Config", check_files: bool) -> None:
+    """``rollout.agent``: one of function and command; an executable command; a readable template."""
+    import os
+    import shutil
+
+    a = cfg.rollout.agent
+    require(not (a.function and a.command), "rollout.agent", "function and command",
+            "names two agents", "set rollout.agent.function or rollout.agent.command, not both")
+    if not a.enabled:
+        return
+    require(a.timeout_s > 0, "rollout.agent.timeout_s", a.timeout_s, "must be > 0", "e.g. 120")
+    require(cfg.rollout.generate_function in (None, DEFAULT_GENERATE_FUNCTION), "rollout.generate_function",
+            cfg.rollout.generate_function, "is replaced by the agent's episodes when rollout.agent is set",
+            "leave rollout.generate_function unset")
+    require(not cfg.rollout.partial_rollout, "rollout.partial_rollout", True,
+            "an agent episode cannot be continued on another engine", "set rollout.partial_rollout: false")
+    check_plugin("rollout.agent.function", a.function, (), check_files)
+    if a.command and check_files:
+        exe = a.command[0]
+        found = shutil.which(exe) if os.sep not in exe else (exe if os.path.isfile(exe) else None)
+        require(found is not None and os.access(found, os.X_OK), "rollout.agent.command", exe,
+                "is not an executable file (or not on PATH)",
+                f"chmod +x {exe}, or give the interpreter first, e.g. [python3, {exe}]")
+    if a.chat_template and check_files:
+        require(os.path.isfile(a.chat_template), "rollout.agent.chat_template", a.chat_template,
+                "does not exist", "give the path of a jinja chat template file")

@@ -69,6 +69,7 @@ class RolloutManager:
         self.snapshot = None  # hpcrl.weights.snapshot.WeightSnapshot, when engines may restart
         self.job_ending: Callable[[], bool] = lambda: False  # Slurm is ending the job: restart nothing
         self.teachers: list = []  # hpcrl.rollout.teacher.Teacher, with algorithm.opd.teachers
+        self.gateway = None  # hpcrl.agent.gateway.AgentGateway, with rollout.agent
 
     # ------------------------------------------------------------------------------------------------------
     def call(self, coro):
@@ -156,9 +157,38 @@ class RolloutManager:
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         plugins = resolve_plugins(cfg, self.datasets.task)
         self.rollout_fn = plugins.rollout_fn
+        generate_fn = plugins.generate_fn
+        if rc.agent.enabled:  # agentic rollouts: the gateway in this process, in front of the router
+            self.gateway, generate_fn = self.call(self._start_gateway(tokenizer))
         self.ctx = RolloutContext(client=self.client, tokenizer=tokenizer, reward_fn=plugins.reward_fn,
-                                  generate_fn=plugins.generate_fn, dynamic_filter=plugins.dynamic_filter,
+                                  generate_fn=generate_fn, dynamic_filter=plugins.dynamic_filter,
                                   seed=cfg.run.seed)
+
+    async def _start_gateway(self, tokenizer):
+        """The agent gateway (:mod:`hpcrl.agent.gateway`) and the agent generate function."""
+        from transformers import AutoConfig
+
+        from hpcrl.agent.gateway import AgentGateway
+        from hpcrl.agent.runner import agent_generate
+        from hpcrl.plugins import load_function
+        from hpcrl.rollout.rollout import sampling_params
+
+        a = self.cfg.rollout.agent
+        client = self.client
+
+        async def generate(ids: list[int], sp: dict) -> dict:
+            return await client.generate(ids, sp, return_logprob=True)
+
+        context = int(getattr(AutoConfig.from_pretrained(str(self.model_path)), "max_position_embeddings", 0)
+                      or 1 << 20)
+        template = Path(a.chat_template).read_text() if a.chat_template else None
+        gateway = AgentGateway(generate, tokenizer, sampling_params(self.cfg.rollout), context,
+                               chat_template=template, tool_parser=a.tool_parser)
+        await gateway.start()
+        logging.getLogger("hpcrl.agent").info("agent gateway at %s", gateway.url)
+        function = load_function(a.function) if a.function else None
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        return gateway, agent_generate(gateway, function, list(a.command), a.timeout_s, a.failure_reward, eos)
 
     async def _start_monitor(self, launched, key: str) -> None:
         """The health monitor (:mod:`hpcrl.rollout.health`): engines that die or hang are restarted by the
@@ -345,6 +375,8 @@ class RolloutManager:
                 self.write_phases()
             if self.monitor is not None:
                 self.call(self.monitor.stop())
+            if self.gateway is not None:
+                self.call(self.gateway.stop())
             if self.client is not None:
                 self.call(self.client.close())
             if self.teachers:
@@ -470,6 +502,13 @@ def rollout_metrics(cfg, samples: list, metrics: dict[str, float], trained_group
         "rollout/tokens_per_s": sum(lengths) / secs if secs > 0 else 0.0,
         "rollout/weight_version": samples[0].weight_version if samples else None,
     })
+    if cfg.rollout.agent.enabled:
+        m.update({
+            "rollout/agent_failed": sum("agent_failure" in s.metadata for s in samples) / n,
+            "rollout/agent_calls": sum(s.metadata.get("agent_calls", 0) for s in samples) / n,
+            "rollout/agent_tool_call_rate": sum(s.metadata.get("agent_tool_calls", 0) > 0 for s in samples) / n,
+            "rollout/agent_split_episodes": sum(s.metadata.get("agent_chains", 1) > 1 for s in samples) / n,
+        })
     lags = [lag for lag in (sample_lag(s) for s in samples) if lag is not None]
     if lags:
         m["rollout/lag_mean"], m["rollout/lag_max"] = sum(lags) / len(lags), max(lags)

@@ -223,8 +223,9 @@ async def _generate_group(cfg, ctx: RolloutContext, group: list[Sample], params:
         calls.append(ctx.generate_fn(client, s, p))
     await asyncio.gather(*calls)
     if all(s.status != Status.ABORTED for s in group):
-        rewards = await asyncio.gather(*(ctx.reward_fn(s) for s in group))
-        for s, r in zip(group, rewards):
+        unscored = [s for s in group if s.reward is None]  # an agent's posted reward or a failed episode's stays
+        rewards = await asyncio.gather(*(ctx.reward_fn(s) for s in unscored))
+        for s, r in zip(unscored, rewards):
             s.reward = r
     return group
 

@@ -1,0 +1,126 @@
+"""Running agent episodes and turning them into samples: the generate function of agentic rollouts.
+
+:func:`agent_generate` is a :data:`~hpcrl.rollout.generate.GenerateFn` (``async (client, sample,
+sampling_params) -> Sample``): for each sample slot it opens a gateway session, runs the agent - a Python
+function or an external command (any language: it gets ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``,
+``HPCRL_SESSION_ID`` and the task item as JSON on standard input) - closes the session and fills the sample
+from the recorded calls (:func:`hpcrl.agent.session.build_trajectories`). The sample's ``response`` is the
+agent's final answer (what the task's scorer reads); a reward the agent posted replaces the scorer's.
+
+An episode fails - status FAILED, ``metadata["agent_failure"]`` says why, reward ``rollout.agent.failure_reward``
+- when it times out (a command is killed with its process group), the agent raises or exits non-zero, or it
+made no call. A failed episode with calls keeps its tokens (the policy is pushed away from what led there); one
+without calls has one masked token, so nothing of it is trained. When the agent rewrote its history, the episode
+has several chains: the sample is the chain of the last call, and ``metadata["agent_chains"]`` counts them (the
+others are not trained: groups have a fixed size).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from typing import Any, Awaitable, Callable, Optional
+
+from hpcrl.agent.gateway import AgentGateway
+from hpcrl.agent.session import Session, build_trajectories
+from hpcrl.data.sample import Sample, Status
+
+AgentFn = Callable[..., Awaitable[Optional[str]]]
+"""``async (item, *, base_url, api_key, session_id) -> final answer | None``."""
+
+STDERR_TAIL_CHARS = 400
+
+
+class AgentFailed(RuntimeError):
+    """The agent ended without an answer (raised, exited non-zero): the message is the sample's failure."""
+
+
+def task_item(sample: Sample) -> dict[str, Any]:
+    """What the agent is given: the prompt and the sample's index (never the label)."""
+    return {"prompt": sample.prompt, "sample_index": sample.index, "group_index": sample.group_index}
+
+
+async def run_command(command: list[str], item: dict, base_url: str, session: Session) -> Optional[str]:
+    """Run ``command`` for one episode; its stripped standard output, or None when empty. Raises AgentFailed
+    on a non-zero exit (with the stderr tail); on cancellation (a timeout) kills the process group."""
+    env = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=session.key,
+               HPCRL_SESSION_ID=session.session_id)
+    proc = await asyncio.create_subprocess_exec(
+        *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        out, err = await proc.communicate(json.dumps(item).encode() + b"\n")
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace").strip()[-STDERR_TAIL_CHARS:]
+        raise AgentFailed(f"agent command exited with status {proc.returncode}: {tail or '(no stderr)'}")
+    text = out.decode(errors="replace").strip()
+    return text or None
+
+
+def agent_generate(gateway: AgentGateway, function: Optional[AgentFn], command: list[str], timeout_s: float,
+                   failure_reward: float, eos_id: int = 0):
+    """The generate function of an agentic rollout (see the module docstring). ``function`` or ``command``
+    is the agent; ``eos_id`` pads a failed episode without calls."""
+
+    async def generate(client, sample: Sample, sampling_params: dict) -> Sample:
+        item = task_item(sample)
+        session = gateway.open(item, seed=sampling_params.get("sampling_seed"))
+        answer: Optional[str] = None
+        failure: Optional[str] = None
+        try:
+            if function is not None:
+                run = function(item, base_url=gateway.url, api_key=session.key, session_id=session.session_id)
+            else:
+                run = run_command(command, item, gateway.url, session)
+            answer = await asyncio.wait_for(run, timeout_s)
+        except asyncio.TimeoutError:
+            failure = f"the agent did not finish within rollout.agent.timeout_s={timeout_s:g} s"
+        except AgentFailed as e:
+            failure = str(e)
+        except Exception as e:  # noqa: BLE001 - an agent function that raised: the episode failed
+            failure = f"the agent raised {type(e).__name__}: {e}"
+        finally:
+            gateway.close(session)
+        if failure is None and not session.calls:
+            failure = "the agent made no call to the policy"
+        return fill_sample(sample, session, answer, failure, failure_reward, eos_id)
+
+    return generate
+
+
+def fill_sample(sample: Sample, session: Session, answer: Optional[str], failure: Optional[str],
+                failure_reward: float, eos_id: int) -> Sample:
+    """Replace ``sample``'s tokens and response with the episode's last chain (see the module docstring)."""
+    chains = build_trajectories(session.calls)
+    last = next((t for t in chains if t.calls[-1] == len(session.calls) - 1), None)
+    if last is not None:
+        sample.tokens = list(last.prompt_ids) + list(last.response_ids)
+        sample.response_length = len(last.response_ids)
+        sample.loss_mask = list(last.loss_mask)
+        sample.rollout_log_probs = list(last.log_probs)
+        sample.weight_versions = list(last.weight_versions)
+    elif sample.response_length == 0:
+        sample.append_response_tokens([eos_id], trainable=False)
+    sample.metadata.update(agent_session=session.session_id, agent_calls=len(session.calls),
+                           agent_chains=len(chains),
+                           agent_tool_calls=sum("<tool_call>" in c.text for c in session.calls))
+    if failure is not None:
+        sample.status = Status.FAILED
+        sample.metadata["agent_failure"] = failure
+        sample.reward = float(failure_reward)
+        sample.response = answer or ""
+        return sample
+    sample.response = answer if answer is not None else (last.text if last is not None else "")
+    sample.status = Status.TRUNCATED if last is not None and last.finish_reason == "length" else Status.COMPLETED
+    if session.reward is not None:
+        sample.reward = float(session.reward)
+    return sample
