@@ -1,0 +1,143 @@
+"""Agentic RL end to end (issue #17 point 5): ``hpcrl run`` with ``rollout.agent`` on the tiny model, sync and
+async, the agent a dotted-path function that talks to the gateway with the ``openai`` package (two turns per
+episode), and a command agent written without hpcrl imports.
+
+The tiny random model cannot add, so the reward is the answer's share of digits (a real signal, as in
+test_loop.py); what is checked is that episodes become trained samples: every sample has two calls and one
+chain, none failed, the trainer ran on them, and the weight versions move as in the plain loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+AGENT_MODULE = '''
+import openai
+
+
+async def two_turns(item, *, base_url, api_key, session_id):
+    c = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": item["prompt"]}]
+    r = await c.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "1"}]
+    r = await c.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return r.choices[0].message.content
+
+
+def digit_fraction(args, sample):
+    text = sample.response
+    return sum(ch.isdigit() for ch in text) / max(len(text), 1)
+'''
+
+COMMAND_AGENT = '''#!{python}
+import json, os, sys, urllib.request
+item = json.loads(sys.stdin.read())
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", method="POST",
+                             data=json.dumps({{"model": "p", "max_tokens": 4,
+                                              "messages": [{{"role": "user", "content": item["prompt"]}}]}}).encode(),
+                             headers={{"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                       "Content-Type": "application/json"}})
+print(json.loads(urllib.request.urlopen(req).read())["choices"][0]["message"]["content"])
+'''
+
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}={{ m['content'] }}</s>"
+            "{% else %}{{ m['content'] }}{% endif %}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}={% endif %}")
+
+
+def run_agent(tmp_path: Path, name: str, *overrides: str, timeout: int = 600):
+    (tmp_path / "agent_mod.py").write_text(AGENT_MODULE)
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(textwrap.dedent(f"""
+        run: {{name: {name}, output_dir: {tmp_path / 'runs'}, num_rollout: 2, seed: 3}}
+        model: {{path: {tmp_path / 'tiny'}, create: tiny-qwen2, tiny_hidden_size: 64, tiny_num_layers: 2}}
+        data: {{source: addition, num_train: 64, num_eval: 8}}
+        rollout: {{batch_size: 2, n_samples_per_prompt: 2, max_new_tokens: 4, eval_interval: 0,
+                  reward_function: agent_mod.digit_fraction,
+                  agent: {{function: agent_mod.two_turns, chat_template: {tmp_path / 'chat.jinja'},
+                           timeout_s: 60}}}}
+        train: {{lr: 1.0e-3, micro_batch_size: 4}}
+        checkpoint: {{save_interval: 0}}
+    """))
+    log = tmp_path / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    with open(log, "ab") as f:
+        out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path,
+                             stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
+    out.log = log.read_text()
+    return out
+
+
+def rows(tmp_path: Path, name: str) -> list[dict]:
+    path = tmp_path / "runs" / name / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_agent_episodes_train(tmp_path, mode):
+    extra = ("run.mode=async", "run.placement=disaggregate") if mode == "async" else ()
+    out = run_agent(tmp_path, f"agent-{mode}", *extra)
+    assert out.returncode == 0, out.log[-3000:]
+    steps = [r for r in rows(tmp_path, f"agent-{mode}") if r["step"] >= 0]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout/agent_calls"] == 2 and r["rollout/agent_failed"] == 0
+        assert r["rollout/agent_split_episodes"] == 0
+        assert r["train/grad_norm"] > 0
+    assert "agent gateway at http://127.0.0.1:" in out.log
+
+
+def test_a_command_agent_and_a_non_executable_one(tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(COMMAND_AGENT.format(python=sys.executable))
+    # refused on the login node, before anything starts
+    bad = run_agent(tmp_path, "agent-cmd", f"rollout.agent.command=[{script}]", "rollout.agent.function=null")
+    assert bad.returncode != 0 and "rollout.agent.command" in bad.log and "not an executable" in bad.log
+    assert not (tmp_path / "runs" / "agent-cmd" / "metrics.jsonl").exists()
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    out = run_agent(tmp_path, "agent-cmd", f"rollout.agent.command=[{script}]", "rollout.agent.function=null",
+                    "run.num_rollout=1")
+    assert out.returncode == 0, out.log[-3000:]
+    (step,) = [r for r in rows(tmp_path, "agent-cmd") if r["step"] >= 0]
+    assert step["rollout/agent_calls"] == 1 and step["rollout/agent_failed"] == 0
+
+
+def test_agent_run_on_slurm(tmp_path, slurm_cluster, monkeypatch):
+    """``hpcrl submit`` of the sync agent run on the local cluster: the gateway runs in the controller (the
+    trainer's job step) and the agent where the controller runs; the job completes with every episode
+    trained."""
+    from hpcrl.slurm.state import FINAL_STATES, query_states
+
+    run_agent(tmp_path, "prepare", "run.num_rollout=0")  # writes run.yaml and the modules; creates the model
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([str(Path(sys.executable).with_name("hpcrl")), "submit", "run.yaml", "run.name=agent-slurm",
+                          "slurm.cpus_per_task=2", "slurm.time=00:10:00"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    job_id, run_dir = words[words.index("job") + 1], Path(words[words.index("job") + 3])
+    import time
+
+    deadline = time.monotonic() + 600
+    try:
+        while query_states([job_id])[job_id] not in FINAL_STATES:
+            assert time.monotonic() < deadline, "the job did not finish in 600 s"
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)
+    logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((run_dir / "submitit").glob("*")))
+    assert query_states([job_id])[job_id] == "COMPLETED", logs
+    steps = [r for r in rows(tmp_path, "agent-slurm") if r["step"] >= 0]
+    assert len(steps) == 2 and all(r["rollout/agent_calls"] == 2 and r["rollout/agent_failed"] == 0 for r in steps)
