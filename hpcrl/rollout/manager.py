@@ -186,6 +186,8 @@ class RolloutManager:
                                chat_template=template, tool_parser=a.tool_parser)
         await gateway.start()
         logging.getLogger("hpcrl.agent").info("agent gateway at %s", gateway.url)
+        for name in ("httpx", "httpx2"):  # in-process OpenAI clients log every request at INFO
+            logging.getLogger(name).setLevel(logging.WARNING)
         function = load_function(a.function) if a.function else None
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         return gateway, agent_generate(gateway, function, list(a.command), a.timeout_s, a.failure_reward, eos)
