@@ -94,8 +94,7 @@ class AgentGateway:
 
     def open(self, item: dict[str, Any], seed: Optional[int] = None) -> Session:
         """A new session for task ``item``; ``seed`` seeds its calls (call ``k`` uses ``seed + k``)."""
-        session = Session.new(item)
-        session.seed = seed  # type: ignore[attr-defined]
+        session = Session.new(item, seed)
         self.sessions[session.session_id] = session
         self._by_key[session.key] = session
         return session
@@ -167,9 +166,8 @@ class AgentGateway:
             stops += [req.stop] if isinstance(req.stop, str) else list(req.stop)
         if stops:
             sp["stop"] = stops
-        seed = getattr(session, "seed", None)
-        if seed is not None:
-            sp["sampling_seed"] = (int(seed) + len(session.calls)) & 0x7FFFFFFF
+        if session.seed is not None:
+            sp["sampling_seed"] = (int(session.seed) + len(session.calls)) & 0x7FFFFFFF
         return sp
 
     async def _call(self, session: Session, text: str, sp: dict) -> tuple[dict, Call]:

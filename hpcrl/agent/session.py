@@ -64,13 +64,15 @@ class Session:
     item: dict[str, Any]
     calls: list[Call] = dataclasses.field(default_factory=list)
     reward: Optional[float] = None
+    seed: Optional[int] = None
+    """Sampling seed of the episode's first call (call ``k`` uses ``seed + k``); None: unseeded."""
     closed: bool = False
     opened: float = dataclasses.field(default_factory=time.monotonic)
 
     @staticmethod
-    def new(item: dict[str, Any]) -> "Session":
+    def new(item: dict[str, Any], seed: Optional[int] = None) -> "Session":
         """A session with a fresh id and a fresh 256-bit key."""
-        return Session(session_id=secrets.token_hex(8), key=secrets.token_urlsafe(32), item=dict(item))
+        return Session(session_id=secrets.token_hex(8), key=secrets.token_urlsafe(32), item=dict(item), seed=seed)
 
 
 def extend_prompt(calls: list[Call], rendered_text: str, encode) -> tuple[list[int], Optional[int]]:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.integration.test_loop import run_config
+from tests.integration.test_opd import submit_and_wait
 
 pytestmark = pytest.mark.integration
 
@@ -70,14 +72,7 @@ def run_agent(tmp_path: Path, name: str, *overrides: str, timeout: int = 600):
         train: {{lr: 1.0e-3, micro_batch_size: 4}}
         checkpoint: {{save_interval: 0}}
     """))
-    log = tmp_path / f"{name}.log"
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
-    with open(log, "ab") as f:
-        out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path,
-                             stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
-    out.log = log.read_text()
-    return out
+    return run_config(tmp_path, cfg, name, *overrides, timeout=timeout)
 
 
 def rows(tmp_path: Path, name: str) -> list[dict]:
@@ -118,26 +113,10 @@ def test_agent_run_on_slurm(tmp_path, slurm_cluster, monkeypatch):
     """``hpcrl submit`` of the sync agent run on the local cluster: the gateway runs in the controller (the
     trainer's job step) and the agent where the controller runs; the job completes with every episode
     trained."""
-    from hpcrl.slurm.state import FINAL_STATES, query_states
-
     run_agent(tmp_path, "prepare", "run.num_rollout=0")  # writes run.yaml and the modules; creates the model
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([str(Path(sys.executable).with_name("hpcrl")), "submit", "run.yaml", "run.name=agent-slurm",
-                          "slurm.cpus_per_task=2", "slurm.time=00:10:00"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120, stdin=subprocess.DEVNULL)
-    assert out.returncode == 0, out.stderr
-    words = out.stdout.split()
-    job_id, run_dir = words[words.index("job") + 1], Path(words[words.index("job") + 3])
-    import time
-
-    deadline = time.monotonic() + 600
-    try:
-        while query_states([job_id])[job_id] not in FINAL_STATES:
-            assert time.monotonic() < deadline, "the job did not finish in 600 s"
-            time.sleep(1)
-    finally:
-        subprocess.run(["scancel", job_id], timeout=30)
-    logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((run_dir / "submitit").glob("*")))
-    assert query_states([job_id])[job_id] == "COMPLETED", logs
+    state, _, logs = submit_and_wait(tmp_path, "run.yaml", "run.name=agent-slurm", "slurm.cpus_per_task=2",
+                                     "slurm.time=00:10:00")
+    assert state == "COMPLETED", logs
     steps = [r for r in rows(tmp_path, "agent-slurm") if r["step"] >= 0]
     assert len(steps) == 2 and all(r["rollout/agent_calls"] == 2 and r["rollout/agent_failed"] == 0 for r in steps)

@@ -39,6 +39,12 @@ def run_hpcrl(tmp_path: Path, name: str, *overrides: str, timeout: int = 600) ->
         train: {{lr: 1.0e-3, micro_batch_size: 8}}
         checkpoint: {{save_interval: 2, keep_last: 2}}
     """))
+    return run_config(tmp_path, cfg, name, *overrides, timeout=timeout)
+
+
+def run_config(tmp_path: Path, cfg: Path, name: str, *overrides: str, timeout: int = 600):
+    """`hpcrl run CFG OVERRIDES` in ``tmp_path`` (on PYTHONPATH, one thread), output appended to
+    ``tmp_path/NAME.log``; the CompletedProcess with ``.log`` (the whole log text)."""
     log = tmp_path / f"{name}.log"
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")

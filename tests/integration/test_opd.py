@@ -100,30 +100,36 @@ def test_teacher_engine_scores_like_the_rollout_engine_and_is_replaced_when_kill
 
 @pytest.mark.slurm
 @pytest.mark.timeout(900)
-def test_teacher_engines_run_as_their_own_job_step_on_slurm(tmp_path, tiny_model_dir, slurm_cluster, monkeypatch):
-    """``hpcrl submit`` of the same run, colocated on one node: the teacher's engine is a second rollout job
-    step (its address file in the teacher's folder of the attempt) and the job completes with the same
-    exactness at rollout 0."""
+def submit_and_wait(cwd: Path, *args: str, timeout_s: float = 600) -> tuple[str, Path, str]:
+    """``hpcrl submit ARGS`` in ``cwd`` on the local cluster, waited for (cancelled whatever happens):
+    ``(final state, run folder, tail of the submitit logs)``."""
     from hpcrl.slurm.state import FINAL_STATES, query_states
 
-    steps = 8
-    write_run(tmp_path, tiny_model_dir, steps)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([str(Path(sys.executable).with_name("hpcrl")), "submit", "run.yaml", "slurm.cpus_per_task=2",
-                          "slurm.time=00:10:00"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         stdin=subprocess.DEVNULL)
+    out = subprocess.run([str(Path(sys.executable).with_name("hpcrl")), "submit", *args], cwd=cwd,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
     words = out.stdout.split()
     job_id, run_dir = words[words.index("job") + 1], Path(words[words.index("job") + 3])
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + timeout_s
     try:
         while query_states([job_id])[job_id] not in FINAL_STATES:
-            assert time.monotonic() < deadline, "the job did not finish in 600 s"
+            assert time.monotonic() < deadline, f"the job did not finish in {timeout_s:g} s"
             time.sleep(1)
     finally:
         subprocess.run(["scancel", job_id], timeout=30)  # nothing left in the queue, whatever happened
     logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((run_dir / "submitit").glob("*")))
-    assert query_states([job_id])[job_id] == "COMPLETED", logs
+    return query_states([job_id])[job_id], run_dir, logs
+
+
+def test_teacher_engines_run_as_their_own_job_step_on_slurm(tmp_path, tiny_model_dir, slurm_cluster, monkeypatch):
+    """``hpcrl submit`` of the same run, colocated on one node: the teacher's engine is a second rollout job
+    step (its address file in the teacher's folder of the attempt) and the job completes with the same
+    exactness at rollout 0."""
+    steps = 8
+    write_run(tmp_path, tiny_model_dir, steps)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    state, run_dir, logs = submit_and_wait(tmp_path, "run.yaml", "slurm.cpus_per_task=2", "slurm.time=00:10:00")
+    assert state == "COMPLETED", logs
     assert_teacher_scored(run_dir, steps)
     address = json.loads((run_dir / "logs" / "attempt-0" / "teacher-same" / "engines" / "engine-0.json").read_text())
     assert address["node"] == "n1"
