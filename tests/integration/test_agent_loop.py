@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 import textwrap
 from pathlib import Path
@@ -101,9 +100,11 @@ def test_a_command_agent_and_a_non_executable_one(tmp_path):
     bad = run_agent(tmp_path, "agent-cmd", f"rollout.agent.command=[{script}]", "rollout.agent.function=null")
     assert bad.returncode != 0 and "rollout.agent.command" in bad.log and "not an executable" in bad.log
     assert not (tmp_path / "runs" / "agent-cmd" / "metrics.jsonl").exists()
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    out = run_agent(tmp_path, "agent-cmd", f"rollout.agent.command=[{script}]", "rollout.agent.function=null",
-                    "run.num_rollout=1")
+    # the example's command agent (examples/agent_calculator/agent_cmd.py: openai package, no hpcrl import); the
+    # random tiny model writes no tool call, so each episode is one call
+    example = Path(__file__).resolve().parents[2] / "examples" / "agent_calculator" / "agent_cmd.py"
+    out = run_agent(tmp_path, "agent-cmd", f"rollout.agent.command=[{sys.executable}, {example}]",
+                    "rollout.agent.function=null", "run.num_rollout=1")
     assert out.returncode == 0, out.log[-3000:]
     (step,) = [r for r in rows(tmp_path, "agent-cmd") if r["step"] >= 0]
     assert step["rollout/agent_calls"] == 1 and step["rollout/agent_failed"] == 0
