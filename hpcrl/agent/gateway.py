@@ -35,6 +35,9 @@ from hpcrl.engine import openai_api
 
 logger = logging.getLogger(__name__)
 
+SESSION = web.RequestKey("session", Session)
+"""Where the auth middleware leaves the request's session."""
+
 GenerateCall = Callable[[list[int], dict], Awaitable[dict]]
 """``async (input_ids, sampling_params) -> native /generate response`` (with ``return_logprob``)."""
 
@@ -46,12 +49,14 @@ class AgentGateway:
     ``tokenizer``: the policy's HF tokenizer. ``chat_template``: jinja text (default the tokenizer's).
     ``sampling``: the rollout's native sampling params (temperature, top_p, top_k, stop, max_new_tokens).
     ``tool_parser``: ``"hermes"`` to turn ``<tool_call>`` text into ``tool_calls``, or None.
-    ``context_len``: the model's context in tokens. ``host``/``port``: where to listen (port 0: a free one).
+    ``context_len``: the model's context in tokens. ``host``/``port``: where to listen (port 0: a free one);
+    ``public_host``: the address agents on other nodes use (default: ``host``, or loopback for all interfaces).
     """
 
     def __init__(self, generate: GenerateCall, tokenizer, sampling: dict, context_len: int,
                  chat_template: Optional[str] = None, tool_parser: Optional[str] = None,
-                 served_model_name: str = "policy", host: str = "127.0.0.1", port: int = 0):
+                 served_model_name: str = "policy", host: str = "127.0.0.1", port: int = 0,
+                 public_host: Optional[str] = None):
         self.generate = generate
         self.tokenizer = tokenizer
         self.sampling = dict(sampling)
@@ -59,7 +64,7 @@ class AgentGateway:
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.tool_parser = tool_parser
         self.served_model_name = served_model_name
-        self.host, self.port = host, port
+        self.host, self.port, self.public_host = host, port, public_host
         self.sessions: dict[str, Session] = {}
         self._by_key: dict[str, Session] = {}
         self._runner: Optional[web.AppRunner] = None
@@ -68,7 +73,7 @@ class AgentGateway:
     @property
     def url(self) -> str:
         """``http://HOST:PORT/v1``: the ``OPENAI_BASE_URL`` agents get."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        host = self.public_host or ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
         return f"http://{host}:{self.port}/v1"
 
     async def start(self) -> None:
@@ -116,7 +121,7 @@ class AgentGateway:
                     session = s
         if session is None or session.closed:
             return web.json_response({"error": "Unauthorized"}, status=401)
-        request["session"] = session
+        request[SESSION] = session
         return await handler(request)
 
     @staticmethod
@@ -138,7 +143,7 @@ class AgentGateway:
              "max_model_len": self.context_len}]})
 
     async def _reward(self, request: web.Request) -> web.Response:
-        session: Session = request["session"]
+        session = request[SESSION]
         if request.match_info["session_id"] != session.session_id:
             return web.json_response({"error": "Unauthorized"}, status=401)  # another session's id
         try:
@@ -200,7 +205,7 @@ class AgentGateway:
         return out, call
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        session: Session = request["session"]
+        session = request[SESSION]
         try:
             req = openai_api.parse(openai_api.ChatCompletionRequest, await self._json(request),
                                    openai_api.CHAT_UNSUPPORTED)
@@ -249,7 +254,7 @@ class AgentGateway:
                                          param="messages") from None
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        session: Session = request["session"]
+        session = request[SESSION]
         try:
             req = openai_api.parse(openai_api.CompletionRequest, await self._json(request),
                                    openai_api.COMPLETION_UNSUPPORTED)

@@ -44,7 +44,8 @@ def task_item(sample: Sample) -> dict[str, Any]:
 
 async def run_command(command: list[str], item: dict, base_url: str, session: Session) -> Optional[str]:
     """Run ``command`` for one episode; its stripped standard output, or None when empty. Raises AgentFailed
-    on a non-zero exit (with the stderr tail); on cancellation (a timeout) kills the process group."""
+    on a non-zero exit (with the stderr tail); on cancellation (a timeout) ends the process group (SIGTERM, then
+    SIGKILL after 2 s)."""
     env = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=session.key,
                HPCRL_SESSION_ID=session.session_id)
     proc = await asyncio.create_subprocess_exec(
@@ -52,11 +53,17 @@ async def run_command(command: list[str], item: dict, base_url: str, session: Se
         stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
     try:
         out, err = await proc.communicate(json.dumps(item).encode() + b"\n")
-    except BaseException:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    except BaseException:  # a timeout: SIGTERM first (srun then ends its job step), SIGKILL after 2 s
+        for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                await asyncio.wait_for(asyncio.shield(proc.wait()), wait_s)
+                break
+            except asyncio.TimeoutError:
+                continue
         await proc.wait()
         raise
     if proc.returncode != 0:
@@ -66,10 +73,28 @@ async def run_command(command: list[str], item: dict, base_url: str, session: Se
     return text or None
 
 
+def agent_step_prefix(job_name: str, het_group: Optional[int] = None,
+                      environ: Optional[dict] = None) -> list[str]:
+    """The ``srun`` prefix that runs one episode's command as its own job step of the current Slurm job:
+    one task on one node, sharing the allocation (``--overlap --mem=0``), on ``het_group`` when given. Raises
+    RuntimeError outside a Slurm job."""
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        raise RuntimeError("rollout.agent_step: true runs each agent episode as a job step and needs a Slurm job "
+                           "(hpcrl submit); set rollout.agent_step: false for a local run")
+    cmd = ["srun", f"--jobid={job}", "--overlap", "--mem=0", "--ntasks=1", "--nodes=1", "--kill-on-bad-exit=1",
+           "--quiet", f"--job-name={job_name}"]
+    if het_group is not None:
+        cmd.append(f"--het-group={het_group}")
+    return cmd
+
+
 def agent_generate(gateway: AgentGateway, function: Optional[AgentFn], command: list[str], timeout_s: float,
                    failure_reward: float, eos_id: int = 0):
     """The generate function of an agentic rollout (see the module docstring). ``function`` or ``command``
-    is the agent; ``eos_id`` pads a failed episode without calls."""
+    is the agent (a command may start with an ``srun`` prefix, :func:`agent_step_prefix`); ``eos_id`` pads a
+    failed episode without calls."""
 
     async def generate(client, sample: Sample, sampling_params: dict) -> Sample:
         item = task_item(sample)
@@ -115,12 +140,14 @@ def fill_sample(sample: Sample, session: Session, answer: Optional[str], failure
                            agent_tool_calls=sum("<tool_call>" in c.text for c in session.calls))
     if failure is not None:
         sample.status = Status.FAILED
-        sample.metadata["agent_failure"] = failure
+        sample.metadata.update(agent_failure=failure, reward_source="agent_failure")
         sample.reward = float(failure_reward)
         sample.response = answer or ""
         return sample
     sample.response = answer if answer is not None else (last.text if last is not None else "")
     sample.status = Status.TRUNCATED if last is not None and last.finish_reason == "length" else Status.COMPLETED
-    if session.reward is not None:
+    sample.metadata.pop("reward_source", None)
+    if session.reward is not None:  # posted by the agent: the scorer is not asked
         sample.reward = float(session.reward)
+        sample.metadata["reward_source"] = "agent"
     return sample

@@ -82,6 +82,10 @@ class RolloutSection:
     """Put the real ``sglang-router`` in front of the engines."""
     agent: AgentSection = field(default_factory=AgentSection)
     """Agentic rollouts over HTTP (off unless ``agent.function`` or ``agent.command`` is set)."""
+    agent_step: bool = False
+    """On Slurm, run each episode of ``agent.command`` as its own job step (``srun --overlap``, on the rollout's
+    het group when there is one) instead of where the controller runs; the gateway then listens on all
+    interfaces and agents reach it by the controller node's address."""
     request_timeout_s: float = 600.0
     max_retries: int = 3
     heartbeat_interval_s: float = 10.0
@@ -167,6 +171,10 @@ def check_agent(cfg: "Config", check_files: bool) -> None:
     a = cfg.rollout.agent
     require(not (a.function and a.command), "rollout.agent", "function and command",
             "names two agents", "set rollout.agent.function or rollout.agent.command, not both")
+    if cfg.rollout.agent_step:
+        require(bool(a.command), "rollout.agent_step", True,
+                "runs each episode of rollout.agent.command as a job step, and no command is set",
+                "set rollout.agent.command (a Python function runs in the controller), or agent_step: false")
     if not a.enabled:
         return
     require(a.timeout_s > 0, "rollout.agent.timeout_s", a.timeout_s, "must be > 0", "e.g. 120")

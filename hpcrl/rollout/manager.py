@@ -182,15 +182,27 @@ class RolloutManager:
         context = int(getattr(AutoConfig.from_pretrained(str(self.model_path)), "max_position_embeddings", 0)
                       or 1 << 20)
         template = Path(a.chat_template).read_text() if a.chat_template else None
+        command = list(a.command)
+        host, public = "127.0.0.1", None
+        if self.cfg.rollout.agent_step:  # episodes on other nodes: listen on all interfaces
+            import socket
+
+            from hpcrl.agent.runner import agent_step_prefix
+
+            het = 1 if self.cfg.run.placement == "disaggregate" and self.cfg.slurm.rollout is not None else None
+            command = agent_step_prefix(f"{self.cfg.run.name}-agent", het) + command
+            host, public = "0.0.0.0", socket.gethostbyname(socket.gethostname())
         gateway = AgentGateway(generate, tokenizer, sampling_params(self.cfg.rollout), context,
-                               chat_template=template, tool_parser=a.tool_parser)
+                               chat_template=template, tool_parser=a.tool_parser, host=host,
+                               public_host=public)
         await gateway.start()
         logging.getLogger("hpcrl.agent").info("agent gateway at %s", gateway.url)
         for name in ("httpx", "httpx2"):  # in-process OpenAI clients log every request at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
         function = load_function(a.function) if a.function else None
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-        return gateway, agent_generate(gateway, function, list(a.command), a.timeout_s, a.failure_reward, eos)
+        return gateway, agent_generate(gateway, function, command if a.command else [], a.timeout_s,
+                                       a.failure_reward, eos)
 
     async def _start_monitor(self, launched, key: str) -> None:
         """The health monitor (:mod:`hpcrl.rollout.health`): engines that die or hang are restarted by the

@@ -223,7 +223,9 @@ async def _generate_group(cfg, ctx: RolloutContext, group: list[Sample], params:
         calls.append(ctx.generate_fn(client, s, p))
     await asyncio.gather(*calls)
     if all(s.status != Status.ABORTED for s in group):
-        unscored = [s for s in group if s.reward is None]  # an agent's posted reward or a failed episode's stays
+        # a reward the generate function fixed (an agent's posted one, a failed episode's) is kept; every other
+        # sample is scored, also again when a finished group is served a second time (held back)
+        unscored = [s for s in group if "reward_source" not in s.metadata]
         rewards = await asyncio.gather(*(ctx.reward_fn(s) for s in unscored))
         for s, r in zip(unscored, rewards):
             s.reward = r

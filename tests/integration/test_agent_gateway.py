@@ -9,6 +9,7 @@ when the ids trained on are the ids the engine saw and produced.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import textwrap
 
@@ -159,6 +160,8 @@ def test_failed_episodes_have_a_reason_and_never_hang(engine, tmp_path):
         r = await c.chat.completions.create(model="p", messages=msgs, max_tokens=3)
         return r.choices[0].message.content
 
+    sleep_cmd = [sys.executable, "-c", "import os, time; open(%r, 'w').write(str(os.getpid())); time.sleep(60)"
+                 % str(tmp_path / "sleeper.pid")]
     crash = tmp_path / "crash.py"
     crash.write_text("import sys\nsys.stderr.write('tool server unreachable\\n')\nsys.exit(3)\n")
 
@@ -166,7 +169,8 @@ def test_failed_episodes_have_a_reason_and_never_hang(engine, tmp_path):
         out = {}
         for name, fn, cmd, timeout in (("timeout", sleeper, [], 1.0), ("no_calls", silent, [], 30),
                                        ("crash", None, [sys.executable, str(crash)], 30),
-                                       ("rewrite", rewriter, [], 30)):
+                                       ("rewrite", rewriter, [], 30),
+                                       ("cmd_timeout", None, sleep_cmd, 1.0)):
             gen = agent_generate(gateway, fn, cmd, timeout_s=timeout, failure_reward=-1.0, eos_id=2)
             t0 = asyncio.get_running_loop().time()
             out[name] = (await gen(client, Sample(prompt="1"), {}), asyncio.get_running_loop().time() - t0)
@@ -181,6 +185,10 @@ def test_failed_episodes_have_a_reason_and_never_hang(engine, tmp_path):
     s, _ = out["crash"]
     assert s.status == Status.FAILED and "status 3" in s.metadata["agent_failure"]
     assert "tool server unreachable" in s.metadata["agent_failure"]
+    s, secs = out["cmd_timeout"]  # the command is ended with its process group, not waited for
+    assert s.status == Status.FAILED and "timeout_s=1" in s.metadata["agent_failure"] and secs < 5
+    pid = int((tmp_path / "sleeper.pid").read_text())
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     s, _ = out["rewrite"]  # the rewritten history split the episode: the sample is the last chain
     assert s.status != Status.FAILED and s.metadata["agent_chains"] == 2 and all(s.loss_mask)
 

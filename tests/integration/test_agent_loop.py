@@ -57,6 +57,13 @@ TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}={{ m['cont
 
 
 def run_agent(tmp_path: Path, name: str, *overrides: str, timeout: int = 600):
+    """`hpcrl run` of the agent config (:func:`write_agent_run`) with ``overrides``."""
+    return run_config(tmp_path, write_agent_run(tmp_path, name), name, *overrides, timeout=timeout)
+
+
+def write_agent_run(tmp_path: Path, name: str) -> Path:
+    """``tmp_path/run.yaml`` (run ``name``: the tiny model, 2 steps of 2 prompts x 2 episodes of the two-turn
+    function agent) and the modules it names; returns the config path."""
     (tmp_path / "agent_mod.py").write_text(AGENT_MODULE)
     (tmp_path / "chat.jinja").write_text(TEMPLATE)
     cfg = tmp_path / "run.yaml"
@@ -71,7 +78,7 @@ def run_agent(tmp_path: Path, name: str, *overrides: str, timeout: int = 600):
         train: {{lr: 1.0e-3, micro_batch_size: 4}}
         checkpoint: {{save_interval: 0}}
     """))
-    return run_config(tmp_path, cfg, name, *overrides, timeout=timeout)
+    return cfg
 
 
 def rows(tmp_path: Path, name: str) -> list[dict]:
@@ -114,10 +121,31 @@ def test_agent_run_on_slurm(tmp_path, slurm_cluster, monkeypatch):
     """``hpcrl submit`` of the sync agent run on the local cluster: the gateway runs in the controller (the
     trainer's job step) and the agent where the controller runs; the job completes with every episode
     trained."""
-    run_agent(tmp_path, "prepare", "run.num_rollout=0")  # writes run.yaml and the modules; creates the model
+    write_agent_run(tmp_path, "agent-slurm")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    state, _, logs = submit_and_wait(tmp_path, "run.yaml", "run.name=agent-slurm", "slurm.cpus_per_task=2",
-                                     "slurm.time=00:10:00")
+    state, _, logs, _ = submit_and_wait(tmp_path, "run.yaml", "slurm.cpus_per_task=2",
+                                        "slurm.time=00:10:00")
     assert state == "COMPLETED", logs
     steps = [r for r in rows(tmp_path, "agent-slurm") if r["step"] >= 0]
     assert len(steps) == 2 and all(r["rollout/agent_calls"] == 2 and r["rollout/agent_failed"] == 0 for r in steps)
+
+
+def test_agent_episodes_as_their_own_job_steps_on_slurm(tmp_path, slurm_cluster, monkeypatch):
+    """``rollout.agent_step: true``: every episode of the command agent is a job step of the run's job (sacct
+    lists them by name), reaching the gateway by the controller's address; the job completes."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "agent_calculator" / "agent_cmd.py"
+    write_agent_run(tmp_path, "agent-steps")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    state, _, logs, job_id = submit_and_wait(
+        tmp_path, "run.yaml", "slurm.cpus_per_task=2", "slurm.time=00:10:00",
+        "rollout.agent.function=null", f"rollout.agent.command=[{sys.executable}, {example}]",
+        "rollout.agent_step=true")
+    assert state == "COMPLETED", logs
+    steps = [r for r in rows(tmp_path, "agent-steps") if r["step"] >= 0]
+    assert len(steps) == 2 and all(r["rollout/agent_calls"] == 1 and r["rollout/agent_failed"] == 0 for r in steps)
+    import subprocess
+
+    names = subprocess.run(["sacct", "-n", "-P", "-j", job_id, "--format=JobName,State"], capture_output=True,
+                           text=True, timeout=60).stdout.split()
+    agent_steps = [n for n in names if n.startswith("agent-steps-agent|")]
+    assert len(agent_steps) == 2 * 2 * 2 and all(n.endswith("|COMPLETED") for n in agent_steps), names

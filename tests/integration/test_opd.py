@@ -100,9 +100,9 @@ def test_teacher_engine_scores_like_the_rollout_engine_and_is_replaced_when_kill
 
 @pytest.mark.slurm
 @pytest.mark.timeout(900)
-def submit_and_wait(cwd: Path, *args: str, timeout_s: float = 600) -> tuple[str, Path, str]:
+def submit_and_wait(cwd: Path, *args: str, timeout_s: float = 600) -> tuple[str, Path, str, str]:
     """``hpcrl submit ARGS`` in ``cwd`` on the local cluster, waited for (cancelled whatever happens):
-    ``(final state, run folder, tail of the submitit logs)``."""
+    ``(final state, run folder, tail of the submitit logs, job id)``."""
     from hpcrl.slurm.state import FINAL_STATES, query_states
 
     out = subprocess.run([str(Path(sys.executable).with_name("hpcrl")), "submit", *args], cwd=cwd,
@@ -118,7 +118,7 @@ def submit_and_wait(cwd: Path, *args: str, timeout_s: float = 600) -> tuple[str,
     finally:
         subprocess.run(["scancel", job_id], timeout=30)  # nothing left in the queue, whatever happened
     logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((run_dir / "submitit").glob("*")))
-    return query_states([job_id])[job_id], run_dir, logs
+    return query_states([job_id])[job_id], run_dir, logs, job_id
 
 
 def test_teacher_engines_run_as_their_own_job_step_on_slurm(tmp_path, tiny_model_dir, slurm_cluster, monkeypatch):
@@ -128,7 +128,7 @@ def test_teacher_engines_run_as_their_own_job_step_on_slurm(tmp_path, tiny_model
     steps = 8
     write_run(tmp_path, tiny_model_dir, steps)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    state, run_dir, logs = submit_and_wait(tmp_path, "run.yaml", "slurm.cpus_per_task=2", "slurm.time=00:10:00")
+    state, run_dir, logs, _ = submit_and_wait(tmp_path, "run.yaml", "slurm.cpus_per_task=2", "slurm.time=00:10:00")
     assert state == "COMPLETED", logs
     assert_teacher_scored(run_dir, steps)
     address = json.loads((run_dir / "logs" / "attempt-0" / "teacher-same" / "engines" / "engine-0.json").read_text())

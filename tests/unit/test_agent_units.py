@@ -92,3 +92,17 @@ def test_agent_config_is_checked_on_the_login_node(tmp_path):
         check(f"rollout.agent.command=[{script}]", "rollout.agent.timeout_s=0")
     with pytest.raises(ConfigError, match="rollout.agent.function"):
         check("rollout.agent.function=no_such_module.agent")
+
+
+def test_agent_step_needs_a_command_and_a_slurm_job(tmp_path):
+    from hpcrl.agent.runner import agent_step_prefix
+    from hpcrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.agent_step"):
+        load_config(None, [f"model.path={tmp_path / 'm'}", "model.create=tiny-qwen2", "rollout.agent_step=true",
+                           "rollout.agent.function=os.getcwd"])
+    assert agent_step_prefix("r-agent", 1, {"SLURM_JOB_ID": "42"}) == [
+        "srun", "--jobid=42", "--overlap", "--mem=0", "--ntasks=1", "--nodes=1", "--kill-on-bad-exit=1", "--quiet",
+        "--job-name=r-agent", "--het-group=1"]
+    with pytest.raises(RuntimeError, match="needs a Slurm job"):
+        agent_step_prefix("r-agent", None, {})
