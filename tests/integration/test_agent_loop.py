@@ -1,6 +1,7 @@
-"""Agentic RL end to end (issue #17 point 5): ``hpcrl run`` with ``rollout.agent`` on the tiny model, sync and
-async, the agent a dotted-path function that talks to the gateway with the ``openai`` package (two turns per
-episode), and a command agent written without hpcrl imports.
+"""Agentic RL end to end (issue #17 point 5): ``hpcrl run`` with ``rollout.agent`` on the tiny model: sync with
+a dotted-path function agent that talks to the gateway with the ``openai`` package (two turns per episode),
+async with the example's command agent written without hpcrl imports, and on the local Slurm cluster with each
+episode as its own job step.
 
 The tiny random model cannot add, so the reward is the answer's share of digits (a real signal, as in
 test_loop.py); what is checked is that episodes become trained samples: every sample has two calls and one
@@ -86,66 +87,52 @@ def rows(tmp_path: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+EXAMPLE_COMMAND = Path(__file__).resolve().parents[2] / "examples" / "agent_calculator" / "agent_cmd.py"
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_agent_episodes_train(tmp_path, mode):
-    extra = ("run.mode=async", "run.placement=disaggregate") if mode == "async" else ()
+    """Sync: the two-turn function agent. Async: the example's command agent
+    (examples/agent_calculator/agent_cmd.py: the openai package, no hpcrl import; the random tiny model writes
+    no tool call, so each of its episodes is one call)."""
+    extra = (("run.mode=async", "run.placement=disaggregate", "rollout.agent.function=null",
+              f"rollout.agent.command=[{sys.executable}, {EXAMPLE_COMMAND}]") if mode == "async" else ())
     out = run_agent(tmp_path, f"agent-{mode}", *extra)
     assert out.returncode == 0, out.log[-3000:]
     steps = [r for r in rows(tmp_path, f"agent-{mode}") if r["step"] >= 0]
     assert len(steps) == 2
     for r in steps:
-        assert r["rollout/agent_calls"] == 2 and r["rollout/agent_failed"] == 0
+        assert r["rollout/agent_calls"] == (2 if mode == "sync" else 1) and r["rollout/agent_failed"] == 0
         assert r["rollout/agent_split_episodes"] == 0
         assert r["train/grad_norm"] > 0
     assert "agent gateway at http://127.0.0.1:" in out.log
 
 
-def test_a_command_agent_and_a_non_executable_one(tmp_path):
+def test_a_non_executable_agent_command_is_refused_before_anything_starts(tmp_path):
     script = tmp_path / "agent.py"
-    script.write_text(COMMAND_AGENT.format(python=sys.executable))
-    # refused on the login node, before anything starts
+    script.write_text(COMMAND_AGENT.format(python=sys.executable))  # not chmod +x
     bad = run_agent(tmp_path, "agent-cmd", f"rollout.agent.command=[{script}]", "rollout.agent.function=null")
     assert bad.returncode != 0 and "rollout.agent.command" in bad.log and "not an executable" in bad.log
     assert not (tmp_path / "runs" / "agent-cmd" / "metrics.jsonl").exists()
-    # the example's command agent (examples/agent_calculator/agent_cmd.py: openai package, no hpcrl import); the
-    # random tiny model writes no tool call, so each episode is one call
-    example = Path(__file__).resolve().parents[2] / "examples" / "agent_calculator" / "agent_cmd.py"
-    out = run_agent(tmp_path, "agent-cmd", f"rollout.agent.command=[{sys.executable}, {example}]",
-                    "rollout.agent.function=null", "run.num_rollout=1")
-    assert out.returncode == 0, out.log[-3000:]
-    (step,) = [r for r in rows(tmp_path, "agent-cmd") if r["step"] >= 0]
-    assert step["rollout/agent_calls"] == 1 and step["rollout/agent_failed"] == 0
-
-
-def test_agent_run_on_slurm(tmp_path, slurm_cluster, monkeypatch):
-    """``hpcrl submit`` of the sync agent run on the local cluster: the gateway runs in the controller (the
-    trainer's job step) and the agent where the controller runs; the job completes with every episode
-    trained."""
-    write_agent_run(tmp_path, "agent-slurm")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    state, _, logs, _ = submit_and_wait(tmp_path, "run.yaml", "slurm.cpus_per_task=2",
-                                        "slurm.time=00:10:00")
-    assert state == "COMPLETED", logs
-    steps = [r for r in rows(tmp_path, "agent-slurm") if r["step"] >= 0]
-    assert len(steps) == 2 and all(r["rollout/agent_calls"] == 2 and r["rollout/agent_failed"] == 0 for r in steps)
 
 
 def test_agent_episodes_as_their_own_job_steps_on_slurm(tmp_path, slurm_cluster, monkeypatch):
-    """``rollout.agent_step: true``: every episode of the command agent is a job step of the run's job (sacct
-    lists them by name), reaching the gateway by the controller's address; the job completes."""
-    example = Path(__file__).resolve().parents[2] / "examples" / "agent_calculator" / "agent_cmd.py"
+    """On Slurm the gateway runs in the controller (the trainer's job step); with ``rollout.agent_step: true``
+    every episode of the command agent is a job step of the run's job (sacct lists them by name), reaching the
+    gateway by the controller's address; the job completes with every episode trained. (Agents run in the
+    controller's process or beside it on Slurm as locally: test_agent_episodes_train.)"""
     write_agent_run(tmp_path, "agent-steps")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     state, _, logs, job_id = submit_and_wait(
-        tmp_path, "run.yaml", "slurm.cpus_per_task=2", "slurm.time=00:10:00",
-        "rollout.agent.function=null", f"rollout.agent.command=[{sys.executable}, {example}]",
+        tmp_path, "run.yaml", "slurm.cpus_per_task=2", "slurm.time=00:10:00", "run.num_rollout=1",
+        "rollout.agent.function=null", f"rollout.agent.command=[{sys.executable}, {EXAMPLE_COMMAND}]",
         "rollout.agent_step=true")
     assert state == "COMPLETED", logs
     steps = [r for r in rows(tmp_path, "agent-steps") if r["step"] >= 0]
-    assert len(steps) == 2 and all(r["rollout/agent_calls"] == 1 and r["rollout/agent_failed"] == 0 for r in steps)
+    assert len(steps) == 1 and all(r["rollout/agent_calls"] == 1 and r["rollout/agent_failed"] == 0 for r in steps)
     import subprocess
 
     names = subprocess.run(["sacct", "-n", "-P", "-j", job_id, "--format=JobName,State"], capture_output=True,
                            text=True, timeout=60).stdout.split()
     agent_steps = [n for n in names if n.startswith("agent-steps-agent|")]
-    assert len(agent_steps) == 2 * 2 * 2 and all(n.endswith("|COMPLETED") for n in agent_steps), names
+    assert len(agent_steps) == 2 * 2 and all(n.endswith("|COMPLETED") for n in agent_steps), names
