@@ -21,17 +21,17 @@ the sample's, so a deterministic run stays deterministic.
 
 from __future__ import annotations
 
+import copy
 import hmac
 import json
 import logging
-import time
 from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
 from hpcrl.agent.session import Call, Session, extend_prompt
 from hpcrl.agent.tools import parse_tool_calls
-from hpcrl.engine import openai_api
+from hpcrl.engine import openai_api, protocol
 
 logger = logging.getLogger(__name__)
 
@@ -125,17 +125,12 @@ class AgentGateway:
         return await handler(request)
 
     @staticmethod
-    def _error(e: openai_api.OpenAIError) -> web.Response:
-        return web.json_response(e.body(), status=e.status)
-
-    async def _json(self, request: web.Request) -> dict:
+    async def _json(request: web.Request) -> dict:
+        """The JSON object body ({} when empty). Raises OpenAIError (400) on anything else."""
         try:
-            body = json.loads(await request.read() or b"{}")
-        except ValueError as e:
-            raise openai_api.OpenAIError(f"invalid JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise openai_api.OpenAIError("request body must be a JSON object")
-        return body
+            return protocol.parse_json_body(await request.read())
+        except protocol.RequestError as e:
+            raise openai_api.OpenAIError(str(e)) from None
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -152,7 +147,7 @@ class AgentGateway:
             if isinstance(reward, bool) or not isinstance(reward, (int, float)):
                 raise openai_api.OpenAIError(f"reward must be a number, got {reward!r}", param="reward")
         except openai_api.OpenAIError as e:
-            return self._error(e)
+            return e.response()
         session.reward = float(reward)
         return web.json_response({"session_id": session.session_id, "reward": session.reward})
 
@@ -186,7 +181,6 @@ class AgentGateway:
             raise openai_api.OpenAIError(f"the conversation has {len(ids)} tokens, the context is "
                                          f"{self.context_len}", param="messages")
         sp = dict(sp, max_new_tokens=min(int(sp.get("max_new_tokens", room)), room))
-        t0 = time.monotonic()
         out = await self.generate(ids, sp)
         meta = out.get("meta_info") or {}
         triples = meta.get("output_token_logprobs") or []
@@ -196,8 +190,7 @@ class AgentGateway:
                     if isinstance(matched, int) and output_ids and output_ids[-1] == matched else "")
         call = Call(prompt_ids=ids, output_ids=output_ids, output_log_probs=[float(t[0]) for t in triples],
                     weight_version=meta.get("weight_version"), finish_reason=reason,
-                    text=out.get("text") or "", rendered=text, end_text=end_text, parent=parent,
-                    seconds=time.monotonic() - t0)
+                    text=out.get("text") or "", rendered=text, end_text=end_text, parent=parent)
         if session.closed:  # the episode ended (timeout) while this call ran: not part of it
             raise openai_api.OpenAIError("the session is closed", 401, "AuthenticationError")
         session.calls.append(call)
@@ -212,10 +205,10 @@ class AgentGateway:
             text = self._render(session, req)
             out, call = await self._call(session, text, self._params(session, req))
         except openai_api.OpenAIError as e:
-            return self._error(e)
+            return e.response()
         except Exception as e:  # noqa: BLE001 - the engines failed for good (RolloutError): the agent sees 503
             logger.warning("agent session %s: generation failed: %s", session.session_id, e)
-            return self._error(openai_api.OpenAIError(f"generation failed: {e}", 503, "ServiceUnavailableError"))
+            return openai_api.OpenAIError(f"generation failed: {e}", 503, "ServiceUnavailableError").response()
         resp = openai_api.chat_response(self.tokenizer, req, [out], openai_api.new_id("chatcmpl"))
         if self.tool_parser:
             content, calls = parse_tool_calls(resp["choices"][0]["message"]["content"] or "", self.tool_parser)
@@ -234,24 +227,17 @@ class AgentGateway:
                                          param="messages")
         by_tool_id = {tid: c for c in session.calls for tid in c.tool_call_ids}
         msgs = []
-        for i, m in enumerate(req.messages):
-            m = dict(m)
-            m["content"] = openai_api.message_text(m.get("content"), f"messages[{i}]")
+        for m in req.messages:
             ids = [tc.get("id") for tc in m.get("tool_calls") or [] if isinstance(tc, dict)]
             if m.get("role") == "assistant" and ids and ids[0] in by_tool_id:
                 # a reply whose tool calls this gateway parsed: rendered as the policy wrote it
                 m = {"role": "assistant", "content": by_tool_id[ids[0]].text}
             elif m.get("tool_calls"):  # arguments as objects, as chat templates (Hermes, Qwen) expect them
-                m["tool_calls"] = [_tool_call_for_template(tc) for tc in m["tool_calls"]]
+                m = dict(m, tool_calls=[_tool_call_for_template(tc) for tc in m["tool_calls"]])
             msgs.append(m)
         tools = None if req.tool_choice == "none" else req.tools
-        try:
-            return self.tokenizer.apply_chat_template(msgs, tools=tools, chat_template=self.chat_template,
-                                                      tokenize=False, add_generation_prompt=True,
-                                                      **(req.chat_template_kwargs or {}))
-        except Exception as e:  # noqa: BLE001 - the request's messages broke the template
-            raise openai_api.OpenAIError(f"chat template failed: {type(e).__name__}: {e}",
-                                         param="messages") from None
+        return openai_api.render_chat_text(self.tokenizer, self.chat_template, msgs, tools,
+                                           kwargs=req.chat_template_kwargs)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         session = request[SESSION]
@@ -262,9 +248,9 @@ class AgentGateway:
                 raise openai_api.OpenAIError("the gateway takes one text prompt per call", param="prompt")
             out, _ = await self._call(session, req.prompt, self._params(session, req))
         except openai_api.OpenAIError as e:
-            return self._error(e)
+            return e.response()
         except Exception as e:  # noqa: BLE001 - the engines failed for good: the agent sees 503
-            return self._error(openai_api.OpenAIError(f"generation failed: {e}", 503, "ServiceUnavailableError"))
+            return openai_api.OpenAIError(f"generation failed: {e}", 503, "ServiceUnavailableError").response()
         resp = openai_api.completion_response(self.tokenizer, req, [out], openai_api.new_id("cmpl"))
         if req.stream:
             return await self._as_stream(request, resp)
@@ -273,21 +259,21 @@ class AgentGateway:
     @staticmethod
     async def _as_stream(request: web.Request, resp: dict) -> web.StreamResponse:
         """A finished response as OpenAI server-sent events (one chunk with everything, then ``[DONE]``)."""
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        out = web.StreamResponse(headers=protocol.SSE_HEADERS)
         await out.prepare(request)
         chunk = dict(resp)
         if resp["object"] == "chat.completion":
             chunk["object"] = "chat.completion.chunk"
             chunk["choices"] = [{"index": c["index"], "delta": c["message"], "logprobs": c["logprobs"],
                                  "finish_reason": c["finish_reason"]} for c in resp["choices"]]
-        await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")
+        await out.write(protocol.sse_event(chunk))
+        await out.write(protocol.sse_event("[DONE]"))
         await out.write_eof()
         return out
 
 
 def _tool_call_for_template(tc: dict) -> dict:
-    tc = json.loads(json.dumps(tc))
+    tc = copy.deepcopy(tc)
     fn = tc.get("function") or {}
     args = fn.get("arguments")
     if isinstance(args, str):

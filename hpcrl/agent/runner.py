@@ -18,6 +18,7 @@ others are not trained: groups have a fixed size).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -54,17 +55,14 @@ async def run_command(command: list[str], item: dict, base_url: str, session: Se
     try:
         out, err = await proc.communicate(json.dumps(item).encode() + b"\n")
     except BaseException:  # a timeout: SIGTERM first (srun then ends its job step), SIGKILL after 2 s
-        for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, None)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), wait_s)
-                break
-            except asyncio.TimeoutError:
-                continue
-        await proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 2.0)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
         raise
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip()[-STDERR_TAIL_CHARS:]
@@ -126,7 +124,7 @@ def fill_sample(sample: Sample, session: Session, answer: Optional[str], failure
                 failure_reward: float, eos_id: int) -> Sample:
     """Replace ``sample``'s tokens and response with the episode's last chain (see the module docstring)."""
     chains = build_trajectories(session.calls)
-    last = next((t for t in chains if t.calls[-1] == len(session.calls) - 1), None)
+    last = chains[-1] if chains else None  # the last call's chain: chains come in the order of their last calls
     if last is not None:
         sample.tokens = list(last.prompt_ids) + list(last.response_ids)
         sample.response_length = len(last.response_ids)

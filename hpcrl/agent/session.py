@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-import time
 from typing import Any, Optional
 
 
@@ -46,7 +45,6 @@ class Call:
     these ids as the policy wrote it)."""
     parent: Optional[int] = None
     """Index of the call this one extends (its prompt starts with that call's prompt + output), or None."""
-    seconds: float = 0.0
 
     @property
     def ids(self) -> list[int]:
@@ -67,7 +65,6 @@ class Session:
     seed: Optional[int] = None
     """Sampling seed of the episode's first call (call ``k`` uses ``seed + k``); None: unseeded."""
     closed: bool = False
-    opened: float = dataclasses.field(default_factory=time.monotonic)
 
     @staticmethod
     def new(item: dict[str, Any], seed: Optional[int] = None) -> "Session":

@@ -19,12 +19,15 @@ with neither answers chat requests with 400. ``tools`` are passed to the templat
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hpcrl.engine.protocol import is_off
 
 
 class OpenAIError(Exception):
@@ -39,6 +42,10 @@ class OpenAIError(Exception):
         """SGLang's ``ErrorResponse`` JSON."""
         return {"object": "error", "message": str(self), "type": self.err_type, "param": self.param,
                 "code": self.status}
+
+    def response(self) -> web.Response:
+        """The HTTP answer: :meth:`body` with :attr:`status`."""
+        return web.json_response(self.body(), status=self.status)
 
 
 # SGLang fields not implemented here, with the values that mean "off" (anything else is a 400).
@@ -179,8 +186,7 @@ def parse(model: type[BaseModel], body: Any, unsupported: dict[str, tuple] | Non
     if not isinstance(body, dict):
         raise OpenAIError("request body must be a JSON object")
     for key, offs in (unsupported or {}).items():
-        if key in body and not any(body[key] == off and isinstance(body[key], bool) == isinstance(off, bool)
-                                   for off in offs):
+        if key in body and not is_off(body[key], offs):
             raise OpenAIError(f"{key}={body[key]!r:.80} is not supported by the hpcrl CPU engine; leave it "
                               "unset", param=key)
     try:
@@ -207,27 +213,36 @@ def message_text(content: Any, where: str) -> Optional[str]:
     raise OpenAIError(f"{where}.content must be a string or a list of text parts", param="messages")
 
 
-def render_chat(tokenizer, template: Optional[str], messages: list[dict], tools: Optional[list[dict]] = None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False,
-                kwargs: Optional[dict] = None) -> list[int]:
-    """Token ids ``[tokens]`` of ``messages`` rendered by the chat ``template`` (jinja, as transformers renders
-    it) and encoded without extra special tokens (the template writes its own). Raises OpenAIError when there
-    is no template or the template fails."""
-    if not template:
-        raise OpenAIError("the served model has no chat template; start the engine with --chat-template FILE "
-                          "or use /v1/completions", param="messages")
+def render_chat_text(tokenizer, template: str, messages: list[dict], tools: Optional[list[dict]] = None,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     kwargs: Optional[dict] = None) -> str:
+    """``messages`` (contents as :func:`message_text` reads them) rendered by the jinja chat ``template`` as
+    transformers renders it, with ``tools`` and the template's ``kwargs``. Raises OpenAIError for bad contents or
+    when the template fails."""
     msgs = []
     for i, m in enumerate(messages):
         m = dict(m)
         m["content"] = message_text(m.get("content"), f"messages[{i}]")
         msgs.append(m)
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             msgs, tools=tools, chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **(kwargs or {}))
     except Exception as e:  # noqa: BLE001 - a template error is the request's (jinja, bad roles...)
         raise OpenAIError(f"chat template failed: {type(e).__name__}: {e}", param="messages") from None
+
+
+def render_chat(tokenizer, template: Optional[str], messages: list[dict], tools: Optional[list[dict]] = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                kwargs: Optional[dict] = None) -> list[int]:
+    """Token ids ``[tokens]`` of :func:`render_chat_text`, encoded without extra special tokens (the template
+    writes its own). Raises OpenAIError when there is no template or rendering fails."""
+    if not template:
+        raise OpenAIError("the served model has no chat template; start the engine with --chat-template FILE "
+                          "or use /v1/completions", param="messages")
+    text = render_chat_text(tokenizer, template, messages, tools, add_generation_prompt, continue_final_message,
+                            kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -254,8 +269,8 @@ def completion_logprobs(tokenizer, meta: dict, start: int, text_offset0: int) ->
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)
-    top = [({_token_text(tokenizer, x[1]): x[0] for x in (row or [])} if tops is not None else None)
-           for row in (tops if tops is not None else [None] * len(triples))]
+    top = ([None] * len(triples) if tops is None
+           else [{_token_text(tokenizer, x[1]): x[0] for x in (row or [])} for row in tops])
     return {"text_offset": offsets, "token_logprobs": [t[0] for t in triples], "tokens": tokens,
             "top_logprobs": top}
 
@@ -327,7 +342,7 @@ def native_body(req: _Sampling, prompts: list[list[int]], temperature, top_p, ma
         sps.append(req.sampling_params(temperature, top_p, bound))
     body: dict[str, Any] = {"input_ids": prompts, "sampling_params": sps, "stream": req.stream,
                             "return_prompt_token_ids": req.return_token_ids}
-    if isinstance(req.rid, list) or isinstance(req.rid, str):
+    if req.rid is not None:
         body["rid"] = req.rid
     if top_logprobs is not None:
         body.update(return_logprob=True, top_logprobs_num=top_logprobs)
@@ -361,14 +376,11 @@ class StreamState:
             text = text.rstrip("\ufffd")
             if self.hold:
                 text = text[:max(len(self.sent_text), len(text) - self.hold)]
-        if not text.startswith(self.sent_text):  # cannot happen with the hold-back; send what is new anyway
-            common = 0
-            while common < min(len(text), len(self.sent_text)) and text[common] == self.sent_text[common]:
-                common += 1
-            out = text[common:]
-        else:
-            out = text[len(self.sent_text):]
-        self.sent_text = text if len(text) >= len(self.sent_text) else self.sent_text
+        # normally ``text`` extends what was sent; if decoding more tokens changed earlier characters, what
+        # differs after the common prefix is sent
+        out = text[len(os.path.commonprefix([text, self.sent_text])):]
+        if len(text) >= len(self.sent_text):
+            self.sent_text = text
         return out
 
 

@@ -5,7 +5,6 @@ generation in the server's scheduler (:class:`hpcrl.engine.server.EngineServer`)
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -55,38 +54,37 @@ def _spec(server: "EngineServer", body: dict, chat: bool) -> tuple[Any, protocol
     except protocol.RequestError as e:
         raise openai_api.OpenAIError(str(e)) from None
 
+
 async def _completions(server: "EngineServer", request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         req, spec = _spec(server, await server.read_body(request), chat)
     except protocol.RequestError as e:  # invalid JSON
-        return web.json_response(openai_api.OpenAIError(str(e)).body(), status=400)
+        return openai_api.OpenAIError(str(e)).response()
     except openai_api.OpenAIError as e:
-        return web.json_response(e.body(), status=e.status)
+        return e.response()
     rid = openai_api.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
         return await _stream(server, request, req, spec, rid, chat)
     try:
         results = await server.collect(spec)
     except EngineUnavailable as e:
-        return web.json_response(openai_api.OpenAIError(str(e), 503, "ServiceUnavailableError").body(),
-                                 status=503)
+        return openai_api.OpenAIError(str(e), 503, "ServiceUnavailableError").response()
     failed = protocol.engine_failure(results)
     if failed is not None:
-        return web.json_response(openai_api.OpenAIError(failed[0], failed[1], "InternalServerError").body(),
-                                 status=failed[1])
+        return openai_api.OpenAIError(failed[0], failed[1], "InternalServerError").response()
     build = openai_api.chat_response if chat else openai_api.completion_response
     return web.json_response(build(server.tokenizer, req, results, rid))
 
+
 async def _stream(server: "EngineServer", request: web.Request, req, spec: protocol.GenerateSpec, rid: str,
-                         chat: bool) -> web.StreamResponse:
+                  chat: bool) -> web.StreamResponse:
     """OpenAI's server-sent events: one chunk per new text of a choice, then a ``usage`` chunk when asked,
     then ``data: [DONE]``."""
     try:
         queue = server.updates(spec)
     except EngineUnavailable as e:
-        return web.json_response(openai_api.OpenAIError(str(e), 503, "ServiceUnavailableError").body(),
-                                 status=503)
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        return openai_api.OpenAIError(str(e), 503, "ServiceUnavailableError").response()
+    resp = web.StreamResponse(headers=protocol.SSE_HEADERS)
     await resp.prepare(request)
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -94,8 +92,8 @@ async def _stream(server: "EngineServer", request: web.Request, req, spec: proto
     finals: list[dict | None] = [None] * len(spec.rows)
     want_lp = req.logprobs if chat else req.logprobs is not None
 
-    async def send(payload: dict) -> None:
-        await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    async def send(payload: dict | str) -> None:
+        await resp.write(protocol.sse_event(payload))
 
     left = len(spec.rows)
     try:
@@ -139,20 +137,23 @@ async def _stream(server: "EngineServer", request: web.Request, req, spec: proto
             if req.stream_options is not None and req.stream_options.include_usage:
                 await send({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
                             "usage": openai_api.usage(finals, req.n)})
-        await resp.write(b"data: [DONE]\n\n")
+        await send("[DONE]")
     except (asyncio.CancelledError, ConnectionResetError):
         server.abort_spec(spec, "Abort: the client disconnected.")
         raise
     await resp.write_eof()
     return resp
 
+
 async def v1_completions(server: "EngineServer", request: web.Request) -> web.StreamResponse:
     """``/v1/completions`` (OpenAI; :mod:`hpcrl.engine.openai_api`)."""
     return await _completions(server, request, chat=False)
 
+
 async def v1_chat_completions(server: "EngineServer", request: web.Request) -> web.StreamResponse:
     """``/v1/chat/completions`` (OpenAI; the chat template renders ``messages``)."""
     return await _completions(server, request, chat=True)
+
 
 async def tokenize(server: "EngineServer", request: web.Request) -> web.Response:
     """``/tokenize`` and ``/v1/tokenize``: ``{"tokens", "count", "max_model_len"}`` (lists for a list of
@@ -174,24 +175,25 @@ async def tokenize(server: "EngineServer", request: web.Request) -> web.Response
                       for p in req.prompt]
             count = [len(t) for t in tokens]
     except protocol.RequestError as e:
-        return web.json_response(openai_api.OpenAIError(str(e)).body(), status=400)
+        return openai_api.OpenAIError(str(e)).response()
     except openai_api.OpenAIError as e:
-        return web.json_response(e.body(), status=e.status)
+        return e.response()
     return web.json_response({"tokens": tokens, "count": count, "max_model_len": server.context_len})
+
 
 async def detokenize(server: "EngineServer", request: web.Request) -> web.Response:
     """``/detokenize`` and ``/v1/detokenize``: ``{"text"}`` (a list for lists of ids)."""
     try:
         req = openai_api.parse(openai_api.DetokenizeRequest, await server.read_body(request))
     except protocol.RequestError as e:
-        return web.json_response(openai_api.OpenAIError(str(e)).body(), status=400)
+        return openai_api.OpenAIError(str(e)).response()
     except openai_api.OpenAIError as e:
-        return web.json_response(e.body(), status=e.status)
+        return e.response()
     batch = bool(req.tokens) and isinstance(req.tokens[0], list)
     seqs = req.tokens if batch else [req.tokens]
     bad = [t for s in seqs for t in s if not 0 <= t < server.vocab_size]
     if bad:
-        return web.json_response(openai_api.OpenAIError(
-            f"tokens out of range [0, {server.vocab_size}): {bad[:5]}", param="tokens").body(), status=400)
+        return openai_api.OpenAIError(f"tokens out of range [0, {server.vocab_size}): {bad[:5]}",
+                                      param="tokens").response()
     texts = [server.tokenizer.decode(s, skip_special_tokens=req.skip_special_tokens) for s in seqs]
     return web.json_response({"text": texts if batch else texts[0]})

@@ -22,6 +22,7 @@ against SGLang's own schema.
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from typing import Any
 
@@ -94,9 +95,37 @@ def unknown_field(key: str, fields: tuple[str, ...]) -> ContractError:
     return ContractError(f"unknown field `{key}`, expected one of {listed}")
 
 
-def _sampling_off(value: Any, offs: tuple) -> bool:
-    """Whether ``value`` is one of ``offs`` (a bool never equals an int here)."""
+def is_off(value: Any, offs: tuple) -> bool:
+    """Whether ``value`` is one of ``offs``, the values that mean an unimplemented field is off (a bool never
+    equals an int here)."""
     return any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in offs)
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """A request body as a JSON object (``{}`` when empty or null). Raises :class:`RequestError` on invalid
+    JSON or another JSON type."""
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise RequestError(f"invalid JSON body: {e}") from e
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    return body
+
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+"""Headers of a streamed (server-sent events) response, as SGLang sends them."""
+
+
+def sse_event(payload: Any) -> bytes:
+    """One server-sent event ``data: <json>\n\n`` (``[DONE]`` is sent as ``sse_event("[DONE]")``: a plain
+    string is written as it is)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return b"data: " + data.encode() + b"\n\n"
 
 
 def _num(d: dict, key: str, default, kind):
@@ -149,7 +178,7 @@ class SamplingParams:
             if key not in SGLANG_SAMPLING_FIELDS:
                 raise unknown_field(key, SGLANG_SAMPLING_FIELDS)
         for key, offs in SAMPLING_FIELDS_UNSUPPORTED.items():
-            if key in d and not _sampling_off(d[key], offs):
+            if key in d and not is_off(d[key], offs):
                 raise RequestError(f"sampling_params.{key}={d[key]!r} is not supported by the hpcrl CPU "
                                    "engine")
         stop = d.get("stop") or []

@@ -27,7 +27,6 @@ Run: ``python -m hpcrl.engine.server --model-path DIR [--port 30000] [--api-key-
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -45,6 +44,7 @@ from hpcrl.engine.memory import create_memory_saver, normalize_tags
 from hpcrl.engine.scheduler import EngineUnavailable, Job, Scheduler
 from hpcrl.engine.serialize import deserialize_flattened_bucket, deserialize_named_tensors
 from hpcrl.engine.weights import WeightLoader, WeightUpdateError, WeightUpdateGroups
+from hpcrl.models.hf import context_length
 from hpcrl.procs import release_freed_memory_eagerly
 
 logger = logging.getLogger("hpcrl.engine")
@@ -125,7 +125,7 @@ class EngineServer:
         self.model.eval()
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
-        self.context_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
+        self.context_len = context_length(cfg)
         eos: set[int] = set()
         for src in (self.tokenizer.eos_token_id, getattr(cfg, "eos_token_id", None),
                     getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
@@ -179,18 +179,7 @@ class EngineServer:
     @staticmethod
     async def read_body(request: web.Request) -> dict:
         """The JSON body as a dict ({} when empty). Raises protocol.RequestError on invalid JSON."""
-        raw = await request.read()
-        if not raw.strip():
-            return {}
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise protocol.RequestError(f"invalid JSON body: {e}") from e
-        if body is None:
-            return {}
-        if not isinstance(body, dict):
-            raise protocol.RequestError("request body must be a JSON object")
-        return body
+        return protocol.parse_json_body(await request.read())
 
     async def _command(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run ``fn`` in the scheduler thread (between forward passes) and await it for up to ``timeout``
@@ -200,6 +189,7 @@ class EngineServer:
 
     # ------------------------------------------------------------------ generation
     def parse_generate(self, body: dict) -> protocol.GenerateSpec:
+        """:func:`hpcrl.engine.protocol.parse_generate` with this engine's model facts and flags."""
         return protocol.parse_generate(body, self.tokenizer, self.vocab_size, self.context_len,
                                        routed_experts=self.scheduler.routed.layers > 0,
                                        allow_auto_truncate=self.args.allow_auto_truncate)
@@ -207,24 +197,15 @@ class EngineServer:
     async def collect(self, spec: protocol.GenerateSpec) -> list[dict]:
         """Run ``spec`` and return every row's finished response (response order). Raises EngineUnavailable
         when generation is refused; aborts the rows if the client goes away (CancelledError)."""
-        loop = asyncio.get_running_loop()
+        queue = self.updates(spec)
         results: list[dict | None] = [None] * len(spec.rows)
-        done: asyncio.Future = loop.create_future()
-        remaining = [len(spec.rows)]
-
-        def deliver(index: int, response: dict) -> None:
-            results[index] = response
-            remaining[0] -= 1
-            if remaining[0] == 0 and not done.done():
-                done.set_result(None)
-
-        def on_update(index: int, response: dict, finished: bool) -> None:
-            if finished:
-                loop.call_soon_threadsafe(deliver, index, response)
-
-        self.scheduler.submit(Job(spec, on_update))
+        left = len(spec.rows)
         try:
-            await done
+            while left:
+                index, response, finished = await queue.get()
+                if finished:
+                    results[index] = response
+                    left -= 1
         except asyncio.CancelledError:
             self.abort_spec(spec, "Abort: the client disconnected.")
             raise
@@ -243,6 +224,7 @@ class EngineServer:
         return queue
 
     def abort_spec(self, spec: protocol.GenerateSpec, message: str) -> None:
+        """Abort every row of ``spec`` (by its inputs' rids) with ``message``."""
         for base in {row.base_rid for row in spec.rows}:
             self.scheduler.abort(base, message)
 
@@ -268,7 +250,7 @@ class EngineServer:
             queue = self.updates(spec)
         except EngineUnavailable as e:
             return error_response(str(e), 503)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers=protocol.SSE_HEADERS)
         await resp.prepare(request)
         left = len(spec.rows)
         try:
@@ -276,9 +258,9 @@ class EngineServer:
                 index, response, finished = await queue.get()
                 if not spec.is_single:
                     response = {**response, "index": index}
-                await resp.write(b"data: " + json.dumps(response).encode() + b"\n\n")
+                await resp.write(protocol.sse_event(response))
                 left -= finished
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(protocol.sse_event("[DONE]"))
         except (asyncio.CancelledError, ConnectionResetError):
             self.abort_spec(spec, "Abort: the client disconnected.")
             raise

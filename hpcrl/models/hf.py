@@ -33,6 +33,12 @@ class ModelFolderError(FileNotFoundError):
     """The model folder is missing, or is not an HF model folder (no ``config.json``)."""
 
 
+def context_length(config: Any) -> int:
+    """A model's context in tokens from its HF ``config``: ``max_position_embeddings``, or 2**20 when it has
+    none."""
+    return int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
+
+
 def check_supported(config: Any) -> str:
     """Return ``config.model_type`` if it is a supported family, else raise :class:`UnsupportedModelError`.
 

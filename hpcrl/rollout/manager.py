@@ -170,6 +170,7 @@ class RolloutManager:
 
         from hpcrl.agent.gateway import AgentGateway
         from hpcrl.agent.runner import agent_generate
+        from hpcrl.models.hf import context_length
         from hpcrl.plugins import load_function
         from hpcrl.rollout.rollout import sampling_params
 
@@ -179,8 +180,7 @@ class RolloutManager:
         async def generate(ids: list[int], sp: dict) -> dict:
             return await client.generate(ids, sp, return_logprob=True)
 
-        context = int(getattr(AutoConfig.from_pretrained(str(self.model_path)), "max_position_embeddings", 0)
-                      or 1 << 20)
+        context = context_length(AutoConfig.from_pretrained(str(self.model_path)))
         template = Path(a.chat_template).read_text() if a.chat_template else None
         command = list(a.command)
         host, public = "127.0.0.1", None
