@@ -10,9 +10,16 @@ agent's final answer (what the task's scorer reads); a reward the agent posted r
 An episode fails - status FAILED, ``metadata["agent_failure"]`` says why, reward ``rollout.agent.failure_reward``
 - when it times out (a command is killed with its process group), the agent raises or exits non-zero, or it
 made no call. A failed episode with calls keeps its tokens (the policy is pushed away from what led there); one
-without calls has one masked token, so nothing of it is trained. When the agent rewrote its history, the episode
-has several chains: the sample is the chain of the last call, and ``metadata["agent_chains"]`` counts them (the
-others are not trained: groups have a fixed size).
+without calls has one masked token, so nothing of it is trained.
+
+When the agent rewrote or dropped its history, so that its calls no longer extend one another, the episode has
+several prefix chains (:func:`~hpcrl.agent.session.build_trajectories`). Each chain is kept token-exact, never
+re-tokenised: the sample holds them back to back, one ``Sample.segments`` entry per chain (the first chain's
+prompt is the sample's prompt; the later chains' prompts and template glue are masked, their policy tokens
+trained), and the trainer attends within each chain only, with positions restarting at 0, so every chain is
+trained exactly as the engine saw it. The episode stays one sample of its group, with the episode's reward and
+advantage: GRPO compares episodes, and an episode that split counts once. ``metadata["agent_chains"]`` counts
+the chains.
 """
 
 from __future__ import annotations
@@ -122,15 +129,27 @@ def agent_generate(gateway: AgentGateway, function: Optional[AgentFn], command: 
 
 def fill_sample(sample: Sample, session: Session, answer: Optional[str], failure: Optional[str],
                 failure_reward: float, eos_id: int) -> Sample:
-    """Replace ``sample``'s tokens and response with the episode's last chain (see the module docstring)."""
+    """Replace ``sample``'s tokens and response with the episode's chains, one segment each (module
+    docstring)."""
     chains = build_trajectories(session.calls)
     last = chains[-1] if chains else None  # the last call's chain: chains come in the order of their last calls
-    if last is not None:
-        sample.tokens = list(last.prompt_ids) + list(last.response_ids)
-        sample.response_length = len(last.response_ids)
-        sample.loss_mask = list(last.loss_mask)
-        sample.rollout_log_probs = list(last.log_probs)
-        sample.weight_versions = list(last.weight_versions)
+    trained = [c for c in chains if c.response_ids]
+    if trained:
+        first = trained[0]
+        sample.tokens = list(first.prompt_ids) + list(first.response_ids)
+        sample.response_length = len(first.response_ids)
+        sample.loss_mask = list(first.loss_mask)
+        sample.rollout_log_probs = list(first.log_probs)
+        sample.weight_versions = list(first.weight_versions)
+        sample.segments = [len(sample.tokens)] if len(trained) > 1 else []
+        for chain in trained[1:]:  # a later chain: its own sequence, its prompt masked
+            ids = list(chain.prompt_ids) + list(chain.response_ids)
+            sample.tokens += ids
+            sample.response_length += len(ids)
+            sample.loss_mask += [0] * len(chain.prompt_ids) + list(chain.loss_mask)
+            sample.rollout_log_probs += [0.0] * len(chain.prompt_ids) + list(chain.log_probs)
+            sample.weight_versions += chain.weight_versions
+            sample.segments.append(len(ids))
     elif sample.response_length == 0:
         sample.append_response_tokens([eos_id], trainable=False)
     sample.metadata.update(agent_session=session.session_id, agent_calls=len(session.calls),

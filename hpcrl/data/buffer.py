@@ -18,6 +18,8 @@ It holds what a resumed run needs beyond the data-source position so that nothin
   ``rollout_log_probs`` / ``..._len`` ``float64 [sum]`` / ``[n]``  response log-probs, concatenated
   ``teacher_log_probs`` / ``..._len`` ``float64 [sum]`` / ``[n]``  OPD teachers' log-probs (absent in older
                                                         files: read as empty)
+  ``segments`` / ``segments_len``   ``int64 [sum]`` / ``[n]``  ``Sample.segments`` (agent episodes split into
+                                                        chains; absent in older files: read as empty)
   ``fields``                        ``str [n]``         JSON of the free-form rest: prompt, label, response
                                                         text, weight versions, metadata, a dict reward
   ================================  ==================  =================================================
@@ -53,7 +55,7 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 _INT_COLUMNS = ("group_index", "index", "rollout_id", "response_length")
 _RAGGED = {"tokens": np.int64, "loss_mask": np.int8, "rollout_log_probs": np.float64,
-           "teacher_log_probs": np.float64}
+           "teacher_log_probs": np.float64, "segments": np.int64}
 _FREE_FIELDS = ("prompt", "label", "response", "weight_versions", "metadata", "rollout_routed_experts")
 
 
@@ -174,7 +176,7 @@ def _read_groups(g) -> list[list[Sample]]:
     fields = [json.loads(x) for x in g["fields"].asstr()[()].tolist()]
     ragged = {}
     for name in _RAGGED:
-        if name not in g:  # written before the column existed (teacher_log_probs): empty for every sample
+        if name not in g:  # written before the column existed (teacher_log_probs, segments): empty for all
             ragged[name] = [[] for _ in status]
             continue
         flat, lengths = g[name][()].tolist(), g[f"{name}_len"][()]

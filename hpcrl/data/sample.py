@@ -51,6 +51,12 @@ class Sample:
     status: Status = Status.PENDING
     weight_versions: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    segments: list[int] = field(default_factory=list)
+    """Token lengths of the independent sequences ``tokens`` is made of, summing to ``len(tokens)``; empty
+    (the usual case) means one sequence. An agent episode whose history was rewritten has one segment per
+    prefix chain (:mod:`hpcrl.agent.runner`): the trainer attends within each segment only, with positions
+    restarting at 0, so every chain is trained exactly as the engine saw it. The prompt lies in the first
+    segment; the later ones are part of the response (their policy tokens in ``loss_mask``)."""
 
     @property
     def prompt_length(self) -> int:
@@ -74,6 +80,21 @@ class Sample:
             raise ValueError(f"sample {self.index} has no reward yet; score the group before filtering or "
                              "training on it")
         return float(r)
+
+    def segment_bounds(self) -> list[tuple[int, int]]:
+        """``(start, end)`` token offsets of each segment in ``tokens`` (one span when ``segments`` is empty).
+        Raises ValueError when ``segments`` does not add up to ``len(tokens)``, has an empty segment, or its
+        first segment does not hold the whole prompt and a response token."""
+        if not self.segments:
+            return [(0, len(self.tokens))]
+        if sum(self.segments) != len(self.tokens) or min(self.segments) < 1:
+            raise ValueError(f"sample {self.index}: segments {self.segments} do not split its "
+                             f"{len(self.tokens)} tokens into non-empty sequences")
+        if len(self.segments) > 1 and self.segments[0] <= self.prompt_length:
+            raise ValueError(f"sample {self.index}: its first segment ({self.segments[0]} tokens) must hold the "
+                             f"prompt ({self.prompt_length} tokens) and at least one response token")
+        ends = [sum(self.segments[:i + 1]) for i in range(len(self.segments))]
+        return list(zip([0] + ends[:-1], ends))
 
     @property
     def weight_version(self) -> Optional[str]:

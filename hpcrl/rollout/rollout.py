@@ -105,6 +105,7 @@ def reset_sample(sample: Sample) -> None:
     sample.rollout_log_probs.clear()
     sample.teacher_log_probs.clear()
     sample.rollout_routed_experts = ""
+    sample.segments.clear()
     sample.weight_versions.clear()
     sample.reward, sample.status = None, Status.PENDING
 

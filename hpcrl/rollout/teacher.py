@@ -78,15 +78,27 @@ def response_log_probs(out: dict, response_length: int) -> list[float]:
 
 async def score_sample(client, sample: Sample, temperature: float) -> list[float]:
     """The teacher's log-probs of ``sample``'s response tokens, ``[response_length]`` (nats): one
-    prefill-only ``/generate`` through ``client`` (:class:`hpcrl.rollout.client.RolloutClient`). Raises
-    RolloutError (the client's) and ValueError (:func:`response_log_probs`)."""
+    prefill-only ``/generate`` through ``client`` (:class:`hpcrl.rollout.client.RolloutClient`) per sequence of
+    the sample (``Sample.segments``; the first token of a later sequence, which has no context of its own and
+    is never trained, gets 0.0). Raises RolloutError (the client's) and ValueError (:func:`response_log_probs`,
+    ``Sample.segment_bounds``)."""
     n = sample.response_length
     if n == 0:
         return []
     prompt_len = len(sample.tokens) - n
-    out = await client.generate(list(sample.tokens), {"max_new_tokens": 0, "temperature": temperature},
-                                return_logprob=True, logprob_start_len=max(prompt_len - 1, 0))
-    return response_log_probs(out, n)
+    out: list[float] = []
+    for a, b in sample.segment_bounds():
+        ids = list(sample.tokens[a:b])
+        k = b - max(a, prompt_len)  # response tokens in this sequence
+        head = [0.0] if a >= prompt_len else []
+        k -= len(head)
+        if k == 0:
+            out += head
+            continue
+        answer = await client.generate(ids, {"max_new_tokens": 0, "temperature": temperature},
+                                       return_logprob=True, logprob_start_len=max(len(ids) - k - 1, 0))
+        out += head + response_log_probs(answer, k)
+    return out
 
 
 async def score_samples(teachers: Sequence[Teacher], samples: Sequence[Sample], temperature: float) -> float:

@@ -150,6 +150,7 @@ def _check_sample(i: int, s: "Sample", with_rollout_log_probs: bool) -> None:
     if with_rollout_log_probs and len(s.rollout_log_probs) != n:
         raise ValueError(f"sample {i} (index {s.index}): rollout_log_probs has {len(s.rollout_log_probs)} "
                          f"entries for response_length {n}")
+    s.segment_bounds()  # ValueError for segments that do not split the tokens
 
 
 @dataclasses.dataclass
@@ -205,7 +206,9 @@ def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], adv
     ``advantages``: per sample of the full list, ``[response_length]``. An empty response is allowed (it
     trains nothing). ``packed``: also lay the samples out as one :class:`~hpcrl.train.packing.Pack` (the
     forward then runs on it; ``share_prompt`` and ``pad_to_multiple`` as in
-    :func:`~hpcrl.train.packing.build_pack`). Raises ValueError for a sample without prompt or whose
+    :func:`~hpcrl.train.packing.build_pack`); a micro-batch with a sample of several segments
+    (``Sample.segments``) is always packed, so attention stays within each. Raises ValueError for a sample
+    without prompt or whose
     ``loss_mask`` / ``rollout_log_probs`` lengths differ from ``response_length`` (``teacher_log_probs`` too,
     with ``with_teacher_log_probs``). ``routing``: ``(moe_layers, top_k)`` for routing replay: the samples'
     ``rollout_routed_experts`` become :attr:`MicroBatch.routed_experts` (ValueError for a sample without them
@@ -238,7 +241,7 @@ def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], adv
     resp = torch.tensor([s.response_length for s in rows], dtype=torch.long)
     to = dict(device=device)
     pack = None
-    if packed:
+    if packed or any(len(s.segments) > 1 for s in rows):
         from hpcrl.train.packing import build_pack
 
         pack = build_pack(rows, share_prompt=share_prompt, pad_to_multiple=pad_to_multiple, device=device)

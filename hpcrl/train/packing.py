@@ -5,6 +5,8 @@ the longest; a GRPO group's ``n`` samples also carry ``n`` copies of the same pr
 same samples as one row of ``T = sum of real tokens`` (slime ``--use-dynamic-batch-size``), in *segments*:
 
 - a sample on its own is one segment (prompt + response), positions ``0 .. L-1``, causal attention inside it;
+- a sample made of several sequences (``Sample.segments``: an agent episode split into chains) is one segment
+  per sequence, positions restarting at 0 in each; it never shares its prompt;
 - with ``share_prompt``, the samples of a micro-batch whose prompt tokens are identical (a group) become one
   *prefix segment* (the prompt once, positions ``0 .. p-1``) and one segment per response (positions
   ``p .. p+r-1``) that attends to the prefix and causally to itself ("Prefix Grouper", arXiv 2506.05433). The
@@ -69,6 +71,12 @@ def prompt_of(sample: "Sample") -> tuple[int, ...]:
     return tuple(sample.tokens[: len(sample.tokens) - sample.response_length])
 
 
+def _prompt_key(sample: "Sample", i: int, share_prompt: bool) -> tuple:
+    """What groups samples that share one prompt segment: the prompt tokens, or ``("own", i)`` for a sample
+    that shares nothing (sharing off, or a sample of several segments)."""
+    return prompt_of(sample) if share_prompt and len(sample.segments) <= 1 else ("own", i)
+
+
 def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multiple: int = 1,
                device: torch.device | str = "cpu") -> Pack:
     """Lay out ``rows`` as one :class:`Pack`, in the order of ``rows`` (a group's shared prompt where its first
@@ -77,14 +85,16 @@ def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multi
     ``share_prompt``: samples with identical prompt tokens share one prefix segment (only when at least two
     do). ``pad_to_multiple``: pad ``T`` to a multiple of it (sequence parallelism splits the sequence over TP
     ranks) with a segment of zeros that no response reads. Raises ValueError for a sample without a prompt
-    token.
+    token, and what :meth:`~hpcrl.data.sample.Sample.segment_bounds` raises.
     """
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    by_prompt: dict[tuple, list[int]] = {}
+    keys = []
     for i, s in enumerate(rows):
         if s.response_length >= len(s.tokens) or s.response_length < 0:
             raise ValueError(f"sample {s.index}: response_length {s.response_length} leaves no prompt token in "
                              f"{len(s.tokens)} tokens")
-        by_prompt.setdefault(prompt_of(s) if share_prompt else (i,), []).append(i)
+        keys.append(_prompt_key(s, i, share_prompt))
+        by_prompt.setdefault(keys[-1], []).append(i)
     tokens: list[int] = []
     sources: list[tuple[int, int]] = []
     positions: list[int] = []
@@ -96,16 +106,17 @@ def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multi
     for i in range(len(rows)):
         if i in done:
             continue
-        members = by_prompt[prompt_of(rows[i]) if share_prompt else (i,)]
+        members = by_prompt[keys[i]]
         done.update(members)
         if len(members) == 1:
             s = rows[i]
             start, p = len(tokens), len(s.tokens) - s.response_length
             sources.extend((i, j) for j in range(len(s.tokens)))
             tokens.extend(s.tokens)
-            positions.extend(range(len(s.tokens)))
-            bounds.append(len(tokens))
-            prefix_of.append(-1)
+            for a, b in s.segment_bounds():  # one segment per sequence, positions from 0 in each
+                positions.extend(range(b - a))
+                bounds.append(start + b)
+                prefix_of.append(-1)
             first_row[i], resp_start[i] = start + p - 1, start + p
             continue
         prompt = prompt_of(rows[i])
@@ -152,7 +163,7 @@ def build_pack(rows: Sequence["Sample"], share_prompt: bool = True, pad_to_multi
 
 def unit_tokens(rows: Sequence["Sample"], share_prompt: bool) -> int:
     """Tokens :func:`build_pack` lays out for ``rows`` of one group (prompt once when shared by >= 2)."""
-    if share_prompt and len(rows) > 1 and len({prompt_of(s) for s in rows}) == 1:
+    if share_prompt and len(rows) > 1 and len({_prompt_key(s, i, True) for i, s in enumerate(rows)}) == 1:
         return len(rows[0].tokens) - rows[0].response_length + sum(s.response_length for s in rows)
     return sum(len(s.tokens) for s in rows)
 
@@ -180,7 +191,7 @@ def plan_micro_batches(samples: Sequence["Sample"], positions: Sequence[int], dp
             raise ValueError(f"sample {s.index} has {len(s.tokens)} tokens (prompt + response), more than "
                              f"train.max_tokens_per_microbatch={max_tokens}")
         last = units[-1] if units else None
-        if (share_prompt and last and prompt_of(samples[last[0]]) == prompt_of(s)
+        if (share_prompt and last and _prompt_key(samples[last[0]], last[0], True) == _prompt_key(s, p, True)
                 and unit_tokens([samples[q] for q in last + [p]], True) <= max_tokens):
             last.append(p)
         else:

@@ -174,6 +174,9 @@ def test_failed_episodes_have_a_reason_and_never_hang(engine, tmp_path):
             gen = agent_generate(gateway, fn, cmd, timeout_s=timeout, failure_reward=-1.0, eos_id=2)
             t0 = asyncio.get_running_loop().time()
             out[name] = (await gen(client, Sample(prompt="1"), {}), asyncio.get_running_loop().time() - t0)
+        from hpcrl.rollout.teacher import score_sample  # OPD's teacher scoring, one prefill per chain
+
+        out["teacher"] = await score_sample(client, out["rewrite"][0], SAMPLING["temperature"])
         return out
 
     out = run(_with_gateway(engine, body))
@@ -189,8 +192,23 @@ def test_failed_episodes_have_a_reason_and_never_hang(engine, tmp_path):
     assert s.status == Status.FAILED and "timeout_s=1" in s.metadata["agent_failure"] and secs < 5
     pid = int((tmp_path / "sleeper.pid").read_text())
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
-    s, _ = out["rewrite"]  # the rewritten history split the episode: the sample is the last chain
-    assert s.status != Status.FAILED and s.metadata["agent_chains"] == 2 and all(s.loss_mask)
+    s, _ = out["rewrite"]  # the rewritten history split the episode: one segment per chain, both trained
+    assert s.status != Status.FAILED and s.metadata["agent_chains"] == 2 and len(s.segments) == 2
+    (a0, b0), (a1, b1) = s.segment_bounds()
+    assert (a0, b1) == (0, len(s.tokens)) and b0 == a1 > s.prompt_length
+    mask = [0] * s.prompt_length + s.loss_mask  # per token of the sample
+    assert any(mask[a0:b0]) and any(mask[a1:b1]) and not mask[a1]  # the second chain's prompt is masked
+    assert len(s.weight_versions) == 2
+    # each chain, prefilled on its own by the engine, gives the recorded log-probs of its trained tokens
+    lp = [0.0] * s.prompt_length + s.rollout_log_probs
+    for a, b in s.segment_bounds():
+        recomputed = [0.0] + _prefill_log_probs(engine, s.tokens[a:b], 0)[1:]
+        for j in range(a, b):
+            if mask[j]:
+                assert abs(recomputed[j - a] - lp[j]) < 1e-4, j
+    teacher = out["teacher"]  # the policy's own engine as the teacher: its log-probs are the rollout's
+    assert len(teacher) == s.response_length
+    assert all(abs(t - r) < 1e-4 for t, r, m in zip(teacher, s.rollout_log_probs, s.loss_mask) if m)
 
 
 AGENT_SCRIPT = textwrap.dedent('''

@@ -4,8 +4,10 @@ async with the example's command agent written without hpcrl imports, and on the
 episode as its own job step.
 
 The tiny random model cannot add, so the reward is the answer's share of digits (a real signal, as in
-test_loop.py); what is checked is that episodes become trained samples: every sample has two calls and one
-chain, none failed, the trainer ran on them, and the weight versions move as in the plain loop.
+test_loop.py); what is checked is that episodes become trained samples: every sample of the sync run has two
+calls, half of them rewrote their history and so have two chains (two segments), none failed, and the trainer's
+log-probs of the trained tokens equal the engine's (``train_rollout_logprob_abs_diff``: rounding only, which holds
+only if each chain is trained as the engine saw it).
 """
 
 from __future__ import annotations
@@ -24,14 +26,24 @@ from tests.integration.test_opd import submit_and_wait
 pytestmark = pytest.mark.integration
 
 AGENT_MODULE = '''
+import itertools
+
 import openai
+
+EPISODES = itertools.count()
 
 
 async def two_turns(item, *, base_url, api_key, session_id):
+    """Two turns; every other episode edits its first message before resending the history (the second call
+    then extends no earlier call), which splits the episode into two chains."""
+    rewrite = next(EPISODES) % 2 == 1
     c = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": item["prompt"]}]
     r = await c.chat.completions.create(model="policy", messages=messages, max_tokens=4)
-    messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "1"}]
+    reply = r.choices[0].message.content
+    if rewrite:
+        messages[0] = {"role": "user", "content": item["prompt"] + " "}
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "1"}]
     r = await c.chat.completions.create(model="policy", messages=messages, max_tokens=4)
     return r.choices[0].message.content
 
@@ -103,8 +115,10 @@ def test_agent_episodes_train(tmp_path, mode):
     assert len(steps) == 2
     for r in steps:
         assert r["rollout/agent_calls"] == (2 if mode == "sync" else 1) and r["rollout/agent_failed"] == 0
-        assert r["rollout/agent_split_episodes"] == 0
+        assert r["rollout/agent_split_episodes"] == (0.5 if mode == "sync" else 0)
         assert r["train/grad_norm"] > 0
+        if mode == "sync":  # on policy: the trainer's log-probs are the engine's, chain by chain
+            assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
     assert "agent gateway at http://127.0.0.1:" in out.log
 
 

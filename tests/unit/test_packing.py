@@ -57,6 +57,35 @@ def test_pack_layout_shared_prompt():
     assert unshared.num_tokens == sum(len(r.tokens) for r in rows) and set(unshared.prefix_of) == {-1}
 
 
+def episode(first: Sample, *later: Sample) -> Sample:
+    """One sample of several sequences (an agent episode split into chains, ``Sample.segments``): ``first``'s
+    prompt is its prompt; every later sample's prompt is masked, its response kept."""
+    s = Sample(index=first.index, tokens=list(first.tokens), response_length=first.response_length,
+               loss_mask=list(first.loss_mask), rollout_log_probs=list(first.rollout_log_probs),
+               reward=first.reward, segments=[len(first.tokens)])
+    for x in later:
+        s.tokens += x.tokens
+        s.response_length += len(x.tokens)
+        s.loss_mask += [0] * x.prompt_length + list(x.loss_mask)
+        s.rollout_log_probs += [0.0] * x.prompt_length + list(x.rollout_log_probs or [0.0] * x.response_length)
+        s.segments.append(len(x.tokens))
+    return s
+
+
+def test_pack_layout_of_a_sample_of_several_segments():
+    rows = [episode(sample([1, 2], [3, 4, 5]), sample([6], [7, 8])), sample([1, 2], [9])]
+    p = build_pack(rows, share_prompt=True)  # the episode never shares its prompt [1, 2]
+    assert p.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 9]]
+    assert p.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2]  # restart in each sequence
+    assert p.cu_seqlens.tolist() == [0, 5, 8, 11] and p.prefix_of == (-1, -1, -1)
+    assert p.logit_rows.tolist() == [1, 2, 3, 4, 5, 6, 9] and p.labels.tolist() == [3, 4, 5, 6, 7, 8, 9]
+    assert unit_tokens(rows, True) == 11
+    with pytest.raises(ValueError, match="segments"):
+        build_pack([Sample(index=3, tokens=[1, 2, 3], response_length=1, loss_mask=[1], segments=[2, 2])])
+    with pytest.raises(ValueError, match="first segment"):
+        build_pack([Sample(index=3, tokens=[1, 2, 3], response_length=1, loss_mask=[1], segments=[2, 1])])
+
+
 # --- plan -------------------------------------------------------------------------------------------------
 
 
@@ -195,6 +224,47 @@ def test_packed_forward_with_megatron_activation_recompute(tp1, tiny_model_dir, 
 
     g_plain, g_recompute = shared_grad(Actor(make_config(), tiny_model_dir)), shared_grad(recompute)
     assert ((g_recompute - g_plain).norm() / g_plain.norm()).item() < 1e-6
+
+
+def test_each_segment_of_a_sample_is_its_own_sequence(tp1, tiny_model_dir, samples):
+    """A sample of three sequences (two groups' samples and a third) in a micro-batch beside ordinary samples:
+    its log-probs and entropy equal those of the three samples forwarded on their own (padded), and so does the
+    gradient of the masked log-probs. It is packed even when packing is off (``packed=False``)."""
+    actor = Actor(make_config(), tiny_model_dir)
+    parts = [samples[0], samples[5], samples[9]]
+    rows = [episode(*parts), samples[1], samples[6]]
+    alone = parts + rows[1:]
+
+    def run(batch, packed):
+        adv = [torch.zeros(s.response_length) for s in batch]
+        mb = build_micro_batch(batch, list(range(len(batch))), adv, actor.device, packed=packed)
+        actor.ddp_model.zero_grad_buffer()
+        res = actor._forward(mb, with_entropy=True)
+        (res.log_probs * mb.mask).sum().backward()
+        actor.ddp_model.finish_grad_sync()
+        return mb, res.log_probs.detach(), res.entropy.detach(), _flat_grad(actor.ddp_model)
+
+    mb, lp, ent, g = run(rows, packed=False)
+    assert mb.pack is not None and mb.pack.cu_seqlens.tolist()[:4] == [0] + [sum(len(x.tokens) for x in parts[:k])
+                                                                              for k in (1, 2, 3)]
+    _, lp_ref, ent_ref, g_ref = run(alone, packed=False)
+    # the episode's row, laid out as its parts' responses: the first part's response, then each later part's
+    # prompt (masked; no reference) and response
+    mask = mb.mask[0].bool()
+    offsets, pieces_lp, pieces_ent = 0, [], []
+    for k, x in enumerate(parts):
+        if k:
+            pieces_lp.append(torch.zeros(x.prompt_length))
+            pieces_ent.append(torch.zeros(x.prompt_length))
+        pieces_lp.append(lp_ref[k, :x.response_length])
+        pieces_ent.append(ent_ref[k, :x.response_length])
+    want_lp, want_ent = torch.cat(pieces_lp), torch.cat(pieces_ent)
+    assert (lp[0][mask] - want_lp[mask]).abs().max().item() < 1e-5
+    assert (ent[0][mask] - want_ent[mask]).abs().max().item() < 1e-5
+    w = lp_ref.shape[1]
+    assert (lp[1:3, :w] - lp_ref[3:5]).abs().max().item() < 1e-5 and not lp[1:3, w:].any()
+    assert ((g - g_ref).norm() / g_ref.norm()).item() < 1e-5
+    actor.ddp_model.zero_grad_buffer()
 
 
 # --- bad input ----------------------------------------------------------------------------------------------

@@ -123,15 +123,20 @@ def test_buffer_stores_groups_as_arrays_and_odd_fields_come_back(tmp_path):
     chat = Sample(group_index=4, index=9, prompt=[{"role": "user", "content": "2+2?"}], label={"answer": 4},
                   tokens=[5, 6, 7], response="4", response_length=1, loss_mask=[1], rollout_log_probs=[-0.1],
                   reward={"reward": 0.5, "format": 1.0}, status=Status.TRUNCATED, metadata={"turns": 2})
-    groups = [[chat, _sample(10, 4, Status.ABORTED)], [_sample(11, 5), _sample(12, 5)]]
+    split = _sample(12, 5)  # an agent episode of two chains (Sample.segments)
+    split.tokens, split.response_length, split.segments = [1, 2, 3, 4, 8, 9], 4, [3, 3]
+    split.loss_mask, split.rollout_log_probs = [1, 0, 1, 1], [-0.5, 0.0, -0.25, -1.5]
+    groups = [[chat, _sample(10, 4, Status.ABORTED)], [_sample(11, 5), split]]
     write_buffer(tmp_path / "b.h5", groups, [])
     back, _ = read_buffer(tmp_path / "b.h5")
     assert [[s.to_dict() for s in g] for g in back] == [[s.to_dict() for s in g] for g in groups]
     with h5py.File(tmp_path / "b.h5", "r") as f:
         g = f["groups"]
         assert f.attrs["version"] == 2 and g["group_sizes"][()].tolist() == [2, 2]
-        assert g["tokens"].dtype == np.int64 and g["tokens"][()].tolist() == [5, 6, 7] + [1, 2, 3, 4] * 3
-        assert g["rollout_log_probs"].dtype == np.float64 and g["loss_mask"].shape == (1 + 2 * 3,)
+        assert g["tokens"].dtype == np.int64 and g["tokens"][()].tolist() == [5, 6, 7] + [1, 2, 3, 4] * 2 + [
+            1, 2, 3, 4, 8, 9]
+        assert g["segments"][()].tolist() == [3, 3] and g["segments_len"][()].tolist() == [0, 0, 0, 2]
+        assert g["rollout_log_probs"].dtype == np.float64 and g["loss_mask"].shape == (1 + 2 * 2 + 4,)
         assert g["index"][()].tolist() == [9, 10, 11, 12]
         assert g["status"].asstr()[()].tolist() == ["truncated", "aborted", "completed", "completed"]
         assert np.isnan(g["reward"][0]) and g["reward"][()].tolist()[2:] == [1.0, 1.0]
