@@ -65,9 +65,12 @@ MUNGE_PIDFILE = Path("/run/munge/munged.pid")
 MUNGE_KEY = Path("/etc/munge/munge.key")
 
 # Daemon name -> the /proc/PID/comm it must show (comm is cut to 15 characters by the kernel).
-COMM = {"munged": "munged", "mariadbd": "mariadbd", "slurmdbd": "slurmdbd", "slurmctld": "slurmctld"}
+COMM = {"munged": "munged", "mariadbd": "mariadbd", "slurmdbd": "slurmdbd", "slurmctld": "slurmctld",
+        "schedtick": "schedtick"}
 COMM.update({f"slurmd-{n}": "slurmd" for n in NODES})
-START_ORDER = ("munged", "mariadbd", "slurmdbd", "slurmctld", *(f"slurmd-{n}" for n in NODES))
+START_ORDER = ("munged", "mariadbd", "slurmdbd", "slurmctld", "schedtick", *(f"slurmd-{n}" for n in NODES))
+TICK_SECONDS = 3.0
+"""How often :func:`tick` touches the ``debug`` partition (see there)."""
 
 
 class ClusterError(RuntimeError):
@@ -551,6 +554,33 @@ def _start_slurmctld(d: Path) -> int:
     return pid
 
 
+def tick(d: Path) -> None:
+    """The ``schedtick`` daemon: every :data:`TICK_SECONDS` a no-op ``scontrol update PartitionName=debug
+    State=UP`` while slurmctld runs.
+
+    Why: heterogeneous jobs are started only by the backfill scheduler, and Slurm's backfill runs only when
+    job, node or partition state changed since its last pass. On this otherwise idle cluster a requeued het job
+    whose begin time (``cred_expire`` after the requeue) passes with nothing else happening waits for some
+    unrelated event: 30-172 s measured (12 s with this tick), which made the het-job requeue tests take minutes
+    at random. A busy real cluster changes state all the time. Runs as ``python3 local_slurm.py tick``."""
+    Path("/proc/self/comm").write_text(COMM["schedtick"])
+    _pidfile(d, "schedtick").write_text(f"{os.getpid()}\n")
+    while _live_pid(d, "slurmctld") is not None:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run(["scontrol", "update", "PartitionName=debug", "State=UP"], capture_output=True,
+                           stdin=subprocess.DEVNULL, timeout=10)
+        time.sleep(TICK_SECONDS)
+
+
+def _start_tick(d: Path) -> int:
+    _pidfile(d, "schedtick").unlink(missing_ok=True)
+    log = d / "log" / "schedtick.out"
+    with open(log, "ab") as out:
+        subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "tick", "--dir", str(d)],
+                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    return _wait_for(lambda: _live_pid(d, "schedtick"), 30, "the schedtick pid file", log)
+
+
 def _start_slurmd(d: Path, node: str) -> int:
     name = f"slurmd-{node}"
     _pidfile(d, name).unlink(missing_ok=True)
@@ -662,6 +692,9 @@ def start_cluster(directory: str | os.PathLike | None = None, timeout: float = 1
         if "slurmctld" not in running:
             pids["slurmctld"] = _start_slurmctld(d)
             started.append("slurmctld")
+        if "schedtick" not in running_daemons(d):
+            pids["schedtick"] = _start_tick(d)
+            started.append("schedtick")
         for node in NODES:
             name = f"slurmd-{node}"
             if name not in running:
@@ -745,9 +778,10 @@ def cluster_status(directory: str | os.PathLike | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``start``, ``stop`` or ``status``; returns the exit status (1 on error / not up)."""
+    """Command line: ``start``, ``stop``, ``status`` (or ``tick``, the daemon :func:`start_cluster` starts);
+    returns the exit status (1 on error / not up)."""
     ap = argparse.ArgumentParser(prog="local_slurm.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("action", choices=("start", "stop", "status"))
+    ap.add_argument("action", choices=("start", "stop", "status", "tick"))
     ap.add_argument("--dir", default=None,
                     help="cluster folder (default $HPCRL_SLURM_DIR or /tmp/hpcrl-slurm)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for idle nodes (start)")
@@ -759,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
             what = f"started {', '.join(info.started)}" if info.started else "already up"
             print(f"local Slurm cluster {what} in {info.seconds:.1f} s"
                   f"{' (packages installed)' if info.installed else ''}", file=sys.stderr)
+        elif args.action == "tick":
+            tick(cluster_dir(args.dir))
         elif args.action == "stop":
             t0 = time.monotonic()
             stopped = stop_cluster(args.dir)
