@@ -195,9 +195,10 @@ def test_time_limit_requeues_and_completes(work):
     one such allocation (no filter, so late steps, all correct, still train): each attempt checkpoints before
     its limit (signal, or our own deadline) and is requeued."""
     # An attempt has at most ~80 s of steps (the signal comes 40-60 s before the limit) and each step at least
-    # ~1 s (a reward sleeping 20 ms for each sample): 120 steps need 2 attempts however fast the CPU (the CI of
-    # 943244c did 300 unfloored steps in 55 s, one attempt); ~3 on a slow one
-    steps = 120
+    # ~1 s (a reward sleeping 20 ms for each sample): 82 steps need 2 attempts however fast the CPU (the CI of
+    # 943244c did 300 unfloored steps in 55 s, one attempt); 3 on a slow one. Measured 2026-11-25: 37 and 47 steps
+    # per attempt (120 steps took 3 attempts, 204 s; each attempt costs ~35 s of requeue and start-up)
+    steps = 82
     slow_steps(work, seconds_per_sample=0.02)
     job_id, run_dir = submit(work, "timelimit", f"run.num_rollout={steps}", "slurm.time=00:02:00",
                              "slurm.signal=USR2@40", "rollout.dynamic_filter=null")  # the filter runs dry late
