@@ -674,6 +674,8 @@ def start_cluster(directory: str | os.PathLike | None = None, timeout: float = 1
             for name in reversed(START_ORDER):
                 if name.startswith("slurm") and name in running:
                     _stop_pid(name, running.pop(name))
+        if "schedtick" in running and "slurmctld" not in running:  # it ends with slurmctld: start it afresh
+            _stop_pid("schedtick", running.pop("schedtick"))
         started: list[str] = []
         pids = dict(running)
         # munged may be the system's (not ours): then it is used and never stopped.
@@ -692,7 +694,7 @@ def start_cluster(directory: str | os.PathLike | None = None, timeout: float = 1
         if "slurmctld" not in running:
             pids["slurmctld"] = _start_slurmctld(d)
             started.append("slurmctld")
-        if "schedtick" not in running_daemons(d):
+        if "schedtick" not in running:
             pids["schedtick"] = _start_tick(d)
             started.append("schedtick")
         for node in NODES:
