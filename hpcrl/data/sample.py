@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
@@ -93,7 +94,7 @@ class Sample:
         if len(self.segments) > 1 and self.segments[0] <= self.prompt_length:
             raise ValueError(f"sample {self.index}: its first segment ({self.segments[0]} tokens) must hold the "
                              f"prompt ({self.prompt_length} tokens) and at least one response token")
-        ends = [sum(self.segments[:i + 1]) for i in range(len(self.segments))]
+        ends = list(itertools.accumulate(self.segments))
         return list(zip([0] + ends[:-1], ends))
 
     @property
