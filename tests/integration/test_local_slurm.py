@@ -139,7 +139,7 @@ def test_a_requeued_het_job_restarts_promptly(slurm_cluster, tmp_path):
     script = tmp_path / "het.sh"
     script.write_text("#!/bin/bash\n#SBATCH --requeue -t 2 -n1 -c1 -w n1\n#SBATCH hetjob\n#SBATCH -n1 -c1 -w n2\n"
                       "sleep 120\n")
-    job = sh("sbatch", "--parsable", str(script)).strip().split(";")[0]
+    job = sh("sbatch", "--parsable", "-o", str(tmp_path / "slurm-%j.out"), str(script)).strip().split(";")[0]
     try:
         def running() -> bool:
             return sh("squeue", "-h", "-j", job, "-o", "%T").split() == ["RUNNING", "RUNNING"]
