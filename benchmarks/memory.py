@@ -6,7 +6,8 @@ sglang-router as subprocesses, as always) on the work of ``benchmarks/vs_trl.py`
 ``GRPOTrainer`` on the same work (``--layouts trl``). The worker tracks its own peak RSS phase by phase:
 at every phase boundary it reads the kernel's high-water mark (``VmHWM`` in ``/proc/self/status``), charges
 it to the phase that just ended and resets it to the current RSS (``echo 5 > /proc/self/clear_refs``), so a
-phase's figure is the most memory the process held at any moment of that phase. Phases (hpcrl, trainer
+phase's figure is the most memory the process held at any moment of that phase. On a kernel that ignores the
+reset (a probe at start tells), it samples ``VmRSS`` every millisecond instead; the table's header says which. Phases (hpcrl, trainer
 process):
 
 - ``set-up``: imports, model build from the HF checkpoint, optimizer, first weight sync, start eval;
@@ -75,29 +76,83 @@ def _status_bytes(key: str, pid: str = "self") -> int:
     return 0
 
 
+def _reset_hwm() -> None:
+    """Reset this process's ``VmHWM`` to its current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _hwm_reset_works(probe: int = 64 * MiB) -> bool:
+    """Whether resetting ``VmHWM`` takes effect here: raise the mark by touching ``probe`` bytes of a fresh
+    anonymous mapping, unmap it, reset, and see the mark fall back near the RSS. False where the write is
+    refused or ignored."""
+    import mmap
+
+    with mmap.mmap(-1, probe) as m:
+        m.write(b"\1" * probe)
+    try:
+        _reset_hwm()
+    except OSError:
+        return False
+    return _status_bytes("VmHWM") - _status_bytes("VmRSS") < probe // 2
+
+
 class PhasePeaks:
-    """Peak RSS of this process per phase (bytes). :meth:`enter` ends the current phase (its peak is the
-    ``VmHWM`` since the last boundary) and starts ``name`` with the high-water mark reset to the current RSS.
+    """Peak RSS of this process per phase (bytes). :meth:`enter` ends the current phase and charges its peak.
 
-    Raises OSError at construction if the kernel cannot reset the high-water mark (Linux < 4.0)."""
+    Two ways to see a phase's peak, chosen at construction (``method``):
 
-    def __init__(self, first: str) -> None:
+    - ``"VmHWM"``: the kernel's high-water mark, reset to the current RSS at each boundary
+      (``echo 5 > /proc/self/clear_refs``) - exact, every page counted. Used when a probe shows the kernel
+      honours the reset (some sandboxed kernels accept the write and keep the old mark).
+    - ``"sampled"``: a daemon thread reads ``VmRSS`` every ``interval`` seconds (default 1 ms) and keeps the
+      largest value of the current phase - a spike shorter than the interval can be missed.
+
+    ``method="auto"`` (the default) takes ``VmHWM`` where it works, else ``sampled``; :attr:`method` says which.
+
+    Raises ValueError for an unknown ``method``; OSError for ``method="VmHWM"`` on a kernel that does not reset
+    the high-water mark."""
+
+    def __init__(self, first: str, method: str = "auto", interval: float = 0.001) -> None:
+        if method not in ("auto", "VmHWM", "sampled"):
+            raise ValueError(f"PhasePeaks method={method!r}: use 'auto', 'VmHWM' or 'sampled'")
         self.peaks: dict[str, int] = {}
         self.current = first
         self._lock = threading.Lock()
-        self._reset()
+        if method != "sampled" and not _hwm_reset_works():
+            if method == "VmHWM":
+                raise OSError("this kernel does not reset VmHWM through /proc/self/clear_refs; use method='sampled'")
+            method = "sampled"
+        self.method = "VmHWM" if method == "auto" else method
+        self._max = 0
+        if method == "sampled":
+            self._max = _status_bytes("VmRSS")
+            self._interval = interval
+            threading.Thread(target=self._sample, name="phase-peaks", daemon=True).start()
+        else:
+            _reset_hwm()
 
-    @staticmethod
-    def _reset() -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+    def _sample(self) -> None:
+        while True:
+            rss = _status_bytes("VmRSS")
+            with self._lock:
+                self._max = max(self._max, rss)
+            time.sleep(self._interval)
+
+    def _phase_peak(self) -> int:
+        """The current phase's peak so far, then restart the count from the current RSS (lock held)."""
+        if self.method == "VmHWM":
+            peak = _status_bytes("VmHWM")
+            _reset_hwm()
+        else:
+            peak = max(self._max, _status_bytes("VmRSS"))
+            self._max = _status_bytes("VmRSS")
+        return peak
 
     def enter(self, name: str) -> None:
         with self._lock:
-            hwm = _status_bytes("VmHWM")
-            self.peaks[self.current] = max(self.peaks.get(self.current, 0), hwm)
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0), self._phase_peak())
             self.current = name
-            self._reset()
 
     def during(self, name: str, after: Optional[str] = None) -> Callable:
         """Decorator: the wrapped call is phase ``name``; afterwards ``after`` (default: the phase before)."""
@@ -195,7 +250,7 @@ def hpcrl_worker(spec: dict) -> dict:
     phases.enter("other")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if m.get("step", -1) >= 0]
-    return {"peaks": phases.peaks, "engine": engine_peak["bytes"],
+    return {"peaks": phases.peaks, "peak_method": phases.method, "engine": engine_peak["bytes"],
             "forward_tokens": [m.get("train/forward_tokens") for m in steps],
             "padded_tokens": [m.get("train/padded_tokens") for m in steps],
             "train_seconds": [m.get("train/seconds") for m in steps]}
@@ -269,7 +324,7 @@ def trl_worker(spec: dict) -> dict:
     trainer.train()
     phases.enter("other")
     # TRL's training forward runs over the padded [micro, prompt + completion] rows of each step
-    return {"peaks": phases.peaks, "engine": 0, "forward_tokens": tokens["padded"], "padded_tokens": tokens["padded"],
+    return {"peaks": phases.peaks, "peak_method": phases.method, "engine": 0, "forward_tokens": tokens["padded"], "padded_tokens": tokens["padded"],
             "real_tokens": tokens["real"]}
 
 
@@ -362,6 +417,9 @@ def main(argv=None) -> int:
     print(f"# peak RSS per phase, model {args.model}, {args.steps} GRPO steps of 8 prompts x 8 samples "
           f"(<= 16 new tokens); padded and trl: micro-batch {args.micro_batch}; packed: "
           f"max_tokens_per_microbatch {spec['max_tokens']}; start: {how}; {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    methods = sorted({r.get("peak_method", "VmHWM") for r in results.values()})
+    print("# phase peaks from: " + ", ".join("the kernel's VmHWM, reset at each boundary" if m == "VmHWM"
+                                            else "VmRSS sampled every 1 ms" for m in methods))
     print(table(results))
     print(f"\n(logs in {out}; {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return 0
