@@ -57,7 +57,8 @@ def start_engine(model_path: str, threads: int, log: Path, extra_args: tuple[str
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with code {proc.returncode}; see {log}")
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"engine exited with code {proc.returncode}; the end of {log}:\n{tail}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:

@@ -242,7 +242,7 @@ def test_each_segment_of_a_sample_is_its_own_sequence(tp1, tiny_model_dir, sampl
         res = actor._forward(mb, with_entropy=True)
         (res.log_probs * mb.mask).sum().backward()
         actor.ddp_model.finish_grad_sync()
-        return mb, res.log_probs.detach(), res.entropy.detach(), _flat_grad(actor.ddp_model)
+        return mb, res.log_probs.detach().cpu(), res.entropy.detach().cpu(), _flat_grad(actor.ddp_model)
 
     mb, lp, ent, g = run(rows, packed=False)
     assert mb.pack is not None and mb.pack.cu_seqlens.tolist()[:4] == [0] + [sum(len(x.tokens) for x in parts[:k])
@@ -250,7 +250,7 @@ def test_each_segment_of_a_sample_is_its_own_sequence(tp1, tiny_model_dir, sampl
     _, lp_ref, ent_ref, g_ref = run(alone, packed=False)
     # the episode's row, laid out as its parts' responses: the first part's response, then each later part's
     # prompt (masked; no reference) and response
-    mask = mb.mask[0].bool()
+    mask = mb.mask[0].bool().cpu()
     offsets, pieces_lp, pieces_ent = 0, [], []
     for k, x in enumerate(parts):
         if k:
