@@ -2,7 +2,7 @@
 
 Import-light on purpose: megatron-core and transformers load only when a submodule is imported.
 
-- :mod:`hpcrl.train.cpu_compat`: megatron-core's CUDA-only calls adapted for gloo on CPU (no-op on GPUs).
+- :mod:`hpcrl.train.cpu_compat`: megatron-core's CUDA-only calls adapted for gloo on CPU (on GPUs only the TE-less MoE router fix).
 - :mod:`hpcrl.train.parallel`: ``torch.distributed`` / model-parallel start-up, DDP + optimizer, ``train_step``.
 - :mod:`hpcrl.train.bridge`: HF Qwen2 / Qwen3 / Llama <-> megatron-core ``GPTModel`` (config, weights).
 - :mod:`hpcrl.train.logprobs`: per-token log-probs and entropy over the tensor-parallel vocab.

@@ -56,7 +56,8 @@ returns at once and megatron-core runs unmodified):
    ~445 and ~871, the shared experts' overlap stream); and ``moe_utils.te_general_gemm``, which
    ``router_gating_linear`` reads even when TransformerEngine is absent (its import sits in a ``try`` that
    leaves the name undefined), is set to None when ``moe_utils.HAVE_TE`` is false, so the router's logits come
-   from ``torch.mm`` as megatron's own fallback intends; the all-to-all dispatcher's
+   from ``torch.mm`` as megatron's own fallback intends (:func:`define_te_general_gemm`, the one change also
+   made on GPUs, where TE can be absent too); the all-to-all dispatcher's
    ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` gives numpy split sizes for CPU tensors too (megatron
    converts only CUDA tensors, and gloo's ``all_to_all_single`` refuses a tensor of split sizes).
 
@@ -263,6 +264,20 @@ def _move_to_host(move: Callable) -> Callable:
     return wrapper
 
 
+def define_te_general_gemm() -> None:
+    """Set ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` to None where TransformerEngine is absent.
+
+    megatron-core 0.16.1's ``router_gating_linear`` reads that name, whose import sits in a ``try`` that leaves
+    it undefined without TE, so every MoE router forward raises ``NameError``; with None it takes megatron's own
+    ``torch.mm`` fallback. Needed on GPUs without TE as well as on CPUs (seen failing on an H200, 2026-11-26):
+    :func:`hpcrl.train.parallel.init_distributed` calls it on CUDA, :func:`apply` on CPU. Idempotent; does
+    nothing where TE is installed."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> bool:
     """Patch megatron-core for a CUDA-less torch (see the module docstring for exactly what changes).
 
@@ -290,8 +305,7 @@ def apply() -> bool:
         cls.__init__ = _with_cuda_type_names(cls.__init__)
     from megatron.core.transformer.moe import moe_utils
 
-    if not moe_utils.HAVE_TE:  # point 5 of the module docstring
-        moe_utils.te_general_gemm = None
+    define_te_general_gemm()  # point 5 of the module docstring
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = _move_to_host(moe_utils.maybe_move_tensor_to_cpu)

@@ -80,6 +80,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+        from hpcrl.train import cpu_compat
+
+        cpu_compat.define_te_general_gemm()  # MoE routers on GPUs without TransformerEngine
     else:
         from hpcrl.train import cpu_compat
 
