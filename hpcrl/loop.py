@@ -62,6 +62,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
         actor, data_source, trained, ckpt, start_rollout_id = t.actor, t.data_source, t.trained, t.ckpt, t.start
         # --- engines up, router, client (a twin that does nothing on the other ranks) ----------------
         rollout.start(t.datasets)
+        ckpt.on_device = rollout.trainer_onloaded  # colocated on GPUs: saves run with the trainer onloaded
         metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller)
         rollout.offload()  # colocated: the engines give their memory back before the first sync and train
         syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
@@ -192,12 +193,16 @@ def broadcast(obj: Any) -> Any:
 def sync_weights(actor, syncer, rollout, version: int) -> dict[str, Any]:
     """Weight sync in the colocated phase order: trainer off and engine weights on, sync, engine KV on.
 
-    Every trainer rank iterates the exported weights (TP all-gathers); only the controller sends.
+    Every trainer rank iterates the exported weights (TP all-gathers); only the controller sends. Colocated on
+    GPUs, offloading the trainer unmaps its parameters, so the exported weights are first copied to host
+    memory (as slime syncs from its pinned CPU copies); otherwise they stream from the trainer's tensors.
     Returns the sync metrics (seconds, bytes, GB/s) prefixed ``sync/``.
     """
     from hpcrl.weights import iterate_for_sync
 
     named = iterate_for_sync(actor.ddp_model)
+    if rollout.trainer_paused_during_sync:
+        named = iter([(name, tensor.to("cpu", copy=True)) for name, tensor in named])
     rollout.onload_weights()
     m = rollout.update_weights(syncer, named, version)
     rollout.onload_kv()

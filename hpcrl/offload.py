@@ -14,8 +14,10 @@ is the same code and tests assert it from :attr:`ColocatedMemory.events`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 ENGINE_WEIGHTS = ["weights"]
 ENGINE_KV = ["kv_cache", "cuda_graph"]
@@ -24,21 +26,48 @@ ENGINE_KV = ["kv_cache", "cuda_graph"]
 class TrainerMemory:
     """No-op trainer memory adapter (CPU, or colocation off): records nothing, frees nothing."""
 
+    pauses_device_memory = False
+    """Whether :meth:`offload` unmaps the trainer's device memory: from then until :meth:`onload` the trainer
+    must neither read its tensors nor allocate on the device (the weight sync reads them before, a checkpoint
+    save runs inside :meth:`onloaded`)."""
+
+    offloaded = False
+    """Whether the trainer's memory is offloaded now (set by :meth:`offload` / :meth:`onload`)."""
+
     def offload(self) -> None:
         """Free the trainer's device memory (no-op here)."""
+        self.offloaded = True
 
     def onload(self) -> None:
         """Bring the trainer's device memory back (no-op here)."""
+        self.offloaded = False
+
+    @contextlib.contextmanager
+    def onloaded(self) -> Iterator[None]:
+        """Run the block with the trainer's memory on the device: onloaded first if it is offloaded, offloaded
+        again after (a checkpoint save between the weight sync and the next train step)."""
+        was_offloaded = self.offloaded
+        if was_offloaded:
+            self.onload()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                self.offload()
 
 
 class TorchMemorySaverTrainerMemory(TrainerMemory):
     """GPU trainer offload with torch-memory-saver (``torch_memory_saver.pause()`` / ``resume()``).
 
     Requires the process to have been started with torch-memory-saver's preload library in ``LD_PRELOAD``
-    (``TMS_INIT_ENABLE=1``), which ``hpcrl`` sets for the trainer job step when colocated on GPUs. Gradient and
-    parameter buffers lose their contents while paused unless backed up, so offload happens only between the
-    optimizer step and the weight sync source being read from a CPU copy. Not exercised in CPU CI.
+    (``TMS_INIT_ENABLE=1``), which ``hpcrl`` sets for the trainer job step when colocated on GPUs. With
+    ``TMS_INIT_ENABLE_CPU_BACKUP=1`` parameters, gradients and optimizer state come back bitwise on
+    :meth:`onload`; while paused nothing may read them, so the colocated loop copies the weights to sync to host
+    memory before it offloads (:func:`hpcrl.loop.sync_weights`). Not exercised in CPU CI; measured on an H200
+    by ``benchmarks/trainer_offload.py`` (docs/gpu-verification.md).
     """
+
+    pauses_device_memory = True
 
     def __init__(self) -> None:
         """Raises ConfigError (one line) when torch-memory-saver is not installed."""
@@ -58,9 +87,11 @@ class TorchMemorySaverTrainerMemory(TrainerMemory):
 
         torch.cuda.synchronize()
         self._tms.pause()
+        self.offloaded = True
 
     def onload(self) -> None:
         self._tms.resume()
+        self.offloaded = False
 
 
 def create_trainer_memory(colocate: bool) -> TrainerMemory:

@@ -27,10 +27,11 @@ step when a step fails before the weights changed. The files and the atomic save
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol
 
 from hpcrl.checkpoint.layout import find_latest_checkpoint
 from hpcrl.checkpoint.load import load_checkpoint
@@ -116,6 +117,10 @@ class CheckpointManager:
         self.interval, self.num_rollout, self.keep_last, self.resume = interval, num_rollout, keep_last, resume
         self.watch, self.config = watch, config
         self.last_saved: Optional[int] = None  # rollout id of the newest checkpoint of this run
+        self.on_device: Callable[[], ContextManager] = contextlib.nullcontext
+        """A context in which the model and optimizer are on the device, entered around every save: colocated
+        on GPUs the trainer's memory is offloaded between the weight sync and the next train step
+        (:meth:`hpcrl.rollout.manager.RolloutManager.trainer_onloaded`)."""
 
     @classmethod
     def from_config(cls, cfg: Any, run_dir: Path, actor: Any, states: Mapping[str, Stateful],
@@ -159,8 +164,12 @@ class CheckpointManager:
         return self.progress.next_rollout_id
 
     def save(self, rollout_id: int) -> Path:
-        """Checkpoint the state after rollout ``rollout_id`` (the counter is set to it). Returns the folder;
-        raises what :func:`~hpcrl.checkpoint.save_checkpoint` raises."""
+        """Checkpoint the state after rollout ``rollout_id`` (the counter is set to it), inside
+        :attr:`on_device`. Returns the folder; raises what :func:`~hpcrl.checkpoint.save_checkpoint` raises."""
+        with self.on_device():
+            return self._save(rollout_id)
+
+    def _save(self, rollout_id: int) -> Path:
         from hpcrl.data.buffer import BUFFER_FILE, write_buffer
 
         t0 = time.perf_counter()

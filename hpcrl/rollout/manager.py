@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import threading
@@ -327,6 +328,18 @@ class RolloutManager:
         self.call(self.memory.onload_engine_weights())
         self.memory.mark("sync")
 
+    @property
+    def trainer_paused_during_sync(self) -> bool:
+        """Whether :meth:`onload_weights` unmaps this rank's trainer memory (colocated on GPUs), so the weights
+        to sync must be read before it."""
+        return self.memory.colocate and self.memory.trainer.pauses_device_memory
+
+    def trainer_onloaded(self) -> contextlib.AbstractContextManager:
+        """A context with this rank's trainer memory on the device (for a checkpoint save while colocated
+        engines hold the GPUs: onload, save, offload again); nothing to do before :meth:`start`."""
+        memory = getattr(self, "memory", None)
+        return memory.trainer.onloaded() if memory is not None and memory.colocate else contextlib.nullcontext()
+
     def update_weights(self, syncer, named, version: int) -> dict[str, Any]:
         """Send the trainer's weights ``named`` (an iterator of ``(name, tensor)``) to the engines as weight
         version ``version``; returns the syncer's metrics (seconds, bytes, GB/s). Raises
@@ -438,10 +451,23 @@ class NullRolloutManager:
     """The rollout manager of a trainer rank that is not the controller: every verb does nothing
     (``generate`` returns no samples and no metrics, ``evaluate`` no metrics), except ``update_weights``,
     which takes part in the weight sync without sending (every rank iterates the weights: tensor-parallel
-    all-gathers)."""
+    all-gathers), and the trainer's own memory phases: colocated, this rank offloads and onloads its trainer
+    memory where the controller does (``trainer``: :func:`hpcrl.offload.create_trainer_memory`)."""
 
     client = None
     engine_tp_sizes = None
+
+    def __init__(self, trainer=None) -> None:
+        from hpcrl.offload import TrainerMemory
+
+        self.trainer = trainer or TrainerMemory()
+
+    @property
+    def trainer_paused_during_sync(self) -> bool:
+        return self.trainer.pauses_device_memory
+
+    def trainer_onloaded(self) -> contextlib.AbstractContextManager:
+        return self.trainer.onloaded()
 
     def launch(self, early: bool = False) -> None:
         pass
@@ -467,10 +493,10 @@ class NullRolloutManager:
         pass
 
     def onload_trainer(self) -> None:
-        pass
+        self.trainer.onload()
 
     def onload_weights(self) -> None:
-        pass
+        self.trainer.offload()
 
     def update_weights(self, syncer, named, version: int) -> dict[str, Any]:
         return asyncio.run(syncer.sync(named, str(version)))
@@ -488,7 +514,9 @@ def rollout_manager(controller: bool, cfg, run_dir: Path, model_path: Path, laun
     on the controller, a :class:`NullRolloutManager` on every other rank. ``job_ending()``: whether Slurm is
     ending the job (:meth:`hpcrl.preempt.PreemptionWatch.job_ending`; no engine is restarted then)."""
     if not controller:
-        return NullRolloutManager()
+        from hpcrl.offload import create_trainer_memory
+
+        return NullRolloutManager(create_trainer_memory(cfg.run.placement == "colocate"))
     manager = RolloutManager(cfg, run_dir, new_attempt_dir(run_dir), model_path, launcher)
     manager.job_ending = job_ending
     return manager

@@ -30,3 +30,29 @@ def test_missing_torch_memory_saver_is_one_config_line():
     text = str(e.value)
     assert e.value.field == "run.placement" and "\n" not in text
     assert "torch-memory-saver" in text and "run.placement=disaggregate" in text
+
+
+def test_onloaded_brings_an_offloaded_trainer_back_for_the_block_only():
+    """A checkpoint save between the weight sync and the next train step runs inside ``onloaded()``."""
+    events = []
+
+    class Recording(TrainerMemory):
+        def offload(self):
+            super().offload()
+            events.append("offload")
+
+        def onload(self):
+            super().onload()
+            events.append("onload")
+
+    memory = Recording()
+    with memory.onloaded():  # not offloaded: nothing to do
+        assert not memory.offloaded
+    assert events == []
+    memory.offload()
+    with memory.onloaded():
+        assert not memory.offloaded
+    assert memory.offloaded and events == ["offload", "onload", "offload"]
+    with pytest.raises(RuntimeError), memory.onloaded():
+        raise RuntimeError("save failed")
+    assert memory.offloaded  # offloaded again even when the block raised
