@@ -80,6 +80,22 @@ def resolve_cpu_sets(cfg: Config):
     return cpus
 
 
+def check_local_engine(cfg: Config) -> None:
+    """A local run's engines start on this machine: with ``rollout.engine`` ``sglang`` (or ``auto`` where torch
+    sees CUDA) SGLang must import here. Raises ConfigError (one line, before anything starts) when it does not;
+    seen on an H200 without SGLang, where the run stopped with "engine exited with code 1" and the reason sat
+    in the engine's log."""
+    import importlib.util
+
+    from hpcrl.config import ConfigError
+    from hpcrl.rollout.engines import resolve_engine
+
+    if resolve_engine(cfg.rollout.engine) == "sglang" and importlib.util.find_spec("sglang") is None:
+        why = "auto picks SGLang where torch sees CUDA, and " if cfg.rollout.engine == "auto" else ""
+        raise ConfigError("rollout.engine", cfg.rollout.engine, f"{why}sglang is not installed here",
+                          "pip install sglang (the gpu extra), or set rollout.engine=cpu")
+
+
 def _worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, model_path: Path) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

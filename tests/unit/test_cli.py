@@ -181,3 +181,25 @@ def test_convert_finds_a_relative_base_from_the_folder_the_run_started_in(tmp_pa
     assert _launch_relative(launch / base, ckpt, "out/runs") == launch / base  # absolute: kept
     monkeypatch.chdir(launch)
     assert _launch_relative(base, ckpt, "out/runs") == base  # exists from here: kept as given
+
+
+def test_run_refuses_sglang_engines_where_sglang_does_not_import(monkeypatch):
+    """`hpcrl run` starts its engines on this machine: SGLang engines without SGLang are one config line
+    before anything starts (seen on an H200: "engine exited with code 1", the reason in the engine's log)."""
+    import importlib.util
+
+    from hpcrl.config import Config, ConfigError
+    from hpcrl.launch_local import check_local_engine
+
+    cfg = Config()
+    cfg.rollout.engine = "cpu"
+    check_local_engine(cfg)
+    cfg.rollout.engine = "sglang"
+    if importlib.util.find_spec("sglang") is not None:
+        check_local_engine(cfg)  # installed here: nothing to say
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        check_local_engine(cfg)
+    assert e.value.field == "rollout.engine" and "\n" not in str(e.value)
+    assert "sglang is not installed" in str(e.value) and "rollout.engine=cpu" in str(e.value)
