@@ -105,6 +105,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     launch_local.resolve_cpu_sets(cfg)  # this machine's CPUs (disaggregated): a config error before anything runs
     launch_local.check_local_engine(cfg)  # SGLang importable here when the engines are SGLang
+    from hpcrl.offload import restart_with_hook
+
+    restart_with_hook(cfg.run.placement == "colocate")  # colocated on CUDA: torch-memory-saver's hook preloaded
     # a known error (data, engine start, checkpoint, ...): one line + the log with its traceback (hpcrl.errors)
     return report_known("hpcrl run", run_dir_of(cfg), lambda: _exit_code(launch_local.main(cfg)))
 

@@ -15,9 +15,11 @@ is the same code and tests assert it from :attr:`ColocatedMemory.events`.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Mapping, Optional
 
 ENGINE_WEIGHTS = ["weights"]
 ENGINE_KV = ["kv_cache", "cuda_graph"]
@@ -60,7 +62,8 @@ class TorchMemorySaverTrainerMemory(TrainerMemory):
     """GPU trainer offload with torch-memory-saver (``torch_memory_saver.pause()`` / ``resume()``).
 
     Requires the process to have been started with torch-memory-saver's preload library in ``LD_PRELOAD``
-    (``TMS_INIT_ENABLE=1``), which ``hpcrl`` sets for the trainer job step when colocated on GPUs. With
+    (``TMS_INIT_ENABLE=1``), which the hpcrl image sets for the trainer job step when colocated on GPUs and
+    ``hpcrl run`` by restarting itself (:func:`restart_with_hook`). With
     ``TMS_INIT_ENABLE_CPU_BACKUP=1`` parameters, gradients and optimizer state come back bitwise on
     :meth:`onload`; while paused nothing may read them, so the colocated loop copies the weights to sync to host
     memory before it offloads (:func:`hpcrl.loop.sync_weights`). Not exercised in CPU CI; measured on an H200
@@ -92,6 +95,45 @@ class TorchMemorySaverTrainerMemory(TrainerMemory):
     def onload(self) -> None:
         self._tms.resume()
         self.offloaded = False
+
+
+TMS_INIT_ENV = {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}
+"""torch-memory-saver's start-up switches for a colocated trainer (slime's ``RayTrainGroup`` sets the same):
+every device allocation in its region, paused contents backed up in host memory."""
+
+
+def hook_env(hook: str, environ: Mapping[str, str]) -> Optional[dict[str, str]]:
+    """``environ`` with torch-memory-saver's preload library ``hook`` (a path) first in ``LD_PRELOAD`` and
+    :data:`TMS_INIT_ENV` (values already in ``environ`` win); None when ``LD_PRELOAD`` already holds a
+    torch-memory-saver library (nothing to do)."""
+    preload = environ.get("LD_PRELOAD", "")
+    if "torch_memory_saver" in preload:
+        return None
+    env = {**TMS_INIT_ENV, **environ}
+    env["LD_PRELOAD"] = f"{hook}:{preload}" if preload else hook
+    return env
+
+
+def restart_with_hook(colocate: bool) -> None:
+    """Colocated on CUDA, make sure this process runs under torch-memory-saver's hook: the hook must be loaded
+    before CUDA starts, so without it the process replaces itself (``os.execve``, same command line and pid)
+    with :func:`hook_env`'s environment. ``hpcrl run`` calls it first; the image sets the hook for Slurm job
+    steps (:func:`hpcrl.slurm.container.container_env`). Returns without doing anything off CUDA, when not
+    colocated, when the hook is in place, or when torch-memory-saver is not installed (the trainer adapter
+    then says what to install)."""
+    if not colocate:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    try:
+        from torch_memory_saver.utils import get_binary_path_from_package  # GPU-only, imported lazily
+    except ImportError:
+        return
+    env = hook_env(str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload")), os.environ)
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def create_trainer_memory(colocate: bool) -> TrainerMemory:

@@ -56,3 +56,17 @@ def test_onloaded_brings_an_offloaded_trainer_back_for_the_block_only():
     with pytest.raises(RuntimeError), memory.onloaded():
         raise RuntimeError("save failed")
     assert memory.offloaded  # offloaded again even when the block raised
+
+
+def test_hook_env_preloads_torch_memory_saver_once_and_keeps_the_users_settings():
+    """`hpcrl run` colocated on CUDA restarts itself with this environment (the H200 run of 2026-11-26 used it
+    by hand): the hook first in LD_PRELOAD, TMS_INIT_ENABLE(_CPU_BACKUP)=1 unless the user set them."""
+    from hpcrl.offload import hook_env, restart_with_hook
+
+    hook = "/site/torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+    env = hook_env(hook, {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "LD_PRELOAD": hook, "TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}
+    env = hook_env(hook, {"LD_PRELOAD": "/lib/libmine.so", "TMS_INIT_ENABLE_CPU_BACKUP": "0"})
+    assert env["LD_PRELOAD"] == f"{hook}:/lib/libmine.so" and env["TMS_INIT_ENABLE_CPU_BACKUP"] == "0"
+    assert hook_env(hook, {"LD_PRELOAD": env["LD_PRELOAD"]}) is None  # in place: no restart loop
+    restart_with_hook(colocate=False)  # returns: nothing to do
