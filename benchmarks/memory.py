@@ -124,9 +124,8 @@ class PhasePeaks:
                 raise OSError("this kernel does not reset VmHWM through /proc/self/clear_refs; use method='sampled'")
             method = "sampled"
         self.method = "VmHWM" if method == "auto" else method
-        self._max = 0
         if method == "sampled":
-            self._max = _status_bytes("VmRSS")
+            self._max = _status_bytes("VmRSS")  # the current phase's largest sample
             self._interval = interval
             threading.Thread(target=self._sample, name="phase-peaks", daemon=True).start()
         else:
@@ -145,8 +144,8 @@ class PhasePeaks:
             peak = _status_bytes("VmHWM")
             _reset_hwm()
         else:
-            peak = max(self._max, _status_bytes("VmRSS"))
-            self._max = _status_bytes("VmRSS")
+            rss = _status_bytes("VmRSS")
+            peak, self._max = max(self._max, rss), rss
         return peak
 
     def enter(self, name: str) -> None:

@@ -16,7 +16,7 @@ heads, MLP 4864).
 
 torch-memory-saver pauses only memory allocated under its hook: the script re-executes itself with the hook's
 ``LD_PRELOAD`` and ``TMS_INIT_ENABLE=1``, ``TMS_INIT_ENABLE_CPU_BACKUP=1``, as hpcrl sets them for a colocated
-trainer (``hpcrl/slurm/container.py``). Needs CUDA and the gpu extra; ``--cpu-smoke`` runs the same steps on the
+trainer (``hpcrl.offload.trainer_hook_env``). Needs CUDA and the gpu extra; ``--cpu-smoke`` runs the same steps on the
 CPU with the no-op adapter (nothing is freed there) to check the script itself.
 
     python benchmarks/trainer_offload.py [--models 50m smollm2-135m qwen2-0.5b] [--bf16]
@@ -101,6 +101,13 @@ def device_used() -> int:
     return total - free
 
 
+def allocated() -> int:
+    """Bytes torch's allocator holds for tensors on the current device; 0 on CPU."""
+    import torch
+
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
 def worker(name: str, bf16: bool, cpu_smoke: bool) -> dict:
     """One model: build, train, offload, onload, train; returns the row."""
     import torch
@@ -132,13 +139,13 @@ def worker(name: str, bf16: bool, cpu_smoke: bool) -> dict:
     first = actor.train(0, samples)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
-    before, allocated = device_used(), (torch.cuda.memory_allocated() if torch.cuda.is_available() else 0)
+    before, allocated_before = device_used(), allocated()
     digest = state_digest(actor)
     t = time.perf_counter()
     memory.offload()
     sync()
     offload_s = time.perf_counter() - t
-    offloaded, allocated_off = device_used(), (torch.cuda.memory_allocated() if torch.cuda.is_available() else 0)
+    offloaded, allocated_off = device_used(), allocated()
     t = time.perf_counter()
     memory.onload()
     sync()
@@ -148,19 +155,18 @@ def worker(name: str, bf16: bool, cpu_smoke: bool) -> dict:
     second = actor.train(1, grpo_samples(tok, seed=1))
     parallel.destroy()
     return {"model": name, "params": params, "before": before, "offloaded": offloaded, "onloaded": onloaded,
-            "allocated": allocated, "allocated_offloaded": allocated_off, "offload_s": offload_s,
+            "allocated": allocated_before, "allocated_offloaded": allocated_off, "offload_s": offload_s,
             "onload_s": onload_s, "bitwise_equal": equal, "loss_1": first["train/loss"],
             "loss_2": second["train/loss"], "grad_norm_2": second["train/grad_norm"],
             "adapter": type(memory).__name__}
 
 
 def preload_env() -> dict[str, str]:
-    """The environment of a colocated GPU trainer: torch-memory-saver's hook preloaded, every allocation in
-    its region, CPU backup on (hpcrl/slurm/container.py's defaults)."""
-    from torch_memory_saver.utils import get_binary_path_from_package
+    """The environment of a colocated GPU trainer, as ``hpcrl run`` restarts itself with:
+    :func:`hpcrl.offload.trainer_hook_env` (the hook preloaded, every allocation in its region, CPU backup on)."""
+    from hpcrl.offload import trainer_hook_env
 
-    lib = str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload"))
-    return dict(os.environ, LD_PRELOAD=lib, TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    return trainer_hook_env(os.environ) or dict(os.environ)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,6 +114,14 @@ def hook_env(hook: str, environ: Mapping[str, str]) -> Optional[dict[str, str]]:
     return env
 
 
+def trainer_hook_env(environ: Mapping[str, str]) -> Optional[dict[str, str]]:
+    """:func:`hook_env` with the preload library of the installed torch-memory-saver (the build for this
+    torch's CUDA major). Raises ImportError when torch-memory-saver is not installed."""
+    from torch_memory_saver.utils import get_binary_path_from_package  # GPU-only, imported lazily
+
+    return hook_env(str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload")), environ)
+
+
 def restart_with_hook(colocate: bool) -> None:
     """Colocated on CUDA, make sure this process runs under torch-memory-saver's hook: the hook must be loaded
     before CUDA starts, so without it the process replaces itself (``os.execve``, same command line and pid)
@@ -128,10 +136,9 @@ def restart_with_hook(colocate: bool) -> None:
     if not torch.cuda.is_available():
         return
     try:
-        from torch_memory_saver.utils import get_binary_path_from_package  # GPU-only, imported lazily
+        env = trainer_hook_env(os.environ)
     except ImportError:
         return
-    env = hook_env(str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload")), os.environ)
     if env is not None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 

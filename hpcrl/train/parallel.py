@@ -78,14 +78,12 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
         port = int(os.environ.get("MASTER_PORT", 0)) or find_free_port()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    from hpcrl.train import cpu_compat
+
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        from hpcrl.train import cpu_compat
-
         cpu_compat.define_te_general_gemm()  # MoE routers on GPUs without TransformerEngine
     else:
-        from hpcrl.train import cpu_compat
-
         cpu_compat.apply()
     dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
