@@ -123,11 +123,18 @@ async def score_samples(teachers: Sequence[Teacher], samples: Sequence[Sample], 
 
 
 def opd_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """``rollout/opd_reverse_kl``: the mean over response tokens of ``rollout - teacher`` log-probs (nats per
-    token; the sampled-token estimate of KL(student || teacher) at the rollout's weights)."""
-    diffs = [r - t for s in samples for r, t, m in zip(s.rollout_log_probs, s.teacher_log_probs, s.loss_mask)
-             if m]
-    return {"rollout/opd_reverse_kl": sum(diffs) / len(diffs)} if diffs else {}
+    """``rollout/opd_reverse_kl``: ``rollout - teacher`` log-probs averaged over each sample's loss-masked
+    response tokens (0 for a sample without any), then over the samples (nats per token; the sampled-token
+    estimate of KL(student || teacher) at the rollout's weights). The same reduction as the trainer's
+    ``train/opd_reverse_kl`` (:func:`hpcrl.train.algorithms.rollout_token_mean`), so the two differ only by the
+    trainer's and the engine's log-probs (a token mean over the whole batch differed from it by up to 6% when
+    responses differ in length). Empty dict when no sample has a loss token."""
+    per_sample = []
+    for s in samples:
+        diffs = [r - t for r, t, m in zip(s.rollout_log_probs, s.teacher_log_probs, s.loss_mask) if m]
+        per_sample.append(sum(diffs) / len(diffs) if diffs else 0.0)
+    return {"rollout/opd_reverse_kl": sum(per_sample) / len(per_sample)} if any(
+        m for s in samples for m in s.loss_mask) else {}
 
 
 def start_teacher(cfg, teacher_section, index: int, run_dir: Path, attempt_dir: Path, secret_path: Path,

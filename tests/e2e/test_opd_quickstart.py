@@ -53,6 +53,7 @@ def test_opd_quickstart_student_moves_towards_its_teacher(quickstart_run, tmp_pa
     print(f"opd: student eval {curve}; reverse KL first 10 {sum(kl[:10]) / 10:.3f}, last 10 {sum(kl[-10:]) / 10:.3f}")
     assert len(steps) == STEPS
     assert sum(kl[-10:]) / 10 < sum(kl[:10]) / 10, kl
-    assert all(r["train/opd_reverse_kl"] == pytest.approx(r["rollout/opd_reverse_kl"], abs=0.05) for r in steps)
+    # the same per-sample token mean on both sides: only the trainer's and the engine's log-probs differ (~1e-6)
+    assert all(r["train/opd_reverse_kl"] == pytest.approx(r["rollout/opd_reverse_kl"], abs=1e-3) for r in steps)
     start, end = curve[0][1], curve[-1][1]
     assert end >= start + MIN_GAIN, curve

@@ -58,6 +58,22 @@ def test_micro_batch_carries_teacher_log_probs_and_checks_their_length():
     assert opd_metrics(samples)["rollout/opd_reverse_kl"] == pytest.approx(0.3125)
 
 
+def test_reverse_kl_is_a_per_sample_token_mean_like_the_trainers():
+    """Samples of different response lengths weigh equally, as in the trainer's ``train/opd_reverse_kl``
+    (a batch-wide token mean gave the 3-token sample 3/4 of the weight); a sample without loss tokens counts
+    as 0, as in the trainer's reducer: (1 + 0 + 0) / 3."""
+    long = Sample(group_index=0, index=0, tokens=[1, 2, 3, 4, 5], response_length=3, loss_mask=[1, 1, 1],
+                  rollout_log_probs=[-1.0, -1.0, -1.0], teacher_log_probs=[-2.0, -2.0, -2.0], reward=1.0,
+                  status=Status.COMPLETED)
+    short = Sample(group_index=1, index=1, tokens=[1, 2, 3], response_length=1, loss_mask=[1],
+                   rollout_log_probs=[-1.0], teacher_log_probs=[-1.0], reward=1.0, status=Status.COMPLETED)
+    empty = Sample(group_index=2, index=2, tokens=[1, 2, 3], response_length=1, loss_mask=[0],
+                   rollout_log_probs=[-1.0], teacher_log_probs=[-5.0], reward=1.0, status=Status.COMPLETED)
+    assert opd_metrics([long, short])["rollout/opd_reverse_kl"] == pytest.approx(0.5)
+    assert opd_metrics([long, short, empty])["rollout/opd_reverse_kl"] == pytest.approx(1 / 3)
+    assert opd_metrics([empty]) == {}
+
+
 def test_buffer_keeps_teacher_log_probs_and_reads_files_without_them(tmp_path):
     group = [_sample(0, [-0.125, -3.5]), _sample(1, [])]
     write_buffer(tmp_path / "b.h5", [group], [])
