@@ -68,6 +68,9 @@ def assert_teacher_scored(run_dir: Path, steps: int) -> list[dict]:
     assert abs(rows[0]["rollout/opd_reverse_kl"]) < 1e-4, rows[0]
     assert abs(rows[0]["train/opd_reverse_kl"]) < 1e-4, rows[0]
     assert rows[-1]["rollout/opd_reverse_kl"] > 1e-3, [r["rollout/opd_reverse_kl"] for r in rows]
+    # one reduction on both sides (each sample's token mean, averaged): only the log-probs differ
+    assert all(r["train/opd_reverse_kl"] == pytest.approx(r["rollout/opd_reverse_kl"], abs=1e-3) for r in rows), \
+        [(r["train/opd_reverse_kl"], r["rollout/opd_reverse_kl"]) for r in rows]
     assert all(r["rollout/opd_teacher_seconds"] > 0 for r in rows)
     return rows
 
