@@ -129,12 +129,11 @@ def opd_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     ``train/opd_reverse_kl`` (:func:`hpcrl.train.algorithms.rollout_token_mean`), so the two differ only by the
     trainer's and the engine's log-probs (a token mean over the whole batch differed from it by up to 6% when
     responses differ in length). Empty dict when no sample has a loss token."""
-    per_sample = []
-    for s in samples:
-        diffs = [r - t for r, t, m in zip(s.rollout_log_probs, s.teacher_log_probs, s.loss_mask) if m]
-        per_sample.append(sum(diffs) / len(diffs) if diffs else 0.0)
-    return {"rollout/opd_reverse_kl": sum(per_sample) / len(per_sample)} if any(
-        m for s in samples for m in s.loss_mask) else {}
+    diffs = [[r - t for r, t, m in zip(s.rollout_log_probs, s.teacher_log_probs, s.loss_mask) if m]
+             for s in samples]
+    if not any(diffs):
+        return {}
+    return {"rollout/opd_reverse_kl": sum(sum(d) / len(d) for d in diffs if d) / len(diffs)}
 
 
 def start_teacher(cfg, teacher_section, index: int, run_dir: Path, attempt_dir: Path, secret_path: Path,
