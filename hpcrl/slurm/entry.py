@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hpcrl.config import Config, load_config
-from hpcrl.slurm.requeue import (EXIT_REQUEUE, exit_for_requeue_on_signal, requeue_after_checkpoint,
-                                  submitit_resubmission)
+from hpcrl.slurm.requeue import (EXIT_REQUEUE, exit_for_requeue_on_signal, ignore_late_signals,
+                                  requeue_after_checkpoint, submitit_resubmission)
 
 log = logging.getLogger("hpcrl.slurm")
 
@@ -157,6 +157,11 @@ def _run(config_path: str | os.PathLike, bootstrap: Optional[Bootstrap] = None) 
         cfg = load_config(config_path)
         result = exit_for_requeue_on_signal(cfg, lambda: (bootstrap or _bootstrap())(cfg, run_dir))
         state["reported"] = False
+        # The run is over (finished, or checkpointed for a requeue). Slurm may still signal the step (the time
+        # limit's USR2@N can land while the task exits, and Python resets its handlers to the default, which
+        # kills, at shutdown): a finished task must not end as FAILED by it.
+        if "SLURM_JOB_ID" in os.environ:
+            ignore_late_signals(fallback=cfg.slurm.signal.split("@")[0])
         return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
     code = report_known("hpcrl job", run_dir, run, rank=rank)

@@ -640,6 +640,31 @@ def test_plain_sbatch_preemption_exits_for_requeue(work, monkeypatch):
         signal.signal(signal.SIGUSR1, old)
 
 
+@pytest.mark.parametrize("submitit", [True, False], ids=["submitit", "plain"])
+def test_signal_after_the_run_finished_does_not_fail_the_task(work, submitit):
+    """The time limit's ``--signal`` may land while a finished task exits (CI of f8db1fa: 'Job completed
+    successfully', then 'srun: error: task 0: User defined signal 2', job FAILED). A real process runs the
+    entry to its end, then gets the preemption signal: it must still exit 0."""
+    res = dry(work, CPU, plain=not submitit)
+    (work / "hpcrl_test_done.py").write_text("def boot(cfg, run_dir):\n    return 0\n")
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from hpcrl.slurm import entry
+        code = entry.SlurmEntry({str(res.run_dir / "config.yaml")!r})() if {submitit} else \\
+            entry.run_slurm({str(res.run_dir / "config.yaml")!r})
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.2)
+        print("alive", code)
+    """)
+    env = dict(os.environ, SLURM_JOB_ID="1", HPCRL_PREEMPT_SIGNAL="USR1", PYTHONPATH=str(work) + os.pathsep +
+               os.environ.get("PYTHONPATH", ""), **{entry.BOOTSTRAP_ENV: "hpcrl_test_done.boot"})
+    env.pop("SUBMITIT_FOLDER", None)
+    if submitit:
+        env["SUBMITIT_FOLDER"] = str(work)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert (out.returncode, out.stdout.split()[-2:]) == (0, ["alive", "0"]), out.stderr[-2000:]
+
+
 def test_slurm_entry_checkpoint():
     e = entry.SlurmEntry("/r/config.yaml")
     d = e.checkpoint()
