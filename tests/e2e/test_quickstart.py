@@ -5,8 +5,8 @@ real loop (CPU engine, Megatron trainer, weight sync) (issue #9 points 1 and 2).
 
 Nothing here is a CPU-specific constant: the SFT's stopping step and the exact accuracies move with the CPU's
 rounding; what is asserted is that SFT stopped at the first eval that met the target, that the engine measures
-the model SFT left, and that RL rises by more than 10 points over its start. The five-seed table, with the
-target of >= 60% and >= +15 points, is a benchmark (``benchmarks/quickstart_seeds.py``), not a test.
+the model SFT left, and issue #9's target for the rise: >= 60% greedy and >= +15 points over the start. The
+five-seed table is a benchmark (``benchmarks/quickstart_seeds.py``, docs/performance.md), not a test.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ def test_quickstart_learns_from_a_fresh_folder(quickstart_run):
 
     start, final = curve[0][1], curve[-1][1]
     assert curve[0][0] == -1 and start == pytest.approx(sft_evals[-1][1], abs=0.02)  # engine eval == SFT's own
-    # RL learns from wherever SFT left it. Issue #9's target (>= 60% and >= +15 points for every seed) is met by
-    # some seeds and missed by others (docs/performance.md, "Five seeds"); what holds on every run measured is a
-    # rise of more than 10 points, which the reported failure (0.123 -> 0.111 in 700 steps) does not have.
-    assert final >= start + 0.10, f"greedy accuracy rose only {start} -> {final}: {curve}"
+    # RL learns from wherever SFT left it (issue #9 point 2; seeds 1-5 in docs/performance.md end
+    # 0.65-0.75 from 0.39-0.46, with a dip of up to 16 points in its first 300 steps).
+    assert final >= 0.60 and final >= start + 0.15, f"greedy accuracy went {start} -> {final}: {curve}"
     steps = [r for r in rows if r["step"] >= 0]
     assert [r["step"] for r in steps] == list(range(cfg["run"]["num_rollout"]))
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-3 for r in steps)

@@ -304,7 +304,7 @@ def test_quickstart_values():
     cfg = load_config(REPO / "configs" / "quickstart.yaml")
     assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 700, "addition")
     assert (cfg.sft.enabled, cfg.sft.output, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr) == (
-        True, ".cache/models/tiny-qwen2-addition-sft", 3000, 256, 3e-3)
+        True, ".cache/models/tiny-qwen2-addition-sft", 3000, 256, 1e-3)
     assert (cfg.sft.target_accuracy, cfg.sft.eval_interval) == (0.35, 10)  # SFT ends on accuracy (issue #9)
     assert (cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens) == (8, 8, 8)
     assert cfg.rollout.dynamic_filter == "nonzero_std" and cfg.train.lr == 1.5e-4
