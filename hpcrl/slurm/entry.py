@@ -161,7 +161,7 @@ def _run(config_path: str | os.PathLike, bootstrap: Optional[Bootstrap] = None) 
         # limit's USR2@N can land while the task exits, and Python resets its handlers to the default, which
         # kills, at shutdown): a finished task must not end as FAILED by it.
         if "SLURM_JOB_ID" in os.environ:
-            ignore_late_signals(fallback=cfg.slurm.signal.split("@")[0])
+            ignore_late_signals(slurm_signal=cfg.slurm.signal)
         return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
     code = report_known("hpcrl job", run_dir, run, rank=rank)

@@ -108,17 +108,25 @@ def exit_for_requeue_on_signal(cfg: Config, run: Callable[[], Any]) -> Any:
         return EXIT_REQUEUE
 
 
-def ignore_late_signals(environ: Optional[dict] = None, fallback: Optional[str] = None) -> None:
+def ignore_late_signals(environ: Optional[dict] = None, slurm_signal: Optional[str] = None) -> None:
     """Once a task's run is over (finished, or checkpointed for a requeue): ignore further copies of the
-    preemption signal (``$HPCRL_PREEMPT_SIGNAL``, else ``fallback`` (``slurm.signal``'s name), else
-    ``$SUBMITIT_PREEMPT_SIGNAL``, else USR2). They may come from the steps, ``srun``, the batch shell's trap or
-    the time limit's ``--signal`` while the task exits; unhandled, submitit's own checkpoint-and-requeue
-    handler would run as well, or the default action (Python restores it at shutdown) would kill a finished
-    task and Slurm would mark the job FAILED. Does nothing off the main thread or for an unknown name."""
-    environ = os.environ if environ is None else environ
-    name = (environ.get("HPCRL_PREEMPT_SIGNAL") or fallback or environ.get("SUBMITIT_PREEMPT_SIGNAL")
-            or "USR2").upper()
-    signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+    preemption signal - with ``slurm_signal`` (``slurm.signal``), the one :func:`hpcrl.preempt.signal_from_config`
+    names; else ``$HPCRL_PREEMPT_SIGNAL``, else ``$SUBMITIT_PREEMPT_SIGNAL``, else USR2 (read from ``environ``).
+    They may come from the steps, ``srun``, the batch shell's trap or the time limit's ``--signal`` while the
+    task exits; unhandled, submitit's own checkpoint-and-requeue handler would run as well, or the default
+    action (Python restores it at shutdown) would kill a finished task and Slurm would mark the job FAILED.
+    Does nothing off the main thread or for an unknown name."""
+    if slurm_signal is not None:
+        from hpcrl.preempt import signal_from_config
+
+        try:
+            signum = signal_from_config(slurm_signal)
+        except ValueError:
+            return
+    else:
+        environ = os.environ if environ is None else environ
+        name = environ.get("HPCRL_PREEMPT_SIGNAL") or environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"
+        signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
     if signum is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signum, signal.SIG_IGN)
 
