@@ -1,7 +1,5 @@
 """``python -m hpcrl`` is the ``hpcrl`` command."""
 
-import sys
+from hpcrl.cli import console_main
 
-from hpcrl.cli import main
-
-sys.exit(main())
+console_main()

@@ -427,5 +427,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
 
 
+def console_main() -> None:
+    """The ``hpcrl`` executable (console script and ``python -m hpcrl``): :func:`main`, then exit with its
+    status without the interpreter's last full garbage collection (:func:`hpcrl.procs.skip_final_collection`:
+    ~2 s at the end of a run)."""
+    code = main()
+    from hpcrl.procs import skip_final_collection
+
+    skip_final_collection()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

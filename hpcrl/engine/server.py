@@ -45,7 +45,7 @@ from hpcrl.engine.scheduler import EngineUnavailable, Job, Scheduler
 from hpcrl.engine.serialize import deserialize_flattened_bucket, deserialize_named_tensors
 from hpcrl.engine.weights import WeightLoader, WeightUpdateError, WeightUpdateGroups
 from hpcrl.models.hf import context_length
-from hpcrl.procs import release_freed_memory_eagerly
+from hpcrl.procs import release_freed_memory_eagerly, skip_final_collection
 
 logger = logging.getLogger("hpcrl.engine")
 
@@ -648,4 +648,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    skip_final_collection()  # stopped: exit without traversing the model's heap once more (~1 s)
+    sys.exit(code)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from hpcrl.procs import ManagedProcess
 from hpcrl.rollout.engines import engine_sglang_args
 from hpcrl.run_setup import new_attempt_dir
 
@@ -417,6 +418,9 @@ class RolloutManager:
             if self.monitor is not None:
                 self.router = self.monitor.router  # restarted ones included
                 self.engines = list(self.engines) + [e for e in self.monitor.engines() if e not in self.engines]
+            for server in [self.router, *self.engines]:  # local servers: SIGTERM all first, they shut down
+                if isinstance(server, ManagedProcess):  # side by side (a job step's engines stop with it)
+                    server.terminate()
             if self.router is not None:
                 self.router.stop()
             if self.pending is not None:  # launched, never waited for (the trainer failed to start)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -135,7 +136,8 @@ def requeue_and_wait(requeue: bool, wait_s: float = WAIT_FOR_REQUEUE_S) -> int:
     """After a checkpoint: task 0 (``SLURM_PROCID`` 0) asks Slurm to requeue the job (``scontrol requeue``
     :func:`job_to_requeue`), then every task waits (``wait_s`` seconds; at most
     :data:`WAIT_WHEN_SLURM_REQUEUES_S` when ``scontrol`` refused because Slurm is already requeueing it) to be
-    ended by the requeue, so no task finishes first and lets the job complete.
+    ended by the requeue, so no task finishes first and lets the job complete. The requeue's SIGTERM ends a
+    waiting task at once (:func:`_exit_on_sigterm`).
 
     Returns 0 at once when ``requeue`` is False (``slurm.requeue: false``: the job just ends). Raises
     RuntimeError if the requeue did not end the job in time, KeyError outside a Slurm job, and
@@ -152,8 +154,30 @@ def requeue_and_wait(requeue: bool, wait_s: float = WAIT_FOR_REQUEUE_S) -> int:
             print(f"[hpcrl] scontrol requeue {job}: {out.stderr.strip()}; waiting for Slurm to end the job",
                   flush=True)
             wait_s = min(wait_s, WAIT_WHEN_SLURM_REQUEUES_S)
-    time.sleep(wait_s)
+    previous = _exit_on_sigterm()
+    try:
+        time.sleep(wait_s)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     raise RuntimeError(f"job {job} was not requeued within {wait_s:.0f} s")
+
+
+def _exit_on_sigterm() -> Any:
+    """While a task waits for the requeue to end it: SIGTERM, which Slurm sends to every task of a job it
+    requeues, ends the task at once (status 0; the checkpoint is written, nothing else is pending). Without
+    it submitit's handler ignores SIGTERM ("Bypassing signal SIGTERM") and Slurm waits ``KillWait`` (30 s by
+    default) before its SIGKILL, and only then requeues. Returns the handler it replaced (None off the main
+    thread, where nothing is installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(num, frame):
+        print("[hpcrl] SIGTERM from the requeue: this task ends", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def requeue_after_checkpoint(requeue: bool, wait_s: float = WAIT_FOR_REQUEUE_S) -> int:

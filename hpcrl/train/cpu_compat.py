@@ -270,7 +270,7 @@ def define_te_general_gemm() -> None:
     megatron-core 0.16.1's ``router_gating_linear`` reads that name, whose import sits in a ``try`` that leaves
     it undefined without TE, so every MoE router forward raises ``NameError``; with None it takes megatron's own
     ``torch.mm`` fallback. Needed on GPUs without TE as well as on CPUs (seen failing on an H200, 2026-11-26):
-    :func:`hpcrl.train.parallel.init_distributed` calls it on CUDA, :func:`apply` on CPU. Idempotent; does
+    :func:`hpcrl.train.parallel.prepare_megatron` calls it on CUDA, :func:`apply` on CPU. Idempotent; does
     nothing where TE is installed."""
     from megatron.core.transformer.moe import moe_utils
 
@@ -281,7 +281,7 @@ def define_te_general_gemm() -> None:
 def apply() -> bool:
     """Patch megatron-core for a CUDA-less torch (see the module docstring for exactly what changes).
 
-    Call once at start-up, before building models (:func:`hpcrl.train.parallel.init_distributed` does);
+    Call once at start-up, before building models (:func:`hpcrl.train.parallel.prepare_megatron` does);
     calling again does nothing. Returns True when megatron-core is (now or already) patched, False when CUDA
     is available and nothing was done. Raises ImportError if megatron-core is not installed.
     """

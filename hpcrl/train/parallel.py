@@ -54,14 +54,32 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> DistEnv:
+def prepare_megatron() -> None:
+    """megatron-core for this device: :func:`hpcrl.train.cpu_compat.apply` without CUDA,
+    :func:`hpcrl.train.cpu_compat.define_te_general_gemm` with it. Idempotent. Imports megatron-core (~2 s
+    on a 2-core CPU machine, most of it torch's compiler stack), which is why :func:`init_distributed` can
+    leave it out. Raises ImportError if megatron-core is not installed."""
+    from hpcrl.train import cpu_compat
+
+    if torch.cuda.is_available():
+        cpu_compat.define_te_general_gemm()  # MoE routers on GPUs without TransformerEngine
+    else:
+        cpu_compat.apply()
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0, megatron: bool = True) -> DistEnv:
     """Initialise the default process group from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``.
 
-    ``backend`` defaults to ``nccl`` with CUDA (the device is set to ``LOCAL_RANK``) and ``gloo`` without, in
-    which case :func:`hpcrl.train.cpu_compat.apply` is called first. Without the variables a single process
-    (rank 0 of 1) starts on a free loopback port. Returns the existing setup if already initialised.
-    Raises KeyError if ``WORLD_SIZE`` > 1 and ``MASTER_ADDR`` or ``MASTER_PORT`` is missing.
+    ``backend`` defaults to ``nccl`` with CUDA (the device is set to ``LOCAL_RANK``) and ``gloo`` without.
+    ``megatron`` (default True) also prepares megatron-core for the device (:func:`prepare_megatron`, also
+    when the group exists already); False forms the group only - the Slurm bootstrap, which starts the rollout
+    step before the trainer imports megatron-core (:func:`setup_parallel` prepares it then). Without the
+    variables a single process (rank 0 of 1) starts on a free loopback port. Returns the existing setup if
+    already initialised. Raises KeyError if ``WORLD_SIZE`` > 1 and ``MASTER_ADDR`` or ``MASTER_PORT`` is
+    missing.
     """
+    if megatron:
+        prepare_megatron()
     if dist.is_initialized():
         return DistEnv(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
                        dist.get_backend())
@@ -78,13 +96,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
         port = int(os.environ.get("MASTER_PORT", 0)) or find_free_port()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    from hpcrl.train import cpu_compat
-
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        cpu_compat.define_te_general_gemm()  # MoE routers on GPUs without TransformerEngine
-    else:
-        cpu_compat.apply()
     dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(rank, world_size, local_rank, backend)

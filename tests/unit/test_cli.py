@@ -203,3 +203,20 @@ def test_run_refuses_sglang_engines_where_sglang_does_not_import(monkeypatch):
         check_local_engine(cfg)
     assert e.value.field == "rollout.engine" and "\n" not in str(e.value)
     assert "sglang is not installed" in str(e.value) and "rollout.engine=cpu" in str(e.value)
+
+
+def test_the_hpcrl_process_exits_without_a_last_full_collection():
+    """``hpcrl`` (``python -m hpcrl`` and the console script) freezes the heap once its command returned
+    (:func:`hpcrl.procs.skip_final_collection`), its exit status unchanged; ``cli.main`` called in a process
+    that goes on (this one) does not."""
+    probe = ("import atexit, gc, sys; atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0)); "
+             "sys.argv = ['hpcrl', '{}']; import hpcrl.__main__")
+    for command, code in (("--version", 0), ("no-such-command", 2)):
+        out = subprocess.run([sys.executable, "-c", probe.format(command)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == code and "frozen True" in out.stdout, (out.stdout, out.stderr[-500:])
+    import gc
+
+    assert cli.main(["--version"]) == 0 and gc.get_freeze_count() == 0
+    console = Path(sys.executable).with_name("hpcrl").read_text()
+    assert "console_main" in console  # the installed script goes through it too

@@ -85,3 +85,52 @@ def test_no_requeue_ends_at_once(tmp_path, slurm_env, monkeypatch):
     calls = fake_scontrol(tmp_path, monkeypatch)
     assert requeue.requeue_and_wait(False) == 0
     assert not calls.exists()
+
+
+WAITING_TASK = """
+import signal, sys
+from hpcrl.slurm import requeue
+signal.signal(signal.SIGTERM, lambda *a: print("bypassing SIGTERM", flush=True))  # as submitit's handler does
+try:
+    requeue.requeue_and_wait(True, wait_s=60)
+except RuntimeError as e:
+    print(e, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_the_requeues_sigterm_ends_a_waiting_task_at_once(tmp_path, slurm_env, monkeypatch):
+    """A task that asked for the requeue and waits to be ended by it exits as soon as Slurm's SIGTERM comes,
+    instead of living on (submitit's handler ignores SIGTERM) until the SIGKILL ``KillWait`` seconds later
+    (30 s by default), which delays the requeue by as much. A real process; the handler it replaced is back
+    once the wait ends otherwise (the other tests here)."""
+    import signal
+    import subprocess
+    import sys
+
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    proc = subprocess.Popen([sys.executable, "-c", WAITING_TASK], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.stdout.readline().startswith("[hpcrl] checkpoint written; requeueing job 12")
+    deadline = time.monotonic() + 30
+    while not calls.exists():  # scontrol has run; the task is now waiting
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+    assert time.monotonic() - t0 < 5
+    assert "this task ends" in proc.stdout.read()
+    assert calls.read_text() == "requeue 12\n"
+
+
+def test_the_sigterm_handler_is_restored_after_the_wait(tmp_path, slurm_env, monkeypatch):
+    import signal
+
+    fake_scontrol(tmp_path, monkeypatch)
+    fake_sleep(monkeypatch, [])
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RuntimeError):
+        requeue.requeue_and_wait(True, wait_s=1)
+    assert signal.getsignal(signal.SIGTERM) is before
