@@ -110,20 +110,24 @@ def node_of(job_id: str) -> str:
 
 
 SLOW_REWARD_MODULE = REWARD_MODULE + '''
+import os
 import time
 _fast = digit_fraction
 def digit_fraction(args, sample):
-    time.sleep(SECONDS)  # a floor under each step's time, whatever the CPU
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ATTEMPTS:
+        time.sleep(SECONDS)  # a floor under each step's time, whatever the CPU
     return _fast(args, sample)
 '''
 
 
-def slow_steps(work: Path, seconds_per_sample: float = 0.03) -> None:
+def slow_steps(work: Path, seconds_per_sample: float = 0.03, attempts: int = 1000) -> None:
     """Put a floor under each step's time (a reward that sleeps ``seconds_per_sample`` per sample, ~1.5 s a
-    step at the default; the values are the same, so the reference still holds): preemption by the ``urgent``
-    partition waits for Slurm's scheduler, and at full speed the 8-step run could finish before the signal came;
-    a time-limit run must outlast one allocation on a fast CPU too."""
-    (work / "loop_rewards.py").write_text(SLOW_REWARD_MODULE.replace("SECONDS", repr(seconds_per_sample)))
+    step at the default; the values are the same, so the reference still holds) in the job's first
+    ``attempts`` attempts (``SLURM_RESTART_COUNT``): preemption by the ``urgent`` partition waits for Slurm's
+    scheduler, and at full speed the 8-step run could finish before the signal came; a time-limit run must
+    outlast its first allocation on a fast CPU too, and may finish at full speed."""
+    (work / "loop_rewards.py").write_text(SLOW_REWARD_MODULE.replace("SECONDS", repr(seconds_per_sample))
+                                          .replace("ATTEMPTS", str(int(attempts))))
 
 
 def check_exact(work: Path, name: str, reference) -> None:
@@ -194,12 +198,12 @@ def test_time_limit_requeues_and_completes(work):
     """A 2-minute limit with ``USR2@40`` (Slurm may send it up to 60 s early) on a run that needs more than
     one such allocation (no filter, so late steps, all correct, still train): each attempt checkpoints before
     its limit (signal, or our own deadline) and is requeued."""
-    # An attempt has at most ~80 s of steps (the signal comes 40-60 s before the limit) and each step at least
-    # ~1 s (a reward sleeping 20 ms for each sample): 82 steps need 2 attempts however fast the CPU (the CI of
-    # 943244c did 300 unfloored steps in 55 s, one attempt); 3 on a slow one. Measured 2026-11-25: 37 and 47 steps
-    # per attempt (120 steps took 3 attempts, 204 s; each attempt costs ~35 s of requeue and start-up)
+    # An attempt has at most ~80 s of steps (the signal comes 40-60 s before the limit) and each step of the
+    # first at least ~1 s (a reward sleeping 20 ms for each sample): 82 steps need 2 attempts however fast the
+    # CPU (the CI of 943244c did 300 unfloored steps in 55 s, one attempt). The second runs at full speed: its
+    # ~35 floored steps took 41 s, unfloored ~10 s (2026-11-26; 48 steps in the first attempt).
     steps = 82
-    slow_steps(work, seconds_per_sample=0.02)
+    slow_steps(work, seconds_per_sample=0.02, attempts=1)
     job_id, run_dir = submit(work, "timelimit", f"run.num_rollout={steps}", "slurm.time=00:02:00",
                              "slurm.signal=USR2@40", "rollout.dynamic_filter=null")  # the filter runs dry late
     assert wait_final(job_id, run_dir, timeout=840) == "COMPLETED", job_log(run_dir)
