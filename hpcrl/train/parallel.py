@@ -67,7 +67,8 @@ def prepare_megatron() -> None:
         cpu_compat.apply()
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0, megatron: bool = True) -> DistEnv:
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
+                     megatron: bool = True) -> DistEnv:
     """Initialise the default process group from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``.
 
     ``backend`` defaults to ``nccl`` with CUDA (the device is set to ``LOCAL_RANK``) and ``gloo`` without.

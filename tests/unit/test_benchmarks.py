@@ -103,8 +103,9 @@ def _touched_mapping(nbytes: int) -> mmap.mmap:
 
 
 def _rss_lines() -> str:
-    return " ".join(line.split(":")[0] + "=" + line.split()[1] for line in Path("/proc/self/status").read_text()
-                    .splitlines() if line.startswith(("VmHWM", "VmRSS", "RssAnon", "RssFile")))
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return " ".join(line.split(":")[0] + "=" + line.split()[1] for line in lines
+                    if line.startswith(("VmHWM", "VmRSS", "RssAnon", "RssFile")))
 
 
 @pytest.mark.parametrize("method", ["auto", "sampled", "auto-reset-ignored"])
