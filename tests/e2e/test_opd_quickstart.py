@@ -2,7 +2,7 @@
 runs it, with the teacher taken from the session's quickstart instead of a second long SFT.
 
 The student is made by the config's own SFT (stopped early, at 10% greedy) from the quickstart's base model;
-the teacher is the quickstart's GRPO-trained model, exported with ``hpcrl convert mcore-to-hf`` (about 50%
+the teacher is the quickstart's GRPO-trained model, exported with ``hpcrl convert mcore-to-hf`` (about 75%
 greedy). Asserted: the reverse KL to the teacher falls over the run, the trainer's and the engine's estimates of
 it agree, and the student's greedy accuracy rises by at least :data:`MIN_GAIN` in :data:`STEPS` steps. The full
 curve (a 60% teacher, 500 steps) is in docs/performance.md ("On-policy distillation").
@@ -21,10 +21,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HPCRL = Path(sys.executable).with_name("hpcrl")
-STEPS = 100
+STEPS = 60
 MIN_GAIN = 0.05
 """Greedy accuracy points the student must gain in :data:`STEPS` steps (the full run gained +8.3 in its first 100
-steps from a 60% teacher; the eval of 500 problems has about 2 points of noise)."""
+steps from a 60% teacher; from the quickstart's ~75% teacher of the lr-1e-3 recipe, 2026-11-26 on this suite's
+own models: 0.210 -> 0.297 at step 29 -> 0.343 at step 59, and 0.392 at step 99; the eval of 500 problems has
+about 2 points of noise)."""
 
 
 def run(args: list[str], cwd: Path, log: Path, timeout: int = 1200) -> int:
@@ -42,7 +44,7 @@ def test_opd_quickstart_student_moves_towards_its_teacher(quickstart_run, tmp_pa
     assert run(["convert", "mcore-to-hf", str(quickstart_run.folder / "runs" / "quickstart"), str(teacher)],
                tmp_path, tmp_path / "convert.log") == 0, (tmp_path / "convert.log").read_text()[-2000:]
     shutil.copy(ROOT / "configs" / "opd-quickstart.yaml", tmp_path / "opd.yaml")
-    rc = run(["run", "opd.yaml", f"model.path={base}", f"run.num_rollout={STEPS}", "rollout.eval_interval=50",
+    rc = run(["run", "opd.yaml", f"model.path={base}", f"run.num_rollout={STEPS}", f"rollout.eval_interval={STEPS // 2}",
               f"algorithm.opd.teachers=[{{name: strong, path: {teacher}}}]"], tmp_path, tmp_path / "out.log")
     assert rc == 0, (tmp_path / "out.log").read_text(errors="replace")[-3000:]
 
