@@ -71,6 +71,41 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range of ephemeral ports (``/proc/sys/net/ipv4/ip_local_port_range``; Linux's default
+    32768-60999 where it cannot be read): the ports ``bind(port 0)`` and outgoing connections take."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def find_free_service_port(host: str = "", low: int = 20000, attempts: int = 200) -> int:
+    """A TCP port free on ``host`` right now, drawn at random from [``low``, start of the ephemeral range) so
+    that no ``bind(0)`` or outgoing connection of another process (a trainer's gloo connections, ``srun``) can
+    be handed it in the seconds before the server that will listen on it binds it (what :func:`find_free_port`
+    allows; a Slurm engine task picks its port, then starts the engine, which binds it once loaded). Skips
+    ``$MASTER_PORT`` and ports already bound; after ``attempts`` misses, or when the range is empty, falls
+    back to :func:`find_free_port`."""
+    import random
+
+    top, _ = ephemeral_port_range()
+    master = os.environ.get("MASTER_PORT", "")
+    rng = random.SystemRandom()
+    for _ in range(attempts if top > low else 0):
+        port = rng.randrange(low, top)
+        if str(port) == master:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return find_free_port(host)
+
+
 def url_for(host: str, port: int) -> str:
     """``http://host:port``; a wildcard bind address (0.0.0.0, ::) becomes this machine's host name."""
     if host in ("0.0.0.0", "::", ""):

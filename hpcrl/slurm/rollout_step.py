@@ -273,12 +273,13 @@ def launch_engine_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path
 
 
 def task_main(argv: Optional[list[str]] = None) -> int:
-    """One engine task of the rollout step: free port, address file, then ``exec`` the engine."""
+    """One engine task of the rollout step: a free port outside the ephemeral range, address file, then
+    ``exec`` the engine."""
     import argparse
 
     from hpcrl.config import load_config
     from hpcrl.fsutil import atomic_write_text
-    from hpcrl.procs import find_free_port, url_for
+    from hpcrl.procs import find_free_service_port, url_for
     from hpcrl.rollout.engines import engine_command, engine_sglang_args
 
     p = argparse.ArgumentParser(prog="python -m hpcrl.slurm.rollout_step")
@@ -290,7 +291,7 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--weight-version", default=None, help="the engine's weight version (a replacement's)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
-    port = find_free_port("")
+    port = find_free_service_port("")  # below the ephemeral range: the engine binds it seconds later
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     sglang_args = engine_sglang_args(cfg)
     if args.weight_version is not None:

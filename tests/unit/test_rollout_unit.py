@@ -244,3 +244,30 @@ def test_router_wrapper_passes_a_key_that_starts_with_a_dash(monkeypatch):
     router._main([router.KEY_STDIN_FLAG, "--port", "1"])
     assert seen["argv"] == ["sglang-router", "--port", "1", "--api-key=-Abc_12"]
     assert launch.parse_router_args(seen["argv"][1:]).api_key == "-Abc_12"  # sglang-router's own parser
+
+
+def test_service_port_is_free_and_below_the_ephemeral_range(monkeypatch):
+    """A Slurm engine task's port (:func:`hpcrl.procs.find_free_service_port`): never one the kernel hands out
+    for ``bind(0)`` or outgoing connections (CI of 2831a44: the engine, binding seconds after its task picked
+    the port, got ``address already in use``); a port that is taken, or ``$MASTER_PORT``, is skipped."""
+    import random
+    import socket
+
+    from hpcrl import procs
+
+    low, high = procs.ephemeral_port_range()
+    assert 1024 <= low <= high
+    for _ in range(20):
+        port = procs.find_free_service_port("127.0.0.1")
+        assert 20000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy, 20001, 20002])
+        monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(picks))
+        monkeypatch.setenv("MASTER_PORT", "20001")
+        monkeypatch.setattr(procs, "ephemeral_port_range", lambda: (max(low, busy + 1), high))
+        assert procs.find_free_service_port("127.0.0.1") == 20002
