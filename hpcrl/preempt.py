@@ -48,7 +48,13 @@ DEFAULT_SAVE_S = 30.0
 def signal_from_config(slurm_signal: str) -> signal.Signals:
     """The preemption signal: ``$HPCRL_PREEMPT_SIGNAL`` or the name in ``slurm.signal`` (``USR2@120``).
     Raises ValueError for an unknown name."""
-    name = (os.environ.get(SIGNAL_ENV) or slurm_signal.split("@")[0]).upper()
+    return signal_by_name(os.environ.get(SIGNAL_ENV) or slurm_signal.split("@")[0])
+
+
+def signal_by_name(name: str) -> signal.Signals:
+    """The signal a name gives, with or without ``SIG``, any case (``usr2``, ``SIGUSR2``). Raises ValueError
+    for an unknown name."""
+    name = name.upper()
     name = name if name.startswith("SIG") else "SIG" + name
     try:
         return signal.Signals[name]

@@ -117,18 +117,15 @@ def ignore_late_signals(environ: Optional[dict] = None, slurm_signal: Optional[s
     task exits; unhandled, submitit's own checkpoint-and-requeue handler would run as well, or the default
     action (Python restores it at shutdown) would kill a finished task and Slurm would mark the job FAILED.
     Does nothing off the main thread or for an unknown name."""
-    if slurm_signal is not None:
-        from hpcrl.preempt import signal_from_config
+    from hpcrl.preempt import SIGNAL_ENV, signal_by_name, signal_from_config
 
-        try:
-            signum = signal_from_config(slurm_signal)
-        except ValueError:
-            return
-    else:
-        environ = os.environ if environ is None else environ
-        name = environ.get("HPCRL_PREEMPT_SIGNAL") or environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"
-        signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-    if signum is not None and threading.current_thread() is threading.main_thread():
+    environ = os.environ if environ is None else environ
+    try:
+        signum = (signal_from_config(slurm_signal) if slurm_signal is not None else
+                  signal_by_name(environ.get(SIGNAL_ENV) or environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"))
+    except ValueError:
+        return
+    if threading.current_thread() is threading.main_thread():
         signal.signal(signum, signal.SIG_IGN)
 
 

@@ -134,3 +134,17 @@ def test_the_sigterm_handler_is_restored_after_the_wait(tmp_path, slurm_env, mon
     with pytest.raises(RuntimeError):
         requeue.requeue_and_wait(True, wait_s=1)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("environ", [{"HPCRL_PREEMPT_SIGNAL": "usr1"},
+                                     {"SUBMITIT_PREEMPT_SIGNAL": "SIGUSR1"}])
+def test_late_signals_named_in_the_environment_are_ignored_in_any_spelling(environ):
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        requeue.ignore_late_signals(environ=environ)
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    requeue.ignore_late_signals(environ={"HPCRL_PREEMPT_SIGNAL": "NOSUCH"})  # unknown: nothing, no error
