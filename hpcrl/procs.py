@@ -64,9 +64,18 @@ class ProcessStartError(RuntimeError):
         self.log_tail = log_tail
 
 
+SERVICE_PORT_LOW = 20000
+"""Lowest port hpcrl picks for a server it starts later (an engine task's, ``MASTER_PORT``): the range from
+here to the kernel's ephemeral ports (:func:`ephemeral_port_range`) is never handed out by ``bind(0)``."""
+
+
+def _tcp_socket(host: str) -> socket.socket:
+    return socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now (the OS picks it; another process may take it later)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+    with _tcp_socket(host) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -81,7 +90,7 @@ def ephemeral_port_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def find_free_service_port(host: str = "", low: int = 20000, attempts: int = 200) -> int:
+def find_free_service_port(host: str = "", low: int = SERVICE_PORT_LOW, attempts: int = 200) -> int:
     """A TCP port free on ``host`` right now, drawn at random from [``low``, start of the ephemeral range) so
     that no ``bind(0)`` or outgoing connection of another process (a trainer's gloo connections, ``srun``) can
     be handed it in the seconds before the server that will listen on it binds it (what :func:`find_free_port`
@@ -97,7 +106,7 @@ def find_free_service_port(host: str = "", low: int = 20000, attempts: int = 200
         port = rng.randrange(low, top)
         if str(port) == master:
             continue
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        with _tcp_socket(host) as s:
             try:
                 s.bind((host, port))
             except OSError:

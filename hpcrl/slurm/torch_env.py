@@ -26,7 +26,9 @@ from typing import MutableMapping, Optional
 from submitit.helpers import TorchDistributedEnvironment
 from submitit.slurm.slurm import _parse_node_list
 
-MIN_MASTER_PORT = 20000
+from hpcrl.procs import SERVICE_PORT_LOW
+
+MIN_MASTER_PORT = SERVICE_PORT_LOW
 MAX_MASTER_PORT = 32767
 """``MASTER_PORT`` is drawn from [MIN_MASTER_PORT, MAX_MASTER_PORT], below Linux's ephemeral port range."""
 
