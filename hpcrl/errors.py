@@ -16,7 +16,7 @@ and the process exits non-zero (:func:`exit_code_of`). Known errors (matched by 
   Slurm rollout step did not start or died), ``WeightSyncError`` (an engine refused or lost a weight
   update), ``ModelFolderError`` (a missing model folder),
   ``CheckpointError`` and megatron-core's ``CheckpointingException`` (a checkpoint that cannot be read),
-  ``PluginError`` (a plug-in that does not import).
+  ``PluginError`` (a plug-in that does not import), ``FilterStarved`` (the dynamic filter kept too few groups).
 
 Anything else is unexpected and keeps its full traceback on stderr.
 
@@ -51,7 +51,7 @@ _RUN_ERRORS = {
     "hpcrl.rollout.client.RolloutError", "hpcrl.procs.ProcessStartError",
     "hpcrl.rollout.router.RouterError", "hpcrl.slurm.rollout_step.RolloutStepError",
     "hpcrl.models.hf.ModelFolderError", "hpcrl.checkpoint.layout.CheckpointError", "hpcrl.plugins.PluginError",
-    "hpcrl.weights.common.WeightSyncError",
+    "hpcrl.weights.common.WeightSyncError", "hpcrl.rollout.rollout.FilterStarved",
     "megatron.core.dist_checkpointing.core.CheckpointingException",
 }
 _MAX_LINE = 600

@@ -54,6 +54,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     rollout.launch(early=True)  # they load while the trainer imports Megatron and builds its model
     stopped: Optional[str] = None
     last: dict[str, Any] = {}
+    metrics: Optional[RunLog] = None
     try:
         from hpcrl.weights import WeightSyncer
 
@@ -106,6 +107,8 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
                 break
         metrics.finish(stopped)
     finally:
+        if metrics is not None:  # a run stopped by an error: its bar ends and its curves are drawn too
+            metrics.close()
         rollout.stop()
         watch.uninstall()
         destroy()
@@ -227,5 +230,17 @@ class RunLog:
     def finish(self, stopped: Optional[str]) -> None:
         """Close the files, draw ``curves.png`` and say how the run ended."""
         if self.logger is not None:
-            png = self.logger.close()
+            png = self.close()
             log.info("%s: %s (curves: %s)", "stopped" if stopped else "done", self.run_dir, png)
+
+    def close(self) -> Optional[Path]:
+        """Close the files and the progress bar (ending its line, so that an error printed after it starts a
+        line of its own) and draw ``curves.png``, once; later calls do nothing and return None."""
+        logger, self.logger = self.logger, None
+        if logger is None:
+            return None
+        try:  # every metrics line is already on disk (fsynced): a plot that fails must not fail the run
+            return logger.close()
+        except Exception as e:  # noqa: BLE001 - reported, and the run's own outcome (or error) stands
+            log.warning("could not draw curves.png: %s: %s", type(e).__name__, e)
+            return None

@@ -54,6 +54,7 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
     rollout.launch(early=True)
     stopped: Optional[str] = None
     last: dict[str, Any] = {}
+    metrics: Optional[RunLog] = None
     try:
         from hpcrl.weights import WeightSyncer
 
@@ -102,6 +103,8 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
                 break
         metrics.finish(stopped)
     finally:
+        if metrics is not None:  # a run stopped by an error: its bar ends and its curves are drawn too
+            metrics.close()
         rollout.stop()
         watch.uninstall()
         destroy()

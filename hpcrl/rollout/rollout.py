@@ -43,6 +43,26 @@ RewardFn = Callable[[Sample], Awaitable[Any]]
 GroupFilter = Callable[[list[Sample]], bool]
 
 
+class FilterStarved(RuntimeError):
+    """The dynamic filter kept fewer groups than a step needs within its cap on submitted groups, and the run
+    may not train on fewer (none kept, or ``rollout.on_filter_starved: error``). A known error: ``hpcrl run``
+    prints it as one line and exits 1, after checkpointing the last finished step. ``kept``, ``submitted`` and
+    ``needed`` count groups."""
+
+    def __init__(self, rollout_id: int, kept: int, submitted: int, needed: int):
+        self.rollout_id, self.kept, self.submitted, self.needed = rollout_id, kept, submitted, needed
+        if kept:
+            fix = "loosen or unset rollout.dynamic_filter, or set rollout.on_filter_starved=train"
+        elif rollout_id == 0:  # the starting policy: no update has happened yet
+            fix = ("every group's samples got equal rewards from the starting model (e.g. it solves none: "
+                   "warm-start it with SFT), or unset rollout.dynamic_filter")
+        else:
+            fix = ("every group's samples got equal rewards (a collapsed policy?): lower the learning rate, "
+                   "or loosen or unset rollout.dynamic_filter")
+        super().__init__(f"rollout {rollout_id}: the dynamic filter kept {kept} of {submitted} groups "
+                         f"(needed {needed}); {fix}")
+
+
 @dataclass
 class RolloutContext:
     """What a rollout needs besides the config: the client, tokenizer and the resolved plug-ins."""
@@ -264,8 +284,7 @@ async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContex
                 starved = (f"rollout {rollout_id}: the dynamic filter kept {len(kept)} of {submitted} groups "
                            f"(needed {target})")
                 if not kept or rc.on_filter_starved == "error":
-                    raise RuntimeError(f"{starved}; loosen or unset rollout.dynamic_filter"
-                                       + ("" if kept else ", or lower the learning rate"))
+                    raise FilterStarved(rollout_id, len(kept), submitted, target)
                 log.warning("%s: training on the %d kept groups (rollout.on_filter_starved: train)",
                             starved, len(kept))
                 break

@@ -21,6 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 PLUGINS = '''
 def broken_reward(args, sample):
     return 1 / 0
+
+def zero_reward(args, sample):
+    return 0.0
 '''
 
 
@@ -93,6 +96,17 @@ def test_engine_that_cannot_start(tmp_path):
     log = one_error_line(out, tmp_path, "noengine", "ProcessStartError: engine")
     assert out.returncode == 1
     assert (log.parent / "engine-0.log").is_file()
+
+
+def test_filter_that_keeps_no_group(tmp_path):
+    """A starting model whose every sample gets the same reward (a random model, reward 0 everywhere): the
+    dynamic filter keeps no group, so there is nothing to train on; one line saying why and what to do."""
+    out = hpcrl_run(tmp_path, "starved", "rollout.reward_function=err_plugins.zero_reward",
+                    "rollout.dynamic_filter=nonzero_std")
+    one_error_line(out, tmp_path, "starved", "FilterStarved: rollout 0: the dynamic filter kept 0 of 64 groups "
+                                             "(needed 2); every group's samples got equal rewards from the "
+                                             "starting model (e.g. it solves none: warm-start it with SFT)")
+    assert out.returncode == 1
 
 
 def test_unreadable_checkpoint_then_unexpected_error(tmp_path):

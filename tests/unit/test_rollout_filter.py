@@ -13,12 +13,13 @@ import random
 
 import pytest
 
+from hpcrl import errors
 from hpcrl.config import Config
 from hpcrl.data.sample import Status
 from hpcrl.data.source import DataSource
 from hpcrl.rollout.filters import nonzero_std
-from hpcrl.rollout.rollout import (MAX_OVERSAMPLING_FACTOR, RolloutContext, generate_rollout, group_multiple,
-                                   split_trainable)
+from hpcrl.rollout.rollout import (MAX_OVERSAMPLING_FACTOR, FilterStarved, RolloutContext, generate_rollout,
+                                   group_multiple, split_trainable)
 
 ITEMS = [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(500)]
 
@@ -101,8 +102,14 @@ def test_starving_filter_trains_on_the_kept_groups_or_raises(caplog):
     cfg = make_config(on_filter_starved="error")
     with pytest.raises(RuntimeError, match=r"rollout 4: the dynamic filter kept 2 of 96 groups \(needed 3\)"):
         asyncio.run(generate_rollout(cfg, 4, DataSource(ITEMS, 2, seed=0), make_ctx(lambda g: g in (7, 40))))
-    with pytest.raises(RuntimeError, match="kept 0 of 96"):  # nothing to train on, whatever the setting
+    with pytest.raises(FilterStarved, match="kept 0 of 96") as e:  # nothing to train on, whatever the setting
         asyncio.run(generate_rollout(make_config(), 4, DataSource(ITEMS, 2, seed=0), make_ctx(lambda g: False)))
+    assert "lower the learning rate" in str(e.value)  # a later rollout: the policy may have collapsed
+    assert (e.value.kept, e.value.submitted, e.value.needed) == (0, 96, 3)
+    assert errors.exit_code_of(e.value) == errors.EXIT_FAILED  # a known error: one line, exit 1
+    with pytest.raises(FilterStarved, match="from the starting model") as e:  # rollout 0: no update yet
+        asyncio.run(generate_rollout(make_config(), 0, DataSource(ITEMS, 2, seed=0), make_ctx(lambda g: False)))
+    assert "learning rate" not in str(e.value)
 
 
 def test_a_failed_abort_leaves_no_unretrieved_task_errors():
