@@ -16,7 +16,8 @@ and the process exits non-zero (:func:`exit_code_of`). Known errors (matched by 
   Slurm rollout step did not start or died), ``WeightSyncError`` (an engine refused or lost a weight
   update), ``ModelFolderError`` (a missing model folder),
   ``CheckpointError`` and megatron-core's ``CheckpointingException`` (a checkpoint that cannot be read),
-  ``PluginError`` (a plug-in that does not import), ``FilterStarved`` (the dynamic filter kept too few groups).
+  ``PluginError`` (a plug-in that does not import), ``FilterStarved`` (the dynamic filter kept too few
+  groups).
 
 Anything else is unexpected and keeps its full traceback on stderr.
 

@@ -103,9 +103,10 @@ def test_filter_that_keeps_no_group(tmp_path):
     dynamic filter keeps no group, so there is nothing to train on; one line saying why and what to do."""
     out = hpcrl_run(tmp_path, "starved", "rollout.reward_function=err_plugins.zero_reward",
                     "rollout.dynamic_filter=nonzero_std")
-    one_error_line(out, tmp_path, "starved", "FilterStarved: rollout 0: the dynamic filter kept 0 of 64 groups "
-                                             "(needed 2); every group's samples got equal rewards from the "
-                                             "starting model (e.g. it solves none: warm-start it with SFT)")
+    one_error_line(out, tmp_path, "starved",
+                   "FilterStarved: rollout 0: the dynamic filter kept 0 of 64 groups (needed 2); every "
+                   "group's samples got equal rewards from the starting model (e.g. it solves none: "
+                   "warm-start it with SFT)")
     assert out.returncode == 1
 
 

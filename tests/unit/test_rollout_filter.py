@@ -108,7 +108,8 @@ def test_starving_filter_trains_on_the_kept_groups_or_raises(caplog):
     assert (e.value.kept, e.value.submitted, e.value.needed) == (0, 96, 3)
     assert errors.exit_code_of(e.value) == errors.EXIT_FAILED  # a known error: one line, exit 1
     with pytest.raises(FilterStarved, match="from the starting model") as e:  # rollout 0: no update yet
-        asyncio.run(generate_rollout(make_config(), 0, DataSource(ITEMS, 2, seed=0), make_ctx(lambda g: False)))
+        asyncio.run(generate_rollout(make_config(), 0, DataSource(ITEMS, 2, seed=0),
+                                     make_ctx(lambda g: False)))
     assert "learning rate" not in str(e.value)
 
 
