@@ -185,21 +185,6 @@ def die_with_parent() -> None:
         pass
 
 
-def saver_helper_init() -> None:
-    """Initializer of a helper process the trainer needs to finish a checkpoint (megatron-core's writer
-    results queue): SIGKILLed when the trainer dies (``PR_SET_PDEATHSIG``), and deaf to SIGTERM, which Slurm
-    sends to every process of a job step it is ending while the trainer still saves (:mod:`hpcrl.preempt`).
-    A no-op elsewhere than Linux."""
-    import ctypes
-    import signal as _signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(_signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
-
-
 def child_preexec(cpus=None):
     """The ``preexec_fn`` of a server child: :func:`die_with_parent`, and with ``cpus`` (CPU ids) also pinned
     to them (``sched_setaffinity``; :mod:`hpcrl.placement`)."""

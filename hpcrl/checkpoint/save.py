@@ -26,31 +26,28 @@ from hpcrl.checkpoint.state import (DISTRIB_OPTIM_SHARDING, broadcast_object, ha
 logger = logging.getLogger("hpcrl.checkpoint")
 
 
-def _writer_queue_dies_with_us() -> None:
-    """Start megatron-core's checkpoint-writer results queue ourselves, in a manager process that dies with
-    this one.
+def _write_results_in_process() -> None:
+    """Give megatron-core's checkpoint writer an in-process queue for its write results.
 
-    megatron-core's ``FileSystemWriterAsync`` (the ``torch_dist`` save strategy) lazily starts a
-    ``multiprocessing`` manager server (spawn context, ~200 MB, ~2 s to start) for its write results and keeps
-    it for the life of the process, and forks its writer workers. When the trainer is SIGKILLed (outside a Slurm step, whose cgroup is
-    cleaned up) that server was orphaned and lived on: 20 killed runs left 4 GB of them. Started here with
-    ``PR_SET_PDEATHSIG`` (:func:`hpcrl.procs.saver_helper_init`), it ends with the trainer; and it ignores
-    SIGTERM, which Slurm sends to every process of a step it ends (a failed node): the trainer checkpoints
-    then, and the save failed with a broken pipe when the server had died first. A no-op if the queue exists
-    or this megatron-core version has no such queue.
+    megatron-core's ``FileSystemWriterAsync`` (the ``torch_dist`` save strategy) collects what its forked writer
+    workers wrote in a module-level queue, by default a ``multiprocessing`` manager's (spawn context), started on
+    the first save and kept for the life of the process. hpcrl saves synchronously (``AsyncRequest.
+    execute_sync``: the results are put and taken in this process, never in another), so that manager was pure
+    cost: its server process imported torch to unpickle the first results (~1.7 s on every attempt's first
+    save), outlived a SIGKILLed trainer (20 killed runs left 4 GB of them) and died of the SIGTERM that Slurm
+    sends to a step's processes while the trainer still saves. A ``queue.Queue`` serves the same ``put`` and
+    ``get_nowait``. (An asynchronous save, whose writer runs in another process, would need the manager back.)
+    A no-op if the queue exists or this megatron-core version has no such queue.
     """
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from hpcrl.procs import die_with_parent, saver_helper_init
+    from hpcrl.procs import die_with_parent
 
     if getattr(filesystem_async, "_results_queue", False) is not None:
         return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(saver_helper_init)
-    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager (and its server) alive
+    filesystem_async._results_queue = queue.Queue()
     # Its writer workers are forked (multiprocessing fork context); one forked while the trainer is killed
     # hung in JoinableQueue.task_done forever. Every Python-level fork of this process now dies with it.
     os.register_at_fork(after_in_child=die_with_parent)
@@ -147,7 +144,7 @@ def write(tmp: Path, final: Path, model: torch.nn.Module, optimizer: Any, metada
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
     sharded = sharded_state_dict(model, optimizer, metadata, is_loading=False)
-    _writer_queue_dies_with_us()
+    _write_results_in_process()
     dist_checkpointing.save(sharded, str(tmp / DIST_DIR), get_default_save_sharded_strategy("torch_dist"),
                             content_metadata=_clean_metadata_for_serialization(metadata))
     try:

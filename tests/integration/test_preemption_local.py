@@ -192,14 +192,14 @@ def test_usr2_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path, ref
 
 def test_sigkill_then_rerun_resumes_exactly(tmp_path, reference):
     """SIGKILL loses the steps since the last checkpoint (save_interval 1 here); the rerun redoes them exactly.
-    No process of the killed run outlives it (engine, megatron-core's checkpoint-writer queue server)."""
+    No process of the killed run outlives it (engine, megatron-core's forked checkpoint writers)."""
     _, ref_weights, ref_rows = reference
     run_dir = tmp_path / "runs" / "kill"
     proc = start(tmp_path, "kill", "checkpoint.save_interval=1")
     wait_steps(proc, run_dir, 2)
     time.sleep(random.Random(0).uniform(0.0, 0.5))  # somewhere inside a later step
     children = descendants(proc.pid)
-    assert children, "the run has no child processes (engine, checkpoint writer queue)?"
+    assert children, "the run has no child processes (engine)?"
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 15
