@@ -16,7 +16,7 @@ new checkpoint's ``COMPLETE`` marker); requeue (the job seen PENDING again, poll
 again; the first training step of the new attempt done (its ``metrics.jsonl`` row). The columns:
 
 * ``signal -> ckpt``: the step in flight finishes, all ranks agree, the rollout step stops, the save runs;
-* ``requeue -> running``: Slurm's part (here ``cred_expire=10``, ``sched_interval=2``: ~12 s);
+* ``requeue -> running``: Slurm's part (here ``cred_expire=5``, ``sched_interval=2``: ~7 s);
 * ``requeue -> 1st step``: Slurm's part plus the new attempt's start-up (imports, engine step, resume, the step).
 
     python benchmarks/preemption.py [--repeats 2] [--model tiny|smollm2]
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     print()
     print(machine_header(threads=THREADS, precision="float32"))
     print(f"{args.model}: seconds (median of {args.repeats}; local cluster, signal lead {LEAD_S} s, urgent "
-          "GraceTime 30 s, cred_expire=10)")
+          "GraceTime 30 s, cred_expire=5)")
     print(f"| {'trigger':<22} | {'signal -> ckpt':>14} | {'requeue -> running':>18} | {'requeue -> 1st step':>19} |"
           f" {'step':>5} |")
     print(f"|{'-' * 24}|{'-' * 16}|{'-' * 20}|{'-' * 21}|{'-' * 7}|")

@@ -302,7 +302,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 MpiDefault=none
 MailProg=/bin/true
 ProctrackType=proctrack/linuxproc

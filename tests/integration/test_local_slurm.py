@@ -63,7 +63,7 @@ def test_nodes_idle_with_fake_gpus(slurm_cluster):
 def test_config_partitions_and_scheduler(slurm_cluster):
     conf = sh("scontrol", "show", "config")
     assert "bf_interval=1,sched_interval=2" in conf
-    assert "cred_expire=10" in conf
+    assert "cred_expire=5" in conf
     assert "preempt_send_user_signal" in conf
     assert any(line.split() == ["PreemptMode", "=", "REQUEUE"] for line in conf.splitlines())
     assert any(line.split()[:3] == ["AccountingStorageType", "=", "accounting_storage/slurmdbd"]
@@ -134,8 +134,8 @@ def test_start_is_idempotent(slurm_cluster):
 
 def test_a_requeued_het_job_restarts_promptly(slurm_cluster, tmp_path):
     """Het jobs start only from the backfill scheduler, which runs only after a state change: without the
-    cluster's ``schedtick`` daemon a requeued het job waited 30-172 s on this idle cluster; with it ~12 s
-    (``cred_expire=10`` + a tick). The het-job requeue tests of hpcrl depend on it for their run time."""
+    cluster's ``schedtick`` daemon a requeued het job waited 30-172 s on this idle cluster; with it ~7 s
+    (``cred_expire=5`` + a tick). The het-job requeue tests of hpcrl depend on it for their run time."""
     script = tmp_path / "het.sh"
     script.write_text("#!/bin/bash\n#SBATCH --requeue -t 2 -n1 -c1 -w n1\n#SBATCH hetjob\n#SBATCH -n1 -c1 -w n2\n"
                       "sleep 120\n")

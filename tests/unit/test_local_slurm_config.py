@@ -11,7 +11,7 @@ from tests.cluster import local_slurm as ls
 def test_slurm_conf_has_what_the_tests_rely_on(tmp_path):
     confs = ls.render_configs(tmp_path, "pw")
     slurm = confs["slurm.conf"].splitlines()
-    for line in ("AuthInfo=cred_expire=10", "SchedulerParameters=bf_interval=1,sched_interval=2",
+    for line in ("AuthInfo=cred_expire=5", "SchedulerParameters=bf_interval=1,sched_interval=2",
                  "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
                  "SlurmctldParameters=preempt_send_user_signal", "GresTypes=gpu",
                  "AccountingStorageType=accounting_storage/slurmdbd",
