@@ -51,6 +51,9 @@ class FilterStarved(RuntimeError):
 
     def __init__(self, rollout_id: int, kept: int, submitted: int, needed: int):
         self.rollout_id, self.kept, self.submitted, self.needed = rollout_id, kept, submitted, needed
+        self.summary = (f"rollout {rollout_id}: the dynamic filter kept {kept} of {submitted} groups "
+                        f"(needed {needed})")
+        """What happened, without the fix (also the start of the warning when the run trains on fewer)."""
         if kept:
             fix = "loosen or unset rollout.dynamic_filter, or set rollout.on_filter_starved=train"
         elif rollout_id == 0:  # the starting policy: no update has happened yet
@@ -59,8 +62,7 @@ class FilterStarved(RuntimeError):
         else:
             fix = ("every group's samples got equal rewards (a collapsed policy?): lower the learning rate, "
                    "or loosen or unset rollout.dynamic_filter")
-        super().__init__(f"rollout {rollout_id}: the dynamic filter kept {kept} of {submitted} groups "
-                         f"(needed {needed}); {fix}")
+        super().__init__(f"{self.summary}; {fix}")
 
 
 @dataclass
@@ -281,12 +283,11 @@ async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContex
     try:
         while len(kept) < target:
             if not pending and submitted >= max_submitted:
-                starved = (f"rollout {rollout_id}: the dynamic filter kept {len(kept)} of {submitted} groups "
-                           f"(needed {target})")
+                starved = FilterStarved(rollout_id, len(kept), submitted, target)
                 if not kept or rc.on_filter_starved == "error":
-                    raise FilterStarved(rollout_id, len(kept), submitted, target)
+                    raise starved
                 log.warning("%s: training on the %d kept groups (rollout.on_filter_starved: train)",
-                            starved, len(kept))
+                            starved.summary, len(kept))
                 break
             if not pending:
                 groups = data_source.get_samples(chunk)

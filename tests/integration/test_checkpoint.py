@@ -365,24 +365,21 @@ def test_keep_last_pruning_and_replacement(small_model, tmp_path):
     assert names() == ["iter_0000003", "iter_0000004", "iter_0000005"]
 
 
-def _children_cmdlines() -> list[str]:
-    out = []
-    for task in Path("/proc/self/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:
-                out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-            except OSError:
-                pass
-    return out
-
-
 def test_a_save_leaves_no_helper_process(small_model, tmp_path):
     """megatron-core's writer kept its results in a spawned multiprocessing manager started by the first save
     (~1.7 s: it imported torch to unpickle them) and kept for the life of the trainer; hpcrl saves
     synchronously and keeps them in-process. The forked writer workers are gone once the save returns."""
     _save(small_model, tmp_path, 1)
     _save(small_model, tmp_path, 2)
-    left = [c for c in _children_cmdlines() if "multiprocessing" in c or "spawn_main" in c]
+    from tests.integration.test_preemption_local import descendants
+
+    cmdlines = []
+    for pid in descendants(os.getpid()):
+        try:
+            cmdlines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # gone since
+            pass
+    left = [c for c in cmdlines if "multiprocessing" in c or "spawn_main" in c]
     assert not left, left
 
 
