@@ -61,6 +61,15 @@ returns at once and megatron-core runs unmodified):
    ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` gives numpy split sizes for CPU tensors too (megatron
    converts only CUDA tensors, and gloo's ``all_to_all_single`` refuses a tensor of split sizes).
 
+6. megatron-core is first imported with its JIT fuser off (:func:`_import_megatron_without_jit_fuser`):
+   ``megatron.core.jit`` binds ``jit_fuser = torch.compile`` at import, and every fusion module decorates its
+   functions with it then, which imports torch's compiler stack (dynamo, inductor's config: ~2 s of a
+   trainer's ~3 s megatron-core import on a 2-core CPU machine, at every trainer start). On the CPU every one
+   of those fusions is switched off (:func:`hpcrl.train.bridge.mcore_config_from_hf`: ``bias_activation_fusion``
+   and the rest), so none of the decorated functions runs; megatron's own ``noop_decorator`` (what its
+   ``disable_jit_fuser()`` sets) is ``jit_fuser`` instead. ``torch.compile`` itself is the real one again as
+   soon as the import returns. When megatron-core was imported before :func:`apply`, nothing changes.
+
 Nothing else is changed. :func:`apply` is idempotent; :func:`is_applied` tells whether it has patched.
 """
 
@@ -69,6 +78,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 import types
 from typing import Any, Callable, Iterable
 
@@ -278,6 +288,29 @@ def define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _no_compile(fn=None, **_kwargs):
+    """What ``torch.compile`` is while megatron-core is first imported on the CPU: ``fn`` itself (as
+    ``@torch.compile`` and ``torch.compile(fn)``), or that decorator (as ``torch.compile(**options)``)."""
+    return fn if fn is not None else (lambda f: f)
+
+
+def _import_megatron_without_jit_fuser() -> None:
+    """Import ``megatron.core`` with ``jit_fuser`` a no-op (point 6 of the module docstring): ``torch.compile``
+    is :func:`_no_compile` only while ``megatron.core`` (and with it ``megatron.core.jit``) is imported, then
+    ``jit_fuser`` is set to megatron's ``noop_decorator``. Does nothing when megatron-core is imported already.
+    Raises ImportError if megatron-core is not installed."""
+    if "megatron.core" in sys.modules:
+        return
+    real = torch.compile
+    torch.compile = _no_compile
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = real
+    jit = importlib.import_module("megatron.core.jit")
+    jit.disable_jit_fuser()
+
+
 def apply() -> bool:
     """Patch megatron-core for a CUDA-less torch (see the module docstring for exactly what changes).
 
@@ -290,6 +323,7 @@ def apply() -> bool:
         return True
     if torch.cuda.is_available():
         return False
+    _import_megatron_without_jit_fuser()  # point 6 of the module docstring
     alias = _CpuTorch()
     for name in PATCHED_MODULES:
         importlib.import_module(name).torch = alias

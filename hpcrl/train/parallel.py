@@ -57,7 +57,7 @@ def env_rank() -> int:
 def prepare_megatron() -> None:
     """megatron-core for this device: :func:`hpcrl.train.cpu_compat.apply` without CUDA,
     :func:`hpcrl.train.cpu_compat.define_te_general_gemm` with it. Idempotent. Imports megatron-core (~2 s
-    on a 2-core CPU machine, most of it torch's compiler stack), which is why :func:`init_distributed` can
+    on a 2-core CPU machine), which is why :func:`init_distributed` can
     leave it out. Raises ImportError if megatron-core is not installed."""
     from hpcrl.train import cpu_compat
 

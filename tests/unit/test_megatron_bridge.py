@@ -427,6 +427,32 @@ def test_cpu_compat_apply_is_idempotent_and_leaves_torch_alone(tp1):
         torch.zeros(1, device="cuda")
 
 
+
+PROBE_JIT_FUSER = """
+import sys, torch
+compile_before = torch.compile
+from hpcrl.train import cpu_compat
+assert cpu_compat.apply() is True
+import megatron.core.jit as jit
+from megatron.core.fusions import fused_bias_swiglu
+print(jit.jit_fuser is jit.noop_decorator, torch.compile is compile_before,
+      fused_bias_swiglu.swiglu.__code__.co_filename.endswith("fused_bias_swiglu.py"))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs megatron-core keeps its torch.compile fusions")
+def test_cpu_compat_imports_megatron_with_its_jit_fuser_off():
+    """Point 6 of cpu_compat: a fresh process's first megatron-core import decorates the fusions (all off on
+    the CPU) with megatron's no-op instead of torch.compile, and torch.compile is torch's own afterwards."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PROBE_JIT_FUSER], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"], out.stdout
+
+
 def test_routing_replay_indices_follow_megatrons_token_order():
     """Padded ``[b, s]`` input reaches the routers sequence-first (row ``s * b + i``); a pack in its own order;
     the last token of a sample (never fed to the engine), padding and unrouted samples get experts 0..k-1."""
