@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 from hpcrl.config import Config
 from hpcrl.loop import RunLog, StepFailed, broadcast, build_trainer, due, sync_weights
 from hpcrl.rollout.manager import EngineLauncher, rollout_manager
-from hpcrl.procs import release_freed_memory_eagerly
+from hpcrl.procs import env_rank, release_freed_memory_eagerly
 from hpcrl.run_setup import quiet_logs
 
 
@@ -41,7 +41,6 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
     """
     from hpcrl.preempt import PreemptionWatch
     from hpcrl.rollout.engines import launch_local_engines
-    from hpcrl.train.parallel import destroy, env_rank
 
     # --- preemption watch; the engines start loading --------------------------------------------------
     quiet_logs()
@@ -52,6 +51,7 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
     rollout = rollout_manager(controller, cfg, run_dir, model_path, launch_engines or launch_local_engines,
                               watch.job_ending)
     rollout.launch(early=True)
+    from hpcrl.train.parallel import destroy  # imports torch: after the engines started loading
     stopped: Optional[str] = None
     last: dict[str, Any] = {}
     metrics: Optional[RunLog] = None

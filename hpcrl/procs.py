@@ -69,6 +69,25 @@ SERVICE_PORT_LOW = 20000
 here to the kernel's ephemeral ports (:func:`ephemeral_port_range`) is never handed out by ``bind(0)``."""
 
 
+def env_rank() -> int:
+    """The rank :func:`hpcrl.train.parallel.init_distributed` will take (``RANK``, 0 without it), known before
+    the process group forms (and before torch is imported)."""
+    return int(os.environ.get("RANK", 0))
+
+
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""Device nodes without which no GPU is usable by torch: NVIDIA's driver (``/dev/nvidiactl``), ROCm's
+(``/dev/kfd``, which torch reports through ``torch.cuda`` too) and WSL2's paravirtualised GPU
+(``/dev/dxg``)."""
+
+
+def cuda_possible(nodes: tuple[str, ...] = GPU_DEVICE_NODES) -> bool:
+    """False when none of ``nodes`` exists, so ``torch.cuda.is_available()`` is certainly False here and a
+    caller that only needs that answer can skip importing torch (~1.5 s on a 2-core CPU machine, before the
+    engines are launched). True means only "ask torch"."""
+    return any(os.path.exists(n) for n in nodes)
+
+
 def _tcp_socket(host: str) -> socket.socket:
     return socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
 

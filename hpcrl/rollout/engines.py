@@ -77,10 +77,15 @@ def _cpu_engine_flags() -> set[str]:
 
 
 def resolve_engine(kind: str) -> str:
-    """``cpu``/``sglang`` unchanged; ``auto`` -> ``sglang`` when torch sees CUDA, else ``cpu``.
+    """``cpu``/``sglang`` unchanged; ``auto`` -> ``sglang`` when torch sees CUDA, else ``cpu`` (without
+    importing torch where no GPU device node exists: :func:`hpcrl.procs.cuda_possible`).
 
     Raises ValueError for any other value."""
     if kind == "auto":
+        from hpcrl.procs import cuda_possible
+
+        if not cuda_possible():
+            return "cpu"
         import torch
 
         return "sglang" if torch.cuda.is_available() else "cpu"

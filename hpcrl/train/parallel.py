@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hpcrl.procs import find_free_port
+from hpcrl.procs import env_rank, find_free_port  # noqa: F401 - env_rank: also this module's
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,6 @@ def setup_parallel(cfg: Any) -> DistEnv:
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)
     return env
-
-
-def env_rank() -> int:
-    """The rank :func:`init_distributed` will take (``RANK``, 0 without it), known before the process group
-    forms."""
-    return int(os.environ.get("RANK", 0))
 
 
 def prepare_megatron() -> None:

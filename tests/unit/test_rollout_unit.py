@@ -15,7 +15,7 @@ from hpcrl.rollout.client import RolloutClient, RolloutError
 from hpcrl.rollout.generate import finish_status, generate, get_generate_function
 from hpcrl.rollout.router import KEY_STDIN_FLAG, router_command, start_router
 from hpcrl.rollout.secret import SecretError, create_run_secret, read_secret
-from hpcrl.procs import ProcessStartError, find_free_port, url_for
+from hpcrl.procs import ProcessStartError, cuda_possible, find_free_port, url_for
 from hpcrl.rollout.engines import engine_command, redact, sglang_flags
 
 
@@ -140,6 +140,47 @@ def test_start_router_bad_flag_raises_with_log_tail(tmp_path):
         start_router([], extra_args=["--no-such-flag"], log_path=tmp_path / "router.log",
                      startup_timeout_s=30)
     assert "exited with code" in str(e.value) and "--no-such-flag" in e.value.log_tail
+
+
+# ------------------------------------------------------------------------------------------- start-up order
+def test_cuda_possible_reads_the_gpu_device_nodes(tmp_path):
+    assert not cuda_possible((str(tmp_path / "nvidiactl"), str(tmp_path / "kfd")))
+    (tmp_path / "kfd").touch()
+    assert cuda_possible((str(tmp_path / "nvidiactl"), str(tmp_path / "kfd")))
+
+
+ENGINES_BEFORE_TORCH = """
+import sys
+from pathlib import Path
+from hpcrl.config import load_config
+from hpcrl.launch_local import loop_of
+
+class Launched(Exception):
+    pass
+
+def launcher(cfg, run_dir, attempt_dir, model_path, secret_path):
+    raise Launched(f"torch imported: {'torch' in sys.modules}")
+
+tmp = Path(sys.argv[1])
+cfg = load_config(None, [f"run.output_dir={tmp}", f"model.path={tmp / 'model'}", "model.create=tiny-qwen2",
+                         "rollout.engine=auto", *sys.argv[2:]])
+try:
+    loop_of(cfg)(cfg, tmp / "run", tmp / "model", launch_engines=launcher)
+except Launched as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(cuda_possible(), reason="a GPU device node exists here: rollout.engine auto asks torch")
+@pytest.mark.parametrize("mode", [("run.mode=sync",), ("run.mode=async", "run.placement=disaggregate")])
+def test_engines_are_launched_before_the_trainer_imports_torch(tmp_path, mode):
+    """On a CPU machine both loops hand the engines their start before anything imports torch (~1.5 s on
+    2 cores): ``rollout.engine: auto`` resolves to the CPU engine from the missing GPU device nodes."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", ENGINES_BEFORE_TORCH, str(tmp_path), *mode], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.stdout.strip() == "torch imported: False", out.stdout + out.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------ client
