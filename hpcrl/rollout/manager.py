@@ -93,8 +93,9 @@ class RolloutManager:
             raise
 
     def launch(self, early: bool = False) -> None:
-        """Start the engines (the run secret first) and return while they load. Idempotent. Raises what the
-        launcher raises.
+        """Start the engines (the run secret first) and, with ``rollout.router``, the router beside them (no
+        workers yet: :meth:`start` registers the engines), and return while they load. Idempotent. Raises
+        what the launcher raises.
 
         ``early=True`` is the call before the trainer builds its model: it does nothing when engines and
         trainer share GPUs (``run.placement: colocate`` with SGLang), so that, as before, SGLang sizes its
@@ -108,6 +109,12 @@ class RolloutManager:
         if self.pending is None and not self.engines:
             self.secret_path = create_run_secret(self.run_dir)
             self.pending = self.launcher(self.cfg, self.run_dir, self.attempt_dir, self.model_path, self.secret_path)
+            if self.cfg.rollout.router and self.router is None:  # it starts beside them; start() adds them
+                from hpcrl.rollout.router import spawn_router
+                from hpcrl.rollout.secret import read_secret
+
+                self.router = spawn_router([], api_key=read_secret(self.secret_path),
+                                           log_path=self.attempt_dir / "router.log", cpus=self._router_cpus())
             if self.cfg.algorithm.opd.teachers and not self.teachers:
                 from hpcrl.rollout.teacher import start_teacher
 
@@ -115,19 +122,26 @@ class RolloutManager:
                                                self.launcher)
                                  for i, t in enumerate(self.cfg.algorithm.opd.teachers)]
 
+    def _router_cpus(self):
+        """The router's CPUs: the rollout's (``rollout.cpus``) in a disaggregated run, else None (inherit)."""
+        from hpcrl.placement import parse_cpu_list
+
+        rc = self.cfg.rollout
+        disaggregated = self.cfg.run.placement == "disaggregate"
+        return parse_cpu_list(rc.cpus) if disaggregated and rc.cpus is not None else None
+
     def start(self, datasets) -> None:
-        """Wait for the engines (launching them first unless :meth:`launch` did), start the router, connect
-        the client, build the rollout context. ``datasets``: :class:`hpcrl.data.sources.Datasets` (eval items
+        """Wait for the engines (launching them first unless :meth:`launch` did) and for the router that
+        :meth:`launch` spawned beside them, register the engines with it, connect the client, build the
+        rollout context. ``datasets``: :class:`hpcrl.data.sources.Datasets` (eval items
         and the task that scores them). Raises what the launcher raises (:class:`hpcrl.procs.ProcessStartError`,
         a job step's error)."""
         from transformers import AutoTokenizer
 
         from hpcrl.offload import ColocatedMemory, create_trainer_memory
-        from hpcrl.placement import parse_cpu_list
         from hpcrl.rollout.client import RolloutClient
         from hpcrl.rollout.plugins import resolve_plugins
         from hpcrl.rollout.rollout import RolloutContext
-        from hpcrl.rollout.router import start_router
         from hpcrl.rollout.secret import read_secret
 
         cfg, rc = self.cfg, self.cfg.rollout
@@ -138,9 +152,8 @@ class RolloutManager:
         self.engines, self.step = pending.wait()  # on failure it has stopped what it started
         self.engine_tp_sizes = [int(engine_sglang_args(cfg).get("tp_size", 1))] * len(self.engines)
         urls = [e.url for e in self.engines]
-        if rc.router:
-            cpus = parse_cpu_list(rc.cpus) if cfg.run.placement == "disaggregate" and rc.cpus is not None else None
-            self.router = start_router(urls, api_key=key, log_path=self.attempt_dir / "router.log", cpus=cpus)
+        if self.router is not None:  # spawned by launch() while the engines loaded
+            self.router.wait_ready(urls, register=True)
         self.client = RolloutClient(self.router.url if self.router else None, urls, api_key=key,
                                     timeout_s=rc.request_timeout_s, max_retries=rc.max_retries,
                                     keep_partial=rc.partial_rollout,
@@ -209,7 +222,6 @@ class RolloutManager:
     async def _start_monitor(self, launched, key: str) -> None:
         """The health monitor (:mod:`hpcrl.rollout.health`): engines that die or hang are restarted by the
         launcher (``launched.restart``, where it has one) from the weight snapshot; so is the router."""
-        from hpcrl.placement import parse_cpu_list
         from hpcrl.rollout.health import HealthMonitor
         from hpcrl.rollout.router import start_router
         from hpcrl.weights.snapshot import WeightSnapshot
@@ -219,8 +231,7 @@ class RolloutManager:
         if restart is not None and rc.max_engine_restarts > 0:
             self.snapshot = WeightSnapshot(self.run_dir / "weights-rejoin", self.model_path,
                                            self.cfg.weights.bucket_bytes)
-        router_cpus = (parse_cpu_list(rc.cpus) if self.cfg.run.placement == "disaggregate" and rc.cpus is not None
-                       else None)
+        router_cpus = self._router_cpus()
 
         def restart_router(urls: list[str], port):
             return start_router(urls, port=port, api_key=key, cpus=router_cpus,

@@ -64,6 +64,11 @@ ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manu
 """Routing policies of sglang-router 0.3.x (``--policy``)."""
 
 
+WORKER_POLL_S = 0.05
+"""Seconds between two reads of the router's worker list while a worker is added or removed (the router
+registers one within ~50 ms of ``POST /workers`` on a 2-core machine)."""
+
+
 class RouterError(RuntimeError):
     """A worker API call on the router failed (HTTP error, or the change did not take effect in time)."""
 
@@ -117,14 +122,16 @@ class RouterProcess(ManagedProcess):
         Raises RouterError if the router refuses or the worker is not healthy in time (with the log tail).
         """
         url = url.rstrip("/")
-        key = api_key if api_key is not None else self.api_key
+        self._post_worker(url, api_key if api_key is not None else self.api_key)
+        return self._wait_worker(url, timeout_s)
+
+    def _post_worker(self, url: str, key: Optional[str]) -> None:
         payload: dict[str, Any] = {"url": url}
         if key:
             payload["api_key"] = key
         status, body = self._call("POST", "/workers", payload)
         if status not in (200, 201, 202):
             raise RouterError(f"POST {self.url}/workers {url} answered {status}: {body}")
-        return self._wait_worker(url, timeout_s)
 
     def _wait_worker(self, url: str, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -138,7 +145,30 @@ class RouterProcess(ManagedProcess):
             if time.monotonic() > deadline:
                 raise RouterError(f"worker {url} not registered as healthy by {self.url} within "
                                   f"{timeout_s:g} s\n--- log tail ---\n{log_tail(self.log_path)}")
-            time.sleep(0.25)
+            time.sleep(WORKER_POLL_S)
+
+    def wait_ready(self, worker_urls: Sequence[str] = (), timeout_s: float = 60.0,
+                   register: bool = False) -> None:
+        """Wait until the router answers ``/health`` and lists each of ``worker_urls`` as healthy: workers
+        given at start (``--worker-urls``), or with ``register`` workers this call adds (``POST /workers``
+        with the router's key, once it answers). ``timeout_s`` bounds the whole wait (seconds).
+
+        Raises ProcessStartError with the log tail if the router exits, does not answer in time, refuses a
+        worker or does not register the workers in time; the router is stopped first."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            wait_for_http_ok(self.url + "/health", self.process, timeout_s, self.log_path,
+                             f"sglang-router {self.url}")
+            try:
+                for url in worker_urls if register else ():
+                    self._post_worker(url.rstrip("/"), self.api_key)
+                for url in worker_urls:
+                    self._wait_worker(url.rstrip("/"), max(0.0, deadline - time.monotonic()))
+            except RouterError as e:
+                raise ProcessStartError(str(e).split("\n--- log tail")[0], log_tail(self.log_path)) from None
+        except BaseException:
+            self.stop(grace_s=5.0)
+            raise
 
     def remove_worker(self, url: str, timeout_s: float = 30.0) -> None:
         """Deregister ``url`` (``DELETE /workers/{id}``) and wait until the router no longer lists it.
@@ -157,7 +187,7 @@ class RouterProcess(ManagedProcess):
         while any(w.get("url", "").rstrip("/") == url for w in self.list_workers()):
             if time.monotonic() > deadline:
                 raise RouterError(f"worker {url} still listed by {self.url} {timeout_s:g} s after removal")
-            time.sleep(0.25)
+            time.sleep(WORKER_POLL_S)
 
 
 def router_command(worker_urls: Sequence[str], host: str, port: int, policy: str = "round_robin",
@@ -185,7 +215,8 @@ def start_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
                  log_path: Optional[str | os.PathLike] = None, extra_args: Sequence[str] = (),
                  startup_timeout_s: float = 60.0, wait_workers: bool = True, log_level: str = "info",
                  prometheus_port: Optional[int] = None, cpus: Optional[Sequence[int]] = None) -> RouterProcess:
-    """Start sglang-router in front of ``worker_urls`` and wait until it serves.
+    """Start sglang-router in front of ``worker_urls`` and wait until it serves (:func:`spawn_router`, then
+    :meth:`RouterProcess.wait_ready`).
 
     Args:
         worker_urls: engine base URLs registered at start (may be empty; add more with ``add_worker``).
@@ -204,6 +235,20 @@ def start_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
     Raises ProcessStartError with the log tail if the router exits, does not answer ``/health``, or does not
     register the workers in time (the router is stopped first); ValueError for bad arguments.
     """
+    router = spawn_router(worker_urls, host, port, api_key, policy, log_path, extra_args, log_level,
+                          prometheus_port, cpus)
+    router.wait_ready(worker_urls if wait_workers else (), startup_timeout_s)
+    return router
+
+
+def spawn_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Optional[int] = None,
+                 api_key: Optional[str] = None, policy: str = "round_robin",
+                 log_path: Optional[str | os.PathLike] = None, extra_args: Sequence[str] = (),
+                 log_level: str = "info", prometheus_port: Optional[int] = None,
+                 cpus: Optional[Sequence[int]] = None) -> RouterProcess:
+    """Start sglang-router (arguments as :func:`start_router`) and return at once, while it starts (~1 s of
+    Python imports and its own start-up): a run spawns it beside its loading engines and calls
+    :meth:`RouterProcess.wait_ready` later. Raises ValueError for bad arguments."""
     bind = host if host not in ("0.0.0.0", "::") else ""
     port = int(port) if port is not None else find_free_port(bind)
     prometheus_port = int(prometheus_port) if prometheus_port is not None else find_free_port(bind)
@@ -221,23 +266,9 @@ def start_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
             process.stdin.write(api_key.encode() + b"\n")
             process.stdin.close()
         except BrokenPipeError:
-            pass  # the wrapper died at once; the health wait below reports it with the log tail
-    router = RouterProcess(url=url_for(host, port), process=process, log_path=path, api_key=api_key,
-                           prometheus_port=prometheus_port, _log_file=log_file)
-    deadline = time.monotonic() + startup_timeout_s
-    try:
-        wait_for_http_ok(router.url + "/health", process, startup_timeout_s, path,
-                         f"sglang-router {router.url}")
-        if wait_workers:
-            for url in worker_urls:
-                try:
-                    router._wait_worker(url.rstrip("/"), max(0.0, deadline - time.monotonic()))
-                except RouterError as e:
-                    raise ProcessStartError(str(e).split("\n--- log tail")[0], log_tail(path)) from None
-    except BaseException:
-        router.stop(grace_s=5.0)
-        raise
-    return router
+            pass  # the wrapper died at once; the health wait reports it with the log tail
+    return RouterProcess(url=url_for(host, port), process=process, log_path=path, api_key=api_key,
+                         prometheus_port=prometheus_port, _log_file=log_file)
 
 
 def _main(argv: Sequence[str]) -> None:

@@ -436,7 +436,7 @@ def test_engines_load_while_the_trainer_starts(tmp_path, tiny_model_dir):
     def manager(*overrides: str) -> RolloutManager:
         cfg = load_config(None, [f"run.output_dir={tmp_path}", f"model.path={tiny_model_dir}", "data.num_eval=8",
                                  "rollout.router=false", *overrides])
-        attempt = tmp_path / f"attempt-{len(overrides)}"
+        attempt = tmp_path / f"attempt-{len(list(tmp_path.glob('attempt-*')))}"
         attempt.mkdir()
         return RolloutManager(cfg, tmp_path, attempt, tiny_model_dir, launch_local_engines)
 
@@ -459,3 +459,18 @@ def test_engines_load_while_the_trainer_starts(tmp_path, tiny_model_dir):
     finally:
         m.stop()
     assert not eng.alive()
+
+    # with the router: it is spawned beside the engines, with no workers; start() registers them
+    m = manager("rollout.engine=cpu", "rollout.router=true")
+    t0 = time.monotonic()
+    m.launch(early=True)
+    try:
+        assert time.monotonic() - t0 < 1.0  # no health wait for either
+        [eng], router = m.pending.engines, m.router
+        assert router is not None and router.alive()
+        m.start(load_datasets(m.cfg))
+        assert m.router is router and router.worker_urls(healthy_only=True) == [eng.url]
+        assert 0.0 <= m.evaluate(-1)["eval/accuracy"] <= 1.0  # through the router
+    finally:
+        m.stop()
+    assert not eng.alive() and not router.alive()
