@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hpcrl.procs import env_rank, find_free_port  # noqa: F401 - env_rank: also this module's
+from hpcrl.procs import env_rank, find_free_port
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,9 @@ def setup_parallel(cfg: Any) -> DistEnv:
 
 def prepare_megatron() -> None:
     """megatron-core for this device: :func:`hpcrl.train.cpu_compat.apply` without CUDA,
-    :func:`hpcrl.train.cpu_compat.define_te_general_gemm` with it. Idempotent. Imports megatron-core (~2 s
-    on a 2-core CPU machine), which is why :func:`init_distributed` can
-    leave it out. Raises ImportError if megatron-core is not installed."""
+    :func:`hpcrl.train.cpu_compat.define_te_general_gemm` with it. Idempotent. Imports megatron-core (~1 s
+    after torch on a 2-core CPU machine), which is why :func:`init_distributed` can leave it out. Raises
+    ImportError if megatron-core is not installed."""
     from hpcrl.train import cpu_compat
 
     if torch.cuda.is_available():

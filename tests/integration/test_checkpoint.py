@@ -371,14 +371,9 @@ def test_a_save_leaves_no_helper_process(small_model, tmp_path):
     synchronously and keeps them in-process. The forked writer workers are gone once the save returns."""
     _save(small_model, tmp_path, 1)
     _save(small_model, tmp_path, 2)
-    from tests.integration.test_preemption_local import descendants
+    from tests.integration.test_preemption_local import descendants, full_cmdline
 
-    cmdlines = []
-    for pid in descendants(os.getpid()):
-        try:
-            cmdlines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:  # gone since
-            pass
+    cmdlines = [full_cmdline(pid) for pid in descendants(os.getpid())]
     left = [c for c in cmdlines if "multiprocessing" in c or "spawn_main" in c]
     assert not left, left
 

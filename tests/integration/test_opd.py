@@ -22,16 +22,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_loop import REWARD_MODULE
-from tests.integration.test_preemption_local import _alive, descendants, steps_done
+from tests.integration.test_preemption_local import _alive, descendants, full_cmdline, steps_done
 
 pytestmark = pytest.mark.integration
-
-
-def full_cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def teacher_engines(proc: subprocess.Popen, teacher: Path) -> list[int]:

@@ -76,6 +76,14 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+def full_cmdline(pid: int) -> str:
+    """The whole command line of ``pid`` ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def descendants(pid: int) -> list[int]:
     """PIDs of every live process below ``pid`` (from /proc)."""
     pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]

@@ -31,8 +31,8 @@ import pytest
 
 from hpcrl.slurm.state import FINAL_STATES, query_states
 from tests.integration.test_loop import REWARD_MODULE
-from tests.integration.test_preemption_local import (STEPS, _cmdline, descendants, finish, start, steps_done,
-                                                     trained, weights, write_config)
+from tests.integration.test_preemption_local import (STEPS, _cmdline, descendants, finish, full_cmdline,
+                                                     start, steps_done, trained, weights, write_config)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -218,19 +218,12 @@ def test_time_limit_requeues_and_completes(work):
 
 
 # ---------------------------------------------------------------------------- issue #9 point 9: who gets USR2
-def _full_cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def job_processes(job_id: str) -> dict[int, str]:
     """PID -> command line of every process of the job on this machine: the descendants of its slurmstepds
     (``slurmstepd: [ID.batch]``, ``[ID.0]``, ...; the fake nodes are local)."""
     stepds = [int(p.name) for p in Path("/proc").iterdir()
               if p.name.isdigit() and _cmdline(int(p.name)).startswith(f"slurmstepd: [{job_id}.")]
-    return {pid: _full_cmdline(pid) for s in stepds for pid in descendants(s)}
+    return {pid: full_cmdline(pid) for s in stepds for pid in descendants(s)}
 
 
 def _sigmasks(status_file: Path) -> dict[str, int]:

@@ -427,7 +427,6 @@ def test_cpu_compat_apply_is_idempotent_and_leaves_torch_alone(tp1):
         torch.zeros(1, device="cuda")
 
 
-
 PROBE_JIT_FUSER = """
 import sys, torch
 compile_before = torch.compile
