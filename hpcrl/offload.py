@@ -129,13 +129,9 @@ def restart_with_hook(colocate: bool) -> None:
     steps (:func:`hpcrl.slurm.container.container_env`). Returns without doing anything off CUDA, when not
     colocated, when the hook is in place, or when torch-memory-saver is not installed (the trainer adapter
     then says what to install)."""
-    from hpcrl.procs import cuda_possible
+    from hpcrl.procs import cuda_available
 
-    if not colocate or not cuda_possible():  # no GPU device node: no CUDA, and no torch import just to ask
-        return
-    import torch
-
-    if not torch.cuda.is_available():
+    if not colocate or not cuda_available():  # without a GPU device node torch is not imported just to ask
         return
     try:
         env = trainer_hook_env(os.environ)

@@ -88,6 +88,16 @@ def cuda_possible(nodes: tuple[str, ...] = GPU_DEVICE_NODES) -> bool:
     return any(os.path.exists(n) for n in nodes)
 
 
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, importing torch only where :func:`cuda_possible` says a GPU may exist:
+    what the steps before the engines launch ask (``rollout.engine: auto``, torch-memory-saver's hook)."""
+    if not cuda_possible():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _tcp_socket(host: str) -> socket.socket:
     return socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
 

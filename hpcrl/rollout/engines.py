@@ -78,17 +78,13 @@ def _cpu_engine_flags() -> set[str]:
 
 def resolve_engine(kind: str) -> str:
     """``cpu``/``sglang`` unchanged; ``auto`` -> ``sglang`` when torch sees CUDA, else ``cpu`` (without
-    importing torch where no GPU device node exists: :func:`hpcrl.procs.cuda_possible`).
+    importing torch where no GPU device node exists: :func:`hpcrl.procs.cuda_available`).
 
     Raises ValueError for any other value."""
     if kind == "auto":
-        from hpcrl.procs import cuda_possible
+        from hpcrl.procs import cuda_available
 
-        if not cuda_possible():
-            return "cpu"
-        import torch
-
-        return "sglang" if torch.cuda.is_available() else "cpu"
+        return "sglang" if cuda_available() else "cpu"
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; expected one of {ENGINE_KINDS} or 'auto'")
     return kind
