@@ -67,7 +67,10 @@ def summarize(cfg: Config) -> list[str]:
                      f"{t.num_engines} engine(s), opd coef {a.opd.coef}")
     if cfg.sft.enabled:
         s = cfg.sft
-        until = (f"until greedy accuracy >= {s.target_accuracy} (eval every {s.eval_interval} steps), at most "
+        from hpcrl.sft import NEAR_TARGET_FRACTION
+        near = (f", every {s.eval_interval_near_target} from {NEAR_TARGET_FRACTION * s.target_accuracy:g}"
+                if s.eval_interval_near_target else "")
+        until = (f"until greedy accuracy >= {s.target_accuracy} (eval every {s.eval_interval} steps{near}), at most "
                  if s.target_accuracy is not None else "")
         lines.append(f"  sft:       {until}{s.steps} steps, batch {s.batch_size}, lr {s.lr} -> {s.output}")
     if cfg.sweep.grid or cfg.sweep.num_random:

@@ -1,6 +1,7 @@
 """The main job on real input: the README's quickstart command from a fresh folder (no cached models) on the
 CPU. The tiny Qwen2 is created, warm-started by SFT until its greedy accuracy on 500 held-out 3-digit additions
-reaches ``sft.target_accuracy`` (checked every ``sft.eval_interval`` steps), then trained by GRPO through the
+reaches ``sft.target_accuracy`` (checked every ``sft.eval_interval`` steps, every
+``sft.eval_interval_near_target`` near the target), then trained by GRPO through the
 real loop (CPU engine, Megatron trainer, weight sync) (issue #9 points 1 and 2).
 
 Nothing here is a CPU-specific constant: the SFT's stopping step and the exact accuracies move with the CPU's
@@ -26,13 +27,20 @@ def test_quickstart_learns_from_a_fresh_folder(quickstart_run):
     sft = [json.loads(line) for line in (quickstart_run.sft_model / "sft_metrics.jsonl").read_text().splitlines()]
     sft_evals = [(r["step"], r["eval_accuracy"]) for r in sft if "eval_accuracy" in r]
     target, interval = cfg["sft"]["target_accuracy"], cfg["sft"]["eval_interval"]
+    near = cfg["sft"].get("eval_interval_near_target") or interval
     run = tmp_path / "runs" / "quickstart"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], round(r["eval/accuracy"], 3)) for r in rows if "eval/accuracy" in r]
     print(f"quickstart: {seconds:.0f} s from a fresh folder; SFT evals {sft_evals}; GRPO eval curve {curve}")
 
-    # SFT ends on accuracy: every eval before the last is below the target, the last meets it, at the interval.
-    assert [s for s, _ in sft_evals] == list(range(0, sft_evals[-1][0] + 1, interval))
+    # SFT ends on accuracy: every eval before the last is below the target, the last meets it; evals come every
+    # `interval` steps, then every `near` steps from the first eval at a quarter of the target on.
+    from hpcrl.sft import NEAR_TARGET_FRACTION
+
+    gaps = [b - a for (a, _), (b, _) in zip(sft_evals, sft_evals[1:])]
+    assert sft_evals[0][0] == 0
+    near_from = next(i for i, (_, acc) in enumerate(sft_evals) if acc >= NEAR_TARGET_FRACTION * target)
+    assert gaps == [interval if i < near_from else near for i in range(len(gaps))], sft_evals
     assert all(a < target for _, a in sft_evals[:-1]) and sft_evals[-1][1] >= target, sft_evals
     assert sft_evals[-1][0] < cfg["sft"]["steps"], "SFT hit its step cap instead of the target"
 

@@ -110,11 +110,51 @@ def test_sft_stops_at_the_first_eval_that_meets_the_target(tmp_path):
     curve = iter([0.0, 0.05, 0.2, 0.349, 0.36, 0.9])
     rows: list[dict] = []
     cfg.sft.batch_size = 8
-    _train(model, demos, cfg.sft, cfg.sft.eval_interval, lambda: next(curve), rows.append, seed=1)
+    _train(model, demos, cfg.sft, lambda: next(curve), rows.append, seed=1)
     evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
     assert evals == [(0, 0.0), (3, 0.05), (6, 0.2), (9, 0.349), (12, 0.36)]
     assert max(r["step"] for r in rows) == 12
 
+
+def test_sft_evals_more_often_near_the_target(tmp_path):
+    """``sft.eval_interval_near_target``: once an eval reaches a quarter of the target, evals come every that
+    many steps, so a steep rise (seed 1 on an Intel Xeon went 31.4% -> 50.6% in the 10 steps past a 35% target)
+    stops near the target. The stopping step and the weights it stops with are those of the coarse schedule's
+    training: evals do not change the batches or the updates."""
+    import torch
+
+    from hpcrl.models.hf import ensure_model, load_hf_model
+    from hpcrl.sft import _train
+
+    cfg = _cfg(tmp_path, "unused", steps=1000)
+    cfg.sft.target_accuracy, cfg.sft.eval_interval, cfg.sft.eval_interval_near_target = 0.35, 10, 2
+    cfg.sft.batch_size = 8
+    base = ensure_model(cfg.model, seed=1)
+
+    def train(curve: dict[int, float], interval: int, near: int | None) -> tuple[list, dict]:
+        model, tok = load_hf_model(base, dtype="float32")
+        demos = build_demonstrations(tok, [{"prompt": f"{a}+1=", "label": a + 1} for a in range(100, 140)])
+        trained = [0]  # optimizer steps so far: one training-mode forward each
+        model.register_forward_pre_hook(lambda m, args: trained.__setitem__(0, trained[0] + m.training))
+        rows: list[dict] = []
+        cfg.sft.eval_interval, cfg.sft.eval_interval_near_target = interval, near
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            _train(model, demos, cfg.sft, lambda: max(a for s, a in curve.items() if s <= trained[0]),
+                   rows.append, seed=1)
+        return [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r], model.state_dict()
+
+    # accuracy as a function of the step: 0 until 20, 0.09 (just over a quarter of 0.35) from 20, 0.30 from 24,
+    # 0.36 from 27 on
+    curve = {0: 0.0, 20: 0.09, 24: 0.30, 27: 0.36}
+    fine, fine_weights = train(curve, 10, near=2)
+    assert fine == [(0, 0.0), (10, 0.0), (20, 0.09), (22, 0.09), (24, 0.30), (26, 0.30), (28, 0.36)]
+    coarse, _ = train(curve, 10, near=None)
+    assert coarse == [(0, 0.0), (10, 0.0), (20, 0.09), (30, 0.36)]
+    # the same weights as evals every 2 steps throughout: the schedule only decides where training stops
+    every2, every2_weights = train(curve, 2, near=None)
+    assert every2[-1] == (28, 0.36)
+    assert all(torch.equal(fine_weights[k], every2_weights[k]) for k in every2_weights)
 
 @pytest.mark.slow
 def test_sft_cache_key_retrains_when_the_inputs_change(tmp_path):

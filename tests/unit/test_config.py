@@ -174,6 +174,8 @@ BAD = [
      "weights.method", "tensor", ["disaggregate"]),
     ("bucket-too-small", M + "weights: {bucket_bytes: 1000}\n", [], "weights.bucket_bytes", 1000, ["1 MiB"]),
     ("sft-without-output", M + "sft: {enabled: true}\n", [], "sft.output", "", ["sft.enabled"]),
+    ("sft-near-target-interval-zero", M + "sft: {eval_interval_near_target: 0}\n", [],
+     "sft.eval_interval_near_target", 0, ["must be > 0"]),
     ("missing-data-file", M + "data: {source: /nonexistent/train.jsonl}\n", [], "data.source",
      "/nonexistent/train.jsonl", ["no such data file"]),
     ("unknown-data-source", M + "data: {source: additon}\n", [], "data.source", "additon",
@@ -305,7 +307,8 @@ def test_quickstart_values():
     assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 700, "addition")
     assert (cfg.sft.enabled, cfg.sft.output, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr) == (
         True, ".cache/models/tiny-qwen2-addition-sft", 3000, 256, 1e-3)
-    assert (cfg.sft.target_accuracy, cfg.sft.eval_interval) == (0.35, 10)  # SFT ends on accuracy (issue #9)
+    # SFT ends on accuracy (issue #9), checked every 2 steps near the target
+    assert (cfg.sft.target_accuracy, cfg.sft.eval_interval, cfg.sft.eval_interval_near_target) == (0.35, 10, 2)
     assert (cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens) == (8, 8, 8)
     assert cfg.rollout.dynamic_filter == "nonzero_std" and cfg.train.lr == 1.5e-4
     assert (cfg.train.lr_warmup_steps, cfg.train.lr_decay_style, cfg.train.lr_decay_steps) == (50, "cosine", 700)
