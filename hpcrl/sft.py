@@ -59,7 +59,7 @@ LOG_INTERVAL = 10
 """A training-metrics line every this many steps."""
 NEAR_TARGET_FRACTION = 0.25
 """Once an eval reaches this fraction of ``sft.target_accuracy``, evals run every
-``sft.eval_interval_near_target`` steps (3-digit addition: 8.75% of a 35% target, ~15 steps before it)."""
+``sft.eval_interval_near_target`` steps (3-digit addition: 10% of a 40% target, ~15 steps before it)."""
 WARMUP_FRACTION = 0.05
 MAX_WARMUP_STEPS = 50
 MIN_LR_RATIO = 0.1

@@ -62,6 +62,21 @@ def test_header_names_cpu_vector_extensions_threads_and_torch():
     assert f"{torch.get_num_threads()} thread(s)" in m.machine_header()  # default: this process's threads
 
 
+def test_header_names_the_kernels_torch_uses(tmp_path):
+    """A run with torch's kernels restricted (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 CPU, to try AVX2
+    numerics) says so: the CPU's flags alone would claim AVX-512."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import machine; print(machine.machine_header())"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    line = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert line.endswith("torch kernels DEFAULT"), line
+    assert f"torch kernels {torch.backends.cpu.get_cpu_capability()}" in _machine().machine_header()
+
+
 CPUINFO = """processor\t: 0
 vendor_id\t: {vendor}
 model name\t: {model}
