@@ -47,8 +47,8 @@ def native_bf16() -> bool:
 
 
 def machine_header(threads: Optional[int] = None, precision: Optional[str] = None) -> str:
-    """One line: CPU model, vector extensions, cores, threads per process, torch version, the vector width torch's
-    kernels use (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, ``AVX2``, ...) and precision.
+    """One line: CPU model, vector extensions, cores, threads per process, torch version, the vector width
+    torch's kernels use (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, ``AVX2``, ...), precision.
 
     ``threads``: the torch/OpenMP threads each benchmark process uses (default: ``torch.get_num_threads()``).
     """
@@ -61,7 +61,7 @@ def machine_header(threads: Optional[int] = None, precision: Optional[str] = Non
              f"{os.cpu_count()} cores",
              f"{threads if threads is not None else torch.get_num_threads()} thread(s) per process",
              f"torch {torch.__version__}",
-             # what torch's own kernels use: AVX2 on an AVX-512 CPU when ATEN_CPU_CAPABILITY=avx2 restricts them
+             # what torch's kernels use: AVX2 on an AVX-512 CPU when ATEN_CPU_CAPABILITY=avx2 restricts them
              f"torch kernels {torch.backends.cpu.get_cpu_capability()}"]
     if precision:
         parts.append(f"precision {precision}")

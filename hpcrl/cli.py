@@ -69,9 +69,9 @@ def summarize(cfg: Config) -> list[str]:
         s = cfg.sft
         from hpcrl.sft import NEAR_TARGET_FRACTION
         near = (f", every {s.eval_interval_near_target} from {NEAR_TARGET_FRACTION * s.target_accuracy:g}"
-                if s.eval_interval_near_target else "")
-        until = (f"until greedy accuracy >= {s.target_accuracy} (eval every {s.eval_interval} steps{near}), at most "
-                 if s.target_accuracy is not None else "")
+                if s.eval_interval_near_target and s.target_accuracy is not None else "")
+        until = (f"until greedy accuracy >= {s.target_accuracy} (eval every {s.eval_interval} steps{near}), "
+                 "at most " if s.target_accuracy is not None else "")
         lines.append(f"  sft:       {until}{s.steps} steps, batch {s.batch_size}, lr {s.lr} -> {s.output}")
     if cfg.sweep.grid or cfg.sweep.num_random:
         grid = ", ".join(cfg.sweep.grid) or "-"

@@ -14,8 +14,8 @@ transition (greedy accuracy goes from ~1% to ~40% within 50-100 steps) whose ste
 with the CPU's rounding (seed 1234 gave 39.4% at step 600 on one machine and 12.3% on an AVX2-only EPYC).
 With ``sft.target_accuracy`` the eval runs every ``sft.eval_interval`` steps and training stops at the first
 eval at or above the target; ``sft.steps`` is only a cap, and the lr (warmup, then cosine over the cap) is still
-near its peak when the target is reached. The rise near the target is steep (seed 1 on an Intel Xeon: 6.5%, 14.9%,
-31.4%, 50.6% at steps 270-300), so every 10 steps can overshoot a 35% target by 15 points; with
+near its peak when the target is reached. The rise near the target is steep (seed 1 on an Intel Xeon: 6.5%,
+14.9%, 31.4%, 50.6% at steps 270-300), so every 10 steps can overshoot a 35% target by 15 points; with
 ``sft.eval_interval_near_target`` the eval runs that often once it has reached a quarter of the target
 (:data:`NEAR_TARGET_FRACTION`).
 
@@ -188,8 +188,8 @@ def cache_key(cfg: "Config", base: Path) -> dict[str, Any]:
                  "label_key": d.label_key, "apply_chat_template": d.apply_chat_template,
                  "files_sha256": _sha256_files(files) if files else None},
         "seed": cfg.run.seed,
-        "sft": {k: getattr(cfg.sft, k) for k in ("steps", "batch_size", "lr", "target_accuracy", "eval_interval",
-                                                  "eval_interval_near_target")},
+        "sft": {k: getattr(cfg.sft, k) for k in ("steps", "batch_size", "lr", "target_accuracy",
+                                                  "eval_interval", "eval_interval_near_target")},
         "eval": {"max_new_tokens": cfg.rollout.max_new_tokens, "stop": list(cfg.rollout.stop)},
         "dtype": cfg.model.dtype,
     }

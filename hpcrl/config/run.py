@@ -110,9 +110,10 @@ class SFTSection:
     eval_interval: int = 100
     """Greedy eval of the held-out items every this many steps (plus before the first and after the last)."""
     eval_interval_near_target: Optional[int] = None
-    """With ``target_accuracy``: once an eval reaches a quarter of the target (``hpcrl.sft.NEAR_TARGET_FRACTION``),
-    eval every this many steps instead of ``eval_interval``, so a sharp rise stops near the target rather than up
-    to ``eval_interval`` steps past it (3-digit addition gains ~2 points a step there). None: ``eval_interval``."""
+    """With ``target_accuracy``: once an eval reaches a quarter of the target
+    (``hpcrl.sft.NEAR_TARGET_FRACTION``), eval every this many steps instead of ``eval_interval``, so a sharp
+    rise stops near the target rather than up to ``eval_interval`` steps past it (3-digit addition gains ~2
+    points a step there). None: ``eval_interval``."""
 
 
 _RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,@-]*")
@@ -193,7 +194,8 @@ def check_sft(cfg: Config) -> None:
     if s.output:
         require(s.output != cfg.model.path, "sft.output", s.output, "must differ from model.path",
                  "save the SFT model to its own folder")
-    positive(cfg, "sft.steps", "sft.batch_size", "sft.lr", "sft.eval_interval", "sft.eval_interval_near_target")
+    positive(cfg, "sft.steps", "sft.batch_size", "sft.lr", "sft.eval_interval",
+             "sft.eval_interval_near_target")
     if s.target_accuracy is not None:
         require(0 < s.target_accuracy <= 1, "sft.target_accuracy", s.target_accuracy, "must be in (0, 1]",
                  "e.g. sft.target_accuracy=0.9, or null to always run all steps")

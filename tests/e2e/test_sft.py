@@ -118,9 +118,9 @@ def test_sft_stops_at_the_first_eval_that_meets_the_target(tmp_path):
 
 def test_sft_evals_more_often_near_the_target(tmp_path):
     """``sft.eval_interval_near_target``: once an eval reaches a quarter of the target, evals come every that
-    many steps, so a steep rise (seed 1 on an Intel Xeon went 31.4% -> 50.6% in the 10 steps past a 35% target)
-    stops near the target. The stopping step and the weights it stops with are those of the coarse schedule's
-    training: evals do not change the batches or the updates."""
+    many steps, so a steep rise (seed 1 on an Intel Xeon went 31.4% -> 50.6% in the 10 steps past a 35%
+    target) stops near the target. The weights at the stop equal those of the same step under evals every 2
+    steps throughout: evals do not change the batches or the updates, only where training stops."""
     import torch
 
     from hpcrl.models.hf import ensure_model, load_hf_model
@@ -144,8 +144,8 @@ def test_sft_evals_more_often_near_the_target(tmp_path):
                    rows.append, seed=1)
         return [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r], model.state_dict()
 
-    # accuracy as a function of the step: 0 until 20, 0.09 (just over a quarter of 0.35) from 20, 0.30 from 24,
-    # 0.36 from 27 on
+    # accuracy as a function of the step: 0 until 20, 0.09 (just over a quarter of 0.35) from 20, 0.30 from
+    # 24, 0.36 from 27 on
     curve = {0: 0.0, 20: 0.09, 24: 0.30, 27: 0.36}
     fine, fine_weights = train(curve, 10, near=2)
     assert fine == [(0, 0.0), (10, 0.0), (20, 0.09), (22, 0.09), (24, 0.30), (26, 0.30), (28, 0.36)]

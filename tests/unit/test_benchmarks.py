@@ -69,7 +69,8 @@ def test_header_names_the_kernels_torch_uses(tmp_path):
     import subprocess
     import sys
 
-    code = f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import machine; print(machine.machine_header())"
+    code = (f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import machine; "
+            "print(machine.machine_header())")
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
     line = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.strip()

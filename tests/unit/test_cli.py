@@ -112,6 +112,16 @@ def test_validate_ok_with_overrides(tmp_path, capsys):
     assert out.startswith(f"OK: {cfg}\n") and "16 prompts x 8 samples" in out and "global batch 128" in out
 
 
+@pytest.mark.parametrize("target, line", [
+    ("0.4", "sft:       until greedy accuracy >= 0.4 (eval every 10 steps, every 2 from 0.1), at most 3000 steps"),
+    ("null", "sft:       3000 steps, batch 256"),  # the near-target interval only matters with a target
+])
+def test_validate_summarizes_the_sft_stop(capsys, target, line):
+    argv = ["validate", str(REPO / "configs" / "quickstart.yaml"), f"sft.target_accuracy={target}"]
+    assert cli.main(argv) == 0
+    assert line in capsys.readouterr().out
+
+
 def test_validate_print_config_is_loadable(tmp_path, capsys):
     from hpcrl.config import load_config
 
