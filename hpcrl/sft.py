@@ -306,6 +306,7 @@ def _train(model: Any, demos: Demonstrations, sft: Any, evaluate: Any, record: A
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=sft.lr, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY)
     target = sft.target_accuracy
+    near = sft.eval_interval_near_target if target is not None else None
     interval, last_eval = sft.eval_interval, 0
 
     def eval_and_record(step: int) -> bool:
@@ -314,9 +315,8 @@ def _train(model: Any, demos: Demonstrations, sft: Any, evaluate: Any, record: A
         record({"step": step, "eval_accuracy": acc})
         log.info("sft: step %d eval accuracy %.3f", step, acc)
         last_eval = step
-        if target is not None and sft.eval_interval_near_target and acc >= NEAR_TARGET_FRACTION * target \
-                and interval != sft.eval_interval_near_target:
-            interval = sft.eval_interval_near_target
+        if near and interval != near and acc >= NEAR_TARGET_FRACTION * target:
+            interval = near
             log.info("sft: near the target: eval every %d steps", interval)
         return target is not None and acc >= target
 

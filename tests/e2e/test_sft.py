@@ -156,6 +156,7 @@ def test_sft_evals_more_often_near_the_target(tmp_path):
     assert every2[-1] == (28, 0.36)
     assert all(torch.equal(fine_weights[k], every2_weights[k]) for k in every2_weights)
 
+
 @pytest.mark.slow
 def test_sft_cache_key_retrains_when_the_inputs_change(tmp_path):
     """The cached SFT folder is reused only for the same base model, data, seed and recipe (``sft_key.json``);

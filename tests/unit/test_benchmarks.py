@@ -62,7 +62,7 @@ def test_header_names_cpu_vector_extensions_threads_and_torch():
     assert f"{torch.get_num_threads()} thread(s)" in m.machine_header()  # default: this process's threads
 
 
-def test_header_names_the_kernels_torch_uses(tmp_path):
+def test_header_names_the_kernels_torch_uses():
     """A run with torch's kernels restricted (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 CPU, to try AVX2
     numerics) says so: the CPU's flags alone would claim AVX-512."""
     import os
