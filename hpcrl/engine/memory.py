@@ -76,11 +76,11 @@ def create_memory_saver(enable: bool, device: str) -> MemorySaver:
 
 
 def normalize_tags(tags: list[str] | None) -> list[str]:
-    """Validate ``tags`` (None means all) and return them in :data:`ALL_TAGS` order.
+    """Validate ``tags`` (None or empty means all, as in SGLang) and return them in :data:`ALL_TAGS` order.
 
     Raises ValueError on an unknown tag or a non-list value.
     """
-    if tags is None:
+    if tags is None or tags == []:  # SGLang: null or empty means every tag
         return list(ALL_TAGS)
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise ValueError("tags must be a list of strings or null")

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from hpcrl.engine import protocol, routing, sampling
+from hpcrl.engine import protocol, routing, sampling, state
 from hpcrl.engine.memory import TAG_KV_CACHE, TAG_WEIGHTS
 
 logger = logging.getLogger(__name__)
@@ -225,6 +225,18 @@ class Scheduler:
         """Whether any row holds KV cache (running, or paused in place)."""
         return self._num_running > 0
 
+    def is_fully_idle(self, ignore_waiting: bool = False) -> bool:
+        """SGLang's ``is_fully_idle``: no row holds KV cache and, unless ``ignore_waiting``, none waits
+        (:mod:`hpcrl.engine.state`, rule 2)."""
+        with self._cond:
+            return self._num_running == 0 and (ignore_waiting or not self._waiting)
+
+    def flush_now(self) -> bool:
+        """SGLang's ``flush_cache``: whether the cache could be flushed, i.e. the engine is fully idle, waiting
+        rows ignored while paused (this engine keeps no cache between requests, so there is nothing else to
+        drop). Call from the scheduler thread (a command) so no step runs meanwhile."""
+        return self.is_fully_idle(ignore_waiting=self._paused)
+
     # ------------------------------------------------------------------ commands (scheduler thread)
     def pause_now(self, mode: str) -> None:
         """Command body of ``/pause_generation``: pause, then abort, retract or keep the running rows.
@@ -250,17 +262,21 @@ class Scheduler:
     def release_now(self, tags: list[str]) -> None:
         """Command body of ``/release_memory_occupation``: record ``tags`` as released.
 
-        Raises RuntimeError if rows still hold KV cache (abort them, or pause with retract, first).
+        Raises RuntimeError with SGLang's assertion text unless the engine is fully idle (waiting rows ignored
+        while paused): abort the running rows, or pause with ``abort``/``retract``, first.
         """
-        if self._running:
-            raise RuntimeError(f"{len(self._running)} requests are running; abort them or pause with "
-                               "mode=retract before releasing memory")
+        if not self.is_fully_idle(ignore_waiting=self._paused):
+            raise RuntimeError(state.RELEASE_NOT_IDLE)
         with self._cond:
             self._released.update(tags)
 
     def resume_now(self, tags: list[str]) -> None:
-        """Command body of ``/resume_memory_occupation``: forget ``tags`` as released."""
+        """Command body of ``/resume_memory_occupation``: forget ``tags`` as released. Raises RuntimeError
+        (nothing changed) for a tag that is not released (SGLang's scheduler dies of a KeyError there)."""
         with self._cond:
+            missing = [t for t in tags if t not in self._released]
+            if missing:
+                raise RuntimeError(state.resume_not_released(missing))
             self._released.difference_update(tags)
             self._cond.notify_all()
 

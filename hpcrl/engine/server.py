@@ -37,9 +37,10 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from hpcrl.engine import openai_server, protocol
+from hpcrl.engine import openai_server, protocol, state
 from hpcrl.engine.args import EngineArgs, parse_args
 from hpcrl.engine.auth import ADMIN_PATHS, OPEN_PREFIXES, make_auth_middleware  # noqa: F401 - re-exported
+from hpcrl.engine.httplog import quiet_refused_requests
 from hpcrl.engine.memory import create_memory_saver, normalize_tags
 from hpcrl.engine.scheduler import EngineUnavailable, Job, Scheduler
 from hpcrl.engine.serialize import deserialize_flattened_bucket, deserialize_named_tensors
@@ -50,43 +51,6 @@ from hpcrl.procs import release_freed_memory_eagerly, skip_final_collection
 logger = logging.getLogger("hpcrl.engine")
 
 COMMAND_MARGIN_S = 30.0
-
-HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-"""What an HTTP/2 client sends first (RFC 9113 3.4). sglang-router probes workers with it at start; this
-HTTP/1.1 server answers it 400."""
-
-
-class RefusedRequestFilter(logging.Filter):
-    """Turns aiohttp's ``ERROR`` + traceback for a request it could not parse into one line without traceback.
-
-    aiohttp answers a request that is not valid HTTP/1.x (the HTTP/2 preface sglang-router sends at start,
-    garbage, an oversized header) with 400 and logs it on ``aiohttp.server`` like a server fault. Those are the
-    client's errors, rightly refused: the preface is logged at DEBUG, anything else malformed as one WARNING
-    line naming the peer and aiohttp's reason. Every other record (a handler that raised: a real server error)
-    passes unchanged, with its traceback.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from aiohttp.http_exceptions import HttpProcessingError
-
-        exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, HttpProcessingError):
-            return True
-        peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-        reason = " ".join(str(getattr(exc, "message", "") or exc).split())[:200]
-        if "PRI" in reason:  # aiohttp: "Pause on PRI/Upgrade"
-            logger.debug("refused an HTTP/2 preface from %s with 400 (this server speaks HTTP/1.1)", peer)
-        else:
-            logger.warning("refused a malformed request from %s with 400: %s", peer, reason)
-        return False
-
-
-def quiet_refused_requests() -> None:
-    """Install :class:`RefusedRequestFilter` on the ``aiohttp.server`` logger (once per process)."""
-    server_log = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, RefusedRequestFilter) for f in server_log.filters):
-        server_log.addFilter(RefusedRequestFilter())
-
 
 def error_response(message: str, status: int = 400) -> web.Response:
     """SGLang's error body ``{"error": {"message": ...}}`` with HTTP ``status``."""
@@ -141,6 +105,8 @@ class EngineServer:
         """Jinja chat template for ``/v1/chat/completions`` (``--chat-template`` file, else the tokenizer's)."""
         self.loader = WeightLoader(self.model)
         self.groups = WeightUpdateGroups(args.dist_timeout)
+        self.session = state.WeightUpdateSession()
+        """The weight-update session (:mod:`hpcrl.engine.state`), read and changed in the scheduler thread."""
         self.started = time.time()
 
     # ------------------------------------------------------------------ app
@@ -172,7 +138,9 @@ class EngineServer:
                         ("/update_weights_from_tensor", self.update_weights_from_tensor),
                         ("/init_weights_update_group", self.init_weights_update_group),
                         ("/update_weights_from_distributed", self.update_weights_from_distributed),
-                        ("/destroy_weights_update_group", self.destroy_weights_update_group)]:
+                        ("/destroy_weights_update_group", self.destroy_weights_update_group),
+                        ("/begin_weight_update", self.begin_weight_update),
+                        ("/end_weight_update", self.end_weight_update)]:
             r.add_route("POST", path, h)
         return app
 
@@ -304,18 +272,24 @@ class EngineServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """``/flush_cache``: 200 when no sequence holds KV cache (waits up to ``?timeout=`` s), else 400."""
+        """``/flush_cache``: 200 when the engine is fully idle (no row running; none waiting unless paused),
+        else 400 with SGLang's text; with ``?timeout=`` s it first waits that long for full idleness
+        (:mod:`hpcrl.engine.state`, rule 3)."""
         try:
             timeout = float(request.query.get("timeout", 0) or 0)
         except ValueError:
             return error_response("timeout must be a number of seconds")
-        deadline = time.monotonic() + max(0.0, min(timeout, 3600.0))
-        while self.scheduler.has_kv() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.scheduler.has_kv():
-            return web.Response(status=400, text="Cache not flushed: requests are running. "
-                                                 "Pause (retract or abort) or wait for them first.\n")
-        return web.Response(status=200, text="Cache flushed.\n")
+        if timeout > 0:
+            deadline = time.monotonic() + min(timeout, 3600.0)
+            while not self.scheduler.is_fully_idle() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if not self.scheduler.is_fully_idle():
+                return web.Response(status=400, text=state.FLUSH_TIMED_OUT)
+        if not await self._command(self.scheduler.flush_now, 60.0):
+            return web.Response(status=400, text=state.FLUSH_FAILED)
+        return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
+                                             "(When there are running or waiting requests, the operation will "
+                                             "not be performed.)\n")
 
     # ------------------------------------------------------------------ health and info
     async def health(self, request: web.Request) -> web.Response:
@@ -388,15 +362,15 @@ class EngineServer:
 
         import hpcrl
 
-        state = {**dataclasses.asdict(self.scheduler.stats), **self.scheduler.load(),
-                 "continuous_batching": self.scheduler.continuous_batching,
-                 "cpu_threads": torch.get_num_threads()}
+        internal = {**dataclasses.asdict(self.scheduler.stats), **self.scheduler.load(), **self.session.state(),
+                    "continuous_batching": self.scheduler.continuous_batching,
+                    "cpu_threads": torch.get_num_threads()}
         info = self.args.public_dict()
         info.update({
             "weight_version": self.scheduler.weight_version,
             "context_length": self.context_len,
             "max_total_num_tokens": self.context_len * self.args.max_running_requests,
-            "internal_states": [state],
+            "internal_states": [internal],
             "version": hpcrl.__version__,
             "engine": "hpcrl-cpu-reference",
             "uptime_s": time.time() - self.started,
@@ -439,12 +413,16 @@ class EngineServer:
     # ------------------------------------------------------------------ weights and memory
     async def _weight_update(self, request: web.Request, required: tuple[str, ...],
                              work: Callable[[dict], str], timeout: float,
-                             extra: dict | None = None) -> web.Response:
+                             extra: dict | None = None, flushes: bool = True) -> web.Response:
         """Common body of the update endpoints: parse, optionally abort all, run ``work`` in the scheduler
-        thread, bump the weight version if given. ``work`` returns a message or raises (any error is a 400
-        failure).
+        thread, then, with ``flushes`` and the body's ``flush_cache`` (default true), the flush that ends an
+        update, and bump the weight version if given. ``work`` returns a message or raises (any error is a 400
+        failure). A gated endpoint (:data:`hpcrl.engine.state.SESSION_GATED`) outside a weight-update session
+        is refused before ``work`` runs; a flush refused after it (requests hold KV cache) is a 400 failure
+        although the weights were loaded, and the version stays (:mod:`hpcrl.engine.state`).
         ``extra`` fields are added to the response body."""
         extra = extra or {}
+        endpoint = request.path.lstrip("/")
 
         def fail(message: str) -> web.Response:
             return web.json_response({"success": False, "message": message, **extra}, status=400)
@@ -458,14 +436,29 @@ class EngineServer:
             return fail(f"missing required fields {missing}")
         if body.get("abort_all_requests"):
             self.scheduler.abort(None, "Abort: weight update with abort_all_requests.")
+        flush = flushes and body.get("flush_cache", True) is not False
+
+        def command() -> tuple[bool, str]:
+            self.session.require(endpoint)
+            message = work(body)
+            if self.session.is_open:
+                self.session.loaded = True
+            if flush and not self.scheduler.flush_now():
+                return False, state.UPDATE_NOT_FLUSHED
+            return True, message
+
         try:
-            message = await self._command(lambda: work(body), timeout)
+            flushed, message = await self._command(command, timeout)
         except asyncio.TimeoutError:
             return fail(f"timed out after {timeout:.0f} s")
         except Exception as e:  # noqa: BLE001 - every failure is a 400 with success false
             if not isinstance(e, (WeightUpdateError, ValueError, TypeError, KeyError)):
                 logger.exception("weight update failed")
-            return fail(f"{type(e).__name__}: {e}" if not isinstance(e, WeightUpdateError) else str(e))
+            known = isinstance(e, (WeightUpdateError, state.SessionError))
+            return fail(str(e) if known else f"{type(e).__name__}: {e}")
+        if not flushed:
+            logger.error("%s: %s", endpoint, message)
+            return fail(message)
         version = body.get("weight_version")
         if version is not None:
             self.scheduler.weight_version = str(version)
@@ -514,7 +507,7 @@ class EngineServer:
 
         return await self._weight_update(request, ("master_address", "master_port", "rank_offset",
                                                    "world_size"),
-                                         work, self.args.dist_timeout + COMMAND_MARGIN_S)
+                                         work, self.args.dist_timeout + COMMAND_MARGIN_S, flushes=False)
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """``/update_weights_from_distributed``: receive ``names/dtypes/shapes`` by broadcast from rank 0."""
@@ -533,7 +526,31 @@ class EngineServer:
             self.groups.destroy(body.get("group_name") or "weight_update_group")
             return "Succeeded to destroy the weight update group."
 
-        return await self._weight_update(request, (), work, 60.0)
+        return await self._weight_update(request, (), work, 60.0, flushes=False)
+
+    async def _session_call(self, request: web.Request, step: Callable[[dict], None]) -> web.Response:
+        """Body of ``/begin_weight_update`` / ``/end_weight_update``: ``step`` runs in the scheduler thread;
+        200 ``{"success": true, "message": "Success"}``, or 400 with ``success: false`` and SGLang's message."""
+        try:
+            body = await self.read_body(request)
+            await self._command(lambda: step(body), 60.0)
+        except (protocol.RequestError, ValueError) as e:
+            logger.error("%s refused: %s", request.path, e)
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        except asyncio.TimeoutError:
+            return web.json_response({"success": False, "message": "timed out after 60 s"}, status=400)
+        logger.info("weight-update session %s", "opened" if self.session.is_open else "closed")
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        """``/begin_weight_update``: open the weight-update session (``selector``: ``target``, ``draft`` or
+        ``all``, the default); refused while one is open (:mod:`hpcrl.engine.state`)."""
+        return await self._session_call(request, lambda body: self.session.begin(body.get("selector") or "all"))
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        """``/end_weight_update``: close the weight-update session; refused when none is open (SGLang
+        finalises in-place-packed quantised weights here; this engine has none)."""
+        return await self._session_call(request, lambda body: self.session.end())
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``/update_weight_version``: set ``new_version`` (aborting all requests unless told not to)."""
@@ -564,25 +581,28 @@ class EngineServer:
                 for tag in tags:
                     self.memory.pause(tag)
             else:
+                self.scheduler.resume_now(tags)  # refuses a tag that is not released, before anything is mapped
                 for tag in tags:
                     self.memory.resume(tag)
-                self.scheduler.resume_now(tags)
 
         try:
             await self._command(work, 120.0)
         except (RuntimeError, ValueError) as e:
+            logger.error("%s memory %s refused: %s", "release" if release else "resume", tags, e)
             return error_response(str(e))
         except asyncio.TimeoutError:
             return error_response("memory operation timed out", 503)
+        logger.info("%s memory %s", "released" if release else "resumed", tags)
         return web.json_response(None)
 
     async def release_memory(self, request: web.Request) -> web.Response:
-        """``/release_memory_occupation``: ``tags`` (null = all); generation is refused (503) until
-        resumed."""
+        """``/release_memory_occupation``: ``tags`` (null or empty = all); generation is refused (503) until
+        resumed. Refused (400, SGLang's assertion text) unless the engine is fully idle
+        (:mod:`hpcrl.engine.state`)."""
         return await self._memory(request, release=True)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
-        """``/resume_memory_occupation``: ``tags`` (null = all)."""
+        """``/resume_memory_occupation``: ``tags`` (null or empty = all), each of which must be released."""
         return await self._memory(request, release=False)
 
     # ------------------------------------------------------------------ lifecycle

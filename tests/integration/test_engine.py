@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 import torch
 
+from hpcrl.engine import state
 from hpcrl.engine.server import ADMIN_PATHS
 
 try:
@@ -458,9 +459,113 @@ def test_release_and_resume_memory(engine):
     status, err = post(engine, "/generate", {"text": "1", "sampling_params": {"max_new_tokens": 1}})
     message = err["error"]["message"]
     assert status == 503 and "kv_cache" in message and "weights" not in message
-    assert post(engine, "/resume_memory_occupation", {})[0] == 200
+    # all tags (null or []): "weights" is resumed already, which SGLang's scheduler would die of (KeyError)
+    status, err = post(engine, "/resume_memory_occupation", {})
+    assert status == 400 and err["error"]["message"] == state.resume_not_released(["weights"])
+    assert post(engine, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}) == (200, None)
     gen(engine, {"text": "1", "sampling_params": {"max_new_tokens": 1}})
     assert post(engine, "/release_memory_occupation", {"tags": ["gpu_stuff"]})[0] == 400
+    assert post(engine, "/release_memory_occupation", {"tags": []}) == (200, None)  # [] is every tag
+    assert post(engine, "/resume_memory_occupation", {"tags": None}) == (200, None)
+
+
+# -------------------------------------------------------------------------------- SGLang's state rules
+def session(eng, step: str, body=None) -> tuple[int, dict]:
+    return post(eng, f"/{step}_weight_update", {} if body is None else body)
+
+
+def test_tensor_and_distributed_updates_need_a_session(engine, hf_models, tiny_model_dir):
+    """Rule 1 of hpcrl.engine.state: outside a session the gated updates are refused with SGLang's body and
+    change nothing (the distributed one refuses without waiting for a broadcast); disk is not gated; begin
+    and end pair up (no nested session, no end without begin)."""
+    from hpcrl.engine.serialize import serialize_named_tensors
+
+    before = server_state(engine)
+    new = [(n, t.clone()) for n, t in hf_models["b"].state_dict().items()]
+    status, body = post(engine, "/update_weights_from_tensor",
+                        {"serialized_named_tensors": [serialize_named_tensors(new)], "weight_version": "x"})
+    assert (status, body) == (400, {"success": False,
+                                    "message": state.outside_session("update_weights_from_tensor")})
+    status, body = post(engine, "/update_weights_from_distributed",
+                        {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]],
+                         "group_name": "never-created"}, timeout=10)
+    assert (status, body) == (400, {"success": False,
+                                    "message": state.outside_session("update_weights_from_distributed")})
+    _check_model_served(engine, hf_models, "a", "default")
+    assert session(engine, "end") == (400, {"success": False, "message": state.END_WITHOUT_BEGIN})
+    assert session(engine, "begin", {"selector": "drafts"})[0] == 400
+    assert session(engine, "begin") == (200, {"success": True, "message": "Success"})
+    try:
+        assert session(engine, "begin") == (400, {"success": False, "message": state.NESTED_BEGIN})
+        assert server_state(engine)["weight_update_session_open"] is True
+        status, body = post(engine, "/update_weights_from_tensor",
+                            {"serialized_named_tensors": [serialize_named_tensors(new)], "weight_version": "s-1"})
+        assert status == 200 and body["success"], body
+        _check_model_served(engine, hf_models, "b", "s-1")
+    finally:
+        assert session(engine, "end") == (200, {"success": True, "message": "Success"})
+        restore(engine, tiny_model_dir)  # disk: not gated, outside the session
+    after = server_state(engine)
+    assert after["weight_update_session_open"] is False
+    assert after["weight_update_sessions_opened"] - before["weight_update_sessions_opened"] == 1
+    assert after["weight_update_sessions_closed"] - before["weight_update_sessions_closed"] == 1
+    del new
+
+
+def test_release_only_when_idle(engine):
+    """Rule 2: release needs a fully idle engine (SGLang asserts it): refused while a request runs, also when
+    it is paused in place; allowed once a retract pause has taken the running rows back to the queue."""
+    long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 200,
+                                                          "ignore_eos": True}}
+    fut = run_in_thread(gen, engine, long)
+    wait_running(engine)
+    try:
+        status, err = post(engine, "/release_memory_occupation", {"tags": None})
+        assert (status, err) == (400, {"error": {"message": state.RELEASE_NOT_IDLE}})
+        assert post(engine, "/pause_generation", {"mode": "in_place"})[0] == 200
+        assert post(engine, "/release_memory_occupation", {"tags": None})[0] == 400
+        assert post(engine, "/pause_generation", {"mode": "retract"})[0] == 200
+        assert post(engine, "/release_memory_occupation", {"tags": None}) == (200, None)
+        assert post(engine, "/resume_memory_occupation", {"tags": None}) == (200, None)
+    finally:
+        post(engine, "/continue_generation")
+    assert fut.result(timeout=60)["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+
+
+def test_flush_rule_under_in_place_pause(engine, hf_models, tiny_model_dir):
+    """Rule 3: paused in place, the running rows keep their KV cache: /flush_cache answers SGLang's 400 text
+    (after waiting with ?timeout=), and an update that asks for the flush loads the weights but answers 400
+    and keeps the old version; with flush_cache false it succeeds."""
+    from hpcrl.engine.serialize import serialize_named_tensors
+
+    long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 200,
+                                                          "ignore_eos": True}}
+    fut = run_in_thread(gen, engine, long)
+    wait_running(engine)
+    new = [(n, t.clone()) for n, t in hf_models["b"].state_dict().items()]
+    assert post(engine, "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        assert post(engine, "/flush_cache") == (400, state.FLUSH_FAILED)
+        t0 = time.monotonic()
+        assert post(engine, "/flush_cache?timeout=0.3", headers=auth("/flush_cache")) == (400,
+                                                                                          state.FLUSH_TIMED_OUT)
+        assert time.monotonic() - t0 >= 0.3
+        assert session(engine, "begin")[0] == 200
+        body = {"serialized_named_tensors": [serialize_named_tensors(new)], "weight_version": "flush-1"}
+        assert post(engine, "/update_weights_from_tensor", body) == (400, {"success": False,
+                                                                           "message": state.UPDATE_NOT_FLUSHED})
+        assert get(engine, "/get_model_info")[1]["weight_version"] == "default"
+        body = {"serialized_named_tensors": [serialize_named_tensors(new)], "weight_version": "flush-2",
+                "flush_cache": False}
+        status, out = post(engine, "/update_weights_from_tensor", body)
+        assert status == 200 and out["success"], out
+        assert session(engine, "end")[0] == 200
+    finally:
+        post(engine, "/continue_generation")
+        fut.result(timeout=60)
+    _check_model_served(engine, hf_models, "b", "flush-2")
+    restore(engine, tiny_model_dir)
+    del new
 
 
 def test_update_weight_version(engine):
@@ -508,6 +613,7 @@ def test_update_weights_from_tensor(engine, hf_models, tiny_model_dir):
     new = {k: v.clone() for k, v in hf_models["b"].state_dict().items()}
     names = list(new)
     half = len(names) // 2
+    assert session(engine, "begin")[0] == 200
     try:
         keep_alive = [(n, new[n]) for n in names[:half]]
         status, body = post(engine, "/update_weights_from_tensor", {
@@ -533,6 +639,7 @@ def test_update_weights_from_tensor(engine, hf_models, tiny_model_dir):
         _check_model_served(engine, hf_models, "b", "tensor-2")
         del keep_alive, bucket
     finally:
+        assert session(engine, "end")[0] == 200
         restore(engine, tiny_model_dir)
 
 
@@ -551,6 +658,7 @@ def test_update_weights_from_distributed(engine, hf_models, tiny_model_dir):
                                    datetime.timedelta(seconds=60))
     status, body = init.result(timeout=60)
     assert status == 200 and body["success"], body
+    assert session(engine, "begin")[0] == 200
     try:
         new = hf_models["b"].state_dict()
         names = list(new)
@@ -570,6 +678,7 @@ def test_update_weights_from_distributed(engine, hf_models, tiny_model_dir):
         assert status == 400 and body["success"] is False and "model.nope" in body["message"]
         _check_model_served(engine, hf_models, "b", "dist-1")
     finally:
+        assert session(engine, "end")[0] == 200
         status, body = post(engine, "/destroy_weights_update_group", {"group_name": group})
         torch.distributed.destroy_process_group(pg)
         restore(engine, tiny_model_dir)

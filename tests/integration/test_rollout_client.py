@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hpcrl.data.sample import Sample, Status
-from hpcrl.engine.server import HTTP2_PREFACE
+from hpcrl.engine.httplog import HTTP2_PREFACE
 from hpcrl.rollout.client import RolloutClient, RolloutError
 from hpcrl.rollout.generate import generate
 from hpcrl.rollout.router import start_router

@@ -9,7 +9,7 @@ import logging
 
 from aiohttp import web
 
-from hpcrl.engine.server import HTTP2_PREFACE, quiet_refused_requests
+from hpcrl.engine.httplog import HTTP2_PREFACE, quiet_refused_requests
 
 
 async def _boom(request: web.Request) -> web.Response:
