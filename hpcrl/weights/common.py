@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from hpcrl.engine.state import NESTED_BEGIN
+
+logger = logging.getLogger(__name__)
+
+BEGIN = "/begin_weight_update"
+END = "/end_weight_update"
 
 
 class WeightSyncError(RuntimeError):
@@ -28,13 +36,19 @@ class WeightSyncError(RuntimeError):
                  failures: Sequence[tuple[str, str]] | None = None):
         self.url = url
         self.endpoint = endpoint
-        self.message = message
-        self.failures = list(failures) if failures else [(url, message)]
-        text = f"weight sync: {endpoint} on {url} failed: {message}"
+        self.message = " ".join(str(message).split())  # one line, whatever the engine's text
+        self.failures = [(u, " ".join(str(m).split())) for u, m in failures] if failures else [(url, self.message)]
+        text = f"weight sync: {endpoint} on {url} failed: {self.message}"
         if len(self.failures) > 1:
             text += f" (and {len(self.failures) - 1} more engine(s) failed: " + "; ".join(
                 f"{u}: {m}" for u, m in self.failures[1:]) + ")"
         super().__init__(text)
+
+    def with_note(self, note: str) -> "WeightSyncError":
+        """The same failure with ``note`` appended to its message (what happened after it, e.g. whether the
+        weight-update session could be closed)."""
+        return WeightSyncError(self.url, self.endpoint, f"{self.message}; {note}", [
+            (u, f"{m}; {note}" if i == 0 else m) for i, (u, m) in enumerate(self.failures)])
 
 
 def _engine_message(err: Exception) -> str:
@@ -128,6 +142,47 @@ class EngineCalls:
 
         results = await asyncio.gather(*(one(u) for u in self.urls), return_exceptions=True)
         raise_failures(results, "/flush_cache")
+
+    async def begin_sessions(self) -> None:
+        """``/begin_weight_update`` on every engine (SGLang's weight-update session, which its tensor and
+        distributed updates need: :mod:`hpcrl.engine.state`). An engine that still has a session open (a
+        sync whose close could not reach it) has it closed and opened again, with a warning. If any engine
+        fails, the sessions opened here are closed again and WeightSyncError names the failing engine(s)."""
+        async def one(url: str) -> None:
+            try:
+                await self._one("POST", url, BEGIN, {}, None)
+            except WeightSyncError as e:
+                if e.message != NESTED_BEGIN:
+                    raise
+                logger.warning("weight sync: %s still had a weight-update session open; closing it first", url)
+                await self._one("POST", url, END, {}, None)
+                await self._one("POST", url, BEGIN, {}, None)
+
+        results = await asyncio.gather(*(one(u) for u in self.urls), return_exceptions=True)
+        opened = [u for u, r in zip(self.urls, results, strict=True) if r is None]
+        if len(opened) == len(self.urls):
+            return
+        try:
+            raise_failures(results, BEGIN)
+        except WeightSyncError as e:
+            raise e.with_note(await self.close_sessions_after(opened)) from e.__cause__
+
+    async def end_sessions(self) -> None:
+        """``/end_weight_update`` on every engine. Raises WeightSyncError naming every engine that refused."""
+        await self.each(END, {})
+
+    async def close_sessions_after(self, urls: Sequence[str] | None = None) -> str:
+        """After a failure inside the session: ``/end_weight_update`` on ``urls`` (default: every engine),
+        best effort, each bounded by ``timeout_s``. Returns what happened, for the error's one line: the
+        session closed on every engine, or which engines it could not be closed on and why (the next sync
+        closes it there before it opens a new one)."""
+        urls = list(self.urls if urls is None else urls)
+        results = await asyncio.gather(*(self._one("POST", u, END, {}, None) for u in urls), return_exceptions=True)
+        stuck = [(u, r) for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)]
+        if not stuck:
+            return f"the weight-update session was closed on {len(urls)} engine(s)"
+        return "the weight-update session could not be closed on " + ", ".join(
+            f"{u} ({getattr(r, 'message', None) or type(r).__name__})" for u, r in stuck)
 
     async def server_infos(self) -> list[dict]:
         """``GET /get_server_info`` of every engine."""

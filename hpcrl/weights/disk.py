@@ -117,9 +117,11 @@ def remove_old_folders(disk_dir: str | os.PathLike, keep: str) -> list[str]:
 
 async def send_disk(calls: EngineCalls, named_tensors: Iterable, weight_version: str, *,
                     disk_dir: str | os.PathLike,
-                    index: int, bucket_bytes: int, hf_checkpoint: str | os.PathLike | None = None) -> dict:
+                    index: int, bucket_bytes: int, hf_checkpoint: str | os.PathLike | None = None,
+                    flush: bool = True) -> dict:
     """Write ``disk_dir/weight_v{index:06d}/`` and POST ``/update_weights_from_disk`` (``model_path``,
-    ``weight_version``) to every engine; then remove older folders.
+    ``weight_version``, ``flush_cache``: ``flush``) to every engine; then remove older folders. SGLang runs
+    this update outside a weight-update session too.
 
     ``disk_dir`` must be readable by every engine at the same path (a shared file system). Each call is
     bounded by ``calls.timeout_s`` seconds. Returns ``{"bytes", "buckets", "tensors", "write_seconds",
@@ -133,7 +135,7 @@ async def send_disk(calls: EngineCalls, named_tensors: Iterable, weight_version:
                                           hf_checkpoint=hf_checkpoint)
     t0 = time.perf_counter()
     await calls.each(ENDPOINT, {"model_path": str(dest.resolve()), "weight_version": str(weight_version),
-                                "flush_cache": True})
+                                "flush_cache": bool(flush)})
     stats["post_seconds"] = time.perf_counter() - t0
     stats["path"] = str(dest)
     remove_old_folders(disk_dir, dest.name)

@@ -50,13 +50,6 @@ def sender_address(engine_url: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def free_port(address: str) -> int:
-    """A TCP port free on ``address`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 def rank_offsets(engine_tp_sizes: Sequence[int]) -> list[int]:
     """``rank_offset`` of each engine: ``1 + sum of the TP sizes of the engines before it``."""
     out, acc = [], 1
@@ -66,22 +59,32 @@ def rank_offsets(engine_tp_sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def join_group(backend: str, address: str, port: int, world_size: int, group_name: str,
-               timeout: datetime.timedelta) -> Any:
-    """Join weight-update group ``group_name`` as rank 0, hosting its TCPStore on ``address:port``.
+def host_store(address: str, world_size: int, timeout: datetime.timedelta) -> Any:
+    """The weight-update group's TCPStore server, listening on ``address`` and a port the OS picks as it binds
+    (``store.port``), so no other process can take the port between a pick and the bind; returns at once
+    (the engines connect when they are told the port).
 
-    The equivalent of :func:`hpcrl.engine.weights.init_custom_process_group` (SGLang's helper) for rank 0,
-    except that the store server is created explicitly: under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``)
-    torch's ``tcp://`` rendezvous makes every rank, rank 0 included, a *client* of the agent's store, so no
-    one would listen on ``port`` and the engines' rendezvous would time out. The store keys are prefixed with
-    ``group_name`` (as on the engine side). Blocks until every rank joined; raises on timeout (``timeout``).
-    Returns the ``ProcessGroup``.
+    Created explicitly rather than by torch's ``tcp://`` rendezvous: under torchrun
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) that makes every rank, rank 0 included, a *client* of the agent's
+    store, so no one would listen and the engines' rendezvous would time out. Raises on a bind failure.
     """
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import TCPStore
+
+    store = TCPStore(address, 0, world_size, True, timeout, wait_for_workers=False)
+    store.set_timeout(timeout)
+    return store
+
+
+def join_group(backend: str, store: Any, world_size: int, group_name: str, timeout: datetime.timedelta) -> Any:
+    """Join weight-update group ``group_name`` as rank 0 over ``store`` (:func:`host_store`).
+
+    The equivalent of :func:`hpcrl.engine.weights.init_custom_process_group` (SGLang's helper) for rank 0. The
+    store keys are prefixed with ``group_name`` (as on the engine side). Blocks until every rank joined;
+    raises on timeout (``timeout``). Returns the ``ProcessGroup``.
+    """
+    from torch.distributed import PrefixStore
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
-    store = TCPStore(address, port, world_size, True, timeout)
-    store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -110,7 +113,8 @@ class DistributedGroup:
                      master_address: str | None = None, backend: str | None = None) -> DistributedGroup:
         """Create the group: POST ``/init_weights_update_group`` to every engine while joining as rank 0.
 
-        ``master_address`` defaults to :func:`sender_address` of the first engine; the port is a free one.
+        ``master_address`` defaults to :func:`sender_address` of the first engine; the port is the one the
+        group's store bound (:func:`host_store`: held from the pick on, never raced for).
         ``backend`` defaults to ``nccl`` with CUDA, else ``gloo``. Rendezvous and each call are bounded by
         ``calls.timeout_s`` seconds. Raises WeightSyncError if an engine refuses or the local join fails.
         """
@@ -120,14 +124,18 @@ class DistributedGroup:
             raise ValueError(f"{len(engine_tp_sizes)} TP sizes for {len(calls.urls)} engines")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         address = master_address or sender_address(calls.urls[0])
-        port = free_port(address)
         world = 1 + sum(int(t) for t in engine_tp_sizes)
+        timeout = datetime.timedelta(seconds=calls.timeout_s)
+        try:
+            store = host_store(address, world, timeout)
+        except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError: name the address
+            raise WeightSyncError(f"tcp://{address}", "host the weight-update group's store (rank 0)",
+                                  f"{type(e).__name__}: {e}") from e
+        port = int(store.port)
         bodies = [{"master_address": address, "master_port": port, "rank_offset": off, "world_size": world,
                    "group_name": group_name, "backend": backend} for off in rank_offsets(engine_tp_sizes)]
-        timeout = datetime.timedelta(seconds=calls.timeout_s)
         posts = asyncio.ensure_future(calls.each(INIT, bodies, per_engine=True))
-        join = asyncio.ensure_future(asyncio.to_thread(join_group, backend, address, port, world, group_name,
-                                                       timeout))
+        join = asyncio.ensure_future(asyncio.to_thread(join_group, backend, store, world, group_name, timeout))
         results = await asyncio.gather(posts, join, return_exceptions=True)
         if isinstance(results[1], BaseException):
             if isinstance(results[0], WeightSyncError):
@@ -152,10 +160,12 @@ class DistributedGroup:
             dist.broadcast(t, src=0, group=self.pg)
 
     async def send_bucket(self, tensors: list[tuple[str, Any]], weight_version: str | None,
-                          is_last: bool) -> None:
+                          is_last: bool, flush: bool = True) -> None:
         """POST the bucket's names/dtypes/shapes to every engine and broadcast its tensors from rank 0.
 
-        ``weight_version`` and ``flush_cache`` are sent when ``is_last``. Raises WeightSyncError if an engine
+        ``weight_version`` is sent when ``is_last``, and ``flush_cache`` then too unless ``flush`` is False.
+        The calls must run inside a weight-update session (SGLang refuses them otherwise, without receiving
+        the broadcast). Raises WeightSyncError if an engine
         refuses (after receiving all broadcasts, the engine names the bad tensor) or a call or broadcast does
         not finish within the group's timeout.
         """
@@ -166,7 +176,7 @@ class DistributedGroup:
         body: dict[str, Any] = {"names": [n for n, _ in tensors],
                                 "dtypes": [_dtype_name(t.dtype) for t in data],
                                 "shapes": [list(t.shape) for t in data],
-                                "group_name": self.group_name, "flush_cache": bool(is_last)}
+                                "group_name": self.group_name, "flush_cache": bool(is_last and flush)}
         if is_last and weight_version is not None:
             body["weight_version"] = str(weight_version)
         posts = asyncio.ensure_future(self.calls.each(UPDATE, body))
@@ -206,8 +216,9 @@ def _destroy_local(pg: Any) -> None:
 
 
 async def send_distributed(group: DistributedGroup, named_tensors: Iterable, weight_version: str, *,
-                           bucket_bytes: int) -> dict:
-    """Send every tensor of ``named_tensors`` over ``group`` in buckets of at most ``bucket_bytes`` bytes.
+                           bucket_bytes: int, flush: bool = True) -> dict:
+    """Send every tensor of ``named_tensors`` over ``group`` in buckets of at most ``bucket_bytes`` bytes
+    (``flush``: :meth:`DistributedGroup.send_bucket`).
 
     Returns ``{"bytes", "buckets", "tensors", "post_seconds"}``. Raises WeightSyncError (see
     :meth:`DistributedGroup.send_bucket`), ValueError for an empty stream.
@@ -215,7 +226,7 @@ async def send_distributed(group: DistributedGroup, named_tensors: Iterable, wei
     stats = {"bytes": 0, "buckets": 0, "tensors": 0, "post_seconds": 0.0}
     for bucket in iter_buckets(named_tensors, bucket_bytes):
         t0 = time.perf_counter()
-        await group.send_bucket(bucket.tensors, weight_version, bucket.is_last)
+        await group.send_bucket(bucket.tensors, weight_version, bucket.is_last, flush)
         stats["post_seconds"] += time.perf_counter() - t0
         stats["bytes"] += bucket.nbytes
         stats["buckets"] += 1

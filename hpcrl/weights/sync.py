@@ -8,16 +8,22 @@ just drive the iterator (ranks outside rank 0's TP group get an empty one).
 The sender does what slime's ``update_weights`` does around the transfer:
 
 1. ``/pause_generation`` (mode ``abort`` by default, SGLang's default: running requests return early with
-   ``finish_reason.type == "abort"``), then ``/flush_cache`` (asked again while it answers 400);
-2. transfer with ``tensor``, ``distributed`` or ``disk`` (see :mod:`hpcrl.weights`); the last call sets
+   ``finish_reason.type == "abort"``), then ``/flush_cache`` (asked again while it answers 400); with mode
+   ``in_place`` the running requests keep their KV cache, so there is no flush (SGLang would refuse it) and
+   the updates are sent with ``flush_cache: false``;
+2. ``/begin_weight_update`` on every engine for ``tensor`` and ``distributed``: SGLang 0.5.23 refuses those
+   updates outside a weight-update session (:mod:`hpcrl.engine.state`; ``disk`` is not gated);
+3. transfer with ``tensor``, ``distributed`` or ``disk`` (see :mod:`hpcrl.weights`); the last call sets
    ``weight_version``;
-3. check that every engine reports the new ``weight_version`` in ``/get_model_info`` (slime's CI check);
-4. ``/continue_generation``.
+4. ``/end_weight_update`` on every engine (SGLang finalises in-place-quantised weights there);
+5. check that every engine reports the new ``weight_version`` in ``/get_model_info`` (slime's CI check);
+6. ``/continue_generation``.
 
 Every call is bounded by ``timeout_s`` (the group's collectives too). On any failure the sync raises
-:class:`~hpcrl.weights.common.WeightSyncError` and leaves the engines **paused**, so no rollout runs on
-partially updated weights; the caller may retry the sync or give up (``client.resume()`` resumes them on the
-old or mixed weights). In colocated runs the caller brings the engines' weights memory back
+:class:`~hpcrl.weights.common.WeightSyncError` (one line naming the engine) and leaves the engines **paused**,
+so no rollout runs on partially updated weights; a failure inside the session closes it first on every engine
+(the error says so, or names the engines it could not be closed on; the next sync closes it there). The
+caller may retry the sync or give up (``client.resume()`` resumes them on the old or mixed weights). In colocated runs the caller brings the engines' weights memory back
 (``/resume_memory_occupation``) before the sync and the KV cache after it, as slime's ``onload_weights`` /
 ``onload_kv`` do; this module does not touch memory occupation.
 """
@@ -34,6 +40,17 @@ from hpcrl.weights.common import EngineCalls, WeightSyncError
 
 METHODS = ("tensor", "distributed", "disk")
 PAUSE_MODES = ("abort", "retract", "in_place")
+ENDPOINTS = {"tensor": "/update_weights_from_tensor", "distributed": "/update_weights_from_distributed",
+             "disk": "/update_weights_from_disk"}
+"""The update endpoint each method sends its buckets to."""
+
+
+def needs_session(method: str) -> bool:
+    """Whether ``method``'s update endpoint runs only inside a weight-update session on SGLang 0.5.23
+    (:data:`hpcrl.engine.state.SESSION_GATED`: ``tensor`` and ``distributed``, not ``disk``)."""
+    from hpcrl.engine.state import SESSION_GATED
+
+    return ENDPOINTS[method].lstrip("/") in SESSION_GATED
 
 
 def iterate_for_sync(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]:
@@ -136,6 +153,13 @@ class WeightSyncer:
         return cls(client, method=weights.method, bucket_bytes=weights.bucket_bytes,
                    timeout_s=weights.timeout_s, **kwargs)
 
+    @property
+    def flushes(self) -> bool:
+        """Whether the sync flushes the engines' cache (``/flush_cache`` after the pause and ``flush_cache``
+        on the last update): not after a pause in place, whose requests keep their KV cache (SGLang refuses
+        the flush then, :mod:`hpcrl.engine.state`)."""
+        return self.pause_mode != "in_place"
+
     def _calls(self) -> EngineCalls:
         return EngineCalls(self.client, self.timeout_s)
 
@@ -198,9 +222,24 @@ class WeightSyncer:
             self._group_urls = list(calls.urls)
         t0 = time.perf_counter()
         await calls.pause(self.pause_mode)
-        await calls.flush_cache()
+        if self.flushes:
+            await calls.flush_cache()
         t1 = time.perf_counter()
-        stats = await self._transfer(calls, stream, weight_version, tp_sizes)
+        session = needs_session(self.method)
+        if session:
+            await calls.begin_sessions()
+        try:
+            stats = await self._transfer(calls, stream, weight_version, tp_sizes)
+        except WeightSyncError as e:
+            if not session:
+                raise
+            raise e.with_note(await calls.close_sessions_after()) from e
+        except BaseException:
+            if session:
+                await calls.close_sessions_after()
+            raise
+        if session:
+            await calls.end_sessions()
         t2 = time.perf_counter()
         if self.verify:
             await calls.check_versions(weight_version)
@@ -228,13 +267,13 @@ class WeightSyncer:
 
             return await send_tensor_buckets(calls, named_tensors, weight_version,
                                              bucket_bytes=int(self.bucket_bytes), engine_tp_sizes=tp_sizes,
-                                             fmt=self.tensor_format)
+                                             fmt=self.tensor_format, flush=self.flushes)
         if self.method == "distributed":
             from hpcrl.weights.distributed import send_distributed
 
             try:
                 return await send_distributed(self._group, named_tensors, weight_version,
-                                              bucket_bytes=int(self.bucket_bytes))
+                                              bucket_bytes=int(self.bucket_bytes), flush=self.flushes)
             except WeightSyncError:
                 await self._drop_group()
                 raise
@@ -242,7 +281,8 @@ class WeightSyncer:
 
         index = int(weight_version) if weight_version.isdigit() else self.num_syncs + 1
         return await send_disk(calls, named_tensors, weight_version, disk_dir=self.disk_dir, index=index,
-                               bucket_bytes=int(self.bucket_bytes), hf_checkpoint=self.hf_checkpoint)
+                               bucket_bytes=int(self.bucket_bytes), hf_checkpoint=self.hf_checkpoint,
+                               flush=self.flushes)
 
     async def _drop_group(self) -> None:
         """After a failed distributed transfer the group's state is unknown: destroy it locally, ask the

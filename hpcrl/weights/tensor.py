@@ -39,11 +39,13 @@ def _serialize(tensors: list, fmt: str) -> str:
 
 async def send_tensor_buckets(calls: EngineCalls, named_tensors: Iterable, weight_version: str, *,
                               bucket_bytes: int, engine_tp_sizes: Sequence[int],
-                              fmt: str = "flattened_bucket") -> dict:
+                              fmt: str = "flattened_bucket", flush: bool = True) -> dict:
     """Send every tensor of ``named_tensors`` to every engine with ``/update_weights_from_tensor``.
 
     ``bucket_bytes``: the bucket size in bytes (a larger tensor goes alone). ``engine_tp_sizes``: TP size of
-    each engine, in ``calls.urls`` order. ``fmt``: ``flattened_bucket`` or ``direct``. Each call is bounded by
+    each engine, in ``calls.urls`` order. ``fmt``: ``flattened_bucket`` or ``direct``. ``flush``: whether the
+    last bucket asks the engine to flush its cache (``flush_cache``; every other bucket does not). The calls
+    must run inside a weight-update session (SGLang refuses them otherwise). Each call is bounded by
     ``calls.timeout_s`` seconds. Returns ``{"bytes", "buckets", "tensors", "serialize_seconds",
     "post_seconds"}``. Raises WeightSyncError if an engine refuses a bucket (e.g. an unknown name: the engine
     names it) or does not answer in time (earlier buckets stay applied, as in slime), ValueError for an
@@ -68,7 +70,7 @@ async def send_tensor_buckets(calls: EngineCalls, named_tensors: Iterable, weigh
         bodies = []
         for per_rank in entries:
             body = {"serialized_named_tensors": per_rank, "load_format": fmt if fmt != "direct" else None,
-                    "flush_cache": bucket.is_last}
+                    "flush_cache": bucket.is_last and flush}
             if bucket.is_last:
                 body["weight_version"] = str(weight_version)
             bodies.append(body)

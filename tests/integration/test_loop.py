@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -93,6 +94,16 @@ def test_loop_runs_with_gates_phases_and_checkpoints(gates_run):
     step = ["generate", "offload_engine", "onload_trainer", "train",
             "offload_trainer", "onload_engine_weights", "sync", "onload_engine_kv"]
     assert phases == start + step * 3
+    # ... and as the engine saw it, under SGLang 0.5.23's state rules (hpcrl.engine.state): memory released
+    # only when idle, resumed only once released, every sync inside one weight-update session
+    events = [m.group(1) for m in re.finditer(r"hpcrl.engine: (released memory .+|resumed memory .+|"
+                                               r"weight-update session \w+)$",
+                                               (run_dir / "logs" / "attempt-0" / "engine-0.log").read_text(),
+                                               re.MULTILINE)]
+    sync = ["released memory ['weights', 'kv_cache', 'cuda_graph']", "resumed memory ['weights']",
+            "weight-update session opened", "weight-update session closed",
+            "resumed memory ['kv_cache', 'cuda_graph']"]
+    assert events == sync * 4, events
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["iter_0000001", "iter_0000002"]
     assert (run_dir / "curves.png").exists() and (run_dir / "config.yaml").exists()

@@ -217,6 +217,14 @@ def engine_logprobs_after_resume(engine):
     return engine_logprobs(engine.url)
 
 
+def sessions(url: str) -> dict:
+    """The engine's weight-update session counters (``/get_server_info``): opened, closed, open now."""
+    status, info = http_json("GET", url + "/get_server_info", headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200, info
+    state = info["internal_states"][0]
+    return {k: state[f"weight_update_{k}"] for k in ("sessions_opened", "sessions_closed", "session_open")}
+
+
 def _assert_synced(engine, trainer, version: str) -> None:
     theirs, served = engine_logprobs(engine.url)
     assert served == version
@@ -241,8 +249,12 @@ def test_tensor_sync_in_several_buckets(engine, trainer, hf_size, fmt):
     perturb(trainer, seed=1 if fmt == "direct" else 2)
     before, _ = engine_logprobs(engine.url)
     assert max_diff(before, trainer_logprobs(trainer)) > 1e-3  # the engine serves other weights
+    opened = sessions(engine.url)
     (m,), _ = asyncio.run(_syncs(engine.url, "tensor", [(lambda: iterate_for_sync(trainer), f"tensor-{fmt}")],
                                  bucket_bytes=256 * 1024, timeout_s=60, tensor_format=fmt))
+    # every bucket went inside one weight-update session, closed at the end (SGLang refuses them outside one)
+    assert sessions(engine.url) == {"sessions_opened": opened["sessions_opened"] + 1,
+                                    "sessions_closed": opened["sessions_closed"] + 1, "session_open": False}
     assert m["buckets"] >= 10 and (m["tensors"], m["bytes"]) == hf_size
     assert m["weight_version"] == f"tensor-{fmt}" and m["seconds"] >= m["transfer_seconds"] > 0
     assert m["gb_per_s"] > 0
@@ -260,16 +272,22 @@ def test_distributed_sync_reuses_its_group(engine, trainer, hf_size):
             return iterate_for_sync(trainer)
         return make
 
+    opened = sessions(engine.url)
     metrics, syncer = asyncio.run(_syncs(engine.url, "distributed",
                                          [(step(3), "dist-1"), (step(4, previous="dist-1"), "dist-2")],
                                          bucket_bytes=1024 * 1024, timeout_s=60))
     _assert_synced(engine, trainer, "dist-2")
+    assert sessions(engine.url) == {"sessions_opened": opened["sessions_opened"] + 2,
+                                    "sessions_closed": opened["sessions_closed"] + 2, "session_open": False}
     assert syncer._groups_created == 1 and syncer._group is None  # one group for both syncs, closed
     assert all(m["buckets"] >= 3 and (m["tensors"], m["bytes"]) == hf_size for m in metrics)
-    # close() destroyed the group on the engine too
+    # close() destroyed the group on the engine too (asked inside a session, which the update needs)
+    key = {"Authorization": f"Bearer {KEY}"}
+    assert http_json("POST", engine.url + "/begin_weight_update", {}, headers=key)[0] == 200
     status, body = http_json("POST", engine.url + "/update_weights_from_distributed",
                              {"names": [], "dtypes": [], "shapes": [], "group_name": "hpcrl_weight_update_0"},
-                             headers={"Authorization": f"Bearer {KEY}"})
+                             headers=key)
+    assert http_json("POST", engine.url + "/end_weight_update", {}, headers=key)[0] == 200
     assert status == 400 and "unknown weight update group" in body["message"]
 
 
@@ -285,10 +303,12 @@ def test_disk_sync_keeps_the_last_folder(engine, trainer, tiny_model_dir, tmp_pa
         return f
 
     (tmp_path / "unrelated").mkdir()
+    opened = sessions(engine.url)
     metrics, _ = asyncio.run(_syncs(engine.url, "disk", [(make(5), "1"), (make(6), "2")],
                                     disk_dir=str(tmp_path), hf_checkpoint=str(tiny_model_dir),
                                     bucket_bytes=1024 * 1024, timeout_s=60))
     _assert_synced(engine, trainer, "2")
+    assert sessions(engine.url) == opened  # SGLang does not gate updates from disk: no session
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unrelated", "weight_v000002"]
     folder = tmp_path / "weight_v000002"
     n = metrics[1]["buckets"]
@@ -340,8 +360,55 @@ def test_renamed_tensor_is_refused_loudly(engine, trainer, hf_size, method, tmp_
                 "disk": "/update_weights_from_disk"}[method]
     assert err.url == engine.url and err.endpoint == endpoint
     assert f"unknown parameter '{bad}'" in err.message and bad in str(err) and engine.url in str(err)
+    assert "\n" not in str(err)  # one line, naming the engine
+    if method != "disk":  # the failure came inside the session, which the sync still closed
+        assert "the weight-update session was closed on 1 engine(s)" in str(err)
+    assert sessions(engine.url)["session_open"] is False
     _, served = engine_logprobs_after_resume(engine)
     assert served != "bad"
+
+
+def test_a_session_left_open_is_closed_by_the_next_sync(engine, trainer, caplog):
+    """A session that a failed sync could not close (the engine was unreachable then) stays open on the
+    engine; the next sync closes it, with a warning, instead of failing on SGLang's "already open"."""
+    from hpcrl.weights import iterate_for_sync
+
+    key = {"Authorization": f"Bearer {KEY}"}
+    assert http_json("POST", engine.url + "/begin_weight_update", {}, headers=key)[0] == 200
+    perturb(trainer, seed=8)
+    with caplog.at_level("WARNING", logger="hpcrl.weights.common"):
+        asyncio.run(_syncs(engine.url, "tensor", [(lambda: iterate_for_sync(trainer), "reopened")],
+                           bucket_bytes=1024 * 1024, timeout_s=60))
+    _assert_synced(engine, trainer, "reopened")
+    assert sessions(engine.url)["session_open"] is False
+    assert any("still had a weight-update session open" in r.getMessage() for r in caplog.records)
+
+
+def test_sync_paused_in_place_keeps_the_running_request(engine, trainer):
+    """``pause_mode="in_place"``: the running request keeps its KV cache through the sync (SGLang refuses a
+    flush then, so the sync asks for none) and finishes after it, not aborted, on the new weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hpcrl.weights import iterate_for_sync
+
+    long = {"input_ids": [1, 5, 9], "sampling_params": {"temperature": 1.0, "max_new_tokens": 240,
+                                                         "ignore_eos": True}}
+    key = {"Authorization": f"Bearer {KEY}"}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(http_json, "POST", engine.url + "/generate", long, key, 120.0)
+        deadline = time.monotonic() + 20
+        while http_json("GET", engine.url + "/v1/loads", headers=key)[1]["loads"][0]["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline, "the request did not start"
+            time.sleep(0.02)
+        # frozen mid-generation whatever the machine's speed; the sync pauses in place again and continues
+        assert http_json("POST", engine.url + "/pause_generation", {"mode": "in_place"}, headers=key)[0] == 200
+        perturb(trainer, seed=9)
+        asyncio.run(_syncs(engine.url, "tensor", [(lambda: iterate_for_sync(trainer), "in-place")],
+                           bucket_bytes=1024 * 1024, timeout_s=60, pause_mode="in_place"))
+        status, out = fut.result(timeout=120)
+    assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 240}
+    assert out["meta_info"]["weight_version"] == "in-place"
+    _assert_synced(engine, trainer, "in-place")
 
 
 def test_version_check_and_empty_stream(engine):
