@@ -92,8 +92,10 @@ def resolve_engine(kind: str) -> str:
 
 def engine_sglang_args(cfg: Any) -> dict:
     """The engine flags of a run: the ``sglang:`` section plus ``enable_memory_saver`` when colocated,
-    ``enable_deterministic_inference`` with ``run.deterministic`` and ``dtype`` when ``model.dtype`` is not
-    float32 (the CPU engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``)."""
+    ``enable_deterministic_inference`` with ``run.deterministic``, ``enable_return_routed_experts`` with
+    ``algorithm.routing_replay`` (SGLang returns no experts without it) and ``dtype`` when ``model.dtype`` is
+    not float32 (the CPU engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``;
+    every one parses with SGLang 0.5.23's own parser: ``tests/unit/test_sglang_conformance.py``)."""
     args = dict(cfg.sglang)
     if cfg.model.dtype != "float32":
         args.setdefault("dtype", cfg.model.dtype)
@@ -101,6 +103,8 @@ def engine_sglang_args(cfg: Any) -> dict:
         args.setdefault("enable_memory_saver", True)
     if cfg.run.deterministic:
         args.setdefault("enable_deterministic_inference", True)
+    if cfg.algorithm.routing_replay:
+        args.setdefault("enable_return_routed_experts", True)
     return args
 
 

@@ -213,3 +213,250 @@ def test_tokenize_fields_are_sglangs():
                          (openai_api.DetokenizeRequest, "DetokenizeRequest")):
         fields = _openai_fields(theirs)
         assert set(ours.model_fields) <= set(fields), set(ours.model_fields) - set(fields)
+
+
+# ------------------------------------------------------------------------- the server's endpoints and state rules
+# Issue #32 point 3: SGLang's own server code, read from the wheel, against the CPU engine; a new endpoint or a new
+# gating rule in an SGLang bump fails here, in CI, instead of on a cluster.
+
+def _sglang_source(*parts: str) -> ast.Module:
+    path = _sglang_root().joinpath(*parts)
+    assert path.is_file(), f"{path} is missing: SGLang {SGLANG_VERSION}'s layout is what these tests read"
+    return ast.parse(path.read_text())
+
+
+def _literal(node: ast.AST, consts: dict[str, ast.AST]) -> object:
+    """A route path: a string constant, ``os.environ.get(NAME, default)`` (its default: None when the route is
+    only registered with the variable set) or a module-level name bound to either."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.environ.get", "os.getenv"):
+        return _literal(node.args[1], consts) if len(node.args) > 1 else None
+    if isinstance(node, ast.Name) and node.id in consts:
+        return _literal(consts[node.id], consts)
+    raise AssertionError(f"a route path hpcrl's test cannot read: {ast.unparse(node)}")
+
+
+def _routes_in(tree: ast.Module, owner: str) -> dict[tuple[str, str], bool]:
+    """``{(method, path): admin}`` of the routes registered on the object named ``owner`` (``app`` or an
+    ``APIRouter``) in ``tree``: decorators ``@owner.get/post/put/delete/head/websocket`` and
+    ``@owner.api_route``, ``admin`` when the handler carries ``@auth_level(AuthLevel.ADMIN_...)``."""
+    consts = {n.targets[0].id: n.value for n in ast.walk(tree)
+              if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)}
+    routes: dict[tuple[str, str], bool] = {}
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        admin = any("AuthLevel.ADMIN" in ast.unparse(d) for d in fn.decorator_list)
+        for d in fn.decorator_list:
+            if not (isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+                    and ast.unparse(d.func.value) == owner and d.func.attr != "exception_handler"):
+                continue
+            path = _literal(d.args[0], consts)
+            if path is None:
+                continue
+            if d.func.attr == "api_route":
+                methods = [_literal(e, consts) for e in next(k.value for k in d.keywords if k.arg == "methods").elts]
+            else:
+                methods = [d.func.attr.upper()]
+            for method in methods:
+                routes[(str(method), str(path))] = admin
+    return routes
+
+
+def sglang_routes() -> dict[tuple[str, str], bool]:
+    """``{(method, path): admin}`` of every route SGLang's HTTP server registers: those of
+    ``srt/entrypoints/http_server.py``'s ``app`` and of every router it includes (``app.include_router(X)`` with
+    ``from sglang.srt.entrypoints.M import router as X``)."""
+    tree = _sglang_source("srt", "entrypoints", "http_server.py")
+    routes = _routes_in(tree, "app")
+    imported = {alias.asname or alias.name: (node.module, alias.name) for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    included = [ast.unparse(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and ast.unparse(n.func) == "app.include_router"]
+    assert included, "http_server.py includes no router any more: check how SGLang registers routes"
+    for name in included:
+        module, attr = imported[name]
+        routes.update(_routes_in(_sglang_source(*module.split(".")[1:-1], module.split(".")[-1] + ".py"), attr))
+    assert len(routes) > 80, f"only {len(routes)} routes read from SGLang's http_server.py"
+    return routes
+
+
+@pytest.fixture(scope="module")
+def engine_routes(tiny_model_dir) -> set[tuple[str, str]]:
+    """``{(method, path)}`` of the CPU engine's real aiohttp application (a tiny model loaded in-process)."""
+    from hpcrl.engine.args import parse_args
+    from hpcrl.engine.server import EngineServer
+
+    app = EngineServer(parse_args(["--model-path", str(tiny_model_dir)])).build_app()
+    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+
+
+def test_every_sglang_endpoint_is_served_or_listed_as_not(engine_routes):
+    from hpcrl.engine.endpoints import HPCRL_ONLY, NOT_SERVED
+
+    theirs = sglang_routes()
+    ours = {(m, p) for m, p in engine_routes if p not in HPCRL_ONLY}
+    assert ours - set(theirs) == set(), "the CPU engine serves routes SGLang does not have (or with other methods)"
+    unknown = {(m, p) for m, p in theirs if (m, p) not in ours and p not in NOT_SERVED}
+    assert unknown == set(), ("SGLang serves endpoints hpcrl's engine neither serves nor lists in "
+                              "hpcrl.engine.endpoints.NOT_SERVED (with why)")
+    assert not set(NOT_SERVED) & {p for _, p in ours}, "an endpoint is both served and listed as not served"
+    assert set(NOT_SERVED) <= {p for _, p in theirs}, "NOT_SERVED names a path SGLang does not have"
+    assert not set(HPCRL_ONLY) & {p for _, p in theirs}, "an hpcrl-only alias is an SGLang endpoint now"
+
+
+def test_admin_endpoints_are_sglangs(engine_routes):
+    from hpcrl.engine.auth import ADMIN_PATHS
+
+    theirs = sglang_routes()
+    served = {p for _, p in engine_routes}
+    admin = {p for (_, p), is_admin in theirs.items() if is_admin and p in served}
+    assert admin == set(ADMIN_PATHS), "hpcrl's admin paths differ from SGLang's ADMIN_OPTIONAL ones it serves"
+
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _message_of(node: ast.AST) -> str:
+    """The ``message=`` keyword of the first call in ``node`` that has one (implicitly joined strings)."""
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call):
+            for kw in call.keywords:
+                if kw.arg == "message" and isinstance(kw.value, ast.Constant):
+                    return kw.value.value
+    raise AssertionError(f"no message= in {ast.unparse(node)[:200]}")
+
+
+@pytest.fixture(scope="module")
+def weight_updater() -> ast.ClassDef:
+    tree = _sglang_source("srt", "managers", "scheduler_components", "weight_updater.py")
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SchedulerWeightUpdaterManager")
+
+
+def test_session_gated_updates_and_messages_are_sglangs(weight_updater):
+    """Which updates check ``self._session is None`` (SGLang adds one: this fails), and their refusal texts."""
+    from hpcrl.engine import state
+
+    gated = {}
+    for fn in weight_updater.body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "self._session is None":
+                gated[fn.name] = _message_of(node)
+    assert gated.pop("end_weight_update") == state.END_WITHOUT_BEGIN
+    assert set(gated) == set(state.SESSION_GATED), "SGLang gates other updates than hpcrl.engine.state knows"
+    for name, message in gated.items():
+        assert message == state.outside_session(name)
+    nested = next(n for n in ast.walk(_method(weight_updater, "begin_weight_update"))
+                  if isinstance(n, ast.If) and ast.unparse(n.test) == "self._session is not None")
+    assert _message_of(nested) == state.NESTED_BEGIN
+    selector = _sglang_source("srt", "managers", "io_struct.py")
+    begin = next(n for n in selector.body if isinstance(n, ast.ClassDef) and n.name == "BeginWeightUpdateReqInput")
+    assert "Literal['target', 'draft', 'all']" in ast.unparse(begin) and state.SELECTORS == ("target", "draft", "all")
+
+
+def test_idle_and_flush_rules_are_sglangs(weight_updater):
+    from hpcrl.engine import state
+
+    release = _method(weight_updater, "release_memory_occupation")
+    asserts = [n for n in ast.walk(release) if isinstance(n, ast.Assert)]
+    assert len(asserts) == 1 and "self.is_fully_idle" in ast.unparse(asserts[0].test)
+    assert "ignore_waiting=scheduler is not None and scheduler._engine_paused" in ast.unparse(asserts[0].test)
+    assert asserts[0].msg.value == state.RELEASE_NOT_IDLE
+    resume = ast.unparse(_method(weight_updater, "resume_memory_occupation"))
+    assert "self.offload_tags.remove(tag)" in resume  # a tag that was not released: KeyError, the scheduler dies
+    flush = _method(weight_updater, "flush_cache_after_weight_update")
+    assert ast.unparse(flush).count("return (False,") == 1
+    text = next(n.value for n in ast.walk(flush) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and n.value.startswith("Weights were updated"))
+    assert text == state.UPDATE_NOT_FLUSHED
+    for name in ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed"):
+        assert "flush_cache_after_weight_update" in ast.unparse(_method(weight_updater, name)), name
+    scheduler = _sglang_source("srt", "managers", "scheduler.py")
+    flush_cache = next(n for n in ast.walk(scheduler) if isinstance(n, ast.FunctionDef) and n.name == "flush_cache")
+    assert "self.is_fully_idle(ignore_waiting=self._engine_paused)" in ast.unparse(flush_cache)
+    wrapper = ast.unparse(_sglang_source("srt", "managers", "scheduler_components", "flush_wrapper.py"))
+    assert repr(state.FLUSH_TIMED_OUT) in wrapper
+    server = ast.unparse(_sglang_source("srt", "entrypoints", "http_server.py"))
+    assert repr(state.FLUSH_FAILED) in server
+
+
+# ----------------------------------------------------------------------------------- the launch_server command
+KEYS_MARK = "<!-- sglang-keys:"
+
+
+def documented_sglang_keys() -> dict:
+    """The ``sglang:`` keys docs/engine-and-security.md names (its YAML block after :data:`KEYS_MARK`)."""
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "engine-and-security.md").read_text()
+    block = text.split(KEYS_MARK, 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    keys = yaml.safe_load(block)
+    assert isinstance(keys, dict) and len(keys) >= 8, keys
+    return keys
+
+
+def _launch_commands(tmp_path: Path) -> dict[str, list[str]]:
+    """``{what: argv}``: every ``sglang.launch_server`` command line hpcrl builds for the configs under
+    ``configs/`` and for the documented keys (with everything hpcrl adds switched on), with the key on the
+    command line and in a ``--config`` file, and a restarted engine's ``--weight-version``."""
+    import dataclasses
+
+    from hpcrl.config import load_config
+    from hpcrl.rollout.engines import engine_command, engine_sglang_args
+
+    secret = tmp_path / "secret"
+    secret.write_text("k3y-" + "x" * 28 + "\n")
+    secret.chmod(0o600)
+    root = Path(__file__).resolve().parents[2]
+    cfgs = {p.name: load_config(p, check_files=False) for p in sorted((root / "configs").glob("*.yaml"))}
+    assert len(cfgs) >= 5, sorted(cfgs)
+    everything = load_config(None, ["model.path=/models/policy", "run.placement=colocate", "run.deterministic=true", "model.dtype=bfloat16",
+                                    "algorithm.routing_replay=true", "rollout.router=false"], check_files=False)
+    everything = dataclasses.replace(everything, sglang=documented_sglang_keys())
+    cfgs["documented sglang: keys"] = everything
+    out = {}
+    for name, cfg in cfgs.items():
+        args = engine_sglang_args(cfg)
+        for via in ("argv", "config"):
+            cmd = engine_command(cfg.rollout, args, "/models/policy", "0.0.0.0", 31000, secret, engine="sglang",
+                                 key_via=via)
+            assert cmd[1:3] == ["-m", "sglang.launch_server"], cmd
+            out[f"{name} (key via {via})"] = cmd[3:]
+        out[f"{name} (restarted engine)"] = engine_command(cfg.rollout, {**args, "weight_version": "7"},
+                                                           "/snap/weight_v000007", "0.0.0.0", 31001, secret,
+                                                           engine="sglang")[3:]
+    return out
+
+
+def test_every_launch_server_flag_parses_with_sglangs_parser(tmp_path):
+    """SGLang 0.5.23's parser (``tests/unit/sglang_cli.py``: the wheel's own ``ServerArgs.add_cli_args``, four
+    stub modules named there) accepts every command line hpcrl builds, none uses a deprecated flag, and the
+    values arrive: the key (also through ``--config``), the port, the documented keys."""
+    import json
+    import subprocess
+    import sys
+
+    _sglang_root()
+    cmds = _launch_commands(tmp_path)
+    helper = Path(__file__).with_name("sglang_cli.py")
+    proc = subprocess.run([sys.executable, str(helper)], input=json.dumps(list(cmds.values())), text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = dict(zip(cmds, json.loads(proc.stdout.strip().splitlines()[-1]), strict=True))
+    for what, res in results.items():
+        assert res["ok"], f"{what}: SGLang refuses {cmds[what]}: {res['error']}"
+        assert res["deprecated"] == [], f"{what}: deprecated SGLang flags {res['deprecated']}"
+        values = res["values"]
+        assert values["api_key"] == "k3y-" + "x" * 28 and values["model_path"].startswith("/"), what
+        assert int(values["port"]) in (31000, 31001) and values["host"] == "0.0.0.0", what
+    documented = results["documented sglang: keys (key via config)"]["values"]
+    for key, value in documented_sglang_keys().items():
+        assert str(documented[key]) == str(value), (key, documented.get(key), value)
+    for added in ("enable_memory_saver", "enable_deterministic_inference", "enable_return_routed_experts"):
+        assert documented[added] is True, added
+    assert documented["dtype"] == "bfloat16"
+    assert results["documented sglang: keys (restarted engine)"]["values"]["weight_version"] == "7"
