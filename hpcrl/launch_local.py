@@ -1,8 +1,9 @@
 """``hpcrl run``: the run on this machine without Slurm (:func:`main`), in this process or, with
 ``train.nprocs > 1``, as several trainer processes (:func:`run_local_workers`).
 
-Each worker gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT`` on loopback) and runs the loop of ``run.mode`` (:func:`loop_of`: :func:`hpcrl.loop.train_main` or
+Each worker gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and a ``file://``
+rendezvous in a new temporary folder (:data:`hpcrl.train.parallel.INIT_METHOD_ENV`: no port is picked, so none
+can be taken by another process before rank 0 binds it) and runs the loop of ``run.mode`` (:func:`loop_of`: :func:`hpcrl.loop.train_main` or
 :func:`hpcrl.loop_async.train_async_main`); rank 0 is the controller. Under Slurm the same function runs as a
 job step instead (``hpcrl submit``). With ``run.placement: disaggregate`` the trainer is pinned to its CPU set
 and the engines to theirs (:mod:`hpcrl.placement`).
@@ -15,7 +16,6 @@ import os
 from pathlib import Path
 
 from hpcrl.config import Config, save_resolved
-from hpcrl.procs import find_free_port
 from hpcrl.run_setup import prepare_model, quiet_logs, run_dir_of
 from hpcrl.slurm.requeue import EXIT_REQUEUE
 
@@ -96,9 +96,12 @@ def check_local_engine(cfg: Config) -> None:
                           "pip install sglang (the gpu extra), or set rollout.engine=cpu")
 
 
-def _worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, model_path: Path) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, model_path: Path) -> None:
+    from hpcrl.train.parallel import INIT_METHOD_ENV
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      **{INIT_METHOD_ENV: init_method})
+    os.environ.pop("MASTER_PORT", None)
     import torch
 
     from hpcrl.placement import parse_cpu_list, pin
@@ -121,13 +124,25 @@ def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:
     returned; when it failed on a known error (:mod:`hpcrl.errors`) that error is raised here instead, as a
     :class:`~hpcrl.errors.WorkerError` carrying its one line, exit status and traceback.
     """
-    from hpcrl.errors import worker_error
+    import shutil
+    import tempfile
 
     n = cfg.train.nprocs
-    port = find_free_port()
+    rendezvous = Path(tempfile.mkdtemp(prefix="hpcrl-rendezvous-"))  # a new file each launch (torch's rule)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, n, port, cfg, run_dir, model_path), name=f"trainer-{r}")
-             for r in range(n)]
+    procs = [ctx.Process(target=_worker, args=(r, n, f"file://{rendezvous / 'store'}", cfg, run_dir, model_path),
+                         name=f"trainer-{r}") for r in range(n)]
+    try:
+        return _join_workers(procs, run_dir)
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def _join_workers(procs: list, run_dir: Path) -> int:
+    """Start ``procs`` and wait for all (see :func:`run_local_workers`)."""
+    from hpcrl.errors import worker_error
+
+    n = len(procs)
     for p in procs:
         p.start()
     failed, failed_rank = 0, None

@@ -144,6 +144,60 @@ def find_free_service_port(host: str = "", low: int = SERVICE_PORT_LOW, attempts
     return find_free_port(host)
 
 
+PORT_ATTEMPTS = 5
+"""Starts of one server on a fresh port, at most, when its bind fails because another process took the port
+between the pick and the bind (:func:`port_taken`)."""
+
+
+def port_taken(log_text: str) -> bool:
+    """Whether a server's log says its bind failed because the port was in use (``EADDRINUSE``: Python's
+    ``[Errno 98] ... address already in use``, Rust's ``Address already in use (os error 98)``)."""
+    return "address already in use" in log_text.lower()
+
+
+def log_size(path: Optional[Path]) -> int:
+    """The size of ``path`` in bytes (0 when it does not exist): where the next start's lines begin."""
+    try:
+        return os.path.getsize(path) if path is not None else 0
+    except OSError:
+        return 0
+
+
+def log_since(path: Optional[Path], offset: int, max_bytes: int = 64_000) -> str:
+    """The text ``path`` gained after ``offset`` bytes (its last ``max_bytes`` at most; '' if unreadable):
+    one start's lines in a log that several starts append to."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(offset, f.tell() - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` or one of its descendants has a TCP socket listening on ``port`` (psutil): that
+    the server it runs bound the port itself, not another process that took it first. False when ``pid`` is
+    gone."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+            return True
+    return False
+
+
 def url_for(host: str, port: int) -> str:
     """``http://host:port``; a wildcard bind address (0.0.0.0, ::) becomes this machine's host name."""
     if host in ("0.0.0.0", "::", ""):

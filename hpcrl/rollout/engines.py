@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hpcrl.procs import ManagedProcess, ProcessStartError, child_preexec, find_free_port, open_log, url_for, wait_for_http_ok
+from hpcrl.procs import (PORT_ATTEMPTS, ManagedProcess, ProcessStartError, child_preexec, find_free_port, log_since,
+                         open_log, port_taken, url_for, wait_for_http_ok)
 from hpcrl.rollout.secret import read_secret
 
 logger = logging.getLogger(__name__)
@@ -264,26 +265,37 @@ class LocalEngineLaunch:
     """The folder the engines load (to start one again when its port was taken before it bound it)."""
 
     def wait(self) -> tuple[list[EngineProcess], None]:
-        """Wait for every engine (they load in parallel). Raises :class:`hpcrl.procs.ProcessStartError` for
-        the first that fails, after stopping all of them."""
+        """Wait for every engine (they load in parallel); one whose port was taken before it could bind it is
+        started again on another (:meth:`_wait_bound`). Raises :class:`hpcrl.procs.ProcessStartError` for the
+        first that fails, after stopping all of them."""
         try:
             for i, e in enumerate(list(self.engines)):
-                try:
-                    wait_engine(e, self.secret_path)
-                except ProcessStartError as err:
-                    if "address already in use" not in err.log_tail or self.model_path is None:
-                        raise
-                    # the port was free when picked, then another process took it before the engine bound it
-                    # (the OS hands out released ports as ephemeral ones): once more, on a new port
-                    logger.warning("engine %d: port taken before it could bind (%s); starting it on another", i,
-                                e.url)
-                    self.engines[i] = self._spawn(i, engine_sglang_args(self.cfg), self.model_path,
-                                                  Path(self.attempt_dir) / f"engine-{i}.port-retry.log")
-                    wait_engine(self.engines[i], self.secret_path)
+                self.engines[i] = self._wait_bound(i, e, engine_sglang_args(self.cfg), self.model_path)
         except BaseException:
             self.stop()
             raise
         return self.engines, None
+
+    def _wait_bound(self, index: int, eng: EngineProcess, args: dict,
+                    model_path: Optional[str | os.PathLike]) -> EngineProcess:
+        """Wait for engine ``index`` (:func:`wait_engine`). Its port was free when picked, but the engine binds it
+        only once its model is loaded, and another process may take it in between (the OS hands released ports
+        out again as ephemeral ones; a second run on the node picks it too): when it exits saying ``address
+        already in use``, it is started again on a new port, logged, in ``engine-<index>.port-retry-<k>.log``,
+        up to :data:`hpcrl.procs.PORT_ATTEMPTS` starts. Raises ProcessStartError otherwise."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return wait_engine(eng, self.secret_path)
+            except ProcessStartError:  # each start has a log of its own
+                if (not port_taken(log_since(eng.log_path, 0)) or model_path is None
+                        or attempt == PORT_ATTEMPTS):
+                    raise
+                old = eng.url
+                eng = self._spawn(index, args, model_path,
+                                  Path(self.attempt_dir) / f"engine-{index}.port-retry-{attempt}.log")
+                logger.warning("engine %d: port of %s taken before it could bind it; started again at %s "
+                               "(attempt %d of %d)", index, old, eng.url, attempt + 1, PORT_ATTEMPTS)
+        raise AssertionError("unreachable")
 
     def _spawn(self, index: int, args: dict, model_path: str | os.PathLike, log_path: Path) -> EngineProcess:
         """:func:`spawn_engine` of engine ``index`` on a new port, pinned as the launch pins it."""
@@ -312,7 +324,7 @@ class LocalEngineLaunch:
         if weight_version is not None:
             args["weight_version"] = weight_version
         eng = self._spawn(index, args, model_path, Path(self.attempt_dir) / f"engine-{index}.restart-{attempt}.log")
-        wait_engine(eng, self.secret_path)
+        eng = self._wait_bound(index, eng, args, model_path)
         self.engines.append(eng)  # stopped with the others at the end
         return eng
 

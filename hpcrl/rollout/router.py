@@ -31,7 +31,10 @@ How the router authenticates (measured with sglang-router 0.3.2 against workers 
   200 for the same request id), so the client sees a normal, if slower, answer.
 - The router also starts a Prometheus exporter, by default on 0.0.0.0:29000; :func:`start_router` binds it to
   the router's host and a free port instead, so several routers can share a node and nothing listens on all
-  interfaces.
+  interfaces. A port is free when picked, and the router binds it about a second later; when another process
+  took it in between (seen in CI: ``PanicException: failed to install Prometheus metrics exporter:
+  FailedToCreateHTTPListener("Address already in use (os error 98)")``), :meth:`RouterProcess.wait_ready`
+  starts the router again on a new port, logged, up to :data:`hpcrl.procs.PORT_ATTEMPTS` starts.
  The worker API: ``GET /workers`` lists ``{"id", "url", "is_healthy", ...}``; ``POST /workers {"url",
 "api_key"}`` answers 202 and registers in the background; ``DELETE /workers/{id}`` (the UUID, not the URL)
 answers 202. The legacy ``/add_worker`` / ``/remove_worker`` are gone (404). The router does not proxy abort,
@@ -43,6 +46,7 @@ engine directly.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -54,8 +58,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hpcrl.procs import (ManagedProcess, ProcessStartError, child_preexec, find_free_port, log_tail, open_log,
-                         url_for, wait_for_http_ok)
+from hpcrl.procs import (PORT_ATTEMPTS, ManagedProcess, ProcessStartError, child_preexec, find_free_port, log_since,
+                         log_size, log_tail, open_log, port_taken, url_for, wait_for_http_ok)
+
+logger = logging.getLogger(__name__)
 
 KEY_STDIN_FLAG = "--api-key-stdin"
 """Wrapper flag: read the router's API key from the first line of stdin."""
@@ -81,6 +87,12 @@ class RouterProcess(ManagedProcess):
 
     api_key: Optional[str] = field(default=None, repr=False)
     prometheus_port: Optional[int] = None
+    spawn_args: dict = field(default_factory=dict, repr=False)
+    """:func:`spawn_router`'s arguments, to start it again on another port when its bind fails."""
+    port_pinned: bool = False
+    """Whether the caller chose ``port`` (then a taken main port is the caller's to handle: not retried)."""
+    log_offset: int = 0
+    """Where this start's lines begin in ``log_path`` (restarts append to the same log)."""
 
     # ------------------------------------------------------------------ worker API
     def _call(self, method: str, path: str, payload: Any = None, timeout_s: float = 10.0) -> tuple[int, Any]:
@@ -157,8 +169,7 @@ class RouterProcess(ManagedProcess):
         worker or does not register the workers in time; the router is stopped first."""
         deadline = time.monotonic() + timeout_s
         try:
-            wait_for_http_ok(self.url + "/health", self.process, timeout_s, self.log_path,
-                             f"sglang-router {self.url}")
+            self._wait_bound(deadline)
             try:
                 for url in worker_urls if register else ():
                     self._post_worker(url.rstrip("/"), self.api_key)
@@ -169,6 +180,40 @@ class RouterProcess(ManagedProcess):
         except BaseException:
             self.stop(grace_s=5.0)
             raise
+
+    def _wait_bound(self, deadline: float) -> None:
+        """Wait until the router answers ``/health``; when it exits because one of its ports was taken between
+        the pick and its bind (the log says ``Address already in use``), start it again on a new port - the
+        Prometheus port, or the main one unless the caller pinned it - up to :data:`hpcrl.procs.PORT_ATTEMPTS`
+        starts, each logged. Raises ProcessStartError (with this start's log) otherwise."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                wait_for_http_ok(self.url + "/health", self.process, max(0.1, deadline - time.monotonic()),
+                                 self.log_path, f"sglang-router {self.url}")
+                return
+            except ProcessStartError:
+                text = log_since(self.log_path, self.log_offset)
+                taken = "prometheus" if "prometheus" in text.lower() else "main"
+                if not port_taken(text) or attempt == PORT_ATTEMPTS or (taken == "main" and self.port_pinned):
+                    raise
+                old = self.prometheus_port if taken == "prometheus" else self.url
+                self._respawn(taken)
+                logger.warning("sglang-router: its %s port (%s) was taken before it could bind it; started "
+                               "again on %s (attempt %d of %d)", taken, old,
+                               self.prometheus_port if taken == "prometheus" else self.url, attempt + 1,
+                               PORT_ATTEMPTS)
+
+    def _respawn(self, taken: str) -> None:
+        """Start the router again with :attr:`spawn_args` and a new ``taken`` port (``main`` or
+        ``prometheus``); this object then stands for the new process."""
+        self.stop(grace_s=2.0)
+        args = dict(self.spawn_args)
+        args["log_path"] = self.log_path
+        args["prometheus_port"] = None if taken == "prometheus" else self.prometheus_port
+        args["port"] = None if taken == "main" else int(urllib.parse.urlsplit(self.url).port)
+        new = spawn_router(**args)
+        self.url, self.process, self.prometheus_port = new.url, new.process, new.prometheus_port
+        self.log_offset, self._log_file = new.log_offset, new._log_file
 
     def remove_worker(self, url: str, timeout_s: float = 30.0) -> None:
         """Deregister ``url`` (``DELETE /workers/{id}``) and wait until the router no longer lists it.
@@ -249,6 +294,9 @@ def spawn_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
     """Start sglang-router (arguments as :func:`start_router`) and return at once, while it starts (~1 s of
     Python imports and its own start-up): a run spawns it beside its loading engines and calls
     :meth:`RouterProcess.wait_ready` later. Raises ValueError for bad arguments."""
+    spawn_args = dict(worker_urls=list(worker_urls), host=host, api_key=api_key, policy=policy,
+                      extra_args=list(extra_args), log_level=log_level, cpus=cpus)
+    port_pinned = port is not None
     bind = host if host not in ("0.0.0.0", "::") else ""
     port = int(port) if port is not None else find_free_port(bind)
     prometheus_port = int(prometheus_port) if prometheus_port is not None else find_free_port(bind)
@@ -258,6 +306,7 @@ def spawn_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
     if api_key:
         cmd.insert(3, KEY_STDIN_FLAG)
     path, log_file = open_log(log_path, "hpcrl-router-")
+    offset = log_size(path)
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=child_preexec(cpus),
                                stdin=subprocess.PIPE if api_key else subprocess.DEVNULL)
     if api_key:
@@ -268,7 +317,8 @@ def spawn_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
         except BrokenPipeError:
             pass  # the wrapper died at once; the health wait reports it with the log tail
     return RouterProcess(url=url_for(host, port), process=process, log_path=path, api_key=api_key,
-                         prometheus_port=prometheus_port, _log_file=log_file)
+                         prometheus_port=prometheus_port, _log_file=log_file, spawn_args=spawn_args,
+                         port_pinned=port_pinned, log_offset=offset)
 
 
 def _main(argv: Sequence[str]) -> None:

@@ -5,8 +5,10 @@ sharing CPUs, memory and GPUs with the trainer step (``--gres=gpu:G`` with ``slu
 Slurm, not hpcrl, sets ``CUDA_VISIBLE_DEVICES``). Disaggregated (het job): ``srun --het-group=1`` with one engine
 per node of group 1. Every task runs :func:`task_main` (``python -m hpcrl.slurm.rollout_step``), which picks a
 free port on its node, writes ``ATTEMPT/engines/engine-<SLURM_PROCID>.json`` (``{"url", "node", "pid"}``,
-atomically) and ``exec``s the engine (hpcrl's CPU engine, or ``python -m sglang.launch_server`` with the
-``sglang:`` flags on GPU nodes), bound to all interfaces and protected by the run's secret. The controller
+atomically) and runs the engine (hpcrl's CPU engine, or ``python -m sglang.launch_server`` with the
+``sglang:`` flags on GPU nodes) as its child, bound to all interfaces and protected by the run's secret; an
+engine whose port another process took before it could bind it is started again on a new port, with a new
+address file (:func:`supervise_engine`). The controller
 reads the addresses from the shared run folder, waits for ``/health`` on each, and stops the step at the end.
 
 If the step dies (a task fails: ``--kill-on-bad-exit``, which takes the step's other engines with it), the
@@ -192,7 +194,6 @@ def wait_rollout_step(step: RolloutStep, cfg: Config, secret_path: Path, timeout
     Raises RolloutStepError with the step's log tail if ``srun`` exits first or the engines are not all up in
     time (the step is stopped first).
     """
-    from hpcrl.procs import http_status
     from hpcrl.rollout.secret import read_secret
 
     engines_dir = step.attempt_dir / ENGINES_DIR
@@ -204,9 +205,9 @@ def wait_rollout_step(step: RolloutStep, cfg: Config, secret_path: Path, timeout
             step.check()
             found = sorted(p for p in engines_dir.glob(pattern)
                            if ".restart-" in pattern or ".restart-" not in p.name)  # the first step: its own
-            if len(found) == n:
+            if len(found) == n:  # read again each time: an engine started on a new port rewrites its file
                 engines = [EngineAddress(**json.loads(p.read_text()), step=step) for p in found]
-                if all(http_status(e.url + "/health", key, timeout_s=2.0) == 200 for e in engines):
+                if all(_is_ours(e.url, key) for e in engines):
                     step.engines = engines
                     log.info("rollout step up: %s", ", ".join(step.urls))
                     return step
@@ -218,6 +219,15 @@ def wait_rollout_step(step: RolloutStep, cfg: Config, secret_path: Path, timeout
     except BaseException:
         step.stop(grace_s=5.0)
         raise
+
+
+def _is_ours(url: str, key: str) -> bool:
+    """Whether the engine at ``url`` is up and is this run's: ``/health`` answers 200 (open on every engine,
+    also on another run's that took the port first) and ``/get_model_info`` answers 200 to this run's key."""
+    from hpcrl.procs import http_status
+
+    return http_status(url + "/health", key, timeout_s=2.0) == 200 and \
+        http_status(url + "/get_model_info", key, timeout_s=2.0) == 200
 
 
 # ------------------------------------------------------------------------------------------ inside a task
@@ -273,13 +283,13 @@ def launch_engine_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path
 
 
 def task_main(argv: Optional[list[str]] = None) -> int:
-    """One engine task of the rollout step: a free port outside the ephemeral range, address file, then
-    ``exec`` the engine."""
+    """One engine task of the rollout step: a free port outside the ephemeral range, the address file, then
+    the engine as a child process (:func:`supervise_engine`: started again on a new port if another process
+    took this one before the engine bound it). Returns the engine's exit status."""
     import argparse
 
     from hpcrl.config import load_config
-    from hpcrl.fsutil import atomic_write_text
-    from hpcrl.procs import find_free_service_port, url_for
+    from hpcrl.procs import find_free_service_port
     from hpcrl.rollout.engines import engine_command, engine_sglang_args
 
     p = argparse.ArgumentParser(prog="python -m hpcrl.slurm.rollout_step")
@@ -289,26 +299,92 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--secret", required=True)
     p.add_argument("--address-file", default=None, help="default engine-<SLURM_PROCID>.json")
     p.add_argument("--weight-version", default=None, help="the engine's weight version (a replacement's)")
+    p.add_argument("--port", type=int, default=None,
+                   help="the first port to try (default: a free one below the ephemeral range)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
-    port = find_free_service_port("")  # below the ephemeral range: the engine binds it seconds later
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     sglang_args = engine_sglang_args(cfg)
     if args.weight_version is not None:
         sglang_args["weight_version"] = args.weight_version
-    cmd = engine_command(cfg.rollout, sglang_args, args.model_path, "0.0.0.0", port, args.secret,
-                         key_via="config")  # SGLang: the key in a 0600 file, not in ps (the CPU engine reads it)
     procid = os.environ.get("SLURM_PROCID", "0")
     out = Path(args.attempt_dir) / ENGINES_DIR / (args.address_file or f"engine-{procid}.json")
-    atomic_write_text(out, json.dumps({"url": url_for(node, port), "node": node, "pid": os.getpid()}))
-    print(f"[hpcrl] rollout task {procid} on {node}: engine at {url_for(node, port)}", flush=True)
     # Slurm sends the preemption signal (USR2 by default, which terminates) to every step; the engines must
-    # outlive it until the trainer has checkpointed and stops them. A blocked mask survives exec.
+    # outlive it until the trainer has checkpointed and stops them. A blocked mask is inherited by the engine.
     from hpcrl.preempt import signal_from_config
 
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal_from_config(cfg.slurm.signal)})
-    os.execvp(cmd[0], cmd)  # the engine takes this process over: srun's signals reach it directly
-    return 1  # not reached
+    preempt = signal_from_config(cfg.slurm.signal)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {preempt})
+
+    def command(port: int) -> list[str]:  # SGLang: the key in a 0600 file, not in ps (the CPU engine reads it)
+        return engine_command(cfg.rollout, sglang_args, args.model_path, "0.0.0.0", port, args.secret,
+                              key_via="config")
+
+    port = args.port or find_free_service_port("")  # below the ephemeral range: the engine binds it seconds later
+    return supervise_engine(command, port, out, node, f"rollout task {procid}", skip_signals={preempt})
+
+
+def supervise_engine(command, port: int, address_file: Path, node: str, what: str,
+                     skip_signals: frozenset | set = frozenset()) -> int:
+    """Run the engine ``command(port)`` as a child of this task, its output passed through, and write its
+    address (``{"url", "node", "pid"}``) to ``address_file`` atomically; return its exit status (128 + N for
+    signal N).
+
+    The engine binds its port only once its model is loaded, seconds after the port was picked; another
+    process on the node (a sweep's other array task, a trainer's connections) may take it in between. Until
+    the engine listens on the port itself (:func:`hpcrl.procs.listens_on`), an exit whose output says ``address
+    already in use`` starts it again on a new port (:func:`hpcrl.procs.find_free_service_port`), with a new
+    address file the controller reads, logged, up to :data:`hpcrl.procs.PORT_ATTEMPTS` starts. Signals the
+    task gets (SIGTERM from ``srun`` at the end of the step...) are passed on to the engine, except
+    ``skip_signals``; the engine dies with this task (``PR_SET_PDEATHSIG``)."""
+    import collections
+    import threading
+
+    from hpcrl.fsutil import atomic_write_text
+    from hpcrl.procs import PORT_ATTEMPTS, die_with_parent, find_free_service_port, listens_on, port_taken, url_for
+
+    current: list[subprocess.Popen] = []
+
+    def forward(signum, frame) -> None:
+        if current and current[-1].poll() is None:
+            current[-1].send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        if sig not in skip_signals:
+            signal.signal(sig, forward)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        atomic_write_text(address_file, json.dumps({"url": url_for(node, port), "node": node, "pid": os.getpid()}))
+        print(f"[hpcrl] {what} on {node}: engine at {url_for(node, port)}", flush=True)
+        child = subprocess.Popen(command(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        current.append(child)
+        tail: collections.deque[str] = collections.deque(maxlen=400)
+        pump = threading.Thread(target=_pass_through, args=(child.stdout, tail), daemon=True)
+        pump.start()
+        bound = False
+        while child.poll() is None and not bound:
+            bound = listens_on(child.pid, port)
+            if not bound:
+                time.sleep(0.25)
+        rc = child.wait()
+        pump.join(timeout=10)
+        if bound or rc == 0 or not port_taken("".join(tail)) or attempt == PORT_ATTEMPTS:
+            return rc if rc >= 0 else 128 - rc
+        taken, port = port, find_free_service_port("")
+        print(f"[hpcrl] {what}: port {taken} was taken before the engine could bind it; starting it again on "
+              f"{port} (attempt {attempt + 1} of {PORT_ATTEMPTS})", flush=True)
+    raise AssertionError("unreachable")
+
+
+def _pass_through(stream, tail) -> None:
+    """Copy ``stream`` (the engine's output) line by line to this task's stdout, keeping the last lines in
+    ``tail``."""
+    out = sys.stdout.buffer
+    for line in iter(stream.readline, b""):
+        out.write(line)
+        out.flush()
+        tail.append(line.decode("utf-8", "replace"))
+    stream.close()
 
 
 if __name__ == "__main__":

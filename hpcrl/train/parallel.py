@@ -19,7 +19,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hpcrl.procs import env_rank, find_free_port
+from hpcrl.procs import env_rank
+
+
+INIT_METHOD_ENV = "HPCRL_DIST_INIT_METHOD"
+"""Environment variable with the ``torch.distributed`` init method of ``hpcrl run``'s trainer processes (a
+``file://`` path that :func:`hpcrl.launch_local.run_local_workers` makes new for each launch)."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,10 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
     ``megatron`` (default True) also prepares megatron-core for the device (:func:`prepare_megatron`, also
     when the group exists already); False forms the group only - the Slurm bootstrap, which starts the rollout
     step before the trainer imports megatron-core (:func:`setup_parallel` prepares it then). Without the
-    variables a single process (rank 0 of 1) starts on a free loopback port. Returns the existing setup if
-    already initialised. Raises KeyError if ``WORLD_SIZE`` > 1 and ``MASTER_ADDR`` or ``MASTER_PORT`` is
-    missing.
+    variables a single process (rank 0 of 1) starts on a loopback port its store binds at once (port 0).
+    With :data:`INIT_METHOD_ENV` set (``hpcrl run``'s workers: a ``file://`` rendezvous on this machine) that
+    init method is used instead of the address and port. Returns the existing setup if already initialised.
+    Raises KeyError if ``WORLD_SIZE`` > 1 and ``MASTER_ADDR`` or ``MASTER_PORT`` is missing.
     """
     if megatron:
         prepare_megatron()
@@ -81,19 +87,20 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
     rank = env_rank()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if world_size > 1:
+    if os.environ.get(INIT_METHOD_ENV):  # hpcrl run's workers: a file on this machine, no port to race for
+        init_method = os.environ[INIT_METHOD_ENV]
+    elif world_size > 1:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
             raise KeyError(f"WORLD_SIZE={world_size} but {missing} not set (start with torchrun or srun)")
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    else:
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", 0)) or find_free_port()
+        init_method = f"tcp://{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT'])}"
+    else:  # port 0: the store binds a port the OS picks as it binds, so no other process can take it first
+        init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{int(os.environ.get('MASTER_PORT') or 0)}"
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(rank, world_size, local_rank, backend)
 
