@@ -219,7 +219,12 @@ def engine_logprobs_after_resume(engine):
 
 def sessions(url: str) -> dict:
     """The engine's weight-update session counters (``/get_server_info``): opened, closed, open now."""
-    status, info = http_json("GET", url + "/get_server_info", headers={"Authorization": f"Bearer {KEY}"})
+    return sessions_of(url, KEY)
+
+
+def sessions_of(url: str, key: str | None) -> dict:
+    status, info = http_json("GET", url + "/get_server_info",
+                             headers={"Authorization": f"Bearer {key}"} if key else None)
     assert status == 200, info
     state = info["internal_states"][0]
     return {k: state[f"weight_update_{k}"] for k in ("sessions_opened", "sessions_closed", "session_open")}
@@ -469,23 +474,35 @@ def test_unresponsive_engine_times_out(hang_engine, trainer, hf_size):
 
     async def go():
         async with RolloutClient(engine_urls=[url]) as client:
-            group = await DistributedGroup.create(EngineCalls(client, 3.0), [1], "hang_group")
+            calls = EngineCalls(client, 3.0)
+            group = await DistributedGroup.create(calls, [1], "hang_group")
+            await calls.begin_sessions()
             os.kill(hang_engine.proc.pid, signal.SIGSTOP)
             t0 = time.monotonic()
             try:
                 with pytest.raises(WeightSyncError) as info:
                     await group.send_bucket(big, "never", True)
-                return info.value, time.monotonic() - t0
+                elapsed = time.monotonic() - t0
+                # 3. the session cannot be closed on a stopped engine: the note names it and why
+                note = await EngineCalls(client, 1.0).close_sessions_after()
+                return info.value, elapsed, note
             finally:
                 from hpcrl.weights.distributed import _destroy_local
 
                 _destroy_local(group.pg)
 
-    err, elapsed = asyncio.run(go())
+    err, elapsed, note = asyncio.run(go())
     assert elapsed < 20, elapsed
     assert err.url == url and err.endpoint == "/update_weights_from_distributed"
     assert "timed out" in err.message
     assert "the broadcast from rank 0 failed too" in err.message, err.message  # gloo's timeout, not a hang
+    assert note.startswith(f"the weight-update session could not be closed on {url} (") and "timed out" in note
+    os.kill(hang_engine.proc.pid, signal.SIGCONT)
+    # 4. once it answers again, the next sync closes the session it still has open, and syncs
+    _resume(url, None)
+    asyncio.run(_syncs(url, "tensor", [(lambda: iterate_for_sync(trainer), "after-hang")], key=None,
+                       timeout_s=30, engine_tp_sizes=[1]))
+    assert sessions_of(url, None)["session_open"] is False
 
 
 # --- TP=2 trainer -------------------------------------------------------------------------------------------
