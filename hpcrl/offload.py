@@ -156,12 +156,18 @@ class ColocatedMemory:
 
     ``events`` lists ``(phase, monotonic seconds)`` in the order they happened. When ``colocate`` is False
     every memory call is a no-op (disaggregated: nothing shares devices); :meth:`mark` still records.
+
+    ``released`` holds, per engine URL, the tags this object released and has not resumed: a resume goes only
+    to the engines whose tag it released, since SGLang 0.5.23 dies on a resume of a tag that is not released
+    (:mod:`hpcrl.engine.state`) - an engine that replaced a dead one while the others were released starts
+    with its memory held, and is released with the others at the next offload.
     """
 
     trainer: TrainerMemory
     client: object
     colocate: bool = True
     events: list[tuple[str, float]] = field(default_factory=list)
+    released: dict[str, set[str]] = field(default_factory=dict)
 
     def _mark(self, phase: str) -> None:
         self.events.append((phase, time.monotonic()))
@@ -176,20 +182,33 @@ class ColocatedMemory:
             self.trainer.onload()
             self._mark("onload_trainer")
 
+    async def _resume(self, tags: list[str]) -> None:
+        urls = [u for u, held in self.released.items() if set(tags) <= held]
+        if urls:
+            await self.client.post_all("/resume_memory_occupation", {"tags": tags}, skip_lost=True, only=urls)
+        for u in urls:
+            self.released[u] -= set(tags)
+        self.released = {u: held for u, held in self.released.items() if held}
+
     async def onload_engine_weights(self) -> None:
         if self.colocate:
-            await self.client.post_all("/resume_memory_occupation", {"tags": ENGINE_WEIGHTS}, skip_lost=True)
+            await self._resume(ENGINE_WEIGHTS)
             self._mark("onload_engine_weights")
 
     async def onload_engine_kv(self) -> None:
         if self.colocate:
-            await self.client.post_all("/resume_memory_occupation", {"tags": ENGINE_KV}, skip_lost=True)
+            await self._resume(ENGINE_KV)
             self._mark("onload_engine_kv")
 
     async def offload_engine(self) -> None:
         if self.colocate:
             await self.client.flush_cache()
-            await self.client.post_all("/release_memory_occupation", {"tags": None}, skip_lost=True)
+            targets = [u for u in self.client.engine_urls if u not in self.released]  # (post_all keeps the order)
+            results = await self.client.post_all("/release_memory_occupation", {"tags": None}, skip_lost=True,
+                                                 only=targets)
+            for u, r in zip(targets, results):
+                if "skipped" not in r:
+                    self.released[u] = set(ENGINE_WEIGHTS + ENGINE_KV)
             self._mark("offload_engine")
 
     def mark(self, phase: str) -> None:

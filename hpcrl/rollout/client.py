@@ -374,17 +374,20 @@ class RolloutClient:
 
     async def _to_engines(self, method: str, path: str, payload: Any, *, retry: bool,
                           params: Optional[dict] = None, timeout_s: Optional[float] = None,
-                          skip_lost: bool = False) -> list[dict]:
+                          skip_lost: bool = False, only: Optional[Sequence[str]] = None) -> list[dict]:
         """Send the same request to every engine concurrently; results in engine order.
 
         Every request runs to completion; then the first failure (in engine order) is raised as RolloutError,
         its message also counting how many engines failed. ``skip_lost``: an engine that failed and that the
         health monitor took out of rotation meanwhile (it is being replaced) answers ``{"skipped": reason}``
-        instead of failing the call.
+        instead of failing the call. ``only``: just the engines in rotation that are among these URLs.
         """
         if skip_lost and not self._engine_urls and self.on_failure is not None:
             return []  # every engine is being replaced; they start in the state they are wanted in
         urls = self._need_engines()
+        if only is not None:
+            wanted = {u.rstrip("/") for u in only}
+            urls = [u for u in urls if u in wanted]
         results = await asyncio.gather(
             *(self.request(method, path, payload, base_url=u, params=params, retry=retry, timeout_s=timeout_s)
               for u in urls), return_exceptions=True)
@@ -557,16 +560,19 @@ class RolloutClient:
         return list(results)  # type: ignore[arg-type]
 
     async def post_all(self, endpoint: str, payload: Any = None, retry: bool = False,
-                       timeout_s: Optional[float] = None, skip_lost: bool = False) -> list[dict]:
+                       timeout_s: Optional[float] = None, skip_lost: bool = False,
+                       only: Optional[Sequence[str]] = None) -> list[dict]:
         """POST ``payload`` to ``endpoint`` on every engine concurrently (weight sync, memory occupation...).
 
         Returns one dict per engine, in :attr:`engine_urls` order (a ``null``/empty body becomes ``{}``, a
         text body ``{"text": ...}``). No retries by default: weight-update endpoints are collective operations
-        that must not run twice. ``timeout_s`` overrides the per-attempt timeout (seconds).
-        Raises RolloutError for the first engine that failed (4xx, 5xx, connection error).
+        that must not run twice. ``timeout_s`` overrides the per-attempt timeout (seconds). ``only``: just the
+        engines in rotation among these URLs (the others are not asked). ``skip_lost``: see
+        :meth:`_to_engines`. Raises RolloutError for the first engine that failed (4xx, 5xx, connection error).
         """
         path = endpoint if endpoint.startswith("/") else "/" + endpoint
-        return await self._to_engines("POST", path, payload, retry=retry, timeout_s=timeout_s, skip_lost=skip_lost)
+        return await self._to_engines("POST", path, payload, retry=retry, timeout_s=timeout_s, skip_lost=skip_lost,
+                                      only=only)
 
     async def get_weight_versions(self) -> dict[str, Optional[str]]:
         """``{engine_url: weight_version}`` from each engine's ``/get_model_info``. Raises RolloutError."""

@@ -114,3 +114,38 @@ def test_colocated_sync_and_saves_never_read_offloaded_trainer_tensors(tmp_path)
               next((tmp_path / "runs" / "colo" / "logs").glob("attempt-0/phases.jsonl")).read_text().splitlines()]
     assert phases[:8] == ["offload_engine", "offload_trainer", "onload_engine_weights", "sync", "onload_engine_kv",
                           "generate", "offload_engine", "onload_trainer"], phases
+
+
+def test_an_engine_that_joins_while_the_others_are_released_is_not_resumed(tiny_model_dir, tmp_path):
+    """The health monitor may put a new engine in rotation between the release of the engines' memory and its
+    resume (it replaced a dead one): that engine's memory is held, and SGLang 0.5.23's scheduler dies on a
+    resume of a tag that is not released (the CPU engine answers 400). The phases resume only what they
+    released, and release the newcomer with the others at the next offload."""
+    import asyncio
+
+    from hpcrl.offload import ColocatedMemory, TrainerMemory
+    from hpcrl.rollout.client import RolloutClient
+    from tests.integration.engine_utils import EngineProcess, http_json
+
+    def released(url: str) -> list[str]:
+        return http_json("GET", url + "/get_server_info")[1]["internal_states"][0]["released_tags"]
+
+    with EngineProcess(tiny_model_dir, log_path=tmp_path / "a.log") as a, \
+            EngineProcess(tiny_model_dir, log_path=tmp_path / "b.log") as b:
+        async def phases() -> None:
+            async with RolloutClient(engine_urls=[a.url]) as client:
+                memory = ColocatedMemory(TrainerMemory(), client)
+                await memory.offload_engine()
+                client.set_engine_urls([a.url, b.url])  # b replaced a dead engine meanwhile
+                await memory.onload_engine_weights()
+                await memory.onload_engine_kv()
+                assert released(a.url) == [] and released(b.url) == [] and memory.released == {}
+                await memory.offload_engine()  # both now
+                assert released(a.url) == released(b.url) == ["cuda_graph", "kv_cache", "weights"]
+                await memory.onload_engine_weights()
+                await memory.onload_engine_kv()
+
+        asyncio.run(phases())
+        assert released(a.url) == released(b.url) == []
+        status, body = http_json("POST", b.url + "/resume_memory_occupation", {"tags": ["weights"]})
+        assert status == 400 and "not released" in body["error"]["message"]  # what the phases never send
