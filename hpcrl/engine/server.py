@@ -425,6 +425,7 @@ class EngineServer:
         endpoint = request.path.lstrip("/")
 
         def fail(message: str) -> web.Response:
+            logger.error("/%s refused: %s", endpoint, message)
             return web.json_response({"success": False, "message": message, **extra}, status=400)
 
         try:
@@ -457,7 +458,6 @@ class EngineServer:
             known = isinstance(e, (WeightUpdateError, state.SessionError))
             return fail(str(e) if known else f"{type(e).__name__}: {e}")
         if not flushed:
-            logger.error("%s: %s", endpoint, message)
             return fail(message)
         version = body.get("weight_version")
         if version is not None:

@@ -111,7 +111,22 @@ def kill_engine_ten_times(tmp_path: Path, name: str, *overrides: str) -> list[di
     assert sum(m["rollout/seconds_without_engine"] for m in rows) > 0
     assert max(m["rollout/engine_recovery_seconds"] for m in rows) > 0
     assert len(list((run_dir / "logs" / "attempt-0").glob("engine-0.restart-*.log"))) == 10
+    assert_no_state_rule_broken(run_dir)
     return rows
+
+
+def assert_no_state_rule_broken(run_dir: Path) -> None:
+    """No engine of the run refused a call for breaking one of SGLang 0.5.23's state rules (hpcrl.engine.state:
+    an update outside a session, a release while busy, a resume of memory not released...): through kills
+    and replacements, hpcrl's own paths keep to them."""
+    from hpcrl.engine import state
+
+    texts = [state.outside_session(e) for e in state.SESSION_GATED] + [
+        state.NESTED_BEGIN, state.END_WITHOUT_BEGIN, state.RELEASE_NOT_IDLE, "not released (SGLang"]
+    for log in (run_dir / "logs").rglob("engine-*.log"):
+        text = log.read_text(errors="replace")
+        broken = [t for t in texts if t in text]
+        assert not broken, f"{log.name}: {broken}"
 
 
 def test_sync_run_survives_ten_engine_kills(tmp_path):
