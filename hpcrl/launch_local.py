@@ -3,10 +3,10 @@
 
 Each worker gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and a ``file://``
 rendezvous in a new temporary folder (:data:`hpcrl.train.parallel.INIT_METHOD_ENV`: no port is picked, so none
-can be taken by another process before rank 0 binds it) and runs the loop of ``run.mode`` (:func:`loop_of`: :func:`hpcrl.loop.train_main` or
-:func:`hpcrl.loop_async.train_async_main`); rank 0 is the controller. Under Slurm the same function runs as a
-job step instead (``hpcrl submit``). With ``run.placement: disaggregate`` the trainer is pinned to its CPU set
-and the engines to theirs (:mod:`hpcrl.placement`).
+can be taken by another process before rank 0 binds it) and runs the loop of ``run.mode`` (:func:`loop_of`:
+:func:`hpcrl.loop.train_main` or :func:`hpcrl.loop_async.train_async_main`); rank 0 is the controller. Under
+Slurm the same function runs as a job step instead (``hpcrl submit``). With ``run.placement: disaggregate``
+the trainer is pinned to its CPU set and the engines to theirs (:mod:`hpcrl.placement`).
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def check_local_engine(cfg: Config) -> None:
 def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, model_path: Path) -> None:
     from hpcrl.train.parallel import INIT_METHOD_ENV
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      **{INIT_METHOD_ENV: init_method})
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", **{INIT_METHOD_ENV: init_method})
     os.environ.pop("MASTER_PORT", None)
     import torch
 
@@ -130,7 +130,8 @@ def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:
     n = cfg.train.nprocs
     rendezvous = Path(tempfile.mkdtemp(prefix="hpcrl-rendezvous-"))  # a new file each launch (torch's rule)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, n, f"file://{rendezvous / 'store'}", cfg, run_dir, model_path),
+    procs = [ctx.Process(target=_worker,
+                         args=(r, n, f"file://{rendezvous / 'store'}", cfg, run_dir, model_path),
                          name=f"trainer-{r}") for r in range(n)]
     try:
         return _join_workers(procs, run_dir)

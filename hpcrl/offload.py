@@ -203,7 +203,8 @@ class ColocatedMemory:
     async def offload_engine(self) -> None:
         if self.colocate:
             await self.client.flush_cache()
-            targets = [u for u in self.client.engine_urls if u not in self.released]  # (post_all keeps the order)
+            # (post_all keeps the order)
+            targets = [u for u in self.client.engine_urls if u not in self.released]
             results = await self.client.post_all("/release_memory_occupation", {"tags": None}, skip_lost=True,
                                                  only=targets)
             for u, r in zip(targets, results):

@@ -20,8 +20,8 @@ Modules, one job each:
   ``MultiprocessingSerializer``), used by both sender and engine.
 - :mod:`hpcrl.engine.memory`: the memory-saver adapter (no-op on CPU, torch-memory-saver on GPU).
 - :mod:`hpcrl.engine.state`: SGLang's state rules (the weight-update session, idleness, the flush rule).
-- :mod:`hpcrl.engine.server`: the aiohttp application, authentication and ``main`` (:mod:`hpcrl.engine.httplog`:
-  aiohttp's log of refused requests).
+- :mod:`hpcrl.engine.server`: the aiohttp application, authentication and ``main``
+  (:mod:`hpcrl.engine.httplog`: aiohttp's log of refused requests).
 
 Start it with ``python -m hpcrl.engine.server --model-path DIR --port 30000`` (or ``hpcrl serve ...``).
 """

@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="use torch-memory-saver on GPU (no-op on CPU; release/resume are recorded anyway)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
-                   help="SGLang's flag for return_routed_experts (routing replay): accepted; this engine records "
-                        "the routed experts of a MoE model whether it is given or not")
+                   help="SGLang's flag for return_routed_experts (routing replay): accepted; this engine "
+                        "records the routed experts of a MoE model whether it is given or not")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--weight-version", default="default")

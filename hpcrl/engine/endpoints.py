@@ -2,9 +2,10 @@
 aliases that SGLang does not have.
 
 Every other endpoint of SGLang's ``srt/entrypoints/http_server.py`` is served by
-:class:`hpcrl.engine.server.EngineServer` with SGLang's fields and answers; ``tests/unit/test_sglang_conformance.py``
-reads the route list from the installed wheel and fails when SGLang adds an endpoint that is in neither place, so
-an SGLang bump shows up in CI. A client of hpcrl (rollout, weight sync, health) calls none of these.
+:class:`hpcrl.engine.server.EngineServer` with SGLang's fields and answers;
+``tests/unit/test_sglang_conformance.py`` reads the route list from the installed wheel and fails when SGLang
+adds an endpoint that is in neither place, so an SGLang bump shows up in CI. A client of hpcrl (rollout,
+weight sync, health) calls none of these.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ NOT_SERVED: dict[str, str] = {
     "/update_weights_from_ipc": _REMOTE, "/init_weights_send_group_for_remote_instance": _REMOTE,
     "/send_weights_to_remote_instance": _REMOTE, "/get_remote_instance_transfer_engine_info": _REMOTE,
     "/remote_instance_transfer_engine_info": _REMOTE,
-    "/get_weights_by_name": "reading one weight back; hpcrl checks a sync by the weight version and log-probs",
+    "/get_weights_by_name": ("reading one weight back; hpcrl checks a sync by the weight version and "
+                             "log-probs"),
     "/weights_checker": "weight checksums of SGLang's runners; hpcrl checks a sync by the weight version",
     "/hicache/storage-backend": _GPU_CACHE, "/hicache/storage-backend/clear": _GPU_CACHE,
     "/get_hicache_l3_cache_layout": _GPU_CACHE,

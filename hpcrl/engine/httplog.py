@@ -1,7 +1,8 @@
 """aiohttp's log of the requests it refuses before any handler runs: one line, not an error with a traceback.
 
 sglang-router probes a new worker with an HTTP/2 preface (:data:`HTTP2_PREFACE`), which this HTTP/1.1 server
-answers 400, and aiohttp would log each as a server fault. Installed by :meth:`hpcrl.engine.server.EngineServer.serve`.
+answers 400, and aiohttp would log each as a server fault. Installed by
+:meth:`hpcrl.engine.server.EngineServer.serve`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ class RefusedRequestFilter(logging.Filter):
     """Turns aiohttp's ``ERROR`` + traceback for a request it could not parse into one line without traceback.
 
     aiohttp answers a request that is not valid HTTP/1.x (the HTTP/2 preface sglang-router sends at start,
-    garbage, an oversized header) with 400 and logs it on ``aiohttp.server`` like a server fault. Those are the
-    client's errors, rightly refused: the preface is logged at DEBUG, anything else malformed as one WARNING
-    line naming the peer and aiohttp's reason. Every other record (a handler that raised: a real server error)
-    passes unchanged, with its traceback.
+    garbage, an oversized header) with 400 and logs it on ``aiohttp.server`` like a server fault. Those are
+    the client's errors, rightly refused: the preface is logged at DEBUG, anything else malformed as one
+    WARNING line naming the peer and aiohttp's reason. Every other record (a handler that raised: a real
+    server error) passes unchanged, with its traceback.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:

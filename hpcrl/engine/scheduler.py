@@ -232,9 +232,9 @@ class Scheduler:
             return self._num_running == 0 and (ignore_waiting or not self._waiting)
 
     def flush_now(self) -> bool:
-        """SGLang's ``flush_cache``: whether the cache could be flushed, i.e. the engine is fully idle, waiting
-        rows ignored while paused (this engine keeps no cache between requests, so there is nothing else to
-        drop). Call from the scheduler thread (a command) so no step runs meanwhile."""
+        """SGLang's ``flush_cache``: whether the cache could be flushed, i.e. the engine is fully idle,
+        waiting rows ignored while paused (this engine keeps no cache between requests, so there is nothing
+        else to drop). Call from the scheduler thread (a command) so no step runs meanwhile."""
         return self.is_fully_idle(ignore_waiting=self._paused)
 
     # ------------------------------------------------------------------ commands (scheduler thread)

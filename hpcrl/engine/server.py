@@ -288,8 +288,8 @@ class EngineServer:
         if not await self._command(self.scheduler.flush_now, 60.0):
             return web.Response(status=400, text=state.FLUSH_FAILED)
         return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
-                                             "(When there are running or waiting requests, the operation will "
-                                             "not be performed.)\n")
+                                             "(When there are running or waiting requests, the operation "
+                                             "will not be performed.)\n")
 
     # ------------------------------------------------------------------ health and info
     async def health(self, request: web.Request) -> web.Response:
@@ -362,8 +362,8 @@ class EngineServer:
 
         import hpcrl
 
-        internal = {**dataclasses.asdict(self.scheduler.stats), **self.scheduler.load(), **self.session.state(),
-                    "continuous_batching": self.scheduler.continuous_batching,
+        internal = {**dataclasses.asdict(self.scheduler.stats), **self.scheduler.load(),
+                    **self.session.state(), "continuous_batching": self.scheduler.continuous_batching,
                     "cpu_threads": torch.get_num_threads()}
         info = self.args.public_dict()
         info.update({
@@ -530,7 +530,8 @@ class EngineServer:
 
     async def _session_call(self, request: web.Request, step: Callable[[dict], None]) -> web.Response:
         """Body of ``/begin_weight_update`` / ``/end_weight_update``: ``step`` runs in the scheduler thread;
-        200 ``{"success": true, "message": "Success"}``, or 400 with ``success: false`` and SGLang's message."""
+        200 ``{"success": true, "message": "Success"}``, or 400 with ``success: false`` and SGLang's
+        message."""
         try:
             body = await self.read_body(request)
             await self._command(lambda: step(body), 60.0)
@@ -545,7 +546,8 @@ class EngineServer:
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         """``/begin_weight_update``: open the weight-update session (``selector``: ``target``, ``draft`` or
         ``all``, the default); refused while one is open (:mod:`hpcrl.engine.state`)."""
-        return await self._session_call(request, lambda body: self.session.begin(body.get("selector") or "all"))
+        return await self._session_call(request,
+                                        lambda body: self.session.begin(body.get("selector") or "all"))
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         """``/end_weight_update``: close the weight-update session; refused when none is open (SGLang
@@ -581,7 +583,8 @@ class EngineServer:
                 for tag in tags:
                     self.memory.pause(tag)
             else:
-                self.scheduler.resume_now(tags)  # refuses a tag that is not released, before anything is mapped
+                # refuses a tag that is not released, before anything is mapped
+                self.scheduler.resume_now(tags)
                 for tag in tags:
                     self.memory.resume(tag)
 

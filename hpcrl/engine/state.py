@@ -42,8 +42,8 @@ END_WITHOUT_BEGIN = "no weight-update session is open; call begin_weight_update(
 RELEASE_NOT_IDLE = "release_memory_occupation should be called only when server is idle."
 FLUSH_FAILED = "Flush cache failed.\n"
 FLUSH_TIMED_OUT = "Timed out waiting for idle state."
-UPDATE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running "
-                      "or queued. Retract or finish them, then call /flush_cache.")
+UPDATE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still "
+                      "running or queued. Retract or finish them, then call /flush_cache.")
 
 
 def outside_session(endpoint: str) -> str:
@@ -101,6 +101,7 @@ class WeightUpdateSession:
             raise SessionError(outside_session(endpoint))
 
     def state(self) -> dict:
-        """``{"weight_update_session_open", "weight_update_sessions_opened", "weight_update_sessions_closed"}``."""
+        """``{"weight_update_session_open", "weight_update_sessions_opened",
+        "weight_update_sessions_closed"}``."""
         return {"weight_update_session_open": self.is_open, "weight_update_sessions_opened": self.opened,
                 "weight_update_sessions_closed": self.closed}

@@ -568,11 +568,12 @@ class RolloutClient:
         text body ``{"text": ...}``). No retries by default: weight-update endpoints are collective operations
         that must not run twice. ``timeout_s`` overrides the per-attempt timeout (seconds). ``only``: just the
         engines in rotation among these URLs (the others are not asked). ``skip_lost``: see
-        :meth:`_to_engines`. Raises RolloutError for the first engine that failed (4xx, 5xx, connection error).
+        :meth:`_to_engines`. Raises RolloutError for the first engine that failed (4xx, 5xx, connection
+        error).
         """
         path = endpoint if endpoint.startswith("/") else "/" + endpoint
-        return await self._to_engines("POST", path, payload, retry=retry, timeout_s=timeout_s, skip_lost=skip_lost,
-                                      only=only)
+        return await self._to_engines("POST", path, payload, retry=retry, timeout_s=timeout_s,
+                                      skip_lost=skip_lost, only=only)
 
     async def get_weight_versions(self) -> dict[str, Optional[str]]:
         """``{engine_url: weight_version}`` from each engine's ``/get_model_info``. Raises RolloutError."""

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hpcrl.procs import (PORT_ATTEMPTS, ManagedProcess, ProcessStartError, child_preexec, find_free_port, log_since,
-                         open_log, port_taken, url_for, wait_for_http_ok)
+from hpcrl.procs import (PORT_ATTEMPTS, ManagedProcess, ProcessStartError, child_preexec, find_free_port,
+                         log_since, open_log, port_taken, url_for, wait_for_http_ok)
 from hpcrl.rollout.secret import read_secret
 
 logger = logging.getLogger(__name__)
@@ -278,11 +278,12 @@ class LocalEngineLaunch:
 
     def _wait_bound(self, index: int, eng: EngineProcess, args: dict,
                     model_path: Optional[str | os.PathLike]) -> EngineProcess:
-        """Wait for engine ``index`` (:func:`wait_engine`). Its port was free when picked, but the engine binds it
-        only once its model is loaded, and another process may take it in between (the OS hands released ports
-        out again as ephemeral ones; a second run on the node picks it too): when it exits saying ``address
-        already in use``, it is started again on a new port, logged, in ``engine-<index>.port-retry-<k>.log``,
-        up to :data:`hpcrl.procs.PORT_ATTEMPTS` starts. Raises ProcessStartError otherwise."""
+        """Wait for engine ``index`` (:func:`wait_engine`). Its port was free when picked, but the engine
+        binds it only once its model is loaded, and another process may take it in between (the OS hands
+        released ports out again as ephemeral ones; a second run on the node picks it too): when it exits
+        saying ``address already in use``, it is started again on a new port, logged, in
+        ``engine-<index>.port-retry-<k>.log``, up to :data:`hpcrl.procs.PORT_ATTEMPTS` starts. Raises
+        ProcessStartError otherwise."""
         for attempt in range(1, PORT_ATTEMPTS + 1):
             try:
                 return wait_engine(eng, self.secret_path)

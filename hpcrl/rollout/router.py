@@ -58,8 +58,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hpcrl.procs import (PORT_ATTEMPTS, ManagedProcess, ProcessStartError, child_preexec, find_free_port, log_since,
-                         log_size, log_tail, open_log, port_taken, url_for, wait_for_http_ok)
+from hpcrl.procs import (PORT_ATTEMPTS, ManagedProcess, ProcessStartError, child_preexec, find_free_port,
+                         log_since, log_size, log_tail, open_log, port_taken, url_for, wait_for_http_ok)
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,8 @@ class RouterProcess(ManagedProcess):
                 return
             except ProcessStartError:
                 text = log_since(self.log_path, self.log_offset)
-                taken = "prometheus" if "prometheus" in text.lower() else "main"
+                # its exporter's bind panics with "failed to install Prometheus metrics exporter"
+                taken = "prometheus" if "prometheus metrics exporter" in text.lower() else "main"
                 if not port_taken(text) or attempt == PORT_ATTEMPTS or (taken == "main" and self.port_pinned):
                     raise
                 old = self.prometheus_port if taken == "prometheus" else self.url

@@ -316,11 +316,13 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     preempt = signal_from_config(cfg.slurm.signal)
     signal.pthread_sigmask(signal.SIG_BLOCK, {preempt})
 
-    def command(port: int) -> list[str]:  # SGLang: the key in a 0600 file, not in ps (the CPU engine reads it)
+    # SGLang: the key in a 0600 file, not in ps (the CPU engine reads it)
+    def command(port: int) -> list[str]:
         return engine_command(cfg.rollout, sglang_args, args.model_path, "0.0.0.0", port, args.secret,
                               key_via="config")
 
-    port = args.port or find_free_service_port("")  # below the ephemeral range: the engine binds it seconds later
+    # below the ephemeral range: the engine binds it seconds later
+    port = args.port or find_free_service_port("")
     return supervise_engine(command, port, out, node, f"rollout task {procid}", skip_signals={preempt})
 
 
@@ -332,16 +334,17 @@ def supervise_engine(command, port: int, address_file: Path, node: str, what: st
 
     The engine binds its port only once its model is loaded, seconds after the port was picked; another
     process on the node (a sweep's other array task, a trainer's connections) may take it in between. Until
-    the engine listens on the port itself (:func:`hpcrl.procs.listens_on`), an exit whose output says ``address
-    already in use`` starts it again on a new port (:func:`hpcrl.procs.find_free_service_port`), with a new
-    address file the controller reads, logged, up to :data:`hpcrl.procs.PORT_ATTEMPTS` starts. Signals the
-    task gets (SIGTERM from ``srun`` at the end of the step...) are passed on to the engine, except
-    ``skip_signals``; the engine dies with this task (``PR_SET_PDEATHSIG``)."""
+    the engine listens on the port itself (:func:`hpcrl.procs.listens_on`), an exit whose output says
+    ``address already in use`` starts it again on a new port (:func:`hpcrl.procs.find_free_service_port`),
+    with a new address file the controller reads, logged, up to :data:`hpcrl.procs.PORT_ATTEMPTS` starts.
+    Signals the task gets (SIGTERM from ``srun`` at the end of the step...) are passed on to the engine,
+    except ``skip_signals``; the engine dies with this task (``PR_SET_PDEATHSIG``)."""
     import collections
     import threading
 
     from hpcrl.fsutil import atomic_write_text
-    from hpcrl.procs import PORT_ATTEMPTS, die_with_parent, find_free_service_port, listens_on, port_taken, url_for
+    from hpcrl.procs import (PORT_ATTEMPTS, die_with_parent, find_free_service_port, listens_on, port_taken,
+                             url_for)
 
     current: list[subprocess.Popen] = []
 
@@ -353,7 +356,8 @@ def supervise_engine(command, port: int, address_file: Path, node: str, what: st
         if sig not in skip_signals:
             signal.signal(sig, forward)
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        atomic_write_text(address_file, json.dumps({"url": url_for(node, port), "node": node, "pid": os.getpid()}))
+        atomic_write_text(address_file,
+                          json.dumps({"url": url_for(node, port), "node": node, "pid": os.getpid()}))
         print(f"[hpcrl] {what} on {node}: engine at {url_for(node, port)}", flush=True)
         child = subprocess.Popen(command(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)

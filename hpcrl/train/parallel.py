@@ -95,7 +95,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
             raise KeyError(f"WORLD_SIZE={world_size} but {missing} not set (start with torchrun or srun)")
         init_method = f"tcp://{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT'])}"
     else:  # port 0: the store binds a port the OS picks as it binds, so no other process can take it first
-        init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{int(os.environ.get('MASTER_PORT') or 0)}"
+        init_method = (f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
+                       f"{int(os.environ.get('MASTER_PORT') or 0)}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():

@@ -37,7 +37,8 @@ class WeightSyncError(RuntimeError):
         self.url = url
         self.endpoint = endpoint
         self.message = " ".join(str(message).split())  # one line, whatever the engine's text
-        self.failures = [(u, " ".join(str(m).split())) for u, m in failures] if failures else [(url, self.message)]
+        self.failures = ([(u, " ".join(str(m).split())) for u, m in failures] if failures
+                         else [(url, self.message)])
         text = f"weight sync: {endpoint} on {url} failed: {self.message}"
         if len(self.failures) > 1:
             text += f" (and {len(self.failures) - 1} more engine(s) failed: " + "; ".join(
@@ -154,7 +155,8 @@ class EngineCalls:
             except WeightSyncError as e:
                 if e.message != NESTED_BEGIN:
                     raise
-                logger.warning("weight sync: %s still had a weight-update session open; closing it first", url)
+                logger.warning("weight sync: %s still had a weight-update session open; closing it first",
+                               url)
                 await self._one("POST", url, END, {}, None)
                 await self._one("POST", url, BEGIN, {}, None)
 
@@ -177,7 +179,8 @@ class EngineCalls:
         session closed on every engine, or which engines it could not be closed on and why (the next sync
         closes it there before it opens a new one)."""
         urls = list(self.urls if urls is None else urls)
-        results = await asyncio.gather(*(self._one("POST", u, END, {}, None) for u in urls), return_exceptions=True)
+        results = await asyncio.gather(*(self._one("POST", u, END, {}, None) for u in urls),
+                                       return_exceptions=True)
         stuck = [(u, r) for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)]
         if not stuck:
             return f"the weight-update session was closed on {len(urls)} engine(s)"

@@ -75,7 +75,8 @@ def host_store(address: str, world_size: int, timeout: datetime.timedelta) -> An
     return store
 
 
-def join_group(backend: str, store: Any, world_size: int, group_name: str, timeout: datetime.timedelta) -> Any:
+def join_group(backend: str, store: Any, world_size: int, group_name: str,
+               timeout: datetime.timedelta) -> Any:
     """Join weight-update group ``group_name`` as rank 0 over ``store`` (:func:`host_store`).
 
     The equivalent of :func:`hpcrl.engine.weights.init_custom_process_group` (SGLang's helper) for rank 0. The
@@ -135,7 +136,8 @@ class DistributedGroup:
         bodies = [{"master_address": address, "master_port": port, "rank_offset": off, "world_size": world,
                    "group_name": group_name, "backend": backend} for off in rank_offsets(engine_tp_sizes)]
         posts = asyncio.ensure_future(calls.each(INIT, bodies, per_engine=True))
-        join = asyncio.ensure_future(asyncio.to_thread(join_group, backend, store, world, group_name, timeout))
+        join = asyncio.ensure_future(asyncio.to_thread(join_group, backend, store, world, group_name,
+                                                       timeout))
         results = await asyncio.gather(posts, join, return_exceptions=True)
         if isinstance(results[1], BaseException):
             if isinstance(results[0], WeightSyncError):

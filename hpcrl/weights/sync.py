@@ -23,9 +23,10 @@ Every call is bounded by ``timeout_s`` (the group's collectives too). On any fai
 :class:`~hpcrl.weights.common.WeightSyncError` (one line naming the engine) and leaves the engines **paused**,
 so no rollout runs on partially updated weights; a failure inside the session closes it first on every engine
 (the error says so, or names the engines it could not be closed on; the next sync closes it there). The
-caller may retry the sync or give up (``client.resume()`` resumes them on the old or mixed weights). In colocated runs the caller brings the engines' weights memory back
-(``/resume_memory_occupation``) before the sync and the KV cache after it, as slime's ``onload_weights`` /
-``onload_kv`` do; this module does not touch memory occupation.
+caller may retry the sync or give up (``client.resume()`` resumes them on the old or mixed weights). In
+colocated runs the caller brings the engines' weights memory back (``/resume_memory_occupation``) before the
+sync and the KV cache after it, as slime's ``onload_weights`` / ``onload_kv`` do; this module does not touch
+memory occupation.
 """
 
 from __future__ import annotations

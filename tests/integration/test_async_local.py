@@ -91,8 +91,8 @@ def test_async_run_is_one_step_off_and_deterministic(tmp_path, reference):
     # refuses that update outside one: hpcrl.engine.state), the first one and one per step
     engine_log = (run_dir / "logs" / "attempt-0" / "engine-0.log").read_text()
     assert cfg["weights"]["method"] == "distributed"
-    assert engine_log.count("weight-update session opened") == engine_log.count("weight-update session closed") \
-        == STEPS + 1
+    assert engine_log.count("weight-update session opened") \
+        == engine_log.count("weight-update session closed") == STEPS + 1
     np.testing.assert_array_equal(trained(tmp_path, "again"), ref_rows)
     got = weights(tmp_path, "again")
     assert all(got[k].equal(ref_weights[k]) for k in ref_weights), "two async runs of one seed differ"

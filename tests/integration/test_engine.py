@@ -499,7 +499,8 @@ def test_tensor_and_distributed_updates_need_a_session(engine, hf_models, tiny_m
         assert session(engine, "begin") == (400, {"success": False, "message": state.NESTED_BEGIN})
         assert server_state(engine)["weight_update_session_open"] is True
         status, body = post(engine, "/update_weights_from_tensor",
-                            {"serialized_named_tensors": [serialize_named_tensors(new)], "weight_version": "s-1"})
+                            {"serialized_named_tensors": [serialize_named_tensors(new)],
+                             "weight_version": "s-1"})
         assert status == 200 and body["success"], body
         _check_model_served(engine, hf_models, "b", "s-1")
     finally:
@@ -547,13 +548,13 @@ def test_flush_rule_under_in_place_pause(engine, hf_models, tiny_model_dir):
     try:
         assert post(engine, "/flush_cache") == (400, state.FLUSH_FAILED)
         t0 = time.monotonic()
-        assert post(engine, "/flush_cache?timeout=0.3", headers=auth("/flush_cache")) == (400,
-                                                                                          state.FLUSH_TIMED_OUT)
+        assert post(engine, "/flush_cache?timeout=0.3",
+                    headers=auth("/flush_cache")) == (400, state.FLUSH_TIMED_OUT)
         assert time.monotonic() - t0 >= 0.3
         assert session(engine, "begin")[0] == 200
         body = {"serialized_named_tensors": [serialize_named_tensors(new)], "weight_version": "flush-1"}
-        assert post(engine, "/update_weights_from_tensor", body) == (400, {"success": False,
-                                                                           "message": state.UPDATE_NOT_FLUSHED})
+        assert post(engine, "/update_weights_from_tensor", body) == (
+            400, {"success": False, "message": state.UPDATE_NOT_FLUSHED})
         assert get(engine, "/get_model_info")[1]["weight_version"] == "default"
         body = {"serialized_named_tensors": [serialize_named_tensors(new)], "weight_version": "flush-2",
                 "flush_cache": False}

@@ -116,9 +116,9 @@ def kill_engine_ten_times(tmp_path: Path, name: str, *overrides: str) -> list[di
 
 
 def assert_no_state_rule_broken(run_dir: Path) -> None:
-    """No engine of the run refused a call for breaking one of SGLang 0.5.23's state rules (hpcrl.engine.state:
-    an update outside a session, a release while busy, a resume of memory not released...): through kills
-    and replacements, hpcrl's own paths keep to them."""
+    """No engine of the run refused a call for breaking one of SGLang 0.5.23's state rules
+    (hpcrl.engine.state: an update outside a session, a release while busy, a resume of memory not
+    released...): through kills and replacements, hpcrl's own paths keep to them."""
     from hpcrl.engine import state
 
     texts = [state.outside_session(e) for e in state.SESSION_GATED] + [

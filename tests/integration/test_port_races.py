@@ -1,13 +1,14 @@
-"""No start races for a port (issue #32 point 4): a server whose port another process took between the pick and
-the bind is started again on a new port, logged, instead of failing the run.
+"""No start races for a port (issue #32 point 4): a server whose port another process took between the pick
+and the bind is started again on a new port, logged, instead of failing the run.
 
-Seen in CI: an engine's port handed out again as an ephemeral one before the engine bound it (``address already
-in use``, ProcessStartError), and the router's Prometheus port taken the same way (``PanicException: failed to
-install Prometheus metrics exporter: FailedToCreateHTTPListener("Address already in use (os error 98)")``). Each
-test occupies, with a listening socket of its own, the port a start was about to use: the engine and the router
-directly, the engine task of a Slurm rollout step (``python -m hpcrl.slurm.rollout_step``, run here as its own
-process), and a whole ``hpcrl run`` whose port picker hands out taken ports first (a ``sitecustomize`` on the
-run's ``PYTHONPATH``, :data:`PICKER`).
+Seen in CI: an engine's port handed out again as an ephemeral one before the engine bound it (``address
+already in use``, ProcessStartError), and the router's Prometheus port taken the same way
+(``PanicException: failed to install Prometheus metrics exporter:
+FailedToCreateHTTPListener("Address already in use (os error 98)")``). Each test occupies, with a listening
+socket of its own, the port a start was about to use: the engine and the router directly, the engine task of a
+Slurm rollout step (``python -m hpcrl.slurm.rollout_step``, run here as its own process), and a whole
+``hpcrl run`` whose port picker hands out taken ports first (a ``sitecustomize`` on the run's
+``PYTHONPATH``, :data:`PICKER`).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def test_engine_whose_port_is_taken_starts_again_on_another(tmp_path, tiny_model
 
 
 def test_router_whose_ports_are_taken_starts_again(tmp_path, monkeypatch, caplog):
-    """Both of the router's ports: the Prometheus port (the CI failure) and its main port, each taken after the
-    pick; it serves on new ones. A main port the caller pinned is the caller's to handle: not retried."""
+    """Both of the router's ports: the Prometheus port (the CI failure) and its main port, each taken after
+    the pick; it serves on new ones. A main port the caller pinned is the caller's to handle: not retried."""
     import hpcrl.rollout.router as router_mod
 
     real = router_mod.find_free_port
@@ -87,7 +88,8 @@ def test_router_whose_ports_are_taken_starts_again(tmp_path, monkeypatch, caplog
             assert router.alive() and router.url.rsplit(":", 1)[1] != str(main)
             assert router.prometheus_port != prometheus
             log = (tmp_path / "router.log").read_text()
-            assert "Prometheus metrics exporter" in log and "Error starting router: Address already in use" in log
+            assert ("Prometheus metrics exporter" in log
+                    and "Error starting router: Address already in use" in log)
             warned = [r.getMessage() for r in caplog.records]
             assert any("prometheus port" in w and str(prometheus) in w for w in warned), warned
             assert any("main port" in w and str(main) in w for w in warned), warned
@@ -99,9 +101,9 @@ def test_router_whose_ports_are_taken_starts_again(tmp_path, monkeypatch, caplog
 
 
 def test_slurm_engine_task_whose_port_is_taken_starts_again(tmp_path, tiny_model_dir):
-    """The engine task of a rollout step (what ``srun`` runs on each node): its engine exits on the taken port,
-    the task starts it on a new one, rewrites its address file (which the controller reads again) and passes
-    SIGTERM on at the end."""
+    """The engine task of a rollout step (what ``srun`` runs on each node): its engine exits on the taken
+    port, the task starts it on a new one, rewrites its address file (which the controller reads again) and
+    passes SIGTERM on at the end."""
     from hpcrl.slurm.rollout_step import ENGINES_DIR, _is_ours
 
     secret = secret_file(tmp_path)
@@ -175,6 +177,7 @@ def test_a_run_whose_ports_are_taken_completes(tmp_path):
     assert "address already in use" in (attempt / "engine-0.log").read_text()
     assert (attempt / "engine-0.port-retry-1.log").exists()
     router_log = (attempt / "router.log").read_text()
-    assert "Prometheus metrics exporter" in router_log and "Error starting router: Address already in use" in router_log
+    assert ("Prometheus metrics exporter" in router_log
+            and "Error starting router: Address already in use" in router_log)
     log = log_of(tmp_path, "ports")
     assert log.count("started again") == 3, log[-3000:]  # the engine once, the router's two ports

@@ -406,7 +406,8 @@ def test_sync_paused_in_place_keeps_the_running_request(engine, trainer):
             assert time.monotonic() < deadline, "the request did not start"
             time.sleep(0.02)
         # frozen mid-generation whatever the machine's speed; the sync pauses in place again and continues
-        assert http_json("POST", engine.url + "/pause_generation", {"mode": "in_place"}, headers=key)[0] == 200
+        assert http_json("POST", engine.url + "/pause_generation", {"mode": "in_place"},
+                         headers=key)[0] == 200
         perturb(trainer, seed=9)
         asyncio.run(_syncs(engine.url, "tensor", [(lambda: iterate_for_sync(trainer), "in-place")],
                            bucket_bytes=1024 * 1024, timeout_s=60, pause_mode="in_place"))
@@ -496,7 +497,8 @@ def test_unresponsive_engine_times_out(hang_engine, trainer, hf_size):
     assert err.url == url and err.endpoint == "/update_weights_from_distributed"
     assert "timed out" in err.message
     assert "the broadcast from rank 0 failed too" in err.message, err.message  # gloo's timeout, not a hang
-    assert note.startswith(f"the weight-update session could not be closed on {url} (") and "timed out" in note
+    assert (note.startswith(f"the weight-update session could not be closed on {url} (")
+            and "timed out" in note)
     os.kill(hang_engine.proc.pid, signal.SIGCONT)
     # 4. once it answers again, the next sync closes the session it still has open, and syncs
     _resume(url, None)

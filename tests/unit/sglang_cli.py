@@ -1,12 +1,12 @@
-"""Parse ``sglang.launch_server`` command lines with SGLang's own parser, on a CPU machine (a subprocess helper of
-``test_sglang_conformance.py``).
+"""Parse ``sglang.launch_server`` command lines with SGLang's own parser, on a CPU machine (a subprocess
+helper of ``test_sglang_conformance.py``).
 
 SGLang 0.5.23 builds its parser from the dataclasses under ``sglang/srt/arg_groups/``
 (``ServerArgs.add_cli_args``); ``prepare_server_args`` merges a ``--config`` YAML file into the command line
-with ``ConfigArgumentMerger`` first. Both are used unchanged from the installed wheel (``pip install --no-deps``,
-as ``.ci/install`` does). Importing ``sglang.srt.server_args`` on CPU needs these four modules, which the wheel's
-runtime requires but never calls while parsing; each becomes an empty stub module (attribute access returns
-another stub), installed only in this process:
+with ``ConfigArgumentMerger`` first. Both are used unchanged from the installed wheel
+(``pip install --no-deps``, as ``.ci/install`` does). Importing ``sglang.srt.server_args`` on CPU needs these
+four modules, which the wheel's runtime requires but never calls while parsing; each becomes an empty stub
+module (attribute access returns another stub), installed only in this process:
 
 - ``pybase64`` (fast base64 for tensor payloads), ``zmq`` (the scheduler's IPC), ``IPython`` (debug helpers)
   and ``triton`` (GPU kernels): imported at module level by ``sglang.srt.utils.common`` and its neighbours.
@@ -79,16 +79,18 @@ def parse_all(argvs: list[list[str]]) -> list[dict]:
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
-                merged = ConfigArgumentMerger(parser).merge_config_with_args(list(argv)) if "--config" in argv \
-                    else list(argv)
+                merged = (ConfigArgumentMerger(parser).merge_config_with_args(list(argv))
+                          if "--config" in argv else list(argv))
                 ns = parser.parse_args(merged)
         except (SystemExit, argparse.ArgumentError, ValueError) as e:
-            out.append({"ok": False, "error": (err.getvalue() or str(e)).strip(), "deprecated": [], "values": {}})
+            out.append({"ok": False, "error": (err.getvalue() or str(e)).strip(), "deprecated": [],
+                        "values": {}})
             continue
         given = [a.split("=", 1)[0] for a in merged if a.startswith("--")]
         actions = [by_flag[g] for g in given if g in by_flag]
         out.append({"ok": True, "error": "",
-                    "deprecated": [g for g in given if g in by_flag and type(by_flag[g]).__name__.startswith("Deprecated")],
+                    "deprecated": [g for g in given
+                                   if g in by_flag and type(by_flag[g]).__name__.startswith("Deprecated")],
                     "values": {a.dest: getattr(ns, a.dest, None) for a in actions}})
     return out
 

@@ -215,9 +215,9 @@ def test_tokenize_fields_are_sglangs():
         assert set(ours.model_fields) <= set(fields), set(ours.model_fields) - set(fields)
 
 
-# ------------------------------------------------------------------------- the server's endpoints and state rules
-# Issue #32 point 3: SGLang's own server code, read from the wheel, against the CPU engine; a new endpoint or a new
-# gating rule in an SGLang bump fails here, in CI, instead of on a cluster.
+# --------------------------------------------------------------------- the server's endpoints and state rules
+# Issue #32 point 3: SGLang's own server code, read from the wheel, against the CPU engine; a new endpoint or
+# a new gating rule in an SGLang bump fails here, in CI, instead of on a cluster.
 
 def _sglang_source(*parts: str) -> ast.Module:
     path = _sglang_root().joinpath(*parts)
@@ -256,7 +256,8 @@ def _routes_in(tree: ast.Module, owner: str) -> dict[tuple[str, str], bool]:
             if path is None:
                 continue
             if d.func.attr == "api_route":
-                methods = [_literal(e, consts) for e in next(k.value for k in d.keywords if k.arg == "methods").elts]
+                methods = [_literal(e, consts)
+                           for e in next(k.value for k in d.keywords if k.arg == "methods").elts]
             else:
                 methods = [d.func.attr.upper()]
             for method in methods:
@@ -266,8 +267,8 @@ def _routes_in(tree: ast.Module, owner: str) -> dict[tuple[str, str], bool]:
 
 def sglang_routes() -> dict[tuple[str, str], bool]:
     """``{(method, path): admin}`` of every route SGLang's HTTP server registers: those of
-    ``srt/entrypoints/http_server.py``'s ``app`` and of every router it includes (``app.include_router(X)`` with
-    ``from sglang.srt.entrypoints.M import router as X``)."""
+    ``srt/entrypoints/http_server.py``'s ``app`` and of every router it includes (``app.include_router(X)``
+    with ``from sglang.srt.entrypoints.M import router as X``)."""
     tree = _sglang_source("srt", "entrypoints", "http_server.py")
     routes = _routes_in(tree, "app")
     imported = {alias.asname or alias.name: (node.module, alias.name) for node in ast.walk(tree)
@@ -277,7 +278,8 @@ def sglang_routes() -> dict[tuple[str, str], bool]:
     assert included, "http_server.py includes no router any more: check how SGLang registers routes"
     for name in included:
         module, attr = imported[name]
-        routes.update(_routes_in(_sglang_source(*module.split(".")[1:-1], module.split(".")[-1] + ".py"), attr))
+        routes.update(_routes_in(_sglang_source(*module.split(".")[1:-1], module.split(".")[-1] + ".py"),
+                                 attr))
     assert len(routes) > 80, f"only {len(routes)} routes read from SGLang's http_server.py"
     return routes
 
@@ -297,7 +299,8 @@ def test_every_sglang_endpoint_is_served_or_listed_as_not(engine_routes):
 
     theirs = sglang_routes()
     ours = {(m, p) for m, p in engine_routes if p not in HPCRL_ONLY}
-    assert ours - set(theirs) == set(), "the CPU engine serves routes SGLang does not have (or with other methods)"
+    assert ours - set(theirs) == set(), ("the CPU engine serves routes SGLang does not have "
+                                         "(or with other methods)")
     unknown = {(m, p) for m, p in theirs if (m, p) not in ours and p not in NOT_SERVED}
     assert unknown == set(), ("SGLang serves endpoints hpcrl's engine neither serves nor lists in "
                               "hpcrl.engine.endpoints.NOT_SERVED (with why)")
@@ -332,11 +335,13 @@ def _message_of(node: ast.AST) -> str:
 @pytest.fixture(scope="module")
 def weight_updater() -> ast.ClassDef:
     tree = _sglang_source("srt", "managers", "scheduler_components", "weight_updater.py")
-    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SchedulerWeightUpdaterManager")
+    return next(n for n in tree.body
+                if isinstance(n, ast.ClassDef) and n.name == "SchedulerWeightUpdaterManager")
 
 
 def test_session_gated_updates_and_messages_are_sglangs(weight_updater):
-    """Which updates check ``self._session is None`` (SGLang adds one: this fails), and their refusal texts."""
+    """Which updates check ``self._session is None`` (SGLang adds one: this fails), and their refusal
+    texts."""
     from hpcrl.engine import state
 
     gated = {}
@@ -354,8 +359,10 @@ def test_session_gated_updates_and_messages_are_sglangs(weight_updater):
                   if isinstance(n, ast.If) and ast.unparse(n.test) == "self._session is not None")
     assert _message_of(nested) == state.NESTED_BEGIN
     selector = _sglang_source("srt", "managers", "io_struct.py")
-    begin = next(n for n in selector.body if isinstance(n, ast.ClassDef) and n.name == "BeginWeightUpdateReqInput")
-    assert "Literal['target', 'draft', 'all']" in ast.unparse(begin) and state.SELECTORS == ("target", "draft", "all")
+    begin = next(n for n in selector.body
+                 if isinstance(n, ast.ClassDef) and n.name == "BeginWeightUpdateReqInput")
+    assert ("Literal['target', 'draft', 'all']" in ast.unparse(begin)
+            and state.SELECTORS == ("target", "draft", "all"))
 
 
 def test_idle_and_flush_rules_are_sglangs(weight_updater):
@@ -367,7 +374,8 @@ def test_idle_and_flush_rules_are_sglangs(weight_updater):
     assert "ignore_waiting=scheduler is not None and scheduler._engine_paused" in ast.unparse(asserts[0].test)
     assert asserts[0].msg.value == state.RELEASE_NOT_IDLE
     resume = ast.unparse(_method(weight_updater, "resume_memory_occupation"))
-    assert "self.offload_tags.remove(tag)" in resume  # a tag that was not released: KeyError, the scheduler dies
+    # a tag that was not released: KeyError, the scheduler dies
+    assert "self.offload_tags.remove(tag)" in resume
     flush = _method(weight_updater, "flush_cache_after_weight_update")
     assert ast.unparse(flush).count("return (False,") == 1
     text = next(n.value for n in ast.walk(flush) if isinstance(n, ast.Constant) and isinstance(n.value, str)
@@ -376,7 +384,8 @@ def test_idle_and_flush_rules_are_sglangs(weight_updater):
     for name in ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed"):
         assert "flush_cache_after_weight_update" in ast.unparse(_method(weight_updater, name)), name
     scheduler = _sglang_source("srt", "managers", "scheduler.py")
-    flush_cache = next(n for n in ast.walk(scheduler) if isinstance(n, ast.FunctionDef) and n.name == "flush_cache")
+    flush_cache = next(n for n in ast.walk(scheduler)
+                       if isinstance(n, ast.FunctionDef) and n.name == "flush_cache")
     assert "self.is_fully_idle(ignore_waiting=self._engine_paused)" in ast.unparse(flush_cache)
     wrapper = ast.unparse(_sglang_source("srt", "managers", "scheduler_components", "flush_wrapper.py"))
     assert repr(state.FLUSH_TIMED_OUT) in wrapper
@@ -384,7 +393,7 @@ def test_idle_and_flush_rules_are_sglangs(weight_updater):
     assert repr(state.FLUSH_FAILED) in server
 
 
-# ----------------------------------------------------------------------------------- the launch_server command
+# ---------------------------------------------------------------------------------- the launch_server command
 KEYS_MARK = "<!-- sglang-keys:"
 
 
@@ -414,16 +423,18 @@ def _launch_commands(tmp_path: Path) -> dict[str, list[str]]:
     root = Path(__file__).resolve().parents[2]
     cfgs = {p.name: load_config(p, check_files=False) for p in sorted((root / "configs").glob("*.yaml"))}
     assert len(cfgs) >= 5, sorted(cfgs)
-    everything = load_config(None, ["model.path=/models/policy", "run.placement=colocate", "run.deterministic=true", "model.dtype=bfloat16",
-                                    "algorithm.routing_replay=true", "rollout.router=false"], check_files=False)
+    everything = load_config(None, ["model.path=/models/policy", "run.placement=colocate",
+                                    "run.deterministic=true", "model.dtype=bfloat16",
+                                    "algorithm.routing_replay=true", "rollout.router=false"],
+                             check_files=False)
     everything = dataclasses.replace(everything, sglang=documented_sglang_keys())
     cfgs["documented sglang: keys"] = everything
     out = {}
     for name, cfg in cfgs.items():
         args = engine_sglang_args(cfg)
         for via in ("argv", "config"):
-            cmd = engine_command(cfg.rollout, args, "/models/policy", "0.0.0.0", 31000, secret, engine="sglang",
-                                 key_via=via)
+            cmd = engine_command(cfg.rollout, args, "/models/policy", "0.0.0.0", 31000, secret,
+                                 engine="sglang", key_via=via)
             assert cmd[1:3] == ["-m", "sglang.launch_server"], cmd
             out[f"{name} (key via {via})"] = cmd[3:]
         out[f"{name} (restarted engine)"] = engine_command(cfg.rollout, {**args, "weight_version": "7"},
