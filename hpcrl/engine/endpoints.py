@@ -16,16 +16,20 @@ _GPU_CACHE = "hierarchical / external KV cache storage, which this engine has no
 _REMOTE = "instance-to-instance weight transfer and checkpoint engines (GPU RDMA paths)"
 _DEBUG = "GPU profiling and debugging of SGLang's own runtime"
 _EXPERTS = "expert-load recording of SGLang's MoE runtime (EPLB)"
+_DECISIONS = "structured decision decoding (grammar-constrained), not implemented"
+_RESPONSES = "OpenAI's Responses API (stateful, tool-running), not implemented"
+_SESSIONS = "SGLang's stateful sessions (refused in /generate too)"
+_LORA = "LoRA adapters (lora_path is refused in /generate)"
+_CORPUS = "n-gram speculative decoding corpora (no speculative decoding here)"
+_ELASTIC = "elastic expert parallelism across GPU ranks (one process here)"
 
 NOT_SERVED: dict[str, str] = {
     "/": "a banner ('SGLang is running'); probes use /health",
     "/encode": _EMBED, "/classify": _EMBED, "/v1/embeddings": _EMBED, "/v1/classify": _EMBED,
     "/v1/rerank": _EMBED, "/v1/score": _EMBED,
-    "/v1/decisions": "structured decision decoding (grammar-constrained), not implemented",
-    "/v1/systemone": "structured decision decoding (grammar-constrained), not implemented",
-    "/v1/responses": "OpenAI's Responses API (stateful, tool-running), not implemented",
-    "/v1/responses/{response_id}": "OpenAI's Responses API (stateful, tool-running), not implemented",
-    "/v1/responses/{response_id}/cancel": "OpenAI's Responses API (stateful, tool-running), not implemented",
+    "/v1/decisions": _DECISIONS, "/v1/systemone": _DECISIONS,
+    "/v1/responses": _RESPONSES, "/v1/responses/{response_id}": _RESPONSES,
+    "/v1/responses/{response_id}/cancel": _RESPONSES,
     "/v1/audio/transcriptions": "audio models", "/v1/realtime": "audio models (websocket)",
     "/v1/models/{model:path}": "one model card by name: /v1/models lists the one model served",
     "/v1/messages": _OTHER_API, "/v1/messages/count_tokens": _OTHER_API,
@@ -33,11 +37,8 @@ NOT_SERVED: dict[str, str] = {
     "/invocations": _OTHER_API, "/vertex_generate": _OTHER_API,
     "/parse_function_call": "tool-call parsers (the engine runs none; the agent gateway parses tool calls)",
     "/separate_reasoning": "reasoning parsers (none in this engine)",
-    "/open_session": "SGLang's stateful sessions (refused in /generate too)",
-    "/close_session": "SGLang's stateful sessions (refused in /generate too)",
-    "/load_lora_adapter": "LoRA adapters (lora_path is refused in /generate)",
-    "/load_lora_adapter_from_tensors": "LoRA adapters (lora_path is refused in /generate)",
-    "/unload_lora_adapter": "LoRA adapters (lora_path is refused in /generate)",
+    "/open_session": _SESSIONS, "/close_session": _SESSIONS,
+    "/load_lora_adapter": _LORA, "/load_lora_adapter_from_tensors": _LORA, "/unload_lora_adapter": _LORA,
     "/update_weights_from_ipc": _REMOTE, "/init_weights_send_group_for_remote_instance": _REMOTE,
     "/send_weights_to_remote_instance": _REMOTE, "/get_remote_instance_transfer_engine_info": _REMOTE,
     "/remote_instance_transfer_engine_info": _REMOTE,
@@ -46,17 +47,14 @@ NOT_SERVED: dict[str, str] = {
     "/weights_checker": "weight checksums of SGLang's runners; hpcrl checks a sync by the weight version",
     "/hicache/storage-backend": _GPU_CACHE, "/hicache/storage-backend/clear": _GPU_CACHE,
     "/get_hicache_l3_cache_layout": _GPU_CACHE,
-    "/add_external_corpus": "n-gram speculative decoding corpora (no speculative decoding here)",
-    "/remove_external_corpus": "n-gram speculative decoding corpora (no speculative decoding here)",
-    "/list_external_corpora": "n-gram speculative decoding corpora (no speculative decoding here)",
+    "/add_external_corpus": _CORPUS, "/remove_external_corpus": _CORPUS, "/list_external_corpora": _CORPUS,
     "/start_profile": _DEBUG, "/stop_profile": _DEBUG, "/set_trace_level": _DEBUG, "/freeze_gc": _DEBUG,
     "/slow_down": _DEBUG, "/configure_logging": _DEBUG, "/set_internal_state": _DEBUG,
     "/dumper/{method}": _DEBUG,
     "/start_expert_distribution_record": _EXPERTS, "/stop_expert_distribution_record": _EXPERTS,
     "/dump_expert_distribution_record": _EXPERTS,
     "/pd_role_switch": "prefill/decode disaggregation roles (one engine does both here)",
-    "/scale_elastic_ep": "elastic expert parallelism across GPU ranks (one process here)",
-    "/is_scaling_elastic_ep": "elastic expert parallelism across GPU ranks (one process here)",
+    "/scale_elastic_ep": _ELASTIC, "/is_scaling_elastic_ep": _ELASTIC,
 }
 """``{path: why}``: SGLang endpoints the CPU engine answers with 404."""
 

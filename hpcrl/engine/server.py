@@ -442,8 +442,6 @@ class EngineServer:
         def command() -> tuple[bool, str]:
             self.session.require(endpoint)
             message = work(body)
-            if self.session.is_open:
-                self.session.loaded = True
             if flush and not self.scheduler.flush_now():
                 return False, state.UPDATE_NOT_FLUSHED
             return True, message

@@ -65,13 +65,12 @@ class SessionError(ValueError):
 class WeightUpdateSession:
     """The engine's weight-update session (SGLang's ``_WeightUpdateSession``), owned by the scheduler thread.
 
-    ``selector``: what ``begin`` named while open, else None. ``loaded``: whether an update ran inside it.
-    ``opened`` / ``closed``: counts over the engine's life (``/get_server_info``), so tests see that every
-    sync opened and closed one.
+    ``selector``: what ``begin`` named while open, else None (SGLang also records whether an update ran
+    inside it, to finalise packed weights at the end; this engine has none). ``opened`` / ``closed``: counts
+    over the engine's life (``/get_server_info``), so tests see that every sync opened and closed one.
     """
 
     selector: str | None = None
-    loaded: bool = False
     opened: int = 0
     closed: int = 0
 
@@ -85,14 +84,14 @@ class WeightUpdateSession:
             raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
         if self.is_open:
             raise SessionError(NESTED_BEGIN)
-        self.selector, self.loaded = selector, False
+        self.selector = selector
         self.opened += 1
 
     def end(self) -> None:
         """Close the session. Raises SessionError when none is open."""
         if not self.is_open:
             raise SessionError(END_WITHOUT_BEGIN)
-        self.selector, self.loaded = None, False
+        self.selector = None
         self.closed += 1
 
     def require(self, endpoint: str) -> None:

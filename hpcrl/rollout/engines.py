@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpcrl.procs import (PORT_ATTEMPTS, ManagedProcess, ProcessStartError, child_preexec, find_free_port,
-                         log_since, open_log, port_taken, url_for, wait_for_http_ok)
+                         open_log, port_taken, url_for, wait_for_http_ok)
 from hpcrl.rollout.secret import read_secret
 
 logger = logging.getLogger(__name__)
@@ -287,9 +287,8 @@ class LocalEngineLaunch:
         for attempt in range(1, PORT_ATTEMPTS + 1):
             try:
                 return wait_engine(eng, self.secret_path)
-            except ProcessStartError:  # each start has a log of its own
-                if (not port_taken(log_since(eng.log_path, 0)) or model_path is None
-                        or attempt == PORT_ATTEMPTS):
+            except ProcessStartError as err:  # each start has a log of its own: its tail says why
+                if not port_taken(err.log_tail) or model_path is None or attempt == PORT_ATTEMPTS:
                     raise
                 old = eng.url
                 eng = self._spawn(index, args, model_path,

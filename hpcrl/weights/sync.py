@@ -41,17 +41,17 @@ from hpcrl.weights.common import EngineCalls, WeightSyncError
 
 METHODS = ("tensor", "distributed", "disk")
 PAUSE_MODES = ("abort", "retract", "in_place")
-ENDPOINTS = {"tensor": "/update_weights_from_tensor", "distributed": "/update_weights_from_distributed",
-             "disk": "/update_weights_from_disk"}
-"""The update endpoint each method sends its buckets to."""
 
 
 def needs_session(method: str) -> bool:
-    """Whether ``method``'s update endpoint runs only inside a weight-update session on SGLang 0.5.23
-    (:data:`hpcrl.engine.state.SESSION_GATED`: ``tensor`` and ``distributed``, not ``disk``)."""
+    """Whether ``method``'s update endpoint (its transport module's) runs only inside a weight-update session
+    on SGLang 0.5.23 (:data:`hpcrl.engine.state.SESSION_GATED`: ``tensor`` and ``distributed``, not
+    ``disk``)."""
     from hpcrl.engine.state import SESSION_GATED
+    from hpcrl.weights import disk, distributed, tensor
 
-    return ENDPOINTS[method].lstrip("/") in SESSION_GATED
+    endpoint = {"tensor": tensor.ENDPOINT, "distributed": distributed.UPDATE, "disk": disk.ENDPOINT}[method]
+    return endpoint.lstrip("/") in SESSION_GATED
 
 
 def iterate_for_sync(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]:
@@ -231,13 +231,12 @@ class WeightSyncer:
             await calls.begin_sessions()
         try:
             stats = await self._transfer(calls, stream, weight_version, tp_sizes)
-        except WeightSyncError as e:
+        except BaseException as e:
             if not session:
                 raise
-            raise e.with_note(await calls.close_sessions_after()) from e
-        except BaseException:
-            if session:
-                await calls.close_sessions_after()
+            note = await calls.close_sessions_after()
+            if isinstance(e, WeightSyncError):
+                raise e.with_note(note) from e
             raise
         if session:
             await calls.end_sessions()
