@@ -214,11 +214,52 @@ def _cmd_logs(ns: argparse.Namespace) -> int:
 
 @_slurm_errors
 def _cmd_cancel(ns: argparse.Namespace) -> int:
-    from hpcrl.slurm.control import cancel
-    from hpcrl.slurm.state import find_run
+    from pathlib import Path
 
+    from hpcrl.slurm.control import cancel
+    from hpcrl.slurm.state import find_run, read_job_file
+    from hpcrl.slurm.sweep import find_sweep
+
+    sweep = find_sweep(ns.run) or find_sweep(Path(ns.output_dir) / ns.run)
+    if sweep is not None:
+        return _cancel_sweep(sweep, ns)
+    if ns.points:
+        _err(f"hpcrl cancel --points: needs a sweep folder; {ns.run} is not one (no sweep.json)")
+        return EXIT_ERROR
     run_dir = find_run(ns.run, ns.output_dir)
+    if ns.dry_run:
+        job = read_job_file(run_dir)
+        print(f"would cancel job {job['job_id'] if job else '- (never submitted)'}: {run_dir}")
+        return EXIT_OK
     print(f"cancelled job {cancel(run_dir)}: {run_dir}")
+    return EXIT_OK
+
+
+def _cancel_sweep(sweep, ns: argparse.Namespace) -> int:
+    """``hpcrl cancel SWEEP_FOLDER``: print what will be cancelled, then cancel it in one scancel."""
+    from hpcrl.slurm import sweep as sw
+
+    manifest = sw.read_manifest(sweep)
+    names = sw.resolve_point_names(manifest, ns.points) if ns.points else None
+    plan = sw.plan_cancel(manifest, names)
+    if not plan.job_ids:
+        counts: dict[str, int] = {}
+        for name in (names or plan.states):
+            counts[plan.states[name]] = counts.get(plan.states[name], 0) + 1
+        print(f"nothing to cancel in {manifest['sweep_dir']}: no point is queued or running ("
+              + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ")")
+        return EXIT_OK
+    verb = "would cancel" if ns.dry_run else "cancelling"
+    print(f"{verb} {len(plan.points)} of {len(manifest['points'])} points of sweep {manifest['name']} "
+          f"({manifest['sweep_dir']}):")
+    for line in plan.lines:
+        print(f"  {line}")
+    if ns.dry_run:
+        return EXIT_OK
+    sys.stdout.flush()
+    sw.cancel_sweep(plan)
+    print(f"cancelled {' '.join(plan.job_ids)}; bring the points back with: hpcrl sweep --resubmit "
+          f"{manifest['sweep_dir']}")
     return EXIT_OK
 
 
@@ -253,7 +294,8 @@ def _cmd_sweep(ns: argparse.Namespace) -> int:
         res = sw.resubmit_sweep(ns.sweep, names, dry_run=ns.dry_run)
         if not res.points:
             print(f"nothing to resubmit in {res.sweep_dir}: no point ended "
-                  f"{'/'.join(sorted(sw.RESUBMIT_STATES))} (name points with --points)")
+                  f"{'/'.join(sorted(sw.RESUBMIT_STATES))} or is unknown to Slurm without having finished "
+                  "(name points with --points)")
             return EXIT_OK
         if res.dry_run:
             print(res.script, end="" if res.script.endswith("\n") else "\n")
@@ -363,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write report.csv and report.png (reward curves) into SWEEP_FOLDER")
     p.add_argument("--resubmit", action="store_true",
                    help="resubmit the points of SWEEP_FOLDER that ended FAILED/TIMEOUT/CANCELLED/NODE_FAIL/"
-                        "OUT_OF_MEMORY (or those of --points) as a new job array")
+                        "OUT_OF_MEMORY, or that Slurm no longer knows and did not finish (a task that never "
+                        "started), or those of --points, as a new job array")
     p.add_argument("--points", metavar="NAME[,NAME...]", action="append",
                    help="with --resubmit: the points to resubmit (repeat the option or join names with ',')")
     p.set_defaults(handler=_cmd_sweep)
@@ -381,8 +424,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_dir(p)
     p.set_defaults(handler=_cmd_logs)
 
-    p = sub.add_parser("cancel", help="cancel a run's Slurm job (scancel)")
-    p.add_argument("run", metavar="RUN", help="run folder or run name")
+    p = sub.add_parser("cancel", help="cancel a run's Slurm job, or every job of a sweep (scancel)",
+                       description="hpcrl cancel RUN: scancel the run's job. hpcrl cancel "
+                                   "SWEEP_FOLDER [--points NAME ...]: print, then scancel, every job array "
+                                   "(and het job) of the sweep with a point queued or running, or only the "
+                                   "named points' jobs.")
+    p.add_argument("run", metavar="RUN|SWEEP_FOLDER",
+                   help="run folder or run name, or a sweep folder or name")
+    p.add_argument("--points", metavar="NAME[,NAME...]", action="append",
+                   help="with a sweep: the points to cancel (repeat the option or join names with ',')")
+    p.add_argument("--dry-run", action="store_true", help="print what would be cancelled; cancel nothing")
     _add_output_dir(p)
     p.set_defaults(handler=_cmd_cancel)
 

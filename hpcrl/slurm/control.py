@@ -1,4 +1,4 @@
-"""``hpcrl logs RUN [--follow]`` and ``hpcrl cancel RUN``.
+"""``hpcrl logs RUN [--follow]`` and ``hpcrl cancel RUN`` (a sweep's: :mod:`hpcrl.slurm.sweep.cancel`).
 
 Logs of a run's newest attempt: the job's main log (task 0's stdout and stderr, from the last
 ``[hpcrl] attempt start`` line on, since a requeued job appends to the same file), then every file of the
@@ -130,6 +130,26 @@ def print_logs(run_dir: Path, follow: bool = False, out: TextIO = sys.stdout, po
         return 0
 
 
+def scancel(job_ids: list[str]) -> None:
+    """``scancel`` the jobs in one call (array ids cancel every task, ``<array>_<i>`` one task, a het job id
+    every component). Slurm 22.05's scancel is silent (exit 0) for jobs that have already ended.
+
+    Raises:
+        SlurmCommandError: scancel is missing (exit 2) or fails (exit 1), with its message on one line.
+    """
+    shown = " ".join(job_ids)
+    try:
+        out = subprocess.run(["scancel", *job_ids], capture_output=True, text=True, timeout=60, check=False)
+    except FileNotFoundError:
+        raise SlurmCommandError("hpcrl cancel: scancel not found on PATH; run it on a Slurm login node"
+                                ) from None
+    except subprocess.SubprocessError as e:
+        raise SlurmCommandError(f"hpcrl cancel: scancel {shown} failed: {e}", exit_code=1) from None
+    if out.returncode != 0:
+        msg = " ".join((out.stderr or out.stdout).split())
+        raise SlurmCommandError(f"hpcrl cancel: scancel {shown} failed: {msg}", exit_code=1)
+
+
 def cancel(run_dir: Path) -> str:
     """``scancel`` the run's job (all het components). Returns the job id.
 
@@ -142,14 +162,5 @@ def cancel(run_dir: Path) -> str:
         raise SlurmCommandError(f"RUN={str(run_dir)!r}: has no job.json, so it was never submitted; nothing "
                                 "to cancel (hpcrl submit without --dry-run submits it)")
     job_id = het_base_id(str(job["job_id"]))
-    try:
-        out = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=60, check=False)
-    except FileNotFoundError:
-        raise SlurmCommandError("hpcrl cancel: scancel not found on PATH; run it on a Slurm login node"
-                                ) from None
-    except subprocess.SubprocessError as e:
-        raise SlurmCommandError(f"hpcrl cancel: scancel {job_id} failed: {e}", exit_code=1) from None
-    if out.returncode != 0:
-        msg = " ".join((out.stderr or out.stdout).split())
-        raise SlurmCommandError(f"hpcrl cancel: scancel {job_id} failed: {msg}", exit_code=1)
+    scancel([job_id])
     return job_id

@@ -59,15 +59,23 @@ def het_base_id(job_id: str) -> str:
     return base if plus and offset.isdigit() else job_id
 
 
+_NO_SUCH_JOB = "Invalid job id specified"
+"""What ``squeue -j IDS`` says (exit 1) when the controller knows none of the ids: an answer, not a
+failure."""
+
+
 def run_command(argv: list[str], timeout: float = 30.0) -> Optional[str]:
-    """stdout of ``argv``, or None when the program is missing, fails or times out (the default Runner)."""
+    """stdout of ``argv``, or None when the program is missing, fails or times out (the default Runner).
+
+    An exit 1 with :data:`_NO_SUCH_JOB` on stderr (``squeue -j`` of jobs that have all left the queue) is the
+    answer "no such job": its stdout (empty) is returned."""
     if shutil.which(argv[0]) is None:
         return None
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 or _NO_SUCH_JOB in (out.stderr or "") else None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -183,6 +191,29 @@ def local_state(record: dict[str, Any]) -> str:
 # squeue / sacct
 # ------------------------------------------------------------------------------------------------------------
 
+_RANGE = r"\d+(?:-\d+)?(?::\d+)?"
+_FOLDED_RE = re.compile(rf"(\d+)_\[({_RANGE}(?:,{_RANGE})*)(?:%\d+)?\]")
+
+
+def expand_array_id(job_id: str) -> list[str]:
+    """The task ids of a folded job-array row: ``"3_[2-3%2]"`` -> ``["3_2", "3_3"]``, ``"7_[0,4-5]"`` ->
+    ``["7_0", "7_4", "7_5"]`` (a ``%N`` throttle suffix is ignored, a ``:S`` step honoured); any other id is
+    returned alone.
+
+    sacct (Slurm 22.05, which cannot expand arrays itself) reports array tasks that never started as one such
+    row (``3_[2-3%2]|CANCELLED by 0`` after ``scancel 3``), and ``sacct -j 3_2`` finds nothing for them."""
+    m = _FOLDED_RE.fullmatch(job_id)
+    if not m:
+        return [job_id]
+    base, spec = m.groups()
+    out: list[str] = []
+    for part in spec.split(","):
+        span, _, step = part.partition(":")
+        lo, _, hi = span.partition("-")
+        out += [f"{base}_{i}" for i in range(int(lo), int(hi or lo) + 1, max(int(step or 1), 1))]
+    return out
+
+
 def _merge(states: dict[str, list[str]]) -> dict[str, str]:
     """One state per base id: group 0's, unless another component failed or was cancelled."""
     out = {}
@@ -194,43 +225,96 @@ def _merge(states: dict[str, list[str]]) -> dict[str, str]:
 
 def _collect(rows: Iterable[tuple[str, str]]) -> dict[str, str]:
     states: dict[str, list[tuple[int, str]]] = {}
+    folded: dict[str, str] = {}
     for job_id, state in rows:
         if not job_id or "." in job_id:  # job steps (123.batch, 123+0.0)
             continue
         state = state.split()[0] if state.split() else UNKNOWN  # "CANCELLED by 0" -> CANCELLED
+        tasks = expand_array_id(job_id)
+        if tasks != [job_id]:
+            folded.update(dict.fromkeys(tasks, state))
+            continue
         base, _, offset = job_id.partition("+")
         states.setdefault(base, []).append((int(offset) if offset.isdigit() else 0, state))
-    return _merge({b: [s for _, s in sorted(v)] for b, v in states.items()})
+    merged = _merge({b: [s for _, s in sorted(v)] for b, v in states.items()})
+    return {**folded, **merged}  # a task's own row wins over a folded one
 
 
 def parse_squeue(text: str) -> dict[str, str]:
-    """``squeue -h -r -o %i|%T`` output -> ``{base job id: state}`` (het components merged)."""
+    """``squeue -h -r -o %i|%T`` output -> ``{base job id: state}`` (het components merged, folded array rows
+    expanded)."""
     return _collect(tuple(line.split("|", 1)) for line in text.splitlines() if "|" in line)
 
 
 def parse_sacct(text: str) -> dict[str, str]:
-    """``sacct -n -X -P -o JobID,State`` output -> ``{base job id: state}`` (steps skipped, het merged)."""
+    """``sacct -n -X -P -o JobID,State`` output -> ``{base job id: state}`` (steps skipped, het merged,
+    folded array rows such as ``3_[2-3%2]`` expanded into ``3_2``, ``3_3``)."""
     return _collect(tuple(line.split("|")[:2]) for line in text.splitlines() if "|" in line)
 
 
-def query_states(job_ids: Iterable[str], runner: Runner = run_command) -> dict[str, str]:
-    """Current state of each job id: squeue first (live jobs), then sacct (finished ones), else UNKNOWN.
+def array_of(job_id: str) -> Optional[str]:
+    """The array job id of an array task id (``"3_2"`` -> ``"3"``); None for any other id."""
+    base, sep, task = job_id.partition("_")
+    return base if sep and base.isdigit() and task.isdigit() else None
 
-    Ids may be plain (``123``), het (``123+1``, reported as ``123``) or job-array tasks (``123_4``, each its
-    own row: squeue runs with ``-r`` so pending tasks are not folded into ``123_[4-7]``)."""
+
+@dataclass
+class JobStates:
+    """What squeue and sacct say of some jobs (:func:`job_states`)."""
+
+    states: dict[str, str]
+    """Job id (het ids by their base) -> Slurm state; :data:`UNKNOWN` when neither command has the job."""
+    why_unknown: dict[str, str]
+    """Job id -> one line saying why its state is :data:`UNKNOWN` (only for those ids)."""
+    queue_checked: bool
+    """squeue answered, so a job it did not list is neither pending nor running (it has ended, or Slurm forgot
+    it); False when squeue is missing or failed."""
+
+
+def job_states(job_ids: Iterable[str], runner: Runner = run_command) -> JobStates:
+    """Current state of each job id: squeue first (live jobs), then sacct (finished ones), else UNKNOWN with
+    the reason.
+
+    Ids may be plain (``123``), het (``123+1``, reported as ``123``) or job-array tasks (``123_4``). squeue
+    runs with ``-r`` so pending tasks are not folded into ``123_[4-7]``; sacct is asked for the tasks' arrays
+    too (``-j 123``), since it has no row of its own for a task that never started, only the array's folded
+    row, which :func:`parse_sacct` expands. One squeue and at most one sacct call for all ids."""
     ids = sorted({het_base_id(str(j)) for j in job_ids})
     if not ids:
-        return {}
+        return JobStates({}, {}, True)
     found: dict[str, str] = {}
     out = runner(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(ids)])  # -r: one row per array task
+    queue_checked = out is not None
     if out is not None:
         found.update({k: v for k, v in parse_squeue(out).items() if k in ids})
     rest = [j for j in ids if j not in found]
+    acct: Optional[dict[str, str]] = None
     if rest:
-        out = runner(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)])
+        arrays = {a for j in rest if (a := array_of(j))}
+        asked = ",".join(sorted({*rest, *arrays}))
+        out = runner(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", asked])
         if out is not None:
-            found.update({k: v for k, v in parse_sacct(out).items() if k in rest})
-    return {j: found.get(j, UNKNOWN) for j in ids}
+            acct = parse_sacct(out)
+            found.update({k: v for k, v in acct.items() if k in rest})
+    why = {j: _why_unknown(j, queue_checked, acct) for j in ids if j not in found}
+    return JobStates({j: found.get(j, UNKNOWN) for j in ids}, why, queue_checked)
+
+
+def _why_unknown(job_id: str, queue_checked: bool, acct: Optional[dict[str, str]]) -> str:
+    queue = "not queued (squeue)" if queue_checked else "squeue could not be run (not on PATH, or it failed)"
+    if acct is None:
+        return f"{queue}, and sacct could not be run (not on PATH, accounting off or slurmdbd down)"
+    array = array_of(job_id)
+    if array and any(array_of(k) == array for k in acct):
+        return (f"{queue}, and sacct has no record of task {job_id.partition('_')[2]} of array {array} "
+                "though it has the array's other tasks (Slurm keeps none for a pending task cancelled by its "
+                "own id: it never started)")
+    return f"{queue}, and sacct has no record of it (accounting records purged, or never written)"
+
+
+def query_states(job_ids: Iterable[str], runner: Runner = run_command) -> dict[str, str]:
+    """Job id -> state, as :func:`job_states` (without the reasons)."""
+    return job_states(job_ids, runner).states
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -295,6 +379,16 @@ def planned_rollouts(run_dir: Path) -> Optional[int]:
         return None
 
 
+def run_finished(run_dir: str | os.PathLike) -> bool:
+    """Whether the run's ``metrics.jsonl`` has its last planned step (``run.num_rollout`` from its
+    ``config.yaml``); False without metrics or without a readable plan."""
+    from hpcrl.metrics import read_metrics
+
+    steps = [r["step"] for r in read_metrics(Path(run_dir)) if isinstance(r.get("step"), int)]
+    planned = planned_rollouts(Path(run_dir))
+    return bool(steps) and planned is not None and max(steps) + 1 >= planned
+
+
 @dataclass
 class RunStatus:
     """One row of ``hpcrl status``."""
@@ -308,6 +402,8 @@ class RunStatus:
     num_rollout: Optional[int]
     last_reward: Optional[float]
     attempts: int
+    note: Optional[str] = None
+    """Why the state is :data:`UNKNOWN`, when it is for a submitted run (:attr:`JobStates.why_unknown`)."""
 
     @property
     def steps_done(self) -> int:
@@ -315,8 +411,10 @@ class RunStatus:
         return 0 if self.rollout_id is None else self.rollout_id + 1
 
 
-def run_status(run_dir: Path, states: dict[str, str]) -> RunStatus:
-    """The :class:`RunStatus` of one run folder, given job states from :func:`query_states`.
+def run_status(run_dir: Path, states: dict[str, str], why_unknown: Optional[dict[str, str]] = None
+               ) -> RunStatus:
+    """The :class:`RunStatus` of one run folder, given job states (and the reasons of UNKNOWN ones) from
+    :func:`job_states`.
 
     State: a live local ``hpcrl run`` (:data:`LOCAL_RUN_FILE`) is ``RUNNING``; else a submitted run's Slurm state;
     else the local run's outcome (:func:`local_state`); else, for a folder with steps but no record (a run from
@@ -331,10 +429,12 @@ def run_status(run_dir: Path, states: dict[str, str]) -> RunStatus:
     local = local_state(local) if local else None
     rows = [r for r in read_metrics(run_dir) if isinstance(r.get("step"), int) and r["step"] >= 0]
     num_rollout = planned_rollouts(run_dir)
+    note = None
     if local == RUNNING or (local and not job_id):
         state = local
     elif job_id:
         state = states.get(het_base_id(job_id), UNKNOWN)
+        note = (why_unknown or {}).get(het_base_id(job_id)) if state == UNKNOWN else None
     elif rows:
         state = COMPLETED if num_rollout is not None and rows[-1]["step"] + 1 >= num_rollout else STOPPED
     else:
@@ -343,19 +443,21 @@ def run_status(run_dir: Path, states: dict[str, str]) -> RunStatus:
                if isinstance(r.get("rollout/reward_mean"), (int, float))]
     return RunStatus(run=run_dir.name, path=run_dir, job_id=job_id, state=state,
                      rollout_id=rows[-1]["step"] if rows else None, num_rollout=num_rollout,
-                     last_reward=rewards[-1] if rewards else None, attempts=len(attempt_dirs(run_dir)))
+                     last_reward=rewards[-1] if rewards else None, attempts=len(attempt_dirs(run_dir)),
+                     note=note)
 
 
 def collect_status(run_dirs: list[Path], runner: Runner = run_command) -> list[RunStatus]:
     """Status rows for ``run_dirs`` with one squeue and at most one sacct call for all their jobs."""
     ids = [str(j["job_id"]) for d in run_dirs if (j := read_job_file(d))]
-    states = query_states(ids, runner)
-    return [run_status(d, states) for d in run_dirs]
+    js = job_states(ids, runner)
+    return [run_status(d, js.states, js.why_unknown) for d in run_dirs]
 
 
 def format_table(rows: list[RunStatus]) -> str:
     """Rows as an aligned text table with a header: RUN, JOB, STATE, ROLLOUT (steps done / ``num_rollout``),
-    REWARD, ATTEMPTS, PATH."""
+    REWARD, ATTEMPTS, PATH; then one line per run whose state is UNKNOWN, saying why (``RUN: UNKNOWN:
+    ...``)."""
     header = ("RUN", "JOB", "STATE", "ROLLOUT", "REWARD", "ATTEMPTS", "PATH")
     lines = [header]
     for r in rows:
@@ -365,4 +467,5 @@ def format_table(rows: list[RunStatus]) -> str:
         reward = "-" if r.last_reward is None else f"{r.last_reward:.3f}"
         lines.append((r.run, r.job_id or "-", r.state, rollout, reward, str(r.attempts), str(r.path)))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
+    text = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines]
+    return "\n".join(text + [f"{r.run}: {r.state}: {r.note}" for r in rows if r.note])

@@ -497,10 +497,10 @@ def test_status_and_report(work, monkeypatch):
     with open(csv_path, newline="") as f:
         got = list(csv.DictReader(f))
     assert list(got[0]) == ["point", "train.lr", "run.seed", "job_id", "state", "steps", "final_reward_mean",
-                            "final_eval_accuracy", "run_dir"]
+                            "final_eval_accuracy", "run_dir", "note"]
     assert got[0] == {"point": res.points[0], "train.lr": "0.0001", "run.seed": "1", "job_id": "4242_0",
                       "state": "COMPLETED", "steps": "3", "final_reward_mean": "0.4",
-                      "final_eval_accuracy": "0.5", "run_dir": str(sdir / res.points[0])}
+                      "final_eval_accuracy": "0.5", "run_dir": str(sdir / res.points[0]), "note": ""}
     assert [got[1][k] for k in ("steps", "final_reward_mean", "final_eval_accuracy")] == ["2", "0.1", "0.1"]
     assert (got[3]["state"], got[3]["steps"], got[3]["final_reward_mean"], got[3]["final_eval_accuracy"]) == (
         "FAILED", "0", "", "")

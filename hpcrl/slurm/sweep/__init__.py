@@ -76,15 +76,26 @@ Manifest (``sweep.json``, rewritten atomically)::
 ``job_id``/``array_job_id``/``task_index`` are null after ``--dry-run`` (and ``submissions`` empty); for a het
 sweep ``job_id`` is the point's het job id and ``array_job_id``/``task_index`` are null.
 
+States: each point's state is its current job's (:func:`sweep_states`): squeue for live tasks, sacct for ended
+ones, asked for the whole array since sacct folds tasks that never started into one row
+(``3_[2-3%2]|CANCELLED`` after ``scancel 3``), which is expanded. A point whose job neither knows (Slurm 22.05
+keeps no record of a pending task cancelled by its own id ``3_2``; accounting purged) is ``UNKNOWN``, and
+``hpcrl status`` / the report's ``note`` column say why and whether it ever started.
+
 Resubmission (:func:`resubmit_sweep`): points whose job ended FAILED, TIMEOUT, CANCELLED, NODE_FAIL,
-OUT_OF_MEMORY, BOOT_FAIL, DEADLINE or PREEMPTED (:data:`RESUBMIT_STATES`), or the points named, go into a new
+OUT_OF_MEMORY, BOOT_FAIL, DEADLINE or PREEMPTED (:data:`RESUBMIT_STATES`), those whose job Slurm no longer
+knows while their run has not logged every step (:func:`resubmittable`), or the points named, go into a new
 job array of just those points (task *j* = the *j*-th of them; each run folder resumes from its newest
 checkpoint, as a requeued job does); the manifest records the new ids, the old ones in ``previous_job_ids``.
 
+Cancelling (:mod:`~hpcrl.slurm.sweep.cancel`): ``hpcrl cancel SWEEP_FOLDER`` prints, then cancels with one
+``scancel``, every array (and het job) of the sweep with a point queued or running; ``--points`` only those
+points' tasks.
+
 Modules: :mod:`~hpcrl.slurm.sweep.points` (expansion and names, pure), :mod:`~hpcrl.slurm.sweep.plan`
 (validate every point, one Slurm shape), :mod:`~hpcrl.slurm.sweep.manifest` (``sweep.json``),
-:mod:`~hpcrl.slurm.sweep.submit` (array or het jobs, resubmission), :mod:`~hpcrl.slurm.sweep.report` (status
-table, ``report.csv`` / ``report.png``).
+:mod:`~hpcrl.slurm.sweep.submit` (array or het jobs, resubmission), :mod:`~hpcrl.slurm.sweep.cancel` (``hpcrl
+cancel SWEEP``), :mod:`~hpcrl.slurm.sweep.report` (status table, ``report.csv`` / ``report.png``).
 """
 
 from __future__ import annotations
@@ -92,10 +103,12 @@ from __future__ import annotations
 from hpcrl.slurm.sweep.points import (MAX_POINT_NAME, SEED_KEY, SweepPoint, expand_points, format_value,
                                       key_labels, sanitize_name, point_names)
 from hpcrl.slurm.sweep.plan import SweepPlan, point_error, check_one_shape, plan_sweep
-from hpcrl.slurm.sweep.manifest import (SWEEP_FILE, MANIFEST_VERSION, RESUBMIT_STATES, write_manifest, find_sweep,
-                                        read_manifest, point_states, check_no_live_jobs, resolve_point_names)
+from hpcrl.slurm.sweep.manifest import (SWEEP_FILE, MANIFEST_VERSION, RESUBMIT_STATES, SweepStates,
+                                        write_manifest, find_sweep, read_manifest, sweep_states, point_states,
+                                        resubmittable, check_no_live_jobs, resolve_point_names)
 from hpcrl.slurm.sweep.submit import (run_dir_setup_line, make_array_executor, SweepResult, submit_sweep,
                                       resubmit_sweep)
+from hpcrl.slurm.sweep.cancel import CancelPlan, plan_cancel, cancel_sweep
 from hpcrl.slurm.sweep.report import (REPORT_CSV, REPORT_PNG, PointStatus, point_status, sweep_status,
                                       format_sweep_table, REPORT_COLUMNS, write_report, plot_report)
 
@@ -118,7 +131,10 @@ __all__ = [
     "write_manifest",
     "find_sweep",
     "read_manifest",
+    "SweepStates",
+    "sweep_states",
     "point_states",
+    "resubmittable",
     "check_no_live_jobs",
     "resolve_point_names",
     "run_dir_setup_line",
@@ -126,6 +142,9 @@ __all__ = [
     "SweepResult",
     "submit_sweep",
     "resubmit_sweep",
+    "CancelPlan",
+    "plan_cancel",
+    "cancel_sweep",
     "REPORT_CSV",
     "REPORT_PNG",
     "PointStatus",

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from hpcrl.fsutil import atomic_write_text
 from hpcrl.slurm import SlurmCommandError
-from hpcrl.slurm.state import FINAL_STATES, NOT_SUBMITTED, UNKNOWN, Runner, query_states, run_command
+from hpcrl.slurm.state import (FINAL_STATES, NOT_SUBMITTED, UNKNOWN, Runner, job_states, run_command,
+                               run_finished)
 
 SWEEP_FILE = "sweep.json"
 """The sweep folder's manifest."""
@@ -19,7 +21,8 @@ MANIFEST_VERSION = 1
 
 RESUBMIT_STATES = frozenset({"FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                              "DEADLINE", "PREEMPTED"})
-"""Final Slurm states after which ``hpcrl sweep --resubmit`` resubmits a point by default."""
+"""Final Slurm states after which ``hpcrl sweep --resubmit`` resubmits a point by default (and, see
+:func:`resubmittable`, a point whose job Slurm no longer knows and whose run is not done)."""
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -59,13 +62,45 @@ def read_manifest(sweep_dir: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def point_states(manifest: Mapping[str, Any], runner: Runner = run_command) -> dict[str, str]:
-    """Point name -> Slurm state of its job (:data:`~hpcrl.slurm.state.NOT_SUBMITTED` without one), with one
-    squeue and at most one sacct call for the whole sweep (array tasks ``<id>_<i>``)."""
+@dataclass
+class SweepStates:
+    """The Slurm state of each point of a sweep (:func:`sweep_states`)."""
+
+    states: dict[str, str]
+    """Point name -> state of its current job (:data:`~hpcrl.slurm.state.NOT_SUBMITTED` without one)."""
+    why_unknown: dict[str, str]
+    """Point name -> why its state is :data:`~hpcrl.slurm.state.UNKNOWN` (only for those points)."""
+    queue_checked: bool
+    """squeue answered: an UNKNOWN point's job is neither pending nor running."""
+
+
+def sweep_states(manifest: Mapping[str, Any], runner: Runner = run_command) -> SweepStates:
+    """The state of every point's job, with one squeue and at most one sacct call for the whole sweep (array
+    tasks ``<id>_<i>``, including those that never started: see :func:`~hpcrl.slurm.state.job_states`)."""
     ids = [str(p["job_id"]) for p in manifest["points"] if p.get("job_id")]
-    states = query_states(ids, runner)
-    return {p["name"]: states.get(str(p["job_id"]), UNKNOWN) if p.get("job_id") else NOT_SUBMITTED
-            for p in manifest["points"]}
+    js = job_states(ids, runner)
+    states, why = {}, {}
+    for p in manifest["points"]:
+        job = str(p["job_id"]) if p.get("job_id") else None
+        states[p["name"]] = js.states.get(job, UNKNOWN) if job else NOT_SUBMITTED
+        if job in js.why_unknown:
+            why[p["name"]] = f"job {job}: {js.why_unknown[job]}"
+    return SweepStates(states, why, js.queue_checked)
+
+
+def point_states(manifest: Mapping[str, Any], runner: Runner = run_command) -> dict[str, str]:
+    """Point name -> Slurm state of its job, as :func:`sweep_states` (without the reasons)."""
+    return sweep_states(manifest, runner).states
+
+
+def resubmittable(point: Mapping[str, Any], state: str, queue_checked: bool) -> bool:
+    """Whether ``hpcrl sweep --resubmit`` takes ``point`` by default: its job ended in one of
+    :data:`RESUBMIT_STATES`, or Slurm no longer knows its job (``state`` UNKNOWN while squeue answered, so it
+    is not queued) and its run has not logged every step, as for an array task that never started and was
+    cancelled on its own (Slurm 22.05 keeps no record of it)."""
+    if state in RESUBMIT_STATES:
+        return True
+    return state == UNKNOWN and queue_checked and not run_finished(Path(point["run_dir"]))
 
 
 def check_no_live_jobs(manifest: Optional[Mapping[str, Any]], names: Optional[set[str]] = None,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from hpcrl.slurm.state import Runner, attempt_dirs, run_command
-from hpcrl.slurm.sweep.manifest import point_states, read_manifest
+from hpcrl.slurm.sweep.manifest import read_manifest, resubmittable, sweep_states
 from hpcrl.slurm.sweep.points import format_value
 
 REPORT_CSV = "report.csv"
@@ -45,14 +45,20 @@ class PointStatus:
     curve: list[tuple[int, float]] = field(default_factory=list, repr=False)
     """``(step, rollout/reward_mean)`` of every step, for the report's plot."""
     eval_curve: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    note: Optional[str] = None
+    """For a point whose state is UNKNOWN: why, whether it ever started, and whether ``hpcrl sweep
+    --resubmit`` takes it."""
 
 
 def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def point_status(point: Mapping[str, Any], state: str) -> PointStatus:
-    """The :class:`PointStatus` of one manifest point, from its run folder's ``metrics.jsonl`` and logs."""
+def point_status(point: Mapping[str, Any], state: str, why_unknown: Optional[str] = None,
+                 resubmit: bool = False) -> PointStatus:
+    """The :class:`PointStatus` of one manifest point, from its run folder's ``metrics.jsonl`` and logs;
+    ``why_unknown`` (the reason its state is UNKNOWN) and ``resubmit`` (whether ``--resubmit`` takes it) make
+    its :attr:`~PointStatus.note`."""
     from hpcrl.metrics import read_metrics
     from hpcrl.slurm.state import planned_rollouts
 
@@ -62,12 +68,18 @@ def point_status(point: Mapping[str, Any], state: str) -> PointStatus:
     curve = [(r["step"], float(r["rollout/reward_mean"])) for r in steps
              if _num(r.get("rollout/reward_mean"))]
     evals = [(r["step"], float(r["eval/accuracy"])) for r in rows if _num(r.get("eval/accuracy"))]
+    attempts = len(attempt_dirs(run_dir))
+    note = None
+    if why_unknown:
+        n = len({r["step"] for r in steps})
+        done = "never started" if not attempts and not n else f"{n} steps done"
+        note = f"{why_unknown}; {done}" + ("; hpcrl sweep --resubmit brings it back" if resubmit else "")
     return PointStatus(name=point["name"], overrides=dict(point.get("overrides") or {}), run_dir=run_dir,
                        job_id=point.get("job_id"), state=state,
                        rollout_id=steps[-1]["step"] if steps else None, num_rollout=planned_rollouts(run_dir),
                        steps=len({r["step"] for r in steps}), final_reward=curve[-1][1] if curve else None,
                        final_eval=evals[-1][1] if evals else None,
-                       attempts=len(attempt_dirs(run_dir)), curve=curve, eval_curve=evals)
+                       attempts=attempts, curve=curve, eval_curve=evals, note=note)
 
 
 def sweep_status(sweep_dir: str | os.PathLike, runner: Runner = run_command
@@ -76,8 +88,10 @@ def sweep_status(sweep_dir: str | os.PathLike, runner: Runner = run_command
 
     Raises SlurmCommandError when ``sweep_dir`` is not a sweep folder."""
     manifest = read_manifest(sweep_dir)
-    states = point_states(manifest, runner)
-    return manifest, [point_status(p, states[p["name"]]) for p in manifest["points"]]
+    ss = sweep_states(manifest, runner)
+    return manifest, [point_status(p, ss.states[p["name"]], ss.why_unknown.get(p["name"]),
+                                   resubmittable(p, ss.states[p["name"]], ss.queue_checked))
+                      for p in manifest["points"]]
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -87,7 +101,8 @@ def _fmt(v: Optional[float]) -> str:
 def format_sweep_table(manifest: Mapping[str, Any], rows: Sequence[PointStatus]) -> str:
     """The ``hpcrl status SWEEP`` text: a header line, then POINT, JOB, STATE, ROLLOUT (steps done /
     ``num_rollout``), REWARD (last
-    ``rollout/reward_mean``), EVAL (last ``eval/accuracy``), ATTEMPTS, then a count of points per state."""
+    ``rollout/reward_mean``), EVAL (last ``eval/accuracy``), ATTEMPTS, then a count of points per state, then
+    one line per point whose state is UNKNOWN, saying why (``POINT: UNKNOWN: ...``)."""
     arrays = [s["array_job_id"] for s in manifest.get("submissions", []) if s.get("array_job_id")]
     kind = ("one het job per point" if manifest.get("het") else
             ("job array " + ", ".join(arrays) if arrays else "not submitted"))
@@ -105,10 +120,11 @@ def format_sweep_table(manifest: Mapping[str, Any], rows: Sequence[PointStatus])
     for r in rows:
         counts[r.state] = counts.get(r.state, 0) + 1
     lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
-    return "\n".join(lines)
+    return "\n".join(lines + [f"{r.name}: {r.state}: {r.note}" for r in rows if r.note])
 
 
-REPORT_COLUMNS = ("point", "job_id", "state", "steps", "final_reward_mean", "final_eval_accuracy", "run_dir")
+REPORT_COLUMNS = ("point", "job_id", "state", "steps", "final_reward_mean", "final_eval_accuracy", "run_dir",
+                  "note")
 """Columns of ``report.csv`` after ``point``'s swept keys (inserted after ``point``, one per dotted key)."""
 
 
@@ -117,7 +133,8 @@ def write_report(sweep_dir: str | os.PathLike, runner: Runner = run_command) -> 
 
     ``report.csv``: one row per point: ``point``, one column per swept dotted key (its value), ``job_id``,
     ``state``, ``steps`` (rollout steps logged), ``final_reward_mean`` (last ``rollout/reward_mean``),
-    ``final_eval_accuracy`` (last ``eval/accuracy``; empty when none), ``run_dir``.
+    ``final_eval_accuracy`` (last ``eval/accuracy``; empty when none), ``run_dir``, ``note`` (why the state is
+    UNKNOWN; empty otherwise).
     ``report.png`` (matplotlib, Agg): ``rollout/reward_mean`` against rollout step, one line per point, and a
     second panel of ``eval/accuracy`` when any point logged one.
 
@@ -138,7 +155,7 @@ def write_report(sweep_dir: str | os.PathLike, runner: Runner = run_command) -> 
             values = [format_value(r.overrides[k]) if k in r.overrides else "" for k in keys]
             w.writerow([r.name, *values, r.job_id or "", r.state, r.steps,
                         "" if r.final_reward is None else repr(r.final_reward),
-                        "" if r.final_eval is None else repr(r.final_eval), str(r.run_dir)])
+                        "" if r.final_eval is None else repr(r.final_eval), str(r.run_dir), r.note or ""])
     return csv_path, plot_report(rows, sdir / REPORT_PNG, title=f"sweep {manifest['name']}")
 
 

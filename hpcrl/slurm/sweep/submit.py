@@ -18,8 +18,8 @@ from hpcrl.config import ConfigError, load_config
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.resources import JobPlan
 from hpcrl.slurm.state import FINAL_STATES, NOT_SUBMITTED, UNKNOWN, Runner, run_command, write_job_file
-from hpcrl.slurm.sweep.manifest import (MANIFEST_VERSION, RESUBMIT_STATES, SWEEP_FILE, check_no_live_jobs,
-                                         point_states, read_manifest, write_manifest)
+from hpcrl.slurm.sweep.manifest import (MANIFEST_VERSION, SWEEP_FILE, SweepStates, check_no_live_jobs,
+                                         read_manifest, resubmittable, sweep_states, write_manifest)
 from hpcrl.slurm.sweep.plan import check_one_shape, plan_sweep, point_error
 from hpcrl.slurm.sweep.points import SweepPoint
 
@@ -245,11 +245,12 @@ def submit_sweep(config: str | os.PathLike | None, overrides: Iterable[str] = ()
 # resubmit
 # ------------------------------------------------------------------------------------------------------------
 
-def _select_points(manifest: Mapping[str, Any], names: Optional[Sequence[str]], states: Mapping[str, str]
+def _select_points(manifest: Mapping[str, Any], names: Optional[Sequence[str]], ss: SweepStates
                    ) -> list[dict]:
     by_name = {p["name"]: p for p in manifest["points"]}
+    states = ss.states
     if names is None:
-        return [p for p in manifest["points"] if states.get(p["name"]) in RESUBMIT_STATES]
+        return [p for p in manifest["points"] if resubmittable(p, states[p["name"]], ss.queue_checked)]
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise SlurmCommandError(f"--points: {unknown[0]!r} is not a point of {manifest['sweep_dir']}; its "
@@ -273,7 +274,9 @@ def resubmit_sweep(sweep_dir: str | os.PathLike, points: Optional[Sequence[str]]
 
     Args:
         sweep_dir: the sweep folder (or its ``sweep.json``).
-        points: point names; default the points whose job ended in one of :data:`RESUBMIT_STATES`.
+        points: point names; default the points whose job ended in one of :data:`RESUBMIT_STATES` and
+            those whose job Slurm no longer knows while their run is not done (:func:`resubmittable`: an
+            array task cancelled before it started).
         dry_run: write the array script (``resubmission-K.sbatch``) but submit nothing and keep the manifest.
         environ, python, runner: as for :func:`submit_sweep`.
 
@@ -290,8 +293,7 @@ def resubmit_sweep(sweep_dir: str | os.PathLike, points: Optional[Sequence[str]]
     manifest = read_manifest(sweep_dir)
     sdir = Path(manifest["sweep_dir"])
     environ = os.environ if environ is None else environ
-    states = point_states(manifest, runner)
-    picked = _select_points(manifest, points, states)
+    picked = _select_points(manifest, points, sweep_states(manifest, runner))
     workdir = manifest.get("workdir") or os.getcwd()
     het = bool(manifest.get("het"))
     parallelism = int(manifest.get("array_parallelism") or 1)
