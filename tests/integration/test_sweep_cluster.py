@@ -8,8 +8,15 @@
   (the other task keeps running: requeueing an array task by its raw job id would requeue every task), the
   other is cancelled, and ``hpcrl sweep --resubmit`` submits just that point as a new one-task array.
 
-Each test takes about a minute on a free 2-core cluster; the waits are long because other tests' jobs may
-hold the two nodes first.
+* A 4-point sweep (2 at once) is cancelled with running and pending tasks: one pending point alone
+  (``hpcrl cancel SWEEP --points``, after which Slurm 22.05 keeps no record of that task: UNKNOWN, never
+  started), then the whole sweep (``hpcrl cancel SWEEP``: the array, its pending tasks shown by sacct as one
+  folded row ``<id>_[2-3%2]``); ``hpcrl sweep --resubmit`` brings back all four points, which run the real
+  bootstrap and complete. ``hpcrl status`` is read at every stage. The running tasks hold in a stand-in
+  bootstrap (:func:`hold_then_run`) until the cancel, so only the resubmitted runs pay for real steps.
+
+Each test takes about a minute on a free 2-core cluster (the cancel test about three); the waits are long
+because other tests' jobs may hold the two nodes first.
 """
 
 from __future__ import annotations
@@ -49,6 +56,12 @@ sweep:
   array_parallelism: 2
 """
 POINTS = ["lr=0.0001", "lr=0.0003"]
+SEEDS = """\
+  seeds: [1, 2]
+"""
+POINTS4 = [f"lr={lr},seed={seed}" for lr in ("0.0001", "0.0003") for seed in (1, 2)]
+HOLD = "hold"
+"""While this file is in the sweep folder, :func:`hold_then_run` holds each task instead of running it."""
 
 
 def sleep_in_first_attempt(cfg, run_dir: Path) -> int:
@@ -61,6 +74,19 @@ def sleep_in_first_attempt(cfg, run_dir: Path) -> int:
         (run_dir / "sleeping").write_text(os.environ.get("SLURM_JOB_ID", "?"))
         time.sleep(120)
     return 0
+
+
+def hold_then_run(cfg, run_dir: Path) -> int:
+    """Stand-in bootstrap: while the sweep folder holds :data:`HOLD`, record the job's environment, mark the
+    point ``sleeping`` and sleep (up to 300 s, to be cancelled); otherwise run the real bootstrap."""
+    if (run_dir.parent / HOLD).exists():
+        from tests.integration.slurm_probe import _record
+
+        _record(run_dir)
+        (run_dir / "sleeping").write_text(os.environ.get("SLURM_JOB_ID", "?"))
+        time.sleep(300)
+        return 1
+    return entry.default_bootstrap(cfg, run_dir)
 
 
 @pytest.fixture
@@ -79,12 +105,12 @@ def hpcrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
-def submit_sweep(work: Path, model: Path, cpus: int) -> tuple[str, Path]:
-    (work / "sweep.yaml").write_text(SWEEP.format(model=model, cpus=cpus))
+def submit_sweep(work: Path, model: Path, cpus: int, extra: str = "", points: int = 2) -> tuple[str, Path]:
+    (work / "sweep.yaml").write_text(SWEEP.format(model=model, cpus=cpus) + extra)
     out = hpcrl("sweep", "sweep.yaml")
     assert out.returncode == 0, out.stderr
     words = out.stdout.split()  # "submitted sweep NAME: job array ID with N tasks (...): SWEEP_DIR"
-    assert words[3:5] == ["job", "array"] and words[6:8] == ["with", "2"], out.stdout
+    assert words[3:5] == ["job", "array"] and words[6:8] == ["with", str(points)], out.stdout
     return words[5], work / "runs" / "lrs"
 
 
@@ -206,3 +232,85 @@ def test_preempted_task_requeues_alone_and_cancelled_point_is_resubmitted(work, 
     assert out.stdout.splitlines()[-1] == "2 COMPLETED", out.stdout
     again = hpcrl("sweep", "--resubmit", str(sdir))
     assert again.returncode == 0 and again.stdout.startswith("nothing to resubmit")
+
+
+def status_rows(sdir: Path) -> tuple[dict[str, str], list[str]]:
+    """``hpcrl status SWEEP``: point -> STATE, and the lines under the table (the counts, then the notes)."""
+    out = hpcrl("status", str(sdir))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    rows = {line.split()[0]: line.split()[2] for line in lines[2:2 + len(POINTS4)]}
+    assert list(rows) == POINTS4, out.stdout
+    return rows, lines[2 + len(POINTS4):]
+
+
+def wait_status(sdir: Path, ok, timeout: float = WAIT_S) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while not ok(rows := status_rows(sdir)[0]):
+        assert time.monotonic() < deadline, f"hpcrl status still {rows} after {timeout} s"
+        time.sleep(1)
+    return rows
+
+
+def test_cancelled_sweep_with_pending_tasks_is_resubmitted_whole(work, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(entry.BOOTSTRAP_ENV, "tests.integration.test_sweep_cluster.hold_then_run")
+    (work / "runs" / "lrs").mkdir(parents=True)
+    (work / "runs" / "lrs" / HOLD).write_text("")
+    array_id, sdir = submit_sweep(work, tiny_model_dir, cpus=2, extra=SEEDS, points=4)
+    tasks = [f"{array_id}_{i}" for i in range(4)]
+    for name in POINTS4[:2]:  # the throttle (%2) runs tasks 0 and 1 first
+        wait_file(sdir / name / "sleeping")
+    assert status_rows(sdir)[0] == dict(zip(POINTS4, ["RUNNING", "RUNNING", "PENDING", "PENDING"]))
+
+    # one pending point alone: Slurm 22.05 then keeps no record of that task (UNKNOWN, with the reason)
+    out = hpcrl("cancel", str(sdir), "--points", POINTS4[3])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[:2] == [f"cancelling 1 of 4 points of sweep lrs ({sdir}):",
+                                           f"  job {tasks[3]}: {POINTS4[3]} (PENDING)"], out.stdout
+    rows = wait_status(sdir, lambda r: r[POINTS4[3]] != "PENDING")
+    assert rows == dict(zip(POINTS4, ["RUNNING", "RUNNING", "PENDING", "UNKNOWN"]))
+
+    # the whole sweep: printed first, then the array cancelled by its id (running and pending tasks)
+    out = hpcrl("cancel", str(sdir))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"cancelling 3 of 4 points of sweep lrs ({sdir}):",
+        f"  job array {array_id}: {POINTS4[0]} (RUNNING), {POINTS4[1]} (RUNNING), {POINTS4[2]} (PENDING)",
+        f"cancelled {array_id}; bring the points back with: hpcrl sweep --resubmit {sdir}"], out.stdout
+    wait_states(tasks[:3])
+    deadline = time.monotonic() + 30  # sacct may lag the controller by a moment
+    while (rows := status_rows(sdir))[0] != dict(zip(POINTS4, ["CANCELLED"] * 3 + ["UNKNOWN"])):
+        assert time.monotonic() < deadline, rows
+        time.sleep(1)
+    notes = rows[1]
+    assert len(notes) == 2 and notes[0] == "3 CANCELLED, 1 UNKNOWN", notes
+    assert notes[1] == (f"{POINTS4[3]}: UNKNOWN: job {tasks[3]}: not queued (squeue), and sacct has no "
+                        f"record of task 3 of array {array_id} though it has the array's other tasks (Slurm "
+                        "keeps none for a pending task cancelled by its own id: it never started); never "
+                        "started; hpcrl sweep --resubmit brings it back"), notes
+    folded = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", array_id],
+                            capture_output=True, text=True, timeout=30, check=True).stdout
+    assert f"{array_id}_[2" in folded  # the task that never started is only in the folded row
+    assert not (sdir / POINTS4[2] / "sleeping").exists() and not attempt_dirs(sdir / POINTS4[3])
+    out = hpcrl("cancel", str(sdir))
+    assert out.returncode == 0 and out.stdout.startswith(f"nothing to cancel in {sdir}"), out.stdout
+
+    # --resubmit brings back all four points; they run the real bootstrap and complete
+    (sdir / HOLD).unlink()
+    out = hpcrl("sweep", "--resubmit", str(sdir))
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.splitlines()[0].split()  # "resubmitted job array ID with 4 tasks: ..."
+    new_id = words[3]
+    assert words[:3] + words[4:7] == ["resubmitted", "job", "array", "with", "4", "tasks:"], out.stdout
+    rows = status_rows(sdir)[0]
+    assert set(rows.values()) <= {"PENDING", "RUNNING", "COMPLETED"}, rows
+    new_tasks = [f"{new_id}_{i}" for i in range(4)]
+    assert wait_states(new_tasks) == {t: "COMPLETED" for t in new_tasks}, job_log(sdir)
+    rows, notes = status_rows(sdir)
+    assert rows == dict.fromkeys(POINTS4, "COMPLETED") and notes == ["4 COMPLETED"]
+    manifest = json.loads((sdir / "sweep.json").read_text())
+    assert [(p["job_id"], p["previous_job_ids"]) for p in manifest["points"]] == [
+        (new, [old]) for new, old in zip(new_tasks, tasks)]
+    for name in POINTS4:
+        rows = [json.loads(line) for line in (sdir / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows if r["step"] >= 0] == [0, 1, 2], name
