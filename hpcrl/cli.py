@@ -236,8 +236,10 @@ def _cmd_cancel(ns: argparse.Namespace) -> int:
 
 
 def _cancel_sweep(sweep, ns: argparse.Namespace) -> int:
-    """``hpcrl cancel SWEEP_FOLDER``: print what will be cancelled, then cancel it in one scancel."""
+    """``hpcrl cancel SWEEP_FOLDER``: print what will be cancelled, cancel it in one scancel, and wait (up to
+    ``--wait`` seconds) for the tasks to end."""
     from hpcrl.slurm import sweep as sw
+    from hpcrl.slurm.state import FINAL_STATES, UNKNOWN
 
     manifest = sw.read_manifest(sweep)
     names = sw.resolve_point_names(manifest, ns.points) if ns.points else None
@@ -258,8 +260,17 @@ def _cancel_sweep(sweep, ns: argparse.Namespace) -> int:
         return EXIT_OK
     sys.stdout.flush()
     sw.cancel_sweep(plan)
-    print(f"cancelled {' '.join(plan.job_ids)}; bring the points back with: hpcrl sweep --resubmit "
+    states = sw.wait_ended(manifest, plan.points, timeout_s=ns.wait)
+    counts: dict[str, int] = {}
+    for s in states.values():
+        counts[s] = counts.get(s, 0) + 1
+    now = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    print(f"cancelled {' '.join(plan.job_ids)} ({now}); bring the points back with: hpcrl sweep --resubmit "
           f"{manifest['sweep_dir']}")
+    ending = [f"{n} ({s})" for n, s in states.items() if s not in FINAL_STATES and s != UNKNOWN]
+    if ending:
+        print(f"still ending after {ns.wait:g} s: {', '.join(ending)}; --resubmit takes them once hpcrl "
+              "status shows them ended")
     return EXIT_OK
 
 
@@ -292,6 +303,10 @@ def _cmd_sweep(ns: argparse.Namespace) -> int:
         manifest = sw.read_manifest(ns.sweep)
         names = sw.resolve_point_names(manifest, ns.points) if ns.points else None
         res = sw.resubmit_sweep(ns.sweep, names, dry_run=ns.dry_run)
+        if res.still_live:
+            _err(f"hpcrl sweep --resubmit: left out {len(res.still_live)} points still queued or running: "
+                 + ", ".join(f"{n} ({s})" for n, s in res.still_live.items())
+                 + "; resubmit them once hpcrl status shows them ended")
         if not res.points:
             print(f"nothing to resubmit in {res.sweep_dir}: no point ended "
                   f"{'/'.join(sorted(sw.RESUBMIT_STATES))} or is unknown to Slurm without having finished "
@@ -434,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--points", metavar="NAME[,NAME...]", action="append",
                    help="with a sweep: the points to cancel (repeat the option or join names with ',')")
     p.add_argument("--dry-run", action="store_true", help="print what would be cancelled; cancel nothing")
+    p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                   help="with a sweep: wait up to this long for the cancelled tasks to end (default 60)")
     _add_output_dir(p)
     p.set_defaults(handler=_cmd_cancel)
 

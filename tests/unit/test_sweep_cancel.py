@@ -206,47 +206,83 @@ def hpcrl(args, cwd, env):
                           env=dict(os.environ, PYTHONWARNINGS="ignore", **env))
 
 
-def test_cli_cancel_sweep_prints_then_cancels(work, monkeypatch):
+def live_then_ended(work: Path, monkeypatch, live: str) -> Path:
+    """Fake squeue/sacct/scancel: squeue lists ``live`` (``ID|STATE`` lines) until scancel runs, then the
+    cancelled tasks once more as COMPLETING, then nothing; sacct has them CANCELLED after that. Returns the
+    scancel log (one line of arguments per call)."""
+    log, polls = work / "scancel.log", work / "polls"
+    rows = live.replace("\n", "\\n")
+    ending = "".join(f"{line.split('|')[0]}|COMPLETING\\n" for line in live.splitlines())
+    ended = "".join(f"{line.split('|')[0]}|CANCELLED by 0\\n" for line in live.splitlines())
+    fake_bin(work, monkeypatch,
+             squeue=f'if [ ! -f {log} ]; then printf "{rows}"; exit 0; fi; '
+                    f'n=$(cat {polls} 2>/dev/null || echo 0); echo $((n + 1)) > {polls}; '
+                    f'if [ "$n" = 0 ]; then printf "{ending}"; fi',
+             sacct=f'if [ -f {log} ]; then printf "{ended}"; fi', scancel=f'echo "$@" >> {log}')
+    return log
+
+
+def test_cli_cancel_sweep_prints_cancels_and_waits_for_the_tasks_to_end(work, monkeypatch):
     fake_sbatch(work, monkeypatch)
     res = sw.submit_sweep(write(work / "sweep.yaml", BASE + SWEEP), environ={}, runner=runner_for({}))
     sdir, names = res.sweep_dir, res.points
-    scancel_log = work / "scancel.log"
-    bin_dir = fake_bin(work, monkeypatch,
-                       squeue='printf "4242_0|RUNNING\\n4242_1|RUNNING\\n4242_2|PENDING\\n4242_3|PENDING\\n"',
-                       sacct="exit 0", scancel=f'echo "$@" >> {scancel_log}')
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    env = {"PATH": f"{work / 'fakebin'}:/usr/bin:/bin"}
+    log = live_then_ended(work, monkeypatch,
+                          "4242_0|RUNNING\n4242_1|RUNNING\n4242_2|PENDING\n4242_3|PENDING\n")
     out = hpcrl(["cancel", "runs/lrs", "--dry-run"], work, env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [f"would cancel 4 of 4 points of sweep lrs ({sdir}):",
                                        f"  job array 4242: {names[0]} (RUNNING), {names[1]} (RUNNING), "
                                        f"{names[2]} (PENDING), {names[3]} (PENDING)"]
-    assert not scancel_log.exists()
+    assert not log.exists()
     out = hpcrl(["cancel", "lrs"], work, env)  # a sweep's name under --output-dir
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == f"cancelling 4 of 4 points of sweep lrs ({sdir}):"
-    assert out.stdout.splitlines()[-1] == f"cancelled 4242; bring the points back with: hpcrl sweep " \
-                                          f"--resubmit {sdir}"
-    assert scancel_log.read_text() == "4242\n"
+    assert out.stdout.splitlines() == [
+        f"cancelling 4 of 4 points of sweep lrs ({sdir}):",
+        f"  job array 4242: {names[0]} (RUNNING), {names[1]} (RUNNING), {names[2]} (PENDING), {names[3]} "
+        "(PENDING)",
+        f"cancelled 4242 (4 CANCELLED); bring the points back with: hpcrl sweep --resubmit {sdir}"]
+    assert log.read_text() == "4242\n" and (work / "polls").read_text() == "2\n"  # COMPLETING, then ended
+    out = hpcrl(["cancel", str(sdir)], work, env)
+    assert out.returncode == 0
+    assert out.stdout == f"nothing to cancel in {sdir}: no point is queued or running (4 CANCELLED)\n"
+
+    log.unlink()
+    (work / "polls").unlink()
+    live_then_ended(work, monkeypatch, "4242_2|PENDING\n4242_3|PENDING\n")
     out = hpcrl(["cancel", str(sdir), "--points", f"{names[2]},{names[3]}"], work, env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[1:3] == [f"  job 4242_2: {names[2]} (PENDING)",
                                             f"  job 4242_3: {names[3]} (PENDING)"]
-    assert scancel_log.read_text().splitlines()[-1] == "4242_2 4242_3"
+    assert log.read_text() == "4242_2 4242_3\n"
     out = hpcrl(["cancel", str(sdir / names[0]), "--points", names[0]], work, env)
     assert out.returncode == 2 and out.stderr.startswith("hpcrl cancel --points: needs a sweep folder")
     out = hpcrl(["cancel", str(sdir), "--points", "nope"], work, env)
     assert out.returncode == 2 and "'nope' is not a point of" in out.stderr
     out = hpcrl(["cancel", str(sdir / names[0])], work, env)  # one point is a run folder: its task only
     assert out.returncode == 0 and out.stdout.startswith("cancelled job 4242_0")
-    assert scancel_log.read_text().splitlines()[-1] == "4242_0"
+    assert log.read_text().splitlines()[-1] == "4242_0"
+
+
+def test_cli_cancel_sweep_tasks_that_do_not_end_and_a_refused_scancel(work, monkeypatch):
+    fake_sbatch(work, monkeypatch)
+    res = sw.submit_sweep(write(work / "sweep.yaml", BASE + SWEEP), environ={}, runner=runner_for({}))
+    sdir, names = res.sweep_dir, res.points
+    env = {"PATH": f"{work / 'fakebin'}:/usr/bin:/bin"}
+    fake_bin(work, monkeypatch, squeue='printf "4242_1|COMPLETING\\n"', sacct="exit 0", scancel="exit 0")
+    out = hpcrl(["cancel", str(sdir), "--wait", "1.5"], work, env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == (f"still ending after 1.5 s: {names[1]} (COMPLETING); --resubmit "
+                                           "takes them once hpcrl status shows them ended")
+    out = hpcrl(["sweep", "--resubmit", str(sdir), "--dry-run"], work, env)  # the others: UNKNOWN, never ran
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines()[0] == ("hpcrl sweep --resubmit: left out 1 points still queued or "
+                                          f"running: {names[1]} (COMPLETING); resubmit them once hpcrl "
+                                          "status shows them ended")
+    assert f"would resubmit 3 points ({names[0]}; {names[2]}; {names[3]})" in out.stderr
 
     denied = "scancel: error: Kill job error on job id 4242: Access denied"
-    bin_dir = fake_bin(work, monkeypatch, squeue="exit 0", sacct="echo '4242_[0-3%2]|CANCELLED by 0'",
-                       scancel=f'echo "{denied}" >&2; exit 1')
-    out = hpcrl(["cancel", str(sdir)], work, env)
-    assert out.returncode == 0
-    assert out.stdout == f"nothing to cancel in {sdir}: no point is queued or running (4 CANCELLED)\n"
-    bin_dir = fake_bin(work, monkeypatch, squeue='printf "4242_1|RUNNING\\n"')
+    fake_bin(work, monkeypatch, squeue='printf "4242_1|RUNNING\\n"', scancel=f'echo "{denied}" >&2; exit 1')
     out = hpcrl(["cancel", str(sdir)], work, env)
     assert out.returncode == 1 and out.stderr.splitlines() == [f"hpcrl cancel: scancel 4242 failed: {denied}"]
     assert out.stdout.splitlines()[1] == f"  job array 4242: {names[1]} (RUNNING)"  # printed before scancel

@@ -108,7 +108,7 @@ from hpcrl.slurm.sweep.manifest import (SWEEP_FILE, MANIFEST_VERSION, RESUBMIT_S
                                         resubmittable, check_no_live_jobs, resolve_point_names)
 from hpcrl.slurm.sweep.submit import (run_dir_setup_line, make_array_executor, SweepResult, submit_sweep,
                                       resubmit_sweep)
-from hpcrl.slurm.sweep.cancel import CancelPlan, plan_cancel, cancel_sweep
+from hpcrl.slurm.sweep.cancel import CancelPlan, plan_cancel, cancel_sweep, wait_ended
 from hpcrl.slurm.sweep.report import (REPORT_CSV, REPORT_PNG, PointStatus, point_status, sweep_status,
                                       format_sweep_table, REPORT_COLUMNS, write_report, plot_report)
 
@@ -145,6 +145,7 @@ __all__ = [
     "CancelPlan",
     "plan_cancel",
     "cancel_sweep",
+    "wait_ended",
     "REPORT_CSV",
     "REPORT_PNG",
     "PointStatus",

@@ -6,12 +6,15 @@ each point's het job. ``--points``: only those points' jobs (``scancel <array>_<
 
 A point counts as queued or running unless its job is in a final state, was never submitted, or is UNKNOWN
 while squeue answered (Slurm no longer has it); when squeue could not be run, an UNKNOWN point's job is
-cancelled too (scancel is silent for a job that has ended). The run folders keep their checkpoints: ``hpcrl
-sweep --resubmit`` brings the cancelled points back (those that never started included).
+cancelled too (scancel is silent for a job that has ended). scancel only asks: the tasks then spend a few
+seconds COMPLETING (their processes are being killed), so the command waits for them to end
+(:func:`wait_ended`), and a ``--resubmit`` right after it finds them CANCELLED. The run folders keep their
+checkpoints: ``hpcrl sweep --resubmit`` brings the cancelled points back (those that never started included).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -72,3 +75,16 @@ def cancel_sweep(plan: CancelPlan) -> None:
 
     if plan.job_ids:
         scancel(plan.job_ids)
+
+
+def wait_ended(manifest: Mapping[str, Any], points: Sequence[str], timeout_s: float = 60.0,
+               poll_s: float = 1.0, runner: Runner = run_command) -> dict[str, str]:
+    """Poll the states of ``points`` until none is queued, running or COMPLETING (at most ``timeout_s``
+    seconds, every ``poll_s``). Returns point name -> state, as last seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ss = sweep_states(manifest, runner)
+        states = {n: ss.states[n] for n in points}
+        if not any(_live(s, ss) for s in states.values()) or time.monotonic() >= deadline:
+            return states
+        time.sleep(poll_s)

@@ -126,6 +126,9 @@ class SweepResult:
     script: str
     """The array's sbatch text (a het sweep: the scripts one after another, each under a comment line)."""
     array_parallelism: int
+    still_live: dict[str, str] = dataclasses.field(default_factory=dict)
+    """:func:`resubmit_sweep` without named points: the points left out because their job is still queued,
+    running or COMPLETING (name -> state), e.g. right after a scancel."""
 
     @property
     def dry_run(self) -> bool:
@@ -293,13 +296,17 @@ def resubmit_sweep(sweep_dir: str | os.PathLike, points: Optional[Sequence[str]]
     manifest = read_manifest(sweep_dir)
     sdir = Path(manifest["sweep_dir"])
     environ = os.environ if environ is None else environ
-    picked = _select_points(manifest, points, sweep_states(manifest, runner))
+    ss = sweep_states(manifest, runner)
+    picked = _select_points(manifest, points, ss)
     workdir = manifest.get("workdir") or os.getcwd()
     het = bool(manifest.get("het"))
     parallelism = int(manifest.get("array_parallelism") or 1)
     result = SweepResult(sweep_dir=sdir, manifest_path=sdir / SWEEP_FILE, points=[p["name"] for p in picked],
                          job_ids={p["name"]: None for p in picked}, array_job_id=None, het=het, scripts=[],
                          script="", array_parallelism=parallelism)
+    if points is None:
+        result.still_live = {n: s for n, s in ss.states.items()
+                             if s not in FINAL_STATES and s not in (UNKNOWN, NOT_SUBMITTED)}
     if not picked:
         return result
     if not dry_run and shutil.which("sbatch") is None:
