@@ -15,7 +15,8 @@ Free-form sections (``sglang``, ``megatron``) are passed through: ``sglang`` key
 
 Modules: :mod:`~hpcrl.config.schema` (the root :class:`Config`), one module per group of sections with their
 checks (:mod:`~hpcrl.config.run`, :mod:`~hpcrl.config.rollout`, :mod:`~hpcrl.config.train`,
-:mod:`~hpcrl.config.slurm`), :mod:`~hpcrl.config.convert` (typed conversion, overrides),
+:mod:`~hpcrl.config.slurm`, :mod:`~hpcrl.config.evaluation`, :mod:`~hpcrl.config.tracking`),
+:mod:`~hpcrl.config.convert` (typed conversion, overrides),
 :mod:`~hpcrl.config.load` (the loading stages), :mod:`~hpcrl.config.errors`, :mod:`~hpcrl.config.checks`,
 :mod:`~hpcrl.config.yaml_io`. Everything public is importable from ``hpcrl.config``.
 """
@@ -29,6 +30,8 @@ from hpcrl.config.rollout import (RolloutSection, BUILTIN_REWARD_FUNCTIONS, BUIL
 from hpcrl.config.train import (TrainSection, AlgorithmSection, WeightsSection, CheckpointSection,
                                 GROUP_ESTIMATORS)
 from hpcrl.config.slurm import (SlurmGroup, SlurmSection, SweepSection, SIGNAL_RE, slurm_time_seconds)
+from hpcrl.config.evaluation import (EvalSection, EvalSetSection, DEFAULT_EVAL_SET)
+from hpcrl.config.tracking import (WandbSection)
 from hpcrl.config.convert import (parse_override, set_dotted, apply_override, apply_overrides)
 from hpcrl.config.load import (read_config_file, load_config, build, load_raw, config_to_dict, config_to_yaml,
                                resolve, save_resolved, check_sweep, validate)
@@ -58,6 +61,10 @@ __all__ = [
     "SweepSection",
     "SIGNAL_RE",
     "slurm_time_seconds",
+    "EvalSection",
+    "EvalSetSection",
+    "DEFAULT_EVAL_SET",
+    "WandbSection",
     "parse_override",
     "set_dotted",
     "apply_override",

@@ -19,6 +19,8 @@ from hpcrl.config.run import check_data, check_model, check_run, check_sft
 from hpcrl.config.rollout import check_rollout
 from hpcrl.config.train import check_algorithm, check_checkpoint, check_moe, check_train, check_weights
 from hpcrl.config.slurm import check_slurm
+from hpcrl.config.evaluation import check_eval
+from hpcrl.config.tracking import check_wandb
 from hpcrl.config.schema import Config
 from hpcrl.config.convert import (apply_overrides, convert_dataclass, convert_value, schema_lookup,
                                   unwrap_optional, value_kind)
@@ -220,3 +222,5 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     check_checkpoint(cfg)
     check_slurm(cfg, check_files)
     check_sweep(cfg)
+    check_eval(cfg, check_files)
+    check_wandb(cfg, check_files)

@@ -9,6 +9,8 @@ from hpcrl.config.run import DataSection, ModelSection, RunSection, SFTSection
 from hpcrl.config.rollout import RolloutSection
 from hpcrl.config.train import AlgorithmSection, CheckpointSection, TrainSection, WeightsSection
 from hpcrl.config.slurm import SlurmSection, SweepSection
+from hpcrl.config.evaluation import EvalSection
+from hpcrl.config.tracking import WandbSection
 
 
 @dataclass
@@ -28,3 +30,5 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     slurm: SlurmSection = field(default_factory=SlurmSection)
     sweep: SweepSection = field(default_factory=SweepSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
