@@ -2,7 +2,8 @@
 
 Files in the run folder: ``metrics.jsonl`` (one JSON object per step, key ``step`` = rollout id),
 ``tensorboard/`` (event files, one scalar per key) and ``curves.png`` (the series of :data:`CURVE_SERIES` against
-step: reward raw and smoothed, eval accuracy, response length, entropy, KL, step time by phase).
+step: reward raw and smoothed, eval accuracy, response length, entropy, KL when a KL term is used, the
+trainer vs rollout engine log-prob gap, step time by phase).
 Times are seconds, throughputs tokens/s.
 """
 
@@ -147,7 +148,18 @@ class CurveSeries:
     label: str
     smooth: bool = False
     """Draw the exponential moving average (:func:`smoothed`) instead of the raw values."""
+    only_with: tuple[str, ...] = ()
+    """Draw the series only when the run also logged one of these keys (empty: whenever its key is logged)."""
 
+
+KL_TERM_KEYS: tuple[str, ...] = ("train/kl_loss", "train/opd_reverse_kl")
+"""Keys logged only when the loss or the advantage has a KL term: ``train/kl_loss``
+(``algorithm.use_kl_loss``) and ``train/opd_reverse_kl`` (``algorithm.opd.teachers``). Without one the curves
+have no KL panel: ``train/ppo_kl`` alone is exactly 0 with one on-policy optimizer step per rollout, a flat
+line that says nothing."""
+
+KL_PANEL = "KL (nats/token)"
+LOGPROB_GAP_PANEL = "log-prob gap, trainer vs rollout engine (nats/token)"
 
 CURVE_SERIES: tuple[CurveSeries, ...] = (
     CurveSeries("reward (mean over the step's samples)", "rollout/reward_mean", "reward"),
@@ -155,15 +167,22 @@ CURVE_SERIES: tuple[CurveSeries, ...] = (
     CurveSeries("eval accuracy (greedy)", "eval/accuracy", "eval accuracy"),
     CurveSeries("response length (tokens, mean)", "rollout/response_length", "response length"),
     CurveSeries("entropy (nats/token)", "train/entropy", "entropy"),
-    CurveSeries("KL (nats/token)", "train/ppo_kl", "ppo_kl (policy vs rollout policy)"),
-    CurveSeries("KL (nats/token)", "train/kl_loss", "kl_loss (policy vs reference)"),
+    CurveSeries(KL_PANEL, "train/ppo_kl", "ppo_kl (policy vs rollout policy)", only_with=KL_TERM_KEYS),
+    CurveSeries(KL_PANEL, "train/kl_loss", "kl_loss (policy vs reference)"),
+    CurveSeries(KL_PANEL, "train/opd_reverse_kl", "opd_reverse_kl (rollout policy vs teacher)"),
+    CurveSeries(LOGPROB_GAP_PANEL, "train/train_rollout_logprob_abs_diff", "mean |trainer - engine|"),
     CurveSeries("step time (s)", "rollout/seconds", "rollout"),
     CurveSeries("step time (s)", "train/seconds", "train"),
     CurveSeries("step time (s)", "sync/seconds", "weight sync"),
     CurveSeries("step time (s)", "timing/step_seconds", "whole step"),
 )
 """What ``curves.png`` plots, panel by panel, from the loop's ``metrics.jsonl`` keys. A series whose key a run
-never logged is left out (``train/kl_loss`` needs ``algorithm.use_kl_loss``; eval needs ``eval_interval``)."""
+never logged is left out (``train/kl_loss`` needs ``algorithm.use_kl_loss``; eval needs ``eval_interval``),
+and so is one whose :attr:`CurveSeries.only_with` keys were never logged: the KL panel is drawn only with a
+KL term (:data:`KL_TERM_KEYS`). The log-prob gap (``train/train_rollout_logprob_abs_diff``, mean over loss
+tokens of ``|trainer - engine|`` log-probs of the sampled tokens) is a health signal with its own panel: it is
+not 0 even on-policy when the trainer and the engine compute differently (kernels, precision), and it grows
+when weights fail to sync or the run goes off-policy."""
 
 
 def smoothed(values: Sequence[float], weight: float = 0.9) -> list[float]:
@@ -178,18 +197,24 @@ def smoothed(values: Sequence[float], weight: float = 0.9) -> list[float]:
 
 def draw_curves(rows: Sequence[dict[str, Any]], series: Sequence[CurveSeries] = CURVE_SERIES):
     """A matplotlib figure (Agg backend) with one panel per :attr:`CurveSeries.panel` and one labelled line per
-    series that has a value in ``rows`` (``metrics.jsonl`` rows), against rollout step. Returns None when no
-    series has a value. The caller closes the figure (``matplotlib.pyplot.close``)."""
+    series that has a value in ``rows`` (``metrics.jsonl`` rows), and with :attr:`CurveSeries.only_with`
+    where one of those keys has a value too; against rollout step. Returns None when no series is drawn. The
+    caller closes the figure (``matplotlib.pyplot.close``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def points(key: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[key]) for r in rows
+                if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
+                and isinstance(r.get("step"), int)]
+
     panels: dict[str, list[tuple[CurveSeries, list[tuple[int, float]]]]] = {}
     for sr in series:
-        pts = [(r["step"], r[sr.key]) for r in rows
-               if isinstance(r.get(sr.key), (int, float)) and not isinstance(r.get(sr.key), bool)
-               and isinstance(r.get("step"), int)]
+        if sr.only_with and not any(points(k) for k in sr.only_with):
+            continue
+        pts = points(sr.key)
         if pts:
             panels.setdefault(sr.panel, []).append((sr, pts))
     if not panels:

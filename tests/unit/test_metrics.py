@@ -4,8 +4,8 @@ import json
 
 import matplotlib.pyplot as plt
 
-from hpcrl.metrics import (CURVE_SERIES, MetricsLogger, draw_curves, read_metrics, smoothed, timed,
-                           truncate_metrics)
+from hpcrl.metrics import (CURVE_SERIES, MetricsLogger, draw_curves, plot_curves, read_metrics, smoothed,
+                           timed, truncate_metrics)
 
 
 def drawn(fig) -> dict[str, list[str]]:
@@ -31,20 +31,53 @@ def test_logger_writes_jsonl_tensorboard_and_png(tmp_path):
 def test_curves_plot_reward_eval_length_entropy_kl_and_step_phases(tmp_path):
     """Issue #9 point 11: curves.png draws what the loop logs; a key the run never logged is left out."""
     keys = {"rollout/reward_mean", "eval/accuracy", "rollout/response_length", "train/entropy", "train/ppo_kl",
-            "train/kl_loss", "rollout/seconds", "train/seconds", "sync/seconds", "timing/step_seconds"}
+            "train/kl_loss", "train/opd_reverse_kl", "train/train_rollout_logprob_abs_diff", "rollout/seconds",
+            "train/seconds", "sync/seconds", "timing/step_seconds"}
     assert {s.key for s in CURVE_SERIES} == keys
     rows = [{"step": -1, "eval/accuracy": 0.2}] + [
-        {"step": i, **{k: 0.1 * i for k in keys - {"train/kl_loss"}}, "eval/accuracy": None} for i in range(20)]
+        {"step": i, **{k: 0.1 * i for k in keys - {"train/opd_reverse_kl"}}, "eval/accuracy": None}
+        for i in range(20)]
     fig = draw_curves(rows)
     got = drawn(fig)
     plt.close(fig)
     assert sorted(l for labels in got.values() for l in labels) == sorted(
-        s.label for s in CURVE_SERIES if s.key != "train/kl_loss")
+        s.label for s in CURVE_SERIES if s.key != "train/opd_reverse_kl")
     assert got["step time (s)"] == ["rollout", "train", "weight sync", "whole step"]
     assert got["reward (mean over the step's samples)"] == ["reward", "reward (smoothed)"]
     assert draw_curves([{"step": 0, "other": 1.0}]) is None
     assert smoothed([1.0, 1.0, 1.0]) == [1.0, 1.0, 1.0]  # bias-corrected: no ramp from 0
     assert smoothed([0.0, 1.0], weight=0.0) == [0.0, 1.0]
+
+
+def test_kl_panel_only_with_a_kl_term_and_logprob_gap_panel_always(tmp_path):
+    """Issue #34 point 5: the quickstart (no KL term, one on-policy step) logs ``train/ppo_kl`` exactly 0: no
+    KL panel for it. With ``algorithm.use_kl_loss`` (``train/kl_loss`` logged) or on-policy distillation
+    (``train/opd_reverse_kl``) the KL panel is back with ppo_kl in it. The trainer vs engine log-prob gap,
+    non-zero on-policy, has its own panel either way; the PNG is written from ``metrics.jsonl``."""
+    base = [{"step": i, "rollout/reward_mean": 0.1 * i, "train/entropy": 1.0, "train/ppo_kl": 0.0,
+             "train/train_rollout_logprob_abs_diff": 2e-3 + 1e-4 * i, "train/seconds": 1.0} for i in range(4)]
+    gap = {"log-prob gap, trainer vs rollout engine (nats/token)": ["mean |trainer - engine|"]}
+    fig = draw_curves(base)
+    got = drawn(fig)
+    plt.close(fig)
+    assert "KL (nats/token)" not in got and "ppo_kl (policy vs rollout policy)" not in str(got)
+    assert gap.items() <= got.items()
+    with_kl = [dict(r, **{"train/kl_loss": 1e-3 * r["step"]}) for r in base]
+    fig = draw_curves(with_kl)
+    got = drawn(fig)
+    plt.close(fig)
+    assert got["KL (nats/token)"] == ["ppo_kl (policy vs rollout policy)", "kl_loss (policy vs reference)"]
+    assert gap.items() <= got.items()
+    with_opd = [dict(r, **{"train/opd_reverse_kl": 0.5}) for r in base]
+    fig = draw_curves(with_opd)
+    got = drawn(fig)
+    plt.close(fig)
+    assert got["KL (nats/token)"] == ["ppo_kl (policy vs rollout policy)",
+                                      "opd_reverse_kl (rollout policy vs teacher)"]
+    # the file path (MetricsLogger.close / hpcrl plot) reads the same rows back
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in base))
+    png = plot_curves(tmp_path)
+    assert png == tmp_path / "curves.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_truncate_drops_steps_after_checkpoint_and_torn_lines(tmp_path):
