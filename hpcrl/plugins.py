@@ -1,13 +1,22 @@
-"""Plug-ins by dotted import path (slime's ``load_function``).
+"""Plug-ins by dotted import path (slime's ``load_function``) or by file.
 
-Custom reward, generate, rollout and filter functions are named in the config as ``pkg.module.attr``: the
-module part is imported (it must be importable from ``sys.path``, e.g. the working directory or an installed
-package) and the attribute after the last dot is returned.
+Custom reward, generate, rollout, filter and agent functions are named in the config as ``pkg.module.attr``:
+the module part is imported (it must be importable from ``sys.path``, e.g. an installed package or a folder
+on ``PYTHONPATH``) and the attribute after the last dot is returned. Or as ``path/to/module.py:attr``
+(relative to the working directory, like the config's other paths): the file is imported by its package name
+(the folders above it that hold an ``__init__.py``) with the first folder above them put on ``sys.path``
+(appended, so it shadows nothing), so relative imports inside the package work and no ``PYTHONPATH`` is
+needed: ``examples/agent_calculator/agent.py:solve`` is module ``agent_calculator.agent`` from ``examples/``.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 
@@ -20,20 +29,75 @@ class PluginError(ValueError):
         super().__init__(f"plugin error: {path!r}: {reason}")
 
 
-def load_function(path: str) -> Callable[..., Any]:
-    """Import ``pkg.module.attr`` and return ``attr`` (slime ``load_function``, split by ``rpartition('.')``).
+FILE_FORM_RE = re.compile(r"(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_]\w*)")
+"""``path/to/module.py:attr``: a plug-in named by its file (see the module doc)."""
 
-    Raises :class:`PluginError` when the path has no dot, the module is not found or fails to import, the
-    attribute is missing, or it is not callable.
+
+def load_function(path: str) -> Callable[..., Any]:
+    """Import ``pkg.module.attr`` and return ``attr`` (slime ``load_function``, split by ``rpartition('.')``),
+    or import the file of ``path/to/module.py:attr`` (:func:`module_of_file`) and return ``attr``.
+
+    Raises :class:`PluginError` when the path has no dot, the module (or file) is not found or fails to
+    import, the file imports as another module of the same name, the attribute is missing, or it is not
+    callable.
     """
     if not isinstance(path, str) or not path.strip():
         raise PluginError(str(path), "expected a dotted import path 'pkg.module.function'")
     path = path.strip()
-    module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise PluginError(path, "expected a dotted import path 'pkg.module.function' (no module part)")
+    file_form = FILE_FORM_RE.fullmatch(path)
+    if file_form:
+        module_name, attr = _import_file_module(path, file_form["file"]), file_form["attr"]
+    else:
+        module_name, _, attr = path.rpartition(".")
+        if not module_name or not attr:
+            raise PluginError(path, "expected a dotted import path 'pkg.module.function' (no module part)")
+    module = _import(path, module_name)
+    where = getattr(module, "__file__", None)
+    if file_form and (not where or Path(where).resolve() != Path(file_form["file"]).resolve()):
+        raise PluginError(path, f"module {module_name!r} is {where!r}, not {file_form['file']!r} (another "
+                                "module of that name comes first on sys.path): rename the file or its "
+                                "package")
+    if not hasattr(module, attr):
+        raise PluginError(path, f"module {module_name!r} has no attribute {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise PluginError(path, f"{attr!r} in module {module_name!r} is a {type(fn).__name__}, not callable")
+    return fn
+
+
+def module_of_file(file: str | os.PathLike) -> tuple[Path, str]:
+    """``(folder, module_name)`` of a ``.py`` file: the dotted name of the file below the folders above it
+    that hold an ``__init__.py`` (its package), and the first folder above those (absolute), from which that
+    name imports. ``examples/agent_calculator/agent.py`` -> ``(/abs/examples, "agent_calculator.agent")``."""
+    f = Path(file).resolve()
+    parts, folder = ([] if f.stem == "__init__" else [f.stem]), f.parent
+    while (folder / "__init__.py").is_file() and folder.parent != folder:
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    if not parts:  # a package's __init__.py outside any package: it is no module of its own
+        parts, folder = [f.stem], f.parent
+    return folder, ".".join(parts)
+
+
+def _import_file_module(path: str, file: str) -> str:
+    """Put the folder of ``file``'s top package on ``sys.path`` (appended, once); its module name. Raises
+    :class:`PluginError` when the file does not exist or a name on its way is no Python identifier."""
+    if not Path(file).is_file():
+        raise PluginError(path, f"no such file {file!r} (relative to the working directory {os.getcwd()})")
+    folder, name = module_of_file(file)
+    bad = [p for p in name.split(".") if not p.isidentifier()]
+    if bad:
+        raise PluginError(path, f"{bad[0]!r} cannot be a Python module name (module {name!r} of {file!r}): "
+                                "rename it with letters, digits and underscores")
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    return name
+
+
+def _import(path: str, module_name: str) -> ModuleType:
+    """``importlib.import_module(module_name)``; its errors as :class:`PluginError` of ``path``."""
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         missing = e.name or module_name
         if module_name == missing or module_name.startswith(missing + "."):
@@ -43,9 +107,3 @@ def load_function(path: str) -> Callable[..., Any]:
     except Exception as e:  # an error inside the plug-in module itself
         msg = str(e).splitlines()[0] if str(e) else ""
         raise PluginError(path, f"importing module {module_name!r} failed: {type(e).__name__}: {msg}") from e
-    if not hasattr(module, attr):
-        raise PluginError(path, f"module {module_name!r} has no attribute {attr!r}")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise PluginError(path, f"{attr!r} in module {module_name!r} is a {type(fn).__name__}, not callable")
-    return fn

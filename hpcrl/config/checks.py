@@ -90,8 +90,9 @@ def check_source(field_name: str, value: str, check_files: bool) -> None:
 
 def check_plugin(field_name: str, value: Optional[str], builtins: tuple[str, ...],
                   check_files: bool) -> None:
-    """A plug-in is a builtin name or a dotted ``pkg.module.attr`` that imports to a callable
-    (:func:`hpcrl.plugins.load_function`, the loader the rollout uses)."""
+    """A plug-in is a builtin name, a dotted ``pkg.module.attr`` or a file's ``path/to/module.py:attr`` that
+    imports to a callable (:func:`hpcrl.plugins.load_function`, the loader the rollout uses). Raises
+    ConfigError naming ``field_name`` when it does not (the import is tried only with ``check_files``)."""
     if value is None or value in builtins:
         return
     if field_name == "rollout.reward_function" and value.startswith(REMOTE_RM_PREFIX):
@@ -101,16 +102,20 @@ def check_plugin(field_name: str, value: Optional[str], builtins: tuple[str, ...
         return
     names = [*builtins, *([REMOTE_RM_PREFIX + "<url>"] if field_name == "rollout.reward_function" else [])]
     kinds = f"{', '.join(repr(b) for b in names)} or a dotted path" if names else "a dotted path"
-    if not _DOTTED_PATH_RE.fullmatch(value):
+    kinds += " pkg.module.function or path/to/file.py:function"
+    from hpcrl.plugins import FILE_FORM_RE, PluginError, load_function
+
+    if not (_DOTTED_PATH_RE.fullmatch(value) or FILE_FORM_RE.fullmatch(value)):
         close = difflib.get_close_matches(value, list(builtins), n=1)
-        raise ConfigError(field_name, value, f"must be {kinds} pkg.module.function",
+        raise ConfigError(field_name, value, f"must be {kinds}",
                           f"did you mean {close[0]!r}?" if close else
-                          "write e.g. my_rewards.math.score (a module on PYTHONPATH and a function in it)")
+                          "write e.g. my_rewards.math.score (a module on PYTHONPATH and a function in it) or "
+                          "my_rewards/math.py:score")
     if not check_files:
         return
-    from hpcrl.plugins import PluginError, load_function
-
     try:
         load_function(value)
     except PluginError as e:
-        raise ConfigError(field_name, value, e.reason, "fix the dotted path pkg.module.function") from None
+        raise ConfigError(field_name, value, e.reason,
+                          "fix the dotted path pkg.module.function or the file path path/to/file.py:function"
+                          ) from None

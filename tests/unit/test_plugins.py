@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import re
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from hpcrl.config import ConfigError
+from hpcrl.config.checks import check_plugin
 from hpcrl.plugins import PluginError, load_function
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -57,3 +64,50 @@ def test_load_function_errors(plugin_pkg, path, reason):
     assert reason in msg and "\n" not in msg
     assert msg.startswith(f"plugin error: {path.strip()!r}: ")
     assert ei.value.path == path.strip()
+
+
+def test_load_function_from_a_file_in_a_package_without_pythonpath(tmp_path, monkeypatch):
+    """``path/to/module.py:attr`` (relative to the working directory): imported by its package name, so its
+    relative imports work, with the folder above the package appended to sys.path (no PYTHONPATH)."""
+    top = tmp_path / "my_examples"
+    (top / "hpcrl_test_filepkg").mkdir(parents=True)
+    (top / "hpcrl_test_filepkg" / "__init__.py").write_text("")
+    (top / "hpcrl_test_filepkg" / "helper.py").write_text("BASE = 40\n")
+    (top / "hpcrl_test_filepkg" / "agent.py").write_text("from .helper import BASE\n\ndef solve(x):\n"
+                                                         "    return BASE + x\n")
+    (top / "hpcrl_test_lone.py").write_text("def one():\n    return 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restored after the test
+    fn = load_function("my_examples/hpcrl_test_filepkg/agent.py:solve")
+    assert fn(2) == 42 and fn.__module__ == "hpcrl_test_filepkg.agent"
+    assert load_function(" my_examples/hpcrl_test_lone.py:one ")() == 1
+    assert sys.path.count(str(top)) == 1 and sys.path[0] != str(top)  # appended once
+    for path, reason in [
+        ("my_examples/nope.py:solve", "no such file 'my_examples/nope.py' (relative to the working"),
+        ("my_examples/hpcrl_test_filepkg/agent.py:missing", "has no attribute 'missing'"),
+        ("my_examples/hpcrl_test_filepkg/helper.py:BASE", "is a int, not callable"),
+    ]:
+        with pytest.raises(PluginError, match=re.escape(reason)):
+            load_function(path)
+    # a file whose module name another module already has is refused, not silently swapped for it
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "hpcrl_test_lone.py").write_text("def one():\n    return 2\n")
+    with pytest.raises(PluginError, match="another module of that name comes first"):
+        load_function("other/hpcrl_test_lone.py:one")
+    (tmp_path / "bad-name.py").write_text("def f():\n    pass\n")
+    with pytest.raises(PluginError, match="'bad-name' cannot be a Python module name"):
+        load_function("bad-name.py:f")
+
+
+def test_config_check_takes_the_file_form(monkeypatch):
+    """The config check (``hpcrl validate``) accepts ``path/to/file.py:function`` and imports it; a bad one is
+    a one-line error naming the field."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    agent = "examples/agent_calculator/agent.py"
+    check_plugin("rollout.agent.function", f"{agent}:solve", (), check_files=True)
+    with pytest.raises(ConfigError, match=rf"^config error: rollout.agent.function='{agent}:nope': module "
+                                          r"'agent_calculator.agent' has no attribute 'nope'"):
+        check_plugin("rollout.agent.function", f"{agent}:nope", (), check_files=True)
+    with pytest.raises(ConfigError, match="or path/to/file.py:function"):
+        check_plugin("rollout.agent.function", "agents/solve.py", (), check_files=False)  # no :function
