@@ -97,9 +97,11 @@ class AgentGateway:
             await self._runner.cleanup()
             self._runner = None
 
-    def open(self, item: dict[str, Any], seed: Optional[int] = None) -> Session:
-        """A new session for task ``item``; ``seed`` seeds its calls (call ``k`` uses ``seed + k``)."""
-        session = Session.new(item, seed)
+    def open(self, item: dict[str, Any], seed: Optional[int] = None,
+             sampling: Optional[dict[str, Any]] = None) -> Session:
+        """A new session for task ``item``; ``seed`` seeds its calls (call ``k`` uses ``seed + k``);
+        ``sampling``: its native sampling params (default the gateway's, the rollout's)."""
+        session = Session.new(item, seed, sampling)
         self.sessions[session.session_id] = session
         self._by_key[session.key] = session
         return session
@@ -155,7 +157,7 @@ class AgentGateway:
         """The run's sampling params for the next call of ``session`` (see the module docstring)."""
         if req.n != 1:
             raise openai_api.OpenAIError("n must be 1: one agent session is one episode", param="n")
-        sp = dict(self.sampling)
+        sp = dict(self.sampling if session.sampling is None else session.sampling)
         cap = sp.get("max_new_tokens")
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if asked is not None:

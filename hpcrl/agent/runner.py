@@ -103,7 +103,8 @@ def agent_generate(gateway: AgentGateway, function: Optional[AgentFn], command: 
 
     async def generate(client, sample: Sample, sampling_params: dict) -> Sample:
         item = task_item(sample)
-        session = gateway.open(item, seed=sampling_params.get("sampling_seed"))
+        session = gateway.open(item, seed=sampling_params.get("sampling_seed"),  # the rollout's or eval's
+                               sampling={k: v for k, v in sampling_params.items() if k != "sampling_seed"})
         answer: Optional[str] = None
         failure: Optional[str] = None
         try:

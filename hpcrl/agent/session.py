@@ -64,12 +64,16 @@ class Session:
     reward: Optional[float] = None
     seed: Optional[int] = None
     """Sampling seed of the episode's first call (call ``k`` uses ``seed + k``); None: unseeded."""
+    sampling: Optional[dict[str, Any]] = None
+    """The episode's native sampling params (the rollout's, or an eval set's); None: the gateway's."""
     closed: bool = False
 
     @staticmethod
-    def new(item: dict[str, Any], seed: Optional[int] = None) -> "Session":
+    def new(item: dict[str, Any], seed: Optional[int] = None,
+            sampling: Optional[dict[str, Any]] = None) -> "Session":
         """A session with a fresh id and a fresh 256-bit key."""
-        return Session(session_id=secrets.token_hex(8), key=secrets.token_urlsafe(32), item=dict(item), seed=seed)
+        return Session(session_id=secrets.token_hex(8), key=secrets.token_urlsafe(32), item=dict(item),
+                       seed=seed, sampling=dict(sampling) if sampling is not None else None)
 
 
 def extend_prompt(calls: list[Call], rendered_text: str, encode) -> tuple[list[int], Optional[int]]:

@@ -87,6 +87,14 @@ class DataSection:
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra arguments to the generator (e.g. reasoning-gym dataset config, ``few_shot``)."""
     apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (a string prompt as one user message); needed for
+    message-list prompts (``[{"role", "content"}, ...]``)."""
+    system_key: Optional[str] = None
+    """Column holding a row's system prompt (a string), put first as a system message unless the prompt has
+    one; needs ``apply_chat_template``."""
+    tools_key: Optional[str] = None
+    """Column holding a row's tools (slime ``--tool-key``): a list of JSON tool schemas handed to the chat
+    template; needs ``apply_chat_template``."""
     on_bad_row: Literal["error", "skip"] = "error"
     """Malformed dataset rows: ``error`` stops at load naming file:line; ``skip`` logs file:line and skips."""
 
@@ -114,6 +122,11 @@ class SFTSection:
     (``hpcrl.sft.NEAR_TARGET_FRACTION``), eval every this many steps instead of ``eval_interval``, so a sharp
     rise stops near the target rather than up to ``eval_interval`` steps past it (3-digit addition gains ~2
     points a step there). None: ``eval_interval``."""
+    data: Optional[DataSection] = None
+    """The demonstrations, when they are not the RL prompts: a data section of its own (the fields of
+    ``data:``; e.g. ``{source: demos.jsonl, num_eval: 16}``), used by the warm start in place of ``data``.
+    None: the run's ``data`` (its labels are the demonstrations). One config then does both stages: an agent
+    run warm-starts on tool-use demonstrations and trains on the task's prompts."""
 
 
 _RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,@-]*")
@@ -183,9 +196,17 @@ def check_data(cfg: Config, check_files: bool) -> None:
         require(bool(get_field(cfg, f)), f, get_field(cfg, f), "must not be empty", f"set {f} to a column name")
     positive(cfg, "data.num_train")
     non_negative(cfg, "data.num_eval")
+    for f in ("data.system_key", "data.tools_key"):
+        v = get_field(cfg, f)
+        if v is not None:
+            require(bool(v), f, v, "must not be empty", f"set {f} to a column name, or null")
+            require(d.apply_chat_template, f, v, "only takes effect through the chat template, but "
+                    "data.apply_chat_template is false", f"set data.apply_chat_template=true or {f}=null")
 
 
-def check_sft(cfg: Config) -> None:
+def check_sft(cfg: Config, check_files: bool = False) -> None:
+    """The ``sft`` section; ``sft.data`` with :func:`check_data`'s checks, its errors naming ``sft.data.*``.
+    Raises ConfigError at the first problem."""
     s = cfg.sft
     if s.enabled:
         require(bool(s.output), "sft.output", s.output,
@@ -199,3 +220,13 @@ def check_sft(cfg: Config) -> None:
     if s.target_accuracy is not None:
         require(0 < s.target_accuracy <= 1, "sft.target_accuracy", s.target_accuracy, "must be in (0, 1]",
                  "e.g. sft.target_accuracy=0.9, or null to always run all steps")
+    if s.data is not None:
+        import dataclasses
+
+        try:
+            check_data(dataclasses.replace(cfg, data=s.data), check_files)
+        except ConfigError as e:
+            def nested(text: str) -> str:
+                return re.sub(r"(?<![\w./])data\.", "sft.data.", text)
+
+            raise ConfigError(nested(e.field), e.value, nested(e.problem), nested(e.fix)) from None

@@ -25,11 +25,12 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from hpcrl.config import ConfigError
+from hpcrl.data.chat import TOOLS_KEY, chat_messages, prompt_token_ids
 from hpcrl.data.tasks import Task, VerifierTask, make_task
 
 if TYPE_CHECKING:
@@ -80,12 +81,23 @@ class BadRows:
 
 
 @dataclass
+class EvalItems:
+    """The items of one named eval set (``eval.sets``) and the task that scores them (the ``task`` reward)."""
+
+    name: str
+    items: list[dict[str, Any]]
+    task: Task
+
+
+@dataclass
 class Datasets:
-    """Train and eval items of a run and the task that scores them."""
+    """Train and eval items of a run and the task that scores them; ``eval`` is the default eval set (the one
+    ``data`` defines), ``eval_sets`` the named ones of ``eval.sets``, in their order."""
 
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
     task: Task
+    eval_sets: list[EvalItems] = field(default_factory=list)
 
 
 def _keys(row: dict) -> str:
@@ -326,14 +338,13 @@ class PromptLengthCheck:
 
 
     def num_tokens(self, item: dict[str, Any]) -> Optional[int]:
-        """Tokens of the item's prompt as the rollout tokenises it; None for a prompt of another kind."""
+        """Tokens of the item's prompt as the rollout tokenises it (:func:`hpcrl.data.chat.prompt_token_ids`,
+        with the item's tools); None for a message list without ``apply_chat_template`` (refused anyway)."""
         p = item["prompt"]
-        if self.apply_chat_template and isinstance(p, list):
-            return len(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False))
-        if isinstance(p, str):
-            return len(self.tokenizer(p, add_special_tokens=True)["input_ids"])
-        return None
+        if isinstance(p, list) and not self.apply_chat_template:
+            return None
+        return len(prompt_token_ids(self.tokenizer, p, self.apply_chat_template,
+                                    (item.get("metadata") or {}).get(TOOLS_KEY)))
 
 
 def check_microbatch_budget(cfg: "Config", items: Sequence[dict[str, Any]], check: PromptLengthCheck) -> None:
@@ -358,25 +369,71 @@ def check_microbatch_budget(cfg: "Config", items: Sequence[dict[str, Any]], chec
 
 def _prompt_length_check(cfg: "Config") -> Optional[PromptLengthCheck]:
     """The prompt-length check against ``model.path`` when that folder exists (None otherwise: the model is
-    created at the start of the run, and the check runs there)."""
+    created at the start of the run, and the check runs there). Raises ConfigError when
+    ``data.apply_chat_template`` is on and the tokenizer has no chat template."""
     path = Path(cfg.model.path) if cfg.model.path else None
     if path is None or not (path / "config.json").is_file():
         return None
     try:
-        return PromptLengthCheck(path, cfg.data.apply_chat_template)
+        check = PromptLengthCheck(path, cfg.data.apply_chat_template)
     except Exception as e:  # noqa: BLE001 - no tokenizer: the engine start reports that on its own
         log.warning("data: prompt lengths not checked: cannot load the tokenizer of %s (%s: %s)", path,
                     type(e).__name__, e)
         return None
+    if cfg.data.apply_chat_template and not getattr(check.tokenizer, "chat_template", None):
+        raise ConfigError("data.apply_chat_template", True, f"the tokenizer of {path} has no chat template",
+                          "add one (chat_template in tokenizer_config.json, or chat_template.jinja) or set "
+                          "data.apply_chat_template=false")
+    return check
+
+
+class ChatRowCheck:
+    """A :data:`RowCheck` for prompts rendered through the chat template (:mod:`hpcrl.data.chat`): a
+    message-list prompt needs ``data.apply_chat_template``; the row's ``data.system_key`` column (a string)
+    becomes the first message; its ``data.tools_key`` column (a list of JSON tool schemas, or that list as a
+    JSON string, as Parquet often stores it) goes to ``metadata["tools"]``. Normalises the item in place."""
+
+    def __init__(self, apply_chat_template: bool, system_key: Optional[str], tools_key: Optional[str]):
+        self.apply_chat_template, self.system_key, self.tools_key = apply_chat_template, system_key, tools_key
+
+    def __call__(self, item: dict[str, Any]) -> Problem:
+        meta = item.setdefault("metadata", {})
+        if isinstance(item["prompt"], list) and not self.apply_chat_template:
+            return ("prompt is a chat message list, but data.apply_chat_template is false",
+                    "set data.apply_chat_template=true (the model's tokenizer needs a chat template)")
+        if self.system_key and meta.get(self.system_key) is not None:
+            system = meta[self.system_key]
+            if not isinstance(system, str):
+                return (f"system prompt {self.system_key!r} is a {type(system).__name__}, not a string",
+                        "fix the row or data.system_key")
+            item["prompt"] = chat_messages(item["prompt"], system)
+        if self.tools_key and meta.get(self.tools_key) is not None:
+            tools = meta[self.tools_key]
+            if isinstance(tools, str):
+                try:
+                    tools = json.loads(tools)
+                except ValueError:
+                    tools = None
+            if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                return (f"tools {self.tools_key!r} is not a list of tool schemas (JSON objects)",
+                        "fix the row or data.tools_key")
+            meta[TOOLS_KEY] = tools
+        return None
+
+
+def _both(first: RowCheck, second: Optional[RowCheck]) -> RowCheck:
+    return first if second is None else (lambda item: first(item) or second(item))
 
 
 def _read_file(cfg: "Config", path: str, row_check: Optional[RowCheck] = None,
                stats: Optional[BadRows] = None) -> list[dict[str, Any]]:
-    """The one reader of a run's data files (training and :func:`check_data`)."""
+    """The one reader of a run's data files (training, eval sets and :func:`check_data`): the chat rows'
+    check (:class:`ChatRowCheck`), then ``row_check``."""
     d = cfg.data
+    chat = ChatRowCheck(d.apply_chat_template, d.system_key, d.tools_key)
     return read_items(path, d.prompt_key, d.label_key, d.on_bad_row,
-                      require_label=cfg.rollout.reward_function in LABEL_REWARDS, row_check=row_check,
-                      stats=stats)
+                      require_label=cfg.rollout.reward_function in LABEL_REWARDS,
+                      row_check=_both(chat, row_check), stats=stats)
 
 
 def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> Datasets:
@@ -394,7 +451,12 @@ def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> 
     :class:`VerifierTask` using ``rollout.reward_function`` when that is ``exact_match`` / ``math_answer`` /
     ``countdown``, else ``exact_match``.
 
-    ``stats``: filled with ``{"data.source" | "data.eval_source": BadRows}`` for each file read.
+    Named eval sets (``eval.sets``, :func:`_load_eval_set`) are read the same way: a file's rows (its first
+    ``num``), or a generator's ``num`` (default ``data.num_eval``) items drawn with ``run.seed + 1``, minus
+    those whose prompt is in train.
+
+    ``stats``: filled with ``{"data.source" | "data.eval_source" | "eval.sets[i].source": BadRows}`` for each
+    file read.
 
     Raises :class:`DataError` for file problems (also when held-out eval would leave no train rows) and
     ValueError for unknown tasks.
@@ -402,8 +464,7 @@ def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> 
     d = cfg.data
     seed = cfg.run.seed
     stats = stats if stats is not None else {}
-    check = (_prompt_length_check(cfg) if is_file_source(d.source)
-             or (d.eval_source and is_file_source(d.eval_source)) else None)
+    check = (_prompt_length_check(cfg) if any(is_file_source(s) for s in _sources(cfg).values()) else None)
     if is_file_source(d.source):
         stats["data.source"] = BadRows(d.source)
         rows = _read_file(cfg, d.source, check, stats["data.source"])
@@ -420,7 +481,9 @@ def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> 
             cut = len(rows) - d.num_eval
             train, eval_items = rows[:cut], rows[cut:]
         _check_budget(cfg, train, check)
-        return Datasets(train=train, eval=eval_items, task=task)
+        return Datasets(train=train, eval=eval_items, task=task,
+                        eval_sets=[_load_eval_set(cfg, i, task, train, check, stats)
+                                   for i in range(len(cfg.eval.sets))])
 
     task = make_task(d.source, **d.task_kwargs)
     train = task.generate(d.num_train, seed=seed)
@@ -431,7 +494,43 @@ def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> 
     seen = {prompt_key_of(it) for it in train}
     eval_items = [it for it in eval_items if prompt_key_of(it) not in seen]
     _check_budget(cfg, train, check)
-    return Datasets(train=train, eval=eval_items, task=task)
+    return Datasets(train=train, eval=eval_items, task=task,
+                    eval_sets=[_load_eval_set(cfg, i, task, train, check, stats)
+                               for i in range(len(cfg.eval.sets))])
+
+
+def _sources(cfg: "Config") -> dict[str, str]:
+    """Every data source of a run by its field: ``data.source``, ``data.eval_source``,
+    ``eval.sets[i].source``."""
+    out = {"data.source": cfg.data.source}
+    if cfg.data.eval_source:
+        out["data.eval_source"] = cfg.data.eval_source
+    out.update({f"eval.sets[{i}].source": s.source for i, s in enumerate(cfg.eval.sets)})
+    return out
+
+
+def _load_eval_set(cfg: "Config", i: int, task: Task, train: Sequence[dict[str, Any]],
+                   check: Optional[RowCheck], stats: dict[str, BadRows]) -> EvalItems:
+    """The items of ``eval.sets[i]``: a file's rows (its first ``num``) scored like the training file (a
+    :class:`VerifierTask`), or ``num`` (default ``data.num_eval``) items of a generator drawn with
+    ``run.seed + 1`` (``task_kwargs``, default ``data.task_kwargs`` for ``data.source`` itself), minus train's
+    prompts."""
+    s, d = cfg.eval.sets[i], cfg.data
+    if is_file_source(s.source):
+        bad = stats.setdefault(f"eval.sets[{i}].source", BadRows(s.source))
+        items = _read_file(cfg, s.source, check, bad)
+        if s.num is not None:
+            items = items[:s.num]
+        rf = cfg.rollout.reward_function
+        verifier = rf if rf in ("exact_match", "math_answer", "countdown") else "exact_match"
+        scorer: Task = task if isinstance(task, VerifierTask) else VerifierTask(
+            verifier=verifier, name=os.path.basename(s.source))
+        return EvalItems(s.name, items, scorer)
+    kwargs = s.task_kwargs or (d.task_kwargs if s.source == d.source else {})
+    other = task if s.source == task.name and kwargs == d.task_kwargs else make_task(s.source, **kwargs)
+    seen = {prompt_key_of(it) for it in train}
+    items = other.generate(s.num or d.num_eval, seed=cfg.run.seed + 1)
+    return EvalItems(s.name, [it for it in items if prompt_key_of(it) not in seen], other)
 
 
 def _check_budget(cfg: "Config", train: Sequence[dict[str, Any]], check: Optional[PromptLengthCheck]) -> None:
@@ -487,8 +586,9 @@ def _file_stamp(path: str) -> tuple:
 
 
 def check_data(cfg: "Config", report: Optional[Callable[[str], None]] = None) -> list[str]:
-    """Read every row of the run's data files (``data.source``, ``data.eval_source``) with the reader the run
-    uses at start (:func:`load_datasets`), on the login node before anything is queued.
+    """Read every row of the run's data files (``data.source``, ``data.eval_source``,
+    ``eval.sets[i].source``) with the reader the run uses at start (:func:`load_datasets`), on the login node
+    before anything is queued.
 
     Returns notes, each also passed to ``report`` (default: printed on stderr): with
     ``data.on_bad_row: skip``, ``data.source: skipped 3 bad rows of FILE (first: FILE:2: ...)``; when
@@ -501,13 +601,13 @@ def check_data(cfg: "Config", report: Optional[Callable[[str], None]] = None) ->
             ``FILE`` alone for whole-file problems) at the first bad row with ``data.on_bad_row: error``.
     """
     d = cfg.data
-    files = [(f, p) for f, p in (("data.source", d.source), ("data.eval_source", d.eval_source))
-             if p and is_file_source(p)]
+    files = [(f, p) for f, p in _sources(cfg).items() if p and is_file_source(p)]
     if not files:
         return []
     model = Path(cfg.model.path) if cfg.model.path else None
     key = (tuple((f, _file_stamp(p)) for f, p in files), d.prompt_key, d.label_key, d.on_bad_row,
-           d.num_eval, d.apply_chat_template, cfg.rollout.reward_function,
+           d.num_eval, d.apply_chat_template, d.system_key, d.tools_key, cfg.rollout.reward_function,
+           tuple((s.num, s.source) for s in cfg.eval.sets),
            _file_stamp(str(model / "config.json")) if model else None)
     if key in _checked:
         return list(_checked[key])

@@ -72,6 +72,7 @@ class RolloutManager:
         self.job_ending: Callable[[], bool] = lambda: False  # Slurm is ending the job: restart nothing
         self.teachers: list = []  # hpcrl.rollout.teacher.Teacher, with algorithm.opd.teachers
         self.gateway = None  # hpcrl.agent.gateway.AgentGateway, with rollout.agent
+        self.eval_sets: list = []  # hpcrl.rollout.evaluate.EvalSet, from start()
 
     # ------------------------------------------------------------------------------------------------------
     def call(self, coro):
@@ -178,6 +179,9 @@ class RolloutManager:
         self.ctx = RolloutContext(client=self.client, tokenizer=tokenizer, reward_fn=plugins.reward_fn,
                                   generate_fn=generate_fn, dynamic_filter=plugins.dynamic_filter,
                                   seed=cfg.run.seed)
+        from hpcrl.rollout.evaluate import eval_sets
+
+        self.eval_sets = eval_sets(cfg, self.datasets)
 
     async def _start_gateway(self, tokenizer):
         """The agent gateway (:mod:`hpcrl.agent.gateway`) and the agent generate function."""
@@ -294,34 +298,29 @@ class RolloutManager:
         return samples, rollout_metrics(self.cfg, samples, out.metrics, len(groups), len(hold))
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
-        """Greedy accuracy on the held-out eval items, through the engines: ``eval/accuracy`` (in [0, 1]) and
-        ``eval/seconds``."""
-        return self.call(self._evaluate())
+        """Every eval set through the rollout's path (:mod:`hpcrl.rollout.evaluate`: the same prompt
+        rendering, generate function or agent, stop rules and reward function, with the eval sampling
+        settings): ``eval/accuracy``, ``eval/pass@k``, ... of the default set, ``eval/<name>/...`` of the
+        named ones, and ``eval/seconds``. Empty when there is no eval item, or when every engine was lost."""
+        return self.call(self._evaluate(rollout_id))
 
-    async def _evaluate(self) -> dict[str, float]:
+    async def _evaluate(self, rollout_id: int) -> dict[str, float]:
+        from hpcrl.rewards import get_reward_function
         from hpcrl.rollout.client import EnginesLost
-        from hpcrl.rollout.rollout import sampling_params
+        from hpcrl.rollout.evaluate import evaluate
 
-        t0 = time.perf_counter()
-        params = sampling_params(self.cfg.rollout, evaluation=True)
-        params["no_stop_trim"] = False
-        items = self.datasets.eval
-        tok = self.ctx.tokenizer
-
-        async def one(item) -> float:
-            ids = tok(item["prompt"], add_special_tokens=True)["input_ids"]
-            out = await self.client.generate(ids, params, return_logprob=False)
-            return float(self.datasets.task.score(out.get("text") or "", item))
-
+        if not self.eval_sets:
+            return {}
+        rewards = {es.name: (self.ctx.reward_fn if es.task is self.datasets.task
+                             else get_reward_function(self.cfg, es.task)) for es in self.eval_sets}
         self._generating(True)
         try:
-            scores = await asyncio.gather(*(one(it) for it in items))
+            return await evaluate(self.cfg, self.ctx, self.eval_sets, rollout_id, lambda es: rewards[es.name])
         except EnginesLost as e:  # the step stays whole and is checkpointed; the next rollout stops the run
             logging.getLogger("hpcrl.health").error("eval skipped: %s", e)
             return {}
         finally:
             self._generating(False)
-        return {"eval/accuracy": sum(scores) / max(len(scores), 1), "eval/seconds": time.perf_counter() - t0}
 
     # ---------------------------------------------------------------------------------- colocated memory
     def offload(self) -> None:

@@ -108,15 +108,14 @@ def sample_seed(run_seed: int, sample_index: int) -> int:
 
 
 def tokenize_prompt(tokenizer, sample: Sample, apply_chat_template: bool = False) -> None:
-    """Fill ``sample.tokens`` with the prompt's token ids (once; partial samples keep their tokens)."""
+    """Fill ``sample.tokens`` with the prompt's token ids (once; partial samples keep their tokens):
+    :func:`hpcrl.data.chat.prompt_token_ids`, with the item's tools (``metadata["tools"]``)."""
+    from hpcrl.data.chat import TOOLS_KEY, prompt_token_ids
+
     if sample.tokens:
         return
-    if apply_chat_template and isinstance(sample.prompt, list):
-        ids = tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)  # transformers 5 returns a dict by default
-    else:
-        ids = tokenizer(sample.prompt, add_special_tokens=True)["input_ids"]
-    sample.tokens = list(ids)
+    sample.tokens = prompt_token_ids(tokenizer, sample.prompt, apply_chat_template,
+                                     sample.metadata.get(TOOLS_KEY))
 
 
 def reset_sample(sample: Sample) -> None:
@@ -226,7 +225,13 @@ class _GroupBatcher:
             self._settle(fut, out)
 
 
-async def _generate_group(cfg, ctx: RolloutContext, group: list[Sample], params: dict, evaluation: bool):
+async def generate_group(cfg, ctx: RolloutContext, group: list[Sample], params: dict, evaluation: bool):
+    """Generate and score one group in place (``[n_samples_per_prompt]`` samples): tokenise the prompts
+    (:func:`tokenize_prompt`), call ``ctx.generate_fn`` for each unfinished sample with ``params`` (and a
+    per-sample ``sampling_seed``, except in a greedy ``evaluation``), then, unless a sample was aborted, score
+    with ``ctx.reward_fn`` every sample whose reward the generate function did not fix. The one path of the
+    rollout and of the evaluation (:mod:`hpcrl.rollout.evaluate`). Returns ``group``; raises what the generate
+    and reward functions raise."""
     from hpcrl.rollout.generate import generate as default_generate
 
     for s in group:
@@ -241,7 +246,7 @@ async def _generate_group(cfg, ctx: RolloutContext, group: list[Sample], params:
     calls = []
     for s in todo:
         p = dict(params)
-        if not evaluation:
+        if not evaluation or p.get("temperature", 0) > 0:  # greedy evaluation needs no seed
             p["sampling_seed"] = sample_seed(ctx.seed, s.index)
         calls.append(ctx.generate_fn(client, s, p))
     await asyncio.gather(*calls)
@@ -294,7 +299,7 @@ async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContex
                 for g in groups:
                     for s in g:
                         s.rollout_id = rollout_id
-                pending = [(asyncio.create_task(_generate_group(cfg, ctx, g, params, evaluation)), g)
+                pending = [(asyncio.create_task(generate_group(cfg, ctx, g, params, evaluation)), g)
                            for g in groups]
                 submitted += len(groups)
             task, group = pending[0]

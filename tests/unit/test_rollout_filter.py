@@ -157,7 +157,7 @@ def test_a_reward_the_generate_function_fixed_is_kept():
     """An agent's posted reward (or a failed episode's) is not replaced by the scorer; every other sample of the
     group is scored."""
     from hpcrl.data.sample import Sample
-    from hpcrl.rollout.rollout import _generate_group
+    from hpcrl.rollout.rollout import generate_group
 
     async def generate(client, sample, params):
         sample.append_response_tokens([5], [-1.0], text="5")
@@ -172,5 +172,5 @@ def test_a_reward_the_generate_function_fixed_is_kept():
     ctx = RolloutContext(client=None, tokenizer=CharTokenizer(), reward_fn=reward, generate_fn=generate,
                          dynamic_filter=None, seed=3)
     group = [Sample(prompt="1+1=", index=i) for i in range(2)]
-    asyncio.run(_generate_group(make_config(), ctx, group, {}, False))
+    asyncio.run(generate_group(make_config(), ctx, group, {}, False))
     assert [s.reward for s in group] == [0.25, 9.0]
