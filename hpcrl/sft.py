@@ -34,6 +34,7 @@ covered; GRPO reached 0.75), after about as many steps. The quickstart uses 1e-3
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -206,21 +207,23 @@ def _cached(out: Path, key: dict[str, Any]) -> bool:
 def run_sft(cfg: "Config") -> Path:
     """Supervised warm start of ``cfg.model`` on the task's demonstrations; returns the ``cfg.sft.output`` folder.
 
-    :func:`~hpcrl.models.hf.ensure_model` creates the base model if needed. When ``sft.output`` exists with
-    the same :func:`cache_key` it is returned at once (the cache). Otherwise: train/eval items come
-    from :func:`hpcrl.data.sources.load_datasets`; the model is trained in float32 with AdamW (betas
-    :data:`ADAM_BETAS`, weight decay :data:`WEIGHT_DECAY`, grad-norm clip :data:`GRAD_CLIP`, linear warmup then
-    cosine decay, see :func:`lr_at`) for at most ``sft.steps`` optimizer steps of ``sft.batch_size``
-    demonstrations at peak lr ``sft.lr``. Greedy accuracy on the eval items (responses of at most
-    ``rollout.max_new_tokens`` tokens, cut at eos and ``rollout.stop``) is measured before the first step, every
-    ``sft.eval_interval`` steps (every ``sft.eval_interval_near_target`` steps once an eval reached
-    :data:`NEAR_TARGET_FRACTION` of the target) and after the last; training stops at the first eval
-    that reaches ``sft.target_accuracy``. The model (in
-    ``model.dtype``), tokenizer and ``sft_metrics.jsonl`` (one JSON object per line: ``step``, ``loss`` in nats
-    per label token, ``lr``, ``grad_norm``, ``elapsed_s`` in seconds since the start; eval lines have
-    ``eval_accuracy`` instead) are written to a temp folder and renamed to ``sft.output`` (atomic), so the
-    metrics are cached with the model; ``sft_key.json`` holds the key. A cached folder with another key is
-    replaced (the old one is moved aside, the new one renamed into place, the old one deleted).
+    :func:`~hpcrl.models.hf.ensure_model` creates the base model if needed. The demonstrations are
+    ``sft.data`` when set (a data section of their own: an agent run warm-starts on tool-use demonstrations,
+    then trains on the task's prompts), else the run's ``data``; everything below that says ``data`` means
+    that section. When ``sft.output`` exists with the same :func:`cache_key` it is returned at once (the
+    cache). Otherwise: train/eval items come from :func:`hpcrl.data.sources.load_datasets`; the model is
+    trained in float32 with AdamW (betas :data:`ADAM_BETAS`, weight decay :data:`WEIGHT_DECAY`, grad-norm clip
+    :data:`GRAD_CLIP`, linear warmup then cosine decay, see :func:`lr_at`) for at most ``sft.steps`` optimizer
+    steps of ``sft.batch_size`` demonstrations at peak lr ``sft.lr``. Greedy accuracy on the eval items
+    (responses of at most ``rollout.max_new_tokens`` tokens, cut at eos and ``rollout.stop``) is measured
+    before the first step, every ``sft.eval_interval`` steps (every ``sft.eval_interval_near_target`` steps
+    once an eval reached :data:`NEAR_TARGET_FRACTION` of the target) and after the last; training stops at the
+    first eval that reaches ``sft.target_accuracy``. The model (in ``model.dtype``), tokenizer and
+    ``sft_metrics.jsonl`` (one JSON object per line: ``step``, ``loss`` in nats per label token, ``lr``,
+    ``grad_norm``, ``elapsed_s`` in seconds since the start; eval lines have ``eval_accuracy`` instead) are
+    written to a temp folder and renamed to ``sft.output`` (atomic), so the metrics are cached with the model;
+    ``sft_key.json`` holds the key. A cached folder with another key is replaced (the old one is moved aside,
+    the new one renamed into place, the old one deleted).
 
     Deterministic given ``run.seed`` (bitwise-equal weights across runs; measured equal with 1 and 2 torch
     threads). Uses the threads torch is set to (``torch.set_num_threads``).
@@ -235,6 +238,8 @@ def run_sft(cfg: "Config") -> Path:
     from hpcrl.models.hf import ensure_model, load_hf_model
 
     sft = cfg.sft
+    if sft.data is not None:
+        cfg = dataclasses.replace(cfg, data=sft.data)
     if not sft.output:
         raise ValueError("sft.output is empty; set it to the folder the SFT model is saved to")
     out = Path(sft.output)

@@ -214,7 +214,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     check_model(cfg, check_files)
     check_data(cfg, check_files)
     check_rollout(cfg, check_files)
-    check_sft(cfg)
+    check_sft(cfg, check_files)
     check_train(cfg)
     check_moe(cfg, check_files)
     check_algorithm(cfg, check_files)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import dataclasses
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,10 @@ BAD = [
     ("sft-without-output", M + "sft: {enabled: true}\n", [], "sft.output", "", ["sft.enabled"]),
     ("sft-near-target-interval-zero", M + "sft: {eval_interval_near_target: 0}\n", [],
      "sft.eval_interval_near_target", 0, ["must be > 0"]),
+    ("missing-sft-data-file", M + "sft: {data: {source: /nonexistent/demos.jsonl}}\n", [], "sft.data.source",
+     "/nonexistent/demos.jsonl", ["no such data file"]),
+    ("sft-data-empty-key", M + "sft: {data: {source: addition}}\n", ["sft.data.label_key="],
+     "sft.data.label_key", "", ["set sft.data.label_key to a column name"]),
     ("missing-data-file", M + "data: {source: /nonexistent/train.jsonl}\n", [], "data.source",
      "/nonexistent/train.jsonl", ["no such data file"]),
     ("unknown-data-source", M + "data: {source: additon}\n", [], "data.source", "additon",
@@ -313,6 +318,19 @@ def test_quickstart_values():
     assert cfg.rollout.dynamic_filter == "nonzero_std" and cfg.train.lr == 1.5e-4
     assert (cfg.train.lr_warmup_steps, cfg.train.lr_decay_style, cfg.train.lr_decay_steps) == (50, "cosine", 700)
     assert cfg.algorithm.advantage_estimator == "grpo" and not cfg.algorithm.use_kl_loss
+
+
+def test_smollm2_agent_config_does_its_warm_start_itself(monkeypatch):
+    """Issue #34 point 6: the calculator agent's config holds its SFT warm start (demonstrations in sft.data,
+    the RL prompts in data) and names the agent by its file, so it validates with no PYTHONPATH."""
+    monkeypatch.chdir(REPO)  # its paths are relative to the working directory
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    cfg = load_config(REPO / "configs" / "smollm2-agent.yaml")
+    assert (cfg.model.create, cfg.model.gguf_file) == ("gguf", "smollm2")
+    assert cfg.sft.enabled and cfg.sft.output == ".cache/models/smollm2-agent-sft"
+    assert (cfg.sft.data.source, cfg.sft.data.num_eval) == ("examples/agent_calculator/demos.jsonl", 16)
+    assert cfg.data.source == "reasoning_gym:basic_arithmetic"
+    assert cfg.rollout.agent.function == "examples/agent_calculator/agent.py:solve"
 
 
 def test_smollm2_values():
