@@ -1,9 +1,10 @@
 """The calculator agent's learning curve against its no-tool baseline (issue #17 point 4).
 
 Reads the ``metrics.jsonl`` of two finished runs of ``configs/smollm2-agent.yaml`` - the calculator agent and
-the same config with ``rollout.agent.function=agent_calculator.agent.answer_directly`` - and prints, per step,
-the training reward (the task's scorer on each episode's final answer, mean over the step's 32 episodes), the
-share of episodes that called the tool and the policy calls per episode; then the first-5 / last-5 step means.
+the same config with ``rollout.agent.function=examples/agent_calculator/agent.py:answer_directly`` - and
+prints, per step, the training reward (the task's scorer on each episode's final answer, mean over the step's
+32 episodes), the share of episodes that called the tool and the policy calls per episode; then the first-5 /
+last-5 step means.
 ``--png`` also draws reward and tool-call rate of both runs.
 
     python benchmarks/agent_calculator.py runs/smollm2-agent runs/smollm2-agent-no-tool [--png FILE]

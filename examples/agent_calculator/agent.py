@@ -1,5 +1,7 @@
-"""The calculator agent (``rollout.agent.function: agent_calculator.agent.solve`` with ``PYTHONPATH=examples``)
-and its no-tool baseline (``agent_calculator.agent.answer_directly``): OpenAI clients of hpcrl's agent gateway, nothing hpcrl-specific.
+"""The calculator agent (``rollout.agent.function: examples/agent_calculator/agent.py:solve``, or
+``agent_calculator.agent.solve`` with ``PYTHONPATH=examples``) and its no-tool baseline
+(``examples/agent_calculator/agent.py:answer_directly``): OpenAI clients of hpcrl's agent gateway, nothing
+hpcrl-specific.
 
 ``solve`` offers the calculator tool, runs each tool call the policy makes and hands back the result, for at
 most ``MAX_CALLS`` policy calls, and returns the last reply as the final answer (scored by the task).

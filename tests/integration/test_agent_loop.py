@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -120,6 +121,58 @@ def test_agent_episodes_train(tmp_path, mode):
         if mode == "sync":  # on policy: the trainer's log-probs are the engine's, chain by chain
             assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
     assert "agent gateway at http://127.0.0.1:" in out.log
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_calculator_example_runs_in_one_command(tmp_path):
+    """Issue #34 point 6: ``hpcrl run configs/smollm2-agent.yaml`` as the example is, with no PYTHONPATH (the
+    agent is named by its file, examples/agent_calculator/agent.py:solve): the SFT warm start on the
+    example's tool-use demonstrations from the config's ``sft:`` section (``sft.data``, not the RL prompts),
+    cached in ``sft.output``, then the agent run from the warm-started model; a second run reuses the cache.
+    Kept short (~20 s): the tiny model (its character tokenizer keeps the demonstrations within its context)
+    instead of SmolLM2, 2 SFT steps, 1 RL step of 2 prompts x 2 episodes."""
+    overrides = [f"run.output_dir={tmp_path / 'runs'}", "run.num_rollout=1",
+                 f"model.path={tmp_path / 'tiny'}", "model.create=tiny-qwen2", "model.gguf_file=null",
+                 "model.tiny_hidden_size=64", "model.tiny_num_layers=2",
+                 f"sft.output={tmp_path / 'sft'}", "sft.steps=2", "sft.batch_size=4", "sft.data.num_eval=2",
+                 "data.num_train=8", "data.num_eval=2", "rollout.batch_size=2",
+                 "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=8", "rollout.agent.timeout_s=60"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+
+    def hpcrl_run(name: str) -> str:
+        log = tmp_path / f"{name}.log"
+        with open(log, "wb") as f:  # -m: this checkout's hpcrl; the repository is on sys.path, examples/ not
+            out = subprocess.run([sys.executable, "-m", "hpcrl", "run", "configs/smollm2-agent.yaml",
+                                  f"run.name={name}", *overrides], cwd=REPO, env=env, stdout=f,
+                                 stderr=subprocess.STDOUT, timeout=600, check=False)
+        assert out.returncode == 0, log.read_text()[-3000:]
+        return log.read_text()
+
+    text = hpcrl_run("agent-first")
+    # the warm start: the example's demonstrations (sft.data), 2 steps with an eval before and after ...
+    sft = tmp_path / "sft"
+    key = json.loads((sft / "sft_key.json").read_text())
+    assert key["data"]["source"] == "examples/agent_calculator/demos.jsonl" and key["data"]["num_eval"] == 2
+    sft_rows = [json.loads(x) for x in (sft / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sft_rows if "eval_accuracy" in r] == [0, 2]
+    assert text.index("sft: saved") < text.index("agent gateway at http://127.0.0.1:")
+    # ... then the agent run on the RL prompts (data: reasoning-gym), its engine serving the warm-started
+    # model; one call per episode (the random tiny model writes no tool call), trained on policy
+    engine_log = (tmp_path / "runs" / "agent-first" / "logs" / "attempt-0" / "engine-0.log").read_text()
+    assert f"model {sft}\n" in engine_log
+    steps = [r for r in rows(tmp_path, "agent-first") if r["step"] >= 0]
+    assert len(steps) == 1 and steps[0]["rollout/agent_calls"] == 1 and steps[0]["rollout/agent_failed"] == 0
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    # a second run finds the warm start in its cache and trains none
+    made = (sft / "model.safetensors").stat().st_mtime_ns
+    text = hpcrl_run("agent-second")
+    assert "was made from the same base model, data, seed and recipe: using it" in text
+    assert "sft: saved" not in text
+    assert (sft / "model.safetensors").stat().st_mtime_ns == made
+    assert len([r for r in rows(tmp_path, "agent-second") if r["step"] >= 0]) == 1
 
 
 def test_a_non_executable_agent_command_is_refused_before_anything_starts(tmp_path):
