@@ -4,9 +4,10 @@ Custom reward, generate, rollout, filter and agent functions are named in the co
 the module part is imported (it must be importable from ``sys.path``, e.g. an installed package or a folder
 on ``PYTHONPATH``) and the attribute after the last dot is returned. Or as ``path/to/module.py:attr``
 (relative to the working directory, like the config's other paths): the file is imported by its package name
-(the folders above it that hold an ``__init__.py``) with the first folder above them put on ``sys.path``
-(appended, so it shadows nothing), so relative imports inside the package work and no ``PYTHONPATH`` is
-needed: ``examples/agent_calculator/agent.py:solve`` is module ``agent_calculator.agent`` from ``examples/``.
+(the folders above it that hold an ``__init__.py``) from the first folder above them, searched first for that
+import only and then left at the end of ``sys.path`` (so it shadows nothing), so relative imports inside the
+package work and no ``PYTHONPATH`` is needed: ``examples/agent_calculator/agent.py:solve`` is module
+``agent_calculator.agent`` from ``examples/``.
 """
 
 from __future__ import annotations
@@ -46,17 +47,13 @@ def load_function(path: str) -> Callable[..., Any]:
     path = path.strip()
     file_form = FILE_FORM_RE.fullmatch(path)
     if file_form:
-        module_name, attr = _import_file_module(path, file_form["file"]), file_form["attr"]
+        module, attr = _import_file(path, file_form["file"]), file_form["attr"]
+        module_name = module.__name__
     else:
         module_name, _, attr = path.rpartition(".")
         if not module_name or not attr:
             raise PluginError(path, "expected a dotted import path 'pkg.module.function' (no module part)")
-    module = _import(path, module_name)
-    where = getattr(module, "__file__", None)
-    if file_form and (not where or Path(where).resolve() != Path(file_form["file"]).resolve()):
-        raise PluginError(path, f"module {module_name!r} is {where!r}, not {file_form['file']!r} (another "
-                                "module of that name comes first on sys.path): rename the file or its "
-                                "package")
+        module = _import(path, module_name)
     if not hasattr(module, attr):
         raise PluginError(path, f"module {module_name!r} has no attribute {attr!r}")
     fn = getattr(module, attr)
@@ -79,19 +76,34 @@ def module_of_file(file: str | os.PathLike) -> tuple[Path, str]:
     return folder, ".".join(parts)
 
 
-def _import_file_module(path: str, file: str) -> str:
-    """Put the folder of ``file``'s top package on ``sys.path`` (appended, once); its module name. Raises
-    :class:`PluginError` when the file does not exist or a name on its way is no Python identifier."""
+def _import_file(path: str, file: str) -> ModuleType:
+    """Import ``file`` as the module :func:`module_of_file` names, from its folder: that folder goes first on
+    ``sys.path`` for this import only, then stays at its end (once). Raises :class:`PluginError` when the file
+    does not exist, a name on its way is no Python identifier, a module of that name (or of one of its
+    packages) is already imported from another file, or the import fails."""
     if not Path(file).is_file():
         raise PluginError(path, f"no such file {file!r} (relative to the working directory {os.getcwd()})")
-    folder, name = module_of_file(file)
-    bad = [p for p in name.split(".") if not p.isidentifier()]
+    target = Path(file).resolve()
+    folder, name = module_of_file(target)
+    parts = name.split(".")
+    bad = [p for p in parts if not p.isidentifier()]
     if bad:
         raise PluginError(path, f"{bad[0]!r} cannot be a Python module name (module {name!r} of {file!r}): "
                                 "rename it with letters, digits and underscores")
-    if str(folder) not in sys.path:
-        sys.path.append(str(folder))
-    return name
+    for i in range(1, len(parts) + 1):  # a module of that name imported before would be used instead
+        expected = target if i == len(parts) else folder.joinpath(*parts[:i], "__init__.py")
+        seen = sys.modules.get(".".join(parts[:i]))
+        where = getattr(seen, "__file__", None)
+        if seen is not None and (not where or Path(where).resolve() != expected):
+            raise PluginError(path, f"module {'.'.join(parts[:i])!r} is already imported from {where!r}, not "
+                                    f"{str(expected)!r}: rename the file or its package")
+    sys.path.insert(0, str(folder))
+    try:
+        return _import(path, name)
+    finally:
+        sys.path.remove(str(folder))  # the first occurrence: the one inserted above
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))  # for what the plug-in imports later
 
 
 def _import(path: str, module_name: str) -> ModuleType:
