@@ -190,3 +190,42 @@ def test_chat_rows_refused_on_the_login_node(tmp_path, chat_model, tiny_model_di
                  "data.tools_key=tools", model=chat_model)
     with pytest.raises(DataError, match="bad.jsonl:1: tools 'tools' is not a list of tool schemas"):
         load_datasets(cfg)
+
+
+def test_chat_rows_from_parquet(tmp_path, chat_model):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tools = json.dumps([{"type": "function", "function": {"name": "7", "parameters": {}}}])
+    table = pa.table({"prompt": [[{"role": "user", "content": f"{i}+1="}] for i in range(6)],
+                      "label": [str(i + 1) for i in range(6)], "sys": ["0"] * 6, "tools": [tools] * 6})
+    pq.write_table(table, tmp_path / "chat.parquet")
+    cfg = config(tmp_path, f"data.source={tmp_path / 'chat.parquet'}", "data.num_eval=2",
+                 "data.apply_chat_template=true", "data.system_key=sys", "data.tools_key=tools", model=chat_model)
+    data = load_datasets(cfg)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    s = Sample(prompt=data.eval[0]["prompt"], metadata=data.eval[0]["metadata"])
+    tokenize_prompt(tok, s, True)
+    assert len(data.train) == 4 and tok.decode(s.tokens) == "(0)4+1=(7)"
+
+
+def test_hpcrl_eval_targets(tmp_path, tiny_model_dir):
+    from hpcrl.standalone_eval import resolve_target
+
+    with pytest.raises(ConfigError, match="is an HF model folder, and says nothing of what to evaluate it on"):
+        resolve_target(str(tiny_model_dir))
+    with pytest.raises(ConfigError, match="is not a run folder"):
+        resolve_target(str(tmp_path))
+    (tmp_path / "run.yaml").write_text(BASE.replace("MODEL", str(tmp_path / "tiny")))
+    t = resolve_target(str(tiny_model_dir), str(tmp_path / "run.yaml"), ["eval.n_samples=3"])
+    assert t.model == tiny_model_dir and t.checkpoint is None and t.cfg.eval.n_samples == 3
+    assert t.cfg.model.path == str(tiny_model_dir) and t.output == Path("eval") / tiny_model_dir.name
+    run = tmp_path / "runs" / "r"
+    (run / "checkpoints" / "iter_0000004").mkdir(parents=True)
+    (run / "config.yaml").write_text(BASE.replace("MODEL", str(tiny_model_dir)))
+    t = resolve_target(str(run))
+    assert t.checkpoint is None and t.label == "model"  # no complete checkpoint: the starting model
+    t = resolve_target(str(run / "checkpoints" / "iter_0000004"), output=str(tmp_path / "out"))
+    assert t.checkpoint == run / "checkpoints" / "iter_0000004" and t.output == tmp_path / "out"
