@@ -64,7 +64,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
         # --- engines up, router, client (a twin that does nothing on the other ranks) ----------------
         rollout.start(t.datasets)
         ckpt.on_device = rollout.trainer_onloaded  # colocated on GPUs: saves run with the trainer onloaded
-        metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller)
+        metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller, cfg=cfg)
         rollout.offload()  # colocated: the engines give their memory back before the first sync and train
         syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
                                           engine_tp_sizes=rollout.engine_tp_sizes, hf_checkpoint=str(model_path),
@@ -214,33 +214,47 @@ def sync_weights(actor, syncer, rollout, version: int) -> dict[str, Any]:
 
 class RunLog:
     """The run's metrics (``metrics.jsonl``, TensorBoard, progress bar, ``curves.png``:
-    :class:`hpcrl.metrics.MetricsLogger`) on the controller; nothing on the other ranks."""
+    :class:`hpcrl.metrics.MetricsLogger`; W&B when ``cfg.wandb.mode`` is not ``disabled``:
+    :class:`hpcrl.tracking.WandbTracker`) on the controller; nothing on the other ranks."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, controller: bool) -> None:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, controller: bool,
+                 cfg: Optional[Config] = None) -> None:
         from hpcrl.metrics import MetricsLogger
+        from hpcrl.tracking import WandbTracker
 
         self.run_dir = run_dir
         self.logger = MetricsLogger(run_dir, total_steps, start_step) if controller else None
+        with_wandb = controller and cfg is not None
+        self.tracker = WandbTracker.start(cfg, run_dir, start_step) if with_wandb else None
+        self.stopped: Optional[str] = None
+        self.finished = False
 
     def log(self, step: int, metrics: dict[str, Any], advance: bool = True) -> None:
-        """Append one step's metrics (``advance=False``: the eval before the first step)."""
+        """Append one step's metrics (``advance=False``: the eval before the first step); W&B gets the row."""
         if self.logger is not None:
-            self.logger.log(step, metrics, advance=advance)
+            row = self.logger.log(step, metrics, advance=advance)
+            if self.tracker is not None:
+                self.tracker.log(row)
 
     def finish(self, stopped: Optional[str]) -> None:
-        """Close the files, draw ``curves.png`` and say how the run ended."""
+        """Close the files, draw ``curves.png``, end the W&B run and say how the run ended."""
+        self.stopped, self.finished = stopped, True
         if self.logger is not None:
             png = self.close()
             log.info("%s: %s (curves: %s)", "stopped" if stopped else "done", self.run_dir, png)
 
     def close(self) -> Optional[Path]:
         """Close the files and the progress bar (ending its line, so that an error printed after it starts a
-        line of its own) and draw ``curves.png``, once; later calls do nothing and return None."""
+        line of its own), draw ``curves.png`` and end the W&B run (failed unless :meth:`finish` came first),
+        once; later calls do nothing and return None."""
         logger, self.logger = self.logger, None
         if logger is None:
             return None
+        png = None
         try:  # every metrics line is already on disk (fsynced): a plot that fails must not fail the run
-            return logger.close()
+            png = logger.close()
         except Exception as e:  # noqa: BLE001 - reported, and the run's own outcome (or error) stands
             log.warning("could not draw curves.png: %s: %s", type(e).__name__, e)
-            return None
+        if self.tracker is not None:
+            self.tracker.finish(png, stopped=self.stopped is not None, failed=not self.finished)
+        return png

@@ -64,7 +64,7 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
         actor, data_source, trained, ckpt, start_rollout_id = t.actor, t.data_source, t.trained, t.ckpt, t.start
         # --- engines up, router, client; weights; the first rollout ---------------------------------
         rollout.start(t.datasets)
-        metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller)
+        metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller, cfg=cfg)
         syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
                                           engine_tp_sizes=rollout.engine_tp_sizes, hf_checkpoint=str(model_path),
                                           disk_dir=str(run_dir / "weights"))

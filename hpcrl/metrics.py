@@ -104,10 +104,11 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="rollout", unit="step",
                              dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict[str, Any], advance: bool = True) -> None:
+    def log(self, step: int, metrics: dict[str, Any], advance: bool = True) -> dict[str, Any]:
         """Append one step's metrics (numbers; non-finite values are written as null) and flush to disk.
 
         ``advance=False`` logs without moving the progress bar (the eval before the first step, ``step=-1``).
+        Returns the row as written (``step``, ``time`` in seconds since the epoch, then the metrics).
         """
         row = {"step": step, "time": time.time()}
         for k, v in metrics.items():
@@ -128,6 +129,7 @@ class MetricsLogger:
             self._bar.set_postfix(post, refresh=not advance)
             if advance:
                 self._bar.update(1)
+        return row
 
     def close(self) -> Optional[Path]:
         """Close files and write ``curves.png``; returns its path (None when there is nothing to plot)."""
