@@ -1,7 +1,7 @@
 """Weights & Biases tracking (:mod:`hpcrl.tracking`) with the real ``wandb`` package in offline mode (files in
 ``tmp_path``, no network): the rule "each step's last attempt wins" against ``metrics.jsonl`` across resumes,
-the run id kept in ``wandb.json``, ``curves.png``, an online run that cannot start. A whole preempted and
-resumed ``hpcrl run`` is ``tests/integration/test_wandb_offline.py``.
+the run id kept in ``wandb.json``, ``curves.png``, an online run that cannot start, and a sweep's W&B group.
+A whole preempted and resumed ``hpcrl run`` is ``tests/integration/test_wandb_offline.py``.
 """
 
 from __future__ import annotations
@@ -192,3 +192,24 @@ def test_disabled_imports_nothing_and_other_ranks_send_nothing(offline):
     code = "import hpcrl.loop, hpcrl.tracking, hpcrl.cli, sys; print('wandb' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+SWEEP = """\
+run: {{name: wbsweep, num_rollout: 4}}
+model: {{create: tiny-qwen2}}
+slurm: {{time: "01:00:00"}}
+wandb: {wandb}
+sweep: {{grid: {{train.lr: [1.0e-4, 3.0e-4]}}}}
+"""
+
+
+@pytest.mark.parametrize("wandb,groups", [("{mode: offline}", ["wbsweep", "wbsweep"]),
+                                          ("{mode: offline, group: mine}", ["mine", "mine"]),
+                                          ("{mode: disabled}", [None, None])])
+def test_sweep_points_share_a_wandb_group(tmp_path, monkeypatch, wandb, groups):
+    from hpcrl.slurm.sweep import plan_sweep
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sweep.yaml").write_text(SWEEP.format(wandb=wandb))
+    plan = plan_sweep(tmp_path / "sweep.yaml", cwd=tmp_path)
+    assert [p.config.wandb.group for p in plan.points] == groups

@@ -123,7 +123,10 @@ def plan_sweep(config: str | os.PathLike | None, overrides: Iterable[str] = (),
                 set_dotted(raw_p, key, copy.deepcopy(value))
             set_dotted(raw_p, "run.name", name)
             set_dotted(raw_p, "run.output_dir", str(sweep_dir))
-            cfg, plan = prepare_config(build(raw_p), cwd=cwd)
+            cfg = build(raw_p)
+            if cfg.wandb.mode != "disabled" and cfg.wandb.group is None:
+                cfg.wandb.group = base.run.name  # a sweep's points share a W&B group (hpcrl.tracking)
+            cfg, plan = prepare_config(cfg, cwd=cwd)
         except ConfigError as e:
             if base_error is not None and e.field == base_error.field:
                 raise base_error from None  # the base's own problem, not one the sweep made
