@@ -206,10 +206,15 @@ def _cmd_status(ns: argparse.Namespace) -> int:
 
 @_slurm_errors
 def _cmd_logs(ns: argparse.Namespace) -> int:
-    from hpcrl.slurm.control import print_logs
+    from hpcrl.slurm import SlurmCommandError
+    from hpcrl.slurm.control import print_logs, wandb_sync
     from hpcrl.slurm.state import find_run
 
-    return print_logs(find_run(ns.run, ns.output_dir), follow=ns.follow)
+    if ns.wandb_sync and ns.follow:
+        raise SlurmCommandError("hpcrl logs: --wandb-sync uploads the W&B files and prints no logs; drop "
+                                "--follow (or run the two commands one after the other)")
+    run_dir = find_run(ns.run, ns.output_dir)
+    return wandb_sync(run_dir) if ns.wandb_sync else print_logs(run_dir, follow=ns.follow)
 
 
 @_slurm_errors
@@ -433,9 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_dir(p)
     p.set_defaults(handler=_cmd_status)
 
-    p = sub.add_parser("logs", help="print the newest attempt's logs of a run")
+    p = sub.add_parser("logs", help="print the newest attempt's logs of a run (--wandb-sync: upload its "
+                                    "offline W&B runs)")
     p.add_argument("run", metavar="RUN", help="run folder or run name")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p.add_argument("--wandb-sync", action="store_true",
+                   help="instead of printing logs, upload the run's offline W&B runs "
+                        "(RUN/wandb/offline-run-*, wandb.mode=offline) with wandb sync, from a node with "
+                        "internet")
     _add_output_dir(p)
     p.set_defaults(handler=_cmd_logs)
 

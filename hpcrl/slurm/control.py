@@ -1,4 +1,5 @@
-"""``hpcrl logs RUN [--follow]`` and ``hpcrl cancel RUN`` (a sweep's: :mod:`hpcrl.slurm.sweep.cancel`).
+"""``hpcrl logs RUN [--follow | --wandb-sync]`` and ``hpcrl cancel RUN`` (a sweep's:
+:mod:`hpcrl.slurm.sweep.cancel`).
 
 Logs of a run's newest attempt: the job's main log (task 0's stdout and stderr, from the last
 ``[hpcrl] attempt start`` line on, since a requeued job appends to the same file), then every file of the
@@ -6,6 +7,8 @@ newest ``logs/attempt-N`` folder (engine, router, phase logs), each under a ``==
 ``tail``.
 ``--follow`` keeps printing what is appended, picks up new files and newer attempts, and stops once the job is
 in a final state (or on Ctrl-C).
+``--wandb-sync`` uploads the run's offline W&B runs (``wandb.mode=offline``, one per attempt, under
+``RUN/wandb/``) with ``wandb sync``, from a node with internet (:func:`wandb_sync`).
 """
 
 from __future__ import annotations
@@ -128,6 +131,43 @@ def print_logs(run_dir: Path, follow: bool = False, out: TextIO = sys.stdout, po
             time.sleep(poll_s)
     except KeyboardInterrupt:
         return 0
+
+
+def wandb_sync(run_dir: Path, command: Optional[str] = None) -> int:
+    """Upload the run's offline W&B runs (:func:`hpcrl.tracking.offline_runs`, oldest first: W&B syncs the
+    attempts of one run in order of start time) with ``wandb sync DIR...``, its output on the terminal; W&B
+    skips attempts it already synced. ``command``: the ``wandb`` executable (default
+    :func:`hpcrl.tracking.wandb_command`). Returns 0 once ``wandb sync`` succeeded.
+
+    Raises:
+        SlurmCommandError: the run has no offline W&B run, or the ``wandb`` command is missing (exit 2);
+            ``wandb sync`` failed (exit 1; its own message is printed above, e.g. no API key).
+    """
+    from hpcrl.tracking import WANDB_DIR, offline_runs, wandb_command
+
+    runs = offline_runs(run_dir)
+    if not runs:
+        raise SlurmCommandError(f"hpcrl logs --wandb-sync: {run_dir}/{WANDB_DIR}/ holds no offline W&B run "
+                                "(offline-run-*): only a run with wandb.mode=offline writes them; nothing to "
+                                "sync")
+    command = command or wandb_command()
+    if command is None:
+        raise SlurmCommandError("hpcrl logs --wandb-sync: the wandb command is not installed; pip install "
+                                "'hpcrl[wandb]' (or run: wandb sync "
+                                f"{' '.join(str(p) for p in runs)})")
+    print(f"hpcrl logs: wandb sync of {len(runs)} offline W&B run(s) of {run_dir}", file=sys.stderr,
+          flush=True)
+    try:
+        rc = subprocess.run([command, "sync", *map(str, runs)], cwd=run_dir, check=False).returncode
+    except OSError as e:
+        raise SlurmCommandError(f"hpcrl logs --wandb-sync: {command} did not start: {e}",
+                                exit_code=1) from None
+    if rc != 0:
+        raise SlurmCommandError(f"hpcrl logs --wandb-sync: wandb sync exited with {rc} (its message is "
+                                "above); log in with wandb login or set WANDB_API_KEY, on a node with "
+                                "internet",
+                                exit_code=1)
+    return 0
 
 
 def scancel(job_ids: list[str]) -> None:

@@ -1,7 +1,8 @@
 """Weights & Biases tracking (:mod:`hpcrl.tracking`) with the real ``wandb`` package in offline mode (files in
 ``tmp_path``, no network): the rule "each step's last attempt wins" against ``metrics.jsonl`` across resumes,
-the run id kept in ``wandb.json``, ``curves.png``, an online run that cannot start, and a sweep's W&B group.
-A whole preempted and resumed ``hpcrl run`` is ``tests/integration/test_wandb_offline.py``.
+the run id kept in ``wandb.json``, ``curves.png``, an online run that cannot start, a sweep's W&B group, and
+``hpcrl logs RUN --wandb-sync``. A whole preempted and resumed ``hpcrl run`` is
+``tests/integration/test_wandb_offline.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.cli import main
 from hpcrl.config import load_config
 from hpcrl.loop import RunLog
 from hpcrl.metrics import MetricsPosition, read_metrics
@@ -213,3 +215,41 @@ def test_sweep_points_share_a_wandb_group(tmp_path, monkeypatch, wandb, groups):
     (tmp_path / "sweep.yaml").write_text(SWEEP.format(wandb=wandb))
     plan = plan_sweep(tmp_path / "sweep.yaml", cwd=tmp_path)
     assert [p.config.wandb.group for p in plan.points] == groups
+
+
+def test_wandb_sync_with_no_offline_run_is_one_line(offline, capsys):
+    write_config(offline)
+    run_dir = offline / "runs" / "wb"
+    assert main(["logs", str(run_dir), "--wandb-sync"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds no offline W&B run" in err and "wandb.mode=offline" in err, err
+    assert main(["logs", str(run_dir), "--wandb-sync", "--follow"]) == 2
+    assert "drop --follow" in capsys.readouterr().err
+
+
+def test_wandb_sync_runs_wandb_sync_on_every_attempt(offline, monkeypatch):
+    """The real wandb CLI sees both attempts and stops at the missing API key (exit 1, one line from hpcrl
+    after wandb's own); with a stand-in ``wandb`` on PATH for the upload itself, the command line is ``wandb
+    sync`` of the two offline runs, oldest first, and hpcrl exits 0."""
+    cfg = load_config(write_config(offline))
+    run_dir = offline / "runs" / "wb"
+    attempt(run_dir, cfg, 0, -2, range(0, 2), "preempted")
+    attempt(run_dir, cfg, 1, 1, range(2, 4), "done")
+    runs = offline_runs(run_dir)
+    assert len(runs) == 2
+    env = dict(os.environ, PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                                if not (Path(p) / "wandb").exists()))
+    cmd = [sys.executable, "-m", "hpcrl", "logs", str(run_dir), "--wandb-sync"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "No API key configured" in out.stderr and all(f"{r.name}/" in out.stderr for r in runs), out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("hpcrl logs --wandb-sync: wandb sync exited with 1")
+
+    fake = offline / "bin"
+    fake.mkdir()
+    (fake / "wandb").write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {offline / 'argv'}\n")
+    (fake / "wandb").chmod(0o755)
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (offline / "argv").read_text().splitlines() == ["sync", *map(str, runs)]
