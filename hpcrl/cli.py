@@ -1,5 +1,5 @@
-"""The ``hpcrl`` command line: validate, run, sft, submit, run-slurm, sweep, status, logs, cancel, convert,
-serve.
+"""The ``hpcrl`` command line: validate, run, eval, sft, submit, run-slurm, sweep, status, logs, cancel,
+convert, serve.
 
 Every subcommand that reads a config takes ``CONFIG [key=value ...]`` (dotted overrides, see
 :func:`hpcrl.config.load_config`). A :class:`~hpcrl.config.ConfigError` anywhere is printed as its one line on
@@ -73,6 +73,13 @@ def summarize(cfg: Config) -> list[str]:
         until = (f"until greedy accuracy >= {s.target_accuracy} (eval every {s.eval_interval} steps{near}), "
                  "at most " if s.target_accuracy is not None else "")
         lines.append(f"  sft:       {until}{s.steps} steps, batch {s.batch_size}, lr {s.lr} -> {s.output}")
+    e = cfg.eval
+    default = (f"{cfg.data.eval_source}" if cfg.data.eval_source else f"{cfg.data.num_eval} held out"
+               if cfg.data.num_eval else "")
+    sets = ([f"default ({default})"] if default else []) + [f"{s.name} ({s.source})" for s in e.sets]
+    lines.append(f"  eval:      every {r.eval_interval or 'last'} step(s): "
+                 + (", ".join(sets) or "no eval set")
+                 + f"; {e.n_samples} sample(s) per prompt at temperature {e.temperature}")
     if cfg.sweep.grid or cfg.sweep.num_random:
         grid = ", ".join(cfg.sweep.grid) or "-"
         lines.append(f"  sweep:     grid over {grid}; {cfg.sweep.num_random} random points")
@@ -113,6 +120,24 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     restart_with_hook(cfg.run.placement == "colocate")  # colocated on CUDA: torch-memory-saver's hook preloaded
     # a known error (data, engine start, checkpoint, ...): one line + the log with its traceback (hpcrl.errors)
     return report_known("hpcrl run", run_dir_of(cfg), lambda: _exit_code(launch_local.main(cfg)))
+
+
+def _cmd_eval(ns: argparse.Namespace) -> int:
+    from hpcrl.errors import report_known
+    from hpcrl.standalone_eval import evaluate_target, format_results, resolve_target
+
+    config, overrides = ns.config, list(ns.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config, *overrides]  # no CONFIG, the first word is an override
+    target = resolve_target(ns.target, config, overrides, ns.output)
+
+    def run() -> int:
+        result = evaluate_target(target)
+        print(format_results(result))
+        print(f"wrote {target.output / 'eval.json'}")
+        return EXIT_OK
+
+    return report_known("hpcrl eval", target.output, run)
 
 
 def _cmd_sft(ns: argparse.Namespace) -> int:
@@ -390,6 +415,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run RL locally (no Slurm)")
     _add_config_args(p)
     p.set_defaults(handler=_cmd_run)
+
+    p = sub.add_parser("eval", help="evaluate a run's newest checkpoint, a checkpoint or an HF model on the "
+                                    "run's eval sets, as a run evaluates",
+                       description="hpcrl eval RUN_OR_CHECKPOINT [CONFIG] [key=value ...]: a run folder (its "
+                                   "newest checkpoint), a checkpoint folder (iter_XXXXXXX) or an HF model "
+                                   "folder (with CONFIG) on the eval sets of the config (data.eval_source / "
+                                   "num_eval and eval.sets), through the rollout's path on rollout.engine; "
+                                   "writes eval.json.")
+    p.add_argument("target", metavar="RUN_OR_CHECKPOINT",
+                   help="run folder, checkpoint folder or HF model folder")
+    p.add_argument("config", metavar="CONFIG", nargs="?", default=None,
+                   help="run config (default: the run's config.yaml; required for an HF model folder)")
+    p.add_argument("overrides", metavar="key=value", nargs="*", help="dotted overrides of the config")
+    p.add_argument("--output", default=None,
+                   help="folder for eval.json and the engine logs (default RUN/eval/<checkpoint>)")
+    p.set_defaults(handler=_cmd_eval)
 
     p = sub.add_parser("sft", help="supervised warm start into sft.output")
     _add_config_args(p)
