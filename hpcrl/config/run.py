@@ -167,6 +167,12 @@ def check_model(cfg: Config, check_files: bool) -> None:
         require((p / "config.json").is_file(), "model.path", m.path,
                  "not an HF model folder (no config.json)",
                  "point it at a folder with config.json, safetensors and the tokenizer")
+    if m.path and check_files and (Path(m.path) / "config.json").is_file():  # also a folder create made
+        from hpcrl.models.support import check_model_folder
+
+        problem = check_model_folder(m.path)
+        if problem is not None:
+            raise ConfigError("model.path", m.path, *problem)
     if m.create == "gguf":
         require(bool(m.gguf_file), "model.gguf_file", m.gguf_file, "model.create: gguf needs a GGUF file",
                  "set model.gguf_file to a .gguf file or to 'smollm2'")

@@ -234,7 +234,9 @@ def model_experts(cfg: Config, check_files: bool) -> Optional[tuple[int, int]]:
         hf = json.loads(Path(m.path, "config.json").read_text())
     except (OSError, ValueError):
         return None  # check_model names an unreadable folder
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    from hpcrl.models.support import routed_experts
+
+    experts = routed_experts(hf)
     return experts, int(hf.get("num_experts_per_tok") or 0) if experts else 0
 
 

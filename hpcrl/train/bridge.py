@@ -51,8 +51,7 @@ from typing import Any, Optional, Union
 import torch
 
 from hpcrl.models.moe import unfuse_experts
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+from hpcrl.models.support import SUPPORTED_MODEL_TYPES, unsupported_feature  # the login node's list, the same
 
 _LAYER_RULES = {
     # megatron suffix -> (HF suffixes, layout)
@@ -125,23 +124,13 @@ def num_experts(hf_config: Any) -> int:
 
 
 def _check_supported(hf_config: Any) -> None:
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r} is not supported (SwiGLU/silu is)")
-    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
-        raise NotImplementedError("attention_bias=True (bias on q/k/v and o_proj) is not supported")
-    if getattr(hf_config, "mlp_bias", False):
-        raise NotImplementedError("mlp_bias=True is not supported")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise NotImplementedError("sliding-window attention is not supported")
-    if model_type == "qwen3_moe":
-        if list(getattr(hf_config, "mlp_only_layers", None) or []) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
-            raise NotImplementedError("dense layers between MoE layers (mlp_only_layers, decoder_sparse_step > 1) "
-                                      "are not supported: every layer must be MoE")
-        if getattr(hf_config, "shared_expert_intermediate_size", 0):
-            raise NotImplementedError("shared experts are not supported")
+    """NotImplementedError naming the first setting the bridge cannot build: the login node's check
+    (:func:`hpcrl.models.support.unsupported_feature`) on the config's fields, so both refuse the same."""
+    fields = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    bad = unsupported_feature(fields)
+    if bad is not None:
+        field, value, what = bad
+        raise NotImplementedError(f"{field}={value!r} {what}")
 
 
 def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,

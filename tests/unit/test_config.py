@@ -409,10 +409,20 @@ def test_empty_file_needs_only_model_path(tmp_path):
     assert info.value.field == "model.path"
 
 
+def model_folder(path: Path, config: dict) -> Path:
+    """An HF folder as far as the login node can tell: ``config.json`` and one small safetensors file."""
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({"w": np.zeros(4, dtype=np.float32)}, str(path / "model.safetensors"))
+    return path
+
+
 def test_existing_files_pass(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text("{}")
+    model_folder(tmp_path / "m", {"model_type": "qwen2"})
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     (tmp_path / "img.sif").write_text("")
     text = ("model: {path: m}\ndata: {source: train.jsonl, eval_source: train.jsonl}\n"
@@ -547,10 +557,8 @@ def test_config_to_dict_is_a_deep_copy():
 
 def test_expert_parallel_size_is_checked_against_an_existing_model_folder(tmp_path):
     """The expert count and top-k come from the folder's config.json on the login node (no transformers)."""
-    folder = tmp_path / "moe"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
-                                                    "num_experts_per_tok": 6}))
+    folder = model_folder(tmp_path / "moe", {"model_type": "qwen3_moe", "num_experts": 4,
+                                             "num_experts_per_tok": 6})
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"model.path={folder}"])
     assert "num_experts_per_tok=6 of only 4 experts" in assert_one_line(e.value, "model.path")

@@ -1,0 +1,157 @@
+"""What the trainer can build, told from a model folder's files alone: no torch, no transformers, no tensor
+read.
+
+:func:`unsupported_feature` reads a ``config.json`` (a dict) and names the first field the Megatron bridge
+(:mod:`hpcrl.train.bridge`) cannot express; the bridge calls it too, so the login node and the run refuse
+the same models with the same words. :func:`check_model_folder` adds what a folder needs to load: a
+``config.json`` that parses, and safetensors files whose headers parse and whose sizes cover every tensor (a
+truncated download, a folder without weights), checked from the 8-byte length and JSON header of each file.
+
+Fields are read where transformers 5 puts them and where hub checkpoints do: RoPE settings in
+``rope_parameters`` (transformers 5) or ``rope_scaling`` / the top level (older and published configs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+"""HF ``model_type`` values the trainer builds (Qwen2, Qwen3 dense and MoE, Llama)."""
+
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The only Llama-3 RoPE scaling the bridge expresses (Megatron's fixed constants)."""
+
+Problem = tuple[str, Any, str]
+"""``(config.json field, its value, what is wrong and what is supported)``."""
+
+
+def rope_settings(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of a config: ``rope_parameters`` (transformers 5), else ``rope_scaling``, plus a
+    top-level ``partial_rotary_factor`` (published GLM configs) when the dict has none."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if "partial_rotary_factor" not in params and hf.get("partial_rotary_factor") is not None:
+        params["partial_rotary_factor"] = hf["partial_rotary_factor"]
+    return params
+
+
+def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
+    """The first setting of ``config.json`` (``hf``) the trainer cannot build, or None.
+
+    Refused: a ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES`; ``hidden_act`` other than silu; q/k/v
+    bias except Qwen2's; MLP bias; sliding-window attention; RoPE scalings other than plain and Llama-3's
+    standard one; partial RoPE; Qwen3-MoE with dense layers or shared experts.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return ("model_type", model_type,
+                f"is not a family hpcrl trains; it trains {', '.join(SUPPORTED_MODEL_TYPES)}")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        return ("hidden_act", act, "is not supported (SwiGLU with silu is)")
+    if model_type != "qwen2" and hf.get("attention_bias"):
+        return ("attention_bias", True, f"(bias on q/k/v and o_proj) is not supported for {model_type}")
+    if hf.get("mlp_bias"):
+        return ("mlp_bias", True, "is not supported")
+    if hf.get("use_sliding_window"):
+        return ("use_sliding_window", True, "sliding-window attention is not supported")
+    rope = rope_settings(hf)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        standard = kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_ROPE.items())
+        if not standard:
+            return ("rope_parameters", rope, f"RoPE scaling {kind!r} is not supported (plain RoPE, or llama3 "
+                    f"with {_LLAMA3_ROPE}, is)")
+    partial = rope.get("partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        return ("partial_rotary_factor", partial, "partial RoPE is not supported (RoPE on the whole head is)")
+    if model_type == "qwen3_moe":
+        if list(hf.get("mlp_only_layers") or []):
+            return ("mlp_only_layers", hf["mlp_only_layers"],
+                    "dense layers between MoE layers are not supported: every layer must be MoE")
+        if int(hf.get("decoder_sparse_step", 1) or 1) != 1:
+            return ("decoder_sparse_step", hf["decoder_sparse_step"],
+                    "dense layers between MoE layers are not supported: every layer must be MoE (step 1)")
+        if hf.get("shared_expert_intermediate_size"):
+            return ("shared_expert_intermediate_size", hf["shared_expert_intermediate_size"],
+                    "shared experts are not supported")
+    return None
+
+
+def _safetensors_problem(path: Path) -> Optional[str]:
+    """What is wrong with one safetensors file, from its header and size; None when it can be loaded."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return f"{path.name} is {size} bytes, too short for a safetensors header"
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8 or n > 100 * 1024 * 1024:
+                return f"{path.name}: its header claims {n} bytes, more than the file holds ({size} bytes)"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"{path.name} cannot be read ({e.strerror or type(e).__name__})"
+    except ValueError:
+        return f"{path.name}: its header is not valid JSON (truncated or not safetensors)"
+    if not isinstance(header, dict):
+        return f"{path.name}: its header is not a JSON object"
+    end = max((int(v["data_offsets"][1]) for k, v in header.items()
+               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
+    if 8 + n + end > size:
+        return (f"{path.name} is truncated: its tensors need {8 + n + end} bytes, the file has {size} (an "
+                "interrupted download or copy?)")
+    return None
+
+
+def check_model_folder(path: str | os.PathLike) -> Optional[tuple[str, str]]:
+    """What keeps the HF folder ``path`` from being trained: ``(problem, fix)``, or None when it can.
+
+    Checks that ``config.json`` parses, :func:`unsupported_feature`, and the weights: ``model.safetensors`` or
+    the shards of ``model.safetensors.index.json`` exist and each file's header and size cover its tensors.
+    Reads headers only (bytes, not tensors).
+    """
+    path = Path(path)
+    try:
+        hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except OSError as e:
+        return f"config.json cannot be read ({e.strerror or type(e).__name__})", "check the folder"
+    except ValueError as e:
+        return (f"config.json is not valid JSON ({e})".replace("\n", " "),
+                "fix or re-download the model's config.json")
+    if not isinstance(hf, dict):
+        return "config.json is not a JSON object", "fix or re-download the model's config.json"
+    bad = unsupported_feature(hf)
+    if bad is not None:
+        field, value, what = bad
+        return f"config.json {field}={value!r} {what}", "train a supported model (docs/architecture.md)"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError):
+            return f"{index.name} has no readable weight_map", "fix or re-download the model's index file"
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            return (f"{index.name} names {len(missing)} missing shard(s), e.g. {missing[0]}",
+                    "download every shard of the model")
+        shards = [path / f for f in files]
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+        if not shards:
+            return ("no weights (no *.safetensors file)",
+                    "download the model's safetensors weights into the folder")
+    for shard in shards:
+        problem = _safetensors_problem(shard)
+        if problem is not None:
+            return problem, "re-download or re-copy the model's weights"
+    return None
+
+
+def routed_experts(hf: Mapping[str, Any]) -> int:
+    """Routed experts per MoE layer of a ``config.json``: ``num_experts`` (Qwen-MoE), ``num_local_experts``
+    (Mixtral, transformers 5) or ``n_routed_experts`` (GLM-4.5, DeepSeek-V3); 0 for a dense model."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
