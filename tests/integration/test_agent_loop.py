@@ -193,7 +193,7 @@ def test_agent_episodes_as_their_own_job_steps_on_slurm(tmp_path, slurm_cluster,
     state, _, logs, job_id = submit_and_wait(
         tmp_path, "run.yaml", "slurm.cpus_per_task=2", "slurm.time=00:10:00", "run.num_rollout=1",
         "rollout.agent.function=null", f"rollout.agent.command=[{sys.executable}, {EXAMPLE_COMMAND}]",
-        "rollout.agent_step=true")
+        "rollout.agent_step=true", "data.num_eval=0")  # no eval: its episodes would be job steps too
     assert state == "COMPLETED", logs
     steps = [r for r in rows(tmp_path, "agent-steps") if r["step"] >= 0]
     assert len(steps) == 1 and all(r["rollout/agent_calls"] == 1 and r["rollout/agent_failed"] == 0 for r in steps)
