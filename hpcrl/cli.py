@@ -269,17 +269,15 @@ def _cancel_sweep(sweep, ns: argparse.Namespace) -> int:
     """``hpcrl cancel SWEEP_FOLDER``: print what will be cancelled, cancel it in one scancel, and wait (up to
     ``--wait`` seconds) for the tasks to end."""
     from hpcrl.slurm import sweep as sw
-    from hpcrl.slurm.state import FINAL_STATES, UNKNOWN
+    from hpcrl.slurm.state import queued_or_running
+    from hpcrl.slurm.sweep.report import state_counts
 
     manifest = sw.read_manifest(sweep)
     names = sw.resolve_point_names(manifest, ns.points) if ns.points else None
     plan = sw.plan_cancel(manifest, names)
     if not plan.job_ids:
-        counts: dict[str, int] = {}
-        for name in (names or plan.states):
-            counts[plan.states[name]] = counts.get(plan.states[name], 0) + 1
-        print(f"nothing to cancel in {manifest['sweep_dir']}: no point is queued or running ("
-              + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ")")
+        counts = state_counts(plan.states[name] for name in (names or plan.states))
+        print(f"nothing to cancel in {manifest['sweep_dir']}: no point is queued or running ({counts})")
         return EXIT_OK
     verb = "would cancel" if ns.dry_run else "cancelling"
     print(f"{verb} {len(plan.points)} of {len(manifest['points'])} points of sweep {manifest['name']} "
@@ -291,13 +289,9 @@ def _cancel_sweep(sweep, ns: argparse.Namespace) -> int:
     sys.stdout.flush()
     sw.cancel_sweep(plan)
     states = sw.wait_ended(manifest, plan.points, timeout_s=ns.wait)
-    counts: dict[str, int] = {}
-    for s in states.values():
-        counts[s] = counts.get(s, 0) + 1
-    now = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-    print(f"cancelled {' '.join(plan.job_ids)} ({now}); bring the points back with: hpcrl sweep --resubmit "
-          f"{manifest['sweep_dir']}")
-    ending = [f"{n} ({s})" for n, s in states.items() if s not in FINAL_STATES and s != UNKNOWN]
+    print(f"cancelled {' '.join(plan.job_ids)} ({state_counts(states.values())}); bring the points back "
+          f"with: hpcrl sweep --resubmit {manifest['sweep_dir']}")
+    ending = [f"{n} ({s})" for n, s in states.items() if queued_or_running(s)]
     if ending:
         print(f"still ending after {ns.wait:g} s: {', '.join(ending)}; --resubmit takes them once hpcrl "
               "status shows them ended")

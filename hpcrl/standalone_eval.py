@@ -126,14 +126,14 @@ def evaluate_target(t: EvalTarget) -> dict[str, Any]:
 def format_results(result: dict[str, Any]) -> str:
     """``eval.json`` as a table: one row per set (SET, PROMPTS, SAMPLES, ACCURACY, PASS@k..., LENGTH,
     TRUNCATED)."""
-    from hpcrl.rollout.evaluate import EvalSet
+    from hpcrl.rollout.evaluate import metric_prefix
 
     m = result["metrics"]
     ks = sorted({int(k.rsplit("@", 1)[1]) for k in m if "pass@" in k})
     header = ["SET", "PROMPTS", "SAMPLES", "ACCURACY", *(f"PASS@{k}" for k in ks), "LENGTH", "TRUNCATED"]
     rows = [header]
     for s in result["sets"]:
-        p = EvalSet(s["name"], [], None, s["n_samples"], {}).prefix
+        p = metric_prefix(s["name"])
 
         def cell(key: str) -> str:
             return f"{m[p + key]:.3f}" if p + key in m else "-"

@@ -468,9 +468,7 @@ def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> 
     if is_file_source(d.source):
         stats["data.source"] = BadRows(d.source)
         rows = _read_file(cfg, d.source, check, stats["data.source"])
-        rf = cfg.rollout.reward_function
-        verifier = rf if rf in ("exact_match", "math_answer", "countdown") else "exact_match"
-        task: Task = VerifierTask(verifier=verifier, name=os.path.basename(d.source))
+        task: Task = _file_task(cfg, d.source)
         if d.eval_source:
             train, eval_items = rows, _load_eval(cfg, task, check, stats)
         else:
@@ -499,6 +497,14 @@ def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> 
                                for i in range(len(cfg.eval.sets))])
 
 
+def _file_task(cfg: "Config", path: str) -> VerifierTask:
+    """The task that scores a data file's rows: ``rollout.reward_function``'s verifier when it is one
+    (``exact_match`` / ``math_answer`` / ``countdown``), else ``exact_match``."""
+    rf = cfg.rollout.reward_function
+    verifier = rf if rf in ("exact_match", "math_answer", "countdown") else "exact_match"
+    return VerifierTask(verifier=verifier, name=os.path.basename(path))
+
+
 def _sources(cfg: "Config") -> dict[str, str]:
     """Every data source of a run by its field: ``data.source``, ``data.eval_source``,
     ``eval.sets[i].source``."""
@@ -521,11 +527,7 @@ def _load_eval_set(cfg: "Config", i: int, task: Task, train: Sequence[dict[str, 
         items = _read_file(cfg, s.source, check, bad)
         if s.num is not None:
             items = items[:s.num]
-        rf = cfg.rollout.reward_function
-        verifier = rf if rf in ("exact_match", "math_answer", "countdown") else "exact_match"
-        scorer: Task = task if isinstance(task, VerifierTask) else VerifierTask(
-            verifier=verifier, name=os.path.basename(s.source))
-        return EvalItems(s.name, items, scorer)
+        return EvalItems(s.name, items, task if isinstance(task, VerifierTask) else _file_task(cfg, s.source))
     kwargs = s.task_kwargs or (d.task_kwargs if s.source == d.source else {})
     other = task if s.source == task.name and kwargs == d.task_kwargs else make_task(s.source, **kwargs)
     seen = {prompt_key_of(it) for it in train}

@@ -19,8 +19,10 @@ import struct
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
-"""HF ``model_type`` values the trainer builds (Qwen2, Qwen3 dense and MoE, Llama)."""
+from hpcrl.models.hf import SUPPORTED_MODEL_TYPES as _FAMILIES  # stdlib-only module: no torch here either
+
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+"""HF ``model_type`` values the trainer builds: those of :data:`hpcrl.models.hf.SUPPORTED_MODEL_TYPES`."""
 
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The only Llama-3 RoPE scaling the bridge expresses (Megatron's fixed constants)."""

@@ -58,8 +58,14 @@ class EvalSet:
 
     @property
     def prefix(self) -> str:
-        """``eval/`` for the default set, ``eval/<name>/`` for a named one."""
-        return "eval/" if self.name == DEFAULT_EVAL_SET else f"eval/{self.name}/"
+        """:func:`metric_prefix` of the set's name."""
+        return metric_prefix(self.name)
+
+
+def metric_prefix(name: str) -> str:
+    """Where an eval set's metrics are named: ``eval/`` for the default set, ``eval/<name>/`` for a named
+    one."""
+    return "eval/" if name == DEFAULT_EVAL_SET else f"eval/{name}/"
 
 
 def eval_params(cfg, set_cfg=None) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class RolloutManager:
         self.teachers: list = []  # hpcrl.rollout.teacher.Teacher, with algorithm.opd.teachers
         self.gateway = None  # hpcrl.agent.gateway.AgentGateway, with rollout.agent
         self.eval_sets: list = []  # hpcrl.rollout.evaluate.EvalSet, from start()
+        self.eval_rewards: dict = {}  # eval set name -> its reward function, from start()
 
     # ------------------------------------------------------------------------------------------------------
     def call(self, coro):
@@ -179,9 +180,13 @@ class RolloutManager:
         self.ctx = RolloutContext(client=self.client, tokenizer=tokenizer, reward_fn=plugins.reward_fn,
                                   generate_fn=generate_fn, dynamic_filter=plugins.dynamic_filter,
                                   seed=cfg.run.seed)
+        from hpcrl.rewards import get_reward_function
         from hpcrl.rollout.evaluate import eval_sets
 
         self.eval_sets = eval_sets(cfg, self.datasets)
+        # a set of another task scores with its own (the task reward); the others share the rollout's function
+        self.eval_rewards = {es.name: (plugins.reward_fn if es.task is self.datasets.task
+                                       else get_reward_function(cfg, es.task)) for es in self.eval_sets}
 
     async def _start_gateway(self, tokenizer):
         """The agent gateway (:mod:`hpcrl.agent.gateway`) and the agent generate function."""
@@ -305,17 +310,15 @@ class RolloutManager:
         return self.call(self._evaluate(rollout_id))
 
     async def _evaluate(self, rollout_id: int) -> dict[str, float]:
-        from hpcrl.rewards import get_reward_function
         from hpcrl.rollout.client import EnginesLost
         from hpcrl.rollout.evaluate import evaluate
 
         if not self.eval_sets:
             return {}
-        rewards = {es.name: (self.ctx.reward_fn if es.task is self.datasets.task
-                             else get_reward_function(self.cfg, es.task)) for es in self.eval_sets}
         self._generating(True)
         try:
-            return await evaluate(self.cfg, self.ctx, self.eval_sets, rollout_id, lambda es: rewards[es.name])
+            return await evaluate(self.cfg, self.ctx, self.eval_sets, rollout_id,
+                                  lambda es: self.eval_rewards[es.name])
         except EnginesLost as e:  # the step stays whole and is checkpointed; the next rollout stops the run
             logging.getLogger("hpcrl.health").error("eval skipped: %s", e)
             return {}

@@ -49,6 +49,12 @@ LOCAL_RUN_FILE = "local_run.json"
 _ATTEMPT_RE = re.compile(r"attempt-(\d+)")
 _BAD_STATES = ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "CANCELLED")
 
+def queued_or_running(state: str) -> bool:
+    """Whether a job in ``state`` is still pending, running or ending (COMPLETING): not in a final state, and
+    neither :data:`UNKNOWN` nor :data:`NOT_SUBMITTED`."""
+    return state not in FINAL_STATES and state not in (UNKNOWN, NOT_SUBMITTED)
+
+
 Runner = Callable[[list[str]], Optional[str]]
 """Runs a command and returns its stdout, or None when it is missing or fails (injectable for tests)."""
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from hpcrl.slurm.state import FINAL_STATES, NOT_SUBMITTED, UNKNOWN, Runner, run_command
+from hpcrl.slurm.state import UNKNOWN, Runner, queued_or_running, run_command
 from hpcrl.slurm.sweep.manifest import SweepStates, sweep_states
 
 
@@ -37,9 +37,7 @@ class CancelPlan:
 
 
 def _live(state: str, ss: SweepStates) -> bool:
-    if state == UNKNOWN:
-        return not ss.queue_checked
-    return state not in FINAL_STATES and state != NOT_SUBMITTED
+    return queued_or_running(state) or (state == UNKNOWN and not ss.queue_checked)
 
 
 def plan_cancel(manifest: Mapping[str, Any], names: Optional[Sequence[str]] = None,

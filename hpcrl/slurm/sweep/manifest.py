@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from hpcrl.fsutil import atomic_write_text
 from hpcrl.slurm import SlurmCommandError
-from hpcrl.slurm.state import (FINAL_STATES, NOT_SUBMITTED, UNKNOWN, Runner, job_states, run_command,
+from hpcrl.slurm.state import (NOT_SUBMITTED, UNKNOWN, Runner, job_states, queued_or_running, run_command,
                                run_finished)
 
 SWEEP_FILE = "sweep.json"
@@ -109,7 +109,7 @@ def check_no_live_jobs(manifest: Optional[Mapping[str, Any]], names: Optional[se
         return
     states = point_states(manifest, runner)
     live = [(n, s) for n, s in states.items()
-            if (names is None or n in names) and s not in FINAL_STATES and s not in (UNKNOWN, NOT_SUBMITTED)]
+            if (names is None or n in names) and queued_or_running(s)]
     if live:
         shown = ", ".join(f"{n} ({s})" for n, s in live[:5]) + (" ..." if len(live) > 5 else "")
         raise SlurmCommandError(f"hpcrl sweep: {manifest['sweep_dir']} has points still queued or running: "

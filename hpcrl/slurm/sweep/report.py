@@ -6,9 +6,10 @@ from __future__ import annotations
 import csv
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from hpcrl.slurm.state import Runner, attempt_dirs, run_command
 from hpcrl.slurm.sweep.manifest import read_manifest, resubmittable, sweep_states
@@ -69,15 +70,15 @@ def point_status(point: Mapping[str, Any], state: str, why_unknown: Optional[str
              if _num(r.get("rollout/reward_mean"))]
     evals = [(r["step"], float(r["eval/accuracy"])) for r in rows if _num(r.get("eval/accuracy"))]
     attempts = len(attempt_dirs(run_dir))
+    logged = len({r["step"] for r in steps})
     note = None
     if why_unknown:
-        n = len({r["step"] for r in steps})
-        done = "never started" if not attempts and not n else f"{n} steps done"
+        done = "never started" if not attempts and not logged else f"{logged} steps done"
         note = f"{why_unknown}; {done}" + ("; hpcrl sweep --resubmit brings it back" if resubmit else "")
     return PointStatus(name=point["name"], overrides=dict(point.get("overrides") or {}), run_dir=run_dir,
                        job_id=point.get("job_id"), state=state,
                        rollout_id=steps[-1]["step"] if steps else None, num_rollout=planned_rollouts(run_dir),
-                       steps=len({r["step"] for r in steps}), final_reward=curve[-1][1] if curve else None,
+                       steps=logged, final_reward=curve[-1][1] if curve else None,
                        final_eval=evals[-1][1] if evals else None,
                        attempts=attempts, curve=curve, eval_curve=evals, note=note)
 
@@ -116,11 +117,13 @@ def format_sweep_table(manifest: Mapping[str, Any], rows: Sequence[PointStatus])
                       str(r.attempts)))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r.state] = counts.get(r.state, 0) + 1
-    lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    lines.append(state_counts(r.state for r in rows))
     return "\n".join(lines + [f"{r.name}: {r.state}: {r.note}" for r in rows if r.note])
+
+
+def state_counts(states: Iterable[str]) -> str:
+    """How many of each state, in state order: ``"1 CANCELLED, 2 RUNNING"``."""
+    return ", ".join(f"{n} {s}" for s, n in sorted(Counter(states).items()))
 
 
 REPORT_COLUMNS = ("point", "job_id", "state", "steps", "final_reward_mean", "final_eval_accuracy", "run_dir",

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from hpcrl.config import ConfigError, load_config
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.resources import JobPlan
-from hpcrl.slurm.state import FINAL_STATES, NOT_SUBMITTED, UNKNOWN, Runner, run_command, write_job_file
+from hpcrl.slurm.state import Runner, queued_or_running, run_command, write_job_file
 from hpcrl.slurm.sweep.manifest import (MANIFEST_VERSION, SWEEP_FILE, SweepStates, check_no_live_jobs,
                                          read_manifest, resubmittable, sweep_states, write_manifest)
 from hpcrl.slurm.sweep.plan import check_one_shape, plan_sweep, point_error
@@ -260,7 +260,7 @@ def _select_points(manifest: Mapping[str, Any], names: Optional[Sequence[str]], 
                                 "points: " + ", ".join(by_name))
     picked = [by_name[n] for n in dict.fromkeys(names)]
     live = [(p["name"], states[p["name"]]) for p in picked
-            if states[p["name"]] not in FINAL_STATES and states[p["name"]] not in (UNKNOWN, NOT_SUBMITTED)]
+            if queued_or_running(states[p["name"]])]
     if live:
         raise SlurmCommandError(f"--points: {live[0][0]!r} is still {live[0][1]} (job "
                                 f"{by_name[live[0][0]]['job_id']}); wait for it or scancel it first")
@@ -306,7 +306,7 @@ def resubmit_sweep(sweep_dir: str | os.PathLike, points: Optional[Sequence[str]]
                          script="", array_parallelism=parallelism)
     if points is None:
         result.still_live = {n: s for n, s in ss.states.items()
-                             if s not in FINAL_STATES and s not in (UNKNOWN, NOT_SUBMITTED)}
+                             if queued_or_running(s)}
     if not picked:
         return result
     if not dry_run and shutil.which("sbatch") is None:
