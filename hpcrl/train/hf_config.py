@@ -1,0 +1,155 @@
+"""HF config -> megatron-core ``TransformerConfig`` for the families :mod:`hpcrl.train.bridge` builds.
+
+Split from the bridge so that each family's config fields live in one place: RoPE (:func:`rope_theta`,
+:func:`rope_scaling`), head size, experts, the refusal of what Megatron cannot express
+(:func:`check_supported`, the login node's :func:`hpcrl.models.support.unsupported_feature`), and the
+MoE router fields (:func:`moe_kwargs`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from hpcrl.models.support import unsupported_feature  # the login node's check, the same words
+
+# ---------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------
+
+def rope_theta(hf_config: Any) -> float:
+    """The RoPE base of an HF config: ``rope_parameters["rope_theta"]`` (transformers 5) or ``rope_theta``."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    if getattr(hf_config, "rope_theta", None) is not None:
+        return float(hf_config.rope_theta)
+    raise ValueError(f"{type(hf_config).__name__} has no rope_theta (neither rope_parameters nor rope_theta)")
+
+
+def rope_scaling(hf_config: Any) -> Optional[float]:
+    """Llama-3 RoPE scaling factor, None for plain RoPE; NotImplementedError for any other scaling."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    standard = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    if rope_type == "llama3" and all(float(params.get(k, -1)) == v for k, v in standard.items()):
+        return float(params["factor"])
+    raise NotImplementedError(f"RoPE scaling {params} is not supported (plain RoPE, or llama3 with "
+                              f"{standard}, is)")
+
+
+def head_dim(hf_config: Any) -> int:
+    """Per-head size: ``hf_config.head_dim`` when set (Qwen3), else ``hidden_size // num_attention_heads``."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def num_experts(hf_config: Any) -> int:
+    """Routed experts per MoE layer of an HF config (``num_experts``, or transformers 5's
+    ``num_local_experts``); 0 for a dense model."""
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0)
+
+
+def check_supported(hf_config: Any) -> None:
+    """NotImplementedError naming the first setting the bridge cannot build: the login node's check
+    (:func:`hpcrl.models.support.unsupported_feature`) on the config's fields, so both refuse the same."""
+    fields = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    bad = unsupported_feature(fields)
+    if bad is not None:
+        field, value, what = bad
+        raise NotImplementedError(f"{field}={value!r} {what}")
+
+
+def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
+                         **overrides: Any):
+    """Return the megatron-core ``TransformerConfig`` equivalent to an HF Qwen2 / Qwen3 / Llama config.
+
+    RMSNorm with the HF epsilon, SwiGLU (``gated_linear_unit`` + silu), GQA (``num_query_groups``), head size
+    from ``head_dim``, qkv bias for Qwen2, q/k RMSNorm for Qwen3, no other biases, HF dropouts (0 for these
+    families). ``dtype`` is ``torch.float32`` or ``torch.bfloat16`` (sets ``params_dtype`` and ``bf16``).
+    Without CUDA: ``use_cpu_initialization=True`` and every fusion off. ``overrides`` are further
+    ``TransformerConfig`` fields and win over the derived ones. ``ep``: the expert-parallel size the model is
+    built for (megatron-core's layers read it from the config to keep expert gradients out of the
+    data-parallel all-reduce; a MoE model built with the wrong one sums different experts' gradients).
+    Raises NotImplementedError for unsupported architectures, ValueError for an unsupported dtype,
+    TypeError for unknown override names.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    check_supported(hf_config)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype {dtype} is not supported (torch.float32 or torch.bfloat16)")
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type == "qwen2",
+        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=tp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        attention_softmax_in_fp32=True,
+    )
+    if num_experts(hf_config):
+        kwargs.update(moe_kwargs(hf_config), expert_model_parallel_size=ep)
+        if ep > 1:  # allgather needs equal token counts on the EP ranks; data-parallel micro-batches differ
+            kwargs["moe_token_dispatcher_type"] = "alltoall"
+    if not torch.cuda.is_available():
+        kwargs.update(use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
+                      persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+                      gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def moe_kwargs(hf_config: Any) -> dict[str, Any]:
+    """``TransformerConfig`` MoE fields for a Qwen3-MoE config (every layer MoE, no shared experts).
+
+    Routing as HF's ``Qwen3MoeSparseMoeBlock``: softmax of the router logits in fp32, top-k, renormalised over
+    the k when ``norm_topk_prob`` (megatron: top-k of the logits, then softmax over the k, which is the same
+    thing) or not (``moe_router_pre_softmax``: softmax over all experts, then top-k). The load-balancing loss is
+    HF's: megatron's ``aux_loss`` with ``router_aux_loss_coef`` when the config has ``output_router_logits``
+    (HF adds it only then), else none; token dispatcher ``allgather`` at EP=1 and ``alltoall`` above (the
+    all-gather one needs the same number of tokens on every expert-parallel rank, which data-parallel
+    micro-batches of different lengths do not have); ``megatron:`` keys of the run config override any of these
+    (e.g. ``moe_token_dispatcher_type``, ``moe_z_loss_coeff``).
+    """
+    aux = bool(getattr(hf_config, "output_router_logits", False))
+    return dict(
+        num_moe_experts=num_experts(hf_config),
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True),
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux else "none",
+        moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0) if aux else 0.0,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        moe_permute_fusion=False,
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp: int = 1, make_vocab_size_divisible_by: int = 128) -> int:
+    """Megatron-LM's vocab padding: the next multiple of ``make_vocab_size_divisible_by * tp``."""
+    multiple = make_vocab_size_divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
