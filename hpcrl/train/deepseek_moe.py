@@ -113,6 +113,14 @@ def routers_with_expert_bias(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @torch.no_grad()
+def reset_token_counts(model: torch.nn.Module) -> None:
+    """Zero every router's ``local_tokens_per_expert`` (so a step counts only its own training forwards, not
+    a grad-enabled forward run before it)."""
+    for router in routers_with_expert_bias(model):
+        router.local_tokens_per_expert.zero_()
+
+
+@torch.no_grad()
 def update_expert_bias(model: torch.nn.Module) -> bool:
     """Megatron's aux-loss-free bias step for one optimizer step (``finalize_model_grads``'
     ``_update_router_expert_bias`` then ``reset_model_temporary_tensors``): with
