@@ -1,11 +1,11 @@
 """GLM-4.5 (``glm4_moe``) across 2 real processes (torchrun, gloo on loopback): expert and tensor parallel.
 
 One torchrun job (this file run as a script, see ``worker``) builds the tiny GLM-4.5 of
-tests/unit/test_glm4_moe_bridge.py (8 experts in 4 groups, top-4, a shared expert, a first dense layer, partial
-RoPE, q/k/v bias, QK norm, a random expert bias) at EP=2 (experts 0-3 on rank 0, 4-7 on rank 1) and at TP=2
-(every expert, the shared expert and attention split over the two ranks), with each of megatron-core's two
-CPU-capable token dispatchers (``allgather``, ``alltoall``), and saves per rank what it computed; the tests
-compare it with HF transformers' ``Glm4MoeForCausalLM`` in this process:
+tests/unit/test_glm4_moe_bridge.py (8 experts in 4 groups, top-4, a shared expert, a first dense layer,
+partial RoPE, q/k/v bias, QK norm, a random expert bias) at EP=2 (experts 0-3 on rank 0, 4-7 on rank 1)
+and at TP=2 (every expert, the shared expert and attention split over the two ranks), with each of
+megatron-core's two CPU-capable token dispatchers (``allgather``, ``alltoall``), and saves per rank what it
+computed; the tests compare it with HF transformers' ``Glm4MoeForCausalLM`` in this process:
 
 - HF -> megatron -> HF export bitwise on both ranks (the expert bias included); logits, log-probs and entropy
   equal HF's to 1e-5.
@@ -49,7 +49,7 @@ def _unit_helpers():
     return module
 
 
-# --- the distributed side: `torchrun --nproc_per_node=2 test_glm4_moe_parallel.py --path DIR --out DIR` ------
+# --- the distributed side: `torchrun --nproc_per_node=2 test_glm4_moe_parallel.py --path DIR --out DIR` ---
 
 
 def worker(path: str, out: Path) -> None:
@@ -76,7 +76,8 @@ def worker(path: str, out: Path) -> None:
             res[f"{name}-{dispatcher}"] = dict(
                 ep_rank=parallel_state.get_expert_model_parallel_rank(),
                 tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                local_experts=sorted({n.split(".")[6] for n, _ in model.named_parameters() if "local_experts" in n}),
+                local_experts=sorted({n.split(".")[6] for n, _ in model.named_parameters()
+                                      if "local_experts" in n}),
                 export=dict(bridge.export_hf_weights(model)),
                 logits=gather_from_tensor_model_parallel_region(logits)[..., :hf_config.vocab_size].clone())
         if name != "ep2":  # megatron-core trains MoE at TP > 1 only with sequence parallelism, which its
@@ -120,7 +121,8 @@ def ranks(glm_dir, tmp_path_factory):
            "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, \
+        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -168,7 +170,7 @@ def test_ep2_train_step_matches_hf_adamw(h, glm_dir, ranks):
         diffs = {k: (run["after"][k] - ref_state[k]).abs().max().item() for k in ref_state}
         worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
         assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
-        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), (run["step"]["grad_norm"], worst)
+        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), worst
         assert max(diffs.values()) < 1e-6, worst
         assert torch.equal(run["after"][BIAS], bridge.read_hf_state_dict(glm_dir)[BIAS])
 
