@@ -36,7 +36,9 @@ applies it after each step's gradient reduction (hpcrl calls ``finish_grad_sync(
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,6 +116,18 @@ def routers_with_expert_bias(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE routers of a (possibly DDP-wrapped) megatron-core model that carry an ``expert_bias``."""
     return [m for m in model.modules() if getattr(m, "expert_bias", None) is not None
             and getattr(m, "local_tokens_per_expert", None) is not None]
+
+
+@contextlib.contextmanager
+def fp32_expert_bias(model: torch.nn.Module) -> Iterator[None]:
+    """Keep the routers' ``expert_bias`` of ``model`` fp32 and bitwise across a cast of the whole model in
+    the ``with`` block (megatron's ``Float16Module`` calls ``module.bfloat16()``, which rounds buffers too;
+    megatron turns it back to fp32 only after the rounding). HF keeps ``e_score_correction_bias`` fp32 in
+    bf16 models (``_keep_in_fp32_modules_strict``), and so do the engines."""
+    saved = [(router, router.expert_bias.detach().clone()) for router in routers_with_expert_bias(model)]
+    yield
+    for router, bias in saved:
+        router.expert_bias.data = bias
 
 
 @torch.no_grad()

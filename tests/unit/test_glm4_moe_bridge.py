@@ -305,3 +305,22 @@ def test_packed_micro_batches_equal_the_padded_forward(tp1, glm_dirs):
         assert gates[f"{name}_logprob"] < 1e-5 and gates[f"{name}_entropy"] < 1e-5, gates
         assert gates[f"{name}_grad"] < 1e-5, gates
     assert gates["shared_tokens"] < gates["packed_tokens"] < gates["padded_tokens"], gates
+
+
+def test_bf16_training_keeps_the_expert_bias_in_fp32_bitwise(tp1, glm_dirs):
+    """HF keeps ``e_score_correction_bias`` in fp32 in a bf16 model (``_keep_in_fp32_modules_strict``), and so
+    must the bf16 trainer: rounding it to bf16 (megatron's ``Float16Module`` casts every buffer) would move
+    routing decisions away from the engine's."""
+    import dataclasses
+
+    path = glm_dirs["qk_norm"]
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, dataclasses.replace(TRAIN, bf16=True), MEGATRON)
+    router = bridge.unwrap_model(ddp_model).decoder.layers[1].mlp.router
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    hf_bias = bridge.read_hf_state_dict(path)[name]
+    assert not torch.equal(hf_bias.bfloat16().float(), hf_bias)  # bf16 would round it
+    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias.cpu(), hf_bias)
+    batch = sample_batch(load_hf(path).config.vocab_size, seed=5)
+    assert tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])["update_successful"]
+    exported = dict(bridge.export_hf_weights(ddp_model))[name]
+    assert exported.dtype == torch.float32 and torch.equal(exported.cpu(), hf_bias)
