@@ -130,6 +130,38 @@ def fp32_expert_bias(model: torch.nn.Module) -> Iterator[None]:
         router.expert_bias.data = bias
 
 
+def padding_kwargs(model: torch.nn.Module, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"padding_mask": ~valid}`` for the ``GPTModel`` forward of a model whose routers carry an expert
+    bias, else ``{}``. ``valid``: [batch, seq] bool, True at real tokens. Megatron then leaves padding
+    positions out of ``local_tokens_per_expert`` (the counts the bias update reads; with
+    :func:`fix_padding_in_token_counts`) and of its router losses; routing and logits do not change.
+    Right-padded and packed micro-batches of the same samples thus count the same tokens (a shared group
+    prompt, :mod:`hpcrl.train.packing`, is one forward and counts once)."""
+    if not routers_with_expert_bias(model):
+        return {}
+    fix_padding_in_token_counts()
+    return {"padding_mask": ~valid.bool()}
+
+
+def _count_tokens(self: Any, routing_map: torch.Tensor, padding_mask: Any = None) -> None:
+    """megatron-core 0.16.1's ``TopKRouter._apply_expert_bias`` with the padding mask [tokens] broadcast over
+    the experts of ``routing_map`` [tokens, experts] (megatron's ``routing_map & ~padding_mask`` raises a
+    shape error for any padding mask)."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def fix_padding_in_token_counts() -> None:
+    """Install :func:`_count_tokens` as ``TopKRouter._apply_expert_bias`` (idempotent; the method only counts
+    tokens for the bias update, so nothing else changes)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    TopKRouter._apply_expert_bias = _count_tokens
+
+
 @torch.no_grad()
 def reset_token_counts(model: torch.nn.Module) -> None:
     """Zero every router's ``local_tokens_per_expert`` (so a step counts only its own training forwards, not

@@ -241,9 +241,9 @@ def test_one_optimizer_step_matches_hf_adamw_and_the_bias_stays_frozen(tp1, glm_
     assert torch.equal(after[bias], bridge.read_hf_state_dict(path)[bias])
 
 
-def hf_tokens_per_expert(path, tokens) -> torch.Tensor:
-    """How many of ``tokens`` [batch, seq] (padding positions included, as megatron counts them) HF's router
-    of layer 1 sends to each expert: [experts]."""
+def hf_tokens_per_expert(path, tokens, total) -> torch.Tensor:
+    """How many of the real tokens of ``tokens`` [batch, seq] (the first ``total`` [batch] of each row; the
+    trainer leaves padding out of the counts) HF's router of layer 1 sends to each expert: [experts]."""
     hf_model = load_hf(path)
     picked = []
     gate = hf_model.model.layers[1].mlp.gate
@@ -251,7 +251,8 @@ def hf_tokens_per_expert(path, tokens) -> torch.Tensor:
     with torch.no_grad():
         hf_model(tokens)
     hook.remove()
-    return torch.bincount(picked[0].flatten(), minlength=hf_model.config.n_routed_experts).float()
+    valid = (torch.arange(tokens.shape[1]).unsqueeze(0) < total.unsqueeze(1)).flatten()
+    return torch.bincount(picked[0][valid].flatten(), minlength=hf_model.config.n_routed_experts).float()
 
 
 def test_expert_bias_moves_by_megatrons_rule_when_enabled(tp1, glm_dirs):
@@ -263,8 +264,9 @@ def test_expert_bias_moves_by_megatrons_rule_when_enabled(tp1, glm_dirs):
     router = bridge.unwrap_model(ddp_model).decoder.layers[1].mlp.router
     before = router.expert_bias.detach().clone()
     tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
-    counts = hf_tokens_per_expert(path, batch[0])
-    assert counts.sum() == 3 * SEQ * 4 and len(set(counts.tolist())) > 1  # every token's top 4; unbalanced
+    counts = hf_tokens_per_expert(path, batch[0], batch[1])
+    assert counts.sum() == batch[1].sum() * 4 < 3 * SEQ * 4  # each real token's top 4, no padding
+    assert len(set(counts.tolist())) > 1  # unbalanced
     expected = before + torch.sign(counts.mean() - counts) * rate  # arXiv 2408.15664, megatron's update
     assert torch.equal(router.expert_bias.cpu(), expected)
     assert router.local_tokens_per_expert.abs().sum() == 0  # reset for the next step
@@ -314,7 +316,8 @@ def test_bf16_training_keeps_the_expert_bias_in_fp32_bitwise(tp1, glm_dirs):
     import dataclasses
 
     path = glm_dirs["qk_norm"]
-    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, dataclasses.replace(TRAIN, bf16=True), MEGATRON)
+    train = dataclasses.replace(TRAIN, bf16=True)
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, train, MEGATRON)
     router = bridge.unwrap_model(ddp_model).decoder.layers[1].mlp.router
     name = "model.layers.1.mlp.gate.e_score_correction_bias"
     hf_bias = bridge.read_hf_state_dict(path)[name]
@@ -324,3 +327,23 @@ def test_bf16_training_keeps_the_expert_bias_in_fp32_bitwise(tp1, glm_dirs):
     assert tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])["update_successful"]
     exported = dict(bridge.export_hf_weights(ddp_model))[name]
     assert exported.dtype == torch.float32 and torch.equal(exported.cpu(), hf_bias)
+
+
+def test_padded_and_packed_micro_batches_move_the_bias_alike(tp1, glm_dirs):
+    """The bias update counts real tokens only: right-padded micro-batches (padding left out of the counts)
+    and packed ones (no padding) of the same samples give the same bias after a step."""
+    from hpcrl.train.actor import Actor
+    from tests.unit.test_actor import make_config, make_samples
+
+    path = glm_dirs["qk_norm"]
+    samples = make_samples(path, num_groups=3, seed=0, correct_first=True)
+    biases = []
+    for changes in ({}, {"train.max_tokens_per_microbatch": 64, "train.share_group_prompt": False}):
+        cfg = make_config(**changes)
+        cfg.megatron = {"moe_router_bias_update_rate": 1e-2}
+        actor = Actor(cfg, path)
+        before = actor.model.decoder.layers[1].mlp.router.expert_bias.detach().clone()
+        actor.train(0, samples)
+        biases.append(actor.model.decoder.layers[1].mlp.router.expert_bias.detach().clone())
+        assert not torch.equal(biases[-1], before)
+    assert torch.equal(biases[0], biases[1])
