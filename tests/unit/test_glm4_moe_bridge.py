@@ -214,9 +214,13 @@ def test_a_checkpoint_with_mtp_layers_loads_and_drops_them(tp1, glm_dirs, tmp_pa
     exported = dict(bridge.export_hf_weights(model))
     assert sorted(exported) == sorted(state)
     assert all(torch.equal(exported[n].cpu(), t) for n, t in state.items())
-    # an unknown name inside the decoder's layers is still an error
+    # an unknown name inside the decoder's layers, or a layer beyond the MTP ones, is still an error
+    for extra in ("model.layers.1.eh_proj.weight", "model.layers.3.eh_proj.weight"):
+        with pytest.raises(KeyError, match="no megatron-core counterpart"):
+            bridge.load_hf_weights(model, {**state, **mtp, extra: torch.zeros(64, 128)})
+    model.hf_config.num_nextn_predict_layers = 0  # a config without MTP layers: layer 2 is an error too
     with pytest.raises(KeyError, match="no megatron-core counterpart"):
-        bridge.load_hf_weights(model, {**state, "model.layers.1.eh_proj.weight": torch.zeros(64, 128)})
+        bridge.load_hf_weights(model, {**state, **mtp})
 
 
 # --- training ----------------------------------------------------------------------------------------------
