@@ -19,8 +19,11 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
-"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama)."""
+"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama, Mistral,
+Mixtral)."""
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
