@@ -34,7 +34,7 @@ Layouts, for tensor-parallel size ``tp`` and rank ``r`` (megatron-core's ``Colum
 Supported: dense (no MoE) models with RMSNorm, SwiGLU, RoPE (default, or Llama-3 scaling with the standard
 low/high frequency factors), GQA, Qwen2's qkv bias, Qwen3's q/k norm, tied or untied embeddings; pipeline
 parallel size 1. Anything else raises ``NotImplementedError`` naming the unsupported setting.
-Mistral and Mixtral are Llama's table plus a sliding window (:func:`hpcrl.train.hf_config.sliding_window`);
+Mistral and Mixtral are Llama's table plus a sliding window (``hf_config.sliding_window``);
 Mixtral's MoE names are read and written in its checkpoint naming (``block_sparse_moe.gate``,
 ``block_sparse_moe.experts.{e}.w1/w3/w2``: :func:`hpcrl.models.moe.to_mixtral_name`), and loaded from
 transformers 5's in-memory names (``mlp.gate``, fused ``mlp.experts.gate_up_proj``) as well.
@@ -340,7 +340,7 @@ def load_hf_weights(model: torch.nn.Module,
     """
     module = unwrap_model(model)
     state = _LazyHFWeights(hf_weights) if isinstance(hf_weights, (str, os.PathLike)) else unfuse_experts(hf_weights)
-    if getattr(module.hf_config, "model_type", None) == "mixtral":  # released names -> canonical (in memory's)
+    if getattr(module.hf_config, "model_type", None) == "mixtral":  # released names -> canonical ones
         state = RenamedWeights(state, from_mixtral_name)
     g = _geometry(module)
     used = set()

@@ -70,7 +70,8 @@ def worker(dirs: dict[str, str], out: Path) -> None:
                 ent = logprobs.compute_entropy(logits[:, :-1], vocab_size=vocab)
             res[f"{kind}-{name}-{dispatcher}"] = dict(
                 ep_rank=parallel_state.get_expert_model_parallel_rank(),
-                local_experts=sorted({n.split(".")[6] for n, _ in model.named_parameters() if "local_experts" in n}),
+                local_experts=sorted({n.split(".")[6] for n, _ in model.named_parameters()
+                                      if "local_experts" in n}),
                 export=dict(bridge.export_hf_weights(model)),
                 logits=gather_from_tensor_model_parallel_region(logits)[..., :vocab].clone(), log_probs=lp,
                 entropy=ent)
@@ -113,7 +114,8 @@ def ranks(dirs, tmp_path_factory):
            "--dirs", json.dumps({k: str(v) for k, v in dirs.items()}), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, \
+        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -159,7 +161,8 @@ def test_train_step_matches_hf(h, dirs, ranks, kind, layout):
         diffs = {k: (run["after"][k] - ref_state[k]).abs().max().item() for k in ref_state}
         worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
         assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
-        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), (run["step"]["grad_norm"], worst)
+        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), \
+            (run["step"]["grad_norm"], worst)
         assert max(diffs.values()) < 1e-6, worst
 
 

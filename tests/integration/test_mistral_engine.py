@@ -62,7 +62,8 @@ def trainer_logprobs(model, tokens: list[int], response: int) -> list[float]:
     from hpcrl.train.logprobs import response_log_probs
 
     with torch.no_grad():
-        return response_log_probs(model, torch.tensor([tokens]), [len(tokens)], [response]).log_probs[0].tolist()
+        out = response_log_probs(model, torch.tensor([tokens]), [len(tokens)], [response])
+    return out.log_probs[0].tolist()
 
 
 def engine_logprobs(url: str) -> tuple[list[list[float]], str]:
@@ -224,26 +225,29 @@ def test_mixtral_routing_replay_equals_the_bf16_engines_routing(family, tmp_path
 
     bench_dir = Path(__file__).resolve().parents[2] / "benchmarks"
     sys.path.insert(0, str(bench_dir))
-    spec = importlib.util.spec_from_file_location("hpcrl_bench_routing_replay", bench_dir / "routing_replay.py")
+    spec = importlib.util.spec_from_file_location("hpcrl_bench_routing_replay",
+                                                  bench_dir / "routing_replay.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     tok = build_char_tokenizer()
     config = MixtralConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-                           max_position_embeddings=128, sliding_window=8, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                           num_experts_per_tok=2, max_position_embeddings=128, sliding_window=8,
+                           rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(3)
         MixtralForCausalLM(config).save_pretrained(tmp_path / "mixtral")
     tok.save_pretrained(tmp_path / "mixtral")
     prompts = [tok(f"{100 + 37 * i}+{250 + 13 * i}=")["input_ids"] for i in range(6)]
-    proc, url = bench.start_engine(str(tmp_path / "mixtral"), 1, tmp_path / "engine.log", ("--dtype", "bfloat16"))
+    proc, url = bench.start_engine(str(tmp_path / "mixtral"), 1, tmp_path / "engine.log",
+                                   ("--dtype", "bfloat16"))
     try:
         free, replay = bench.measure(tmp_path / "mixtral", url, prompts, samples=3, max_new_tokens=16)
     finally:
         bench.stop_engine(proc)
     print(free, replay)
     assert free["tokens"] == replay["tokens"] > 0
-    assert free["routing_differs"] > 0, "bf16 and fp32 routed every token alike: the gate cannot show anything"
+    assert free["routing_differs"] > 0, "bf16 and fp32 routed every token alike: the gate shows nothing"
     assert replay["routing_differs"] == 0
     assert replay["logprob_mean"] < free["logprob_mean"]

@@ -1,13 +1,14 @@
-"""Mistral (sliding-window attention) and Mixtral (softmax top-2 router, ``block_sparse_moe`` checkpoint names)
-in the Megatron model layer at tensor-parallel size 1, in this process (gloo, world size 1).
+"""Mistral (sliding-window attention) and Mixtral (softmax top-2 router, ``block_sparse_moe`` checkpoint
+names) in the Megatron model layer at tensor-parallel size 1, in this process (gloo, world size 1).
 
-Real tiny random HF models (transformers 5's ``MistralForCausalLM`` / ``MixtralForCausalLM``, hidden 64, 2 layers,
-a sliding window shorter than the test sequences) against megatron-core GPTModels built by hpcrl.train.bridge:
-bitwise HF -> Megatron -> HF export in the released naming, loading from transformers 5's in-memory naming,
-logits / log-probs / entropy against HF, one optimizer step against HF + torch AdamW (Mixtral with both token
-dispatchers), and the packed and shared-prompt micro-batches against the padded forward with sequences longer
-than the window. TP=2 and EP=2 are in tests/integration/test_megatron_mistral.py, the CPU engine, weight sync
-and routing replay in tests/integration/test_mistral_engine.py.
+Real tiny random HF models (transformers 5's ``MistralForCausalLM`` / ``MixtralForCausalLM``, hidden 64,
+2 layers, a sliding window shorter than the test sequences) against megatron-core GPTModels built by
+hpcrl.train.bridge: bitwise HF -> Megatron -> HF export in the released naming, loading from transformers
+5's in-memory naming, logits / log-probs / entropy against HF, one optimizer step against HF + torch AdamW
+(Mixtral with both token dispatchers), and the packed and shared-prompt micro-batches against the padded
+forward with sequences longer than the window. TP=2 and EP=2 are in
+tests/integration/test_megatron_mistral.py; the CPU engine, weight sync and routing replay in
+tests/integration/test_mistral_engine.py.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ assert tp1  # the fixture, imported for the tests below
 
 
 def make_tiny(kind: str, path: Path, window: int | None = -1, seed: int = 1) -> Path:
-    """Save a random tiny Mistral (GQA, untied, window 5) or Mixtral (4 experts of width 48, top-2, tied, window
-    6) with hpcrl's character tokenizer (21 tokens); ``window=None``: no sliding window. Norm weights are random
-    so that a mix-up shows. Returns ``path``."""
+    """Save a random tiny Mistral (GQA, untied, window 5) or Mixtral (4 experts of width 48, top-2, tied,
+    window 6) with hpcrl's character tokenizer (21 tokens); ``window=None``: no sliding window. Norm weights
+    are random so that a mix-up shows. Returns ``path``."""
     from transformers import MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM
 
     from hpcrl.models.tiny import build_char_tokenizer
@@ -78,20 +79,22 @@ def build_loaded(path, **overrides):
     return model.eval()
 
 
-# --- names and config -----------------------------------------------------------------------------------------
+# --- names and config ---------------------------------------------------------------------------------------
 
 
 def test_mixtral_names_round_trip():
-    pairs = {"model.layers.3.mlp.gate.weight": "model.layers.3.block_sparse_moe.gate.weight",
-             "model.layers.0.mlp.experts.11.gate_proj.weight": "model.layers.0.block_sparse_moe.experts.11.w1.weight",
-             "model.layers.0.mlp.experts.2.up_proj.weight": "model.layers.0.block_sparse_moe.experts.2.w3.weight",
-             "model.layers.1.mlp.experts.0.down_proj.weight": "model.layers.1.block_sparse_moe.experts.0.w2.weight",
-             "model.layers.1.self_attn.q_proj.weight": "model.layers.1.self_attn.q_proj.weight"}
+    pairs = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
+             "mlp.experts.11.gate_proj.weight": "block_sparse_moe.experts.11.w1.weight",
+             "mlp.experts.2.up_proj.weight": "block_sparse_moe.experts.2.w3.weight",
+             "mlp.experts.0.down_proj.weight": "block_sparse_moe.experts.0.w2.weight",
+             "self_attn.q_proj.weight": "self_attn.q_proj.weight"}
     for canonical, released in pairs.items():
+        canonical, released = f"model.layers.3.{canonical}", f"model.layers.3.{released}"
         assert moe.to_mixtral_name(canonical) == released and moe.from_mixtral_name(released) == canonical
     with pytest.raises(ValueError, match="both"):
         moe.RenamedWeights({"model.layers.0.mlp.gate.weight": torch.zeros(1),
-                            "model.layers.0.block_sparse_moe.gate.weight": torch.zeros(1)}, moe.from_mixtral_name)
+                            "model.layers.0.block_sparse_moe.gate.weight": torch.zeros(1)},
+                           moe.from_mixtral_name)
 
 
 def test_config_window_router_and_refusals(dirs):
@@ -100,17 +103,19 @@ def test_config_window_router_and_refusals(dirs):
     from transformers import AutoConfig
 
     m = bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(dirs["mistral"])))
-    assert (m.window_size, m.masked_softmax_fusion, m.num_moe_experts, m.kv_channels) == ((4, 0), False, None, 16)
+    assert (m.window_size, m.masked_softmax_fusion, m.num_moe_experts, m.kv_channels) == \
+        ((4, 0), False, None, 16)
     x = bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(dirs["mixtral"])))
-    assert (x.window_size, x.num_moe_experts, x.moe_router_topk, x.moe_ffn_hidden_size, x.moe_router_pre_softmax,
-            x.moe_router_score_function, x.moe_router_load_balancing_type, x.qk_layernorm, x.add_qkv_bias) == \
-        ((5, 0), 4, 2, 48, False, "softmax", "none", False, False)
+    assert (x.window_size, x.num_moe_experts, x.moe_router_topk, x.moe_ffn_hidden_size,
+            x.moe_router_pre_softmax, x.moe_router_score_function, x.moe_router_load_balancing_type,
+            x.qk_layernorm, x.add_qkv_bias) == ((5, 0), 4, 2, 48, False, "softmax", "none", False, False)
     for kind in FAMILIES:  # the login node's check passes them
         assert support.check_model_folder(dirs[kind]) is None
     hf = json.loads((dirs["mixtral"] / "config.json").read_text())
     assert support.routed_experts(hf) == 4
     bad = support.unsupported_feature({**hf, "router_jitter_noise": 0.01})
-    assert bad is not None and bad[:2] == ("router_jitter_noise", 0.01) and "set router_jitter_noise: 0" in bad[2]
+    assert bad is not None and bad[:2] == ("router_jitter_noise", 0.01)
+    assert "set router_jitter_noise: 0" in bad[2]
     config = AutoConfig.from_pretrained(str(dirs["mixtral"]))
     config.router_jitter_noise = 0.1
     with pytest.raises(NotImplementedError, match="router_jitter_noise=0.1"):
@@ -120,7 +125,7 @@ def test_config_window_router_and_refusals(dirs):
     assert bridge.mcore_config_from_hf(no_window).window_size is None
 
 
-# --- bridge -----------------------------------------------------------------------------------------------------
+# --- bridge -------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -185,10 +190,11 @@ def test_logits_log_probs_entropy_match_hf(tp1, dirs, kind, tmp_path):
         assert (ent.cpu() - ref_ent).abs().max() < 1e-5
 
 
-# --- optimizer step ---------------------------------------------------------------------------------------------
+# --- optimizer step -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,dispatcher", (("mistral", None), ("mixtral", "allgather"), ("mixtral", "alltoall")))
+@pytest.mark.parametrize("kind,dispatcher",
+                         (("mistral", None), ("mixtral", "allgather"), ("mixtral", "alltoall")))
 def test_train_step_matches_hf_adamw_step(tp1, dirs, kind, dispatcher):
     path = dirs[kind]
     extra = {"moe_token_dispatcher_type": dispatcher} if dispatcher else {}
@@ -214,7 +220,7 @@ def test_train_step_matches_hf_adamw_step(tp1, dirs, kind, dispatcher):
     assert max((after[k] - ref_state[k]).abs().max().item() for k in after) < 1e-6
 
 
-# --- packed micro-batches -----------------------------------------------------------------------------------------
+# --- packed micro-batches -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
