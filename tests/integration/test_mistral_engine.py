@@ -10,13 +10,18 @@ The tiny models of tests/unit/test_mistral_bridge.py (sliding windows of 5 and 6
   name (Mixtral's ``block_sparse_moe.*`` included: as many tensors and bytes as the checkpoint) and the
   engine's log-probs then equal the trainer's.
 - Mixtral: ``return_routed_experts`` equals HF's routers' choice; rollout routing replay (R3) makes the
-  routing of the fp32 trainer equal that of a bf16 engine (which differs without replay: the gate can fail).
+  routing of the fp32 trainer equal that of a bf16 engine (which differs without replay: the gate can fail);
+  an EP=2 trainer (two torchrun processes, experts gathered over the expert-parallel group, rank 0 sends)
+  syncs every expert. This file is that torchrun worker when run as a script.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,10 +29,10 @@ import pytest
 import torch
 
 try:
-    from tests.integration.engine_utils import EngineProcess, http_json
-except ImportError:  # tests/integration is not a package
+    from tests.integration.engine_utils import EngineProcess, free_port, http_json
+except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_utils import EngineProcess, http_json
+    from engine_utils import EngineProcess, free_port, http_json
 
 KEY = "mistral-engine-test-key"
 TOL = 1e-5
@@ -81,6 +86,43 @@ def engine_logprobs(url: str) -> tuple[list[list[float]], str]:
 
 def max_diff(a, b) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+async def tensor_sync(url: str, model, version: str, sender: bool = True) -> dict:
+    """One ``tensor`` weight sync of ``model`` (every rank iterates the export; ``sender`` posts it)."""
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.weights import WeightSyncer, iterate_for_sync
+
+    client = RolloutClient(engine_urls=[url], api_key=KEY) if sender else None
+    syncer = WeightSyncer(client, "tensor", bucket_bytes=64 * 1024, timeout_s=60, is_sender=sender)
+    try:
+        return await syncer.sync(iterate_for_sync(model), version)
+    finally:
+        await syncer.close()
+        if client is not None:
+            await client.close()
+
+
+# --- the EP=2 worker: `torchrun --nproc_per_node=2 test_mistral_engine.py --model DIR --url URL --out DIR` --
+
+def worker(model_dir: str, url: str, out: Path) -> None:
+    """Each of 2 ranks (EP=2: Mixtral's experts 0-1 on rank 0, 2-3 on rank 1) exports; rank 0 syncs."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from hpcrl.config import TrainSection
+    from hpcrl.train import parallel, model as tmodel
+
+    env = parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1, ep=2)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
+    perturb(model, seed=200)  # the same noise on both ranks: the replicated weights stay replicas
+    metrics = asyncio.run(tensor_sync(url, model, "ep2", sender=env.rank == 0))
+    mine = [trainer_logprobs(model, seq, len(seq) - 1) for seq in SEQS]
+    (out / f"rank{env.rank}.json").write_text(json.dumps(dict(metrics=metrics, trainer=mine)))
+    dist.barrier()
+    parallel.destroy()
 
 
 # --- fixtures -----------------------------------------------------------------------------------------------
@@ -251,3 +293,36 @@ def test_mixtral_routing_replay_equals_the_bf16_engines_routing(family, tmp_path
     assert free["routing_differs"] > 0, "bf16 and fp32 routed every token alike: the gate shows nothing"
     assert replay["routing_differs"] == 0
     assert replay["logprob_mean"] < free["logprob_mean"]
+
+
+def test_mixtral_ep2_trainer_syncs_every_expert(family, tmp_path):
+    kind, path, engine, _ = family
+    if kind != "mixtral":
+        pytest.skip("Mixtral only: Mistral has no experts")
+    from hpcrl.train.bridge import read_hf_state_dict
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--model", str(path),
+           "--url", engine.url, "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    log = tmp_path / "torchrun.log"  # a file, not a pipe: torch's shared-memory manager outlives the workers
+    with open(log, "wb") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=env).returncode
+    assert rc == 0, f"torchrun failed:\n{log.read_text(errors='replace')[-6000:]}"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["metrics"]["tensors"] == len(read_hf_state_dict(path))  # every name, both ranks' experts
+    assert max_diff(ranks[0]["trainer"], ranks[1]["trainer"]) < 1e-6  # one model across the ranks
+    theirs, version = engine_logprobs(engine.url)
+    assert version == "ep2"
+    assert max_diff(theirs, ranks[0]["trainer"]) < TOL
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    worker(args.model, args.url, args.out)
