@@ -189,6 +189,47 @@ def test_generation_past_the_window_has_the_trainers_log_probs(family):
     assert worst < TOL
 
 
+def test_requests_joining_a_running_batch_past_the_window(family):
+    """Continuous batching (whole-length KV layers; transformers' mask applies the window): a request that
+    joins a running batch is merged left-padded into its cache, and both keep the trainer's log-probs."""
+    import concurrent.futures
+    import time
+
+    kind, _, engine, model = family
+    status, info = http_json("GET", engine.url + "/get_server_info", headers=HEADERS)
+    assert status == 200 and info["internal_states"][0]["continuous_batching"] is True
+
+    def generate(prompt, new, seed):
+        return http_json("POST", engine.url + "/generate", {
+            "input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True,
+                                "sampling_seed": seed}}, headers=HEADERS, timeout=120)
+
+    def stats():
+        return http_json("GET", engine.url + "/get_server_info", headers=HEADERS)[1]["internal_states"][0]
+
+    prompts = [[1, 14, 8], [1, 5, 9, 12, 3, 7, 18, 4]]
+    steps = stats()["decode_steps"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(generate, prompts[0], 48, 1)
+        deadline = time.monotonic() + 30
+        while stats()["num_running_reqs"] == 0 and time.monotonic() < deadline:  # the first is decoding ...
+            time.sleep(0.002)
+        second = pool.submit(generate, prompts[1], 8, 2)  # ... when the second arrives
+        results = [first.result(), second.result()]
+    after = stats()
+    assert after["continuous_batching"] is True
+    assert after["decode_steps"] - steps < 47 + 7  # fewer than one after the other: the second joined
+    worst = 0.0
+    for prompt, (status, out) in zip(prompts, results):
+        assert status == 200, out
+        tokens = prompt + out["output_ids"]
+        theirs = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+        worst = max(worst, max_diff([theirs], [trainer_logprobs(model, tokens, len(out["output_ids"]))]))
+    print(f"{kind}: joined batch, max |engine - trainer| {worst:.2e}, {after['decode_steps'] - steps} steps")
+    assert worst < TOL
+
+
 @pytest.mark.parametrize("method", ("tensor", "disk", "distributed"))
 def test_weight_sync_carries_every_name(family, method, tmp_path):
     from hpcrl.rollout.client import RolloutClient
