@@ -385,8 +385,6 @@ class Scheduler:
     # ------------------------------------------------------------------ model passes
     @torch.no_grad()
     def _prefill(self, rows: list[Row]) -> None:
-        from transformers import DynamicCache
-
         seqs = [row.spec.prompt_ids + row.output_ids for row in rows]
         k, width = len(seqs), max(len(s) for s in seqs)
         # Rows with identical tokens (the samples of one GRPO group) share one forward pass, as SGLang's
@@ -406,7 +404,7 @@ class Scheduler:
         # log-probs, the prompt from logprob_start_len on (prompts end at the right edge: left padding).
         keep = max([1] + [len(row.spec.prompt_ids) + len(row.output_ids) - self._logprob_start(row)
                           for row in rows if row.needs_input_logprobs()])
-        cache = DynamicCache(config=self.model.config)
+        cache = _new_cache(self.model.config)
         with self.routed.recording(any(row.job.options.return_routed_experts for row in rows)):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                              use_cache=True, logits_to_keep=keep)
@@ -673,6 +671,16 @@ class Scheduler:
         self._running, self._cache, self._mask = [], None, None
         with self._cond:
             self._num_running = 0
+
+
+def _new_cache(config):
+    """An empty KV cache for ``config``; a sliding-window model's (Mistral, Mixtral) has whole-length layers:
+    transformers' attention mask applies the window whatever the cache holds, and whole layers can be merged
+    and trimmed (continuous batching), where its sliding-window layers could not."""
+    from transformers import DynamicCache
+
+    sliding = getattr(config, "model_type", None) in ("mistral", "mixtral") and config.sliding_window
+    return DynamicCache() if sliding else DynamicCache(config=config)
 
 
 def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:

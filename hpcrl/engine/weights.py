@@ -49,7 +49,8 @@ class WeightLoader:
     buffers are accepted and skipped, as SGLang's loaders do. A MoE model's experts are also addressed by
     their checkpoint names (``mlp.experts.{e}.gate_proj.weight`` ...: views into transformers 5's fused
     ``gate_up_proj`` / ``down_proj``, :mod:`hpcrl.models.moe`), which is what the trainer sends and SGLang
-    loads.
+    loads; a Mixtral's also by its checkpoint names (``block_sparse_moe.gate.weight``,
+    ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``), which the trainer sends for it.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -61,6 +62,11 @@ class WeightLoader:
             self._targets.setdefault(name, buf)
         for name, view in unfuse_experts(dict(model.named_parameters())).items():
             self._targets.setdefault(name, view)
+        if getattr(model.config, "model_type", None) == "mixtral":  # checkpoint names, as the trainer sends
+            from hpcrl.models.moe import to_mixtral_name
+
+            for name, target in list(self._targets.items()):
+                self._targets.setdefault(to_mixtral_name(name), target)
         self._tied = bool(getattr(model.config, "tie_word_embeddings", False))
 
     def names(self) -> list[str]:

@@ -20,9 +20,11 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "llama": "LlamaForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 """HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama,
-GLM-4.5 / 4.6 / 4.7 MoE)."""
+GLM-4.5 / 4.6 / 4.7 MoE, Mistral, Mixtral)."""
 
 _DTYPES = ("float32", "bfloat16", "float16")
 

@@ -72,3 +72,65 @@ def fuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([t["gate_proj"], t["up_proj"]]) for t in ordered])
         out[f"{prefix}.down_proj"] = torch.stack([t["down_proj"] for t in ordered])
     return out
+
+
+# Mixtral's checkpoint naming (released checkpoints, transformers 5's ``save_pretrained``, SGLang's
+# ``MixtralForCausalLM`` loader) beside the canonical per-expert names above, which transformers 5 keeps in
+# memory after its ``conversion_mapping`` rename ``.block_sparse_moe.`` -> ``.mlp.`` and w1/w3 -> gate/up:
+#   ``block_sparse_moe.gate.weight``             <-> ``mlp.gate.weight`` (the router, ``[E, H]``)
+#   ``block_sparse_moe.experts.{e}.w1.weight``   <-> ``mlp.experts.{e}.gate_proj.weight``
+#   ``block_sparse_moe.experts.{e}.w3.weight``   <-> ``mlp.experts.{e}.up_proj.weight``
+#   ``block_sparse_moe.experts.{e}.w2.weight``   <-> ``mlp.experts.{e}.down_proj.weight``
+_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_CANONICAL_MOE_RE = re.compile(r"^(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.\d+\.(\w+)\.weight)$")
+_MIXTRAL_MOE_RE = re.compile(
+    r"^(model\.layers\.\d+)\.block_sparse_moe\.(gate\.weight|experts\.\d+\.(w[123])\.weight)$")
+
+
+def to_mixtral_name(name: str) -> str:
+    """A canonical MoE name (``model.layers.{i}.mlp.gate.weight``,
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``) in Mixtral's checkpoint naming
+    (``block_sparse_moe.gate.weight``, ``block_sparse_moe.experts.{e}.w{1,3,2}.weight``); others unchanged."""
+    m = _CANONICAL_MOE_RE.match(name)
+    if not m or (m.group(3) is not None and m.group(3) not in _MIXTRAL_PROJ):
+        return name
+    rest = m.group(2) if m.group(3) is None else m.group(2).replace(m.group(3), _MIXTRAL_PROJ[m.group(3)])
+    return f"{m.group(1)}.block_sparse_moe.{rest}"
+
+
+def from_mixtral_name(name: str) -> str:
+    """Inverse of :func:`to_mixtral_name`: Mixtral's checkpoint name to the canonical one; others
+    unchanged."""
+    m = _MIXTRAL_MOE_RE.match(name)
+    if not m:
+        return name
+    back = {v: k for k, v in _MIXTRAL_PROJ.items()}
+    rest = m.group(2) if m.group(3) is None else m.group(2).replace(m.group(3), back[m.group(3)])
+    return f"{m.group(1)}.mlp.{rest}"
+
+
+class RenamedWeights(Mapping[str, torch.Tensor]):
+    """A read-only view of a name -> tensor mapping under other names: ``rename(name)`` is the new name of
+    each key (e.g. :func:`from_mixtral_name`); values are read from ``state`` on access (lazy mappings stay
+    lazy). Raises ValueError when two keys get the same name."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], rename):
+        self._state = state
+        self._source: dict[str, str] = {}
+        for key in state:
+            new = rename(key)
+            if new in self._source:
+                raise ValueError(f"HF tensors {self._source[new]!r} and {key!r} are both {new!r}")
+            self._source[new] = key
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._state[self._source[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._source
+
+    def __iter__(self):
+        return iter(self._source)
+
+    def __len__(self) -> int:
+        return len(self._source)

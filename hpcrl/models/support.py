@@ -44,9 +44,11 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
     """The first setting of ``config.json`` (``hf``) the trainer cannot build, or None.
 
     Refused: a ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES`; ``hidden_act`` other than silu; q/k/v
-    bias except Qwen2's and GLM-4.5's; MLP bias; sliding-window attention; RoPE scalings other than plain
-    and Llama-3's standard one; partial RoPE except GLM-4.5's; Qwen3-MoE with dense layers or shared
-    experts; GLM-4.5 routers megatron-core cannot express (:func:`deepseek_router_problem`).
+    bias except Qwen2's and GLM-4.5's; MLP bias; Qwen2's sliding-window attention (``use_sliding_window``;
+    Mistral's and Mixtral's ``sliding_window`` is built, in the padded and the packed forward); RoPE scalings
+    other than plain and Llama-3's standard one; partial RoPE except GLM-4.5's; Qwen3-MoE with dense layers or
+    shared experts; GLM-4.5 routers megatron-core cannot express (:func:`deepseek_router_problem`); Mixtral's
+    ``router_jitter_noise`` (HF's training-time noise on the MoE input).
     """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -59,8 +61,12 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
         return ("attention_bias", True, f"(bias on q/k/v and o_proj) is not supported for {model_type}")
     if hf.get("mlp_bias"):
         return ("mlp_bias", True, "is not supported")
-    if hf.get("use_sliding_window"):
+    if hf.get("use_sliding_window"):  # Qwen2's switch; Mistral's and Mixtral's sliding_window is built
         return ("use_sliding_window", True, "sliding-window attention is not supported")
+    if model_type == "mixtral" and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+        return ("router_jitter_noise", hf["router_jitter_noise"],
+                "is not supported: HF multiplies the MoE input by random noise in training (Megatron's "
+                "moe_input_jitter_eps jitters the router input only); set router_jitter_noise: 0.0")
     rope = rope_settings(hf)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", None):

@@ -46,6 +46,10 @@ MTP speculative decoding needs them from the original checkpoint).
 Supported: dense (no MoE) models with RMSNorm, SwiGLU, RoPE (default, or Llama-3 scaling with the standard
 low/high frequency factors), GQA, Qwen2's qkv bias, Qwen3's q/k norm, tied or untied embeddings; pipeline
 parallel size 1. Anything else raises ``NotImplementedError`` naming the unsupported setting.
+Mistral and Mixtral are Llama's table plus a sliding window (``hf_config.sliding_window``);
+Mixtral's MoE names are read and written in its checkpoint naming (``block_sparse_moe.gate``,
+``block_sparse_moe.experts.{e}.w1/w3/w2``: :func:`hpcrl.models.moe.to_mixtral_name`), and loaded from
+transformers 5's in-memory names (``mlp.gate``, fused ``mlp.experts.gate_up_proj``) as well.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from hpcrl.models.moe import unfuse_experts
+from hpcrl.models.moe import RenamedWeights, from_mixtral_name, to_mixtral_name, unfuse_experts
 from hpcrl.models.support import SUPPORTED_MODEL_TYPES  # the login node's list, the same
 from hpcrl.train.hf_config import (  # noqa: F401 (re-exported: callers know them as bridge.*)
     check_supported, head_dim, mcore_config_from_hf, moe_kwargs, num_experts, padded_vocab_size, rope_scaling,
@@ -263,7 +267,15 @@ def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     rank's: a routed expert's names carry its global expert index)."""
     module = unwrap_model(model)
     g = _geometry(module)
-    return {name: _hf_names(name, g.ep_rank * g.local_experts)[0] for name, _ in named_tensors(module)}
+    rename = _checkpoint_name(module.hf_config)
+    return {name: tuple(map(rename, _hf_names(name, g.ep_rank * g.local_experts)[0]))
+            for name, _ in named_tensors(module)}
+
+
+def _checkpoint_name(hf_config: Any):
+    """The family's checkpoint name of a canonical HF name (Mixtral: ``block_sparse_moe.*``,
+    :func:`hpcrl.models.moe.to_mixtral_name`; other families: the name itself)."""
+    return to_mixtral_name if getattr(hf_config, "model_type", None) == "mixtral" else str
 
 
 def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor:
@@ -375,6 +387,8 @@ def load_hf_weights(model: torch.nn.Module,
     """
     module = unwrap_model(model)
     state = _LazyHFWeights(hf_weights) if isinstance(hf_weights, (str, os.PathLike)) else unfuse_experts(hf_weights)
+    if getattr(module.hf_config, "model_type", None) == "mixtral":  # released names -> canonical ones
+        state = RenamedWeights(state, from_mixtral_name)
     g = _geometry(module)
     used = set()
     for name, param in named_tensors(module):
@@ -415,11 +429,12 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     module = unwrap_model(model)
     g = _geometry(module)
     group = parallel_state.get_tensor_model_parallel_group() if g.tp > 1 else None
+    rename = _checkpoint_name(module.hf_config)
     for name, param in named_tensors(module):
         hf_names, layout = _hf_names(name)
         local = param.detach()
         if not layout.startswith("expert_"):
-            yield from _gathered(hf_names, layout, local, g.tp, group, g, dtype)
+            yield from _gathered(tuple(map(rename, hf_names)), layout, local, g.tp, group, g, dtype)
             continue
         etp_group = parallel_state.get_expert_tensor_parallel_group() if g.etp > 1 else None
         copies = [local]
@@ -427,7 +442,8 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
             copies = [torch.empty_like(local) for _ in range(g.ep)]
             dist.all_gather(copies, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
         for r, tensor in enumerate(copies):
-            yield from _gathered(_hf_names(name, r * g.local_experts)[0], layout, tensor, g.etp, etp_group, g, dtype)
+            yield from _gathered(tuple(map(rename, _hf_names(name, r * g.local_experts)[0])), layout, tensor,
+                                 g.etp, etp_group, g, dtype)
 
 
 def _gathered(hf_names: tuple[str, ...], layout: str, local: torch.Tensor, size: int, group: Any, g: _Geometry,

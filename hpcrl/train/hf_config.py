@@ -64,6 +64,16 @@ def rotary_percent(hf_config: Any) -> float:
     return float(rope_settings(fields).get("partial_rotary_factor") or 1.0)
 
 
+def sliding_window(hf_config: Any) -> Optional[int]:
+    """Mistral's / Mixtral's ``sliding_window`` (each query sees itself and the ``sliding_window - 1`` keys
+    before it: HF's ``sliding_window_overlay``, ``kv_idx > q_idx - sliding_window``), None when unset or for
+    other families (Qwen2's ``use_sliding_window`` is refused by :func:`check_supported`)."""
+    if getattr(hf_config, "model_type", None) not in ("mistral", "mixtral"):
+        return None
+    window = getattr(hf_config, "sliding_window", None)
+    return int(window) if window else None
+
+
 def check_supported(hf_config: Any) -> None:
     """NotImplementedError naming the first setting the bridge cannot build: the login node's check
     (:func:`hpcrl.models.support.unsupported_feature`) on the config's fields, so both refuse the same."""
@@ -119,6 +129,10 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
         pipeline_dtype=dtype,
         attention_softmax_in_fp32=True,
     )
+    window = sliding_window(hf_config)
+    if window is not None:  # megatron keeps keys j with i - left <= j <= i + right; HF's window is left W - 1
+        # the fused (bf16, GPU) causal softmax kernel ignores the window: the torch softmax applies it
+        kwargs.update(window_size=(window - 1, 0), masked_softmax_fusion=False)
     if hf_config.model_type == "glm4_moe":
         kwargs.update(deepseek_moe.glm4_moe_kwargs(hf_config), expert_model_parallel_size=ep)
     elif num_experts(hf_config):
@@ -137,7 +151,9 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
 
 
 def moe_kwargs(hf_config: Any) -> dict[str, Any]:
-    """``TransformerConfig`` MoE fields for a Qwen3-MoE config (every layer MoE, no shared experts).
+    """``TransformerConfig`` MoE fields for a Qwen3-MoE or Mixtral config (every layer MoE, no shared experts;
+    Mixtral's experts are ``intermediate_size`` wide, its ``MixtralTopKRouter`` is Qwen3-MoE's with
+    ``norm_topk_prob``).
 
     Routing as HF's ``Qwen3MoeSparseMoeBlock``: softmax of the router logits in fp32, top-k, renormalised over
     the k when ``norm_topk_prob`` (megatron: top-k of the logits, then softmax over the k, which is the same
@@ -152,7 +168,7 @@ def moe_kwargs(hf_config: Any) -> dict[str, Any]:
     return dict(
         num_moe_experts=num_experts(hf_config),
         moe_router_topk=hf_config.num_experts_per_tok,
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_ffn_hidden_size=getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size,
         moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True),
         moe_router_score_function="softmax",
         moe_router_dtype="fp32",

@@ -39,6 +39,8 @@ class SharedPrefixSeqParams(PackedSeqParams):
     """``[S]``: index of the prefix segment of segment ``s`` (its group's shared prompt), or -1."""
     plan: Optional[tuple] = None
     """:func:`plan_segments` of this layout, made by the first layer and reused by the others."""
+    plan_window: Optional[int] = None
+    """The sliding window :attr:`plan` was made for (None: full causal attention)."""
 
 
 def _kv_rows(cu: list[int], prefix_of: tuple[int, ...], s: int) -> tuple[int, int, int, int]:
@@ -63,11 +65,14 @@ class _SegmentBatch:
     only, so that no softmax row is empty; its output is dropped)."""
 
 
-def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...]) -> tuple[list[_SegmentBatch], Tensor]:
+def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...],
+                  window: Optional[int] = None) -> tuple[list[_SegmentBatch], Tensor]:
     """Gather plan of :func:`segment_attention`: one :class:`_SegmentBatch` for the segments without a prefix and
     one for those with (each padded to its own longest), and the inverse permutation ``[T]`` that puts their
     real query rows back in pack order. Built with whole-tensor ops (no per-segment loop): a pack holds up to
-    hundreds of segments and the plan is made once per forward."""
+    hundreds of segments and the plan is made once per forward. ``window``: sliding-window attention
+    (Mistral's ``sliding_window``, HF's ``kv_idx > q_idx - window`` in positions): a query at position
+    ``p + i`` (a response continues its prefix's positions) sees keys at positions ``> p + i - window`` only."""
     cu = cu_seqlens.tolist()
     device = cu_seqlens.device
     kinds: dict[bool, list[tuple[int, int, int, int]]] = {}
@@ -89,6 +94,8 @@ def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...]) -> tuple[list[
         qi, kj = i[:, :, None], j[:, None, :]  # [1, Lq, 1], [1, 1, Lk]
         valid = q_valid[:, :, None]
         mask = valid & ((kj < p[:, :, None]) | (own[:, None, :] & (kj - p[:, :, None] <= qi)))
+        if window is not None:  # key row j is at position j (prefix, then own rows), query row i at p + i
+            mask &= kj > p[:, :, None] + qi - window
         mask |= ~valid & (kj == 0)  # a padded query row sees key 0 only: no empty softmax row
         order.append(q_index[q_valid])
         batches.append(_SegmentBatch(q_index.to(device), q_valid.to(device), kv_index.to(device),
@@ -100,16 +107,18 @@ def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...]) -> tuple[list[
 
 def segment_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
                       prefix_of: tuple[int, ...], scale: float, dropout_p: float = 0.0,
-                      plan: Optional[tuple[list[_SegmentBatch], Tensor]] = None) -> Tensor:
+                      plan: Optional[tuple[list[_SegmentBatch], Tensor]] = None,
+                      window: Optional[int] = None) -> Tensor:
     """Attention of THD tensors per segment, with :class:`SharedPrefixSeqParams` semantics.
 
     ``query``: ``[T, heads, dim]``; ``key``, ``value``: ``[T, groups, dim]`` (grouped-query attention:
     ``heads`` a multiple of ``groups``); ``cu_seqlens``: ``[S + 1]``. Returns ``[T, heads, dim]``. The segments
     of each kind (with, without a prefix) run as one batched ``scaled_dot_product_attention`` of
     ``[segments, heads, longest, longest keys]`` scores: the cost is per segment, padded to the longest segment
-    of its kind, never ``T x T``. ``plan``: :func:`plan_segments` of the same layout (reused across layers).
+    of its kind, never ``T x T``. ``plan``: :func:`plan_segments` of the same layout and ``window`` (reused
+    across layers); ``window``: sliding-window size (:func:`plan_segments`), None for full causal attention.
     """
-    batches, inverse = plan if plan is not None else plan_segments(cu_seqlens, prefix_of)
+    batches, inverse = plan if plan is not None else plan_segments(cu_seqlens, prefix_of, window)
     heads, groups, dim = query.shape[1], key.shape[1], query.shape[2]
     rep = heads // groups
     outs = []
@@ -129,7 +138,7 @@ def segment_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Ten
 
 
 def _flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, prefix_of: tuple[int, ...],
-                  scale: float, dropout_p: float) -> Tensor:
+                  scale: float, dropout_p: float, window: Optional[int] = None) -> Tensor:
     """:func:`segment_attention` with flash-attn's varlen kernel (GPU; unverified): keys/values of each
     segment are its prefix's followed by its own, ``cu_seqlens_k`` over that gathered layout."""
     from flash_attn import flash_attn_varlen_func
@@ -147,7 +156,8 @@ def _flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
     lens_q = [cu[s + 1] - cu[s] for s in range(len(cu) - 1)]
     lens_k = [cu_k[s + 1] - cu_k[s] for s in range(len(cu_k) - 1)]
     return flash_attn_varlen_func(query, k, v, cu_seqlens.to(torch.int32), cu_k_t, max(lens_q), max(lens_k),
-                                  dropout_p=dropout_p, softmax_scale=scale, causal=True)
+                                  dropout_p=dropout_p, softmax_scale=scale, causal=True,
+                                  window_size=(-1, -1) if window is None else (window - 1, 0))
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -169,18 +179,36 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError(f"packed attention needs qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
         prefix_of = getattr(packed_seq_params, "prefix_of", ())
         dropout_p = self.attention_dropout.p if self.training else 0.0
+        window = self._window()
         if query.is_cuda and _has_flash_attn():
             out = _flash_varlen(query, key, value, packed_seq_params.cu_seqlens_q, prefix_of, self.softmax_scale,
-                                dropout_p)
+                                dropout_p, window)
         else:
             plan = getattr(packed_seq_params, "plan", None)
-            if plan is None:
-                plan = plan_segments(packed_seq_params.cu_seqlens_q, prefix_of)
+            if plan is None or getattr(packed_seq_params, "plan_window", None) != window:
+                plan = plan_segments(packed_seq_params.cu_seqlens_q, prefix_of, window)
                 if isinstance(packed_seq_params, SharedPrefixSeqParams):
-                    packed_seq_params.plan = plan  # the next layers reuse it
+                    packed_seq_params.plan, packed_seq_params.plan_window = plan, window  # the next layers'
             out = segment_attention(query, key, value, packed_seq_params.cu_seqlens_q, prefix_of,
-                                    self.softmax_scale, dropout_p, plan=plan)
+                                    self.softmax_scale, dropout_p, plan=plan, window=window)
         return out.reshape(out.shape[0], -1)
+
+
+    def _window(self) -> Optional[int]:
+        """This layer's sliding window in HF's terms (keys within ``window`` positions, itself included), from
+        megatron's ``window_size`` ``(left, right)`` as :func:`hpcrl.train.hf_config.mcore_config_from_hf`
+        sets it (``(window - 1, 0)``); None without one. Raises NotImplementedError for a ``right`` other
+        than 0 (keys after the query)."""
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        size = self.config.window_size
+        if not is_layer_window_attention(size, self.config.window_attn_skip_freq, self.layer_number):
+            return None
+        left, right = size
+        if right != 0:
+            raise NotImplementedError(f"window_size={tuple(size)}: packed attention is causal (right must be "
+                                      "0)")
+        return None if left < 0 else int(left) + 1
 
 
 def _has_flash_attn() -> bool:
