@@ -1,13 +1,14 @@
-"""Parameter counts of an HF causal LM from its ``config.json`` alone (no torch, no transformers, no tensor), split
-by how the trainer and the engines shard them.
+"""Parameter counts of an HF causal LM from its ``config.json`` alone (no torch, no transformers, no tensor),
+split by how the trainer and the engines shard them.
 
 :func:`count_parameters` returns a :class:`ParamCount` whose parts are what tensor and expert parallelism
-divide: ``embedding`` / ``output`` (vocabulary-parallel), ``dense`` (column/row-parallel matrices of attention,
-dense MLPs and shared experts: divided by TP), ``replicated`` (norms, routers, MLA's down-projections: whole on
-every TP rank) and ``expert`` (routed experts: divided by EP x expert-TP). The formulas follow the HF modelling
-code of transformers 5.24 layer by layer (``Qwen2/Qwen3/Llama/MistralForCausalLM``, ``Qwen3MoeForCausalLM``,
-``MixtralForCausalLM``, ``Glm4MoeForCausalLM``, ``DeepseekV3ForCausalLM`` with multi-latent attention) and equal
-``sum(p.numel() for p in model.parameters())`` of the model transformers builds on the meta device
+divide: ``embedding`` / ``output`` (vocabulary-parallel), ``dense`` (column/row-parallel matrices of
+attention, dense MLPs and shared experts: divided by TP), ``replicated`` (norms, routers, MLA's
+down-projections: whole on every TP rank) and ``expert`` (routed experts: divided by EP x expert-TP). The
+formulas follow the HF modelling code of transformers 5.24 layer by layer
+(``Qwen2/Qwen3/Llama/MistralForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``,
+``Glm4MoeForCausalLM``, ``DeepseekV3ForCausalLM`` with multi-latent attention) and equal ``sum(p.numel() for p
+in model.parameters())`` of the model transformers builds on the meta device
 (``tests/unit/test_memory_estimate.py``). Buffers (GLM/DeepSeek's ``e_score_correction_bias``) and MTP layers
 (``num_nextn_predict_layers``: transformers does not build them) are not parameters and are not counted.
 """
@@ -17,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-COUNTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+COUNTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "glm4_moe",
+                       "deepseek_v3")
 """HF ``model_type`` values :func:`count_parameters` knows."""
 
 
@@ -108,7 +110,8 @@ def count_parameters(hf: Mapping[str, Any]) -> ParamCount:
     """
     model_type = hf.get("model_type")
     if model_type not in COUNTED_MODEL_TYPES:
-        raise ValueError(f"no parameter count for model_type {model_type!r} (known: {', '.join(COUNTED_MODEL_TYPES)})")
+        raise ValueError(f"no parameter count for model_type {model_type!r} "
+                         f"(known: {', '.join(COUNTED_MODEL_TYPES)})")
     h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
     tied = bool(hf.get("tie_word_embeddings", False))
     if model_type == "deepseek_v3":
@@ -119,7 +122,8 @@ def count_parameters(hf: Mapping[str, Any]) -> ParamCount:
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
     if model_type not in ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"):
         experts = 0
-    expert_inter = int(hf["intermediate_size"] if model_type == "mixtral" else hf.get("moe_intermediate_size") or 0)
+    inter_key = "intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"
+    expert_inter = int(hf.get(inter_key) or 0)
     shared = int(_get(hf, "n_shared_experts", 0)) if model_type in ("glm4_moe", "deepseek_v3") else 0
     dense = replicated = expert = 0
     for i in range(layers):
