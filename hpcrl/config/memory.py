@@ -31,13 +31,14 @@ CUDA context, NCCL buffers and allocator fragmentation, and what is left is prin
 Per GPU, TP divides the embedding, output layer and dense matrices; norms, routers and MLA's down-projections
 are whole on every rank; routed experts are divided by TP x EP.
 
-**Engines** (SGLang): weights per GPU = embedding, output and dense matrices over the attention-TP size
-(``tp_size / attn_dp_size``: with DP attention the attention weights are replicated over the DP groups; the
-dense MLPs are counted the same way, an upper bound), experts over ``tp_size`` (EP ranks hold ``1/ep_size`` of
-the experts, each split over ``tp_size / ep_size``), norms and routers whole; in ``model.dtype``
-(``sglang.dtype`` wins), 1 byte for the matrices with ``sglang.quantization: fp8``. They must fit in the
-static pool, ``mem_fraction_static`` x GPU memory (SGLang's key, ``sglang.mem_fraction_static``; unset, SGLang
-sizes it itself and :data:`SGLANG_DEFAULT_FRACTION` is assumed); what is left of the pool is the KV cache.
+**Engines** (SGLang): weights per GPU = attention matrices over the attention-TP size (``tp_size /
+attn_dp_size``: with DP attention they are replicated over the DP groups), embedding, output, dense MLPs and
+shared experts over ``tp_size``, routed experts over ``tp_size`` (EP ranks hold ``1/ep_size`` of the experts,
+each split over ``tp_size / ep_size``), norms, routers and MLA's down-projections whole; in ``model.dtype``
+(``sglang.dtype`` wins), 1 byte for the attention/MLP/expert matrices with ``sglang.quantization: fp8``. They
+must fit in the static pool, ``mem_fraction_static`` x GPU memory (SGLang's key,
+``sglang.mem_fraction_static``; unset, SGLang sizes it itself and :data:`SGLANG_DEFAULT_FRACTION` is assumed);
+what is left of the pool is the KV cache.
 Colocated, trainer and engines take turns (:mod:`hpcrl.offload`: the trainer's memory is paused while the
 engines generate, the engines' released while it trains), so each must fit on its own.
 
@@ -175,8 +176,8 @@ def engine_memory(cfg: Config, p: ParamCount, gpu_bytes: float) -> EngineMemory:
     tp, pp, attn_tp = a["tp_size"], a["pp_size"], max(a["tp_size"] // a["attn_dp_size"], 1)
     w = 2 if a["dtype"] in ("bfloat16", "float16", "half", "auto") else 4
     m = 1 if str(a["quantization"] or "").startswith("fp8") else w
-    weights = (w * (p.embedding + p.output) / attn_tp + m * p.dense / attn_tp + w * p.replicated
-               + m * p.expert / tp) / pp
+    weights = (w * (p.embedding + p.output) / tp + m * p.attention / attn_tp
+               + m * (p.dense - p.attention) / tp + w * p.replicated + m * p.expert / tp) / pp
     fraction = a["mem_fraction_static"]
     frac = float(fraction) if fraction is not None else SGLANG_DEFAULT_FRACTION
     return EngineMemory(weights=weights, pool=frac * gpu_bytes, fraction=frac,

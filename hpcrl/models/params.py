@@ -33,6 +33,8 @@ class ParamCount:
     """Output layer ``lm_head`` ``[vocab_size, hidden_size]``; 0 when tied to the embedding."""
     dense: int
     """Attention, dense-MLP and shared-expert matrices (and their biases): divided by TP."""
+    attention: int
+    """The attention part of ``dense`` (SGLang's DP attention replicates it over the attention-DP groups)."""
     replicated: int
     """Norm weights, router weights and MLA's q/kv down-projections: a full copy on every TP rank."""
     expert: int
@@ -136,4 +138,5 @@ def count_parameters(hf: Mapping[str, Any]) -> ParamCount:
         else:
             dense += _mlp(hf, h, int(hf["intermediate_size"]))
     return ParamCount(embedding=vocab * h, output=0 if tied else vocab * h, dense=dense,
-                      replicated=replicated + h, expert=expert)  # + h: the final norm
+                      attention=layers * attn_dense, replicated=replicated + h,  # + h: the final norm
+                      expert=expert)
