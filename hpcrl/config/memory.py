@@ -38,7 +38,8 @@ each split over ``tp_size / ep_size``), norms, routers and MLA's down-projection
 (``sglang.dtype`` wins), 1 byte for the attention/MLP/expert matrices with ``sglang.quantization: fp8``. They
 must fit in the static pool, ``mem_fraction_static`` x GPU memory (SGLang's key,
 ``sglang.mem_fraction_static``; unset, SGLang sizes it itself and :data:`SGLANG_DEFAULT_FRACTION` is assumed);
-what is left of the pool is the KV cache.
+what is left of the pool is the KV cache, which must hold at least one response of ``rollout.max_new_tokens``
+tokens (:func:`hpcrl.models.params.kv_cache_elements_per_token`).
 Colocated, trainer and engines take turns (:mod:`hpcrl.offload`: the trainer's memory is paused while the
 engines generate, the engines' released while it trains), so each must fit on its own.
 
@@ -107,6 +108,13 @@ class EngineMemory:
     fraction: float
     fraction_set: bool
     layout: str
+    kv_per_token: float = 0.0
+    """KV-cache bytes of one token on one GPU (``sglang.kv_cache_dtype`` fp8: 1 byte an element)."""
+
+    @property
+    def kv_tokens(self) -> float:
+        """Tokens the KV cache left in the static pool holds on one GPU (inf when unknown)."""
+        return (self.pool - self.weights) / self.kv_per_token if self.kv_per_token else float("inf")
 
 
 def read_model_config(cfg: Config) -> Optional[dict]:
@@ -170,8 +178,12 @@ def engine_args(cfg: Config) -> dict:
             "dtype": sg.get("dtype") or cfg.model.dtype, "quantization": sg.get("quantization")}
 
 
-def engine_memory(cfg: Config, p: ParamCount, gpu_bytes: float) -> EngineMemory:
-    """One engine's weights per GPU and its static pool on a GPU of ``gpu_bytes`` (module doc: the rules)."""
+def engine_memory(cfg: Config, p: ParamCount, gpu_bytes: float, hf: Optional[dict] = None) -> EngineMemory:
+    """One engine's weights per GPU and its static pool on a GPU of ``gpu_bytes`` (module doc: the rules);
+    with the model's ``config.json`` ``hf`` also the KV-cache bytes per token
+    (:func:`hpcrl.models.params.kv_cache_elements_per_token`)."""
+    from hpcrl.models.params import kv_cache_elements_per_token
+
     a = engine_args(cfg)
     tp, pp, attn_tp = a["tp_size"], a["pp_size"], max(a["tp_size"] // a["attn_dp_size"], 1)
     w = 2 if a["dtype"] in ("bfloat16", "float16", "half", "auto") else 4
@@ -180,9 +192,11 @@ def engine_memory(cfg: Config, p: ParamCount, gpu_bytes: float) -> EngineMemory:
                + m * (p.dense - p.attention) / tp + w * p.replicated + m * p.expert / tp) / pp
     fraction = a["mem_fraction_static"]
     frac = float(fraction) if fraction is not None else SGLANG_DEFAULT_FRACTION
+    kv_bytes = 1 if str((cfg.sglang or {}).get("kv_cache_dtype") or "").startswith("fp8") else w
+    kv = kv_bytes * kv_cache_elements_per_token(hf, attn_tp) / pp if hf is not None else 0.0
     return EngineMemory(weights=weights, pool=frac * gpu_bytes, fraction=frac,
                         fraction_set=fraction is not None,
-                        layout=f"tp{tp} pp{pp} ep{a['ep_size']} attn_dp{a['attn_dp_size']}")
+                        layout=f"tp{tp} pp{pp} ep{a['ep_size']} attn_dp{a['attn_dp_size']}", kv_per_token=kv)
 
 
 def _gb(n: float) -> str:
@@ -281,7 +295,7 @@ def check_memory(cfg: Config, check_files: bool) -> None:
     _, engine_gb, _ = _engine_gpus(cfg)
     if engine_gb is None:
         return
-    em = engine_memory(cfg, p, engine_gb * GB)
+    em = engine_memory(cfg, p, engine_gb * GB, hf)
     field = "sglang.mem_fraction_static" if em.fraction_set else "sglang.tp_size"
     value = em.fraction if em.fraction_set else engine_args(cfg)["tp_size"]
     assumed = ("" if em.fraction_set else
@@ -291,6 +305,12 @@ def check_memory(cfg: Config, check_files: bool) -> None:
             "of "
             f"{_gb(em.pool)} ({em.fraction:g} x {engine_gb:g} GB){assumed}, leaving no KV cache",
             "raise sglang.mem_fraction_static, use more GPUs per engine, or set sglang.quantization=fp8")
+    longest = cfg.rollout.max_new_tokens
+    require(em.kv_tokens >= longest, field, value,
+            f"an engine's static pool of {_gb(em.pool)} per GPU at {em.layout} leaves "
+            f"{_gb(em.pool - em.weights)} of KV cache, {em.kv_tokens:.0f} tokens, fewer than one response of "
+            f"rollout.max_new_tokens={longest}"
+            f"{assumed}", "raise sglang.mem_fraction_static, or use more GPUs per engine")
 
 
 def memory_lines(cfg: Config) -> list[str]:
@@ -325,9 +345,10 @@ def memory_lines(cfg: Config) -> list[str]:
              f"{_gb(on.adam_host * s.gpus_per_node)} host memory per node)"]
     if _sglang_engines(cfg):
         _, engine_gb, _ = _engine_gpus(cfg)
-        em = engine_memory(cfg, p, (engine_gb or 0) * GB)
+        em = engine_memory(cfg, p, (engine_gb or 0) * GB, hf)
         frac = f"{em.fraction:g}" + ("" if em.fraction_set else " (unset: SGLang's default assumed)")
         pool = (f", static pool {_gb(em.pool)} (mem_fraction_static {frac}) -> KV cache "
-                f"{_gb(em.pool - em.weights)}" if engine_gb is not None else "")
+                f"{_gb(em.pool - em.weights)} ({em.kv_tokens / 1e3:.0f}k tokens per GPU)"
+                if engine_gb is not None else "")
         lines.append(f"  engine:    {em.layout}, weights {_gb(em.weights)} per GPU{pool}")
     return lines

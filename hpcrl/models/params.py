@@ -140,3 +140,18 @@ def count_parameters(hf: Mapping[str, Any]) -> ParamCount:
     return ParamCount(embedding=vocab * h, output=0 if tied else vocab * h, dense=dense,
                       attention=layers * attn_dense, replicated=replicated + h,  # + h: the final norm
                       expert=expert)
+
+
+def kv_cache_elements_per_token(hf: Mapping[str, Any], attn_tp: int = 1) -> int:
+    """KV-cache elements one token takes on one GPU of an engine whose attention is split over ``attn_tp``
+    ranks (SGLang): ``layers x 2 x max(kv_heads / attn_tp, 1) x head_dim`` for grouped-query attention (KV
+    heads are replicated when there are fewer than ranks), ``layers x (kv_lora_rank + qk_rope_head_dim)`` for
+    DeepSeek-V3's multi-latent attention (the latent is cached whole on every rank). Raises KeyError for
+    missing fields."""
+    layers = int(hf["num_hidden_layers"])
+    if hf.get("model_type") == "deepseek_v3":
+        return layers * (int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"]))
+    heads = int(hf["num_attention_heads"])
+    kv = int(_get(hf, "num_key_value_heads", heads))
+    head_dim = int(_get(hf, "head_dim", int(hf["hidden_size"]) // heads))
+    return layers * 2 * max(kv // max(attn_tp, 1), 1) * head_dim
