@@ -269,11 +269,8 @@ def check_memory(cfg: Config, check_files: bool) -> None:
     is not checked without ``check_files`` (the model folder is not read then), without ``gpu_memory_gb``, or
     before the model's ``config.json`` exists."""
     s = cfg.slurm
-    if s.gpu_memory_gb is None:
+    if s.gpu_memory_gb is None or s.gpus_per_node <= 0:  # check_slurm refuses gpu_memory_gb on CPU nodes
         return
-    require(s.gpus_per_node > 0, "slurm.gpu_memory_gb", s.gpu_memory_gb,
-            "states the GPU memory, but slurm.gpus_per_node is 0 (CPU nodes)",
-            "set slurm.gpus_per_node, or remove slurm.gpu_memory_gb")
     hf = read_model_config(cfg) if check_files else None
     from hpcrl.models.params import COUNTED_MODEL_TYPES, count_parameters
     from hpcrl.models.support import routed_experts

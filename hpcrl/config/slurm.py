@@ -117,6 +117,10 @@ def slurm_time_seconds(text: str) -> Optional[int]:
 def _check_slurm_group(cfg: Config, prefix: str) -> None:
     positive(cfg, f"{prefix}.nodes", f"{prefix}.cpus_per_task", f"{prefix}.gpu_memory_gb")
     non_negative(cfg, f"{prefix}.gpus_per_node")
+    gpu_memory = get_field(cfg, f"{prefix}.gpu_memory_gb")
+    require(gpu_memory is None or get_field(cfg, f"{prefix}.gpus_per_node") > 0, f"{prefix}.gpu_memory_gb",
+            gpu_memory, f"states the GPU memory, but {prefix}.gpus_per_node is 0 (CPU nodes)",
+            f"set {prefix}.gpus_per_node, or remove {prefix}.gpu_memory_gb")
     mem = get_field(cfg, f"{prefix}.mem")
     if mem is not None:
         require(bool(_MEM_RE.fullmatch(mem)), f"{prefix}.mem", mem, "not a Slurm memory size",

@@ -280,14 +280,17 @@ def test_refusal_names_the_offload_that_would_fit(tmp_path):
     assert "megatron.optimizer_cpu_offload=true" in e.value.fix and "fits" in e.value.fix
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (["slurm.gpu_memory_gb=-1"], "slurm.gpu_memory_gb"),
-    (["slurm.gpus_per_node=0", "rollout.engine=cpu"], "slurm.gpu_memory_gb"),
+@pytest.mark.parametrize("name,overrides,field", [
+    ("qwen3-30b-a3b", ["slurm.gpu_memory_gb=-1"], "slurm.gpu_memory_gb"),
+    ("qwen3-30b-a3b", ["slurm.gpus_per_node=0", "rollout.engine=cpu"], "slurm.gpu_memory_gb"),
+    ("qwen3-30b-a3b-disaggregate", ["slurm.rollout.gpus_per_node=0", "slurm.rollout.gpu_memory_gb=80"],
+     "slurm.rollout.gpu_memory_gb"),
+    ("qwen3-30b-a3b-disaggregate", ["slurm.rollout.gpu_memory_gb=8"], "sglang.mem_fraction_static"),
 ])
-def test_gpu_memory_key_is_checked(tmp_path, overrides, field):
+def test_gpu_memory_key_is_checked(tmp_path, name, overrides, field):
     folder = model_folder(tmp_path / "m", "qwen3-30b-a3b")
     with pytest.raises(ConfigError) as e:
-        load_config(CLUSTER / "qwen3-30b-a3b.yaml", [f"model.path={folder}", *overrides])
+        load_config(CLUSTER / f"{name}.yaml", [f"model.path={folder}", *overrides])
     assert e.value.field == field
 
 
