@@ -220,6 +220,7 @@ def test_cpu_offload_keys_reach_megatron_optimizer_config(name):
     assert opt.use_distributed_optimizer and opt.bf16
     if opt.optimizer_cpu_offload:
         assert opt.optimizer_offload_fraction == 1.0 and opt.overlap_cpu_optimizer_d2h_h2d
+        assert opt.decoupled_weight_decay  # get_megatron_optimizer asserts it for the CPU offload (AdamW)
     p = _count(CONFIGS[name][0])
     all_offloaded = opt.optimizer_cpu_offload and opt.optimizer_offload_fraction == 1
     assert (trainer_memory(cfg, p).adam == 0) == all_offloaded
