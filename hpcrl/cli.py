@@ -102,7 +102,9 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
         print(config_to_yaml(cfg), end="")
         return EXIT_OK
     print(f"OK: {ns.config}")
-    for line in summarize(cfg):
+    from hpcrl.config.memory import memory_lines
+
+    for line in summarize(cfg) + memory_lines(cfg):
         print(line)
     return EXIT_OK
 
@@ -197,6 +199,10 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
     from hpcrl.slurm.submit import submit
 
     result = submit(ns.config, ns.overrides, dry_run=ns.dry_run, plain=ns.plain)
+    from hpcrl.config.memory import memory_lines
+
+    for line in memory_lines(result.config):  # the per-GPU estimate, on stderr (stdout: the dry run's script)
+        _err(line)
     if result.dry_run:
         print(result.script, end="" if result.script.endswith("\n") else "\n")
         _err(f"hpcrl submit --dry-run: wrote {result.run_dir} (config.yaml, {result.script_path.name}, "

@@ -19,6 +19,7 @@ from hpcrl.config.run import check_data, check_model, check_run, check_sft
 from hpcrl.config.rollout import check_rollout
 from hpcrl.config.train import check_algorithm, check_checkpoint, check_moe, check_train, check_weights
 from hpcrl.config.slurm import check_slurm
+from hpcrl.config.memory import check_memory
 from hpcrl.config.evaluation import check_eval
 from hpcrl.config.tracking import check_wandb
 from hpcrl.config.schema import Config
@@ -197,8 +198,9 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     ``create: gguf`` needs ``gguf_file``; async needs disaggregate; batch sizes and parallel sizes consistent
     (global batch a multiple of the group size and the micro batch, model parallel size divides ``nprocs``);
     sampling ranges; clip ranges; KL settings; data source and plug-in paths; Slurm time/signal/memory
-    formats; sweep keys are real fields and their values have the field's type. Unset derived fields
-    (``None``) are accepted; :func:`resolve` fills them.
+    formats; with ``slurm.gpu_memory_gb`` the engines' layout and the per-GPU memory estimate
+    (:mod:`hpcrl.config.memory`); sweep keys are real fields and their values have the field's type. Unset
+    derived fields (``None``) are accepted; :func:`resolve` fills them.
 
     Args:
         cfg: the config to check (not modified).
@@ -221,6 +223,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     check_weights(cfg)
     check_checkpoint(cfg)
     check_slurm(cfg, check_files)
+    check_memory(cfg, check_files)
     check_sweep(cfg)
     check_eval(cfg, check_files)
     check_wandb(cfg, check_files)

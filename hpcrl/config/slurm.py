@@ -27,6 +27,9 @@ class SlurmGroup:
     cpus_per_task: int = 2
     mem: Optional[str] = None
     partition: Optional[str] = None
+    gpu_memory_gb: Optional[float] = None
+    """Memory of one GPU of this group in GB (10^9 bytes; 80 for H100, 141 for H200); default
+    ``slurm.gpu_memory_gb``. Only used by the memory estimate (:mod:`hpcrl.config.memory`)."""
 
 
 @dataclass
@@ -45,6 +48,10 @@ class SlurmSection:
     mem: Optional[str] = None
     constraint: Optional[str] = None
     exclusive: bool = False
+    gpu_memory_gb: Optional[float] = None
+    """Memory of one GPU in GB (10^9 bytes, as vendors state it: 80 for H100, 141 for H200). When set on GPU nodes,
+    ``hpcrl validate`` / ``submit`` / ``sweep`` print a per-GPU memory estimate of the trainer and the engines and
+    refuse a layout that cannot fit (:mod:`hpcrl.config.memory`). Not passed to Slurm."""
     signal: str = "USR2@120"
     """``SIGNAME@SECONDS``: signal sent this many seconds before the time limit (and on preemption);
     must be shorter than ``time``."""
@@ -108,8 +115,12 @@ def slurm_time_seconds(text: str) -> Optional[int]:
 
 
 def _check_slurm_group(cfg: Config, prefix: str) -> None:
-    positive(cfg, f"{prefix}.nodes", f"{prefix}.cpus_per_task")
+    positive(cfg, f"{prefix}.nodes", f"{prefix}.cpus_per_task", f"{prefix}.gpu_memory_gb")
     non_negative(cfg, f"{prefix}.gpus_per_node")
+    gpu_memory = get_field(cfg, f"{prefix}.gpu_memory_gb")
+    require(gpu_memory is None or get_field(cfg, f"{prefix}.gpus_per_node") > 0, f"{prefix}.gpu_memory_gb",
+            gpu_memory, f"states the GPU memory, but {prefix}.gpus_per_node is 0 (CPU nodes)",
+            f"set {prefix}.gpus_per_node, or remove {prefix}.gpu_memory_gb")
     mem = get_field(cfg, f"{prefix}.mem")
     if mem is not None:
         require(bool(_MEM_RE.fullmatch(mem)), f"{prefix}.mem", mem, "not a Slurm memory size",

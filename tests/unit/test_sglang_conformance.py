@@ -410,7 +410,7 @@ def documented_sglang_keys() -> dict:
 
 def _launch_commands(tmp_path: Path) -> dict[str, list[str]]:
     """``{what: argv}``: every ``sglang.launch_server`` command line hpcrl builds for the configs under
-    ``configs/`` and for the documented keys (with everything hpcrl adds switched on), with the key on the
+    ``configs/`` (and ``configs/cluster/``) and for the documented keys (with everything hpcrl adds switched on), with the key on the
     command line and in a ``--config`` file, and a restarted engine's ``--weight-version``."""
     import dataclasses
 
@@ -421,7 +421,8 @@ def _launch_commands(tmp_path: Path) -> dict[str, list[str]]:
     secret.write_text("k3y-" + "x" * 28 + "\n")
     secret.chmod(0o600)
     root = Path(__file__).resolve().parents[2]
-    cfgs = {p.name: load_config(p, check_files=False) for p in sorted((root / "configs").glob("*.yaml"))}
+    files = sorted((root / "configs").glob("*.yaml")) + sorted((root / "configs").glob("cluster/*.yaml"))
+    cfgs = {str(p.relative_to(root / "configs")): load_config(p, check_files=False) for p in files}
     assert len(cfgs) >= 5, sorted(cfgs)
     everything = load_config(None, ["model.path=/models/policy", "run.placement=colocate",
                                     "run.deterministic=true", "model.dtype=bfloat16",

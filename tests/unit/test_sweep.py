@@ -179,8 +179,8 @@ def test_point_names_collisions_and_length():
     ("run: {name: mix, num_rollout: 10}\nmodel: {create: tiny-qwen2}\n"
      "slurm: {gpus_per_node: 2, rollout: {nodes: 1, gpus_per_node: 2}}\n"
      "sweep: {grid: {run.placement: [colocate, disaggregate]}}\n", [], "slurm.rollout",
-     "slurm.rollout={'nodes': 1, 'gpus_per_node': 2, 'cpus_per_task': 2, 'mem': None, 'partition': None}: a "
-     "rollout het group needs run.placement: disaggregate"),
+     "slurm.rollout={'nodes': 1, 'gpus_per_node': 2, 'cpus_per_task': 2, 'mem': None, 'partition': None, "
+     "'gpu_memory_gb': None}: a rollout het group needs run.placement: disaggregate"),
     # a problem of the base that no point fixes: the base's error
     (BASE + SWEEP, ["train.lr_warmup_steps=50"], "train.lr_warmup_steps",
      "config error: train.lr_warmup_steps=50: must be smaller than train.lr_decay_steps=10"),
