@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from hpcrl.models.hf import SUPPORTED_MODEL_TYPES as _FAMILIES  # stdlib-only module: no torch here either
+from hpcrl.train import mla  # its config checks are stdlib-only too
 
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 """HF ``model_type`` values the trainer builds: those of :data:`hpcrl.models.hf.SUPPORTED_MODEL_TYPES`."""
@@ -62,6 +63,15 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
         return ("use_sliding_window", True, "sliding-window attention is not supported")
     rope = rope_settings(hf)
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if mla.is_mla(hf):  # multi-latent attention: plain RoPE or YaRN (hpcrl.train.mla)
+        bad = mla.unsupported_feature(hf, rope)
+        if bad is not None:
+            return bad
+        kind = "default"
+        if routed_experts(hf) and not mla.all_layers_dense(hf):
+            return ("first_k_dense_replace" if "mlp_layer_types" not in hf else "mlp_layer_types",
+                    hf.get("mlp_layer_types", hf.get("first_k_dense_replace")),
+                    f"MoE layers of {model_type} are not supported yet (every layer dense is)")
     if kind not in ("default", None):
         standard = kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_ROPE.items())
         if not standard:

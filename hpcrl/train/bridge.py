@@ -50,6 +50,7 @@ from typing import Any, Optional, Union
 import torch
 
 from hpcrl.models.moe import unfuse_experts
+from hpcrl.train import mla
 from hpcrl.models.support import SUPPORTED_MODEL_TYPES  # the login node's list, the same
 from hpcrl.train.hf_config import (  # noqa: F401 (re-exported: callers know them as bridge.*)
     check_supported, head_dim, mcore_config_from_hf, moe_kwargs, num_experts, padded_vocab_size, rope_scaling,
@@ -82,6 +83,7 @@ _TOP_RULES = {
     "output_layer.weight": (("lm_head.weight",), "vocab"),
     "decoder.final_layernorm.weight": (("model.norm.weight",), "replicated"),
 }
+_MLA_LAYER_RULES = {**_LAYER_RULES, **mla.LAYER_RULES}  # multi-latent attention (hpcrl.train.mla)
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _EXPERT_HF_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
@@ -111,11 +113,13 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         from hpcrl.train import routing_replay
 
         routing_replay.reset()  # megatron keeps one replay instance per router in a class-level list
-    scaling = rope_scaling(hf_config)
+    scaling = None if config.multi_latent_attention else rope_scaling(hf_config)  # MLA: RoPE in its layers
+    spec = (mla.layer_spec(config.num_moe_experts) if config.multi_latent_attention
+            else packed_attention.layer_spec(config.qk_layernorm, config.num_moe_experts))
     model = GPTModel(
         config=config,
         # the local spec with packed (THD) core attention beside megatron's padded one (hpcrl.train.packing)
-        transformer_layer_spec=packed_attention.layer_spec(config.qk_layernorm, config.num_moe_experts),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=True,
@@ -156,6 +160,7 @@ class _Geometry:
     local_experts: int = 0
     etp: int = 1  # expert tensor-parallel size and rank (the experts' fc1/fc2 split as the dense MLP's)
     etp_rank: int = 0
+    mla: bool = False  # multi-latent attention: hpcrl.train.mla's names
 
     def for_experts(self) -> "_Geometry":
         """The same geometry with the expert tensor-parallel split in place of the dense one."""
@@ -188,20 +193,22 @@ def _geometry(model: torch.nn.Module) -> _Geometry:
         local_experts=experts // ep,
         etp=parallel_state.get_expert_tensor_parallel_world_size() if experts else 1,
         etp_rank=parallel_state.get_expert_tensor_parallel_rank() if experts else 0,
+        mla=bool(getattr(cfg, "multi_latent_attention", False)),
     )
 
 
-def _hf_names(mcore_name: str, first_expert: int = 0) -> tuple[tuple[str, ...], str]:
+def _hf_names(mcore_name: str, first_expert: int = 0, mla_names: bool = False) -> tuple[tuple[str, ...], str]:
     """HF names and layout for one megatron-core parameter name; KeyError if it has no HF counterpart.
 
     A routed expert's parameter (``mlp.experts.local_experts.{j}.``) maps to HF expert ``first_expert + j``
     (``first_expert``: the first expert of the EP rank that holds it); its layout is ``expert_fc1`` /
-    ``expert_row``."""
+    ``expert_row``. ``mla_names``: a multi-latent-attention model's (:data:`hpcrl.train.mla.LAYER_RULES`)."""
     if mcore_name in _TOP_RULES:
         return _TOP_RULES[mcore_name]
     m = _LAYER_RE.match(mcore_name)
-    if m and m.group(2) in _LAYER_RULES:
-        hf, layout = _LAYER_RULES[m.group(2)]
+    rules = _MLA_LAYER_RULES if mla_names else _LAYER_RULES
+    if m and m.group(2) in rules:
+        hf, layout = rules[m.group(2)]
         return tuple(f"model.layers.{m.group(1)}.{name}" for name in hf), layout
     e = _EXPERT_RE.match(m.group(2)) if m else None
     if e and e.group(2) in _EXPERT_RULES:
@@ -216,7 +223,8 @@ def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     rank's: a routed expert's names carry its global expert index)."""
     module = unwrap_model(model)
     g = _geometry(module)
-    return {name: _hf_names(name, g.ep_rank * g.local_experts)[0] for name, _ in module.named_parameters()}
+    return {name: _hf_names(name, g.ep_rank * g.local_experts, g.mla)[0]
+            for name, _ in module.named_parameters()}
 
 
 def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor:
@@ -231,6 +239,8 @@ def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor
         return torch.cat([full, pad]).chunk(g.tp, dim=0)[g.rank]
     if layout == "row":
         return hf[0].chunk(g.tp, dim=1)[g.rank]
+    if layout == "column":
+        return hf[0].chunk(g.tp, dim=0)[g.rank]
     if layout == "fc1":
         gate, up = hf
         return torch.cat([gate.chunk(g.tp, dim=0)[g.rank], up.chunk(g.tp, dim=0)[g.rank]])
@@ -254,6 +264,8 @@ def _from_shards(layout: str, shards: list[torch.Tensor], g: _Geometry) -> list[
         return [torch.cat(shards)[: g.vocab_size].clone()]
     if layout == "row":
         return [torch.cat(shards, dim=1)]
+    if layout == "column":
+        return [torch.cat(shards)]
     if layout == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
@@ -331,7 +343,7 @@ def load_hf_weights(model: torch.nn.Module,
     g = _geometry(module)
     used = set()
     for name, param in module.named_parameters():
-        hf_names, layout = _hf_names(name, g.ep_rank * g.local_experts)
+        hf_names, layout = _hf_names(name, g.ep_rank * g.local_experts, g.mla)
         missing = [n for n in hf_names if n not in state]
         if missing:
             raise KeyError(f"HF weights lack {missing} (for megatron-core {name})")
@@ -368,7 +380,7 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     g = _geometry(module)
     group = parallel_state.get_tensor_model_parallel_group() if g.tp > 1 else None
     for name, param in module.named_parameters():
-        hf_names, layout = _hf_names(name)
+        hf_names, layout = _hf_names(name, 0, g.mla)
         local = param.detach()
         if not layout.startswith("expert_"):
             yield from _gathered(hf_names, layout, local, g.tp, group, g, dtype)
@@ -379,7 +391,8 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
             copies = [torch.empty_like(local) for _ in range(g.ep)]
             dist.all_gather(copies, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
         for r, tensor in enumerate(copies):
-            yield from _gathered(_hf_names(name, r * g.local_experts)[0], layout, tensor, g.etp, etp_group, g, dtype)
+            names = _hf_names(name, r * g.local_experts, g.mla)[0]
+            yield from _gathered(names, layout, tensor, g.etp, etp_group, g, dtype)
 
 
 def _gathered(hf_names: tuple[str, ...], layout: str, local: torch.Tensor, size: int, group: Any, g: _Geometry,

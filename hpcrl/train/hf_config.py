@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from hpcrl.models.support import unsupported_feature  # the login node's check, the same words
+from hpcrl.train import mla
 
 # ---------------------------------------------------------------------------------------------------------
 # Config
@@ -107,7 +108,13 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
         pipeline_dtype=dtype,
         attention_softmax_in_fp32=True,
     )
-    if num_experts(hf_config):
+    config_class = TransformerConfig
+    if mla.is_mla(hf_config):  # multi-latent attention: its ranks, head sizes and RoPE (hpcrl.train.mla)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        kwargs.update(mla.config_kwargs(hf_config, rope_theta(hf_config)))
+    if num_experts(hf_config) and not (mla.is_mla(hf_config) and mla.all_layers_dense(hf_config)):
         kwargs.update(moe_kwargs(hf_config), expert_model_parallel_size=ep)
         if ep > 1:  # allgather needs equal token counts on the EP ranks; data-parallel micro-batches differ
             kwargs["moe_token_dispatcher_type"] = "alltoall"
@@ -116,7 +123,7 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
                       persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
                       gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_class(**kwargs)
 
 
 def moe_kwargs(hf_config: Any) -> dict[str, Any]:
