@@ -19,10 +19,12 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "llama": "LlamaForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
-"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama)."""
+"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama, GLM-4.5 /
+4.6 / 4.7 MoE, DeepSeek-V3 / R1 / Kimi-K2 / Moonlight, GLM-4.7-Flash-style MLA)."""
 
 _DTYPES = ("float32", "bfloat16", "float16")
 

@@ -152,6 +152,21 @@ def config_kwargs(hf_config: Any, rope_theta: float) -> dict[str, Any]:
     return kwargs
 
 
+def moe_kwargs(hf_config: Any) -> dict[str, Any]:
+    """``TransformerConfig`` MoE fields of an MLA config with MoE layers: the DeepSeek-style router and shared
+    experts of :func:`hpcrl.train.deepseek_moe.moe_kwargs` (the same HF router code), dense layers of
+    ``intermediate_size`` where DeepSeek-V3's ``first_k_dense_replace`` or GLM-lite's ``mlp_layer_types``
+    (``dense`` / ``sparse`` per layer) put them (``moe_layer_freq``)."""
+    from hpcrl.train import deepseek_moe
+
+    kwargs = deepseek_moe.moe_kwargs(hf_config)
+    kwargs["ffn_hidden_size"] = hf_config.intermediate_size
+    types = getattr(hf_config, "mlp_layer_types", None)
+    if types is not None:
+        kwargs["moe_layer_freq"] = [int(t == "sparse") for t in types]
+    return kwargs
+
+
 class LatentRMSNorm:
     """megatron-core's local RMSNorm (``WrappedTorchNorm``) with HF's fixed latent-norm epsilon
     (:data:`LATENT_NORM_EPS`) whatever ``eps`` megatron passes (its ``layernorm_epsilon``, HF's

@@ -222,7 +222,7 @@ def test_hub_style_config_json_is_read_like_transformers_5s(tmp_path, mla_dirs):
     ({"rope_parameters": {**YARN, "mscale": None}}, "rope_parameters.mscale"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_parameters"),
     ({"num_key_value_heads": 2}, "num_key_value_heads"),
-    ({"first_k_dense_replace": 1}, "first_k_dense_replace"),
+    ({"first_k_dense_replace": 1, "n_group": 2, "topk_group": 2}, "n_group"),  # MoE: group scoring
 ])
 def test_what_megatron_cannot_express_is_refused_in_one_line(mla_dirs, change, field):
     base = json.loads((mla_dirs["deepseek_v3"] / "config.json").read_text())
