@@ -22,6 +22,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from hpcrl.models import moe  # noqa: E402
 from hpcrl.models.support import unsupported_feature  # noqa: E402
 from hpcrl.train import bridge, mla, model as tmodel  # noqa: E402
 from tests.unit.test_megatron_bridge import (  # noqa: E402
@@ -33,15 +34,18 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 """YaRN as DeepSeek-V3 publishes it (both mscales set; here unequal, so neither scale is 1) on a 16-token
 original context: the test sequences reach past it."""
 
-KINDS = ("deepseek_v3", "deepseek_v3_no_q_lora", "glm4_moe_lite")
+KINDS = ("deepseek_v3", "deepseek_v3_no_q_lora", "glm4_moe_lite", "deepseek_v3_moe", "glm4_moe_lite_moe")
 
 
 def make_tiny_mla(kind: str, path: Path, tokenizer_dir: Path | None = None, seed: int = 1) -> Path:
     """Save a random tiny MLA model: ``deepseek_v3`` (q LoRA 24, kv LoRA 32, nope 16 / rope 8 / v 12 head
     dims, YaRN :data:`YARN`, every layer dense), ``deepseek_v3_no_q_lora`` (``q_proj``, plain RoPE, tied
     embeddings) or ``glm4_moe_lite`` (``rms_norm_eps`` 1e-5, v 20 wider than q/k 16 + 8, YaRN with
-    ``mscale_all_dim`` only). Norm weights are random (HF inits them to 1). With ``tokenizer_dir`` its
-    tokenizer files are copied and the vocab is its size."""
+    ``mscale_all_dim`` only); ``deepseek_v3_moe`` / ``glm4_moe_lite_moe``: the same with a dense first layer
+    and a MoE second one (4 experts in 2 groups, top-2 of 1 group, a shared expert, routed_scaling_factor
+    2.5). Norm weights and ``e_score_correction_bias`` are random (HF inits them to 1 / 0), router weights
+    wider than HF's init (no near-ties in the routing). With ``tokenizer_dir`` its tokenizer files are copied
+    and the vocab is its size."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     vocab = 37
@@ -53,8 +57,12 @@ def make_tiny_mla(kind: str, path: Path, tokenizer_dir: Path | None = None, seed
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=64,
                   rms_norm_eps=1e-6, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    moe = kind.endswith("_moe")
+    if moe:
+        common.update(n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5)
+        kind = kind.removesuffix("_moe")
     if kind == "deepseek_v3":
-        config = AutoConfig.for_model("deepseek_v3", q_lora_rank=24, first_k_dense_replace=2,
+        config = AutoConfig.for_model("deepseek_v3", q_lora_rank=24, first_k_dense_replace=1 if moe else 2,
                                       rope_parameters=YARN, tie_word_embeddings=False, **common)
     elif kind == "deepseek_v3_no_q_lora":
         config = AutoConfig.for_model("deepseek_v3", q_lora_rank=None, first_k_dense_replace=2,
@@ -62,7 +70,8 @@ def make_tiny_mla(kind: str, path: Path, tokenizer_dir: Path | None = None, seed
                                       tie_word_embeddings=True, **common)
     elif kind == "glm4_moe_lite":
         rope = {**YARN, "mscale": None, "mscale_all_dim": 0.0, "factor": 2.0}
-        config = AutoConfig.for_model("glm4_moe_lite", q_lora_rank=24, mlp_layer_types=["dense", "dense"],
+        config = AutoConfig.for_model("glm4_moe_lite", q_lora_rank=24,
+                                      mlp_layer_types=["dense", "sparse" if moe else "dense"],
                                       rope_parameters=rope, tie_word_embeddings=False,
                                       **{**common, "v_head_dim": 20, "rms_norm_eps": 1e-5})
     else:
@@ -74,6 +83,11 @@ def make_tiny_mla(kind: str, path: Path, tokenizer_dir: Path | None = None, seed
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
+                elif name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.2)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.uniform_(-0.1, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).glob("*token*"):
@@ -105,6 +119,12 @@ def test_load_then_export_is_bitwise_identical(tp1, mla_dirs, kind):
     assert names[prefix + "kv_layernorm.weight"] == ("model.layers.1.self_attn.kv_a_layernorm.weight",)
     assert names[prefix + "linear_kv_up_proj.weight"] == ("model.layers.1.self_attn.kv_b_proj.weight",)
     assert names[prefix + "linear_proj.weight"] == ("model.layers.1.self_attn.o_proj.weight",)
+    if kind.endswith("_moe"):
+        assert names["decoder.layers.1.mlp.router.expert_bias"] == (
+            "model.layers.1.mlp.gate.e_score_correction_bias",)
+        assert names["decoder.layers.0.mlp.linear_fc1.weight"] == (
+            "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
+        assert "model.layers.1.mlp.experts.3.down_proj.weight" in out
     if kind == "deepseek_v3_no_q_lora":
         assert names[prefix + "linear_q_proj.weight"] == ("model.layers.1.self_attn.q_proj.weight",)
     else:
@@ -157,19 +177,25 @@ def test_latent_norms_use_hfs_fixed_eps_and_yarn_scales_match_hf(tp1, mla_dirs):
 # --- optimizer step and packing -------------------------------------------------------------------------
 
 
-def test_train_step_matches_hf_adamw_step(tp1, mla_dirs):
-    path = mla_dirs["deepseek_v3"]
-    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, TRAIN, MEGATRON)
+@pytest.mark.parametrize("kind,dispatcher", [("deepseek_v3", None), ("deepseek_v3_moe", "allgather"),
+                                             ("deepseek_v3_moe", "alltoall")])
+def test_train_step_matches_hf_adamw_step(tp1, mla_dirs, kind, dispatcher):
+    path = mla_dirs[kind]
+    megatron = {**MEGATRON, "moe_token_dispatcher_type": dispatcher} if dispatcher else MEGATRON
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, TRAIN, megatron)
     batch = sample_batch(37, seed=5)
     result = tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
     ref_loss, ref_norm, ref_state = hf_train_step(load_hf(path).train(), *batch)
+    ref_state = moe.unfuse_experts(ref_state)  # transformers 5 fuses the experts in memory
     assert result["update_successful"]
     assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     after = {k: v.cpu() for k, v in bridge.export_hf_weights(ddp_model)}
     before = bridge.read_hf_state_dict(path)
-    for name in ("model.layers.0.self_attn.q_a_layernorm.weight",
-                 "model.layers.1.self_attn.kv_b_proj.weight"):
+    changed = ["model.layers.0.self_attn.q_a_layernorm.weight", "model.layers.1.self_attn.kv_b_proj.weight"]
+    if dispatcher:
+        changed += ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"]
+    for name in changed:
         assert not torch.equal(after[name], before[name]), f"{name} got no update"
     assert max((after[k] - ref_state[k]).abs().max().item() for k in after) < 1e-6
 
