@@ -180,7 +180,9 @@ def _decoder_spec(config: Any) -> Any:
 
     def layer(experts=None):  # multi-latent attention (DeepSeek-V3, GLM-lite): hpcrl.train.mla's layer
         if config.multi_latent_attention:
-            return mla.layer_spec(experts)
+            from hpcrl.train import mla_layers
+
+            return mla_layers.layer_spec(experts)
         return packed_attention.layer_spec(config.qk_layernorm, experts)
 
     spec = layer(config.num_moe_experts)

@@ -2,11 +2,12 @@
 ``glm4_moe_lite``, whose attention is HF's ``DeepseekV3Attention`` / ``Glm4MoeLiteAttention`` (the same code).
 
 megatron-core 0.16.1's ``MLASelfAttention`` computes what HF does, given the local layer spec with three
-changes (:func:`layer_spec`): the core attention takes separate q/k and v head sizes
-(:class:`hpcrl.train.packed_attention.PackedDotProductAttention`, padded and packed), and the two latent norms
-use HF's fixed epsilon of 1e-6 (:class:`LatentRMSNorm`: HF builds ``q_a_layernorm`` / ``kv_a_layernorm`` with
-their default ``eps``, not ``rms_norm_eps``). YaRN's module needs the CPU patches of
-:mod:`hpcrl.train.cpu_compat`.
+changes (:func:`hpcrl.train.mla_layers.layer_spec`, which holds the megatron-core side; this module stays
+torch-free for the login node): the core attention takes separate q/k and v head sizes
+(:class:`hpcrl.train.packed_attention.PackedDotProductAttention`, padded and packed), the two latent norms use
+HF's fixed epsilon of 1e-6 (HF builds ``q_a_layernorm`` / ``kv_a_layernorm`` with their default ``eps``, not
+``rms_norm_eps``), and ``kv_a_proj_with_mqa`` is whole on every rank (below). YaRN's module needs the CPU
+patches of :mod:`hpcrl.train.cpu_compat`.
 
 Names and layouts (``decoder.layers.{i}.self_attention.`` / ``model.layers.{i}.self_attn.`` prefixes):
 
@@ -17,11 +18,20 @@ megatron-core                       HF                           layout (TP: meg
 ``linear_q_down_proj.weight``       ``q_a_proj.weight``           column (split, output all-gathered)
 ``q_layernorm.weight``              ``q_a_layernorm.weight``      replicated
 ``linear_q_up_proj.weight``         ``q_b_proj.weight``           column (whole heads)
-``linear_kv_down_proj.weight``      ``kv_a_proj_with_mqa.weight`` column (split, output all-gathered)
+``linear_kv_down_proj.weight``      ``kv_a_proj_with_mqa.weight`` replicated (whole on every rank)
 ``kv_layernorm.weight``             ``kv_a_layernorm.weight``     replicated
 ``linear_kv_up_proj.weight``        ``kv_b_proj.weight``          column (whole heads)
 ``linear_proj.weight``              ``o_proj.weight``             row
 ==================================  ===========================  =======================================
+
+``kv_a_proj_with_mqa`` is whole on every tensor-parallel rank (megatron-core's duplicated ``Linear``, as its
+TransformerEngine spec has it), because of the shared rope key it makes: each rank uses that key for its own
+heads only, so its gradient is a partial sum per rank, and megatron's local spec (a ``ColumnParallelLinear``
+whose output is all-gathered) keeps only the rank's own slice of the gradient in the gather's backward: at
+TP=2 the rope rows' weight gradient lost the other rank's heads (measured: grad norm off by 1e-5 relative,
+weights after one AdamW step by 4e-4). :class:`~hpcrl.train.mla_layers.LatentAttention` all-reduces the rope
+key's gradient over the tensor-parallel group instead, so the replicated weight gets the full gradient on
+every rank.
 
 Every tensor keeps HF's row order: a head's q rows are ``[nope; rope]`` in both, ``kv_b_proj``'s are
 ``[k nope; v]`` per head, ``kv_a_proj_with_mqa``'s ``[kv latent; shared rope key]``. megatron-core's MLA RoPE
@@ -56,7 +66,7 @@ LAYER_RULES = {
     "self_attention.q_layernorm.weight": (("self_attn.q_a_layernorm.weight",), "replicated"),
     "self_attention.linear_q_up_proj.layer_norm_weight": (("self_attn.q_a_layernorm.weight",), "replicated"),
     "self_attention.linear_q_up_proj.weight": (("self_attn.q_b_proj.weight",), "column"),
-    "self_attention.linear_kv_down_proj.weight": (("self_attn.kv_a_proj_with_mqa.weight",), "column"),
+    "self_attention.linear_kv_down_proj.weight": (("self_attn.kv_a_proj_with_mqa.weight",), "replicated"),
     "self_attention.kv_layernorm.weight": (("self_attn.kv_a_layernorm.weight",), "replicated"),
     "self_attention.linear_kv_up_proj.layer_norm_weight": (
         ("self_attn.kv_a_layernorm.weight",), "replicated"),
@@ -165,34 +175,3 @@ def moe_kwargs(hf_config: Any) -> dict[str, Any]:
     if types is not None:
         kwargs["moe_layer_freq"] = [int(t == "sparse") for t in types]
     return kwargs
-
-
-class LatentRMSNorm:
-    """megatron-core's local RMSNorm (``WrappedTorchNorm``) with HF's fixed latent-norm epsilon
-    (:data:`LATENT_NORM_EPS`) whatever ``eps`` megatron passes (its ``layernorm_epsilon``, HF's
-    ``rms_norm_eps``). Returns a ``torch.nn.RMSNorm`` over ``hidden_size``."""
-
-    def __new__(cls, config: Any, hidden_size: int, eps: float = LATENT_NORM_EPS, **kwargs: Any):
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=LATENT_NORM_EPS, **kwargs)
-
-
-def layer_spec(num_experts: Optional[int] = None):
-    """megatron-core's local MLA layer spec (``get_gpt_layer_local_spec(multi_latent_attention=True)``,
-    RMSNorm) with :class:`~hpcrl.train.packed_attention.PackedDotProductAttention` as core attention (q/k
-    and v head sizes apart; padded and packed THD input) and :class:`LatentRMSNorm` latent norms. With
-    ``num_experts`` the MLP is megatron-core's MoE layer with ``SequentialMLP`` experts."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from hpcrl.train import cpu_compat
-    from hpcrl.train.packed_attention import PackedDotProductAttention
-
-    cpu_compat.mark_te_absent_for_mla()  # TE's stand-ins break MLA's build without TE
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
-                                    multi_latent_attention=True, normalization="RMSNorm")
-    attention = spec.submodules.self_attention.submodules
-    attention.core_attention = PackedDotProductAttention
-    attention.q_layernorm = LatentRMSNorm
-    attention.kv_layernorm = LatentRMSNorm
-    return spec
