@@ -23,8 +23,8 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
-"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama, GLM-4.5 /
-4.6 / 4.7 MoE, DeepSeek-V3 / R1 / Kimi-K2 / Moonlight, GLM-4.7-Flash-style MLA)."""
+"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama,
+GLM-4.5 / 4.6 / 4.7 MoE, DeepSeek-V3 / R1 / Kimi-K2 / Moonlight, GLM-4.7-Flash-style MLA)."""
 
 _DTYPES = ("float32", "bfloat16", "float16")
 

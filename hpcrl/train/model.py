@@ -160,8 +160,8 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
     data-parallel ranks. The loss is multiplied by the optimizer's loss scale before backward (1 for fp32/bf16).
     Returns ``loss`` (sum over micro-batches), ``grad_norm`` (before clipping; None if not computed),
     ``update_successful``, ``num_zeros`` (None unless ``log_num_zeros_in_grad``), ``num_micro_batches``, and the
-    mean of each metric over micro-batches. A model with an expert bias (GLM-4.5) gets megatron's aux-loss-free
-    bias update after the gradient reduction when ``moe_router_bias_update_rate`` > 0
+    mean of each metric over micro-batches. A model with an expert bias (GLM-4.5) gets megatron's
+    aux-loss-free bias update after the gradient reduction when ``moe_router_bias_update_rate`` > 0
     (:func:`hpcrl.train.deepseek_moe.update_expert_bias`; 0, the default, leaves it bitwise).
     """
     from hpcrl.train import deepseek_moe

@@ -1,15 +1,16 @@
-"""GLM-4.5 (``glm4_moe``) in the Megatron trainer at TP=1, against HF transformers' ``Glm4MoeForCausalLM`` (issue
-#35 points 1 and 2).
+"""GLM-4.5 (``glm4_moe``) in the Megatron trainer at TP=1, against HF transformers' ``Glm4MoeForCausalLM``
+(issue #35 points 1 and 2).
 
-The tiny model has every GLM-4.5 feature at once: partial RoPE 0.5 (in ``rope_parameters``, as transformers 5
-keeps it), q/k/v bias, QK norm (in one of the two variants), one shared expert, sigmoid routing over 8 experts
-in 4 groups (top-4 over 2 groups: megatron's group score equals HF's top-2 sum), ``routed_scaling_factor`` 2.5,
-a random non-zero ``e_score_correction_bias`` (a dropped bias would change the routing, which
-:func:`test_the_expert_bias_and_groups_decide_the_routing` shows), and a first dense layer. Checked: the
-login-node refusals, the config mapping, export bitwise, logits / log-probs / entropy to 1e-5, one AdamW step to
-1e-6, the packed micro-batch path equal to the padded one, MTP tensors in a checkpoint (dropped), and the expert
-bias in RL: frozen by default (bitwise), moved by megatron's rule when ``moe_router_bias_update_rate`` > 0, and
-saved / resumed by the checkpoint bitwise. TP=2 and EP=2 are in tests/integration/test_glm4_moe_parallel.py.
+The tiny model has every GLM-4.5 feature at once: partial RoPE 0.5 (in ``rope_parameters``, as transformers
+5 keeps it), q/k/v bias, QK norm (in one of the two variants), one shared expert, sigmoid routing over 8
+experts in 4 groups (top-4 over 2 groups: megatron's group score equals HF's top-2 sum),
+``routed_scaling_factor`` 2.5, a random non-zero ``e_score_correction_bias`` (a dropped bias would change the
+routing, which :func:`test_the_expert_bias_and_groups_decide_the_routing` shows), and a first dense layer.
+Checked: the login-node refusals, the config mapping, export bitwise, logits / log-probs / entropy to 1e-5,
+one AdamW step to 1e-6, the packed micro-batch path equal to the padded one, MTP tensors in a checkpoint
+(dropped), and the expert bias in RL: frozen by default (bitwise), moved by megatron's rule when
+``moe_router_bias_update_rate`` > 0, and saved / resumed by the checkpoint bitwise. TP=2 and EP=2 are in
+tests/integration/test_glm4_moe_parallel.py.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ pytest.importorskip("megatron.core")
 from hpcrl.models.support import unsupported_feature  # noqa: E402
 from hpcrl.train import bridge, logprobs, model as tmodel  # noqa: E402
 from tests.unit.test_megatron_bridge import (  # noqa: E402,F401
-    MEGATRON, SEQ, TRAIN, device_of, hf_reference, hf_train_step, load_hf, megatron_loss_fn, sample_batch, tp1)
+    MEGATRON, SEQ, TRAIN, device_of, hf_reference, hf_train_step, load_hf, megatron_loss_fn, sample_batch,
+    tp1)
 
-GLM = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           head_dim=24, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+GLM = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=24, moe_intermediate_size=32, n_routed_experts=8,
+           num_experts_per_tok=4, n_group=4, topk_group=2,
            first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True,
            norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
@@ -65,7 +68,8 @@ def make_tiny_glm(path: Path, use_qk_norm: bool = True, seed: int = 1, **changes
 @pytest.fixture(scope="module")
 def glm_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm")
-    return {"qk_norm": make_tiny_glm(root / "qk_norm"), "plain": make_tiny_glm(root / "plain", use_qk_norm=False)}
+    return {"qk_norm": make_tiny_glm(root / "qk_norm"),
+            "plain": make_tiny_glm(root / "plain", use_qk_norm=False)}
 
 
 def build_loaded(path, **overrides):
@@ -89,7 +93,8 @@ def megatron_logits(model, tokens):
 def test_routers_megatron_cannot_express_are_refused_in_one_line():
     from transformers import AutoConfig
 
-    ok = AutoConfig.for_model("glm4_moe", **{k: v for k, v in GLM.items() if k != "rope_parameters"}).to_dict()
+    fields = {k: v for k, v in GLM.items() if k != "rope_parameters"}
+    ok = AutoConfig.for_model("glm4_moe", **fields).to_dict()
     assert unsupported_feature(ok) is None
     assert unsupported_feature({**ok, "n_group": 1, "topk_group": 1}) is None  # GLM-4.5's published router
     assert unsupported_feature({**ok, "partial_rotary_factor": 0.5, "rope_parameters": None}) is None  # hub
@@ -101,8 +106,7 @@ def test_routers_megatron_cannot_express_are_refused_in_one_line():
                           ({"hidden_act": "gelu"}, "hidden_act")]:
         bad = unsupported_feature({**ok, **change})
         assert bad is not None and bad[0] == field, (change, bad)
-        cfg = AutoConfig.for_model("glm4_moe", **{**{k: v for k, v in GLM.items() if k != "rope_parameters"},
-                                                  **change})
+        cfg = AutoConfig.for_model("glm4_moe", **{**fields, **change})
         with pytest.raises(NotImplementedError, match=field):
             bridge.mcore_config_from_hf(cfg)
 
@@ -114,13 +118,15 @@ def test_glm_config_fields(glm_dirs):
     c = bridge.mcore_config_from_hf(hf)
     assert (c.add_qkv_bias, c.add_bias_linear, c.qk_layernorm, c.kv_channels, c.ffn_hidden_size) == \
         (True, False, True, 24, 96)
-    assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.moe_shared_expert_intermediate_size,
+    assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size,
+            c.moe_shared_expert_intermediate_size,
             c.moe_shared_expert_gate, c.moe_layer_freq) == (8, 4, 32, 32, False, [0, 1])
     assert (c.moe_router_score_function, c.moe_router_enable_expert_bias, c.moe_router_bias_update_rate,
             c.moe_router_topk_scaling_factor, c.moe_router_num_groups, c.moe_router_group_topk,
             c.moe_router_load_balancing_type) == ("sigmoid", True, 0.0, 2.5, 4, 2, "none")
     assert bridge.rotary_percent(hf) == 0.5
-    assert bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(glm_dirs["plain"]))).qk_layernorm is False
+    plain = AutoConfig.from_pretrained(str(glm_dirs["plain"]))
+    assert bridge.mcore_config_from_hf(plain).qk_layernorm is False
     with pytest.raises(ValueError, match="moe_router_bias_update_rate"):
         bridge.mcore_config_from_hf(hf, moe_router_bias_update_rate=-1e-3)
 
@@ -149,9 +155,11 @@ def test_export_is_bitwise_and_logits_log_probs_entropy_match_hf(tp1, glm_dirs, 
     for name, tensor in hf.items():
         assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
     names = bridge.mcore_to_hf_names(model)
-    assert names["decoder.layers.1.mlp.router.expert_bias"] == ("model.layers.1.mlp.gate.e_score_correction_bias",)
+    assert names["decoder.layers.1.mlp.router.expert_bias"] == (
+        "model.layers.1.mlp.gate.e_score_correction_bias",)
     assert names["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == (
-        "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight")
+        "model.layers.1.mlp.shared_experts.gate_proj.weight",
+        "model.layers.1.mlp.shared_experts.up_proj.weight")
     assert names["decoder.layers.0.mlp.linear_fc1.weight"] == ("model.layers.0.mlp.gate_proj.weight",
                                                               "model.layers.0.mlp.up_proj.weight")
     vocab = hf_model.config.vocab_size
@@ -186,7 +194,8 @@ def test_the_expert_bias_and_groups_decide_the_routing(tp1, glm_dirs):
 def test_a_checkpoint_with_mtp_layers_loads_and_drops_them(tp1, glm_dirs, tmp_path):
     """GLM-4.5's published checkpoints hold ``num_nextn_predict_layers`` MTP layers after the decoder
     (``model.layers.{num_hidden_layers}.*``: embedding / hidden norms, ``eh_proj``, a decoder layer, a shared
-    head). HF transformers ignores them; the bridge drops them too: the model loads, and exports without them."""
+    head). HF transformers ignores them; the bridge drops them too: the model loads, and exports without
+    them."""
     import shutil
 
     from safetensors.torch import save_file
@@ -197,15 +206,16 @@ def test_a_checkpoint_with_mtp_layers_loads_and_drops_them(tp1, glm_dirs, tmp_pa
     state = bridge.read_hf_state_dict(src)
     mtp = {n.replace("model.layers.1.", "model.layers.2."): t.clone() for n, t in state.items()
            if n.startswith("model.layers.1.")}
-    mtp.update({"model.layers.2.eh_proj.weight": torch.randn(64, 128), "model.layers.2.enorm.weight": torch.ones(64),
-                "model.layers.2.hnorm.weight": torch.ones(64),
+    mtp.update({"model.layers.2.eh_proj.weight": torch.randn(64, 128),
+                "model.layers.2.enorm.weight": torch.ones(64), "model.layers.2.hnorm.weight": torch.ones(64),
                 "model.layers.2.shared_head.norm.weight": torch.ones(64)})
     save_file({**state, **mtp}, str(dst / "model.safetensors"))
     model = build_loaded(dst)
     exported = dict(bridge.export_hf_weights(model))
     assert sorted(exported) == sorted(state)
     assert all(torch.equal(exported[n].cpu(), t) for n, t in state.items())
-    with pytest.raises(KeyError, match="no megatron-core counterpart"):  # MTP-like names inside the decoder are not
+    # an unknown name inside the decoder's layers is still an error
+    with pytest.raises(KeyError, match="no megatron-core counterpart"):
         bridge.load_hf_weights(model, {**state, "model.layers.1.eh_proj.weight": torch.zeros(64, 128)})
 
 
@@ -232,11 +242,12 @@ def test_one_optimizer_step_matches_hf_adamw_and_the_bias_stays_frozen(tp1, glm_
 
 
 def hf_tokens_per_expert(path, tokens) -> torch.Tensor:
-    """How many of ``tokens`` [batch, seq] (padding positions included, as megatron counts them) HF's router of
-    layer 1 sends to each expert: [experts]."""
+    """How many of ``tokens`` [batch, seq] (padding positions included, as megatron counts them) HF's router
+    of layer 1 sends to each expert: [experts]."""
     hf_model = load_hf(path)
     picked = []
-    hook = hf_model.model.layers[1].mlp.gate.register_forward_hook(lambda mod, inp, out: picked.append(out[2]))
+    gate = hf_model.model.layers[1].mlp.gate
+    hook = gate.register_forward_hook(lambda mod, inp, out: picked.append(out[2]))
     with torch.no_grad():
         hf_model(tokens)
     hook.remove()
@@ -247,8 +258,8 @@ def test_expert_bias_moves_by_megatrons_rule_when_enabled(tp1, glm_dirs):
     path = glm_dirs["qk_norm"]
     batch = sample_batch(load_hf(path).config.vocab_size, seed=5)
     rate = 1e-2
-    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, TRAIN, {**MEGATRON,
-                                                                          "moe_router_bias_update_rate": rate})
+    megatron = {**MEGATRON, "moe_router_bias_update_rate": rate}
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, TRAIN, megatron)
     router = bridge.unwrap_model(ddp_model).decoder.layers[1].mlp.router
     before = router.expert_bias.detach().clone()
     tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
@@ -276,8 +287,8 @@ def test_expert_bias_is_checkpointed_and_resumed_bitwise(tp1, glm_dirs, tmp_path
     assert not torch.equal(router.expert_bias, saved)  # the HF bias, before the step
     checkpoint.load_checkpoint(folder, fresh, fresh_opt)
     assert torch.equal(router.expert_bias, saved)
-    for model in (ddp_model, fresh):  # and the resumed run's next step is the uninterrupted one's
-        tmodel.train_step(model, optimizer if model is ddp_model else fresh_opt, megatron_loss_fn(batch), [None])
+    for model, opt in ((ddp_model, optimizer), (fresh, fresh_opt)):  # the resumed run's next step is the
+        tmodel.train_step(model, opt, megatron_loss_fn(batch), [None])  # uninterrupted one's
     a, b = dict(bridge.export_hf_weights(ddp_model)), dict(bridge.export_hf_weights(fresh))
     assert all(torch.equal(a[n], b[n]) for n in a)
 
