@@ -269,3 +269,30 @@ def test_plain_rope_has_megatrons_unscaled_softmax(mla_dirs):
     assert config.multi_latent_attention and config.num_moe_experts is None
     assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (16, 8, 12)
     assert math.isclose(config.rotary_scaling_factor, 1.0)
+
+
+def test_mtp_layers_of_a_checkpoint_are_dropped(tp1, mla_dirs, tmp_path):
+    """A DeepSeek-V3 checkpoint's multi-token-prediction layer (``model.layers.{num_hidden_layers}``:
+    ``eh_proj``, ``enorm``, ``hnorm``, ``shared_head`` and a full decoder layer) loads, as HF's own model
+    loads it (dropped), and is not exported; every other tensor round-trips bitwise."""
+    from safetensors.torch import save_file
+
+    src = mla_dirs["deepseek_v3_moe"]
+    folder = tmp_path / "with-mtp"
+    shutil.copytree(src, folder)
+    state = bridge.read_hf_state_dict(src)
+    mtp = {f"model.layers.2.{k[len('model.layers.1.'):]}": v.clone() for k, v in state.items()
+           if k.startswith("model.layers.1.")}
+    mtp.update({"model.layers.2.eh_proj.weight": torch.zeros(64, 128),
+                "model.layers.2.enorm.weight": torch.ones(64), "model.layers.2.hnorm.weight": torch.ones(64),
+                "model.layers.2.shared_head.norm.weight": torch.ones(64)})
+    save_file({**state, **mtp}, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    assert unsupported_feature({**config, "num_nextn_predict_layers": 1}) is None
+    model = build_loaded(folder)
+    out = {n: t.cpu() for n, t in bridge.export_hf_weights(model)}
+    assert sorted(out) == sorted(state)
+    assert all(torch.equal(out[n], state[n]) for n in state)
+    hf = load_hf(folder)  # HF drops them too
+    assert not any(n.startswith("model.layers.2.") for n in hf.state_dict())
