@@ -13,19 +13,33 @@ with a non-zero ``e_score_correction_bias`` and group-limited top-2, partial RoP
   bias out leaves the engine routing differently from the sender (what a trainer that did not sync its bias
   would cause; the check that can fail).
 
-The sender here is an HF model (its per-expert checkpoint names, :func:`hpcrl.models.moe.unfuse_experts`);
-the megatron-core trainer's side is in ``test_glm4_moe_sync.py``.
+The sender is first an HF model (its per-expert checkpoint names, :func:`hpcrl.models.moe.unfuse_experts`),
+then the megatron-core trainer (:func:`hpcrl.weights.iterate_for_sync`, the router's ``expert_bias`` buffer
+exported as ``e_score_correction_bias``) at EP=1 in this process and at EP=2 (two torchrun processes, experts
+gathered across the expert-parallel group, rank 0 sends): after a sync the engine's log-probs equal the
+trainer's (the run's ``train_rollout_logprob_abs_diff``, fp32) and its routing equals the experts the trainer's
+megatron-core routers chose (their ``routing_map``), also after the trainer's bias alone changed.
+This file is the EP=2 torchrun worker when run as a script.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.engine_utils import EngineProcess, http_json
+try:
+    from tests.integration.engine_utils import EngineProcess, free_port, http_json
+except ImportError:  # tests/integration is not a package (also when run by torchrun)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_utils import EngineProcess, free_port, http_json
 
 KEY = "glm-engine-test-key"
 TOL = 1e-5
@@ -131,6 +145,92 @@ def perturb(model, seed: int, scale: float = 0.05) -> None:
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
 
 
+# --- the megatron-core trainer as the sender -------------------------------------------------------------
+
+def trainer_view(model) -> tuple[list[list[float]], list]:
+    """The trainer's log-probs of tokens 1..n-1 of each sequence and the experts its routers chose for tokens
+    0..n-2 (from their ``routing_map``; sorted within top-k). A collective on every rank at EP > 1."""
+    from hpcrl.train.bridge import unwrap_model
+    from hpcrl.train.logprobs import response_log_probs
+
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(out[1].detach()))
+             for name, m in unwrap_model(model).named_modules() if name.endswith("mlp.router")]
+    assert len(hooks) == MOE_LAYERS
+    lps, routes = [], []
+    try:
+        with torch.no_grad():
+            for seq in SEQS:
+                seen.clear()
+                res = response_log_probs(model, torch.tensor([seq]), [len(seq)], [len(seq) - 1])
+                lps.append(res.log_probs[0].tolist())
+                chosen = [m.nonzero()[:, 1].view(len(seq), TOP_K) for m in seen]  # [tokens, top_k] per layer
+                routes.append(torch.stack(chosen, dim=1)[:-1].tolist())
+    finally:
+        for h in hooks:
+            h.remove()
+    return lps, routes
+
+
+def trainer_new_bias(model, seed: int) -> None:
+    """A new random expert bias (megatron's ``router.expert_bias`` buffers), the same on every rank."""
+    from hpcrl.train.bridge import unwrap_model
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in unwrap_model(model).named_buffers():
+            if name.endswith("mlp.router.expert_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.05)
+
+
+def trainer_perturb(model, seed: int, scale: float = 0.05) -> None:
+    from hpcrl.train.bridge import unwrap_model
+
+    perturb(unwrap_model(model), seed, scale)
+
+
+async def trainer_sync(url: str, model, version: str, sender: bool = True, drop_bias: bool = False) -> dict:
+    """Sync the trainer's weights (``iterate_for_sync``) with ``tensor``; ``drop_bias``: leave the expert bias
+    out of the stream (a trainer that does not sync it)."""
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.weights import WeightSyncer, iterate_for_sync
+
+    stream = iterate_for_sync(model)
+    if drop_bias:
+        stream = ((name, t) for name, t in stream if not name.endswith(BIAS))
+    client = RolloutClient(engine_urls=[url], api_key=KEY) if sender else None
+    syncer = WeightSyncer(client, "tensor", bucket_bytes=64 * 1024, timeout_s=60, is_sender=sender)
+    try:
+        return await syncer.sync(stream, version)
+    finally:
+        await syncer.close()
+        if client is not None:
+            await client.close()
+
+
+def worker(model_dir: str, url: str, out: Path) -> None:
+    """``torchrun --nproc_per_node=2 test_glm4_moe_engine.py --model DIR --url URL --out DIR``: EP=2 (experts
+    0-3 on rank 0, 4-7 on rank 1); both ranks perturb alike and set a new bias, export; rank 0 syncs."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from hpcrl.config import TrainSection
+    from hpcrl.train import model as tmodel
+    from hpcrl.train import parallel
+
+    env = parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1, ep=2)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
+    trainer_perturb(model, seed=200)
+    trainer_new_bias(model, seed=201)
+    metrics = asyncio.run(trainer_sync(url, model, "glm-ep2", sender=env.rank == 0))
+    mine, routes = trainer_view(model)
+    (out / f"rank{env.rank}.json").write_text(json.dumps(dict(metrics=metrics, trainer=mine, routes=routes)))
+    dist.barrier()
+    parallel.destroy()
+
+
 # --- fixtures -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -154,6 +254,22 @@ def sender(glm_dir):
 
     torch.set_num_threads(1)
     return AutoModelForCausalLM.from_pretrained(str(glm_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def trainer(glm_dir):
+    pytest.importorskip("megatron.core")
+    torch.set_num_threads(1)
+    from hpcrl.config import TrainSection
+    from hpcrl.train import model as tmodel
+    from hpcrl.train import parallel
+
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    model, _ = tmodel.setup_model_and_optimizer(glm_dir, TrainSection())
+    yield model
+    parallel.destroy()
 
 
 # --- tests --------------------------------------------------------------------------------------------------
@@ -226,3 +342,61 @@ def test_routing_follows_the_synced_expert_bias_and_drifts_without_it(engine, se
     theirs, routes, version = engine_view(engine.url)
     assert version == "glm-bias"
     assert routes == my_routes and max_diff(theirs, mine) < TOL
+
+
+def test_trainer_sync_gives_the_trainers_log_probs_and_routing(engine, trainer):
+    trainer_perturb(trainer, seed=31)
+    trainer_new_bias(trainer, seed=32)
+    mine, my_routes = trainer_view(trainer)
+    before, before_routes, _ = engine_view(engine.url)
+    assert max_diff(before, mine) > 1e-3 and routes_differ(before_routes, my_routes) > 0.1
+    metrics = asyncio.run(trainer_sync(engine.url, trainer, "glm-trainer"))
+    theirs, routes, version = engine_view(engine.url)
+    assert version == "glm-trainer"
+    diff = max_diff(theirs, mine)
+    print(f"train_rollout_logprob_abs_diff max {diff:.2e} over {sum(map(len, mine))} tokens, "
+          f"{metrics['tensors']} tensors")
+    assert diff < TOL
+    assert routes == my_routes
+
+
+def test_the_engine_routes_like_the_trainer_only_when_the_bias_is_synced(engine, trainer):
+    asyncio.run(trainer_sync(engine.url, trainer, "glm-trainer-base"))
+    trainer_new_bias(trainer, seed=41)  # e.g. megatron's aux-loss-free bias update after a step
+    mine, my_routes = trainer_view(trainer)
+    asyncio.run(trainer_sync(engine.url, trainer, "glm-trainer-no-bias", drop_bias=True))
+    _, routes, _ = engine_view(engine.url)
+    drift = routes_differ(routes, my_routes)
+    assert drift > 0.1, f"an unsynced bias moved only {drift:.0%} of the routing: this check could not fail"
+    asyncio.run(trainer_sync(engine.url, trainer, "glm-trainer-bias"))
+    theirs, routes, _ = engine_view(engine.url)
+    assert routes == my_routes and max_diff(theirs, mine) < TOL
+
+
+def test_ep2_trainer_syncs_every_expert_and_the_bias(engine, glm_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--model", str(glm_dir),
+           "--url", engine.url, "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    log = tmp_path / "torchrun.log"  # a file, not a pipe: torch's shared-memory manager outlives the workers
+    with open(log, "wb") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=env).returncode
+    assert rc == 0, f"torchrun failed:\n{log.read_text(errors='replace')[-6000:]}"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert max_diff(ranks[0]["trainer"], ranks[1]["trainer"]) < 1e-6  # one model across the ranks
+    assert ranks[0]["routes"] == ranks[1]["routes"]
+    theirs, routes, version = engine_view(engine.url)
+    assert version == "glm-ep2"
+    assert max_diff(theirs, ranks[0]["trainer"]) < TOL
+    assert routes == ranks[0]["routes"]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    worker(args.model, args.url, args.out)
