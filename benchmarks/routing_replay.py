@@ -70,7 +70,7 @@ def measure(model_dir: Path, engine_url: str, prompts: list[list[int]], samples:
     model = bridge.build_gpt_model(hf_config, moe_enable_routing_replay=True)
     bridge.load_hf_weights(model, model_dir)
     model.eval()
-    layers, top_k = hf_config.num_hidden_layers, hf_config.num_experts_per_tok
+    layers, top_k = routing_replay.moe_layer_count(model.config), hf_config.num_experts_per_tok
     used: list = []
     routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
     for r in routers:
