@@ -38,9 +38,7 @@ def test_replay_of_the_sigmoid_grouped_router_makes_routing_equal(tmp_path):
     from hpcrl.train import parallel
 
     bench = _bench()
-    model_dir = create_tiny_glm4_moe(tmp_path / "glm", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                                     head_dim=32, num_experts=8, top_k=2, moe_intermediate_size=128,
-                                     intermediate_size=256, seed=3)
+    model_dir = create_tiny_glm4_moe(tmp_path / "glm", **bench.GLM_MODEL)
     tok = build_char_tokenizer()
     prompts = [tok(f"{100 + 37 * i}+{250 + 13 * i}=")["input_ids"] for i in range(8)]
     torch.set_num_threads(1)
