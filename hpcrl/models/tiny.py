@@ -170,6 +170,59 @@ def create_tiny_glm4_moe(path: str | os.PathLike, hidden_size: int = 128, num_la
     return _save_random(path, Glm4MoeForCausalLM, config, tokenizer, seed, after_init=nonzero_expert_bias)
 
 
+def create_tiny_deepseek_v3(path: str | os.PathLike, hidden_size: int = 128, num_layers: int = 4,
+                            num_heads: int = 4, head_dim: int = 32, num_experts: int = 8, top_k: int = 2,
+                            moe_intermediate_size: int = 256, intermediate_size: int = 512,
+                            routed_scaling_factor: float = 2.5, expert_bias_std: float = 0.05, seed: int = 0,
+                            max_position_embeddings: int = 256, tie_word_embeddings: bool = True) -> Path:
+    """Create a random-init DeepSeek-V3-style ``DeepseekV3ForCausalLM`` with the character tokenizer, saved as
+    an HF folder.
+
+    The DeepSeek-V3 features at CI size: multi-latent attention with a q LoRA of rank ``hidden_size // 2``, a
+    kv LoRA of rank ``hidden_size // 2``, per head ``head_dim`` no-RoPE and ``head_dim // 2`` RoPE query/key
+    dimensions and ``head_dim`` value dimensions (v narrower than q/k); YaRN RoPE scaling as DeepSeek-V3
+    publishes it (factor 4 over an original context of ``max_position_embeddings // 4``, beta 32 / 1,
+    ``mscale = mscale_all_dim = 1``: the attention scores scaled by ``(0.1 ln 4 + 1)^2``), interleaved rope
+    pairs (``rope_interleave``); the MoE block of :func:`create_tiny_glm4_moe` (first layer dense, shared
+    expert, sigmoid grouped router with a non-zero ``e_score_correction_bias``, :func:`glm_expert_groups`),
+    no MTP layers. With the defaults: about 3.2M parameters. The write is atomic. Returns ``path``; raises
+    FileExistsError if it already exists.
+    """
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} already exists")
+    tokenizer = build_char_tokenizer()
+    n_group, topk_group = glm_expert_groups(num_experts, top_k)
+    original = max(max_position_embeddings // 4, 1)
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        moe_intermediate_size=moe_intermediate_size, n_routed_experts=num_experts, num_experts_per_tok=top_k,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor, norm_topk_prob=True, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_heads, q_lora_rank=hidden_size // 2,
+        kv_lora_rank=hidden_size // 2, qk_nope_head_dim=head_dim, qk_rope_head_dim=max(head_dim // 2, 2),
+        v_head_dim=head_dim, num_mtp_layers=0, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": original, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    )
+
+    def nonzero_expert_bias(model) -> None:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("mlp.gate.e_score_correction_bias"):
+                    buf.copy_(torch.randn(buf.shape, generator=g) * expert_bias_std)
+
+    return _save_random(path, DeepseekV3ForCausalLM, config, tokenizer, seed, after_init=nonzero_expert_bias)
+
+
 def _save_random(path: Path, model_cls, config, tokenizer, seed: int, after_init=None) -> Path:
     """Initialise ``model_cls(config)`` from ``seed`` (without touching the global RNG), apply
     ``after_init(model)`` if given, and save it with ``tokenizer`` to ``path`` atomically (a temp folder, then
