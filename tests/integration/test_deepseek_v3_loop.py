@@ -1,14 +1,14 @@
 """The whole loop with the tiny DeepSeek-V3-style policy (issue #35 point 3, ``deepseek_v3``: multi-latent
-attention with YaRN, the GLM-4.5 router family): ``hpcrl run`` with GSPO, ``train.expert_parallel_size: 2`` over
-2 trainer processes and the CPU engine, rollout routing replay on
-(``algorithm.routing_replay``: the engine's ``return_routed_experts`` of its sigmoid grouped router, for the MoE
-layers after the dense first one, replayed by the trainer's routers), and packed micro-batches
-(``train.max_tokens_per_microbatch``: MLA through hpcrl's packed attention, q/k heads wider than v heads).
+attention with YaRN, the GLM-4.5 router family): ``hpcrl run`` with GSPO, ``train.expert_parallel_size: 2``
+over 2 trainer processes and the CPU engine, rollout routing replay on (``algorithm.routing_replay``: the
+engine's ``return_routed_experts`` of its sigmoid grouped router, for the MoE layers after the dense first
+one, replayed by the trainer's routers), and packed micro-batches (``train.max_tokens_per_microbatch``: MLA
+through hpcrl's packed attention, q/k heads wider than v heads).
 
 Asserted at every step: the trainer's log-probs of the rollout's tokens equal the engine's
-(``train/train_rollout_logprob_abs_diff`` < 1e-5 in fp32: every tensor, the expert bias included, synced across
-the EP ranks after each step), and training moved the weights (a non-zero gradient norm). Measured: 0.98e-7,
-0.89e-7, 1.04e-7 at the 3 steps (107 s on a shared 2-core machine).
+(``train/train_rollout_logprob_abs_diff`` < 1e-5 in fp32: every tensor, the expert bias included, synced
+across the EP ranks after each step), and training moved the weights (a non-zero gradient norm). Measured:
+0.98e-7, 0.89e-7, 1.04e-7 at the 3 steps (107 s on a shared 2-core machine).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def test_ep2_packed_run_with_routing_replay_matches_the_engine(tmp_path: Path):
                   reward_function: ds_rewards.digit_fraction, eval_interval: 0}}
         train: {{lr: 3.0e-3, micro_batch_size: 4, expert_parallel_size: 2, nprocs: 2, lr_decay_steps: {STEPS},
                 max_tokens_per_microbatch: 128}}
-        algorithm: {{advantage_estimator: gspo, eps_clip: 3.0e-4, eps_clip_high: 4.0e-4, routing_replay: true}}
+        algorithm: {{advantage_estimator: gspo, eps_clip: 3.0e-4, eps_clip_high: 4.0e-4,
+                    routing_replay: true}}
         checkpoint: {{save_interval: 0}}
     """))
     log = tmp_path / "run.log"
