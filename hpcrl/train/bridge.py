@@ -43,6 +43,10 @@ exported like them. Multi-token-prediction layers of a checkpoint (``model.layer
 transformers drops them: not loaded, not trained, not exported (an exported folder has no MTP layers; SGLang's
 MTP speculative decoding needs them from the original checkpoint).
 
+DeepSeek-V3 / GLM-lite (``deepseek_v3``, ``glm4_moe_lite``): multi-latent attention's names and layouts are
+:data:`hpcrl.train.mla.LAYER_RULES` (laid over this table for an MLA model; layout ``column``: split on dim 0
+like ``ColumnParallelLinear``), its layer spec :func:`hpcrl.train.mla_layers.layer_spec`.
+
 Supported: dense (no MoE) models with RMSNorm, SwiGLU, RoPE (default, or Llama-3 scaling with the standard
 low/high frequency factors), GQA, Qwen2's qkv bias, Qwen3's q/k norm, tied or untied embeddings; pipeline
 parallel size 1. Anything else raises ``NotImplementedError`` naming the unsupported setting.

@@ -296,3 +296,27 @@ def test_mtp_layers_of_a_checkpoint_are_dropped(tp1, mla_dirs, tmp_path):
     assert all(torch.equal(out[n], state[n]) for n in state)
     hf = load_hf(folder)  # HF drops them too
     assert not any(n.startswith("model.layers.2.") for n in hf.state_dict())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_loader_takes_every_exported_name(tp1, mla_dirs, kind):
+    """Weight sync's receiving end (the CPU engine's :class:`hpcrl.engine.weights.WeightLoader` on the HF
+    model) accepts every name and shape the trainer exports, and after loading the trainer's perturbed
+    weights the HF model's logits equal the trainer's."""
+    from hpcrl.engine.weights import WeightLoader
+
+    model = build_loaded(mla_dirs[kind])
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, t in bridge.named_tensors(model):
+            t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.02)
+    exported = [(n, t.cpu()) for n, t in bridge.export_hf_weights(model)]
+    hf_model = load_hf(mla_dirs[kind])
+    loader = WeightLoader(hf_model)
+    assert loader.load(exported) == len(exported)
+    tokens = sample_batch(hf_model.config.vocab_size)[0]
+    dev = device_of(model)
+    with torch.no_grad():
+        logits = model(input_ids=tokens.to(dev), position_ids=torch.arange(SEQ, device=dev).expand(3, -1),
+                       attention_mask=None)
+        assert (logits[..., :hf_model.config.vocab_size].cpu() - hf_model(tokens).logits).abs().max() < 1e-5
