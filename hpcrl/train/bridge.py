@@ -121,11 +121,12 @@ def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def is_mtp_tensor(hf_name: str, hf_config: Any) -> bool:
-    """Whether an HF tensor belongs to a multi-token-prediction layer (``model.layers.{i}`` with
-    ``i >= num_hidden_layers``, present when ``num_nextn_predict_layers`` > 0: GLM-4.5, DeepSeek-V3). The
+    """Whether an HF tensor belongs to a multi-token-prediction layer: ``model.layers.{i}`` with ``i`` one of
+    the ``num_nextn_predict_layers`` after the ``num_hidden_layers`` decoder layers (GLM-4.5, DeepSeek-V3). The
     bridge drops them, as HF transformers' ``Glm4MoeForCausalLM`` does: not loaded, trained or exported."""
+    mtp_layers = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
     m = _HF_LAYER_RE.match(hf_name)
-    return bool(m) and int(m.group(1)) >= hf_config.num_hidden_layers
+    return bool(m) and hf_config.num_hidden_layers <= int(m.group(1)) < hf_config.num_hidden_layers + mtp_layers
 
 
 def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype = torch.float32,

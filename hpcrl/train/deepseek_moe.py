@@ -36,7 +36,9 @@ applies it after each step's gradient reduction (hpcrl calls ``finish_grad_sync(
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,6 +116,50 @@ def routers_with_expert_bias(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE routers of a (possibly DDP-wrapped) megatron-core model that carry an ``expert_bias``."""
     return [m for m in model.modules() if getattr(m, "expert_bias", None) is not None
             and getattr(m, "local_tokens_per_expert", None) is not None]
+
+
+@contextlib.contextmanager
+def fp32_expert_bias(model: torch.nn.Module) -> Iterator[None]:
+    """Keep the routers' ``expert_bias`` of ``model`` fp32 and bitwise across a cast of the whole model in
+    the ``with`` block (megatron's ``Float16Module`` calls ``module.bfloat16()``, which rounds buffers too;
+    megatron turns it back to fp32 only after the rounding). HF keeps ``e_score_correction_bias`` fp32 in
+    bf16 models (``_keep_in_fp32_modules_strict``), and so do the engines."""
+    saved = [(router, router.expert_bias.detach().clone()) for router in routers_with_expert_bias(model)]
+    yield
+    for router, bias in saved:
+        router.expert_bias.data = bias
+
+
+def padding_kwargs(model: torch.nn.Module, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"padding_mask": ~valid}`` for the ``GPTModel`` forward of a model whose routers carry an expert
+    bias, else ``{}``. ``valid``: [batch, seq] bool, True at real tokens. Megatron then leaves padding
+    positions out of ``local_tokens_per_expert`` (the counts the bias update reads; with
+    :func:`fix_padding_in_token_counts`) and of its router losses; routing and logits do not change.
+    Right-padded and packed micro-batches of the same samples thus count the same tokens (a shared group
+    prompt, :mod:`hpcrl.train.packing`, is one forward and counts once)."""
+    if not routers_with_expert_bias(model):
+        return {}
+    fix_padding_in_token_counts()
+    return {"padding_mask": ~valid.bool()}
+
+
+def _count_tokens(self: Any, routing_map: torch.Tensor, padding_mask: Any = None) -> None:
+    """megatron-core 0.16.1's ``TopKRouter._apply_expert_bias`` with the padding mask [tokens] broadcast over
+    the experts of ``routing_map`` [tokens, experts] (megatron's ``routing_map & ~padding_mask`` raises a
+    shape error for any padding mask)."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def fix_padding_in_token_counts() -> None:
+    """Install :func:`_count_tokens` as ``TopKRouter._apply_expert_bias`` (idempotent; the method only counts
+    tokens for the bias update, so nothing else changes)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    TopKRouter._apply_expert_bias = _count_tokens
 
 
 @torch.no_grad()

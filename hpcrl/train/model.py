@@ -81,7 +81,8 @@ def wrap_model_and_optimizer(model: torch.nn.Module, train: Any, megatron: Optio
     """Wrap a GPTModel in megatron-core DDP (after ``Float16Module`` when ``train.bf16``) and build its optimizer.
 
     DDP: ``grad_reduce_in_fp32=True``, ``overlap_grad_reduce=False``, ``use_distributed_optimizer`` from
-    ``train``; gradients are averaged over data-parallel ranks. Optimizer: :func:`optimizer_config` with
+    ``train``; gradients are averaged over data-parallel ranks; a router's expert bias stays fp32 and bitwise
+    under bf16, as HF keeps it. Optimizer: :func:`optimizer_config` with
     ``get_megatron_optimizer`` (Adam with decoupled weight decay). ``megatron`` DDP/optimizer keys override.
     Returns ``(ddp_model, optimizer)``.
     """
@@ -89,10 +90,13 @@ def wrap_model_and_optimizer(model: torch.nn.Module, train: Any, megatron: Optio
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
+    from hpcrl.train import deepseek_moe
+
     extra = split_megatron_kwargs(megatron)
     config = model.config
     if train.bf16:
-        model = Float16Module(config, model)
+        with deepseek_moe.fp32_expert_bias(model):  # Float16Module casts every buffer to bf16
+            model = Float16Module(config, model)
     ddp_kwargs = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                       use_distributed_optimizer=train.use_distributed_optimizer)
     ddp_kwargs.update(extra["ddp"])

@@ -179,7 +179,7 @@ def test_ep2_expert_bias_update_sums_the_data_parallel_ranks_counts(h, glm_dir, 
     from hpcrl.train import bridge
 
     batch = h.sample_batch(h.load_hf(glm_dir).config.vocab_size, seed=5)
-    counts = 2 * h.hf_tokens_per_expert(glm_dir, batch[0])  # the same batch on both data-parallel ranks
+    counts = 2 * h.hf_tokens_per_expert(glm_dir, batch[0], batch[1])  # the same batch on both DP ranks
     expected = bridge.read_hf_state_dict(glm_dir)[BIAS] + torch.sign(counts.mean() - counts) * RATE
     for res in ranks:
         assert torch.equal(res["ep2-bias"], expected)

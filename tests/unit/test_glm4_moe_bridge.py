@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from hpcrl.models.support import unsupported_feature  # noqa: E402
-from hpcrl.train import bridge, logprobs, model as tmodel  # noqa: E402
+from hpcrl.train import bridge, deepseek_moe, logprobs, model as tmodel  # noqa: E402
 from tests.unit.test_megatron_bridge import (  # noqa: E402,F401
     MEGATRON, SEQ, TRAIN, device_of, hf_reference, hf_train_step, load_hf, megatron_loss_fn, sample_batch,
     tp1)
@@ -214,9 +214,13 @@ def test_a_checkpoint_with_mtp_layers_loads_and_drops_them(tp1, glm_dirs, tmp_pa
     exported = dict(bridge.export_hf_weights(model))
     assert sorted(exported) == sorted(state)
     assert all(torch.equal(exported[n].cpu(), t) for n, t in state.items())
-    # an unknown name inside the decoder's layers is still an error
+    # an unknown name inside the decoder's layers, or a layer beyond the MTP ones, is still an error
+    for extra in ("model.layers.1.eh_proj.weight", "model.layers.3.eh_proj.weight"):
+        with pytest.raises(KeyError, match="no megatron-core counterpart"):
+            bridge.load_hf_weights(model, {**state, **mtp, extra: torch.zeros(64, 128)})
+    model.hf_config.num_nextn_predict_layers = 0  # a config without MTP layers: layer 2 is an error too
     with pytest.raises(KeyError, match="no megatron-core counterpart"):
-        bridge.load_hf_weights(model, {**state, "model.layers.1.eh_proj.weight": torch.zeros(64, 128)})
+        bridge.load_hf_weights(model, {**state, **mtp})
 
 
 # --- training ----------------------------------------------------------------------------------------------
@@ -241,9 +245,9 @@ def test_one_optimizer_step_matches_hf_adamw_and_the_bias_stays_frozen(tp1, glm_
     assert torch.equal(after[bias], bridge.read_hf_state_dict(path)[bias])
 
 
-def hf_tokens_per_expert(path, tokens) -> torch.Tensor:
-    """How many of ``tokens`` [batch, seq] (padding positions included, as megatron counts them) HF's router
-    of layer 1 sends to each expert: [experts]."""
+def hf_tokens_per_expert(path, tokens, total) -> torch.Tensor:
+    """How many of the real tokens of ``tokens`` [batch, seq] (the first ``total`` [batch] of each row; the
+    trainer leaves padding out of the counts) HF's router of layer 1 sends to each expert: [experts]."""
     hf_model = load_hf(path)
     picked = []
     gate = hf_model.model.layers[1].mlp.gate
@@ -251,7 +255,8 @@ def hf_tokens_per_expert(path, tokens) -> torch.Tensor:
     with torch.no_grad():
         hf_model(tokens)
     hook.remove()
-    return torch.bincount(picked[0].flatten(), minlength=hf_model.config.n_routed_experts).float()
+    valid = (torch.arange(tokens.shape[1]).unsqueeze(0) < total.unsqueeze(1)).flatten()
+    return torch.bincount(picked[0][valid].flatten(), minlength=hf_model.config.n_routed_experts).float()
 
 
 def test_expert_bias_moves_by_megatrons_rule_when_enabled(tp1, glm_dirs):
@@ -263,8 +268,9 @@ def test_expert_bias_moves_by_megatrons_rule_when_enabled(tp1, glm_dirs):
     router = bridge.unwrap_model(ddp_model).decoder.layers[1].mlp.router
     before = router.expert_bias.detach().clone()
     tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
-    counts = hf_tokens_per_expert(path, batch[0])
-    assert counts.sum() == 3 * SEQ * 4 and len(set(counts.tolist())) > 1  # every token's top 4; unbalanced
+    counts = hf_tokens_per_expert(path, batch[0], batch[1])
+    assert counts.sum() == batch[1].sum() * 4 < 3 * SEQ * 4  # each real token's top 4, no padding
+    assert len(set(counts.tolist())) > 1  # unbalanced
     expected = before + torch.sign(counts.mean() - counts) * rate  # arXiv 2408.15664, megatron's update
     assert torch.equal(router.expert_bias.cpu(), expected)
     assert router.local_tokens_per_expert.abs().sum() == 0  # reset for the next step
@@ -305,3 +311,80 @@ def test_packed_micro_batches_equal_the_padded_forward(tp1, glm_dirs):
         assert gates[f"{name}_logprob"] < 1e-5 and gates[f"{name}_entropy"] < 1e-5, gates
         assert gates[f"{name}_grad"] < 1e-5, gates
     assert gates["shared_tokens"] < gates["packed_tokens"] < gates["padded_tokens"], gates
+
+
+def test_bf16_training_keeps_the_expert_bias_in_fp32_bitwise(tp1, glm_dirs):
+    """HF keeps ``e_score_correction_bias`` in fp32 in a bf16 model (``_keep_in_fp32_modules_strict``), and so
+    must the bf16 trainer: rounding it to bf16 (megatron's ``Float16Module`` casts every buffer) would move
+    routing decisions away from the engine's."""
+    import dataclasses
+
+    path = glm_dirs["qk_norm"]
+    train = dataclasses.replace(TRAIN, bf16=True)
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, train, MEGATRON)
+    router = bridge.unwrap_model(ddp_model).decoder.layers[1].mlp.router
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    hf_bias = bridge.read_hf_state_dict(path)[name]
+    assert not torch.equal(hf_bias.bfloat16().float(), hf_bias)  # bf16 would round it
+    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias.cpu(), hf_bias)
+    batch = sample_batch(load_hf(path).config.vocab_size, seed=5)
+    assert tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])["update_successful"]
+    exported = dict(bridge.export_hf_weights(ddp_model))[name]
+    assert exported.dtype == torch.float32 and torch.equal(exported.cpu(), hf_bias)
+
+
+def test_padded_and_packed_micro_batches_move_the_bias_alike(tp1, glm_dirs):
+    """The bias update counts real tokens only: right-padded micro-batches (padding left out of the counts)
+    and packed ones (no padding) of the same samples give the same bias after a step."""
+    from hpcrl.train.actor import Actor
+    from tests.unit.test_actor import make_config, make_samples
+
+    path = glm_dirs["qk_norm"]
+    samples = make_samples(path, num_groups=3, seed=0, correct_first=True)
+    biases = []
+    for changes in ({}, {"train.max_tokens_per_microbatch": 64, "train.share_group_prompt": False}):
+        cfg = make_config(**changes)
+        cfg.megatron = {"moe_router_bias_update_rate": 1e-2}
+        actor = Actor(cfg, path)
+        before = actor.model.decoder.layers[1].mlp.router.expert_bias.detach().clone()
+        actor.train(0, samples)
+        biases.append(actor.model.decoder.layers[1].mlp.router.expert_bias.detach().clone())
+        assert not torch.equal(biases[-1], before)
+    assert torch.equal(biases[0], biases[1])
+
+
+@pytest.mark.parametrize("experts,groups,topk_group,top_k", [(8, 1, 1, 2), (8, 4, 2, 4), (16, 8, 4, 8),
+                                                             (16, 4, 1, 4)])
+def test_megatrons_group_scoring_equals_hfs_exactly_where_accepted(experts, groups, topk_group, top_k):
+    """HF's ``Glm4MoeTopkRouter`` against megatron-core's ``topk_routing_with_score_function`` with the fields
+    :func:`hpcrl.train.deepseek_moe.moe_kwargs` sets, on 512 random tokens: the same experts and weights for
+    every router :func:`hpcrl.models.support.deepseek_router_problem` accepts (the last, 4 // 1 != 2, is
+    refused, and there the two pick different experts)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    fields = dict(n_routed_experts=experts, n_group=groups, topk_group=topk_group, num_experts_per_tok=top_k,
+                  routed_scaling_factor=2.5, norm_topk_prob=True, hidden_size=16)
+    config = Glm4MoeConfig(**fields)
+    accepted = unsupported_feature({"model_type": "glm4_moe", **fields}) is None
+    g = torch.Generator().manual_seed(experts + groups + topk_group)
+    router = Glm4MoeTopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, 16, generator=g))
+        router.e_score_correction_bias.copy_(torch.rand(experts, generator=g) * 0.2 - 0.1)
+    hidden = torch.randn(512, 16, generator=g)
+    with torch.no_grad():
+        logits, hf_weights, hf_idx = router(hidden)
+    kw = deepseek_moe.moe_kwargs(config)
+    probs, routing_map = topk_routing_with_score_function(
+        logits, top_k, num_groups=kw["moe_router_num_groups"], group_topk=kw["moe_router_group_topk"],
+        scaling_factor=kw["moe_router_topk_scaling_factor"], score_function="sigmoid",
+        expert_bias=router.e_score_correction_bias)
+    hf_map = torch.zeros_like(routing_map).scatter(1, hf_idx, True)
+    if not accepted:
+        assert not torch.equal(routing_map, hf_map)
+        return
+    assert torch.equal(routing_map, hf_map)
+    hf_probs = torch.zeros_like(probs).scatter(1, hf_idx, hf_weights)
+    assert (probs - hf_probs).abs().max() < 1e-6
