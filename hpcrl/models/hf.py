@@ -21,8 +21,8 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
 }
-"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama, GLM-4.5 /
-4.6 / 4.7 MoE)."""
+"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama,
+GLM-4.5 / 4.6 / 4.7 MoE)."""
 
 _DTYPES = ("float32", "bfloat16", "float16")
 

@@ -44,9 +44,9 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
     """The first setting of ``config.json`` (``hf``) the trainer cannot build, or None.
 
     Refused: a ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES`; ``hidden_act`` other than silu; q/k/v
-    bias except Qwen2's and GLM-4.5's; MLP bias; sliding-window attention; RoPE scalings other than plain and
-    Llama-3's standard one; partial RoPE except GLM-4.5's; Qwen3-MoE with dense layers or shared experts; GLM-4.5
-    routers megatron-core cannot express (:func:`deepseek_router_problem`).
+    bias except Qwen2's and GLM-4.5's; MLP bias; sliding-window attention; RoPE scalings other than plain
+    and Llama-3's standard one; partial RoPE except GLM-4.5's; Qwen3-MoE with dense layers or shared
+    experts; GLM-4.5 routers megatron-core cannot express (:func:`deepseek_router_problem`).
     """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -102,20 +102,22 @@ def deepseek_router_problem(hf: Mapping[str, Any]) -> Optional[Problem]:
     if scoring != "sigmoid":
         return ("scoring_func", scoring, "is not supported (sigmoid, as GLM-4.5 and DeepSeek-V3, is)")
     if hf.get("topk_method", "noaux_tc") != "noaux_tc":
-        return ("topk_method", hf["topk_method"], "is not supported (noaux_tc: sigmoid + e_score_correction_bias)")
+        return ("topk_method", hf["topk_method"],
+                "is not supported (noaux_tc: sigmoid + e_score_correction_bias, is)")
     if not hf.get("norm_topk_prob", True) and top_k > 1:
-        return ("norm_topk_prob", False, "is not supported: megatron-core renormalises the top-k sigmoid scores "
-                "(norm_topk_prob: true is supported)")
+        return ("norm_topk_prob", False, "is not supported: megatron-core renormalises the top-k sigmoid "
+                "scores (norm_topk_prob: true is supported)")
     if experts <= 0 or top_k <= 0 or top_k > experts:
         return ("num_experts_per_tok", top_k, f"must be between 1 and n_routed_experts={experts}")
     if int(hf.get("n_shared_experts", 1) or 0) < 1:
-        return ("n_shared_experts", hf.get("n_shared_experts"), "is not supported (1 or more shared experts is)")
+        return ("n_shared_experts", hf.get("n_shared_experts"),
+                "is not supported (1 or more shared experts is)")
     if groups > 1:
         if experts % groups or topk_group > groups or top_k // max(topk_group, 1) != 2:
             return ("n_group", groups, f"with topk_group={topk_group}, num_experts_per_tok={top_k}, "
-                    f"n_routed_experts={experts}: megatron-core scores a group by its top num_experts_per_tok // "
-                    "topk_group experts, HF by its top 2; supported: n_group=1, or n_group dividing "
-                    "n_routed_experts with num_experts_per_tok // topk_group == 2")
+                    f"n_routed_experts={experts}: megatron-core scores a group by its top "
+                    "num_experts_per_tok // topk_group experts, HF by its top 2; supported: n_group=1, or "
+                    "n_group dividing n_routed_experts with num_experts_per_tok // topk_group == 2")
     return None
 
 

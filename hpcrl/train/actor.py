@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 import torch
 
-from hpcrl.train import algorithms
+from hpcrl.train import algorithms, deepseek_moe
 
 if TYPE_CHECKING:
     from hpcrl.config import Config
@@ -662,9 +662,11 @@ def _windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.
         return (args[0][start:seq - 1], *args[1:]), kwargs
 
     position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
+    valid = position_ids < mb.total_lengths.to(tokens.device).unsqueeze(1)
+    padding = deepseek_moe.padding_kwargs(model, valid)  # MoE expert-bias token counts only
     handle = output_layer.register_forward_pre_hook(keep_window, with_kwargs=True)
     try:
-        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None)
+        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
     finally:
         handle.remove()
     # Column start + c predicts token start + c + 1.

@@ -15,8 +15,8 @@ Megatron parameter (``decoder.layers.{i}.`` prefix)   HF parameter (``model.laye
 ``pre_mlp_layernorm.weight``                            ``post_attention_layernorm.weight``           replicated
 ``mlp.linear_fc1.weight``                               ``mlp.{gate,up}_proj.weight``                 fc1
 ``mlp.linear_fc2.weight``                               ``mlp.down_proj.weight``                      row
-``mlp.router.weight`` (MoE)                             ``mlp.gate.weight``                           replicated
-``mlp.router.expert_bias`` (GLM-4.5, a buffer)          ``mlp.gate.e_score_correction_bias`` (buffer) replicated
+``mlp.router.weight`` (MoE)                             ``mlp.gate.weight``                         replicated
+``mlp.router.expert_bias`` (GLM-4.5, buffer)            ``mlp.gate.e_score_correction_bias``        replicated
 ``mlp.shared_experts.linear_fc1.weight`` (GLM-4.5)      ``mlp.shared_experts.{gate,up}_proj.weight``  fc1
 ``mlp.shared_experts.linear_fc2.weight`` (GLM-4.5)      ``mlp.shared_experts.down_proj.weight``       row
 ``mlp.experts.local_experts.{j}.linear_fc1/2.weight``   ``mlp.experts.{J}.{gate,up,down}_proj.weight`` fc1/row
@@ -36,12 +36,12 @@ Layouts, for tensor-parallel size ``tp`` and rank ``r`` (megatron-core's ``Colum
   g = 0, 1, ...; then split on dim 0, so each rank holds whole groups.
 - fc1: ``[gate; up]`` per rank: rank r holds ``[gate.chunk(tp)[r]; up.chunk(tp)[r]]``.
 
-GLM-4.5 (``glm4_moe``): the first ``first_k_dense_replace`` layers' dense MLP has the dense names; the router's
-expert bias is a buffer on both sides (:func:`named_tensors` adds it to the parameters), loaded and exported
-like them. Multi-token-prediction layers of a checkpoint (``model.layers.{i}`` with ``i >= num_hidden_layers``,
-``num_nextn_predict_layers`` > 0) are dropped (:func:`is_mtp_tensor`), as HF transformers drops them: not
-loaded, not trained, not exported (an exported folder has no MTP layers; SGLang's MTP speculative decoding
-needs them from the original checkpoint).
+GLM-4.5 (``glm4_moe``): the first ``first_k_dense_replace`` layers' dense MLP has the dense names; the
+router's expert bias is a buffer on both sides (:func:`named_tensors` adds it to the parameters), loaded and
+exported like them. Multi-token-prediction layers of a checkpoint (``model.layers.{i}`` with
+``i >= num_hidden_layers``, ``num_nextn_predict_layers`` > 0) are dropped (:func:`is_mtp_tensor`), as HF
+transformers drops them: not loaded, not trained, not exported (an exported folder has no MTP layers; SGLang's
+MTP speculative decoding needs them from the original checkpoint).
 
 Supported: dense (no MoE) models with RMSNorm, SwiGLU, RoPE (default, or Llama-3 scaling with the standard
 low/high frequency factors), GQA, Qwen2's qkv bias, Qwen3's q/k norm, tied or untied embeddings; pipeline
@@ -115,11 +115,12 @@ def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def is_mtp_tensor(hf_name: str, hf_config: Any) -> bool:
-    """Whether an HF tensor belongs to a multi-token-prediction layer (``model.layers.{i}`` with
-    ``i >= num_hidden_layers``, present when ``num_nextn_predict_layers`` > 0: GLM-4.5, DeepSeek-V3). The
-    bridge drops them, as HF transformers' ``Glm4MoeForCausalLM`` does: not loaded, not trained, not exported."""
+    """Whether an HF tensor belongs to a multi-token-prediction layer: ``model.layers.{i}`` with ``i`` one of
+    the ``num_nextn_predict_layers`` after the ``num_hidden_layers`` decoder layers (GLM-4.5, DeepSeek-V3). The
+    bridge drops them, as HF transformers' ``Glm4MoeForCausalLM`` does: not loaded, trained or exported."""
+    mtp_layers = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
     m = _HF_LAYER_RE.match(hf_name)
-    return bool(m) and int(m.group(1)) >= hf_config.num_hidden_layers
+    return bool(m) and hf_config.num_hidden_layers <= int(m.group(1)) < hf_config.num_hidden_layers + mtp_layers
 
 
 def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype = torch.float32,

@@ -76,7 +76,8 @@ def check_supported(hf_config: Any) -> None:
 
 def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
                          **overrides: Any):
-    """Return the megatron-core ``TransformerConfig`` equivalent to an HF Qwen2 / Qwen3 / Llama config.
+    """Return the megatron-core ``TransformerConfig`` equivalent to an HF Qwen2 / Qwen3 / Llama / Qwen3-MoE /
+    GLM-4.5 config (GLM-4.5's fields: :func:`hpcrl.train.deepseek_moe.glm4_moe_kwargs`).
 
     RMSNorm with the HF epsilon, SwiGLU (``gated_linear_unit`` + silu), GQA (``num_query_groups``), head size
     from ``head_dim``, qkv bias for Qwen2, q/k RMSNorm for Qwen3, no other biases, HF dropouts (0 for these

@@ -134,6 +134,7 @@ def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor,
     built by :mod:`hpcrl.train.bridge`. Raises ValueError for inconsistent lengths.
     """
     from hpcrl.train.bridge import unwrap_model
+    from hpcrl.train.deepseek_moe import padding_kwargs
 
     batch, seq = tokens.shape
     device = tokens.device
@@ -149,7 +150,8 @@ def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor,
         vocab_size = hf_config.vocab_size if hf_config is not None else None
 
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
-    logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None)
+    padding = padding_kwargs(model, position_ids < total.unsqueeze(1))  # MoE expert-bias token counts only
+    logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
     # Predictions for positions 1..seq-1 come from logits at 0..seq-2.
     labels = tokens[:, 1:]
     lp_all = compute_log_probs(logits[:, :-1], labels, temperature, vocab_size)  # [batch, seq-1]

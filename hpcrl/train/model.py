@@ -81,7 +81,8 @@ def wrap_model_and_optimizer(model: torch.nn.Module, train: Any, megatron: Optio
     """Wrap a GPTModel in megatron-core DDP (after ``Float16Module`` when ``train.bf16``) and build its optimizer.
 
     DDP: ``grad_reduce_in_fp32=True``, ``overlap_grad_reduce=False``, ``use_distributed_optimizer`` from
-    ``train``; gradients are averaged over data-parallel ranks. Optimizer: :func:`optimizer_config` with
+    ``train``; gradients are averaged over data-parallel ranks; a router's expert bias stays fp32 and bitwise
+    under bf16, as HF keeps it. Optimizer: :func:`optimizer_config` with
     ``get_megatron_optimizer`` (Adam with decoupled weight decay). ``megatron`` DDP/optimizer keys override.
     Returns ``(ddp_model, optimizer)``.
     """
@@ -89,10 +90,13 @@ def wrap_model_and_optimizer(model: torch.nn.Module, train: Any, megatron: Optio
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
+    from hpcrl.train import deepseek_moe
+
     extra = split_megatron_kwargs(megatron)
     config = model.config
     if train.bf16:
-        model = Float16Module(config, model)
+        with deepseek_moe.fp32_expert_bias(model):  # Float16Module casts every buffer to bf16
+            model = Float16Module(config, model)
     ddp_kwargs = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                       use_distributed_optimizer=train.use_distributed_optimizer)
     ddp_kwargs.update(extra["ddp"])
@@ -160,10 +164,15 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
     data-parallel ranks. The loss is multiplied by the optimizer's loss scale before backward (1 for fp32/bf16).
     Returns ``loss`` (sum over micro-batches), ``grad_norm`` (before clipping; None if not computed),
     ``update_successful``, ``num_zeros`` (None unless ``log_num_zeros_in_grad``), ``num_micro_batches``, and the
-    mean of each metric over micro-batches.
+    mean of each metric over micro-batches. A model with an expert bias (GLM-4.5) gets megatron's
+    aux-loss-free bias update after the gradient reduction when ``moe_router_bias_update_rate`` > 0
+    (:func:`hpcrl.train.deepseek_moe.update_expert_bias`; 0, the default, leaves it bitwise).
     """
+    from hpcrl.train import deepseek_moe
+
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
+    deepseek_moe.reset_token_counts(ddp_model)
     total_loss, metrics, n = 0.0, {}, 0
     for mb in micro_batches:
         out = loss_fn(ddp_model, mb)
@@ -174,6 +183,7 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
             metrics[k] = metrics.get(k, 0.0) + float(v)
         n += 1
     ddp_model.finish_grad_sync()
+    deepseek_moe.update_expert_bias(ddp_model)  # finalize_model_grads' aux-free bias step; rate 0: untouched
     update_successful, grad_norm, num_zeros = optimizer.step()
     return dict(loss=total_loss, grad_norm=grad_norm, update_successful=update_successful, num_zeros=num_zeros,
                 num_micro_batches=n, **{k: v / max(n, 1) for k, v in metrics.items()})

@@ -278,6 +278,7 @@ def packed_response_log_probs(model: torch.nn.Module, pack: Pack, response_lengt
     vocab columns get probability 0, as in :func:`~hpcrl.train.logprobs.response_log_probs`).
     """
     from hpcrl.train.bridge import unwrap_model
+    from hpcrl.train.deepseek_moe import padding_kwargs
     from hpcrl.train.logprobs import ResponseLogProbs, compute_entropy, compute_log_probs
 
     bare = unwrap_model(model)
@@ -294,7 +295,8 @@ def packed_response_log_probs(model: torch.nn.Module, pack: Pack, response_lengt
     try:
         with rotary_positions(bare, pack.positions):
             logits = model(input_ids=pack.tokens, position_ids=pack.positions.unsqueeze(0), attention_mask=None,
-                           packed_seq_params=packed_seq_params(pack))
+                           packed_seq_params=packed_seq_params(pack),
+                           **padding_kwargs(model, (pack.sources[:, 0] >= 0).unsqueeze(0)))
     finally:
         if handle is not None:
             handle.remove()
