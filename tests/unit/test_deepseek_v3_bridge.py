@@ -200,6 +200,21 @@ def test_train_step_matches_hf_adamw_step(tp1, mla_dirs, kind, dispatcher):
     assert max((after[k] - ref_state[k]).abs().max().item() for k in after) < 1e-6
 
 
+def test_bf16_train_step_runs(tp1, mla_dirs):
+    """bf16 MLA (YaRN, MoE layer): the step runs, the latent norms and projections train in bf16, and the
+    expert bias stays fp32 (as HF's e_score_correction_bias)."""
+    import dataclasses
+
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(mla_dirs["deepseek_v3_moe"],
+                                                            dataclasses.replace(TRAIN, bf16=True))
+    bare = bridge.unwrap_model(ddp_model)
+    attention = bare.decoder.layers[0].self_attention
+    assert attention.linear_kv_down_proj.weight.dtype == attention.kv_layernorm.weight.dtype == torch.bfloat16
+    assert bare.decoder.layers[1].mlp.router.expert_bias.dtype == torch.float32
+    result = tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(sample_batch(37, seed=6)), [None, None])
+    assert result["update_successful"] and result["grad_norm"] > 0 and result["num_micro_batches"] == 2
+
+
 def test_packed_and_shared_forwards_equal_the_padded_one(tp1, tiny_model_dir, tmp_path):
     """hpcrl's packed THD attention with MLA's q/k head (24) wider than its v head (12), YaRN positions per
     token: log-probs, entropy and the gradient of the packed and shared-prompt layouts equal the padded
