@@ -299,7 +299,7 @@ def mark_te_absent_for_mla() -> None:
     megatron-core 0.16.1 imports TE's layers there through ``megatron.core.extensions.transformer_engine``, which
     succeeds without TE and gives ``MagicMock`` stand-ins, so ``HAVE_TE`` is True and MLA's
     ``isinstance(self.linear_proj, TELinear)`` raises ``TypeError`` when the layer is built. Needed on CPUs and on
-    GPUs without TE alike; :func:`hpcrl.train.mla.layer_spec` calls it. Idempotent."""
+    GPUs without TE alike; :func:`hpcrl.train.mla_layers.layer_spec` calls it. Idempotent."""
     import importlib.util
 
     from megatron.core.transformer import multi_latent_attention
