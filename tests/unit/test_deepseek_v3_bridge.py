@@ -335,3 +335,27 @@ def test_engine_loader_takes_every_exported_name(tp1, mla_dirs, kind):
         logits = model(input_ids=tokens.to(dev), position_ids=torch.arange(SEQ, device=dev).expand(3, -1),
                        attention_mask=None)
         assert (logits[..., :hf_model.config.vocab_size].cpu() - hf_model(tokens).logits).abs().max() < 1e-5
+
+
+def test_glm_4_7_flash_style_config_json_is_read(tmp_path):
+    """GLM-4.7-Flash's published config.json (here at tiny size) has no ``mlp_layer_types`` but
+    ``first_k_dense_replace: 1``, ``rope_scaling: null`` with a top-level ``rope_theta``, and one MTP layer:
+    accepted on the login node, and the trainer's config has its dense first layer, plain RoPE and router."""
+    from transformers import AutoConfig
+
+    hub = {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
+           "attention_bias": False, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+           "max_position_embeddings": 64, "topk_method": "noaux_tc", "norm_topk_prob": True,
+           "num_attention_heads": 4, "n_group": 1, "topk_group": 1, "n_routed_experts": 4,
+           "n_shared_experts": 1, "routed_scaling_factor": 1.8, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+           "num_hidden_layers": 3, "num_key_value_heads": 4, "num_nextn_predict_layers": 1,
+           "partial_rotary_factor": 1.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+           "tie_word_embeddings": False, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+           "qk_rope_head_dim": 8, "v_head_dim": 20, "vocab_size": 37}
+    assert unsupported_feature(hub) is None
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    config = bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(tmp_path)))
+    assert config.multi_latent_attention and config.rope_type == "rope" and config.rotary_base == 1e6
+    assert config.moe_layer_freq == [0, 1, 1] and config.num_moe_experts == 4
+    assert config.moe_router_topk_scaling_factor == 1.8 and config.moe_router_enable_expert_bias
+    assert (config.q_lora_rank, config.kv_lora_rank, config.v_head_dim) == (24, 32, 20)
