@@ -344,14 +344,15 @@ def test_glm_4_7_flash_style_config_json_is_read(tmp_path):
     from transformers import AutoConfig
 
     hub = {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
-           "attention_bias": False, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-           "max_position_embeddings": 64, "topk_method": "noaux_tc", "norm_topk_prob": True,
-           "num_attention_heads": 4, "n_group": 1, "topk_group": 1, "n_routed_experts": 4,
-           "n_shared_experts": 1, "routed_scaling_factor": 1.8, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
-           "num_hidden_layers": 3, "num_key_value_heads": 4, "num_nextn_predict_layers": 1,
-           "partial_rotary_factor": 1.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
-           "tie_word_embeddings": False, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-           "qk_rope_head_dim": 8, "v_head_dim": 20, "vocab_size": 37}
+           "attention_bias": False, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 96,
+           "moe_intermediate_size": 32, "max_position_embeddings": 64, "topk_method": "noaux_tc",
+           "norm_topk_prob": True, "num_attention_heads": 4, "n_group": 1, "topk_group": 1,
+           "n_routed_experts": 4, "n_shared_experts": 1, "routed_scaling_factor": 1.8, "num_experts_per_tok": 2,
+           "first_k_dense_replace": 1, "num_hidden_layers": 3, "num_key_value_heads": 4,
+           "num_nextn_predict_layers": 1, "partial_rotary_factor": 1.0, "rms_norm_eps": 1e-05,
+           "rope_scaling": None, "rope_theta": 1000000, "tie_word_embeddings": False, "q_lora_rank": 24,
+           "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 20,
+           "vocab_size": 37}
     assert unsupported_feature(hub) is None
     (tmp_path / "config.json").write_text(json.dumps(hub))
     config = bridge.mcore_config_from_hf(AutoConfig.from_pretrained(str(tmp_path)))
