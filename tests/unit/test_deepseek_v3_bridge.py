@@ -215,6 +215,29 @@ def test_bf16_train_step_runs(tp1, mla_dirs):
     assert result["update_successful"] and result["grad_norm"] > 0 and result["num_micro_batches"] == 2
 
 
+def test_checkpoint_save_and_resume_is_bitwise(tp1, mla_dirs, tmp_path):
+    """megatron's distributed checkpoint of an MLA model (the duplicated kv_a_proj_with_mqa, latent norms,
+    expert bias): a fresh model + optimizer resumed from it takes the uninterrupted run's next step
+    bitwise."""
+    from hpcrl import checkpoint
+
+    path = mla_dirs["deepseek_v3_moe"]
+    batch = sample_batch(37, seed=5)
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, TRAIN, MEGATRON)
+    tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
+    folder = checkpoint.save_checkpoint(tmp_path, 1, ddp_model, optimizer, {"id": 1})
+    fresh, fresh_opt = tmodel.setup_model_and_optimizer(path, TRAIN, MEGATRON)
+    checkpoint.load_checkpoint(folder, fresh, fresh_opt)
+    a, b = dict(bridge.export_hf_weights(ddp_model)), dict(bridge.export_hf_weights(fresh))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    for model, opt in ((ddp_model, optimizer), (fresh, fresh_opt)):
+        tmodel.train_step(model, opt, megatron_loss_fn(batch), [None])
+    a, b = dict(bridge.export_hf_weights(ddp_model)), dict(bridge.export_hf_weights(fresh))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert not torch.equal(a[kv_a], bridge.read_hf_state_dict(path)[kv_a])  # it trained
+
+
 def test_packed_and_shared_forwards_equal_the_padded_one(tp1, tiny_model_dir, tmp_path):
     """hpcrl's packed THD attention with MLA's q/k head (24) wider than its v head (12), YaRN positions per
     token: log-probs, entropy and the gradient of the packed and shared-prompt layouts equal the padded
