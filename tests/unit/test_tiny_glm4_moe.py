@@ -122,3 +122,20 @@ def test_groups_fall_back_to_one_where_the_scorings_would_differ():
     assert glm_expert_groups(8, 4) == (1, 1)  # HF: top-2 per group; megatron: top 4 // topk_group
     assert glm_expert_groups(6, 3) == (1, 1)
     assert glm_expert_groups(2, 2) == (1, 1)  # a group of one expert has no top 2
+
+
+def test_the_glm4_moe_quickstart_config_loads_and_knows_its_experts():
+    """configs/glm4-moe-quickstart.yaml: the tiny GLM, GSPO, EP=2; the login node counts its experts from the
+    tiny_* keys before the folder exists (EP=2 divides 8), and routing replay validates on it."""
+    from pathlib import Path
+
+    from hpcrl.config import load_config
+    from hpcrl.config.train import model_experts
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "glm4-moe-quickstart.yaml"
+    cfg = load_config(path)
+    assert (cfg.model.create, cfg.model.path, cfg.train.expert_parallel_size, cfg.train.nprocs) == \
+        ("tiny-glm4-moe", ".cache/models/tiny-glm4-moe", 2, 2)
+    assert (cfg.algorithm.advantage_estimator, cfg.rollout.router, cfg.sft.enabled) == ("gspo", False, True)
+    assert model_experts(cfg, check_files=False) == (8, 2)
+    assert load_config(path, ["algorithm.routing_replay=true"]).algorithm.routing_replay
