@@ -384,3 +384,38 @@ def test_glm_4_7_flash_style_config_json_is_read(tmp_path):
     assert config.moe_layer_freq == [0, 1, 1] and config.num_moe_experts == 4
     assert config.moe_router_topk_scaling_factor == 1.8 and config.moe_router_enable_expert_bias
     assert (config.q_lora_rank, config.kv_lora_rank, config.v_head_dim) == (24, 32, 20)
+
+
+def test_published_deepseek_v3_config_json_is_accepted_and_mapped(tmp_path):
+    """DeepSeek-V3's published config.json fields (YaRN in ``rope_scaling`` with ``type``, factor 40 over
+    4096, both mscales 1; 8 expert groups, 4 picked, top 8; 3 dense layers; an MTP layer): accepted on the
+    login node, and the megatron config (no model built) has HF's score scale and the router fields."""
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    yarn = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096, "type": "yarn"}
+    hub = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+           "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+           "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+           "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+           "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+           "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+           "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+           "rope_scaling": yarn, "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+           "topk_group": 4, "topk_method": "noaux_tc", "tie_word_embeddings": False, "v_head_dim": 128,
+           "vocab_size": 129280}
+    assert unsupported_feature(hub) is None
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    hf_config = AutoConfig.from_pretrained(str(tmp_path))
+    config = bridge.mcore_config_from_hf(hf_config)
+    assert (config.rope_type, config.rotary_scaling_factor, config.original_max_position_embeddings) == (
+        "yarn", 40.0, 4096)
+    assert (config.mscale, config.mscale_all_dim, config.beta_fast, config.beta_slow) == (1.0, 1.0, 32.0, 1.0)
+    assert config.moe_layer_freq == [0, 0, 0] + [1] * 58 and config.num_moe_experts == 256
+    assert (config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_topk) == (8, 4, 8)
+    from megatron.core.models.common.embeddings import _yarn_get_mscale
+
+    scale = _yarn_get_mscale(config.rotary_scaling_factor, config.mscale_all_dim) ** 2 / math.sqrt(192)
+    hf_scale = yarn_apply_mscale(hf_config.rope_parameters, 192 ** -0.5)
+    assert scale == pytest.approx(hf_scale, rel=1e-12) and hf_scale > 1.5 * 192 ** -0.5
