@@ -1,12 +1,12 @@
-"""The GLM-4.5 quickstart end to end, shortened (issue #35 point 5): ``configs/glm4-moe-quickstart.yaml`` as a
+"""The GLM-4.5 quickstart end to end (issue #35 point 5): ``configs/glm4-moe-quickstart.yaml`` as a
 user runs it from a fresh folder (no cached model): the tiny GLM-4.5-style MoE (first layer dense, shared
-expert, sigmoid router with expert bias and 2 groups, partial RoPE, q/k/v bias) is created, warm-started by SFT
-until :data:`SFT_TARGET` greedy accuracy, then trained by GSPO for the config's 500 steps with its experts over 2
-trainer processes (EP=2). Measured 2026-11-27 on the dev machine (2 shared cores): this test 428 s (SFT 320
-steps to 0.305), greedy 0.305 -> 0.341, 0.388, 0.392, 0.398, 0.418 at steps 99..499 (+11.3), train/rollout
-|logprob diff| <= 6.2e-7; the same curve as a run of the config by hand (847 s on busier cores). Shorter
-runs were tried and are less sure of the +10: lr 3e-4 for 300 steps +10.5 (a dip to 0.289 at step 99), lr 3e-4
-for 200 steps +10.1, lr 5e-4 for 200 steps +6.1.
+expert, sigmoid router with expert bias and 2 groups, partial RoPE, q/k/v bias) is created, warm-started by
+SFT until :data:`SFT_TARGET` greedy accuracy, then trained by GSPO for the config's 500 steps with its experts
+over 2 trainer processes (EP=2). Measured 2026-11-27 on the dev machine (2 shared cores): this test 428 s (SFT
+320 steps to 0.305), greedy 0.305 -> 0.341, 0.388, 0.392, 0.398, 0.418 at steps 99..499 (+11.3), train/rollout
+|logprob diff| <= 6.2e-7; the same curve as a run of the config by hand (847 s on busier cores). Shorter runs
+were tried and are less sure of the +10: lr 3e-4 for 300 steps +10.5 (a dip to 0.289 at step 99), lr 3e-4 for
+200 steps +10.1, lr 5e-4 for 200 steps +6.1.
 
 Asserted: SFT stopped on its target, the engine measures the model SFT left, the trainer's log-probs equal the
 engine's at every step (fp32: every tensor, the expert bias included, synced across the EP ranks), and the
@@ -61,7 +61,8 @@ def test_glm4_moe_quickstart_learns_addition_at_ep2(tmp_path):
 
     assert all(a < SFT_TARGET for _, a in sft_evals[:-1]) and sft_evals[-1][1] >= SFT_TARGET, sft_evals
     start, final = curve[0][1], curve[-1][1]
-    assert curve[0][0] == -1 and start == pytest.approx(sft_evals[-1][1], abs=0.02)  # engine eval == SFT's own
+    # the engine's eval measures the model SFT left
+    assert curve[0][0] == -1 and start == pytest.approx(sft_evals[-1][1], abs=0.02)
     assert [r["step"] for r in steps] == list(range(STEPS))
     assert diff < 1e-5
     assert final >= start + MIN_GAIN, f"greedy accuracy went {start} -> {final}: {curve}"

@@ -17,8 +17,8 @@ The sender is first an HF model (its per-expert checkpoint names, :func:`hpcrl.m
 then the megatron-core trainer (:func:`hpcrl.weights.iterate_for_sync`, the router's ``expert_bias`` buffer
 exported as ``e_score_correction_bias``) at EP=1 in this process and at EP=2 (two torchrun processes, experts
 gathered across the expert-parallel group, rank 0 sends): after a sync the engine's log-probs equal the
-trainer's (the run's ``train_rollout_logprob_abs_diff``, fp32) and its routing equals the experts the trainer's
-megatron-core routers chose (their ``routing_map``), also after the trainer's bias alone changed.
+trainer's (the run's ``train_rollout_logprob_abs_diff``, fp32) and its routing equals the experts the
+trainer's megatron-core routers chose (their ``routing_map``), also after the trainer's bias alone changed.
 This file is the EP=2 torchrun worker when run as a script.
 """
 
