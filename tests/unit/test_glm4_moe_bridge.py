@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from hpcrl.models.support import unsupported_feature  # noqa: E402
-from hpcrl.train import bridge, logprobs, model as tmodel  # noqa: E402
+from hpcrl.train import bridge, deepseek_moe, logprobs, model as tmodel  # noqa: E402
 from tests.unit.test_megatron_bridge import (  # noqa: E402,F401
     MEGATRON, SEQ, TRAIN, device_of, hf_reference, hf_train_step, load_hf, megatron_loss_fn, sample_batch,
     tp1)
@@ -351,3 +351,40 @@ def test_padded_and_packed_micro_batches_move_the_bias_alike(tp1, glm_dirs):
         biases.append(actor.model.decoder.layers[1].mlp.router.expert_bias.detach().clone())
         assert not torch.equal(biases[-1], before)
     assert torch.equal(biases[0], biases[1])
+
+
+@pytest.mark.parametrize("experts,groups,topk_group,top_k", [(8, 1, 1, 2), (8, 4, 2, 4), (16, 8, 4, 8),
+                                                             (16, 4, 1, 4)])
+def test_megatrons_group_scoring_equals_hfs_exactly_where_accepted(experts, groups, topk_group, top_k):
+    """HF's ``Glm4MoeTopkRouter`` against megatron-core's ``topk_routing_with_score_function`` with the fields
+    :func:`hpcrl.train.deepseek_moe.moe_kwargs` sets, on 512 random tokens: the same experts and weights for
+    every router :func:`hpcrl.models.support.deepseek_router_problem` accepts (the last, 4 // 1 != 2, is
+    refused, and there the two pick different experts)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    fields = dict(n_routed_experts=experts, n_group=groups, topk_group=topk_group, num_experts_per_tok=top_k,
+                  routed_scaling_factor=2.5, norm_topk_prob=True, hidden_size=16)
+    config = Glm4MoeConfig(**fields)
+    accepted = unsupported_feature({"model_type": "glm4_moe", **fields}) is None
+    g = torch.Generator().manual_seed(experts + groups + topk_group)
+    router = Glm4MoeTopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, 16, generator=g))
+        router.e_score_correction_bias.copy_(torch.rand(experts, generator=g) * 0.2 - 0.1)
+    hidden = torch.randn(512, 16, generator=g)
+    with torch.no_grad():
+        logits, hf_weights, hf_idx = router(hidden)
+    kw = deepseek_moe.moe_kwargs(config)
+    probs, routing_map = topk_routing_with_score_function(
+        logits, top_k, num_groups=kw["moe_router_num_groups"], group_topk=kw["moe_router_group_topk"],
+        scaling_factor=kw["moe_router_topk_scaling_factor"], score_function="sigmoid",
+        expert_bias=router.e_score_correction_bias)
+    hf_map = torch.zeros_like(routing_map).scatter(1, hf_idx, True)
+    if not accepted:
+        assert not torch.equal(routing_map, hf_map)
+        return
+    assert torch.equal(routing_map, hf_map)
+    hf_probs = torch.zeros_like(probs).scatter(1, hf_idx, hf_weights)
+    assert (probs - hf_probs).abs().max() < 1e-6
