@@ -192,7 +192,8 @@ def trainer_perturb(model, seed: int, scale: float = 0.05) -> None:
 async def trainer_sync(url: str, model, version: str, sender: bool = True, drop_bias: bool = False,
                        method: str = "tensor", **kwargs) -> dict:
     """Sync the trainer's weights (``iterate_for_sync``) with ``method``; ``drop_bias``: leave the expert bias
-    out of the stream (a trainer that does not sync it); ``kwargs``: more WeightSyncer fields (``disk_dir``)."""
+    out of the stream (a trainer that does not sync it); ``kwargs``: more WeightSyncer fields
+    (``disk_dir``)."""
     from hpcrl.rollout.client import RolloutClient
     from hpcrl.weights import WeightSyncer, iterate_for_sync
 
