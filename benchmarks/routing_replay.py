@@ -38,8 +38,8 @@ from weight_sync import start_engine, stop_engine  # noqa: E402
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, top_k=2,
              moe_intermediate_size=128, seed=3)
 """The tiny Qwen3-MoE measured (random weights: many near-ties between experts, where precision decides)."""
-GLM_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, top_k=2,
-                 moe_intermediate_size=128, intermediate_size=256, seed=3)
+GLM_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8,
+                 top_k=2, moe_intermediate_size=128, intermediate_size=256, seed=3)
 """The tiny GLM-4.5-style model measured with ``--family glm4_moe`` (4 layers: 1 dense, 3 MoE)."""
 
 

@@ -17,8 +17,8 @@ The sender is first an HF model (its per-expert checkpoint names, :func:`hpcrl.m
 then the megatron-core trainer (:func:`hpcrl.weights.iterate_for_sync`, the router's ``expert_bias`` buffer
 exported as ``e_score_correction_bias``) at EP=1 in this process and at EP=2 (two torchrun processes, experts
 gathered across the expert-parallel group, rank 0 sends): after a sync the engine's log-probs equal the
-trainer's (the run's ``train_rollout_logprob_abs_diff``, fp32) and its routing equals the experts the trainer's
-megatron-core routers chose (their ``routing_map``), also after the trainer's bias alone changed.
+trainer's (the run's ``train_rollout_logprob_abs_diff``, fp32) and its routing equals the experts the
+trainer's megatron-core routers chose (their ``routing_map``), also after the trainer's bias alone changed.
 This file is the EP=2 torchrun worker when run as a script.
 """
 
@@ -189,9 +189,11 @@ def trainer_perturb(model, seed: int, scale: float = 0.05) -> None:
     perturb(unwrap_model(model), seed, scale)
 
 
-async def trainer_sync(url: str, model, version: str, sender: bool = True, drop_bias: bool = False) -> dict:
-    """Sync the trainer's weights (``iterate_for_sync``) with ``tensor``; ``drop_bias``: leave the expert bias
-    out of the stream (a trainer that does not sync it)."""
+async def trainer_sync(url: str, model, version: str, sender: bool = True, drop_bias: bool = False,
+                       method: str = "tensor", **kwargs) -> dict:
+    """Sync the trainer's weights (``iterate_for_sync``) with ``method``; ``drop_bias``: leave the expert bias
+    out of the stream (a trainer that does not sync it); ``kwargs``: more WeightSyncer fields
+    (``disk_dir``)."""
     from hpcrl.rollout.client import RolloutClient
     from hpcrl.weights import WeightSyncer, iterate_for_sync
 
@@ -199,7 +201,7 @@ async def trainer_sync(url: str, model, version: str, sender: bool = True, drop_
     if drop_bias:
         stream = ((name, t) for name, t in stream if not name.endswith(BIAS))
     client = RolloutClient(engine_urls=[url], api_key=KEY) if sender else None
-    syncer = WeightSyncer(client, "tensor", bucket_bytes=64 * 1024, timeout_s=60, is_sender=sender)
+    syncer = WeightSyncer(client, method, bucket_bytes=64 * 1024, timeout_s=60, is_sender=sender, **kwargs)
     try:
         return await syncer.sync(stream, version)
     finally:
@@ -344,15 +346,18 @@ def test_routing_follows_the_synced_expert_bias_and_drifts_without_it(engine, se
     assert routes == my_routes and max_diff(theirs, mine) < TOL
 
 
-def test_trainer_sync_gives_the_trainers_log_probs_and_routing(engine, trainer):
-    trainer_perturb(trainer, seed=31)
-    trainer_new_bias(trainer, seed=32)
+@pytest.mark.parametrize("method", ["tensor", "distributed", "disk"])
+def test_trainer_sync_gives_the_trainers_log_probs_and_routing(engine, trainer, glm_dir, method, tmp_path):
+    seed = {"tensor": 31, "distributed": 33, "disk": 35}[method]
+    trainer_perturb(trainer, seed=seed)
+    trainer_new_bias(trainer, seed=seed + 1)
     mine, my_routes = trainer_view(trainer)
     before, before_routes, _ = engine_view(engine.url)
     assert max_diff(before, mine) > 1e-3 and routes_differ(before_routes, my_routes) > 0.1
-    metrics = asyncio.run(trainer_sync(engine.url, trainer, "glm-trainer"))
+    kwargs = dict(disk_dir=str(tmp_path), hf_checkpoint=str(glm_dir)) if method == "disk" else {}
+    metrics = asyncio.run(trainer_sync(engine.url, trainer, f"glm-trainer-{method}", method=method, **kwargs))
     theirs, routes, version = engine_view(engine.url)
-    assert version == "glm-trainer"
+    assert version == f"glm-trainer-{method}"
     diff = max_diff(theirs, mine)
     print(f"train_rollout_logprob_abs_diff max {diff:.2e} over {sum(map(len, mine))} tokens, "
           f"{metrics['tensors']} tensors")

@@ -1,6 +1,6 @@
 """Rollout routing replay with GLM-4.5's sigmoid grouped router (issue #35 point 3, ``glm4_moe``), on real
-processes: a bf16 CPU engine samples from the tiny GLM (first layer dense, shared expert, non-zero expert bias,
-2 groups of 4 experts, top-2), the fp32 megatron-core trainer scores the samples
+processes: a bf16 CPU engine samples from the tiny GLM (first layer dense, shared expert, non-zero expert
+bias, 2 groups of 4 experts, top-2), the fp32 megatron-core trainer scores the samples
 (``benchmarks/routing_replay.py``'s ``measure``).
 
 Without replay some tokens' choice differs between the two precisions (measured from the experts the trainer's
@@ -53,6 +53,6 @@ def test_replay_of_the_sigmoid_grouped_router_makes_routing_equal(tmp_path):
         parallel.destroy()
     print(free, replay)
     assert free["tokens"] == replay["tokens"] > 0
-    assert free["routing_differs"] > 0, "bf16 and fp32 routed every token alike: the gate cannot show anything"
+    assert free["routing_differs"] > 0, "bf16 and fp32 routed every token alike: the gate shows nothing"
     assert replay["routing_differs"] == 0
     assert replay["logprob_mean"] < free["logprob_mean"]

@@ -96,8 +96,9 @@ def test_hf_and_megatron_grouped_sigmoid_routers_choose_the_same_experts(experts
 
     n_group, topk_group = glm_expert_groups(experts, top_k)
     assert (n_group, top_k // topk_group) == (2, 2)  # grouped, and both score a group by its top 2
-    config = Glm4MoeConfig(hidden_size=16, n_routed_experts=experts, num_experts_per_tok=top_k, n_group=n_group,
-                           topk_group=topk_group, routed_scaling_factor=2.5, norm_topk_prob=True)
+    config = Glm4MoeConfig(hidden_size=16, n_routed_experts=experts, num_experts_per_tok=top_k,
+                           n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5,
+                           norm_topk_prob=True)
     g = torch.Generator().manual_seed(experts)
     router = Glm4MoeTopkRouter(config)
     with torch.no_grad():
@@ -106,8 +107,8 @@ def test_hf_and_megatron_grouped_sigmoid_routers_choose_the_same_experts(experts
     hidden = torch.randn(512, 16, generator=g)
     logits, weights, indices = router(hidden)
     probs, routing_map = topk_routing_with_score_function(
-        logits, top_k, num_groups=n_group, group_topk=topk_group, scaling_factor=2.5, score_function="sigmoid",
-        expert_bias=router.e_score_correction_bias)
+        logits, top_k, num_groups=n_group, group_topk=topk_group, scaling_factor=2.5,
+        score_function="sigmoid", expert_bias=router.e_score_correction_bias)
     hf_map = torch.zeros_like(routing_map).scatter(1, indices, True)
     assert torch.equal(hf_map, routing_map)
     torch.testing.assert_close(probs.gather(1, indices), weights, rtol=0, atol=1e-6)
