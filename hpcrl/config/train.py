@@ -231,7 +231,8 @@ def model_experts(cfg: Config, check_files: bool) -> Optional[tuple[int, int]]:
     import json
 
     m = cfg.model
-    if m.create == "tiny-qwen3-moe" and not (m.path and Path(m.path, "config.json").is_file()):
+    created = m.path and Path(m.path, "config.json").is_file()
+    if m.create in ("tiny-qwen3-moe", "tiny-glm4-moe", "tiny-deepseek-v3") and not created:
         return m.tiny_num_experts, m.tiny_moe_top_k
     if m.create == "tiny-qwen2" and not (m.path and Path(m.path, "config.json").is_file()):
         return 0, 0

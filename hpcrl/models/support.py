@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from hpcrl.models.hf import SUPPORTED_MODEL_TYPES as _FAMILIES  # stdlib-only module: no torch here either
+from hpcrl.train import mla  # its config checks are stdlib-only too
 
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 """HF ``model_type`` values the trainer builds: those of :data:`hpcrl.models.hf.SUPPORTED_MODEL_TYPES`."""
@@ -69,6 +70,15 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
                 "moe_input_jitter_eps jitters the router input only); set router_jitter_noise: 0.0")
     rope = rope_settings(hf)
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if mla.is_mla(hf):  # multi-latent attention: plain RoPE or YaRN (hpcrl.train.mla)
+        bad = mla.unsupported_feature(hf, rope)
+        if bad is not None:
+            return bad
+        kind = "default"
+        if not mla.all_layers_dense(hf):  # MoE layers: the DeepSeek-style router, as GLM-4.5's
+            bad = deepseek_router_problem(hf)
+            if bad is not None:
+                return bad
     if kind not in ("default", None):
         standard = kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_ROPE.items())
         if not standard:

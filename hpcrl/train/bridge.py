@@ -43,6 +43,10 @@ exported like them. Multi-token-prediction layers of a checkpoint (``model.layer
 transformers drops them: not loaded, not trained, not exported (an exported folder has no MTP layers; SGLang's
 MTP speculative decoding needs them from the original checkpoint).
 
+DeepSeek-V3 / GLM-lite (``deepseek_v3``, ``glm4_moe_lite``): multi-latent attention's names and layouts are
+:data:`hpcrl.train.mla.LAYER_RULES` (laid over this table for an MLA model; layout ``column``: split on dim 0
+like ``ColumnParallelLinear``), its layer spec :func:`hpcrl.train.mla_layers.layer_spec`.
+
 Supported: dense (no MoE) models with RMSNorm, SwiGLU, RoPE (default, or Llama-3 scaling with the standard
 low/high frequency factors), GQA, Qwen2's qkv bias, Qwen3's q/k norm, tied or untied embeddings; pipeline
 parallel size 1. Anything else raises ``NotImplementedError`` naming the unsupported setting.
@@ -66,6 +70,7 @@ from typing import Any, Optional, Union
 import torch
 
 from hpcrl.models.moe import RenamedWeights, from_mixtral_name, to_mixtral_name, unfuse_experts
+from hpcrl.train import mla
 from hpcrl.models.support import SUPPORTED_MODEL_TYPES  # the login node's list, the same
 from hpcrl.train.hf_config import (  # noqa: F401 (re-exported: callers know them as bridge.*)
     check_supported, head_dim, mcore_config_from_hf, moe_kwargs, num_experts, padded_vocab_size, rope_scaling,
@@ -103,6 +108,7 @@ _TOP_RULES = {
     "output_layer.weight": (("lm_head.weight",), "vocab"),
     "decoder.final_layernorm.weight": (("model.norm.weight",), "replicated"),
 }
+_MLA_LAYER_RULES = {**_LAYER_RULES, **mla.LAYER_RULES}  # multi-latent attention (hpcrl.train.mla)
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _EXPERT_HF_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
@@ -151,7 +157,7 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         from hpcrl.train import routing_replay
 
         routing_replay.reset()  # megatron keeps one replay instance per router in a class-level list
-    scaling = rope_scaling(hf_config)
+    scaling = None if config.multi_latent_attention else rope_scaling(hf_config)  # MLA: RoPE in its layers
     model = GPTModel(
         config=config,
         # the local spec with packed (THD) core attention beside megatron's padded one (hpcrl.train.packing)
@@ -181,9 +187,16 @@ def _decoder_spec(config: Any) -> Any:
     (``moe_layer_freq`` a list with zeros: GLM-4.5's first-k dense layers) a block spec of both kinds."""
     from hpcrl.train import deepseek_moe, packed_attention
 
-    spec = packed_attention.layer_spec(config.qk_layernorm, config.num_moe_experts)
+    def layer(experts=None):  # multi-latent attention (DeepSeek-V3, GLM-lite): hpcrl.train.mla's layer
+        if config.multi_latent_attention:
+            from hpcrl.train import mla_layers
+
+            return mla_layers.layer_spec(experts)
+        return packed_attention.layer_spec(config.qk_layernorm, experts)
+
+    spec = layer(config.num_moe_experts)
     if config.num_moe_experts and isinstance(config.moe_layer_freq, list) and 0 in config.moe_layer_freq:
-        spec = deepseek_moe.block_spec(config, packed_attention.layer_spec(config.qk_layernorm), spec)
+        spec = deepseek_moe.block_spec(config, layer(), spec)
     return spec
 
 
@@ -207,6 +220,7 @@ class _Geometry:
     local_experts: int = 0
     etp: int = 1  # expert tensor-parallel size and rank (the experts' fc1/fc2 split as the dense MLP's)
     etp_rank: int = 0
+    mla: bool = False  # multi-latent attention: hpcrl.train.mla's names
 
     def for_experts(self) -> "_Geometry":
         """The same geometry with the expert tensor-parallel split in place of the dense one."""
@@ -239,20 +253,22 @@ def _geometry(model: torch.nn.Module) -> _Geometry:
         local_experts=experts // ep,
         etp=parallel_state.get_expert_tensor_parallel_world_size() if experts else 1,
         etp_rank=parallel_state.get_expert_tensor_parallel_rank() if experts else 0,
+        mla=bool(getattr(cfg, "multi_latent_attention", False)),
     )
 
 
-def _hf_names(mcore_name: str, first_expert: int = 0) -> tuple[tuple[str, ...], str]:
+def _hf_names(mcore_name: str, first_expert: int = 0, mla_names: bool = False) -> tuple[tuple[str, ...], str]:
     """HF names and layout for one megatron-core parameter name; KeyError if it has no HF counterpart.
 
     A routed expert's parameter (``mlp.experts.local_experts.{j}.``) maps to HF expert ``first_expert + j``
     (``first_expert``: the first expert of the EP rank that holds it); its layout is ``expert_fc1`` /
-    ``expert_row``."""
+    ``expert_row``. ``mla_names``: a multi-latent-attention model's (:data:`hpcrl.train.mla.LAYER_RULES`)."""
     if mcore_name in _TOP_RULES:
         return _TOP_RULES[mcore_name]
     m = _LAYER_RE.match(mcore_name)
-    if m and m.group(2) in _LAYER_RULES:
-        hf, layout = _LAYER_RULES[m.group(2)]
+    rules = _MLA_LAYER_RULES if mla_names else _LAYER_RULES
+    if m and m.group(2) in rules:
+        hf, layout = rules[m.group(2)]
         return tuple(f"model.layers.{m.group(1)}.{name}" for name in hf), layout
     e = _EXPERT_RE.match(m.group(2)) if m else None
     if e and e.group(2) in _EXPERT_RULES:
@@ -268,7 +284,7 @@ def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     module = unwrap_model(model)
     g = _geometry(module)
     rename = _checkpoint_name(module.hf_config)
-    return {name: tuple(map(rename, _hf_names(name, g.ep_rank * g.local_experts)[0]))
+    return {name: tuple(map(rename, _hf_names(name, g.ep_rank * g.local_experts, g.mla)[0]))
             for name, _ in named_tensors(module)}
 
 
@@ -290,6 +306,8 @@ def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor
         return torch.cat([full, pad]).chunk(g.tp, dim=0)[g.rank]
     if layout == "row":
         return hf[0].chunk(g.tp, dim=1)[g.rank]
+    if layout == "column":
+        return hf[0].chunk(g.tp, dim=0)[g.rank]
     if layout == "fc1":
         gate, up = hf
         return torch.cat([gate.chunk(g.tp, dim=0)[g.rank], up.chunk(g.tp, dim=0)[g.rank]])
@@ -313,6 +331,8 @@ def _from_shards(layout: str, shards: list[torch.Tensor], g: _Geometry) -> list[
         return [torch.cat(shards)[: g.vocab_size].clone()]
     if layout == "row":
         return [torch.cat(shards, dim=1)]
+    if layout == "column":
+        return [torch.cat(shards)]
     if layout == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
@@ -392,7 +412,7 @@ def load_hf_weights(model: torch.nn.Module,
     g = _geometry(module)
     used = set()
     for name, param in named_tensors(module):
-        hf_names, layout = _hf_names(name, g.ep_rank * g.local_experts)
+        hf_names, layout = _hf_names(name, g.ep_rank * g.local_experts, g.mla)
         missing = [n for n in hf_names if n not in state]
         if missing:
             raise KeyError(f"HF weights lack {missing} (for megatron-core {name})")
@@ -431,7 +451,7 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     group = parallel_state.get_tensor_model_parallel_group() if g.tp > 1 else None
     rename = _checkpoint_name(module.hf_config)
     for name, param in named_tensors(module):
-        hf_names, layout = _hf_names(name)
+        hf_names, layout = _hf_names(name, 0, g.mla)
         local = param.detach()
         if not layout.startswith("expert_"):
             yield from _gathered(tuple(map(rename, hf_names)), layout, local, g.tp, group, g, dtype)
@@ -442,8 +462,8 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
             copies = [torch.empty_like(local) for _ in range(g.ep)]
             dist.all_gather(copies, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
         for r, tensor in enumerate(copies):
-            yield from _gathered(tuple(map(rename, _hf_names(name, r * g.local_experts)[0])), layout, tensor,
-                                 g.etp, etp_group, g, dtype)
+            names = tuple(map(rename, _hf_names(name, r * g.local_experts, g.mla)[0]))
+            yield from _gathered(names, layout, tensor, g.etp, etp_group, g, dtype)
 
 
 def _gathered(hf_names: tuple[str, ...], layout: str, local: torch.Tensor, size: int, group: Any, g: _Geometry,

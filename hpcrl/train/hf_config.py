@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from hpcrl.models.support import rope_settings, unsupported_feature  # the login node's check, the same words
-from hpcrl.train import deepseek_moe
+from hpcrl.train import deepseek_moe, mla
 
 # ---------------------------------------------------------------------------------------------------------
 # Config
@@ -133,7 +133,15 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
     if window is not None:  # megatron keeps keys j with i - left <= j <= i + right; HF's window is left W - 1
         # the fused (bf16, GPU) causal softmax kernel ignores the window: the torch softmax applies it
         kwargs.update(window_size=(window - 1, 0), masked_softmax_fusion=False)
-    if hf_config.model_type == "glm4_moe":
+    config_class = TransformerConfig
+    if mla.is_mla(hf_config):  # multi-latent attention: its ranks, head sizes and RoPE (hpcrl.train.mla)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        kwargs.update(mla.config_kwargs(hf_config, rope_theta(hf_config)))
+        if not mla.all_layers_dense(hf_config):  # DeepSeek-style MoE layers (hpcrl.train.deepseek_moe)
+            kwargs.update(mla.moe_kwargs(hf_config), expert_model_parallel_size=ep)
+    elif hf_config.model_type == "glm4_moe":
         kwargs.update(deepseek_moe.glm4_moe_kwargs(hf_config), expert_model_parallel_size=ep)
     elif num_experts(hf_config):
         kwargs.update(moe_kwargs(hf_config), expert_model_parallel_size=ep)
@@ -147,7 +155,7 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
     kwargs.update(overrides)
     if kwargs.get("moe_router_enable_expert_bias"):
         deepseek_moe.check_bias_update_rate(kwargs.get("moe_router_bias_update_rate"))
-    return TransformerConfig(**kwargs)
+    return config_class(**kwargs)
 
 
 def moe_kwargs(hf_config: Any) -> dict[str, Any]:
