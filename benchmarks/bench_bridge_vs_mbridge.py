@@ -30,6 +30,7 @@ import contextlib
 import inspect
 import io
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -365,22 +366,28 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def speed(sides: list, path: Path, repeats: int) -> dict[str, dict[str, float]]:
-    """Best-of-``repeats`` seconds per side: ``load`` (HF folder -> model), ``export`` (every HF tensor into a
-    dict, as the bridge yields it) and ``export_copies`` (each yielded tensor ``.clone()``d: hpcrl's export
-    yields fresh tensors, mbridge's yields views of the parameters where no layout change is needed). The
-    sides run interleaved within each repeat."""
+def speed(sides: list, path: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per side and repeat: ``load`` (HF folder -> model), ``export`` (every HF tensor into a dict, as
+    the bridge yields it) and ``export_copies`` (the same with each tensor a fresh copy: hpcrl's export yields
+    fresh tensors, so this is its ``export``; mbridge's yields views of the parameters where no layout change
+    is needed, so its tensors are ``.clone()``d). The sides alternate within each repeat, the first one
+    swapping from repeat to repeat."""
+    import gc
+
     models = {s.name: s.build_and_load(path) for s in sides}
-    best: dict[str, dict[str, float]] = {s.name: {} for s in sides}
-    for _ in range(repeats):
-        for s in sides:
-            m = models[s.name]
-            row = dict(load=timed(lambda: s.load(m, path)), export=timed(lambda: s.export(m)),
-                       export_copies=timed(lambda: {k: v.clone() for k, v in s.export(m).items()}
-                                           if s.name == "mbridge" else s.export(m)))
-            for k, v in row.items():
-                best[s.name][k] = min(best[s.name].get(k, float("inf")), v)
-    return best
+    times: dict[str, dict[str, list[float]]] = {s.name: {"load": [], "export": [], "export_copies": []}
+                                                 for s in sides}
+    for r in range(repeats):
+        for s in (sides if r % 2 == 0 else sides[::-1]):
+            m, t = models[s.name], times[s.name]
+            gc.collect()
+            t["load"].append(timed(lambda: s.load(m, path)))
+            t["export"].append(timed(lambda: s.export(m)))
+            if s.name == "hpcrl":
+                t["export_copies"].append(t["export"][-1])
+            else:
+                t["export_copies"].append(timed(lambda: {k: v.clone() for k, v in s.export(m).items()}))
+    return times
 
 
 def line_counts(paths: list[Path]) -> tuple[int, int]:
@@ -516,18 +523,22 @@ def main(argv: Optional[list[str]] = None) -> None:
             model_type, fields = SPEED_MODEL
             path = make_hf(model_type, fields, Path(tmp) / "speed")
             n = sum(t.numel() for t in read_hf_state_dict(path).values())
-            best = speed(sides, path, args.repeats)
+            times = speed(sides, path, args.repeats)
             print(f"\nspeed: {model_type} {n / 1e6:.1f}M parameters (hidden {fields['hidden_size']}, "
-                  f"{fields['num_hidden_layers']} layers, {fields['num_experts']} experts), "
-                  f"best of {args.repeats}, interleaved")
+                  f"{fields['num_hidden_layers']} layers, {fields['num_experts']} experts), {args.repeats} "
+                  "repeats, the bridges alternating; seconds best / median")
             print("\n| bridge | load s | export s (as yielded) | export s (fresh copies) |")
             print("|---|---|---|---|")
-            for name, row in best.items():
-                print(f"| {name} | {row['load']:.3f} | {row['export']:.3f} | {row['export_copies']:.3f} |")
+            stats = {name: {k: (min(v), statistics.median(v)) for k, v in row.items()}
+                     for name, row in times.items()}
+            for name, row in stats.items():
+                print(f"| {name} | " + " | ".join(f"{row[k][0]:.3f} / {row[k][1]:.3f}"
+                                                  for k in ("load", "export", "export_copies")) + " |")
             if mb_label:
-                h, m = best["hpcrl"], best["mbridge"]
-                print(f"| mbridge / hpcrl | {m['load'] / h['load']:.2f}x | "
-                      f"{m['export'] / h['export']:.2f}x | {m['export_copies'] / h['export_copies']:.2f}x |")
+                h, m = stats["hpcrl"], stats["mbridge"]
+                ratios = (f"{m[k][0] / h[k][0]:.2f}x / {m[k][1] / h[k][1]:.2f}x"
+                          for k in ("load", "export", "export_copies"))
+                print("| mbridge / hpcrl | " + " | ".join(ratios) + " |")
     parallel.destroy()
 
 
