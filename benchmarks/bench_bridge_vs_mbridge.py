@@ -62,8 +62,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                   routed_scaling_factor=2.5, norm_topk_prob=True,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                    "partial_rotary_factor": 0.5})),
-    # DeepSeek-V3's shape: MLA with q and kv LoRA, group-limited routing (8 experts in 2 groups, best group)
-    "deepseek_v3": ("deepseek_v3", dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+    # DeepSeek-V3's shape: MLA with q and kv LoRA, group-limited routing (8 experts in 2 groups, best group);
+    # a vocab TP divides: mbridge's DeepSeek-V3 bridge does not pad it (the published 129280 divides)
+    "deepseek_v3": ("deepseek_v3", dict(vocab_size=64, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
                                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                                         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                                         moe_intermediate_size=48, first_k_dense_replace=1, n_group=2,
@@ -78,7 +79,20 @@ SPEED_MODEL = ("qwen3_moe", dict(COMMON, vocab_size=4096, hidden_size=512, num_h
 
 def make_hf(model_type: str, fields: dict[str, Any], path: Path, seed: int = 1) -> Path:
     """Save a random HF causal LM of ``model_type`` (norm weights in [0.5, 1.5] and expert score biases in
-    [-0.1, 0.1], so that a mix-up shows) as safetensors in ``path``."""
+    [-0.1, 0.1], so that a mix-up shows) as safetensors in ``path``. Under torchrun rank 0 saves (transformers
+    writes the config on the main process only) and every rank waits for it."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return save_random_hf(model_type, fields, path, seed)
+    if dist.get_rank() == 0:
+        save_random_hf(model_type, fields, path, seed)
+    dist.barrier()
+    return path
+
+
+def save_random_hf(model_type: str, fields: dict[str, Any], path: Path, seed: int) -> Path:
+    """:func:`make_hf` in this process."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **{**COMMON, **fields})
@@ -182,6 +196,26 @@ def patch_local_names(mb) -> None:
     mb._weight_name_mapping_mcore_to_hf = mapping
 
 
+def patch_expert_parallel_names(mb) -> None:
+    """mbridge finds routed experts for expert parallelism (global index on load, all-gather on export) by
+    TE's grouped name ``.mlp.experts.linear_fc``; SequentialMLP's ``local_experts.{j}`` pass unseen, so at
+    EP > 1 each rank loads experts 0.. and exports only its own. Rename them in its local -> global name
+    map."""
+    to_global = mb._weight_name_mapping_mcore_local_to_global
+
+    def mapping(model, consider_ep: bool = True) -> dict[str, str]:
+        offset = 0
+        if consider_ep and mb.mpu.ep_size > 1:
+            offset = mb.mpu.ep_rank * (mb.config.num_moe_experts // mb.mpu.ep_size)
+        def grouped(m: re.Match) -> str:
+            return f".mlp.experts.{m.group(2)}.weight{int(m.group(1)) + offset}"
+
+        names = to_global(model, consider_ep=consider_ep)
+        return {k: _LOCAL_EXPERT.sub(grouped, v) for k, v in names.items()}
+
+    mb._weight_name_mapping_mcore_local_to_global = mapping
+
+
 def patch_mla_config_name() -> None:
     """mbridge 0.15.1's DeepSeek-V3 config passes ``max_position_embeddings`` to ``MLATransformerConfig``,
     which megatron-core 0.16.1 names ``original_max_position_embeddings`` (TypeError)."""
@@ -250,6 +284,8 @@ PATCHES: tuple[tuple[Callable, str, str], ...] = (
                                     "calls of get_model / export on hpcrl's CPU alias"),
     (patch_local_names, "all", "local-spec names (separate norms, SequentialMLP experts) -> the TE names of "
                                "mbridge's tables"),
+    (patch_expert_parallel_names, "MoE at EP > 1", "SequentialMLP experts in its EP name map (else wrong "
+                                                   "experts loaded, own experts exported)"),
     (patch_mla_config_name, "deepseek_v3", "MLATransformerConfig kwarg renamed in megatron-core 0.16 "
                                            "(max_position_embeddings, TypeError)"),
     (patch_mla_fp32_reader, "deepseek_v3", "plain safetensors reader: mbridge's DeepSeek-V3 reads bf16 only"),
@@ -283,6 +319,10 @@ def cpu_overrides(model_type: str) -> dict[str, Any]:
                                   bias_dropout_fusion=False,
                                   masked_softmax_fusion=False, apply_rope_fusion=False,
                                   gradient_accumulation_fusion=False)
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        kwargs["sequence_parallel"] = False  # mbridge turns it on at TP > 1; torch's norms refuse it
     if model_type == "deepseek_v3":
         from megatron.core.transformer.enums import AttnBackend
 
@@ -318,6 +358,7 @@ class MbridgeSide:
         mb = AutoBridge.from_config(hf_config, dtype=torch.float32,
                                     make_vocab_size_divisible_by=None if mla else 128)
         patch_local_names(mb)
+        patch_expert_parallel_names(mb)
         if mla:
             patch_mla_fp32_reader(mb)
             patch_mla_core_attention(mb)
@@ -342,6 +383,14 @@ class MbridgeSide:
 # Measurements
 # ---------------------------------------------------------------------------------------------------------
 
+def gather_from_tensor_model_parallel_region(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocab logits from the TP ranks' vocab shards (megatron-core's gather; the tensor itself at
+    TP=1)."""
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+
+
 def exactness(side, path: Path, hf_state: dict[str, torch.Tensor], hf_logits: torch.Tensor,
               tokens: torch.Tensor) -> dict[str, Any]:
     """``{"ok", "bitwise", "tensors", "logits_diff", "error"}`` of one bridge on one HF folder."""
@@ -351,6 +400,7 @@ def exactness(side, path: Path, hf_state: dict[str, torch.Tensor], hf_logits: to
         with torch.no_grad():
             logits = model(input_ids=tokens, position_ids=torch.arange(tokens.shape[1]).expand_as(tokens),
                            attention_mask=None)
+            logits = gather_from_tensor_model_parallel_region(logits)  # vocab-parallel at TP > 1
     except Exception as e:  # noqa: BLE001 - a refusal or a crash is the measurement
         return dict(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
     same_names = sorted(out) == sorted(hf_state)
@@ -450,14 +500,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--no-speed", action="store_true", help="exactness, patches and lines of code only")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (> 1: run under torchrun; "
+                                                          "exactness only)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (> 1: run under torchrun; "
+                                                          "exactness only)")
     args = parser.parse_args(argv)
+    distributed = args.tp * args.ep > 1
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
 
     from hpcrl.train import parallel
 
-    parallel.init_distributed()  # gloo world of 1; applies hpcrl.train.cpu_compat (both bridges need it)
-    parallel.initialize_model_parallel(tp=1)
+    # gloo (a world of 1, or torchrun's); applies hpcrl.train.cpu_compat (both bridges need it)
+    parallel.init_distributed(timeout_s=300)
+    parallel.initialize_model_parallel(tp=args.tp, ep=args.ep)
+    rank0 = torch.distributed.get_rank() == 0
+    if distributed and not rank0:
+        sys.stdout = io.StringIO()  # rank 0 prints; every rank measures (each export is a collective)
     parallel.model_parallel_cuda_manual_seed(1234)
     sides: list = [HpcrlSide()]
     mbridge_dir = None
@@ -477,11 +536,15 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     print(machine_header(threads=args.threads, precision="float32"))
     print(f"# megatron-core {megatron.core.__version__}, transformers {transformers.__version__}"
-          + (f", {mb_label}" if mb_label else "") + ", TP=1, local layer spec, gloo world of 1")
+          + (f", {mb_label}" if mb_label else "") + f", TP={args.tp}, EP={args.ep}, local layer spec, gloo "
+          f"world of {torch.distributed.get_world_size()}")
     print("\n| family | bridge | builds and loads | export bitwise (tensors) "
           "| logits max abs diff vs HF fp32 |")
     print("|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as own_tmp:
+        shared = [own_tmp]
+        torch.distributed.broadcast_object_list(shared, src=0)  # rank 0's folder holds every rank's models
+        tmp = shared[0]
         for family in args.families:
             model_type, fields = FAMILIES[family]
             path = make_hf(model_type, fields, Path(tmp) / re.sub(r"\W", "_", family))
@@ -503,6 +566,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 else:
                     print(f"| {family} | {side.name} | no: {r['error']} | - | - |")
 
+        if distributed:  # exactness only; what follows does not depend on the parallel layout
+            args.no_speed, mb_label, mbridge_dir = True, None, None
         if mb_label:
             print("\n| mbridge patch (this file) | for | lines |")
             print("|---|---|---|")
@@ -514,10 +579,11 @@ def main(argv: Optional[list[str]] = None) -> None:
             print("| (configuration: cpu_overrides, through set_extra_args) | all | "
                   f"{source_lines(cpu_overrides)} |")
 
-        print("\n| side | mapping code | physical lines | code lines |")
-        print("|---|---|---|---|")
-        for side, what, (physical, code) in loc_rows(mbridge_dir):
-            print(f"| {side} | {what} | {physical} | {code} |")
+        if not distributed:
+            print("\n| side | mapping code | physical lines | code lines |")
+            print("|---|---|---|---|")
+            for side, what, (physical, code) in loc_rows(mbridge_dir):
+                print(f"| {side} | {what} | {physical} | {code} |")
 
         if not args.no_speed:
             model_type, fields = SPEED_MODEL
@@ -539,6 +605,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 ratios = (f"{m[k][0] / h[k][0]:.2f}x / {m[k][1] / h[k][1]:.2f}x"
                           for k in ("load", "export", "export_copies"))
                 print("| mbridge / hpcrl | " + " | ".join(ratios) + " |")
+        torch.distributed.barrier()  # rank 0 removes the folder on leaving
     parallel.destroy()
 
 
