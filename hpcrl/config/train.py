@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,12 @@ def check_train(cfg: Config) -> None:
                 "the fused THD rotary kernel ignores the per-token positions that packed micro-batches "
                 "(train.max_tokens_per_microbatch) need", "leave megatron.apply_rope_fusion unset (false)")
     non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps")
+    rate = (cfg.megatron or {}).get("moe_router_bias_update_rate")
+    number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
+    require(rate is None or (number and 0 <= rate < math.inf),
+            "megatron.moe_router_bias_update_rate", rate, "must be a number >= 0 (the aux-loss-free step of "
+            "the expert bias of GLM-4.5-style routers; 0, the default, keeps it frozen as slime does)",
+            "set it to 0 or a small rate such as 1e-3 (megatron's pre-training default)")
     for f in ("train.pipeline_parallel_size", "train.context_parallel_size"):
         require(get_field(cfg, f) == 1, f, get_field(cfg, f), "the trainer does not support pipeline or context "
                  "parallelism yet (its forward is one stage over whole sequences)",
@@ -224,7 +231,8 @@ def model_experts(cfg: Config, check_files: bool) -> Optional[tuple[int, int]]:
     import json
 
     m = cfg.model
-    if m.create == "tiny-qwen3-moe" and not (m.path and Path(m.path, "config.json").is_file()):
+    created = m.path and Path(m.path, "config.json").is_file()
+    if m.create in ("tiny-qwen3-moe", "tiny-glm4-moe") and not created:
         return m.tiny_num_experts, m.tiny_moe_top_k
     if m.create == "tiny-qwen2" and not (m.path and Path(m.path, "config.json").is_file()):
         return 0, 0

@@ -19,8 +19,12 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "llama": "LlamaForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
-"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama)."""
+"""HF ``model_type`` -> causal-LM class of every supported family (Qwen2, Qwen3 dense and MoE, Llama,
+GLM-4.5 / 4.6 / 4.7 MoE, DeepSeek-V3 / R1 / Kimi-K2 / Moonlight, GLM-4.7-Flash-style MLA)."""
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -117,7 +121,10 @@ def ensure_model(model_cfg: Any, seed: int = 0) -> Path:
     exists it is returned as is (no check that it matches ``create``). When it is missing:
     ``create: tiny-qwen2`` builds a random tiny Qwen2 with the section's ``tiny_*`` sizes, initialised from
     ``seed`` (pass ``cfg.run.seed``), ``create: tiny-qwen3-moe`` a tiny Qwen3-MoE likewise (head size
-    ``tiny_hidden_size / tiny_num_heads``); ``create: gguf`` converts ``gguf_file`` (a path or ``smollm2``).
+    ``tiny_hidden_size / tiny_num_heads``), ``create: tiny-glm4-moe`` a tiny GLM-4.5-style model likewise (the
+    first layer dense of width ``tiny_intermediate_size``, a shared expert, the sigmoid grouped router with a
+    non-zero expert bias: :func:`hpcrl.models.tiny.create_tiny_glm4_moe`); ``create: gguf`` converts
+    ``gguf_file`` (a path or ``smollm2``).
 
     Creation is atomic and safe enough for concurrent callers (e.g. array jobs sharing a model folder): each
     creator builds in its own staging folder next to ``path`` and renames it into place; a loser of the race
@@ -127,7 +134,7 @@ def ensure_model(model_cfg: Any, seed: int = 0) -> Path:
     :class:`ModelFolderError` (a FileNotFoundError) when ``path`` is missing and ``create`` is not set.
     """
     from hpcrl.models.gguf import convert_gguf_to_hf
-    from hpcrl.models.tiny import create_tiny_qwen2, create_tiny_qwen3_moe
+    from hpcrl.models.tiny import create_tiny_glm4_moe, create_tiny_qwen2, create_tiny_qwen3_moe
 
     if not model_cfg.path:
         raise ValueError("model.path is empty; set it to an HF folder (created first when model.create is set)")
@@ -137,11 +144,13 @@ def ensure_model(model_cfg: Any, seed: int = 0) -> Path:
     create = model_cfg.create
     if create is None:
         raise ModelFolderError(f"model.path {str(path)!r} does not exist and model.create is not set "
-                                "(set model.create: tiny-qwen2, tiny-qwen3-moe or gguf to create it)")
+                                "(set model.create: tiny-qwen2, tiny-qwen3-moe, tiny-glm4-moe or gguf to "
+                                "create it)")
     if create == "gguf" and not model_cfg.gguf_file:
         raise ValueError("model.create is 'gguf' but model.gguf_file is not set (a .gguf path or 'smollm2')")
-    if create not in ("tiny-qwen2", "tiny-qwen3-moe", "gguf"):
-        raise ValueError(f"model.create {create!r} is not one of: tiny-qwen2, tiny-qwen3-moe, gguf")
+    if create not in ("tiny-qwen2", "tiny-qwen3-moe", "tiny-glm4-moe", "gguf"):
+        raise ValueError(f"model.create {create!r} is not one of: tiny-qwen2, tiny-qwen3-moe, tiny-glm4-moe, "
+                         "gguf")
 
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.parent / f".{path.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -158,6 +167,14 @@ def ensure_model(model_cfg: Any, seed: int = 0) -> Path:
                                   head_dim=model_cfg.tiny_hidden_size // model_cfg.tiny_num_heads,
                                   num_experts=model_cfg.tiny_num_experts, top_k=model_cfg.tiny_moe_top_k,
                                   moe_intermediate_size=model_cfg.tiny_moe_intermediate_size, seed=seed)
+        elif create == "tiny-glm4-moe":
+            create_tiny_glm4_moe(built, hidden_size=model_cfg.tiny_hidden_size,
+                                 num_layers=model_cfg.tiny_num_layers, num_heads=model_cfg.tiny_num_heads,
+                                 num_kv_heads=model_cfg.tiny_num_kv_heads,
+                                 head_dim=model_cfg.tiny_hidden_size // model_cfg.tiny_num_heads,
+                                 num_experts=model_cfg.tiny_num_experts, top_k=model_cfg.tiny_moe_top_k,
+                                 moe_intermediate_size=model_cfg.tiny_moe_intermediate_size,
+                                 intermediate_size=model_cfg.tiny_intermediate_size, seed=seed)
         else:
             convert_gguf_to_hf(model_cfg.gguf_file, built)
         try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from hpcrl.models.hf import SUPPORTED_MODEL_TYPES as _FAMILIES  # stdlib-only module: no torch here either
+from hpcrl.train import mla  # its config checks are stdlib-only too
 
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 """HF ``model_type`` values the trainer builds: those of :data:`hpcrl.models.hf.SUPPORTED_MODEL_TYPES`."""
@@ -44,8 +45,9 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
     """The first setting of ``config.json`` (``hf``) the trainer cannot build, or None.
 
     Refused: a ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES`; ``hidden_act`` other than silu; q/k/v
-    bias except Qwen2's; MLP bias; sliding-window attention; RoPE scalings other than plain and Llama-3's
-    standard one; partial RoPE; Qwen3-MoE with dense layers or shared experts.
+    bias except Qwen2's and GLM-4.5's; MLP bias; sliding-window attention; RoPE scalings other than plain
+    and Llama-3's standard one; partial RoPE except GLM-4.5's; Qwen3-MoE with dense layers or shared
+    experts; GLM-4.5 routers megatron-core cannot express (:func:`deepseek_router_problem`).
     """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -54,7 +56,7 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         return ("hidden_act", act, "is not supported (SwiGLU with silu is)")
-    if model_type != "qwen2" and hf.get("attention_bias"):
+    if model_type not in ("qwen2", "glm4_moe") and hf.get("attention_bias"):
         return ("attention_bias", True, f"(bias on q/k/v and o_proj) is not supported for {model_type}")
     if hf.get("mlp_bias"):
         return ("mlp_bias", True, "is not supported")
@@ -62,13 +64,22 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
         return ("use_sliding_window", True, "sliding-window attention is not supported")
     rope = rope_settings(hf)
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if mla.is_mla(hf):  # multi-latent attention: plain RoPE or YaRN (hpcrl.train.mla)
+        bad = mla.unsupported_feature(hf, rope)
+        if bad is not None:
+            return bad
+        kind = "default"
+        if not mla.all_layers_dense(hf):  # MoE layers: the DeepSeek-style router, as GLM-4.5's
+            bad = deepseek_router_problem(hf)
+            if bad is not None:
+                return bad
     if kind not in ("default", None):
         standard = kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_ROPE.items())
         if not standard:
             return ("rope_parameters", rope, f"RoPE scaling {kind!r} is not supported (plain RoPE, or llama3 "
                     f"with {_LLAMA3_ROPE}, is)")
     partial = rope.get("partial_rotary_factor")
-    if partial is not None and float(partial) != 1.0:
+    if partial is not None and float(partial) != 1.0 and model_type != "glm4_moe":
         return ("partial_rotary_factor", partial, "partial RoPE is not supported (RoPE on the whole head is)")
     if model_type == "qwen3_moe":
         if list(hf.get("mlp_only_layers") or []):
@@ -80,6 +91,43 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
         if hf.get("shared_expert_intermediate_size"):
             return ("shared_expert_intermediate_size", hf["shared_expert_intermediate_size"],
                     "shared experts are not supported")
+    if model_type == "glm4_moe":
+        return deepseek_router_problem(hf)
+    return None
+
+
+def deepseek_router_problem(hf: Mapping[str, Any]) -> Optional[Problem]:
+    """What of a GLM-4.5 / DeepSeek-V3-style router (sigmoid scores, ``e_score_correction_bias``, groups)
+    megatron-core 0.16.1 cannot express, or None.
+
+    Megatron picks ``topk_group`` of ``n_group`` groups by the sum of each group's top ``top_k // topk_group``
+    scores, HF's ``Glm4MoeTopkRouter`` / ``DeepseekV3TopkRouter`` by its top 2: refused where they differ
+    (``n_group > 1`` and ``num_experts_per_tok // topk_group != 2``). Megatron always renormalises the top-k
+    sigmoid scores (k > 1), so ``norm_topk_prob: false`` is refused; so are scorings other than sigmoid.
+    """
+    experts = int(hf.get("n_routed_experts") or 0)
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    groups, topk_group = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    scoring = hf.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        return ("scoring_func", scoring, "is not supported (sigmoid, as GLM-4.5 and DeepSeek-V3, is)")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        return ("topk_method", hf["topk_method"],
+                "is not supported (noaux_tc: sigmoid + e_score_correction_bias, is)")
+    if not hf.get("norm_topk_prob", True) and top_k > 1:
+        return ("norm_topk_prob", False, "is not supported: megatron-core renormalises the top-k sigmoid "
+                "scores (norm_topk_prob: true is supported)")
+    if experts <= 0 or top_k <= 0 or top_k > experts:
+        return ("num_experts_per_tok", top_k, f"must be between 1 and n_routed_experts={experts}")
+    if int(hf.get("n_shared_experts", 1) or 0) < 1:
+        return ("n_shared_experts", hf.get("n_shared_experts"),
+                "is not supported (1 or more shared experts is)")
+    if groups > 1:
+        if experts % groups or topk_group > groups or top_k // max(topk_group, 1) != 2:
+            return ("n_group", groups, f"with topk_group={topk_group}, num_experts_per_tok={top_k}, "
+                    f"n_routed_experts={experts}: megatron-core scores a group by its top "
+                    "num_experts_per_tok // topk_group experts, HF by its top 2; supported: n_group=1, or "
+                    "n_group dividing n_routed_experts with num_experts_per_tok // topk_group == 2")
     return None
 
 

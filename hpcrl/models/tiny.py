@@ -104,14 +104,83 @@ def create_tiny_qwen3_moe(path: str | os.PathLike, hidden_size: int = 128, num_l
     return _save_random(path, Qwen3MoeForCausalLM, config, tokenizer, seed)
 
 
-def _save_random(path: Path, model_cls, config, tokenizer, seed: int) -> Path:
-    """Initialise ``model_cls(config)`` from ``seed`` (without touching the global RNG) and save it with
-    ``tokenizer`` to ``path`` atomically (a temp folder, then a rename). Returns ``path``."""
+def glm_expert_groups(num_experts: int, top_k: int) -> tuple[int, int]:
+    """``(n_group, topk_group)`` of a tiny GLM-4.5-style router: ``(2, 1)`` (two groups of experts, both of
+    a token's experts chosen within the better group) when ``top_k`` is 2 and ``num_experts`` is even and at
+    least 4; else ``(1, 1)`` (no groups).
+
+    HF's ``Glm4MoeTopkRouter`` scores a group by the sum of its top 2 experts, megatron-core's
+    ``group_limited_topk`` by the sum of its top ``top_k // topk_group``: with ``top_k // topk_group == 2``
+    both score groups alike, so trainer and engine route alike (issue #35 point 1)."""
+    if top_k == 2 and num_experts % 2 == 0 and num_experts >= 4:
+        return 2, 1
+    return 1, 1
+
+
+def create_tiny_glm4_moe(path: str | os.PathLike, hidden_size: int = 128, num_layers: int = 4,
+                         num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32, num_experts: int = 8,
+                         top_k: int = 2, moe_intermediate_size: int = 256, intermediate_size: int = 512,
+                         routed_scaling_factor: float = 2.5, use_qk_norm: bool = True,
+                         expert_bias_std: float = 0.05, seed: int = 0, max_position_embeddings: int = 256,
+                         tie_word_embeddings: bool = True) -> Path:
+    """Create a random-init GLM-4.5-style ``Glm4MoeForCausalLM`` with the character tokenizer, saved as an HF
+    folder.
+
+    The GLM-4.5 features at CI size: the first layer dense (``first_k_dense_replace=1``, SwiGLU of width
+    ``intermediate_size``), the others a mixture of ``num_experts`` routed SwiGLU experts of width
+    ``moe_intermediate_size`` plus one shared expert (``n_shared_experts=1``); the sigmoid router with
+    ``e_score_correction_bias`` (aux-loss-free balancing; drawn from N(0, ``expert_bias_std``) here, not
+    zero, so that a bias that is dropped or not synced changes the routing), group-limited top-``top_k``
+    (:func:`glm_expert_groups`), weights renormalised over the k and scaled by ``routed_scaling_factor``;
+    partial RoPE (``partial_rotary_factor=0.5``: half of each head's dimensions rotate), q/k/v bias
+    (``attention_bias``), per-head q/k RMSNorm (``use_qk_norm``, as GLM-4.5; GLM-4.5-Air has none), GQA,
+    tied embeddings by default, no MTP layers (``num_nextn_predict_layers=0``). With the defaults: 3,055,616
+    parameters. The checkpoint stores experts by per-expert names (``mlp.experts.{e}.{gate,up,down}_proj
+    .weight``) and the bias as ``mlp.gate.e_score_correction_bias``, as released GLM-4.5 checkpoints do. The
+    write is atomic. Returns ``path``; raises FileExistsError if it already exists.
+    """
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} already exists")
+    tokenizer = build_char_tokenizer()
+    n_group, topk_group = glm_expert_groups(num_experts, top_k)
+    config = Glm4MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        moe_intermediate_size=moe_intermediate_size, n_routed_experts=num_experts, num_experts_per_tok=top_k,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor, norm_topk_prob=True, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        attention_bias=True, use_qk_norm=use_qk_norm, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    )
+
+    def nonzero_expert_bias(model) -> None:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("mlp.gate.e_score_correction_bias"):
+                    buf.copy_(torch.randn(buf.shape, generator=g) * expert_bias_std)
+
+    return _save_random(path, Glm4MoeForCausalLM, config, tokenizer, seed, after_init=nonzero_expert_bias)
+
+
+def _save_random(path: Path, model_cls, config, tokenizer, seed: int, after_init=None) -> Path:
+    """Initialise ``model_cls(config)`` from ``seed`` (without touching the global RNG), apply
+    ``after_init(model)`` if given, and save it with ``tokenizer`` to ``path`` atomically (a temp folder, then
+    a rename). Returns ``path``."""
     import torch
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = model_cls(config)
+    if after_init is not None:
+        after_init(model)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

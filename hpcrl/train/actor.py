@@ -376,11 +376,13 @@ class Actor:
         self.weights = WeightBackup(self.model)
         self.routing: Optional[tuple[int, int]] = None
         if cfg.algorithm.routing_replay:
+            from hpcrl.train import routing_replay
+
             mc = self.model.config
             if not mc.num_moe_experts:
                 raise ValueError("algorithm.routing_replay: the model is dense (no experts to route); set it to "
                                  "false or train a mixture-of-experts model")
-            self.routing = (mc.num_layers, mc.moe_router_topk)
+            self.routing = (routing_replay.moe_layer_count(mc), mc.moe_router_topk)
         self.step_metrics: list[dict[str, Optional[float]]] = []
         if cfg.algorithm.use_kl_loss:
             self.weights.backup("ref")

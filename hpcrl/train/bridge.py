@@ -15,6 +15,11 @@ Megatron parameter (``decoder.layers.{i}.`` prefix)   HF parameter (``model.laye
 ``pre_mlp_layernorm.weight``                            ``post_attention_layernorm.weight``           replicated
 ``mlp.linear_fc1.weight``                               ``mlp.{gate,up}_proj.weight``                 fc1
 ``mlp.linear_fc2.weight``                               ``mlp.down_proj.weight``                      row
+``mlp.router.weight`` (MoE)                             ``mlp.gate.weight``                         replicated
+``mlp.router.expert_bias`` (GLM-4.5, buffer)            ``mlp.gate.e_score_correction_bias``        replicated
+``mlp.shared_experts.linear_fc1.weight`` (GLM-4.5)      ``mlp.shared_experts.{gate,up}_proj.weight``  fc1
+``mlp.shared_experts.linear_fc2.weight`` (GLM-4.5)      ``mlp.shared_experts.down_proj.weight``       row
+``mlp.experts.local_experts.{j}.linear_fc1/2.weight``   ``mlp.experts.{J}.{gate,up,down}_proj.weight`` fc1/row
 
 With TransformerEngine layer specs the two layer norms are fused into the next linear and named
 ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``; the table accepts
@@ -30,6 +35,13 @@ Layouts, for tensor-parallel size ``tp`` and rank ``r`` (megatron-core's ``Colum
   ``[q heads of group g (heads/groups * head_dim rows); k_g (head_dim rows); v_g (head_dim rows)]`` for
   g = 0, 1, ...; then split on dim 0, so each rank holds whole groups.
 - fc1: ``[gate; up]`` per rank: rank r holds ``[gate.chunk(tp)[r]; up.chunk(tp)[r]]``.
+
+GLM-4.5 (``glm4_moe``): the first ``first_k_dense_replace`` layers' dense MLP has the dense names; the
+router's expert bias is a buffer on both sides (:func:`named_tensors` adds it to the parameters), loaded and
+exported like them. Multi-token-prediction layers of a checkpoint (``model.layers.{i}`` with
+``i >= num_hidden_layers``, ``num_nextn_predict_layers`` > 0) are dropped (:func:`is_mtp_tensor`), as HF
+transformers drops them: not loaded, not trained, not exported (an exported folder has no MTP layers; SGLang's
+MTP speculative decoding needs them from the original checkpoint).
 
 Supported: dense (no MoE) models with RMSNorm, SwiGLU, RoPE (default, or Llama-3 scaling with the standard
 low/high frequency factors), GQA, Qwen2's qkv bias, Qwen3's q/k norm, tied or untied embeddings; pipeline
@@ -50,10 +62,11 @@ from typing import Any, Optional, Union
 import torch
 
 from hpcrl.models.moe import unfuse_experts
+from hpcrl.train import mla
 from hpcrl.models.support import SUPPORTED_MODEL_TYPES  # the login node's list, the same
 from hpcrl.train.hf_config import (  # noqa: F401 (re-exported: callers know them as bridge.*)
     check_supported, head_dim, mcore_config_from_hf, moe_kwargs, num_experts, padded_vocab_size, rope_scaling,
-    rope_theta)
+    rope_theta, rotary_percent)
 
 _LAYER_RULES = {
     # megatron suffix -> (HF suffixes, layout)
@@ -71,6 +84,11 @@ _LAYER_RULES = {
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
     "mlp.router.weight": (("mlp.gate.weight",), "replicated"),
+    # GLM-4.5 / DeepSeek-V3: the router's expert bias (a buffer on both sides) and the shared experts
+    "mlp.router.expert_bias": (("mlp.gate.e_score_correction_bias",), "replicated"),
+    "mlp.shared_experts.linear_fc1.weight": (
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), "fc1"),
+    "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_experts.down_proj.weight",), "row"),
 }
 _EXPERT_RULES = {
     # megatron suffix of ``mlp.experts.local_experts.{j}.`` -> (HF suffixes of ``mlp.experts.{J}.``, layout)
@@ -82,9 +100,28 @@ _TOP_RULES = {
     "output_layer.weight": (("lm_head.weight",), "vocab"),
     "decoder.final_layernorm.weight": (("model.norm.weight",), "replicated"),
 }
+_MLA_LAYER_RULES = {**_LAYER_RULES, **mla.LAYER_RULES}  # multi-latent attention (hpcrl.train.mla)
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _EXPERT_HF_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The megatron-core tensors the bridge maps: every parameter, then the routers' ``expert_bias`` buffers
+    (GLM-4.5 / DeepSeek-V3's ``e_score_correction_bias``: state, but not trained by the optimizer)."""
+    yield from module.named_parameters()
+    for name, buf in module.named_buffers():
+        if name.endswith("mlp.router.expert_bias"):
+            yield name, buf
+
+
+def is_mtp_tensor(hf_name: str, hf_config: Any) -> bool:
+    """Whether an HF tensor belongs to a multi-token-prediction layer (``model.layers.{i}`` with
+    ``i >= num_hidden_layers``, present when ``num_nextn_predict_layers`` > 0: GLM-4.5, DeepSeek-V3). The
+    bridge drops them, as HF transformers' ``Glm4MoeForCausalLM`` does: not loaded, trained or exported."""
+    m = _HF_LAYER_RE.match(hf_name)
+    return bool(m) and int(m.group(1)) >= hf_config.num_hidden_layers
 
 
 def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype = torch.float32,
@@ -111,11 +148,11 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         from hpcrl.train import routing_replay
 
         routing_replay.reset()  # megatron keeps one replay instance per router in a class-level list
-    scaling = rope_scaling(hf_config)
+    scaling = None if config.multi_latent_attention else rope_scaling(hf_config)  # MLA: RoPE in its layers
     model = GPTModel(
         config=config,
         # the local spec with packed (THD) core attention beside megatron's padded one (hpcrl.train.packing)
-        transformer_layer_spec=packed_attention.layer_spec(config.qk_layernorm, config.num_moe_experts),
+        transformer_layer_spec=_decoder_spec(config),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=True,
@@ -123,7 +160,7 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_percent=float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0),
+        rotary_percent=rotary_percent(hf_config),
         rotary_base=rope_theta(hf_config),
         rope_scaling=scaling is not None,
         rope_scaling_factor=scaling or 8.0,
@@ -134,6 +171,24 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         model.cuda(torch.cuda.current_device())
     model.hf_config = hf_config
     return model
+
+
+def _decoder_spec(config: Any) -> Any:
+    """The layer spec of :func:`hpcrl.train.packed_attention.layer_spec`; with dense layers among MoE ones
+    (``moe_layer_freq`` a list with zeros: GLM-4.5's first-k dense layers) a block spec of both kinds."""
+    from hpcrl.train import deepseek_moe, packed_attention
+
+    def layer(experts=None):  # multi-latent attention (DeepSeek-V3, GLM-lite): hpcrl.train.mla's layer
+        if config.multi_latent_attention:
+            from hpcrl.train import mla_layers
+
+            return mla_layers.layer_spec(experts)
+        return packed_attention.layer_spec(config.qk_layernorm, experts)
+
+    spec = layer(config.num_moe_experts)
+    if config.num_moe_experts and isinstance(config.moe_layer_freq, list) and 0 in config.moe_layer_freq:
+        spec = deepseek_moe.block_spec(config, layer(), spec)
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,6 +211,7 @@ class _Geometry:
     local_experts: int = 0
     etp: int = 1  # expert tensor-parallel size and rank (the experts' fc1/fc2 split as the dense MLP's)
     etp_rank: int = 0
+    mla: bool = False  # multi-latent attention: hpcrl.train.mla's names
 
     def for_experts(self) -> "_Geometry":
         """The same geometry with the expert tensor-parallel split in place of the dense one."""
@@ -188,20 +244,22 @@ def _geometry(model: torch.nn.Module) -> _Geometry:
         local_experts=experts // ep,
         etp=parallel_state.get_expert_tensor_parallel_world_size() if experts else 1,
         etp_rank=parallel_state.get_expert_tensor_parallel_rank() if experts else 0,
+        mla=bool(getattr(cfg, "multi_latent_attention", False)),
     )
 
 
-def _hf_names(mcore_name: str, first_expert: int = 0) -> tuple[tuple[str, ...], str]:
+def _hf_names(mcore_name: str, first_expert: int = 0, mla_names: bool = False) -> tuple[tuple[str, ...], str]:
     """HF names and layout for one megatron-core parameter name; KeyError if it has no HF counterpart.
 
     A routed expert's parameter (``mlp.experts.local_experts.{j}.``) maps to HF expert ``first_expert + j``
     (``first_expert``: the first expert of the EP rank that holds it); its layout is ``expert_fc1`` /
-    ``expert_row``."""
+    ``expert_row``. ``mla_names``: a multi-latent-attention model's (:data:`hpcrl.train.mla.LAYER_RULES`)."""
     if mcore_name in _TOP_RULES:
         return _TOP_RULES[mcore_name]
     m = _LAYER_RE.match(mcore_name)
-    if m and m.group(2) in _LAYER_RULES:
-        hf, layout = _LAYER_RULES[m.group(2)]
+    rules = _MLA_LAYER_RULES if mla_names else _LAYER_RULES
+    if m and m.group(2) in rules:
+        hf, layout = rules[m.group(2)]
         return tuple(f"model.layers.{m.group(1)}.{name}" for name in hf), layout
     e = _EXPERT_RE.match(m.group(2)) if m else None
     if e and e.group(2) in _EXPERT_RULES:
@@ -216,7 +274,7 @@ def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     rank's: a routed expert's names carry its global expert index)."""
     module = unwrap_model(model)
     g = _geometry(module)
-    return {name: _hf_names(name, g.ep_rank * g.local_experts)[0] for name, _ in module.named_parameters()}
+    return {name: _hf_names(name, g.ep_rank * g.local_experts, g.mla)[0] for name, _ in named_tensors(module)}
 
 
 def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor:
@@ -231,6 +289,8 @@ def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor
         return torch.cat([full, pad]).chunk(g.tp, dim=0)[g.rank]
     if layout == "row":
         return hf[0].chunk(g.tp, dim=1)[g.rank]
+    if layout == "column":
+        return hf[0].chunk(g.tp, dim=0)[g.rank]
     if layout == "fc1":
         gate, up = hf
         return torch.cat([gate.chunk(g.tp, dim=0)[g.rank], up.chunk(g.tp, dim=0)[g.rank]])
@@ -254,6 +314,8 @@ def _from_shards(layout: str, shards: list[torch.Tensor], g: _Geometry) -> list[
         return [torch.cat(shards)[: g.vocab_size].clone()]
     if layout == "row":
         return [torch.cat(shards, dim=1)]
+    if layout == "column":
+        return [torch.cat(shards)]
     if layout == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
@@ -330,8 +392,8 @@ def load_hf_weights(model: torch.nn.Module,
     state = _LazyHFWeights(hf_weights) if isinstance(hf_weights, (str, os.PathLike)) else unfuse_experts(hf_weights)
     g = _geometry(module)
     used = set()
-    for name, param in module.named_parameters():
-        hf_names, layout = _hf_names(name, g.ep_rank * g.local_experts)
+    for name, param in named_tensors(module):
+        hf_names, layout = _hf_names(name, g.ep_rank * g.local_experts, g.mla)
         missing = [n for n in hf_names if n not in state]
         if missing:
             raise KeyError(f"HF weights lack {missing} (for megatron-core {name})")
@@ -343,7 +405,8 @@ def load_hf_weights(model: torch.nn.Module,
         used.update(hf_names)
     ignorable = {"lm_head.weight"} if module.share_embeddings_and_output_weights else set()
     unused = [n for n in state if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
-              and not (g.ep > 1 and _EXPERT_HF_RE.match(n))]  # other EP ranks' experts
+              and not (g.ep > 1 and _EXPERT_HF_RE.match(n))  # other EP ranks' experts
+              and not is_mtp_tensor(n, module.hf_config)]
     if unused:
         raise KeyError(f"HF tensors with no megatron-core counterpart: {unused[:8]}"
                        + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
@@ -367,8 +430,8 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     module = unwrap_model(model)
     g = _geometry(module)
     group = parallel_state.get_tensor_model_parallel_group() if g.tp > 1 else None
-    for name, param in module.named_parameters():
-        hf_names, layout = _hf_names(name)
+    for name, param in named_tensors(module):
+        hf_names, layout = _hf_names(name, 0, g.mla)
         local = param.detach()
         if not layout.startswith("expert_"):
             yield from _gathered(hf_names, layout, local, g.tp, group, g, dtype)
@@ -379,7 +442,8 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
             copies = [torch.empty_like(local) for _ in range(g.ep)]
             dist.all_gather(copies, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
         for r, tensor in enumerate(copies):
-            yield from _gathered(_hf_names(name, r * g.local_experts)[0], layout, tensor, g.etp, etp_group, g, dtype)
+            names = _hf_names(name, r * g.local_experts, g.mla)[0]
+            yield from _gathered(names, layout, tensor, g.etp, etp_group, g, dtype)
 
 
 def _gathered(hf_names: tuple[str, ...], layout: str, local: torch.Tensor, size: int, group: Any, g: _Geometry,

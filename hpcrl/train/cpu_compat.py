@@ -50,6 +50,9 @@ returns at once and megatron-core runs unmodified):
    and raise ``TypeError`` for CPU tensors. Only while those two constructors run, ``torch.Tensor.type()``
    called without arguments reports the CUDA type name of a CPU tensor.
 
+   ``models.common.embeddings.yarn_rotary_pos_embedding`` (multi-latent attention's YaRN,
+   :mod:`hpcrl.train.mla`: tables made on ``torch.cuda.current_device()`` at ~83, moved there at ~124).
+
 5. MoE (megatron-core 0.16.1): ``transformer.moe.router``, ``moe_utils``, ``token_dispatcher``, ``experts`` and
    ``shared_experts`` are in :data:`PATCHED_MODULES` (router weights moved to the current device at ~90, the
    aux-loss tracker's ``device="cuda"`` buffers at ~998, the all-to-all dispatcher's device-to-host stream at
@@ -103,6 +106,7 @@ PATCHED_MODULES = (
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.experts",
     "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
 )
 """megatron-core modules whose global ``torch`` is replaced by the CPU alias (see the module docstring)."""
 
@@ -286,6 +290,22 @@ def define_te_general_gemm() -> None:
 
     if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def mark_te_absent_for_mla() -> None:
+    """Set ``megatron.core.transformer.multi_latent_attention.HAVE_TE`` to False where TransformerEngine is not
+    installed.
+
+    megatron-core 0.16.1 imports TE's layers there through ``megatron.core.extensions.transformer_engine``, which
+    succeeds without TE and gives ``MagicMock`` stand-ins, so ``HAVE_TE`` is True and MLA's
+    ``isinstance(self.linear_proj, TELinear)`` raises ``TypeError`` when the layer is built. Needed on CPUs and on
+    GPUs without TE alike; :func:`hpcrl.train.mla.layer_spec` calls it. Idempotent."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
 
 
 def _no_compile(fn=None, **_kwargs):

@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from hpcrl.models.support import unsupported_feature  # the login node's check, the same words
+from hpcrl.models.support import rope_settings, unsupported_feature  # the login node's check, the same words
+from hpcrl.train import deepseek_moe, mla
 
 # ---------------------------------------------------------------------------------------------------------
 # Config
@@ -50,7 +51,17 @@ def head_dim(hf_config: Any) -> int:
 def num_experts(hf_config: Any) -> int:
     """Routed experts per MoE layer of an HF config (``num_experts``, or transformers 5's
     ``num_local_experts``); 0 for a dense model."""
-    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0)
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+               or getattr(hf_config, "n_routed_experts", None) or 0)
+
+
+def rotary_percent(hf_config: Any) -> float:
+    """Fraction of each head that RoPE rotates (megatron's ``rotary_percent``): ``partial_rotary_factor`` from
+    ``rope_parameters`` (transformers 5) or the top level (published GLM-4.5 configs), else 1. HF rotates the
+    first ``int(head_dim * factor)`` dims with rotate-half and passes the rest, as megatron's
+    ``apply_rotary_pos_emb`` does with ``rotary_percent`` (non-interleaved)."""
+    fields = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    return float(rope_settings(fields).get("partial_rotary_factor") or 1.0)
 
 
 def check_supported(hf_config: Any) -> None:
@@ -107,8 +118,19 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
         pipeline_dtype=dtype,
         attention_softmax_in_fp32=True,
     )
-    if num_experts(hf_config):
+    config_class = TransformerConfig
+    if mla.is_mla(hf_config):  # multi-latent attention: its ranks, head sizes and RoPE (hpcrl.train.mla)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        kwargs.update(mla.config_kwargs(hf_config, rope_theta(hf_config)))
+        if not mla.all_layers_dense(hf_config):  # DeepSeek-style MoE layers (hpcrl.train.deepseek_moe)
+            kwargs.update(mla.moe_kwargs(hf_config), expert_model_parallel_size=ep)
+    elif hf_config.model_type == "glm4_moe":
+        kwargs.update(deepseek_moe.glm4_moe_kwargs(hf_config), expert_model_parallel_size=ep)
+    elif num_experts(hf_config):
         kwargs.update(moe_kwargs(hf_config), expert_model_parallel_size=ep)
+    if num_experts(hf_config):
         if ep > 1:  # allgather needs equal token counts on the EP ranks; data-parallel micro-batches differ
             kwargs["moe_token_dispatcher_type"] = "alltoall"
     if not torch.cuda.is_available():
@@ -116,7 +138,9 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
                       persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
                       gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    if kwargs.get("moe_router_enable_expert_bias"):
+        deepseek_moe.check_bias_update_rate(kwargs.get("moe_router_bias_update_rate"))
+    return config_class(**kwargs)
 
 
 def moe_kwargs(hf_config: Any) -> dict[str, Any]:

@@ -160,10 +160,15 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
     data-parallel ranks. The loss is multiplied by the optimizer's loss scale before backward (1 for fp32/bf16).
     Returns ``loss`` (sum over micro-batches), ``grad_norm`` (before clipping; None if not computed),
     ``update_successful``, ``num_zeros`` (None unless ``log_num_zeros_in_grad``), ``num_micro_batches``, and the
-    mean of each metric over micro-batches.
+    mean of each metric over micro-batches. A model with an expert bias (GLM-4.5) gets megatron's
+    aux-loss-free bias update after the gradient reduction when ``moe_router_bias_update_rate`` > 0
+    (:func:`hpcrl.train.deepseek_moe.update_expert_bias`; 0, the default, leaves it bitwise).
     """
+    from hpcrl.train import deepseek_moe
+
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
+    deepseek_moe.reset_token_counts(ddp_model)
     total_loss, metrics, n = 0.0, {}, 0
     for mb in micro_batches:
         out = loss_fn(ddp_model, mb)
@@ -174,6 +179,7 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
             metrics[k] = metrics.get(k, 0.0) + float(v)
         n += 1
     ddp_model.finish_grad_sync()
+    deepseek_moe.update_expert_bias(ddp_model)  # finalize_model_grads' aux-free bias step; rate 0: untouched
     update_successful, grad_norm, num_zeros = optimizer.step()
     return dict(loss=total_loss, grad_norm=grad_norm, update_successful=update_successful, num_zeros=num_zeros,
                 num_micro_batches=n, **{k: v / max(n, 1) for k, v in metrics.items()})

@@ -103,14 +103,16 @@ def segment_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Ten
                       plan: Optional[tuple[list[_SegmentBatch], Tensor]] = None) -> Tensor:
     """Attention of THD tensors per segment, with :class:`SharedPrefixSeqParams` semantics.
 
-    ``query``: ``[T, heads, dim]``; ``key``, ``value``: ``[T, groups, dim]`` (grouped-query attention:
-    ``heads`` a multiple of ``groups``); ``cu_seqlens``: ``[S + 1]``. Returns ``[T, heads, dim]``. The segments
+    ``query``, ``key``: ``[T, heads, dim]``, ``[T, groups, dim]``; ``value``: ``[T, groups, v_dim]``
+    (grouped-query attention: ``heads`` a multiple of ``groups``; ``v_dim`` may differ from ``dim``, as in
+    multi-latent attention); ``cu_seqlens``: ``[S + 1]``. Returns ``[T, heads, v_dim]``. The segments
     of each kind (with, without a prefix) run as one batched ``scaled_dot_product_attention`` of
     ``[segments, heads, longest, longest keys]`` scores: the cost is per segment, padded to the longest segment
     of its kind, never ``T x T``. ``plan``: :func:`plan_segments` of the same layout (reused across layers).
     """
     batches, inverse = plan if plan is not None else plan_segments(cu_seqlens, prefix_of)
     heads, groups, dim = query.shape[1], key.shape[1], query.shape[2]
+    v_dim = value.shape[2]  # multi-latent attention: v heads narrower than q/k heads
     rep = heads // groups
     outs = []
     for sb in batches:
@@ -123,7 +125,7 @@ def segment_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Ten
         v = value[sb.kv_index].transpose(1, 2)
         mask = sb.mask if rep == 1 else sb.mask.repeat(1, 1, rep, 1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-        o = o.view(n, groups, rep, lq, dim).permute(0, 3, 1, 2, 4).reshape(n, lq, heads, dim)
+        o = o.view(n, groups, rep, lq, v_dim).permute(0, 3, 1, 2, 4).reshape(n, lq, heads, v_dim)
         outs.append(o[sb.q_valid])  # [real rows, heads, dim]
     return torch.cat(outs).index_select(0, inverse)
 
@@ -143,11 +145,15 @@ def _flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
         cu_k.append(len(index))
     idx = torch.tensor(index, device=key.device)
     k, v = key.index_select(0, idx), value.index_select(0, idx)
+    v_dim = v.shape[-1]
+    if v_dim < query.shape[-1]:  # flash-attn 2 needs one head size: pad v, cut the output (as TE does)
+        v = F.pad(v, (0, query.shape[-1] - v_dim))
     cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=key.device)
     lens_q = [cu[s + 1] - cu[s] for s in range(len(cu) - 1)]
     lens_k = [cu_k[s + 1] - cu_k[s] for s in range(len(cu_k) - 1)]
-    return flash_attn_varlen_func(query, k, v, cu_seqlens.to(torch.int32), cu_k_t, max(lens_q), max(lens_k),
-                                  dropout_p=dropout_p, softmax_scale=scale, causal=True)
+    out = flash_attn_varlen_func(query, k, v, cu_seqlens.to(torch.int32), cu_k_t, max(lens_q), max(lens_k),
+                                 dropout_p=dropout_p, softmax_scale=scale, causal=True)
+    return out[..., :v_dim]
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -157,7 +163,17 @@ class PackedDotProductAttention(DotProductAttention):
     ``query`` ``[T, heads/tp, dim]``, ``key``/``value`` ``[T, groups/tp, dim]``, ``packed_seq_params`` a
     :class:`SharedPrefixSeqParams` (or a plain ``PackedSeqParams``: no prefixes); returns ``[T, heads/tp * dim]``.
     Raises ValueError for a ``qkv_format`` other than ``thd``.
+
+    ``k_channels`` / ``v_channels`` (megatron-core's MLA passes them, its local ``DotProductAttention`` takes
+    neither): the q/k and v head sizes when they differ; the output is ``heads/tp * v_channels`` wide.
     """
+
+    def __init__(self, *args, k_channels: Optional[int] = None, v_channels: Optional[int] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+        if k_channels is not None:
+            self.hidden_size_per_attention_head = k_channels
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type=None, attention_bias: Optional[Tensor] = None,

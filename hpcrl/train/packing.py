@@ -226,24 +226,29 @@ def plan_micro_batches(samples: Sequence["Sample"], positions: Sequence[int], dp
 
 @contextlib.contextmanager
 def rotary_positions(model: torch.nn.Module, positions: Tensor) -> Iterator[None]:
-    """While active, ``model.rotary_pos_emb`` (megatron-core's ``RotaryEmbedding``) returns the embedding of
+    """While active, ``model.rotary_pos_emb`` (megatron-core's ``RotaryEmbedding``; with multi-latent attention
+    each layer's ``self_attention.rotary_pos_emb``, YaRN's table with its mscale) returns the embedding of
     each token's own position, ``[T, 1, 1, dim]`` rows of its usual table: with ``T == cu_seqlens[-1]``,
     megatron's THD rotary path maps token ``t`` to row ``t`` (its "exact mapping with offsets"), so positions
     may restart per sample or continue after a shared prompt. The table is megatron's own (``get_emb`` of
     ``max(positions) + 1``), so a position gets the very values it would in a padded forward."""
-    rotary = model.rotary_pos_emb
+    # multi-latent attention (hpcrl.train.mla) has no model-level table: each layer's attention holds its own
+    rotaries = ([model.rotary_pos_emb] if getattr(model, "rotary_pos_emb", None) is not None
+                else [layer.self_attention.rotary_pos_emb for layer in model.decoder.layers])
 
     def per_token(module, args, output):
-        table = output[0] if isinstance(output, tuple) else output
+        table = output[0] if isinstance(output, tuple) else output  # YaRN returns (table, mscale)
         if table.shape[0] <= int(positions.max()):
             raise RuntimeError(f"rotary table of {table.shape[0]} rows for position {int(positions.max())}")
-        return table.index_select(0, positions.to(table.device))
+        rows = table.index_select(0, positions.to(table.device))
+        return (rows, *output[1:]) if isinstance(output, tuple) else rows
 
-    handle = rotary.register_forward_hook(per_token)
+    handles = [rotary.register_forward_hook(per_token) for rotary in rotaries]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def packed_seq_params(pack: Pack):

@@ -30,6 +30,18 @@ import torch
 from torch import Tensor
 
 
+def moe_layer_count(config) -> int:
+    """MoE layers of a megatron-core ``TransformerConfig``: the 1s of ``moe_layer_freq`` when it is a list
+    (GLM-4.5's first ``first_k_dense_replace`` layers are dense), every ``moe_layer_freq``-th layer when it is
+    an int; 0 for a dense model. The routed experts' ``layers`` axis has this many entries, in layer order."""
+    if not config.num_moe_experts:
+        return 0
+    freq = config.moe_layer_freq
+    if isinstance(freq, list):
+        return sum(1 for f in freq if f)
+    return sum(1 for i in range(config.num_layers) if i % int(freq) == 0)
+
+
 def filler(tokens: int, layers: int, top_k: int) -> Tensor:
     """int64 ``[tokens, layers, top_k]`` of experts ``0..top_k-1``: the routing of positions nothing reads."""
     return torch.arange(top_k, dtype=torch.long).expand(tokens, layers, top_k).clone()

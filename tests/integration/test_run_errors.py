@@ -88,7 +88,7 @@ def test_missing_model_folder(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.log
     assert out.log.strip().splitlines() == [f"config error: model.path={str(tmp_path / 'absent')!r}: no such "
                                             "model folder; fix the path, or set model.create=tiny-qwen2 / "
-                                            "tiny-qwen3-moe / gguf to create it"]
+                                            "tiny-qwen3-moe / tiny-glm4-moe / gguf to create it"]
 
 
 def test_engine_that_cannot_start(tmp_path):

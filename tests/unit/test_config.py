@@ -108,7 +108,7 @@ BAD = [
     ("bad-literal", M + "run: {mode: asynch}\n", [], "run.mode", "asynch",
      ["must be one of 'sync', 'async'", "did you mean 'async'?"]),
     ("bad-optional-literal", "model: {path: m, create: tiny-qwen3}\n", [], "model.create", "tiny-qwen3",
-     ["'tiny-qwen2', 'tiny-qwen3-moe', 'gguf'"]),
+     ["'tiny-qwen2', 'tiny-qwen3-moe', 'tiny-glm4-moe', 'gguf'"]),
     ("bad-list-item", M + "rollout: {stop_token_ids: [1, two]}\n", [], "rollout.stop_token_ids[1]", "two",
      ["expected an integer"]),
     ("section-not-mapping", M + "rollout: 5\n", [], "rollout", 5, ["expected a mapping"]),

@@ -1,0 +1,131 @@
+"""The CPU engine serving a DeepSeek-V3-style model (multi-latent attention, YaRN, a dense first layer, a MoE
+layer with the sigmoid grouped router, expert bias and a shared expert), against a real engine process.
+
+A tiny random ``DeepseekV3ForCausalLM`` of tests/unit/test_deepseek_v3_bridge.py with hpcrl's character
+tokenizer, served by ``python -m hpcrl.engine.server``:
+
+- it generates (a sampled group of 3 from one prompt, text and token ids);
+- tensor weight sync from a megatron-core trainer (TP=1, this process) carries every name the bridge exports
+  (MLA's q_a/q_b/kv_a/kv_b projections and latent norms, the router's ``e_score_correction_bias`` buffer, the
+  shared and routed experts) into the engine's model, after seeded noise on every trainer tensor, the bias
+  included; the engine's log-probs then equal the trainer's to 1e-5 in fp32 (before the sync they do not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    from tests.integration.engine_utils import EngineProcess, http_json
+except ImportError:  # tests/integration is not a package
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_utils import EngineProcess, http_json
+
+KEY = "deepseek-engine-test-key"
+SEQS = [[1, 5, 9, 12, 3, 7, 18, 4, 11, 6, 13, 8, 19, 2, 10, 16, 5, 3, 12, 7], [1, 14, 8, 20, 10, 2, 17]]
+"""Token ids (character vocab of 21); the first is longer than the model's YaRN original context (16)."""
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    from tests.unit.test_deepseek_v3_bridge import make_tiny_mla
+
+    return make_tiny_mla("deepseek_v3_moe", tmp_path_factory.mktemp("ds") / "tiny-deepseek-v3",
+                         tokenizer_dir=tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds-engine")
+    (root / "key").write_text(KEY + "\n")
+    os.chmod(root / "key", 0o600)
+    with EngineProcess(model_dir, ["--api-key-file", str(root / "key"), "--dist-timeout", "60"],
+                       log_path=root / "engine.log") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir):
+    pytest.importorskip("megatron.core")
+    torch.set_num_threads(1)
+    from hpcrl.config import TrainSection
+    from hpcrl.train import parallel, model as tmodel
+
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
+    yield model
+    parallel.destroy()
+
+
+def engine_log_probs(url: str) -> list[list[float]]:
+    out = []
+    for seq in SEQS:
+        status, body = http_json("POST", url + "/generate", {
+            "input_ids": seq, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": 0}, headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60)
+        assert status == 200, body
+        out.append([t[0] for t in body["meta_info"]["input_token_logprobs"][1:]])
+    return out
+
+
+def trainer_log_probs(model) -> list[list[float]]:
+    from hpcrl.train.logprobs import response_log_probs
+
+    with torch.no_grad():
+        return [response_log_probs(model, torch.tensor([seq]), [len(seq)], [len(seq) - 1]).log_probs[0]
+                .tolist() for seq in SEQS]
+
+
+def max_diff(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def test_engine_generates_a_group(engine):
+    status, body = http_json("POST", engine.url + "/generate", {
+        "text": "12+34=", "sampling_params": {"n": 3, "max_new_tokens": 5, "temperature": 1.0,
+                                              "ignore_eos": True, "sampling_seed": 3}},
+        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert status == 200, body
+    assert len(body) == 3 and all(len(out["output_ids"]) == 5 for out in body), body
+    assert all(isinstance(out["text"], str) for out in body)
+
+
+def test_tensor_sync_carries_every_name_and_log_probs_match(engine, trainer):
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.train import bridge
+    from hpcrl.weights import WeightSyncer, iterate_for_sync
+
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # every tensor the bridge maps, the expert bias buffer included
+        for name, t in bridge.named_tensors(bridge.unwrap_model(trainer)):
+            scale = 0.02 if "expert_bias" in name else 0.05
+            t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * scale)
+    mine = trainer_log_probs(trainer)
+    assert max_diff(engine_log_probs(engine.url), mine) > 1e-3  # not synced yet
+
+    async def sync():
+        client = RolloutClient(engine_urls=[engine.url], api_key=KEY)
+        syncer = WeightSyncer(client, "tensor", bucket_bytes=16 * 1024, timeout_s=60)
+        try:
+            return await syncer.sync(iterate_for_sync(trainer), "ds-1")
+        finally:
+            await syncer.close()
+            await client.close()
+
+    metrics = asyncio.run(sync())
+    names = {n for n, _ in bridge.export_hf_weights(trainer)}
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in names
+    assert metrics["tensors"] == len(names) and metrics["buckets"] > 1, metrics
+    assert max_diff(engine_log_probs(engine.url), mine) < 1e-5

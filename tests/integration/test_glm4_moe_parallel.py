@@ -1,0 +1,193 @@
+"""GLM-4.5 (``glm4_moe``) across 2 real processes (torchrun, gloo on loopback): expert and tensor parallel.
+
+One torchrun job (this file run as a script, see ``worker``) builds the tiny GLM-4.5 of
+tests/unit/test_glm4_moe_bridge.py (8 experts in 4 groups, top-4, a shared expert, a first dense layer,
+partial RoPE, q/k/v bias, QK norm, a random expert bias) at EP=2 (experts 0-3 on rank 0, 4-7 on rank 1)
+and at TP=2 (every expert, the shared expert and attention split over the two ranks), with each of
+megatron-core's two CPU-capable token dispatchers (``allgather``, ``alltoall``), and saves per rank what it
+computed; the tests compare it with HF transformers' ``Glm4MoeForCausalLM`` in this process:
+
+- HF -> megatron -> HF export bitwise on both ranks (the expert bias included); logits, log-probs and entropy
+  equal HF's to 1e-5.
+- One optimizer step at EP=2 (the same batch on both ranks): loss, grad norm and the weights after the step
+  equal HF + AdamW's to 1e-6, the expert bias frozen (the default rate 0). Not at TP=2: megatron-core trains
+  MoE layers under TP only with sequence parallelism, which its local (torch) norms refuse on the CPU (as for
+  Qwen3-MoE; a GPU with TransformerEngine or Apex norms is needed).
+- One step at EP=2 with ``moe_router_bias_update_rate`` > 0: the bias moves by megatron's rule from the token
+  counts summed over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_ROOT = Path(__file__).resolve().parents[2]
+_UNIT = _ROOT / "tests" / "unit" / "test_glm4_moe_bridge.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
+from engine_utils import free_port  # noqa: E402
+
+LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
+DISPATCHERS = ("allgather", "alltoall")
+RATE = 1e-2
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+
+def _unit_helpers():
+    if str(_ROOT) not in sys.path:  # the unit module imports tests.unit.test_megatron_bridge
+        sys.path.insert(0, str(_ROOT))
+    spec = importlib.util.spec_from_file_location("hpcrl_tests_glm4_moe_helpers", _UNIT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the distributed side: `torchrun --nproc_per_node=2 test_glm4_moe_parallel.py --path DIR --out DIR` ---
+
+
+def worker(path: str, out: Path) -> None:
+    """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from transformers import AutoConfig
+
+    from hpcrl.train import bridge, parallel, model as tmodel
+
+    h = _unit_helpers()
+    env = parallel.init_distributed()
+    res: dict = {}
+    hf_config = AutoConfig.from_pretrained(path)
+    tokens = h.sample_batch(hf_config.vocab_size)[0]
+    batch = h.sample_batch(hf_config.vocab_size, seed=5)
+    for name, tp, ep in LAYOUTS:
+        parallel.initialize_model_parallel(tp=tp, ep=ep)
+        parallel.model_parallel_cuda_manual_seed(1234)
+        for dispatcher in DISPATCHERS:
+            model = h.build_loaded(path, moe_token_dispatcher_type=dispatcher)
+            logits = h.megatron_logits(model, tokens)
+            res[f"{name}-{dispatcher}"] = dict(
+                ep_rank=parallel_state.get_expert_model_parallel_rank(),
+                tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                local_experts=sorted({n.split(".")[6] for n, _ in model.named_parameters()
+                                      if "local_experts" in n}),
+                export=dict(bridge.export_hf_weights(model)),
+                logits=gather_from_tensor_model_parallel_region(logits)[..., :hf_config.vocab_size].clone())
+        if name != "ep2":  # megatron-core trains MoE at TP > 1 only with sequence parallelism, which its
+            parallel_state.destroy_model_parallel()  # local (torch) norms do not have: no CPU step at TP=2
+            continue
+        megatron = {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"}
+        ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, h.TRAIN, megatron)
+        step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
+        res[f"{name}-step"] = dict(step=step, after=dict(bridge.export_hf_weights(ddp_model)))
+        ddp_model, optimizer = tmodel.setup_model_and_optimizer(
+            path, h.TRAIN, {**megatron, "moe_router_bias_update_rate": RATE})
+        tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
+        res["ep2-bias"] = dict(bridge.export_hf_weights(ddp_model))[BIAS]
+        parallel_state.destroy_model_parallel()
+    torch.save(res, out / f"rank{env.rank}.pt")
+    parallel.destroy()
+
+
+# --- the test side ------------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def h():
+    pytest.importorskip("megatron.core")
+    return _unit_helpers()
+
+
+@pytest.fixture(scope="module")
+def glm_dir(h, tmp_path_factory):
+    return h.make_tiny_glm(tmp_path_factory.mktemp("hf-glm") / "glm4_moe")
+
+
+@pytest.fixture(scope="module")
+def ranks(glm_dir, tmp_path_factory):
+    """Run the torchrun job once; the per-rank results, rank 0 first."""
+    out = tmp_path_factory.mktemp("glm-out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--path", str(glm_dir),
+           "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, \
+        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+@pytest.mark.parametrize("layout", [name for name, _, _ in LAYOUTS])
+def test_export_is_bitwise_and_logits_log_probs_entropy_match_hf(h, glm_dir, ranks, layout, dispatcher):
+    from hpcrl.train import bridge
+
+    hf = bridge.read_hf_state_dict(glm_dir)
+    hf_model = h.load_hf(glm_dir)
+    tokens = h.sample_batch(hf_model.config.vocab_size)[0]
+    with torch.no_grad():
+        hf_logits = hf_model(tokens).logits
+    results = [r[f"{layout}-{dispatcher}"] for r in ranks]
+    if layout == "ep2":  # each rank holds four whole experts
+        assert [r["ep_rank"] for r in results] == [0, 1]
+        assert [r["local_experts"] for r in results] == [["0", "1", "2", "3"]] * 2
+    else:  # each rank holds half of every expert
+        assert [r["tp_rank"] for r in results] == [0, 1]
+        assert results[0]["local_experts"] == [str(e) for e in range(8)]
+    for res in results:
+        assert sorted(res["export"]) == sorted(hf)
+        for name, tensor in hf.items():
+            assert torch.equal(res["export"][name], tensor), name
+        assert (res["logits"] - hf_logits).abs().max() < 1e-5
+        for temperature in (1.0, 0.7):
+            _, ref_lp, ref_ent = h.hf_reference(hf_model, tokens, temperature)
+            logp = torch.log_softmax(res["logits"][:, :-1] / temperature, -1)
+            lp = logp.gather(-1, tokens[:, 1:, None])[..., 0]
+            assert (lp - ref_lp).abs().max() < 1e-5
+            assert (-(logp.exp() * logp).sum(-1) - ref_ent).abs().max() < 1e-5
+
+
+def test_ep2_train_step_matches_hf_adamw(h, glm_dir, ranks):
+    from hpcrl.models.moe import unfuse_experts
+    from hpcrl.train import bridge
+
+    batch = h.sample_batch(h.load_hf(glm_dir).config.vocab_size, seed=5)
+    ref_loss, ref_norm, ref_state = h.hf_train_step(h.load_hf(glm_dir).train(), *batch)
+    ref_state = unfuse_experts(ref_state)
+    for res in ranks:
+        run = res["ep2-step"]
+        assert run["step"]["update_successful"]
+        assert sorted(run["after"]) == sorted(ref_state)
+        diffs = {k: (run["after"][k] - ref_state[k]).abs().max().item() for k in ref_state}
+        worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+        assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), worst
+        assert max(diffs.values()) < 1e-6, worst
+        assert torch.equal(run["after"][BIAS], bridge.read_hf_state_dict(glm_dir)[BIAS])
+
+
+def test_ep2_expert_bias_update_sums_the_data_parallel_ranks_counts(h, glm_dir, ranks):
+    from hpcrl.train import bridge
+
+    batch = h.sample_batch(h.load_hf(glm_dir).config.vocab_size, seed=5)
+    counts = 2 * h.hf_tokens_per_expert(glm_dir, batch[0])  # the same batch on both data-parallel ranks
+    expected = bridge.read_hf_state_dict(glm_dir)[BIAS] + torch.sign(counts.mean() - counts) * RATE
+    for res in ranks:
+        assert torch.equal(res["ep2-bias"], expected)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument("--path", required=True, help="the tiny GLM-4.5 HF folder")
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    worker(args.path, args.out)
