@@ -62,6 +62,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                   routed_scaling_factor=2.5, norm_topk_prob=True,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                    "partial_rotary_factor": 0.5})),
+    # the same without qkv bias and with 2 shared experts (fields GLM's config has; mbridge hard-codes both)
+    "glm4_moe attention_bias=False n_shared_experts=2": ("glm4_moe", dict(
+        num_key_value_heads=2, head_dim=16, attention_bias=False, use_qk_norm=True, n_routed_experts=4,
+        n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=48, first_k_dense_replace=1,
+        n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
     # DeepSeek-V3's shape: MLA with q and kv LoRA, group-limited routing (8 experts in 2 groups, best group);
     # a vocab TP divides: mbridge's DeepSeek-V3 bridge does not pad it (the published 129280 divides)
     "deepseek_v3": ("deepseek_v3", dict(vocab_size=64, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
@@ -299,8 +305,14 @@ def config_fixes(hf_config) -> dict[str, Any]:
     """The ``TransformerConfig`` fields mbridge 0.15.1 leaves out and HF's routing needs (its mappings ignore
     them): Qwen3-MoE's ``norm_topk_prob=False`` is softmax over all experts before the top-k
     (``moe_router_pre_softmax``; mbridge always sets False), and group-limited routing (``n_group``,
-    ``topk_group``: ``moe_router_num_groups``, ``moe_router_group_topk``; mbridge sets neither)."""
+    ``topk_group``: ``moe_router_num_groups``, ``moe_router_group_topk``; mbridge sets neither); for GLM,
+    ``attention_bias`` and ``n_shared_experts`` (mbridge: always qkv bias, one shared expert)."""
     fixes: dict[str, Any] = {}
+    if hf_config.model_type == "glm4_moe" and not hf_config.attention_bias:
+        fixes["add_qkv_bias"] = False
+    if hf_config.model_type == "glm4_moe" and hf_config.n_shared_experts != 1:
+        shared = hf_config.n_shared_experts * hf_config.moe_intermediate_size
+        fixes["moe_shared_expert_intermediate_size"] = shared
     if hf_config.model_type == "qwen3_moe" and not getattr(hf_config, "norm_topk_prob", True):
         fixes["moe_router_pre_softmax"] = True
     if (getattr(hf_config, "n_group", None) or 1) > 1:
@@ -469,8 +481,9 @@ def loc_rows(mbridge_dir: Optional[Path]) -> list[tuple[str, str, tuple[int, int
     """``(side, what, (physical, code))`` for each side's mapping code, per part."""
     train = ROOT / "hpcrl" / "train"
     own = [train / "bridge.py", train / "hf_config.py"]
-    extra = [p for p in (train / "mla.py", train / "glm.py", train / "glm4_moe.py") if p.exists()]
-    rows = [("hpcrl", "bridge.py + hf_config.py (dense, Qwen3-MoE; names, layouts, TP/EP, config)",
+    # the new families' own modules: GLM-4.5 / DeepSeek-V3 router, MLA config and names, MLA's megatron layers
+    extra = [p for p in (train / "deepseek_moe.py", train / "mla.py", train / "mla_layers.py") if p.exists()]
+    rows = [("hpcrl", "bridge.py + hf_config.py (every family: names, layouts, TP/EP/ETP, config, refusals)",
              line_counts(own))]
     if extra:
         rows.append(("hpcrl", " + ".join(p.name for p in extra) + " (new families)", line_counts(extra)))
