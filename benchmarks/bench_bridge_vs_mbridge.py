@@ -1,25 +1,31 @@
-"""HF <-> megatron-core mapping: hpcrl's own (hpcrl/train/bridge.py + hf_config.py) against mbridge (issue #35
-point 8), side by side in one process, on the same tiny random HF models made with the installed transformers.
+"""HF <-> megatron-core mapping: hpcrl's own (hpcrl/train/bridge.py + hf_config.py and the families' modules)
+against mbridge (issue #35 point 8), side by side in one process, on the same tiny random HF models made with
+the installed transformers.
 
-For each family (Qwen3-MoE with and without ``norm_topk_prob``, GLM-4.5-style ``glm4_moe``, DeepSeek-V3-style
-``deepseek_v3`` with group-limited routing) and each bridge, it builds the megatron-core GPTModel at TP=1 on
-this CPU (gloo, world of 1), loads the HF safetensors, and measures
+For each family (Qwen3-MoE with and without ``norm_topk_prob``, GLM-4.5-style ``glm4_moe`` and a variant
+without qkv bias and with two shared experts, DeepSeek-V3-style ``deepseek_v3`` with group-limited routing) and
+each bridge, it builds the megatron-core GPTModel on this CPU (gloo), loads the HF safetensors, and measures
 
 - exactness: HF -> Megatron -> HF export bitwise (every HF tensor, same names, ``torch.equal``) and the
-  logits' max ``|megatron - HF|`` in fp32 (random tokens [2, 12]);
+  logits' max ``|megatron - HF|`` in fp32 (random tokens [2, 12]); "mbridge + config_fixes" rows repeat
+  mbridge with the ``TransformerConfig`` fields its per-family config leaves out (:func:`config_fixes`);
 - the patches mbridge needs to run here, each applied by a function of this file (listed with its line count);
 - lines of code (physical and code lines: no blanks, comments or docstrings) of each side's mapping;
 - speed: seconds to load the HF folder into the model and to export every HF-named full tensor out of it, on a
-  larger Qwen3-MoE, best of ``--repeats``, the two bridges interleaved in each repeat (the CPU is shared:
-  the ratio is the figure to read).
+  larger Qwen3-MoE, ``--repeats`` times, the two bridges alternating (the CPU is shared: the ratio is the
+  figure to read).
 
 mbridge is optional: install it outside the project's environment and put it on the path, e.g.
 
     python -m pip install --no-deps --target /work/mbridge-pkgs mbridge==0.15.1
     PYTHONPATH=$PWD:/work/mbridge-pkgs python benchmarks/bench_bridge_vs_mbridge.py [--repeats 5]
+    PYTHONPATH=$PWD:/work/mbridge-pkgs torchrun --nproc_per_node 2 benchmarks/bench_bridge_vs_mbridge.py --tp 2
+    (or --ep 2: exactness only; rank 0 prints)
 
-Without it the mbridge rows say so and the hpcrl rows are still measured. Results: docs/performance.md; the
-decision they support: docs/architecture.md ("HF <-> Megatron mapping: own code or mbridge").
+Without it the mbridge rows say so and the hpcrl rows are still measured. Under torchrun a bridge that fails
+on some ranks only (mbridge reads the checkpoint on TP rank 0 and scatters) leaves the others in a collective:
+leave such a family out with ``--families``. Results: docs/performance.md; the decision they support:
+docs/architecture.md ("HF <-> Megatron mapping: own code or mbridge").
 """
 
 from __future__ import annotations
