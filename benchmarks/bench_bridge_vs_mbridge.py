@@ -3,8 +3,9 @@ against mbridge (issue #35 point 8), side by side in one process, on the same ti
 the installed transformers.
 
 For each family (Qwen3-MoE with and without ``norm_topk_prob``, GLM-4.5-style ``glm4_moe`` and a variant
-without qkv bias and with two shared experts, DeepSeek-V3-style ``deepseek_v3`` with group-limited routing) and
-each bridge, it builds the megatron-core GPTModel on this CPU (gloo), loads the HF safetensors, and measures
+without qkv bias and with two shared experts, DeepSeek-V3-style ``deepseek_v3`` with group-limited routing)
+and each bridge, it builds the megatron-core GPTModel on this CPU (gloo), loads the HF safetensors, and
+measures
 
 - exactness: HF -> Megatron -> HF export bitwise (every HF tensor, same names, ``torch.equal``) and the
   logits' max ``|megatron - HF|`` in fp32 (random tokens [2, 12]); "mbridge + config_fixes" rows repeat
@@ -19,8 +20,8 @@ mbridge is optional: install it outside the project's environment and put it on 
 
     python -m pip install --no-deps --target /work/mbridge-pkgs mbridge==0.15.1
     PYTHONPATH=$PWD:/work/mbridge-pkgs python benchmarks/bench_bridge_vs_mbridge.py [--repeats 5]
-    PYTHONPATH=$PWD:/work/mbridge-pkgs torchrun --nproc_per_node 2 benchmarks/bench_bridge_vs_mbridge.py --tp 2
-    (or --ep 2: exactness only; rank 0 prints)
+    PYTHONPATH=$PWD:/work/mbridge-pkgs torchrun --nproc_per_node 2 \\
+        benchmarks/bench_bridge_vs_mbridge.py --tp 2      (or --ep 2: exactness only; rank 0 prints)
 
 Without it the mbridge rows say so and the hpcrl rows are still measured. Under torchrun a bridge that fails
 on some ranks only (mbridge reads the checkpoint on TP rank 0 and scatters) leaves the others in a collective:
