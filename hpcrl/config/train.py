@@ -272,6 +272,10 @@ def check_moe(cfg: Config, check_files: bool) -> None:
                 f"the model at model.path={cfg.model.path!r} is dense (no experts)",
                 "set train.expert_parallel_size=1, or train a mixture-of-experts model")
         return
+    require(t.tensor_parallel_size == 1, "train.tensor_parallel_size", t.tensor_parallel_size,
+            f"with a mixture-of-experts model ({experts} experts per layer): megatron-core trains MoE layers "
+            "under tensor parallelism only with sequence parallelism, which the local layer spec's torch norms "
+            "refuse", "set train.tensor_parallel_size=1 and split the experts with train.expert_parallel_size")
     require(experts % t.expert_parallel_size == 0, "train.expert_parallel_size", t.expert_parallel_size,
             f"must divide the model's {experts} experts per layer",
             f"use a divisor of {experts}")

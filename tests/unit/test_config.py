@@ -570,6 +570,14 @@ def test_expert_parallel_size_is_checked_against_an_existing_model_folder(tmp_pa
     assert "must divide the model's 4 experts" in assert_one_line(e.value, "train.expert_parallel_size")
     cfg = load_config(None, [f"model.path={folder}", "train.expert_parallel_size=2", "train.nprocs=2"])
     assert cfg.train.expert_parallel_size == 2
+    with pytest.raises(ConfigError) as e:  # megatron-core trains MoE under TP only with sequence parallelism
+        load_config(None, [f"model.path={folder}", "train.tensor_parallel_size=2", "train.nprocs=2"])
+    assert "sequence parallelism" in assert_one_line(e.value, "train.tensor_parallel_size")
+    for create in ("tiny-glm4-moe", "tiny-deepseek-v3"):  # known before the folder exists
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"model.path={tmp_path / create}", f"model.create={create}",
+                               "train.tensor_parallel_size=2", "train.nprocs=2"])
+        assert "mixture-of-experts" in assert_one_line(e.value, "train.tensor_parallel_size")
 
 
 def test_moe_quickstart_values():
