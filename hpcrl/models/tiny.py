@@ -139,7 +139,6 @@ def create_tiny_glm4_moe(path: str | os.PathLike, hidden_size: int = 128, num_la
     .weight``) and the bias as ``mlp.gate.e_score_correction_bias``, as released GLM-4.5 checkpoints do. The
     write is atomic. Returns ``path``; raises FileExistsError if it already exists.
     """
-    import torch
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     path = Path(path)
@@ -159,15 +158,8 @@ def create_tiny_glm4_moe(path: str | os.PathLike, hidden_size: int = 128, num_la
         rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )
-
-    def nonzero_expert_bias(model) -> None:
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, buf in model.named_buffers():
-                if name.endswith("mlp.gate.e_score_correction_bias"):
-                    buf.copy_(torch.randn(buf.shape, generator=g) * expert_bias_std)
-
-    return _save_random(path, Glm4MoeForCausalLM, config, tokenizer, seed, after_init=nonzero_expert_bias)
+    return _save_random(path, Glm4MoeForCausalLM, config, tokenizer, seed,
+                        after_init=_expert_bias_init(seed, expert_bias_std))
 
 
 def create_tiny_deepseek_v3(path: str | os.PathLike, hidden_size: int = 128, num_layers: int = 4,
@@ -188,7 +180,6 @@ def create_tiny_deepseek_v3(path: str | os.PathLike, hidden_size: int = 128, num
     no MTP layers. With the defaults: about 3.2M parameters. The write is atomic. Returns ``path``; raises
     FileExistsError if it already exists.
     """
-    import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     path = Path(path)
@@ -212,15 +203,24 @@ def create_tiny_deepseek_v3(path: str | os.PathLike, hidden_size: int = 128, num
         rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )
+    return _save_random(path, DeepseekV3ForCausalLM, config, tokenizer, seed,
+                        after_init=_expert_bias_init(seed, expert_bias_std))
 
-    def nonzero_expert_bias(model) -> None:
+
+def _expert_bias_init(seed: int, expert_bias_std: float):
+    """An ``after_init`` for :func:`_save_random`: fill every ``mlp.gate.e_score_correction_bias`` buffer (the
+    sigmoid router's expert bias, [num_experts]) with N(0, ``expert_bias_std``^2) draws from a generator seeded
+    ``seed + 1``, so the bias takes part in routing (HF initialises it to zeros)."""
+    import torch
+
+    def init(model) -> None:
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for name, buf in model.named_buffers():
                 if name.endswith("mlp.gate.e_score_correction_bias"):
                     buf.copy_(torch.randn(buf.shape, generator=g) * expert_bias_std)
 
-    return _save_random(path, DeepseekV3ForCausalLM, config, tokenizer, seed, after_init=nonzero_expert_bias)
+    return init
 
 
 def _save_random(path: Path, model_cls, config, tokenizer, seed: int, after_init=None) -> Path:
