@@ -19,7 +19,8 @@ per parameter a GPU holds:
   bytes; with fp32 weights the weights are the main copy = 8 bytes. ``train.use_distributed_optimizer`` shards
   these over data parallel (ZeRO-1): dense parameters over ``DP = world / (TP x PP x CP)``, expert parameters
   over the expert-data-parallel group ``EDP = world / (expert-TP x EP x PP)`` (megatron's expert-TP defaults
-  to TP, which hpcrl keeps). ``megatron.optimizer_cpu_offload: true`` with
+  to TP, which hpcrl keeps; for a MoE model :func:`hpcrl.config.train.check_moe` requires TP = 1, so expert-TP
+  is 1 and every GPU holds all non-expert parameters). ``megatron.optimizer_cpu_offload: true`` with
   ``megatron.optimizer_offload_fraction: f`` (megatron-core 0.16.1's ``HybridDeviceOptimizer``; the fraction
   defaults to 0.0, i.e. nothing moves) keeps a fraction f of those states (and an fp32 copy of their
   gradients) in host memory instead.
@@ -247,8 +248,10 @@ def check_engine_layout(cfg: Config, experts: Optional[int]) -> None:
                 f"set rollout.num_engines={cfg.slurm.nodes}")
 
 
-def _trainer_fix(cfg: Config, p: ParamCount, budget: float) -> str:
-    """What would make the trainer fit: the CPU offload, the distributed optimizer, or more GPUs."""
+def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0) -> str:
+    """What would make the trainer fit: the CPU offload, the distributed optimizer, or more GPUs; for a MoE
+    model (``experts`` routed experts per layer, trained at TP=1) more expert parallelism, or, where even one
+    expert per GPU with Adam offloaded does not fit, that no layout of hpcrl's trainer does."""
     t, meg = cfg.train, dict(cfg.megatron or {})
     fixes = []
     if not meg.get("use_distributed_optimizer", t.use_distributed_optimizer):
@@ -258,7 +261,21 @@ def _trainer_fix(cfg: Config, p: ParamCount, budget: float) -> str:
         fits = "fits" if offloaded.total <= budget else "still does not fit"
         fixes.append(f"set megatron.optimizer_cpu_offload=true and megatron.optimizer_offload_fraction=1.0 "
                      f"({_gb(offloaded.total)}: {fits})")
-    fixes.append("or raise train.expert_parallel_size / tensor_parallel_size with more GPUs (slurm.nodes)")
+    if not experts:
+        fixes.append("or raise train.tensor_parallel_size with more GPUs (slurm.nodes)")
+        return "; ".join(fixes)
+    w_bytes = 2 if meg.get("bf16", t.bf16) else 4
+    per_param = w_bytes + (4 if meg.get("grad_reduce_in_fp32", True) else w_bytes)
+    floor = per_param * (p.total - p.expert + p.expert / experts)  # TP=1, EP=experts, Adam on the host
+    if floor <= budget:
+        fixes.append(f"or raise train.expert_parallel_size (up to {experts}) with more GPUs (slurm.nodes)")
+    else:
+        fixes.append(
+            f"no layout of hpcrl's trainer fits: a MoE model trains at train.tensor_parallel_size=1, so "
+            f"every GPU holds all {(p.total - p.expert) / 1e9:.1f}B non-expert parameters, {_gb(floor)} of "
+            f"weights and gradients per GPU even at train.expert_parallel_size={experts} with Adam "
+            "offloaded; use GPUs with more memory (TP with sequence parallelism, i.e. TransformerEngine's "
+            "layer spec, or pipeline parallelism would be needed, which hpcrl's trainer lacks)")
     return "; ".join(fixes)
 
 
@@ -283,10 +300,11 @@ def check_memory(cfg: Config, check_files: bool) -> None:
     gpu = s.gpu_memory_gb * GB
     budget = gpu - RESERVED_GB * GB
     tm = trainer_memory(cfg, p)
+    experts = routed_experts(hf) if p.expert else 0
     require(tm.total <= budget, "slurm.gpu_memory_gb", s.gpu_memory_gb,
             f"the trainer needs {_gb(tm.total)} per GPU at {tm.layout} (weights {_gb(tm.weights)}, gradients "
             f"{_gb(tm.grads)}, Adam {_gb(tm.adam)}) plus {RESERVED_GB:g} GB reserved, more than the GPU has",
-            _trainer_fix(cfg, p, budget))
+            _trainer_fix(cfg, p, budget, experts))
     if not _sglang_engines(cfg):
         return
     _, engine_gb, _ = _engine_gpus(cfg)

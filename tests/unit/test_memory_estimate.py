@@ -8,13 +8,15 @@ validate`` / ``submit`` (:mod:`hpcrl.config.memory`, :mod:`hpcrl.models.params`)
   host), and the offload keys reach megatron-core's ``OptimizerConfig`` (the offload itself needs CUDA: only
   the wiring is tested here);
 * ``hpcrl submit --dry-run`` renders each cluster config, the GPUs of the rendered job are what the parallel
-  sizes multiply to, the estimate is printed, and a layout that cannot fit is refused in one line.
+  sizes multiply to, the estimate is printed, and a layout that cannot fit is refused in one line;
+* MoE models train at ``train.tensor_parallel_size=1`` (``hpcrl.config.train.check_moe``): every cluster
+  config does, and DeepSeek-V3, whose non-expert parameters alone overflow an H100 at TP=1, is refused there
+  in one line saying that no layout of hpcrl's trainer fits.
 
 The model folders are temporary copies of the published ``config.json`` (``configs/cluster/models/``) with a
 one-tensor safetensors file next to it: ``hpcrl validate`` refuses a folder without weights (issue #35 point
-4), and the estimate needs only the config. GLM-4.5-Air and DeepSeek-V3 runs are refused by ``hpcrl validate``
-until the trainer builds ``glm4_moe`` / ``deepseek_v3``; their submit tests are skipped until then (their
-estimates are tested without the model-folder check).
+4), and the estimate needs only the config. The GLM-4.5-Air and DeepSeek-V3 submit tests are skipped where
+the trainer does not build ``glm4_moe`` / ``deepseek_v3``.
 """
 
 from __future__ import annotations
@@ -239,7 +241,8 @@ def test_cluster_config_fits_and_tiles_its_gpus(tmp_path, name):
     s, t, sg = cfg.slurm, cfg.train, cfg.sglang
     world = s.nodes * s.gpus_per_node
     assert t.nprocs == world  # what hpcrl submit sets from the allocation
-    assert world % (t.tensor_parallel_size * t.expert_parallel_size) == 0  # expert-TP x EP x EDP = world
+    assert t.tensor_parallel_size == 1  # MoE models: TP needs sequence parallelism, which hpcrl lacks
+    assert world % t.expert_parallel_size == 0  # expert-TP (= TP = 1) x EP x EDP = world
     assert t.pipeline_parallel_size == 1  # the trainer refuses pipeline parallelism
     engine_gpus = s.rollout.gpus_per_node if cfg.run.placement == "disaggregate" else s.gpus_per_node
     assert sg["tp_size"] == engine_gpus and sg["tp_size"] % sg["ep_size"] == 0
@@ -279,6 +282,48 @@ def test_refusal_names_the_offload_that_would_fit(tmp_path):
         load_config(CLUSTER / "qwen3-30b-a3b.yaml",
                     [f"model.path={folder}", "megatron.optimizer_cpu_offload=false"])
     assert "megatron.optimizer_cpu_offload=true" in e.value.fix and "fits" in e.value.fix
+
+
+def test_moe_refusal_names_expert_parallelism_not_tp(tmp_path):
+    """A MoE model that does not fit is pointed at the offload and more expert parallelism, never at TP."""
+    folder = model_folder(tmp_path / "m", "glm-4.5-air")
+    with pytest.raises(ConfigError) as e:
+        load_config(CLUSTER / "glm-4.5-air.yaml",
+                    [f"model.path={folder}", "megatron.optimizer_cpu_offload=false"])
+    assert e.value.field == "slurm.gpu_memory_gb"
+    assert "train.expert_parallel_size (up to 128)" in e.value.fix
+    assert "tensor_parallel_size" not in e.value.fix
+
+
+def test_moe_under_tensor_parallelism_is_refused(tmp_path):
+    """The layout the DeepSeek-V3 configs had before (TP8 x EP32) is refused on the login node:
+    megatron-core 0.16.1 trains MoE layers under TP only with sequence parallelism, which hpcrl's local layer
+    spec refuses."""
+    folder = model_folder(tmp_path / "m", "deepseek-v3")
+    with pytest.raises(ConfigError) as e:
+        load_config(CLUSTER / "deepseek-v3.yaml", [f"model.path={folder}", "train.tensor_parallel_size=8",
+                                                   "train.expert_parallel_size=32"])
+    assert e.value.field == "train.tensor_parallel_size"
+
+
+def test_deepseek_v3_on_h100_is_refused_in_one_line(tmp_path):
+    """At TP=1 each GPU holds DeepSeek-V3's 17.1B non-expert parameters: 6 bytes each (bf16 weights +
+    fp32 gradients) is 103 GB before any expert, so no EP and no offload fits 80 GB; validate says so in one
+    line."""
+    p = _count("deepseek-v3")
+    assert 6 * (p.total - p.expert) > (80 - RESERVED_GB) * GB
+    folder = model_folder(tmp_path / "m", "deepseek-v3")
+    bad = hpcrl(["validate", str(CLUSTER / "deepseek-v3.yaml"), f"model.path={folder}",
+                 "slurm.gpu_memory_gb=80"], tmp_path)
+    assert bad.returncode == 2 and bad.stdout == ""
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("config error: slurm.gpu_memory_gb=80.0: the trainer needs")
+    assert "no layout of hpcrl's trainer fits" in lines[0] and "17.1B non-expert parameters" in lines[0]
+    assert "train.expert_parallel_size=256" in lines[0] and "pipeline parallelism" in lines[0]
+    ok = hpcrl(["validate", str(CLUSTER / "deepseek-v3.yaml"), f"model.path={folder}"], tmp_path)  # H200s
+    assert ok.returncode == 0, ok.stderr
+    assert "tp1 pp1 cp1 ep256 dp256 edp1 over 256 GPUs" in ok.stdout and "of 141 GB" in ok.stdout
 
 
 @pytest.mark.parametrize("name,overrides,field", [
