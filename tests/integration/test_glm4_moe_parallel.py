@@ -20,33 +20,19 @@ computed; the tests compare it with HF transformers' ``Glm4MoeForCausalLM`` in t
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
-_UNIT = _ROOT / "tests" / "unit" / "test_glm4_moe_bridge.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
-from engine_utils import free_port  # noqa: E402
+from megatron_utils import assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers  # noqa: E402
 
 LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
 DISPATCHERS = ("allgather", "alltoall")
 RATE = 1e-2
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
-
-
-def _unit_helpers():
-    if str(_ROOT) not in sys.path:  # the unit module imports tests.unit.test_megatron_bridge
-        sys.path.insert(0, str(_ROOT))
-    spec = importlib.util.spec_from_file_location("hpcrl_tests_glm4_moe_helpers", _UNIT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --- the distributed side: `torchrun --nproc_per_node=2 test_glm4_moe_parallel.py --path DIR --out DIR` ---
@@ -61,7 +47,7 @@ def worker(path: str, out: Path) -> None:
 
     from hpcrl.train import bridge, parallel, model as tmodel
 
-    h = _unit_helpers()
+    h = unit_helpers("test_glm4_moe_bridge")
     env = parallel.init_distributed()
     res: dict = {}
     hf_config = AutoConfig.from_pretrained(path)
@@ -104,7 +90,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def h():
     pytest.importorskip("megatron.core")
-    return _unit_helpers()
+    return unit_helpers("test_glm4_moe_bridge")
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +101,7 @@ def glm_dir(h, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(glm_dir, tmp_path_factory):
     """Run the torchrun job once; the per-rank results, rank 0 first."""
-    out = tmp_path_factory.mktemp("glm-out")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--path", str(glm_dir),
-           "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, \
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_two_ranks(__file__, ["--path", str(glm_dir)], tmp_path_factory.mktemp("glm-out"))
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
@@ -144,9 +122,7 @@ def test_export_is_bitwise_and_logits_log_probs_entropy_match_hf(h, glm_dir, ran
         assert [r["tp_rank"] for r in results] == [0, 1]
         assert results[0]["local_experts"] == [str(e) for e in range(8)]
     for res in results:
-        assert sorted(res["export"]) == sorted(hf)
-        for name, tensor in hf.items():
-            assert torch.equal(res["export"][name], tensor), name
+        assert_export_bitwise(res["export"], hf)
         assert (res["logits"] - hf_logits).abs().max() < 1e-5
         for temperature in (1.0, 0.7):
             _, ref_lp, ref_ent = h.hf_reference(hf_model, tokens, temperature)
@@ -165,13 +141,7 @@ def test_ep2_train_step_matches_hf_adamw(h, glm_dir, ranks):
     ref_state = unfuse_experts(ref_state)
     for res in ranks:
         run = res["ep2-step"]
-        assert run["step"]["update_successful"]
-        assert sorted(run["after"]) == sorted(ref_state)
-        diffs = {k: (run["after"][k] - ref_state[k]).abs().max().item() for k in ref_state}
-        worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
-        assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
-        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), worst
-        assert max(diffs.values()) < 1e-6, worst
+        assert_step_matches(run, ref_loss, ref_norm, ref_state)
         assert torch.equal(run["after"][BIAS], bridge.read_hf_state_dict(glm_dir)[BIAS])
 
 

@@ -16,29 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
-from engine_utils import free_port  # noqa: E402
+from megatron_utils import assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers  # noqa: E402
 
 LAYOUTS = (("mistral", "tp2", 2, 1, (None,)), ("mixtral", "tp2", 2, 1, ("allgather", "alltoall")),
            ("mixtral", "ep2", 1, 2, ("allgather", "alltoall")))  # family, name, TP, EP, dispatchers
 STEPS = (("mistral", "tp2", 2, 1), ("mixtral", "ep2", 1, 2))
-
-
-def _unit_helpers():
-    if str(_ROOT) not in sys.path:  # the torchrun worker runs from tests/integration
-        sys.path.insert(0, str(_ROOT))
-    import tests.unit.test_mistral_bridge as helpers
-
-    return helpers
 
 
 # --- the distributed side: `torchrun --nproc_per_node=2 test_megatron_mistral.py --dirs JSON --out DIR` -----
@@ -52,7 +41,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
 
     from hpcrl.train import bridge, logprobs, parallel, model as tmodel
 
-    h = _unit_helpers()
+    h = unit_helpers("test_mistral_bridge")
     env = parallel.init_distributed()
     res: dict = {}
     for kind, name, tp, ep, dispatchers in LAYOUTS:
@@ -96,7 +85,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def h():
     pytest.importorskip("megatron.core")
-    return _unit_helpers()
+    return unit_helpers("test_mistral_bridge")
 
 
 @pytest.fixture(scope="module")
@@ -108,15 +97,8 @@ def dirs(h, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(dirs, tmp_path_factory):
     """Run the torchrun job once; the per-rank results, rank 0 first."""
-    out = tmp_path_factory.mktemp("mistral-out")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__,
-           "--dirs", json.dumps({k: str(v) for k, v in dirs.items()}), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, \
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_two_ranks(__file__, ["--dirs", json.dumps({k: str(v) for k, v in dirs.items()})],
+                         tmp_path_factory.mktemp("mistral-out"))
 
 
 CASES = [(kind, name, d) for kind, name, _, _, ds in LAYOUTS for d in ds]
@@ -137,9 +119,7 @@ def test_export_is_bitwise_and_logits_log_probs_entropy_match_hf(h, dirs, ranks,
     elif kind == "mixtral":
         assert results[0]["local_experts"] == ["0", "1", "2", "3"]
     for res in results:
-        assert sorted(res["export"]) == sorted(hf)
-        for name, tensor in hf.items():
-            assert torch.equal(res["export"][name], tensor), name
+        assert_export_bitwise(res["export"], hf)
         assert (res["logits"][:, :-1] - hf_logits).abs().max() < 1e-5
         assert (res["log_probs"] - ref_lp).abs().max() < 1e-5
         assert (res["entropy"] - ref_ent).abs().max() < 1e-5
@@ -155,15 +135,7 @@ def test_train_step_matches_hf(h, dirs, ranks, kind, layout):
         ref_state = dict(moe.RenamedWeights(moe.unfuse_experts(ref_state), moe.to_mixtral_name))
         ref_state.pop("lm_head.weight")  # tied: HF's checkpoint (and the export) has none
     for res in ranks:
-        run = res[f"{kind}-{layout}-step"]
-        assert run["step"]["update_successful"]
-        assert sorted(run["after"]) == sorted(ref_state)
-        diffs = {k: (run["after"][k] - ref_state[k]).abs().max().item() for k in ref_state}
-        worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
-        assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
-        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), \
-            (run["step"]["grad_norm"], worst)
-        assert max(diffs.values()) < 1e-6, worst
+        assert_step_matches(res[f"{kind}-{layout}-step"], ref_loss, ref_norm, ref_state)
 
 
 if __name__ == "__main__":

@@ -12,25 +12,15 @@ Helpers (tiny models, batch, loss, HF references) come from tests/unit/test_mega
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-_UNIT = Path(__file__).resolve().parents[1] / "unit" / "test_megatron_bridge.py"
-
-
-def _unit_helpers():
-    spec = importlib.util.spec_from_file_location("hpcrl_tests_megatron_bridge_helpers", _UNIT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
+from megatron_utils import assert_export_bitwise, run_two_ranks, unit_helpers  # noqa: E402
 
 
 # --- the distributed side: `torchrun --nproc_per_node=2 test_megatron_tp2.py --dirs JSON --out DIR` --------
@@ -46,7 +36,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
 
     from hpcrl.train import bridge, logprobs, parallel, model as tmodel
 
-    h = _unit_helpers()
+    h = unit_helpers()
     env = parallel.init_distributed()
     parallel.initialize_model_parallel(tp=2)
     parallel.model_parallel_cuda_manual_seed(1234)
@@ -96,16 +86,10 @@ def worker(dirs: dict[str, str], out: Path) -> None:
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def h():
     pytest.importorskip("megatron.core")
-    return _unit_helpers()
+    return unit_helpers()
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +102,8 @@ def dirs(h, tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(dirs, tmp_path_factory):
     """Run the torchrun job once; the per-rank results, rank 0 first."""
-    out = tmp_path_factory.mktemp("tp2-out")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__,
-           "--dirs", json.dumps({k: str(v) for k, v in dirs.items()}), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_two_ranks(__file__, ["--dirs", json.dumps({k: str(v) for k, v in dirs.items()})],
+                         tmp_path_factory.mktemp("tp2-out"))
 
 
 @pytest.mark.parametrize("kind", ("qwen2", "qwen3", "llama"))
@@ -135,10 +113,7 @@ def test_tp2_export_is_bitwise_identical_on_both_ranks(h, dirs, ranks, kind):
     hf = bridge.read_hf_state_dict(dirs[kind])
     assert [r["tp_rank"] for r in ranks] == [0, 1]
     for res in ranks:
-        out = res[kind]["export"]
-        assert sorted(out) == sorted(hf)
-        for name, tensor in hf.items():
-            assert torch.equal(out[name], tensor), name
+        assert_export_bitwise(res[kind]["export"], hf)
 
 
 @pytest.mark.parametrize("kind", ("qwen2", "qwen3", "llama"))

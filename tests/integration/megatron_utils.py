@@ -1,0 +1,70 @@
+"""The shared harness of the two-process megatron tests (test_megatron_tp2, test_megatron_moe,
+test_glm4_moe_parallel, test_deepseek_v3_tp2, test_megatron_mistral).
+
+Each of those files is a pytest module and, run as a script by ``torchrun --nproc_per_node=2``, the worker
+that writes ``rank{r}.pt`` per rank; the tests compare what the ranks computed with HF transformers. Here:
+loading a tests/unit module as the helpers (``h``), launching the torchrun job and loading its results, and
+the checks every such file makes on an export and on one optimizer step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from engine_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+UNIT = ROOT / "tests" / "unit"
+
+
+def unit_helpers(name: str = "test_megatron_bridge") -> ModuleType:
+    """Load ``tests/unit/{name}.py`` as a module (tests/ is not a package on the torchrun worker's path: the
+    repo root goes onto ``sys.path`` first, as the family modules import ``tests.unit.test_megatron_bridge``)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location(f"hpcrl_tests_{name}_helpers", UNIT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_two_ranks(script: str | os.PathLike, args: list[str], out: Path, timeout: float = 600) -> list[dict]:
+    """Run ``script args --out out`` under ``torchrun --nproc_per_node=2`` (gloo on a free loopback port, one
+    thread per rank) and return each rank's ``out/rank{r}.pt``, rank 0 first. Fails the test with the job's
+    output tails when it exits non-zero; raises subprocess.TimeoutExpired after ``timeout`` seconds."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args, "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, \
+        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def assert_export_bitwise(export: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> None:
+    """A rank's HF export has exactly the checkpoint's names and every tensor bitwise equal to it."""
+    assert sorted(export) == sorted(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(export[name], tensor), name
+
+
+def assert_step_matches(run: dict, ref_loss: float, ref_norm: float, ref_state: dict[str, torch.Tensor],
+                        weights_atol: float = 1e-6) -> None:
+    """One rank's optimizer step (``run``: ``step`` from ``train_step`` and the ``after`` export) against HF +
+    AdamW's (``hf_train_step``): the update succeeded, same names, loss and grad norm to rel 1e-5, every
+    weight after the step within ``weights_atol`` (the five worst named in the failure)."""
+    assert run["step"]["update_successful"]
+    assert sorted(run["after"]) == sorted(ref_state)
+    diffs = {k: (run["after"][k] - ref_state[k]).abs().max().item() for k in ref_state}
+    worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+    assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), (run["step"], worst)
+    assert max(diffs.values()) < weights_atol, worst
