@@ -79,7 +79,8 @@ def load_hf_model(path: str | os.PathLike, dtype: str = "float32"):
     token as pad token (batched generation needs one); nothing else about it is changed.
 
     Raises :class:`ModelFolderError` (a FileNotFoundError) when ``path`` has no ``config.json``,
-    :class:`UnsupportedModelError` (a ValueError) when the family is not Qwen2 / Qwen3 / Qwen3-MoE / Llama, ValueError for an unknown dtype.
+    :class:`UnsupportedModelError` (a ValueError) when the family is not in :data:`SUPPORTED_MODEL_TYPES`,
+    ValueError for an unknown dtype.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
