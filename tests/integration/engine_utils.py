@@ -146,3 +146,99 @@ class EngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# --- the harness of the engine tests that sync a megatron-core trainer into the engine -------------------
+
+
+def key_file(folder: Path, key: str) -> Path:
+    """Write the engines' API ``key`` to ``folder/key`` with mode 0600 (as the launcher writes the run
+    secret, which the server refuses otherwise); returns the path."""
+    path = Path(folder) / "key"
+    path.write_text(key + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def keyed_engine(model_path: str | os.PathLike, key_path: str | os.PathLike, log_path: str | os.PathLike,
+                 extra_args: list[str] | tuple[str, ...] = ()) -> EngineProcess:
+    """An :class:`EngineProcess` serving ``model_path`` behind the key in ``key_path`` with a 60 s
+    ``--dist-timeout``, logging to ``log_path`` (not yet started: use it as a context manager)."""
+    return EngineProcess(model_path, ["--api-key-file", str(key_path), "--dist-timeout", "60", *extra_args],
+                         log_path=log_path)
+
+
+def local_trainer(model_path: str | os.PathLike):
+    """Generator for a module fixture: the megatron-core model (DDP-wrapped, ``TrainSection()`` defaults) of
+    the HF folder ``model_path`` at TP=1 in this process, with the model-parallel state torn down after."""
+    import torch
+
+    from hpcrl.config import TrainSection
+    from hpcrl.train import model as tmodel
+    from hpcrl.train import parallel
+
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    try:
+        model, _ = tmodel.setup_model_and_optimizer(model_path, TrainSection())
+        yield model
+    finally:
+        parallel.destroy()
+
+
+def perturb(model, seed: int, scale: float = 0.05) -> None:
+    """Add seeded N(0, ``scale``^2) noise to every parameter of ``model`` (an HF model or a megatron one,
+    wrapped or not) in place: the same noise on every rank for same-shaped shards."""
+    import torch
+
+    from hpcrl.train.bridge import unwrap_model
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in unwrap_model(model).parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    """The largest absolute difference between two equally shaped lists of per-sequence log-probs."""
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+async def sync_weights(url: str, key: str, stream, version: str, method: str = "tensor", sender: bool = True,
+                       bucket_bytes: int = 64 * 1024, **kwargs) -> dict:
+    """One weight sync of ``stream`` ((HF name, tensor) pairs) to the engine at ``url`` as ``version``
+    with ``method`` in buckets of ``bucket_bytes``; ``sender``: this rank posts (the others only take part in
+    the export collectives); ``kwargs``: more WeightSyncer fields (``disk_dir``, ``hf_checkpoint``). Returns
+    the syncer's metrics."""
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.weights import WeightSyncer
+
+    client = RolloutClient(engine_urls=[url], api_key=key) if sender else None
+    syncer = WeightSyncer(client, method, bucket_bytes=bucket_bytes, timeout_s=60, is_sender=sender,
+                          **kwargs)
+    try:
+        return await syncer.sync(iter(stream), version)
+    finally:
+        await syncer.close()
+        if client is not None:
+            await client.close()
+
+
+def run_two_rank_sync(script: str | os.PathLike, args: list[str], out: Path,
+                      timeout: float = 600) -> list[dict]:
+    """Run ``script args --out out`` under ``torchrun --nproc_per_node=2`` (one thread per rank) and return
+    each rank's ``out/rank{r}.json``. The output goes to ``out/torchrun.log``, not a pipe: the
+    torch_shm_manager that CPU tensor payloads start inherits the workers' stdout and outlives them (until the
+    engine exits), so reading a pipe to EOF would hang. Fails the test with the log's tail on a non-zero exit."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args, "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    log = out / "torchrun.log"
+    with open(log, "wb") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
+    assert rc == 0, f"torchrun failed ({rc}):\n{log.read_text(errors='replace')[-8000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

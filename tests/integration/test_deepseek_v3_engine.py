@@ -14,7 +14,6 @@ tokenizer, served by ``python -m hpcrl.engine.server``:
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -22,10 +21,11 @@ import pytest
 import torch
 
 try:
-    from tests.integration.engine_utils import EngineProcess, http_json
+    from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
+                                                sync_weights)
 except ImportError:  # tests/integration is not a package
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_utils import EngineProcess, http_json
+    from engine_utils import http_json, key_file, keyed_engine, local_trainer, max_diff, sync_weights
 
 KEY = "deepseek-engine-test-key"
 SEQS = [[1, 5, 9, 12, 3, 7, 18, 4, 11, 6, 13, 8, 19, 2, 10, 16, 5, 3, 12, 7], [1, 14, 8, 20, 10, 2, 17]]
@@ -45,26 +45,14 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("ds-engine")
-    (root / "key").write_text(KEY + "\n")
-    os.chmod(root / "key", 0o600)
-    with EngineProcess(model_dir, ["--api-key-file", str(root / "key"), "--dist-timeout", "60"],
-                       log_path=root / "engine.log") as eng:
+    with keyed_engine(model_dir, key_file(root, KEY), root / "engine.log") as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
 def trainer(model_dir):
     pytest.importorskip("megatron.core")
-    torch.set_num_threads(1)
-    from hpcrl.config import TrainSection
-    from hpcrl.train import parallel, model as tmodel
-
-    parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1)
-    parallel.model_parallel_cuda_manual_seed(1234)
-    model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
-    yield model
-    parallel.destroy()
+    yield from local_trainer(model_dir)
 
 
 def engine_log_probs(url: str) -> list[list[float]]:
@@ -87,10 +75,6 @@ def trainer_log_probs(model) -> list[list[float]]:
                 .tolist() for seq in SEQS]
 
 
-def max_diff(a, b) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
-
-
 def test_engine_generates_a_group(engine):
     status, body = http_json("POST", engine.url + "/generate", {
         "text": "12+34=", "sampling_params": {"n": 3, "max_new_tokens": 5, "temperature": 1.0,
@@ -102,9 +86,8 @@ def test_engine_generates_a_group(engine):
 
 
 def test_tensor_sync_carries_every_name_and_log_probs_match(engine, trainer):
-    from hpcrl.rollout.client import RolloutClient
     from hpcrl.train import bridge
-    from hpcrl.weights import WeightSyncer, iterate_for_sync
+    from hpcrl.weights import iterate_for_sync
 
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # every tensor the bridge maps, the expert bias buffer included
@@ -114,16 +97,8 @@ def test_tensor_sync_carries_every_name_and_log_probs_match(engine, trainer):
     mine = trainer_log_probs(trainer)
     assert max_diff(engine_log_probs(engine.url), mine) > 1e-3  # not synced yet
 
-    async def sync():
-        client = RolloutClient(engine_urls=[engine.url], api_key=KEY)
-        syncer = WeightSyncer(client, "tensor", bucket_bytes=16 * 1024, timeout_s=60)
-        try:
-            return await syncer.sync(iterate_for_sync(trainer), "ds-1")
-        finally:
-            await syncer.close()
-            await client.close()
-
-    metrics = asyncio.run(sync())
+    metrics = asyncio.run(sync_weights(engine.url, KEY, iterate_for_sync(trainer), "ds-1",
+                                       bucket_bytes=16 * 1024))
     names = {n for n, _ in bridge.export_hf_weights(trainer)}
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in names

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,10 +34,12 @@ import pytest
 import torch
 
 try:
-    from tests.integration.engine_utils import EngineProcess, free_port, http_json
+    from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
+                                                perturb, run_two_rank_sync, sync_weights)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_utils import EngineProcess, free_port, http_json
+    from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, perturb,
+                              run_two_rank_sync, sync_weights)
 
 KEY = "glm-engine-test-key"
 TOL = 1e-5
@@ -96,10 +96,6 @@ def engine_view(url: str) -> tuple[list[list[float]], list, str]:
     return lps, routes, version
 
 
-def max_diff(a, b) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
-
-
 def routes_differ(a, b) -> float:
     """Fraction of (token, layer) pairs whose expert sets differ between two route lists."""
     pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for ta, tb in zip(ra, rb, strict=True)
@@ -118,15 +114,7 @@ def checkpoint_stream(model) -> list[tuple[str, torch.Tensor]]:
 
 
 async def sync(url: str, stream, version: str, method: str, **kwargs) -> dict:
-    from hpcrl.rollout.client import RolloutClient
-    from hpcrl.weights import WeightSyncer
-
-    async with RolloutClient(engine_urls=[url], api_key=KEY) as client:
-        syncer = WeightSyncer(client, method, bucket_bytes=64 * 1024, timeout_s=60, **kwargs)
-        try:
-            return await syncer.sync(iter(stream), version)
-        finally:
-            await syncer.close()
+    return await sync_weights(url, KEY, stream, version, method, **kwargs)
 
 
 def new_bias(model, seed: int) -> None:
@@ -136,13 +124,6 @@ def new_bias(model, seed: int) -> None:
         for name, buf in model.named_buffers():
             if name.endswith(BIAS):
                 buf.copy_(torch.randn(buf.shape, generator=g) * 0.05)
-
-
-def perturb(model, seed: int, scale: float = 0.05) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
 
 
 # --- the megatron-core trainer as the sender -------------------------------------------------------------
@@ -183,31 +164,17 @@ def trainer_new_bias(model, seed: int) -> None:
                 buf.copy_(torch.randn(buf.shape, generator=g) * 0.05)
 
 
-def trainer_perturb(model, seed: int, scale: float = 0.05) -> None:
-    from hpcrl.train.bridge import unwrap_model
-
-    perturb(unwrap_model(model), seed, scale)
-
-
 async def trainer_sync(url: str, model, version: str, sender: bool = True, drop_bias: bool = False,
                        method: str = "tensor", **kwargs) -> dict:
     """Sync the trainer's weights (``iterate_for_sync``) with ``method``; ``drop_bias``: leave the expert bias
     out of the stream (a trainer that does not sync it); ``kwargs``: more WeightSyncer fields
     (``disk_dir``)."""
-    from hpcrl.rollout.client import RolloutClient
-    from hpcrl.weights import WeightSyncer, iterate_for_sync
+    from hpcrl.weights import iterate_for_sync
 
     stream = iterate_for_sync(model)
     if drop_bias:
         stream = ((name, t) for name, t in stream if not name.endswith(BIAS))
-    client = RolloutClient(engine_urls=[url], api_key=KEY) if sender else None
-    syncer = WeightSyncer(client, method, bucket_bytes=64 * 1024, timeout_s=60, is_sender=sender, **kwargs)
-    try:
-        return await syncer.sync(stream, version)
-    finally:
-        await syncer.close()
-        if client is not None:
-            await client.close()
+    return await sync_weights(url, KEY, stream, version, method, sender=sender, **kwargs)
 
 
 def worker(model_dir: str, url: str, out: Path) -> None:
@@ -224,7 +191,7 @@ def worker(model_dir: str, url: str, out: Path) -> None:
     parallel.initialize_model_parallel(tp=1, ep=2)
     parallel.model_parallel_cuda_manual_seed(1234)
     model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
-    trainer_perturb(model, seed=200)
+    perturb(model, seed=200)
     trainer_new_bias(model, seed=201)
     metrics = asyncio.run(trainer_sync(url, model, "glm-ep2", sender=env.rank == 0))
     mine, routes = trainer_view(model)
@@ -243,10 +210,7 @@ def glm_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(glm_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("glm-engine")
-    (root / "key").write_text(KEY + "\n")
-    os.chmod(root / "key", 0o600)
-    with EngineProcess(glm_dir, ["--api-key-file", str(root / "key"), "--dist-timeout", "60"],
-                       log_path=root / "engine.log") as eng:
+    with keyed_engine(glm_dir, key_file(root, KEY), root / "engine.log") as eng:
         yield eng
 
 
@@ -261,17 +225,7 @@ def sender(glm_dir):
 @pytest.fixture(scope="module")
 def trainer(glm_dir):
     pytest.importorskip("megatron.core")
-    torch.set_num_threads(1)
-    from hpcrl.config import TrainSection
-    from hpcrl.train import model as tmodel
-    from hpcrl.train import parallel
-
-    parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1)
-    parallel.model_parallel_cuda_manual_seed(1234)
-    model, _ = tmodel.setup_model_and_optimizer(glm_dir, TrainSection())
-    yield model
-    parallel.destroy()
+    yield from local_trainer(glm_dir)
 
 
 # --- tests --------------------------------------------------------------------------------------------------
@@ -349,7 +303,7 @@ def test_routing_follows_the_synced_expert_bias_and_drifts_without_it(engine, se
 @pytest.mark.parametrize("method", ["tensor", "distributed", "disk"])
 def test_trainer_sync_gives_the_trainers_log_probs_and_routing(engine, trainer, glm_dir, method, tmp_path):
     seed = {"tensor": 31, "distributed": 33, "disk": 35}[method]
-    trainer_perturb(trainer, seed=seed)
+    perturb(trainer, seed=seed)
     trainer_new_bias(trainer, seed=seed + 1)
     mine, my_routes = trainer_view(trainer)
     before, before_routes, _ = engine_view(engine.url)
@@ -379,17 +333,7 @@ def test_the_engine_routes_like_the_trainer_only_when_the_bias_is_synced(engine,
 
 
 def test_ep2_trainer_syncs_every_expert_and_the_bias(engine, glm_dir, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--model", str(glm_dir),
-           "--url", engine.url, "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    log = tmp_path / "torchrun.log"  # a file, not a pipe: torch's shared-memory manager outlives the workers
-    with open(log, "wb") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=env).returncode
-    assert rc == 0, f"torchrun failed:\n{log.read_text(errors='replace')[-6000:]}"
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_two_rank_sync(__file__, ["--model", str(glm_dir), "--url", engine.url], tmp_path / "out")
     assert max_diff(ranks[0]["trainer"], ranks[1]["trainer"]) < 1e-6  # one model across the ranks
     assert ranks[0]["routes"] == ranks[1]["routes"]
     theirs, routes, version = engine_view(engine.url)

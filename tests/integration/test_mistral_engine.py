@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,10 +27,12 @@ import pytest
 import torch
 
 try:
-    from tests.integration.engine_utils import EngineProcess, free_port, http_json
+    from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
+                                                perturb, run_two_rank_sync, sync_weights)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_utils import EngineProcess, free_port, http_json
+    from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, perturb,
+                              run_two_rank_sync, sync_weights)
 
 KEY = "mistral-engine-test-key"
 TOL = 1e-5
@@ -51,15 +51,6 @@ def _unit():
     import tests.unit.test_mistral_bridge as helpers
 
     return helpers
-
-
-def perturb(model, seed: int, scale: float = 0.05) -> None:
-    from hpcrl.train.bridge import unwrap_model
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in unwrap_model(model).parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
 
 
 def trainer_logprobs(model, tokens: list[int], response: int) -> list[float]:
@@ -84,23 +75,11 @@ def engine_logprobs(url: str) -> tuple[list[list[float]], str]:
     return out, version
 
 
-def max_diff(a, b) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
-
-
 async def tensor_sync(url: str, model, version: str, sender: bool = True) -> dict:
     """One ``tensor`` weight sync of ``model`` (every rank iterates the export; ``sender`` posts it)."""
-    from hpcrl.rollout.client import RolloutClient
-    from hpcrl.weights import WeightSyncer, iterate_for_sync
+    from hpcrl.weights import iterate_for_sync
 
-    client = RolloutClient(engine_urls=[url], api_key=KEY) if sender else None
-    syncer = WeightSyncer(client, "tensor", bucket_bytes=64 * 1024, timeout_s=60, is_sender=sender)
-    try:
-        return await syncer.sync(iterate_for_sync(model), version)
-    finally:
-        await syncer.close()
-        if client is not None:
-            await client.close()
+    return await sync_weights(url, KEY, iterate_for_sync(model), version, sender=sender)
 
 
 # --- the EP=2 worker: `torchrun --nproc_per_node=2 test_mistral_engine.py --model DIR --url URL --out DIR` --
@@ -136,32 +115,22 @@ def dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def key_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mistral-key") / "key"
-    path.write_text(KEY + "\n")
-    os.chmod(path, 0o600)
-    return path
+def api_key_file(tmp_path_factory):
+    return key_file(tmp_path_factory.mktemp("mistral-key"), KEY)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, dirs, key_file, tmp_path_factory):
+def family(request, dirs, api_key_file, tmp_path_factory):
     """``(kind, HF folder, engine, trainer)``: an engine serving the family, a megatron model of it."""
-    from hpcrl.config import TrainSection
-    from hpcrl.train import parallel, model as tmodel
-
     kind = request.param
-    torch.set_num_threads(1)
-    parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1)
-    parallel.model_parallel_cuda_manual_seed(1234)
     log = tmp_path_factory.mktemp(f"{kind}-logs") / "engine.log"
+    trainer = local_trainer(dirs[kind])
+    model = next(trainer)
     try:
-        with EngineProcess(dirs[kind], ["--api-key-file", str(key_file), "--dist-timeout", "60"],
-                           log_path=log) as eng:
-            model, _ = tmodel.setup_model_and_optimizer(dirs[kind], TrainSection())
+        with keyed_engine(dirs[kind], api_key_file, log) as eng:
             yield kind, dirs[kind], eng, model
     finally:
-        parallel.destroy()
+        trainer.close()  # the model-parallel state torn down
 
 
 # --- tests --------------------------------------------------------------------------------------------------
@@ -342,17 +311,7 @@ def test_mixtral_ep2_trainer_syncs_every_expert(family, tmp_path):
         pytest.skip("Mixtral only: Mistral has no experts")
     from hpcrl.train.bridge import read_hf_state_dict
 
-    out = tmp_path / "out"
-    out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--model", str(path),
-           "--url", engine.url, "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    log = tmp_path / "torchrun.log"  # a file, not a pipe: torch's shared-memory manager outlives the workers
-    with open(log, "wb") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=env).returncode
-    assert rc == 0, f"torchrun failed:\n{log.read_text(errors='replace')[-6000:]}"
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_two_rank_sync(__file__, ["--model", str(path), "--url", engine.url], tmp_path / "out")
     assert ranks[0]["metrics"]["tensors"] == len(read_hf_state_dict(path))  # every name, both ranks' experts
     assert max_diff(ranks[0]["trainer"], ranks[1]["trainer"]) < 1e-6  # one model across the ranks
     theirs, version = engine_logprobs(engine.url)

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,10 +25,12 @@ import pytest
 import torch
 
 try:
-    from tests.integration.engine_utils import EngineProcess, free_port, http_json
+    from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
+                                                perturb, run_two_rank_sync, sync_weights)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_utils import EngineProcess, free_port, http_json
+    from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, perturb,
+                              run_two_rank_sync, sync_weights)
 
 KEY = "moe-engine-test-key"
 TOL = 1e-5
@@ -96,32 +96,11 @@ def trainer_view(model) -> tuple[list[list[float]], list]:
     return out, [hf_routing(hf, seq[:-1]).tolist() for seq in SEQS]
 
 
-def perturb(model, seed: int, scale: float = 0.05) -> None:
-    """Seeded noise on every parameter (the same on every rank for same-shaped shards)."""
-    from hpcrl.train.bridge import unwrap_model
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in unwrap_model(model).parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
-
-
-def max_diff(a, b) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
-
-
 async def sync(url: str, model, version: str, sender: bool = True) -> dict:
-    from hpcrl.rollout.client import RolloutClient
-    from hpcrl.weights import WeightSyncer, iterate_for_sync
+    """One ``tensor`` sync of the trainer's export (every rank iterates it; ``sender`` posts it)."""
+    from hpcrl.weights import iterate_for_sync
 
-    client = RolloutClient(engine_urls=[url], api_key=KEY) if sender else None
-    syncer = WeightSyncer(client, "tensor", bucket_bytes=64 * 1024, timeout_s=60, is_sender=sender)
-    try:
-        return await syncer.sync(iterate_for_sync(model), version)
-    finally:
-        await syncer.close()
-        if client is not None:
-            await client.close()
+    return await sync_weights(url, KEY, iterate_for_sync(model), version, sender=sender)
 
 
 # --- the EP=2 worker: `torchrun --nproc_per_node=2 test_moe_engine.py --model DIR --url URL --out DIR` ------
@@ -159,26 +138,14 @@ def moe_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(moe_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-engine")
-    (root / "key").write_text(KEY + "\n")
-    os.chmod(root / "key", 0o600)
-    with EngineProcess(moe_dir, ["--api-key-file", str(root / "key"), "--dist-timeout", "60"],
-                       log_path=root / "engine.log") as eng:
+    with keyed_engine(moe_dir, key_file(root, KEY), root / "engine.log") as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
 def trainer(moe_dir):
     pytest.importorskip("megatron.core")
-    torch.set_num_threads(1)
-    from hpcrl.config import TrainSection
-    from hpcrl.train import parallel, model as tmodel
-
-    parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1)
-    parallel.model_parallel_cuda_manual_seed(1234)
-    model, _ = tmodel.setup_model_and_optimizer(moe_dir, TrainSection())
-    yield model
-    parallel.destroy()
+    yield from local_trainer(moe_dir)
 
 
 # --- tests --------------------------------------------------------------------------------------------------
@@ -224,17 +191,7 @@ def test_weight_sync_of_experts_gives_the_trainers_log_probs_and_routing(engine,
 
 
 def test_ep2_trainer_syncs_every_expert(engine, moe_dir, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--model", str(moe_dir),
-           "--url", engine.url, "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    log = tmp_path / "torchrun.log"  # a file, not a pipe: torch's shared-memory manager outlives the workers
-    with open(log, "wb") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=env).returncode
-    assert rc == 0, f"torchrun failed:\n{log.read_text(errors='replace')[-6000:]}"
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_two_rank_sync(__file__, ["--model", str(moe_dir), "--url", engine.url], tmp_path / "out")
     assert max_diff(ranks[0]["trainer"], ranks[1]["trainer"]) < 1e-6  # one model across the ranks
     theirs, engine_routes, version = engine_view(engine.url)
     assert version == "ep2"
