@@ -26,8 +26,9 @@ UNIT = ROOT / "tests" / "unit"
 
 
 def unit_helpers(name: str = "test_megatron_bridge") -> ModuleType:
-    """Load ``tests/unit/{name}.py`` as a module (tests/ is not a package on the torchrun worker's path: the
-    repo root goes onto ``sys.path`` first, as the family modules import ``tests.unit.test_megatron_bridge``)."""
+    """Load ``tests/unit/{name}.py`` as a module (tests/ is not a package on the torchrun worker's path:
+    the repo root goes onto ``sys.path`` first, as the family modules import
+    ``tests.unit.test_megatron_bridge``)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     spec = importlib.util.spec_from_file_location(f"hpcrl_tests_{name}_helpers", UNIT / f"{name}.py")

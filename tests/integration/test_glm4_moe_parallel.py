@@ -27,7 +27,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
-from megatron_utils import assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers  # noqa: E402
+from megatron_utils import (  # noqa: E402
+    assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers)
 
 LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
 DISPATCHERS = ("allgather", "alltoall")

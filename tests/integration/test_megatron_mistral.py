@@ -23,7 +23,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
-from megatron_utils import assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers  # noqa: E402
+from megatron_utils import (  # noqa: E402
+    assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers)
 
 LAYOUTS = (("mistral", "tp2", 2, 1, (None,)), ("mixtral", "tp2", 2, 1, ("allgather", "alltoall")),
            ("mixtral", "ep2", 1, 2, ("allgather", "alltoall")))  # family, name, TP, EP, dispatchers
