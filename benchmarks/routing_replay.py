@@ -104,6 +104,36 @@ def measure(model_dir: Path, engine_url: str, prompts: list[list[int]], samples:
     return rows
 
 
+def measure_family(family: str, folder: Path, prompts: int, samples: int, max_new_tokens: int,
+                   threads: int = 1) -> list[dict]:
+    """Create the tiny ``family`` model (``qwen3_moe``: :data:`MODEL`, ``glm4_moe``: :data:`GLM_MODEL`) in
+    ``folder``, serve it with a bf16 engine (``threads`` threads), build the fp32 megatron-core trainer at TP=1
+    in this process and :func:`measure` ``prompts`` addition prompts (``"137+263="``-style, character
+    tokenizer) x ``samples`` samples x ``max_new_tokens`` tokens, without and with replay; the engine and the
+    model-parallel state are torn down afterwards. Returns :func:`measure`'s rows. Raises ValueError for
+    another family."""
+    from hpcrl.models.tiny import build_char_tokenizer, create_tiny_glm4_moe, create_tiny_qwen3_moe
+    from hpcrl.train import parallel
+
+    if family not in ("qwen3_moe", "glm4_moe"):
+        raise ValueError(f"family {family!r} is not measured here (qwen3_moe or glm4_moe)")
+    tok = build_char_tokenizer()
+    ids = [tok(f"{100 + 37 * i}+{250 + 13 * i}=")["input_ids"] for i in range(prompts)]
+    model_dir = (create_tiny_glm4_moe(Path(folder) / "moe", **GLM_MODEL) if family == "glm4_moe"
+                 else create_tiny_qwen3_moe(Path(folder) / "moe", **MODEL))
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    parallel.model_parallel_cuda_manual_seed(0)
+    try:
+        proc, url = start_engine(str(model_dir), threads, Path(folder) / "engine.log", ("--dtype", "bfloat16"))
+        try:
+            return measure(model_dir, url, ids, samples, max_new_tokens)
+        finally:
+            stop_engine(proc)
+    finally:
+        parallel.destroy()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)
@@ -115,29 +145,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from hpcrl.models.tiny import build_char_tokenizer, create_tiny_glm4_moe, create_tiny_qwen3_moe
-    from hpcrl.train import parallel
-
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tok = build_char_tokenizer()
-    prompts = [tok(f"{100 + 37 * i}+{250 + 13 * i}=")["input_ids"] for i in range(args.prompts)]
     start = time.perf_counter()
-    parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1)
-    parallel.model_parallel_cuda_manual_seed(0)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = (create_tiny_glm4_moe(Path(tmp) / "moe", **GLM_MODEL) if args.family == "glm4_moe"
-                         else create_tiny_qwen3_moe(Path(tmp) / "moe", **MODEL))
-            proc, url = start_engine(str(model_dir), args.threads, Path(tmp) / "engine.log",
-                                     ("--dtype", "bfloat16"))
-            try:
-                rows = measure(model_dir, url, prompts, args.samples, args.max_new_tokens)
-            finally:
-                stop_engine(proc)
-    finally:
-        parallel.destroy()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = measure_family(args.family, Path(tmp), args.prompts, args.samples, args.max_new_tokens,
+                              args.threads)
     print(machine_header(threads=args.threads, precision="engine bfloat16, trainer float32"))
     name = ("tiny GLM-4.5-style (8 experts + 1 shared, top-2 in 1 of 2 groups, sigmoid + expert bias, 4 layers "
             "of which 1 dense" if args.family == "glm4_moe" else "tiny Qwen3-MoE (8 experts, top-2, 4 layers")

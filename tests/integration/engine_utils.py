@@ -242,3 +242,17 @@ def run_two_rank_sync(script: str | os.PathLike, args: list[str], out: Path,
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
     assert rc == 0, f"torchrun failed ({rc}):\n{log.read_text(errors='replace')[-8000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def load_benchmark(name: str):
+    """Load ``benchmarks/{name}.py`` as a module (benchmarks/ is not a package; it goes onto ``sys.path`` first
+    for the benchmarks' own imports: machine, weight_sync)."""
+    import importlib.util
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location(f"hpcrl_bench_{name}", bench / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

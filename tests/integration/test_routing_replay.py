@@ -9,45 +9,26 @@ difference above 0.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+try:
+    from tests.integration.engine_utils import load_benchmark
+except ImportError:  # tests/integration is not a package
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_utils import load_benchmark
 
 pytestmark = pytest.mark.integration
 
 
-def _bench():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("hpcrl_bench_routing_replay", BENCH / "routing_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_replay_makes_routing_equal_and_log_probs_closer(tmp_path):
     pytest.importorskip("megatron.core")
-    from hpcrl.models.tiny import build_char_tokenizer, create_tiny_qwen3_moe
-    from hpcrl.train import parallel
-
-    bench = _bench()
-    model_dir = create_tiny_qwen3_moe(tmp_path / "moe", **bench.MODEL)
-    tok = build_char_tokenizer()
-    prompts = [tok(f"{100 + 37 * i}+{250 + 13 * i}=")["input_ids"] for i in range(6)]
     torch.set_num_threads(1)
-    parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1)
-    parallel.model_parallel_cuda_manual_seed(0)
-    proc, url = bench.start_engine(str(model_dir), 1, tmp_path / "engine.log", ("--dtype", "bfloat16"))
-    try:
-        free, replay = bench.measure(model_dir, url, prompts, samples=3, max_new_tokens=16)
-    finally:
-        bench.stop_engine(proc)
-        parallel.destroy()
+    free, replay = load_benchmark("routing_replay").measure_family("qwen3_moe", tmp_path, prompts=6, samples=3,
+                                                                   max_new_tokens=16)
     print(free, replay)
     assert free["tokens"] == replay["tokens"] > 0
     assert free["routing_differs"] > 0, "bf16 and fp32 routed every token alike: the gate cannot show anything"
