@@ -26,8 +26,8 @@ from hpcrl.models import moe  # noqa: E402
 from hpcrl.models.support import unsupported_feature  # noqa: E402
 from hpcrl.train import bridge, mla, model as tmodel  # noqa: E402
 from tests.unit.test_megatron_bridge import (  # noqa: E402
-    MEGATRON, SEQ, TRAIN, build_loaded, device_of, hf_reference, hf_train_step, load_hf, megatron_loss_fn,
-    sample_batch, tp1)  # noqa: F401 (fixture)
+    MEGATRON, SEQ, TRAIN, assert_exports_checkpoint, build_loaded, device_of, hf_reference, hf_train_step,
+    load_hf, megatron_loss_fn, sample_batch, save_random, tp1)  # noqa: F401 (fixture)
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.9}
@@ -76,19 +76,7 @@ def make_tiny_mla(kind: str, path: Path, tokenizer_dir: Path | None = None, seed
                                       **{**common, "v_head_dim": 20, "rms_norm_eps": 1e-5})
     else:
         raise ValueError(kind)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-                elif name.endswith("mlp.gate.weight"):
-                    p.normal_(0.0, 0.2)
-            for name, b in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    b.uniform_(-0.1, 0.1)
-    model.save_pretrained(path, safe_serialization=True)
+    save_random(AutoModelForCausalLM.from_config, config, path, seed, router_std=0.2, expert_bias=0.1)
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).glob("*token*"):
             shutil.copy(f, path / f.name)
@@ -108,10 +96,7 @@ def mla_dirs(tmp_path_factory):
 def test_load_then_export_is_bitwise_identical(tp1, mla_dirs, kind):
     model = build_loaded(mla_dirs[kind])
     hf = bridge.read_hf_state_dict(mla_dirs[kind])
-    out = {name: t.cpu() for name, t in bridge.export_hf_weights(model)}
-    assert sorted(out) == sorted(hf)
-    for name, tensor in hf.items():
-        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+    assert_exports_checkpoint(dict(bridge.export_hf_weights(model)), hf)
     names = bridge.mcore_to_hf_names(model)
     prefix = "decoder.layers.1.self_attention."
     kv_a = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
@@ -124,7 +109,7 @@ def test_load_then_export_is_bitwise_identical(tp1, mla_dirs, kind):
             "model.layers.1.mlp.gate.e_score_correction_bias",)
         assert names["decoder.layers.0.mlp.linear_fc1.weight"] == (
             "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
-        assert "model.layers.1.mlp.experts.3.down_proj.weight" in out
+        assert "model.layers.1.mlp.experts.3.down_proj.weight" in hf  # the export has exactly these names
     if kind == "deepseek_v3_no_q_lora":
         assert names[prefix + "linear_q_proj.weight"] == ("model.layers.1.self_attn.q_proj.weight",)
     else:

@@ -25,8 +25,8 @@ pytest.importorskip("megatron.core")
 from hpcrl.models.support import unsupported_feature  # noqa: E402
 from hpcrl.train import bridge, deepseek_moe, logprobs, model as tmodel  # noqa: E402
 from tests.unit.test_megatron_bridge import (  # noqa: E402,F401
-    MEGATRON, SEQ, TRAIN, device_of, hf_reference, hf_train_step, load_hf, megatron_loss_fn, sample_batch,
-    tp1)
+    MEGATRON, SEQ, TRAIN, assert_exports_checkpoint, build_loaded, device_of, hf_reference, hf_train_step,
+    load_hf, megatron_loss_fn, sample_batch, save_random, tp1)
 
 GLM = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=24, moe_intermediate_size=32, n_routed_experts=8,
@@ -46,23 +46,8 @@ def make_tiny_glm(path: Path, use_qk_norm: bool = True, seed: int = 1, **changes
 
     tokenizer = build_char_tokenizer()
     config = Glm4MoeConfig(vocab_size=len(tokenizer), use_qk_norm=use_qk_norm, **{**GLM, **changes})
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Glm4MoeForCausalLM(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-                elif name.endswith("bias"):
-                    p.normal_(0.0, 0.1)
-                elif name.endswith("mlp.gate.weight"):
-                    p.normal_(0.0, 0.2)
-            for name, b in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    b.uniform_(-0.1, 0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random(Glm4MoeForCausalLM, config, path, seed, tokenizer, bias_std=0.1, router_std=0.2,
+                       expert_bias=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +55,6 @@ def glm_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm")
     return {"qk_norm": make_tiny_glm(root / "qk_norm"),
             "plain": make_tiny_glm(root / "plain", use_qk_norm=False)}
-
-
-def build_loaded(path, **overrides):
-    from transformers import AutoConfig
-
-    model = bridge.build_gpt_model(AutoConfig.from_pretrained(str(path)), **overrides)
-    bridge.load_hf_weights(model, path)
-    return model.eval()
 
 
 def megatron_logits(model, tokens):
@@ -150,10 +127,7 @@ def test_export_is_bitwise_and_logits_log_probs_entropy_match_hf(tp1, glm_dirs, 
     model, hf_model = build_loaded(glm_dirs[kind]), load_hf(glm_dirs[kind])
     hf = bridge.read_hf_state_dict(glm_dirs[kind])
     assert any(n.endswith("e_score_correction_bias") and t.abs().min() > 0 for n, t in hf.items())
-    out = {n: t.cpu() for n, t in bridge.export_hf_weights(model)}
-    assert sorted(out) == sorted(hf)
-    for name, tensor in hf.items():
-        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+    assert_exports_checkpoint(dict(bridge.export_hf_weights(model)), hf)
     names = bridge.mcore_to_hf_names(model)
     assert names["decoder.layers.1.mlp.router.expert_bias"] == (
         "model.layers.1.mlp.gate.e_score_correction_bias",)

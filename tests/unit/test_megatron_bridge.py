@@ -55,14 +55,34 @@ def make_tiny_hf(kind: str, path: Path) -> Path:
                                      decoder_sparse_step=1, mlp_only_layers=[], **common), Qwen3MoeForCausalLM
     else:
         raise ValueError(kind)
+    return save_random(cls, config, path, seed=1)
+
+
+def save_random(build, config, path: Path, seed: int, tokenizer=None, bias_std: float | None = None,
+                router_std: float | None = None, expert_bias: float | None = None) -> Path:
+    """Save ``build(config)`` (a model class or ``AutoModelForCausalLM.from_config``), initialised from
+    ``seed`` without touching the global RNG, to ``path`` (safetensors; with ``tokenizer`` if given). HF
+    inits norms to 1, biases and the expert bias to 0: norm weights become U(0.5, 1.5) so that a mix-up would
+    show; with ``bias_std`` every bias parameter N(0, bias_std^2); with ``router_std`` the router weights
+    (``mlp.gate.weight``) N(0, router_std^2), wider than HF's init so that routing has no near-ties; with
+    ``expert_bias`` every ``e_score_correction_bias`` U(-expert_bias, expert_bias). Returns ``path``."""
     with torch.random.fork_rng():
-        torch.manual_seed(1)
-        model = cls(config)
-        with torch.no_grad():  # HF inits norms to 1: make them random so a mix-up would show
+        torch.manual_seed(seed)
+        model = build(config)
+        with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
+                elif bias_std is not None and name.endswith("bias"):
+                    p.normal_(0.0, bias_std)
+                elif router_std is not None and name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, router_std)
+            for name, b in model.named_buffers():
+                if expert_bias is not None and name.endswith("e_score_correction_bias"):
+                    b.uniform_(-expert_bias, expert_bias)
     model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path
 
 
@@ -163,12 +183,23 @@ def hf_dirs(tiny_model_dir, tmp_path_factory):
             "qwen3_moe_pre_softmax": make_tiny_hf("qwen3_moe_pre_softmax", root / "qwen3_moe_pre_softmax")}
 
 
-def build_loaded(path):
+def build_loaded(path, **overrides):
+    """The megatron-core GPTModel of the HF folder ``path`` (``overrides``: TransformerConfig fields) with
+    its weights loaded, in eval mode."""
     from transformers import AutoConfig
 
-    model = bridge.build_gpt_model(AutoConfig.from_pretrained(str(path)))
+    model = bridge.build_gpt_model(AutoConfig.from_pretrained(str(path)), **overrides)
     bridge.load_hf_weights(model, path)
     return model.eval()
+
+
+def assert_exports_checkpoint(exported: dict, hf: dict) -> None:
+    """``exported`` (an ``export_hf_weights`` dict, any device) has exactly the checkpoint ``hf``'s names,
+    each tensor of its dtype and bitwise equal."""
+    out = {name: t.cpu() for name, t in exported.items()}
+    assert sorted(out) == sorted(hf)
+    for name, tensor in hf.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
 
 
 # --- bridge ---------------------------------------------------------------------------------------------
@@ -180,10 +211,7 @@ def test_load_then_export_is_bitwise_identical(tp1, hf_dirs, kind):
     hf = bridge.read_hf_state_dict(hf_dirs[kind])
     exported = dict(bridge.export_hf_weights(model))
     assert {t.device for t in exported.values()} == {device_of(model)}  # on the parameters' device
-    out = {name: t.cpu() for name, t in exported.items()}
-    assert sorted(out) == sorted(hf)
-    for name, tensor in hf.items():
-        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+    assert_exports_checkpoint(exported, hf)
     names = bridge.mcore_to_hf_names(model)
     if kind == "qwen3_moe":
         assert names["decoder.layers.1.mlp.router.weight"] == ("model.layers.1.mlp.gate.weight",)

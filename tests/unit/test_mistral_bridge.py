@@ -22,8 +22,9 @@ pytest.importorskip("megatron.core")
 
 from hpcrl.models import moe, support  # noqa: E402
 from hpcrl.train import bridge, logprobs, model as tmodel  # noqa: E402
-from tests.unit.test_megatron_bridge import (MEGATRON, SEQ, TRAIN, device_of, hf_reference,  # noqa: E402
-                                             hf_train_step, load_hf, megatron_loss_fn, sample_batch, tp1)
+from tests.unit.test_megatron_bridge import (  # noqa: E402,F401
+    MEGATRON, SEQ, TRAIN, assert_exports_checkpoint, build_loaded, device_of, hf_reference, hf_train_step,
+    load_hf, megatron_loss_fn, sample_batch, save_random, tp1)
 
 FAMILIES = ("mistral", "mixtral")
 WINDOWS = {"mistral": 5, "mixtral": 6}
@@ -53,30 +54,13 @@ def make_tiny(kind: str, path: Path, window: int | None = -1, seed: int = 1) -> 
                                     **common), MixtralForCausalLM
     else:
         raise ValueError(kind)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = cls(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    return save_random(cls, config, path, seed, tok)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-mistral")
     return {kind: make_tiny(kind, root / kind) for kind in FAMILIES}
-
-
-def build_loaded(path, **overrides):
-    from transformers import AutoConfig
-
-    model = bridge.build_gpt_model(AutoConfig.from_pretrained(str(path)), **overrides)
-    bridge.load_hf_weights(model, path)
-    return model.eval()
 
 
 # --- names and config ---------------------------------------------------------------------------------------
@@ -132,10 +116,7 @@ def test_config_window_router_and_refusals(dirs):
 def test_load_then_export_is_bitwise_identical(tp1, dirs, kind):
     model = build_loaded(dirs[kind])
     hf = bridge.read_hf_state_dict(dirs[kind])
-    out = {name: t.cpu() for name, t in bridge.export_hf_weights(model)}
-    assert sorted(out) == sorted(hf)
-    for name, tensor in hf.items():
-        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+    assert_exports_checkpoint(dict(bridge.export_hf_weights(model)), hf)
     names = bridge.mcore_to_hf_names(model)
     if kind == "mixtral":  # the released naming, which transformers 5 writes and SGLang loads
         assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in hf
