@@ -13,30 +13,22 @@ across the EP ranks after each step), and training moved the weights (a non-zero
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
+from run_utils import assert_steps_match_the_engine, hpcrl_run, step_rows  # noqa: E402
+
 pytestmark = pytest.mark.integration
 
-REWARD_MODULE = '''
-def digit_fraction(args, sample):
-    text = sample.response
-    return sum(c.isdigit() for c in text) / max(len(text), 1)
-'''
 STEPS = 3
 
 
 @pytest.mark.timeout(900)
 def test_ep2_packed_run_with_routing_replay_matches_the_engine(tmp_path: Path):
-    (tmp_path / "ds_rewards.py").write_text(REWARD_MODULE)
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(textwrap.dedent(f"""
+    hpcrl_run(tmp_path, f"""
         run: {{name: ds, output_dir: {tmp_path / 'runs'}, num_rollout: {STEPS}, seed: 7, deterministic: true}}
         model: {{path: {tmp_path / 'ds'}, create: tiny-deepseek-v3, tiny_hidden_size: 64, tiny_num_layers: 3,
                 tiny_num_experts: 8, tiny_moe_intermediate_size: 64, tiny_intermediate_size: 128}}
@@ -48,17 +40,5 @@ def test_ep2_packed_run_with_routing_replay_matches_the_engine(tmp_path: Path):
         algorithm: {{advantage_estimator: gspo, eps_clip: 3.0e-4, eps_clip_high: 4.0e-4,
                     routing_replay: true}}
         checkpoint: {{save_interval: 0}}
-    """))
-    log = tmp_path / "run.log"
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
-    with open(log, "ab") as f:
-        rc = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg)], cwd=tmp_path, stdout=f,
-                            stderr=subprocess.STDOUT, timeout=600, env=env).returncode
-    assert rc == 0, log.read_text(errors="replace")[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / "runs" / "ds" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] >= 0]
-    print([(r["step"], r["train/train_rollout_logprob_abs_diff"]) for r in steps])
-    assert len(steps) == STEPS
-    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in steps), steps
-    assert all(r["train/grad_norm"] > 0 for r in steps)
+    """, rewards="ds_rewards")
+    assert_steps_match_the_engine(step_rows(tmp_path / "runs", "ds"), STEPS)

@@ -9,30 +9,23 @@ did change.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
+from run_utils import hpcrl_run, step_rows  # noqa: E402
+
 pytestmark = pytest.mark.integration
 
-REWARD_MODULE = '''
-def digit_fraction(args, sample):
-    text = sample.response
-    return sum(c.isdigit() for c in text) / max(len(text), 1)
-'''
 STEPS = 4
 
 
 def run_hpcrl(tmp_path: Path, name: str, *overrides: str) -> str:
     """``hpcrl run`` in ``tmp_path`` (output to a file: shared-memory helpers keep pipes open); returns its log."""
-    (tmp_path / "moe_rewards.py").write_text(REWARD_MODULE)
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(textwrap.dedent(f"""
+    return hpcrl_run(tmp_path, f"""
         run: {{name: {name}, output_dir: {tmp_path / 'runs'}, num_rollout: {STEPS}, seed: 7, deterministic: true}}
         model: {{path: {tmp_path / 'moe'}, create: tiny-qwen3-moe, tiny_hidden_size: 64, tiny_num_layers: 2,
                 tiny_num_experts: 4, tiny_moe_intermediate_size: 64}}
@@ -42,16 +35,7 @@ def run_hpcrl(tmp_path: Path, name: str, *overrides: str) -> str:
         train: {{lr: 3.0e-3, micro_batch_size: 4, expert_parallel_size: 2, nprocs: 2, lr_decay_steps: {STEPS}}}
         algorithm: {{advantage_estimator: gspo, eps_clip: 3.0e-4, eps_clip_high: 4.0e-4}}
         checkpoint: {{save_interval: 2, keep_last: 2}}
-    """))
-    log = tmp_path / f"{name}.log"
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
-    with open(log, "ab") as f:
-        rc = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path, stdout=f,
-                            stderr=subprocess.STDOUT, timeout=600, env=env).returncode
-    text = log.read_text(errors="replace")
-    assert rc == 0, text[-3000:]
-    return text
+    """, *overrides, rewards="moe_rewards", log=name)
 
 
 def exported(tmp_path: Path, name: str) -> dict:
@@ -67,8 +51,7 @@ def exported(tmp_path: Path, name: str) -> dict:
 @pytest.mark.timeout(900)
 def test_ep2_run_matches_the_engine_and_resumes_bitwise(tmp_path):
     run_hpcrl(tmp_path, "whole")
-    rows = [json.loads(x) for x in (tmp_path / "runs" / "whole" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] >= 0]
+    steps = step_rows(tmp_path / "runs", "whole")
     assert len(steps) == STEPS
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in steps), steps  # synced experts
     assert any(r["train/grad_norm"] > 0 for r in steps)
@@ -89,9 +72,7 @@ def test_ep2_run_matches_the_engine_and_resumes_bitwise(tmp_path):
 def replay_run(tmp_path: Path, name: str, *overrides: str) -> dict:
     """Step 0 of a deterministic 1-step run of a tiny 8-expert MoE whose engine samples in bf16 while the
     trainer computes in fp32 (``sglang.dtype``): its metrics row."""
-    (tmp_path / "moe_rewards.py").write_text(REWARD_MODULE)
-    cfg = tmp_path / "replay.yaml"
-    cfg.write_text(textwrap.dedent(f"""
+    hpcrl_run(tmp_path, f"""
         run: {{name: {name}, output_dir: {tmp_path / 'runs'}, num_rollout: 1, seed: 3, deterministic: true}}
         model: {{path: {tmp_path / 'moe8'}, create: tiny-qwen3-moe, tiny_hidden_size: 64, tiny_num_layers: 4,
                 tiny_num_experts: 8, tiny_moe_intermediate_size: 64}}
@@ -101,16 +82,8 @@ def replay_run(tmp_path: Path, name: str, *overrides: str) -> dict:
         sglang: {{dtype: bfloat16}}
         train: {{lr: 1.0e-3, micro_batch_size: 8}}
         checkpoint: {{save_interval: 0}}
-    """))
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
-    log = tmp_path / f"{name}.log"
-    with open(log, "ab") as f:
-        rc = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path, stdout=f,
-                            stderr=subprocess.STDOUT, timeout=600, env=env).returncode
-    assert rc == 0, log.read_text(errors="replace")[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-    return next(r for r in rows if r["step"] == 0)
+    """, *overrides, rewards="moe_rewards", log=name)
+    return next(r for r in step_rows(tmp_path / "runs", name) if r["step"] == 0)
 
 
 @pytest.mark.timeout(600)
