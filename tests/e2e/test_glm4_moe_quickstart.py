@@ -6,8 +6,8 @@ over 2 trainer processes (EP=2). Measured 2026-11-27 on the dev machine (2 share
 320 steps to 0.305), greedy 0.305 -> 0.341, 0.388, 0.392, 0.398, 0.418 at steps 99..499 (+11.3), train/rollout
 |logprob diff| <= 6.2e-7; the same curve as a run of the config by hand (847 s on busier cores). Shorter runs
 were tried and are less sure of the +10: lr 3e-4 for 300 steps +10.5 (a dip to 0.289 at step 99), lr 3e-4 for
-200 steps +10.1, lr 5e-4 for 200 steps +6.1. On main after the merges the config sets ``run.seed: 1``: 0.312 ->
-0.497 (+18.5) in 500 steps, 420 s on shared cores (docs/performance.md).
+200 steps +10.1, lr 5e-4 for 200 steps +6.1. On main after the merges the config sets ``run.seed: 1``:
+0.312 -> 0.497 (+18.5) in 500 steps, 420 s on shared cores (docs/performance.md).
 
 Asserted: SFT stopped on its target, the engine measures the model SFT left, the trainer's log-probs equal the
 engine's at every step (fp32: every tensor, the expert bias included, synced across the EP ranks), and the
