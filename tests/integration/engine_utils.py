@@ -11,6 +11,7 @@ for ``/health`` to answer 200, stop escalates from SIGTERM to SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -168,24 +169,37 @@ def keyed_engine(model_path: str | os.PathLike, key_path: str | os.PathLike, log
                          log_path=log_path)
 
 
-def local_trainer(model_path: str | os.PathLike):
-    """Generator for a module fixture: the megatron-core model (DDP-wrapped, ``TrainSection()`` defaults) of
-    the HF folder ``model_path`` at TP=1 in this process, with the model-parallel state torn down after."""
+@contextlib.contextmanager
+def trainer_model(model_path: str | os.PathLike, ep: int = 1):
+    """The megatron-core model (DDP-wrapped, ``TrainSection()`` defaults, one thread) of the HF folder
+    ``model_path`` at TP=1 and expert-parallel size ``ep``, as ``(model, global rank)``: in this process at
+    ``ep`` 1, on each rank of a ``torchrun --nproc_per_node=ep`` worker otherwise (the ranks meet at a barrier
+    when the block ends). The model-parallel state is torn down after."""
     import torch
+    import torch.distributed as dist
 
     from hpcrl.config import TrainSection
     from hpcrl.train import model as tmodel
     from hpcrl.train import parallel
 
     torch.set_num_threads(1)
-    parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1)
+    env = parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1, ep=ep)
     parallel.model_parallel_cuda_manual_seed(1234)
     try:
         model, _ = tmodel.setup_model_and_optimizer(model_path, TrainSection())
-        yield model
+        yield model, env.rank
+        if ep > 1:
+            dist.barrier()
     finally:
         parallel.destroy()
+
+
+def local_trainer(model_path: str | os.PathLike):
+    """Generator for a module fixture: :func:`trainer_model`'s model of ``model_path`` at TP=1 in this
+    process."""
+    with trainer_model(model_path) as (model, _):
+        yield model
 
 
 def perturb(model, seed: int, scale: float = 0.05) -> None:
@@ -199,6 +213,24 @@ def perturb(model, seed: int, scale: float = 0.05) -> None:
     with torch.no_grad():
         for p in unwrap_model(model).parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def prefill_logprobs(url: str, seqs: list[list[int]], key: str | None) -> tuple[list[list[float]], str]:
+    """The engine's ``input_token_logprobs`` (entries 1..n-1, temperature 1, nothing generated) of each token
+    sequence of ``seqs`` and its weight_version; ``key``: the API key (None: no Authorization header). Checks
+    that the engine scored exactly ``seq`` (the first entry has no log-prob)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    out, version = [], None
+    for seq in seqs:
+        status, body = http_json("POST", url + "/generate", {
+            "input_ids": seq, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": 0}, headers=headers, timeout=60)
+        assert status == 200, body
+        triples = body["meta_info"]["input_token_logprobs"]
+        assert triples[0][0] is None and [t[1] for t in triples] == seq
+        out.append([t[0] for t in triples[1:]])
+        version = body["meta_info"]["weight_version"]
+    return out, version
 
 
 def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -231,7 +263,8 @@ def run_two_rank_sync(script: str | os.PathLike, args: list[str], out: Path,
     """Run ``script args --out out`` under ``torchrun --nproc_per_node=2`` (one thread per rank) and return
     each rank's ``out/rank{r}.json``. The output goes to ``out/torchrun.log``, not a pipe: the
     torch_shm_manager that CPU tensor payloads start inherits the workers' stdout and outlives them (until the
-    engine exits), so reading a pipe to EOF would hang. Fails the test with the log's tail on a non-zero exit."""
+    engine exits), so reading a pipe to EOF would hang. Fails the test with the log's tail on a non-zero
+    exit."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
@@ -245,8 +278,8 @@ def run_two_rank_sync(script: str | os.PathLike, args: list[str], out: Path,
 
 
 def load_benchmark(name: str):
-    """Load ``benchmarks/{name}.py`` as a module (benchmarks/ is not a package; it goes onto ``sys.path`` first
-    for the benchmarks' own imports: machine, weight_sync)."""
+    """Load ``benchmarks/{name}.py`` as a module (benchmarks/ is not a package; it goes onto ``sys.path``
+    first for the benchmarks' own imports: machine, weight_sync)."""
     import importlib.util
 
     bench = Path(__file__).resolve().parents[2] / "benchmarks"

@@ -22,10 +22,11 @@ import torch
 
 try:
     from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
-                                                sync_weights)
+                                                prefill_logprobs, sync_weights)
 except ImportError:  # tests/integration is not a package
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_utils import http_json, key_file, keyed_engine, local_trainer, max_diff, sync_weights
+    from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, prefill_logprobs,
+                              sync_weights)
 
 KEY = "deepseek-engine-test-key"
 SEQS = [[1, 5, 9, 12, 3, 7, 18, 4, 11, 6, 13, 8, 19, 2, 10, 16, 5, 3, 12, 7], [1, 14, 8, 20, 10, 2, 17]]
@@ -56,15 +57,7 @@ def trainer(model_dir):
 
 
 def engine_log_probs(url: str) -> list[list[float]]:
-    out = []
-    for seq in SEQS:
-        status, body = http_json("POST", url + "/generate", {
-            "input_ids": seq, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True, "logprob_start_len": 0}, headers={"Authorization": f"Bearer {KEY}"},
-            timeout=60)
-        assert status == 200, body
-        out.append([t[0] for t in body["meta_info"]["input_token_logprobs"][1:]])
-    return out
+    return prefill_logprobs(url, SEQS, KEY)[0]
 
 
 def trainer_log_probs(model) -> list[list[float]]:

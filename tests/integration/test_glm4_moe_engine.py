@@ -35,11 +35,11 @@ import torch
 
 try:
     from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
-                                                perturb, run_two_rank_sync, sync_weights)
+                                                perturb, run_two_rank_sync, sync_weights, trainer_model)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, perturb,
-                              run_two_rank_sync, sync_weights)
+                              run_two_rank_sync, sync_weights, trainer_model)
 
 KEY = "glm-engine-test-key"
 TOL = 1e-5
@@ -180,24 +180,12 @@ async def trainer_sync(url: str, model, version: str, sender: bool = True, drop_
 def worker(model_dir: str, url: str, out: Path) -> None:
     """``torchrun --nproc_per_node=2 test_glm4_moe_engine.py --model DIR --url URL --out DIR``: EP=2 (experts
     0-3 on rank 0, 4-7 on rank 1); both ranks perturb alike and set a new bias, export; rank 0 syncs."""
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    from hpcrl.config import TrainSection
-    from hpcrl.train import model as tmodel
-    from hpcrl.train import parallel
-
-    env = parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1, ep=2)
-    parallel.model_parallel_cuda_manual_seed(1234)
-    model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
-    perturb(model, seed=200)
-    trainer_new_bias(model, seed=201)
-    metrics = asyncio.run(trainer_sync(url, model, "glm-ep2", sender=env.rank == 0))
-    mine, routes = trainer_view(model)
-    (out / f"rank{env.rank}.json").write_text(json.dumps(dict(metrics=metrics, trainer=mine, routes=routes)))
-    dist.barrier()
-    parallel.destroy()
+    with trainer_model(model_dir, ep=2) as (model, rank):
+        perturb(model, seed=200)
+        trainer_new_bias(model, seed=201)
+        metrics = asyncio.run(trainer_sync(url, model, "glm-ep2", sender=rank == 0))
+        mine, routes = trainer_view(model)
+        (out / f"rank{rank}.json").write_text(json.dumps(dict(metrics=metrics, trainer=mine, routes=routes)))
 
 
 # --- fixtures -----------------------------------------------------------------------------------------------

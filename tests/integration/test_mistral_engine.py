@@ -28,11 +28,12 @@ import torch
 
 try:
     from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
-                                                perturb, run_two_rank_sync, sync_weights)
+                                                perturb, prefill_logprobs, run_two_rank_sync, sync_weights,
+                                                trainer_model)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, perturb,
-                              run_two_rank_sync, sync_weights)
+                              prefill_logprobs, run_two_rank_sync, sync_weights, trainer_model)
 
 KEY = "mistral-engine-test-key"
 TOL = 1e-5
@@ -64,15 +65,7 @@ def trainer_logprobs(model, tokens: list[int], response: int) -> list[float]:
 
 def engine_logprobs(url: str) -> tuple[list[list[float]], str]:
     """The engine's prefill log-probs of tokens 1..n-1 of each of :data:`SEQS`, and its weight_version."""
-    out, version = [], None
-    for seq in SEQS:
-        status, body = http_json("POST", url + "/generate", {
-            "input_ids": seq, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True, "logprob_start_len": 0}, headers=HEADERS, timeout=60)
-        assert status == 200, body
-        out.append([t[0] for t in body["meta_info"]["input_token_logprobs"][1:]])
-        version = body["meta_info"]["weight_version"]
-    return out, version
+    return prefill_logprobs(url, SEQS, KEY)
 
 
 async def tensor_sync(url: str, model, version: str, sender: bool = True) -> dict:
@@ -86,22 +79,11 @@ async def tensor_sync(url: str, model, version: str, sender: bool = True) -> dic
 
 def worker(model_dir: str, url: str, out: Path) -> None:
     """Each of 2 ranks (EP=2: Mixtral's experts 0-1 on rank 0, 2-3 on rank 1) exports; rank 0 syncs."""
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    from hpcrl.config import TrainSection
-    from hpcrl.train import parallel, model as tmodel
-
-    env = parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1, ep=2)
-    parallel.model_parallel_cuda_manual_seed(1234)
-    model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
-    perturb(model, seed=200)  # the same noise on both ranks: the replicated weights stay replicas
-    metrics = asyncio.run(tensor_sync(url, model, "ep2", sender=env.rank == 0))
-    mine = [trainer_logprobs(model, seq, len(seq) - 1) for seq in SEQS]
-    (out / f"rank{env.rank}.json").write_text(json.dumps(dict(metrics=metrics, trainer=mine)))
-    dist.barrier()
-    parallel.destroy()
+    with trainer_model(model_dir, ep=2) as (model, rank):
+        perturb(model, seed=200)  # the same noise on both ranks: the replicated weights stay replicas
+        metrics = asyncio.run(tensor_sync(url, model, "ep2", sender=rank == 0))
+        mine = [trainer_logprobs(model, seq, len(seq) - 1) for seq in SEQS]
+        (out / f"rank{rank}.json").write_text(json.dumps(dict(metrics=metrics, trainer=mine)))
 
 
 # --- fixtures -----------------------------------------------------------------------------------------------

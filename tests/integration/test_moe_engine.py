@@ -26,11 +26,11 @@ import torch
 
 try:
     from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
-                                                perturb, run_two_rank_sync, sync_weights)
+                                                perturb, run_two_rank_sync, sync_weights, trainer_model)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, perturb,
-                              run_two_rank_sync, sync_weights)
+                              run_two_rank_sync, sync_weights, trainer_model)
 
 KEY = "moe-engine-test-key"
 TOL = 1e-5
@@ -107,22 +107,11 @@ async def sync(url: str, model, version: str, sender: bool = True) -> dict:
 
 def worker(model_dir: str, url: str, out: Path) -> None:
     """Each of 2 ranks (EP=2: experts 0-1 on rank 0, 2-3 on rank 1) exports; rank 0 syncs."""
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    from hpcrl.config import TrainSection
-    from hpcrl.train import parallel, model as tmodel
-
-    env = parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=1, ep=2)
-    parallel.model_parallel_cuda_manual_seed(1234)
-    model, _ = tmodel.setup_model_and_optimizer(model_dir, TrainSection())
-    perturb(model, seed=200)  # the same noise on both ranks: the replicated weights stay replicas
-    metrics = asyncio.run(sync(url, model, "ep2", sender=env.rank == 0))
-    mine, routes = trainer_view(model)
-    (out / f"rank{env.rank}.json").write_text(json.dumps(dict(metrics=metrics, trainer=mine, routes=routes)))
-    dist.barrier()
-    parallel.destroy()
+    with trainer_model(model_dir, ep=2) as (model, rank):
+        perturb(model, seed=200)  # the same noise on both ranks: the replicated weights stay replicas
+        metrics = asyncio.run(sync(url, model, "ep2", sender=rank == 0))
+        mine, routes = trainer_view(model)
+        (out / f"rank{rank}.json").write_text(json.dumps(dict(metrics=metrics, trainer=mine, routes=routes)))
 
 
 # --- fixtures -----------------------------------------------------------------------------------------------

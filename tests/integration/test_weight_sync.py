@@ -28,10 +28,10 @@ import pytest
 import torch
 
 try:
-    from tests.integration.engine_utils import EngineProcess, http_json
+    from tests.integration.engine_utils import EngineProcess, http_json, max_diff, perturb, prefill_logprobs
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_utils import EngineProcess, http_json
+    from engine_utils import EngineProcess, http_json, max_diff, perturb, prefill_logprobs
 
 KEY = "weight-sync-test-key"
 TOL = 1e-5
@@ -41,16 +41,6 @@ RENAMED = "model.layers.1.mlp.up_proj.weight"
 
 
 # --- helpers used by the tests and by the torchrun worker ---------------------------------------------------
-
-def perturb(model, seed: int, scale: float = 0.05) -> None:
-    """Add seeded noise to every parameter in place (same noise on every rank for same-shaped shards)."""
-    from hpcrl.train.bridge import unwrap_model
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in unwrap_model(model).parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
-
 
 def trainer_logprobs(model) -> list[list[float]]:
     """The trainer's log-prob of tokens 1..n-1 of each sequence of SEQS (TP collective: every rank calls)."""
@@ -66,22 +56,7 @@ def trainer_logprobs(model) -> list[list[float]]:
 
 def engine_logprobs(url: str, key: str | None = KEY) -> tuple[list[list[float]], str]:
     """The engine's ``input_token_logprobs`` (entries 1..n-1) of each sequence, and its weight_version."""
-    headers = {"Authorization": f"Bearer {key}"} if key else None
-    out, version = [], None
-    for seq in SEQS:
-        status, body = http_json("POST", url + "/generate", {
-            "input_ids": seq, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True, "logprob_start_len": 0}, headers=headers, timeout=60)
-        assert status == 200, body
-        triples = body["meta_info"]["input_token_logprobs"]
-        assert triples[0][0] is None and [t[1] for t in triples] == seq
-        out.append([t[0] for t in triples[1:]])
-        version = body["meta_info"]["weight_version"]
-    return out, version
-
-
-def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+    return prefill_logprobs(url, SEQS, key)
 
 
 def renamed(stream, old: str = RENAMED, new: str = RENAMED.replace("weight", "wrong")):
