@@ -69,3 +69,15 @@ def assert_step_matches(run: dict, ref_loss: float, ref_norm: float, ref_state: 
     assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), (run["step"], worst)
     assert max(diffs.values()) < weights_atol, worst
+
+
+def helpers_fixture(name: str = "test_megatron_bridge"):
+    """A module-scoped pytest fixture ``h``: :func:`unit_helpers` of ``name``, skipping the module's tests
+    where megatron-core is not installed. Use as ``h = helpers_fixture(...)`` at module level."""
+
+    @pytest.fixture(scope="module", name="h")
+    def fixture():
+        pytest.importorskip("megatron.core")
+        return unit_helpers(name)
+
+    return fixture

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers)
+    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers)
 
 DISPATCHERS = ("allgather", "alltoall")
 RUNS = (  # name, kind, TP, EP, dispatcher
@@ -89,10 +89,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def h():
-    pytest.importorskip("megatron.core")
-    return unit_helpers()
+h = helpers_fixture()
 
 
 @pytest.fixture(scope="module")

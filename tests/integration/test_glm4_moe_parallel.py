@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers)
+    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers)
 
 LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
 DISPATCHERS = ("allgather", "alltoall")
@@ -88,10 +88,7 @@ def worker(path: str, out: Path) -> None:
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def h():
-    pytest.importorskip("megatron.core")
-    return unit_helpers("test_glm4_moe_bridge")
+h = helpers_fixture("test_glm4_moe_bridge")
 
 
 @pytest.fixture(scope="module")

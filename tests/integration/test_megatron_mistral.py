@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers)
+    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers)
 
 LAYOUTS = (("mistral", "tp2", 2, 1, (None,)), ("mixtral", "tp2", 2, 1, ("allgather", "alltoall")),
            ("mixtral", "ep2", 1, 2, ("allgather", "alltoall")))  # family, name, TP, EP, dispatchers
@@ -83,10 +83,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def h():
-    pytest.importorskip("megatron.core")
-    return unit_helpers("test_mistral_bridge")
+h = helpers_fixture("test_mistral_bridge")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, run_two_ranks, unit_helpers)
+    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers)
 
 LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
 DISPATCHERS = ("allgather", "alltoall")
@@ -78,10 +78,7 @@ def worker(path: str, out: Path) -> None:
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def h():
-    pytest.importorskip("megatron.core")
-    return unit_helpers()
+h = helpers_fixture()
 
 
 @pytest.fixture(scope="module")

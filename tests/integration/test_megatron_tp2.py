@@ -20,7 +20,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
-from megatron_utils import assert_export_bitwise, run_two_ranks, unit_helpers  # noqa: E402
+from megatron_utils import (  # noqa: E402
+    assert_export_bitwise, helpers_fixture, run_two_ranks, unit_helpers)
 
 
 # --- the distributed side: `torchrun --nproc_per_node=2 test_megatron_tp2.py --dirs JSON --out DIR` --------
@@ -86,10 +87,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def h():
-    pytest.importorskip("megatron.core")
-    return unit_helpers()
+h = helpers_fixture()
 
 
 @pytest.fixture(scope="module")
