@@ -107,8 +107,8 @@ def measure(model_dir: Path, engine_url: str, prompts: list[list[int]], samples:
 def measure_family(family: str, folder: Path, prompts: int, samples: int, max_new_tokens: int,
                    threads: int = 1) -> list[dict]:
     """Create the tiny ``family`` model (``qwen3_moe``: :data:`MODEL`, ``glm4_moe``: :data:`GLM_MODEL`) in
-    ``folder``, serve it with a bf16 engine (``threads`` threads), build the fp32 megatron-core trainer at TP=1
-    in this process and :func:`measure` ``prompts`` addition prompts (``"137+263="``-style, character
+    ``folder``, serve it with a bf16 engine (``threads`` threads), build the fp32 megatron-core trainer at
+    TP=1 in this process and :func:`measure` ``prompts`` addition prompts (``"137+263="``-style, character
     tokenizer) x ``samples`` samples x ``max_new_tokens`` tokens, without and with replay; the engine and the
     model-parallel state are torn down afterwards. Returns :func:`measure`'s rows. Raises ValueError for
     another family."""
@@ -125,7 +125,8 @@ def measure_family(family: str, folder: Path, prompts: int, samples: int, max_ne
     parallel.initialize_model_parallel(tp=1)
     parallel.model_parallel_cuda_manual_seed(0)
     try:
-        proc, url = start_engine(str(model_dir), threads, Path(folder) / "engine.log", ("--dtype", "bfloat16"))
+        proc, url = start_engine(str(model_dir), threads, Path(folder) / "engine.log",
+                                 ("--dtype", "bfloat16"))
         try:
             return measure(model_dir, url, ids, samples, max_new_tokens)
         finally:

@@ -258,6 +258,32 @@ async def sync_weights(url: str, key: str, stream, version: str, method: str = "
             await client.close()
 
 
+async def sync_trainer(url: str, key: str, model, version: str, method: str = "tensor", sender: bool = True,
+                       drop_suffix: str | None = None, **kwargs) -> dict:
+    """:func:`sync_weights` of a megatron-core trainer's export (``hpcrl.weights.iterate_for_sync``: every
+    rank iterates it, a collective; ``sender`` posts it); ``drop_suffix``: leave the names ending with it out
+    of the stream (a trainer that does not sync them)."""
+    from hpcrl.weights import iterate_for_sync
+
+    stream = iterate_for_sync(model)
+    if drop_suffix is not None:
+        stream = ((name, t) for name, t in stream if not name.endswith(drop_suffix))
+    return await sync_weights(url, key, stream, version, method, sender=sender, **kwargs)
+
+
+def sync_worker_main(worker) -> None:
+    """The ``__main__`` of a test file that is also the torchrun worker of :func:`run_two_rank_sync`: parse
+    ``--model DIR --url URL --out DIR`` and call ``worker(model, url, out)``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    worker(args.model, args.url, args.out)
+
+
 def run_two_rank_sync(script: str | os.PathLike, args: list[str], out: Path,
                       timeout: float = 600) -> list[dict]:
     """Run ``script args --out out`` under ``torchrun --nproc_per_node=2`` (one thread per rank) and return
@@ -277,15 +303,21 @@ def run_two_rank_sync(script: str | os.PathLike, args: list[str], out: Path,
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def load_benchmark(name: str):
-    """Load ``benchmarks/{name}.py`` as a module (benchmarks/ is not a package; it goes onto ``sys.path``
-    first for the benchmarks' own imports: machine, weight_sync)."""
+def load_file_module(path: Path, module_name: str, search: Path):
+    """Execute the Python file ``path`` as a new module ``module_name`` (tests/ and benchmarks/ are not
+    packages), with ``search`` put onto ``sys.path`` first for the file's own imports; returns the module."""
     import importlib.util
 
-    bench = Path(__file__).resolve().parents[2] / "benchmarks"
-    if str(bench) not in sys.path:
-        sys.path.insert(0, str(bench))
-    spec = importlib.util.spec_from_file_location(f"hpcrl_bench_{name}", bench / f"{name}.py")
+    if str(search) not in sys.path:
+        sys.path.insert(0, str(search))
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_benchmark(name: str):
+    """Load ``benchmarks/{name}.py`` as a module (benchmarks/ on ``sys.path`` for its own imports: machine,
+    weight_sync)."""
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    return load_file_module(bench / f"{name}.py", f"hpcrl_bench_{name}", bench)

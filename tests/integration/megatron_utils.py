@@ -9,7 +9,6 @@ the checks every such file makes on an export and on one optimizer step.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from engine_utils import free_port
+from engine_utils import free_port, load_file_module
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "tests" / "unit"
@@ -29,12 +28,7 @@ def unit_helpers(name: str = "test_megatron_bridge") -> ModuleType:
     """Load ``tests/unit/{name}.py`` as a module (tests/ is not a package on the torchrun worker's path:
     the repo root goes onto ``sys.path`` first, as the family modules import
     ``tests.unit.test_megatron_bridge``)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location(f"hpcrl_tests_{name}_helpers", UNIT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(UNIT / f"{name}.py", f"hpcrl_tests_{name}_helpers", ROOT)
 
 
 def run_two_ranks(script: str | os.PathLike, args: list[str], out: Path, timeout: float = 600) -> list[dict]:

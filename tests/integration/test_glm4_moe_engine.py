@@ -24,7 +24,6 @@ This file is the EP=2 torchrun worker when run as a script.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -35,11 +34,12 @@ import torch
 
 try:
     from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
-                                                perturb, run_two_rank_sync, sync_weights, trainer_model)
+                                                perturb, run_two_rank_sync, sync_trainer, sync_weights,
+                                                sync_worker_main, trainer_model)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, perturb,
-                              run_two_rank_sync, sync_weights, trainer_model)
+                              run_two_rank_sync, sync_trainer, sync_weights, sync_worker_main, trainer_model)
 
 KEY = "glm-engine-test-key"
 TOL = 1e-5
@@ -169,12 +169,8 @@ async def trainer_sync(url: str, model, version: str, sender: bool = True, drop_
     """Sync the trainer's weights (``iterate_for_sync``) with ``method``; ``drop_bias``: leave the expert bias
     out of the stream (a trainer that does not sync it); ``kwargs``: more WeightSyncer fields
     (``disk_dir``)."""
-    from hpcrl.weights import iterate_for_sync
-
-    stream = iterate_for_sync(model)
-    if drop_bias:
-        stream = ((name, t) for name, t in stream if not name.endswith(BIAS))
-    return await sync_weights(url, KEY, stream, version, method, sender=sender, **kwargs)
+    return await sync_trainer(url, KEY, model, version, method, sender=sender,
+                              drop_suffix=BIAS if drop_bias else None, **kwargs)
 
 
 def worker(model_dir: str, url: str, out: Path) -> None:
@@ -331,9 +327,4 @@ def test_ep2_trainer_syncs_every_expert_and_the_bias(engine, glm_dir, tmp_path):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=worker.__doc__)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    worker(args.model, args.url, args.out)
+    sync_worker_main(worker)

@@ -30,8 +30,8 @@ pytestmark = pytest.mark.integration
 def test_replay_of_the_sigmoid_grouped_router_makes_routing_equal(tmp_path):
     pytest.importorskip("megatron.core")
     torch.set_num_threads(1)
-    free, replay = load_benchmark("routing_replay").measure_family("glm4_moe", tmp_path, prompts=8, samples=3,
-                                                                   max_new_tokens=20)
+    bench = load_benchmark("routing_replay")
+    free, replay = bench.measure_family("glm4_moe", tmp_path, prompts=8, samples=3, max_new_tokens=20)
     print(free, replay)
     assert free["tokens"] == replay["tokens"] > 0
     assert free["routing_differs"] > 0, "bf16 and fp32 routed every token alike: the gate shows nothing"

@@ -17,7 +17,6 @@ The tiny models of tests/unit/test_mistral_bridge.py (sliding windows of 5 and 6
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -28,12 +27,13 @@ import torch
 
 try:
     from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
-                                                perturb, prefill_logprobs, run_two_rank_sync, sync_weights,
-                                                trainer_model)
+                                                perturb, prefill_logprobs, run_two_rank_sync, sync_trainer,
+                                                sync_worker_main, trainer_model)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, perturb,
-                              prefill_logprobs, run_two_rank_sync, sync_weights, trainer_model)
+                              prefill_logprobs, run_two_rank_sync, sync_trainer, sync_worker_main,
+                              trainer_model)
 
 KEY = "mistral-engine-test-key"
 TOL = 1e-5
@@ -70,9 +70,7 @@ def engine_logprobs(url: str) -> tuple[list[list[float]], str]:
 
 async def tensor_sync(url: str, model, version: str, sender: bool = True) -> dict:
     """One ``tensor`` weight sync of ``model`` (every rank iterates the export; ``sender`` posts it)."""
-    from hpcrl.weights import iterate_for_sync
-
-    return await sync_weights(url, KEY, iterate_for_sync(model), version, sender=sender)
+    return await sync_trainer(url, KEY, model, version, sender=sender)
 
 
 # --- the EP=2 worker: `torchrun --nproc_per_node=2 test_mistral_engine.py --model DIR --url URL --out DIR` --
@@ -302,9 +300,4 @@ def test_mixtral_ep2_trainer_syncs_every_expert(family, tmp_path):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=worker.__doc__)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    worker(args.model, args.url, args.out)
+    sync_worker_main(worker)

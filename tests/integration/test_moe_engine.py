@@ -15,7 +15,6 @@ This file is the EP=2 torchrun worker when run as a script.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -26,11 +25,12 @@ import torch
 
 try:
     from tests.integration.engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff,
-                                                perturb, run_two_rank_sync, sync_weights, trainer_model)
+                                                perturb, run_two_rank_sync, sync_trainer, sync_worker_main,
+                                                trainer_model)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_utils import (http_json, key_file, keyed_engine, local_trainer, max_diff, perturb,
-                              run_two_rank_sync, sync_weights, trainer_model)
+                              run_two_rank_sync, sync_trainer, sync_worker_main, trainer_model)
 
 KEY = "moe-engine-test-key"
 TOL = 1e-5
@@ -98,9 +98,7 @@ def trainer_view(model) -> tuple[list[list[float]], list]:
 
 async def sync(url: str, model, version: str, sender: bool = True) -> dict:
     """One ``tensor`` sync of the trainer's export (every rank iterates it; ``sender`` posts it)."""
-    from hpcrl.weights import iterate_for_sync
-
-    return await sync_weights(url, KEY, iterate_for_sync(model), version, sender=sender)
+    return await sync_trainer(url, KEY, model, version, sender=sender)
 
 
 # --- the EP=2 worker: `torchrun --nproc_per_node=2 test_moe_engine.py --model DIR --url URL --out DIR` ------
@@ -189,9 +187,4 @@ def test_ep2_trainer_syncs_every_expert(engine, moe_dir, tmp_path):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=worker.__doc__)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    worker(args.model, args.url, args.out)
+    sync_worker_main(worker)

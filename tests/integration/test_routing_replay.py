@@ -27,8 +27,8 @@ pytestmark = pytest.mark.integration
 def test_replay_makes_routing_equal_and_log_probs_closer(tmp_path):
     pytest.importorskip("megatron.core")
     torch.set_num_threads(1)
-    free, replay = load_benchmark("routing_replay").measure_family("qwen3_moe", tmp_path, prompts=6, samples=3,
-                                                                   max_new_tokens=16)
+    bench = load_benchmark("routing_replay")
+    free, replay = bench.measure_family("qwen3_moe", tmp_path, prompts=6, samples=3, max_new_tokens=16)
     print(free, replay)
     assert free["tokens"] == replay["tokens"] > 0
     assert free["routing_differs"] > 0, "bf16 and fp32 routed every token alike: the gate cannot show anything"
