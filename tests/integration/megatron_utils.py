@@ -9,6 +9,7 @@ the checks every such file makes on an export and on one optimizer step.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,25 @@ def helpers_fixture(name: str = "test_megatron_bridge"):
         return unit_helpers(name)
 
     return fixture
+
+
+def dirs_args(dirs: dict) -> list[str]:
+    """The worker's ``--dirs JSON`` arguments for ``{kind: HF folder}`` (for :func:`run_two_ranks`)."""
+    return ["--dirs", json.dumps({k: str(v) for k, v in dirs.items()})]
+
+
+def worker_main(worker, flag: str, help: str) -> None:
+    """The ``__main__`` of a two-process megatron test file (the torchrun worker of :func:`run_two_ranks`):
+    parse ``flag`` (``--path``: one HF folder, passed on as is; ``--dirs``: JSON ``{kind: HF folder}``,
+    passed on as a dict; ``help`` says which) and ``--out DIR``, then call ``worker(folders, out)``. Raises
+    ValueError for another flag."""
+    import argparse
+
+    if flag not in ("--path", "--dirs"):
+        raise ValueError(f"flag {flag!r} is not a worker flag (--path or --dirs)")
+    parser = argparse.ArgumentParser(description=worker.__doc__)
+    parser.add_argument(flag, required=True, help=help)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    folders = args.path if flag == "--path" else json.loads(args.dirs)
+    worker(folders, args.out)

@@ -16,8 +16,6 @@ transformers in this process:
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers)
+    assert_export_bitwise, assert_step_matches, dirs_args, helpers_fixture, run_two_ranks, unit_helpers,
+    worker_main)
 
 DISPATCHERS = ("allgather", "alltoall")
 RUNS = (  # name, kind, TP, EP, dispatcher
@@ -104,7 +103,7 @@ def dirs(h, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(dirs, tmp_path_factory):
     """Run the torchrun job once; the per-rank results, rank 0 first."""
-    return run_two_ranks(__file__, ["--dirs", json.dumps({k: str(v) for k, v in dirs.items()})],
+    return run_two_ranks(__file__, dirs_args(dirs),
                          tmp_path_factory.mktemp("mla-tp2-out"))
 
 
@@ -140,8 +139,4 @@ def test_train_step_matches_hf(h, dirs, ranks, name, kind):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=worker.__doc__)
-    parser.add_argument("--dirs", required=True, help="JSON {kind: HF folder} of the tiny MLA models")
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    worker(json.loads(args.dirs), args.out)
+    worker_main(worker, "--dirs", "JSON {kind: HF folder} of the tiny MLA models")

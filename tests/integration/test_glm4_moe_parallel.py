@@ -19,7 +19,6 @@ computed; the tests compare it with HF transformers' ``Glm4MoeForCausalLM`` in t
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers)
+    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers, worker_main)
 
 LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
 DISPATCHERS = ("allgather", "alltoall")
@@ -154,8 +153,4 @@ def test_ep2_expert_bias_update_sums_the_data_parallel_ranks_counts(h, glm_dir, 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=worker.__doc__)
-    parser.add_argument("--path", required=True, help="the tiny GLM-4.5 HF folder")
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    worker(args.path, args.out)
+    worker_main(worker, "--path", "the tiny GLM-4.5 HF folder")

@@ -14,8 +14,6 @@ and saves per rank what it computed; the tests compare it with HF transformers i
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers)
+    assert_export_bitwise, assert_step_matches, dirs_args, helpers_fixture, run_two_ranks, unit_helpers,
+    worker_main)
 
 LAYOUTS = (("mistral", "tp2", 2, 1, (None,)), ("mixtral", "tp2", 2, 1, ("allgather", "alltoall")),
            ("mixtral", "ep2", 1, 2, ("allgather", "alltoall")))  # family, name, TP, EP, dispatchers
@@ -95,7 +94,7 @@ def dirs(h, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(dirs, tmp_path_factory):
     """Run the torchrun job once; the per-rank results, rank 0 first."""
-    return run_two_ranks(__file__, ["--dirs", json.dumps({k: str(v) for k, v in dirs.items()})],
+    return run_two_ranks(__file__, dirs_args(dirs),
                          tmp_path_factory.mktemp("mistral-out"))
 
 
@@ -137,8 +136,4 @@ def test_train_step_matches_hf(h, dirs, ranks, kind, layout):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=worker.__doc__)
-    parser.add_argument("--dirs", required=True, help="JSON {family: HF folder}")
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    worker(json.loads(args.dirs), args.out)
+    worker_main(worker, "--dirs", "JSON {family: HF folder}")

@@ -11,8 +11,6 @@ Helpers (tiny models, batch, loss, HF references) come from tests/unit/test_mega
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, helpers_fixture, run_two_ranks, unit_helpers)
+    assert_export_bitwise, dirs_args, helpers_fixture, run_two_ranks, unit_helpers, worker_main)
 
 
 # --- the distributed side: `torchrun --nproc_per_node=2 test_megatron_tp2.py --dirs JSON --out DIR` --------
@@ -100,7 +98,7 @@ def dirs(h, tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(dirs, tmp_path_factory):
     """Run the torchrun job once; the per-rank results, rank 0 first."""
-    return run_two_ranks(__file__, ["--dirs", json.dumps({k: str(v) for k, v in dirs.items()})],
+    return run_two_ranks(__file__, dirs_args(dirs),
                          tmp_path_factory.mktemp("tp2-out"))
 
 
@@ -162,8 +160,4 @@ def test_grad_norm_tp2_equals_tp1_dp2_and_hf(h, dirs, ranks):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=worker.__doc__)
-    parser.add_argument("--dirs", required=True, help="JSON {family: HF folder}")
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    worker(json.loads(args.dirs), args.out)
+    worker_main(worker, "--dirs", "JSON {family: HF folder}")
