@@ -163,7 +163,8 @@ def test_latent_norms_use_hfs_fixed_eps_and_yarn_scales_match_hf(tp1, mla_dirs):
 
 
 @pytest.mark.parametrize("kind,dispatcher", [("deepseek_v3", None), ("deepseek_v3_moe", "allgather"),
-                                             ("deepseek_v3_moe", "alltoall")])
+                                             ("deepseek_v3_moe", "alltoall"), ("glm4_moe_lite", None),
+                                             ("glm4_moe_lite_moe", "alltoall")])
 def test_train_step_matches_hf_adamw_step(tp1, mla_dirs, kind, dispatcher):
     path = mla_dirs[kind]
     megatron = {**MEGATRON, "moe_token_dispatcher_type": dispatcher} if dispatcher else MEGATRON
