@@ -1,6 +1,7 @@
-"""HF <-> megatron-core for dense Qwen2, Qwen3 and Llama causal LMs: config, model, weight load and export.
+"""HF <-> megatron-core for the families of :data:`hpcrl.models.hf.SUPPORTED_MODEL_TYPES`: model, weight load and
+export (the config half is :mod:`hpcrl.train.hf_config`; the table by family: docs/models.md).
 
-Our own small mapping (no mbridge): one table from megatron-core parameter names to HF names plus four
+Our own small mapping (no mbridge, measured against it: docs/architecture.md): one table from megatron-core parameter names to HF names plus four
 layout rules, written from megatron-core 0.16.1's ``GPTModel`` with the local layer spec
 (``get_gpt_layer_local_spec``) and HF transformers' ``{Qwen2,Qwen3,Llama}ForCausalLM``.
 
@@ -47,9 +48,11 @@ DeepSeek-V3 / GLM-lite (``deepseek_v3``, ``glm4_moe_lite``): multi-latent attent
 :data:`hpcrl.train.mla.LAYER_RULES` (laid over this table for an MLA model; layout ``column``: split on dim 0
 like ``ColumnParallelLinear``), its layer spec :func:`hpcrl.train.mla_layers.layer_spec`.
 
-Supported: dense (no MoE) models with RMSNorm, SwiGLU, RoPE (default, or Llama-3 scaling with the standard
-low/high frequency factors), GQA, Qwen2's qkv bias, Qwen3's q/k norm, tied or untied embeddings; pipeline
-parallel size 1. Anything else raises ``NotImplementedError`` naming the unsupported setting.
+Supported: RMSNorm, SwiGLU, RoPE (default, Llama-3 scaling with the standard low/high frequency factors,
+GLM's partial RoPE, YaRN for MLA), GQA, Qwen2's and GLM's qkv bias, Qwen3's and GLM's q/k norm, tied or
+untied embeddings, Qwen3-MoE / Mixtral softmax routers and GLM / DeepSeek sigmoid grouped routers with shared
+experts; pipeline parallel size 1. Anything else raises ``NotImplementedError`` naming the unsupported
+setting (the login node refuses the same first: :func:`hpcrl.models.support.unsupported_feature`).
 Mistral and Mixtral are Llama's table plus a sliding window (``hf_config.sliding_window``);
 Mixtral's MoE names are read and written in its checkpoint naming (``block_sparse_moe.gate``,
 ``block_sparse_moe.experts.{e}.w1/w3/w2``: :func:`hpcrl.models.moe.to_mixtral_name`), and loaded from
