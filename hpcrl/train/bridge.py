@@ -1,7 +1,8 @@
-"""HF <-> megatron-core for the families of :data:`hpcrl.models.hf.SUPPORTED_MODEL_TYPES`: model, weight load and
-export (the config half is :mod:`hpcrl.train.hf_config`; the table by family: docs/models.md).
+"""HF <-> megatron-core for the families of :data:`hpcrl.models.hf.SUPPORTED_MODEL_TYPES`: model, weight
+load and export (the config half is :mod:`hpcrl.train.hf_config`; the table by family: docs/models.md).
 
-Our own small mapping (no mbridge, measured against it: docs/architecture.md): one table from megatron-core parameter names to HF names plus four
+Our own small mapping (no mbridge, measured against it: docs/architecture.md): one table from megatron-core
+parameter names to HF names plus four
 layout rules, written from megatron-core 0.16.1's ``GPTModel`` with the local layer spec
 (``get_gpt_layer_local_spec``) and HF transformers' ``{Qwen2,Qwen3,Llama}ForCausalLM``.
 
