@@ -1,5 +1,6 @@
-"""The CPU engine serving a DeepSeek-V3-style model (multi-latent attention, YaRN, a dense first layer, a MoE
-layer with the sigmoid grouped router, expert bias and a shared expert), against a real engine process.
+"""The CPU engine serving a DeepSeek-V3-style model and a GLM-4.7-Flash-style one (multi-latent attention,
+YaRN, a dense first layer, a MoE layer with the sigmoid grouped router, expert bias and a shared expert),
+against a real engine process.
 
 A tiny random ``DeepseekV3ForCausalLM`` of tests/unit/test_deepseek_v3_bridge.py with hpcrl's character
 tokenizer, served by ``python -m hpcrl.engine.server``:
@@ -35,11 +36,12 @@ SEQS = [[1, 5, 9, 12, 3, 7, 18, 4, 11, 6, 13, 8, 19, 2, 10, 16, 5, 3, 12, 7], [1
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["deepseek_v3_moe", "glm4_moe_lite_moe"])
+def model_dir(request, tiny_model_dir, tmp_path_factory):
+    """A tiny DeepSeek-V3 or GLM-4.7-Flash-style (``glm4_moe_lite``) MLA model with a MoE second layer."""
     from tests.unit.test_deepseek_v3_bridge import make_tiny_mla
 
-    return make_tiny_mla("deepseek_v3_moe", tmp_path_factory.mktemp("ds") / "tiny-deepseek-v3",
+    return make_tiny_mla(request.param, tmp_path_factory.mktemp("ds") / f"tiny-{request.param}",
                          tokenizer_dir=tiny_model_dir)
 
 
