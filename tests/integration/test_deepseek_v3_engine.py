@@ -9,7 +9,8 @@ tokenizer, served by ``python -m hpcrl.engine.server``:
 - weight sync (tensor, distributed, disk) from a megatron-core trainer (TP=1, this process) carries every
   name the bridge exports (MLA's q_a/q_b/kv_a/kv_b projections and latent norms, the router's
   ``e_score_correction_bias`` buffer, the shared and routed experts) into the engine's model, after seeded
-  noise on every trainer tensor, the bias included; the engine's log-probs then equal the trainer's to 1e-5 in fp32 (before the sync they do not).
+  noise on every trainer tensor, the bias included; the engine's log-probs then equal the trainer's to 1e-5
+  in fp32 (before the sync they do not).
 """
 
 from __future__ import annotations
