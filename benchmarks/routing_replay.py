@@ -41,6 +41,10 @@ MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_di
 GLM_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8,
                  top_k=2, moe_intermediate_size=128, intermediate_size=256, seed=3)
 """The tiny GLM-4.5-style model measured with ``--family glm4_moe`` (4 layers: 1 dense, 3 MoE)."""
+DEEPSEEK_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, head_dim=32, num_experts=8, top_k=2,
+                      moe_intermediate_size=128, intermediate_size=256, seed=3)
+"""The tiny DeepSeek-V3-style model measured with ``--family deepseek_v3`` (MLA; 4 layers: 1 dense, 3 MoE)."""
+FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def sample_from_engine(url: str, prompts: list[list[int]], samples: int, max_new_tokens: int, seed: int) -> list:
@@ -106,21 +110,24 @@ def measure(model_dir: Path, engine_url: str, prompts: list[list[int]], samples:
 
 def measure_family(family: str, folder: Path, prompts: int, samples: int, max_new_tokens: int,
                    threads: int = 1) -> list[dict]:
-    """Create the tiny ``family`` model (``qwen3_moe``: :data:`MODEL`, ``glm4_moe``: :data:`GLM_MODEL`) in
+    """Create the tiny ``family`` model (``qwen3_moe``: :data:`MODEL`, ``glm4_moe``: :data:`GLM_MODEL`,
+    ``deepseek_v3``: :data:`DEEPSEEK_MODEL`) in
     ``folder``, serve it with a bf16 engine (``threads`` threads), build the fp32 megatron-core trainer at
     TP=1 in this process and :func:`measure` ``prompts`` addition prompts (``"137+263="``-style, character
     tokenizer) x ``samples`` samples x ``max_new_tokens`` tokens, without and with replay; the engine and the
     model-parallel state are torn down afterwards. Returns :func:`measure`'s rows. Raises ValueError for
     another family."""
-    from hpcrl.models.tiny import build_char_tokenizer, create_tiny_glm4_moe, create_tiny_qwen3_moe
+    from hpcrl.models import tiny
     from hpcrl.train import parallel
 
-    if family not in ("qwen3_moe", "glm4_moe"):
-        raise ValueError(f"family {family!r} is not measured here (qwen3_moe or glm4_moe)")
-    tok = build_char_tokenizer()
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} is not measured here ({', '.join(FAMILIES)})")
+    tok = tiny.build_char_tokenizer()
     ids = [tok(f"{100 + 37 * i}+{250 + 13 * i}=")["input_ids"] for i in range(prompts)]
-    model_dir = (create_tiny_glm4_moe(Path(folder) / "moe", **GLM_MODEL) if family == "glm4_moe"
-                 else create_tiny_qwen3_moe(Path(folder) / "moe", **MODEL))
+    create, sizes = {"qwen3_moe": (tiny.create_tiny_qwen3_moe, MODEL),
+                     "glm4_moe": (tiny.create_tiny_glm4_moe, GLM_MODEL),
+                     "deepseek_v3": (tiny.create_tiny_deepseek_v3, DEEPSEEK_MODEL)}[family]
+    model_dir = create(Path(folder) / "moe", **sizes)
     parallel.init_distributed()
     parallel.initialize_model_parallel(tp=1)
     parallel.model_parallel_cuda_manual_seed(0)
@@ -141,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--family", choices=("qwen3_moe", "glm4_moe"), default="qwen3_moe")
+    p.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
     args = p.parse_args(argv)
 
     import torch
@@ -153,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure_family(args.family, Path(tmp), args.prompts, args.samples, args.max_new_tokens,
                               args.threads)
     print(machine_header(threads=args.threads, precision="engine bfloat16, trainer float32"))
-    name = ("tiny GLM-4.5-style (8 experts + 1 shared, top-2 in 1 of 2 groups, sigmoid + expert bias, 4 layers "
-            "of which 1 dense" if args.family == "glm4_moe" else "tiny Qwen3-MoE (8 experts, top-2, 4 layers")
+    name = {"glm4_moe": "tiny GLM-4.5-style (8 experts + 1 shared, top-2 in 1 of 2 groups, sigmoid + expert bias, "
+                        "4 layers of which 1 dense",
+            "deepseek_v3": "tiny DeepSeek-V3-style (MLA with YaRN; 8 experts + 1 shared, top-2 in 1 of 2 groups, "
+                           "sigmoid + expert bias, 4 layers of which 1 dense",
+            "qwen3_moe": "tiny Qwen3-MoE (8 experts, top-2, 4 layers"}[args.family]
     print(f"{name}, random weights), {args.prompts} prompts x {args.samples} "
           f"samples x {args.max_new_tokens} tokens; {time.perf_counter() - start:.0f} s")
     print("| trainer routing | fed tokens | tokens routed differently | |logprob diff| mean | max |")

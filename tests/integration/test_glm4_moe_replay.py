@@ -1,6 +1,6 @@
-"""Rollout routing replay with GLM-4.5's sigmoid grouped router (issue #35 point 3, ``glm4_moe``), on real
-processes: a bf16 CPU engine samples from the tiny GLM (first layer dense, shared expert, non-zero expert
-bias, 2 groups of 4 experts, top-2), the fp32 megatron-core trainer scores the samples
+"""Rollout routing replay with GLM-4.5's and DeepSeek-V3's sigmoid grouped router (issue #35 point 3,
+``glm4_moe`` and ``deepseek_v3`` with multi-latent attention), on real processes: a bf16 CPU engine samples
+from the tiny model (first layer dense, shared expert, non-zero expert bias, 2 groups of 4 experts, top-2), the fp32 megatron-core trainer scores the samples
 (``benchmarks/routing_replay.py``'s ``measure``).
 
 Without replay some tokens' choice differs between the two precisions (measured from the experts the trainer's
@@ -27,11 +27,12 @@ except ImportError:  # tests/integration is not a package
 pytestmark = pytest.mark.integration
 
 
-def test_replay_of_the_sigmoid_grouped_router_makes_routing_equal(tmp_path):
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_replay_of_the_sigmoid_grouped_router_makes_routing_equal(tmp_path, family):
     pytest.importorskip("megatron.core")
     torch.set_num_threads(1)
     bench = load_benchmark("routing_replay")
-    free, replay = bench.measure_family("glm4_moe", tmp_path, prompts=8, samples=3, max_new_tokens=20)
+    free, replay = bench.measure_family(family, tmp_path, prompts=8, samples=3, max_new_tokens=20)
     print(free, replay)
     assert free["tokens"] == replay["tokens"] > 0
     assert free["routing_differs"] > 0, "bf16 and fp32 routed every token alike: the gate shows nothing"
