@@ -160,10 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure_family(args.family, Path(tmp), args.prompts, args.samples, args.max_new_tokens,
                               args.threads)
     print(machine_header(threads=args.threads, precision="engine bfloat16, trainer float32"))
-    name = {"glm4_moe": "tiny GLM-4.5-style (8 experts + 1 shared, top-2 in 1 of 2 groups, sigmoid + expert bias, "
-                        "4 layers of which 1 dense",
-            "deepseek_v3": "tiny DeepSeek-V3-style (MLA with YaRN; 8 experts + 1 shared, top-2 in 1 of 2 groups, "
-                           "sigmoid + expert bias, 4 layers of which 1 dense",
+    grouped = "8 experts + 1 shared, top-2 in 1 of 2 groups, sigmoid + expert bias, 4 layers of which 1 dense"
+    name = {"glm4_moe": f"tiny GLM-4.5-style ({grouped}",
+            "deepseek_v3": f"tiny DeepSeek-V3-style (MLA with YaRN; {grouped}",
             "qwen3_moe": "tiny Qwen3-MoE (8 experts, top-2, 4 layers"}[args.family]
     print(f"{name}, random weights), {args.prompts} prompts x {args.samples} "
           f"samples x {args.max_new_tokens} tokens; {time.perf_counter() - start:.0f} s")

@@ -1,9 +1,8 @@
 """Rollout routing replay with GLM-4.5's and DeepSeek-V3's sigmoid grouped router (issue #35 point 3,
 ``glm4_moe`` and ``deepseek_v3`` with multi-latent attention), on real processes: a bf16 CPU engine samples
-from the tiny model (first layer dense, shared expert, non-zero expert bias, 2 groups of 4 experts, top-2), the fp32 megatron-core trainer scores the samples
-(``benchmarks/routing_replay.py``'s ``measure``).
-
-Without replay some tokens' choice differs between the two precisions (measured from the experts the trainer's
+from the tiny model (first layer dense, shared expert, non-zero expert bias, 2 groups of 4 experts, top-2),
+the fp32 megatron-core trainer scores the samples (``benchmarks/routing_replay.py``'s ``measure``). Without
+replay some tokens' choice differs between the two precisions (measured from the experts the trainer's
 routers used, their ``routing_map``); replaying the engine's ``return_routed_experts`` (which HF's
 ``Glm4MoeTopkRouter`` chose with the bias and the group limit) makes that 0 and the train/rollout log-prob
 difference smaller. The gate can fail: a trainer that ignored the replayed routing, or replayed it into the
