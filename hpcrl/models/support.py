@@ -176,6 +176,32 @@ def _safetensors_problem(path: Path) -> Optional[str]:
     return None
 
 
+INDEX = "model.safetensors.index.json"
+"""The index of a sharded HF checkpoint (``weight_map``: tensor name -> shard file)."""
+
+
+class NoWeightsError(FileNotFoundError):
+    """An HF folder with neither a safetensors index nor a ``*.safetensors`` file."""
+
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of the HF folder ``path``: the shards :data:`INDEX` names (sorted, each once;
+    not checked to exist), else every ``*.safetensors`` in it. Raises ValueError when the index has no
+    readable ``weight_map``, OSError when it cannot be read, :class:`NoWeightsError` (a FileNotFoundError)
+    when the folder has neither an index nor a safetensors file."""
+    path = Path(path)
+    index = path / INDEX
+    if index.is_file():
+        try:
+            return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (KeyError, AttributeError, TypeError) as e:
+            raise ValueError(f"{index}: no readable weight_map") from e
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise NoWeightsError(f"no *.safetensors in {path}")
+    return files
+
+
 def check_model_folder(path: str | os.PathLike) -> Optional[tuple[str, str]]:
     """What keeps the HF folder ``path`` from being trained: ``(problem, fix)``, or None when it can.
 
@@ -197,22 +223,17 @@ def check_model_folder(path: str | os.PathLike) -> Optional[tuple[str, str]]:
     if bad is not None:
         field, value, what = bad
         return f"config.json {field}={value!r} {what}", "train a supported model (docs/architecture.md)"
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError):
-            return f"{index.name} has no readable weight_map", "fix or re-download the model's index file"
-        missing = [f for f in files if not (path / f).is_file()]
-        if missing:
-            return (f"{index.name} names {len(missing)} missing shard(s), e.g. {missing[0]}",
-                    "download every shard of the model")
-        shards = [path / f for f in files]
-    else:
-        shards = sorted(path.glob("*.safetensors"))
-        if not shards:
-            return ("no weights (no *.safetensors file)",
-                    "download the model's safetensors weights into the folder")
+    try:
+        shards = weight_files(path)
+    except NoWeightsError:
+        return ("no weights (no *.safetensors file)",
+                "download the model's safetensors weights into the folder")
+    except (OSError, ValueError):
+        return f"{INDEX} has no readable weight_map", "fix or re-download the model's index file"
+    missing = [str(f.relative_to(path)) for f in shards if not f.is_file()]
+    if missing:
+        return (f"{INDEX} names {len(missing)} missing shard(s), e.g. {missing[0]}",
+                "download every shard of the model")
     for shard in shards:
         problem = _safetensors_problem(shard)
         if problem is not None:

@@ -62,7 +62,6 @@ transformers 5's in-memory names (``mlp.gate``, fused ``mlp.experts.gate_up_proj
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import dataclasses
@@ -75,7 +74,7 @@ import torch
 
 from hpcrl.models.moe import RenamedWeights, from_mixtral_name, to_mixtral_name, unfuse_experts
 from hpcrl.train import mla
-from hpcrl.models.support import SUPPORTED_MODEL_TYPES  # the login node's list, the same
+from hpcrl.models.support import SUPPORTED_MODEL_TYPES, weight_files  # the login node's, the same
 from hpcrl.train.hf_config import (  # noqa: F401 (re-exported: callers know them as bridge.*)
     check_supported, head_dim, mcore_config_from_hf, moe_kwargs, num_experts, padded_vocab_size, rope_scaling,
     rope_theta, rotary_percent)
@@ -350,22 +349,12 @@ def _from_shards(layout: str, shards: list[torch.Tensor], g: _Geometry) -> list[
     raise AssertionError(layout)
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    return files
-
-
 def read_hf_state_dict(path: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
     """Read every tensor of an HF folder's safetensors files (single or sharded with an index) on the CPU."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(Path(path)):
+    for f in weight_files(path):
         state.update(load_file(str(f)))
     return state
 
@@ -377,7 +366,7 @@ class _LazyHFWeights(Mapping[str, torch.Tensor]):
         from safetensors import safe_open
 
         self._file: dict[str, Path] = {}
-        for f in _safetensors_files(Path(path)):
+        for f in weight_files(path):
             with safe_open(str(f), framework="pt") as handle:
                 self._file.update(dict.fromkeys(handle.keys(), f))
 
