@@ -25,7 +25,7 @@ from hpcrl.train import mla  # its config checks are stdlib-only too
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 """HF ``model_type`` values the trainer builds: those of :data:`hpcrl.models.hf.SUPPORTED_MODEL_TYPES`."""
 
-_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The only Llama-3 RoPE scaling the bridge expresses (Megatron's fixed constants)."""
 
 _GATED_DELTA_NET = ("is not trainable here: its linear-attention layers need megatron-core's gated delta-net, "
@@ -93,10 +93,10 @@ def unsupported_feature(hf: Mapping[str, Any]) -> Optional[Problem]:
             if bad is not None:
                 return bad
     if kind not in ("default", None):
-        standard = kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_ROPE.items())
+        standard = kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in LLAMA3_ROPE.items())
         if not standard:
             return ("rope_parameters", rope, f"RoPE scaling {kind!r} is not supported (plain RoPE, or llama3 "
-                    f"with {_LLAMA3_ROPE}, is)")
+                    f"with {LLAMA3_ROPE}, is)")
     partial = rope.get("partial_rotary_factor")
     if partial is not None and float(partial) != 1.0 and model_type != "glm4_moe":
         return ("partial_rotary_factor", partial, "partial RoPE is not supported (RoPE on the whole head is)")

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from hpcrl.models.support import rope_settings, unsupported_feature  # the login node's check, the same words
+from hpcrl.models.support import LLAMA3_ROPE, rope_settings, unsupported_feature  # the login node's, the same
 from hpcrl.train import deepseek_moe, mla
 
 # ---------------------------------------------------------------------------------------------------------
@@ -30,17 +30,23 @@ def rope_theta(hf_config: Any) -> float:
     raise ValueError(f"{type(hf_config).__name__} has no rope_theta (neither rope_parameters nor rope_theta)")
 
 
+def config_fields(hf_config: Any) -> dict[str, Any]:
+    """An HF config object as the ``config.json`` dict the login-node checks read (``to_dict()``)."""
+    return hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+
+
 def rope_scaling(hf_config: Any) -> Optional[float]:
-    """Llama-3 RoPE scaling factor, None for plain RoPE; NotImplementedError for any other scaling."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    """Llama-3 RoPE scaling factor, None for plain RoPE; NotImplementedError for any other scaling. The RoPE
+    fields are read where :func:`hpcrl.models.support.rope_settings` reads them, the standard Llama-3
+    constants are :data:`hpcrl.models.support.LLAMA3_ROPE`."""
+    params = rope_settings(config_fields(hf_config))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return None
-    standard = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-    if rope_type == "llama3" and all(float(params.get(k, -1)) == v for k, v in standard.items()):
+    if rope_type == "llama3" and all(float(params.get(k, -1)) == v for k, v in LLAMA3_ROPE.items()):
         return float(params["factor"])
     raise NotImplementedError(f"RoPE scaling {params} is not supported (plain RoPE, or llama3 with "
-                              f"{standard}, is)")
+                              f"{LLAMA3_ROPE}, is)")
 
 
 def head_dim(hf_config: Any) -> int:
@@ -60,8 +66,7 @@ def rotary_percent(hf_config: Any) -> float:
     ``rope_parameters`` (transformers 5) or the top level (published GLM-4.5 configs), else 1. HF rotates the
     first ``int(head_dim * factor)`` dims with rotate-half and passes the rest, as megatron's
     ``apply_rotary_pos_emb`` does with ``rotary_percent`` (non-interleaved)."""
-    fields = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
-    return float(rope_settings(fields).get("partial_rotary_factor") or 1.0)
+    return float(rope_settings(config_fields(hf_config)).get("partial_rotary_factor") or 1.0)
 
 
 def sliding_window(hf_config: Any) -> Optional[int]:
@@ -77,8 +82,7 @@ def sliding_window(hf_config: Any) -> Optional[int]:
 def check_supported(hf_config: Any) -> None:
     """NotImplementedError naming the first setting the bridge cannot build: the login node's check
     (:func:`hpcrl.models.support.unsupported_feature`) on the config's fields, so both refuse the same."""
-    fields = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
-    bad = unsupported_feature(fields)
+    bad = unsupported_feature(config_fields(hf_config))
     if bad is not None:
         field, value, what = bad
         raise NotImplementedError(f"{field}={value!r} {what}")
