@@ -17,7 +17,8 @@ from hpcrl.config.yaml_io import parse_yaml, YamlDumper
 from hpcrl.config.checks import non_negative, positive, require
 from hpcrl.config.run import check_data, check_model, check_run, check_sft
 from hpcrl.config.rollout import check_rollout
-from hpcrl.config.train import check_algorithm, check_checkpoint, check_moe, check_train, check_weights
+from hpcrl.config.train import (check_algorithm, check_checkpoint, check_heads, check_moe, check_train,
+                                check_weights)
 from hpcrl.config.slurm import check_slurm
 from hpcrl.config.memory import check_memory
 from hpcrl.config.evaluation import check_eval
@@ -219,6 +220,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     check_rollout(cfg, check_files)
     check_sft(cfg, check_files)
     check_train(cfg)
+    check_heads(cfg, check_files)
     check_moe(cfg, check_files)
     check_algorithm(cfg, check_files)
     check_weights(cfg)

@@ -224,24 +224,53 @@ def check_train(cfg: Config) -> None:
                  "change the global or the micro batch size")
 
 
-def model_experts(cfg: Config, check_files: bool) -> Optional[tuple[int, int]]:
-    """``(routed experts per layer, experts per token)`` of the policy model, ``(0, 0)`` for a dense one, or
-    None when it cannot be known on the login node (the folder does not exist yet, or ``check_files`` is
-    off). Read from ``model.create``'s ``tiny_*`` keys or the folder's ``config.json`` (no transformers)."""
+def model_config_json(cfg: Config, check_files: bool) -> Optional[dict]:
+    """The policy folder's ``config.json`` as a dict, or None when it cannot be read on the login node (no
+    folder yet, ``check_files`` off, or unreadable: :func:`hpcrl.config.run.check_model` names that)."""
     import json
 
     m = cfg.model
-    created = m.path and Path(m.path, "config.json").is_file()
-    if m.create in ("tiny-qwen3-moe", "tiny-glm4-moe", "tiny-deepseek-v3") and not created:
-        return m.tiny_num_experts, m.tiny_moe_top_k
-    if m.create == "tiny-qwen2" and not (m.path and Path(m.path, "config.json").is_file()):
-        return 0, 0
     if not (check_files and m.path and Path(m.path, "config.json").is_file()):
         return None
     try:
         hf = json.loads(Path(m.path, "config.json").read_text())
     except (OSError, ValueError):
-        return None  # check_model names an unreadable folder
+        return None
+    return hf if isinstance(hf, dict) else None
+
+
+def check_heads(cfg: Config, check_files: bool) -> None:
+    """``train.tensor_parallel_size`` divides the policy's attention heads and key/value heads (megatron-core
+    splits whole heads and whole query groups over TP ranks; multi-latent attention has one group per head),
+    read from ``config.json`` or, before the folder exists, ``model.create``'s ``tiny_*`` keys."""
+    tp = cfg.train.tensor_parallel_size
+    hf = model_config_json(cfg, check_files)
+    if hf is None and cfg.model.create in ("tiny-qwen2", "tiny-qwen3-moe", "tiny-glm4-moe"):
+        m = cfg.model
+        hf = {"num_attention_heads": m.tiny_num_heads, "num_key_value_heads": m.tiny_num_kv_heads}
+    if hf is None or tp <= 1:
+        return
+    heads = int(hf.get("num_attention_heads") or 0)
+    groups = heads if hf.get("kv_lora_rank") else int(hf.get("num_key_value_heads") or heads)
+    for field, n in (("num_attention_heads", heads), ("num_key_value_heads", groups)):
+        require(n % tp == 0, "train.tensor_parallel_size", tp,
+                f"must divide the model's {field}={n} (megatron-core splits whole heads over TP ranks)",
+                f"use a tensor_parallel_size that divides {n}")
+
+
+def model_experts(cfg: Config, check_files: bool) -> Optional[tuple[int, int]]:
+    """``(routed experts per layer, experts per token)`` of the policy model, ``(0, 0)`` for a dense one, or
+    None when it cannot be known on the login node (the folder does not exist yet, or ``check_files`` is
+    off). Read from ``model.create``'s ``tiny_*`` keys or the folder's ``config.json`` (no transformers)."""
+    m = cfg.model
+    created = m.path and Path(m.path, "config.json").is_file()
+    if m.create in ("tiny-qwen3-moe", "tiny-glm4-moe", "tiny-deepseek-v3") and not created:
+        return m.tiny_num_experts, m.tiny_moe_top_k
+    if m.create == "tiny-qwen2" and not created:
+        return 0, 0
+    hf = model_config_json(cfg, check_files)
+    if hf is None:
+        return None
     from hpcrl.models.support import routed_experts
 
     experts = routed_experts(hf)

@@ -580,6 +580,25 @@ def test_expert_parallel_size_is_checked_against_an_existing_model_folder(tmp_pa
         assert "mixture-of-experts" in assert_one_line(e.value, "train.tensor_parallel_size")
 
 
+def test_tensor_parallel_size_must_divide_the_heads(tmp_path):
+    """Whole heads and query groups per TP rank, read from config.json or the tiny_* keys before creation."""
+    folder = model_folder(tmp_path / "dense", {"model_type": "qwen2", "num_attention_heads": 6,
+                                               "num_key_value_heads": 2})
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"model.path={folder}", "train.tensor_parallel_size=4", "train.nprocs=4"])
+    assert "num_attention_heads=6" in assert_one_line(e.value, "train.tensor_parallel_size")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"model.path={folder}", "train.tensor_parallel_size=3", "train.nprocs=3"])
+    assert "num_key_value_heads=2" in assert_one_line(e.value, "train.tensor_parallel_size")
+    assert load_config(None, [f"model.path={folder}", "train.tensor_parallel_size=2",
+                              "train.nprocs=2"]).train.tensor_parallel_size == 2
+    with pytest.raises(ConfigError) as e:  # before the tiny model exists
+        load_config(None, [f"model.path={tmp_path / 'tiny'}", "model.create=tiny-qwen2",
+                           "model.tiny_num_heads=4", "model.tiny_num_kv_heads=2",
+                           "train.tensor_parallel_size=4", "train.nprocs=4"])
+    assert "num_key_value_heads=2" in assert_one_line(e.value, "train.tensor_parallel_size")
+
+
 def test_moe_quickstart_values():
     """The MoE quickstart: the tiny MoE, GSPO, experts over 2 trainer processes (issue #15 point 4)."""
     cfg = load_config(REPO / "configs" / "moe-quickstart.yaml")
