@@ -42,8 +42,9 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 """Exit status of a run stopped by a config or data error (the same as ``hpcrl validate``'s)."""
 EXIT_RETRY = 75
-"""Exit status of a run that checkpointed and can go on when started again (``EX_TEMPFAIL``; the same as
-:data:`hpcrl.slurm.requeue.EXIT_REQUEUE`, on which a Slurm job is requeued): no engine was left to generate."""
+"""Exit status of a run that checkpointed and can go on when started again (``EX_TEMPFAIL``): it stopped
+early on the preemption signal or the job's deadline, or no engine was left to generate. ``hpcrl run``
+returns it; the Slurm job is requeued on it (:data:`hpcrl.slurm.requeue.EXIT_REQUEUE` is this number)."""
 
 _RETRY_ERRORS = {"hpcrl.rollout.client.EnginesLost"}
 
@@ -96,34 +97,20 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def attempt_numbers(run_dir: Path) -> list[int]:
-    """The N of every ``run_dir/logs/attempt-N`` folder, sorted."""
-    logs = Path(run_dir) / "logs"
-    if not logs.is_dir():
-        return []
-    return sorted(int(p.name[8:]) for p in logs.iterdir() if re.fullmatch(r"attempt-\d+", p.name))
-
-
-def next_attempt(run_dir: Path) -> int:
-    """The number the next ``logs/attempt-N`` folder will get (one more than the newest, 0 for none)."""
-    nums = attempt_numbers(run_dir)
-    return nums[-1] + 1 if nums else 0
-
-
 def traceback_log(run_dir: Path, first_attempt: int, rank: int = 0) -> Path:
     """Where a failed start writes its traceback: ``logs/attempt-N/trainer.log`` of the newest attempt numbered
     ``first_attempt`` or later (the one this start made), else a new attempt folder. Rank R > 0 never creates
     a folder: ``trainer-rank<R>.log`` in the newest attempt (``logs/`` when there is none)."""
-    from hpcrl.run_setup import new_attempt_dir
+    from hpcrl.run_setup import attempt_dir, attempt_numbers, new_attempt_dir
 
     run_dir = Path(run_dir)
     nums = attempt_numbers(run_dir)
     if rank > 0:
-        folder = run_dir / "logs" / f"attempt-{nums[-1]}" if nums else run_dir / "logs"
+        folder = attempt_dir(run_dir, nums[-1]) if nums else run_dir / "logs"
         folder.mkdir(parents=True, exist_ok=True)
         return folder / f"trainer-rank{rank}.log"
     mine = [n for n in nums if n >= first_attempt]
-    folder = run_dir / "logs" / f"attempt-{mine[-1]}" if mine else new_attempt_dir(run_dir)
+    folder = attempt_dir(run_dir, mine[-1]) if mine else new_attempt_dir(run_dir)
     return folder / "trainer.log"
 
 
@@ -148,6 +135,8 @@ def report_known(prog: str, run_dir: Path, fn: Callable[[], int], rank: int = 0)
     """Run ``fn()`` (returns an exit status); on a known error (:func:`exit_code_of`) append its traceback to
     the attempt's log (:func:`traceback_log`), print ``<prog>: error: <one line>; traceback in <log>`` on
     stderr and return its exit status. Unexpected errors (and KeyboardInterrupt, SystemExit) propagate."""
+    from hpcrl.run_setup import next_attempt
+
     first = next_attempt(run_dir)
     try:
         return fn()

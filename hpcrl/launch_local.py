@@ -3,8 +3,9 @@
 
 Each worker gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and a ``file://``
 rendezvous in a new temporary folder (:data:`hpcrl.train.parallel.INIT_METHOD_ENV`: no port is picked, so none
-can be taken by another process before rank 0 binds it) and runs the loop of ``run.mode`` (:func:`loop_of`:
-:func:`hpcrl.loop.train_main` or :func:`hpcrl.loop_async.train_async_main`); rank 0 is the controller. Under
+can be taken by another process before rank 0 binds it) and runs the loop of ``run.mode``
+(:func:`hpcrl.loops.loop_of`: :func:`hpcrl.loop.train_main` or :func:`hpcrl.loop_async.train_async_main`);
+rank 0 is the controller. Under
 Slurm the same function runs as a job step instead (``hpcrl submit``). With ``run.placement: disaggregate``
 the trainer is pinned to its CPU set and the engines to theirs (:mod:`hpcrl.placement`).
 """
@@ -16,12 +17,11 @@ import os
 from pathlib import Path
 
 from hpcrl.config import Config, save_resolved
+from hpcrl.errors import EXIT_RETRY
+from hpcrl.loops import loop_of
 from hpcrl.run_setup import prepare_model, quiet_logs, run_dir_of
-from hpcrl.slurm.requeue import EXIT_REQUEUE
 
-EXIT_PREEMPTED = EXIT_REQUEUE
-"""Exit status of a run that stopped early on the preemption signal or its deadline, after a checkpoint
-(``EX_TEMPFAIL``: run it again, or requeue it, and it resumes); :data:`hpcrl.slurm.requeue.EXIT_REQUEUE`."""
+__all__ = ["main", "loop_of", "resolve_cpu_sets", "check_local_engine", "run_local_workers"]
 
 
 def main(cfg: Config) -> int:
@@ -29,8 +29,8 @@ def main(cfg: Config) -> int:
     state for ``hpcrl status`` goes to ``local_run.json`` (:func:`hpcrl.slurm.state.local_run_record`).
 
     With ``train.nprocs == 1`` the trainer runs in this process (the CPU quickstart); more trainer processes
-    are started as local torch.distributed workers on this machine. Returns :data:`EXIT_PREEMPTED` when the
-    run stopped early on the preemption signal (``kill -USR2``) with a checkpoint.
+    are started as local torch.distributed workers on this machine. Returns :data:`hpcrl.errors.EXIT_RETRY`
+    (75) when the run stopped early on the preemption signal (``kill -USR2``) with a checkpoint.
     """
     from hpcrl.placement import pin, unpin
     from hpcrl.slurm.state import local_run_record
@@ -40,7 +40,7 @@ def main(cfg: Config) -> int:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
-    with local_run_record(run_dir, stopped_codes=(EXIT_PREEMPTED,)) as record:  # for hpcrl status
+    with local_run_record(run_dir, stopped_codes=(EXIT_RETRY,)) as record:  # for hpcrl status
         model_path = prepare_model(cfg)
         if cfg.train.nprocs == 1:
             before = pin(cpus.train) if cpus is not None else None
@@ -49,22 +49,10 @@ def main(cfg: Config) -> int:
             finally:
                 if before is not None:
                     unpin(before)
-            record.exit_code = EXIT_PREEMPTED if result.get("preempted") else 0
+            record.exit_code = EXIT_RETRY if result.get("preempted") else 0
         else:
             record.exit_code = run_local_workers(cfg, run_dir, model_path)
         return record.exit_code
-
-
-def loop_of(cfg: Config):
-    """The loop function of ``run.mode``: :func:`hpcrl.loop.train_main` (sync) or
-    :func:`hpcrl.loop_async.train_async_main` (async); both take ``(cfg, run_dir, model_path, ...)``."""
-    if cfg.run.mode == "async":
-        from hpcrl.loop_async import train_async_main
-
-        return train_async_main
-    from hpcrl.loop import train_main
-
-    return train_main
 
 
 def resolve_cpu_sets(cfg: Config):

@@ -22,63 +22,42 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from hpcrl.config import Config
-from hpcrl.loop import RunLog, StepFailed, broadcast, build_trainer, due, sync_weights
-from hpcrl.rollout.manager import EngineLauncher, rollout_manager
-from hpcrl.procs import env_rank, release_freed_memory_eagerly
-from hpcrl.run_setup import quiet_logs
+from hpcrl.loop import StepFailed, broadcast
+from hpcrl.run_setup import due
+from hpcrl.session import RunLog, RunSession, sync_weights
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from hpcrl.checkpoint.manager import CheckpointManager
+    from hpcrl.data.source import DataSource
+    from hpcrl.rollout.manager import EngineLauncher, NullRolloutManager, RolloutManager
 
 
 def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None,
-                     launch_engines: Optional[EngineLauncher] = None) -> dict[str, Any]:
+                     launch_engines: Optional["EngineLauncher"] = None) -> dict[str, Any]:
     """One trainer rank's whole async run; returns the last step's metrics (on the controller the rollout and
     eval ones too), plus ``"preempted": reason`` when it stopped early with a checkpoint.
 
     Arguments as :func:`hpcrl.loop.train_main`. Raises what a step raises; a rollout that fails is reported
     after the last trained step is checkpointed (without the failed rollout: a rerun generates it again).
     """
-    from hpcrl.preempt import PreemptionWatch
-    from hpcrl.rollout.engines import launch_local_engines
-
-    # --- preemption watch; the engines start loading --------------------------------------------------
-    quiet_logs()
-    release_freed_memory_eagerly()  # freed activations and sync buffers leave the RSS (hpcrl.procs)
-    controller = env_rank() == 0
-    watch = PreemptionWatch.from_config(cfg, controller)
-    watch.install()  # before any child process (hpcrl.preempt)
-    rollout = rollout_manager(controller, cfg, run_dir, model_path, launch_engines or launch_local_engines,
-                              watch.job_ending)
-    rollout.launch(early=True)
-    from hpcrl.train.parallel import destroy  # imports torch: after the engines started loading
-    stopped: Optional[str] = None
-    last: dict[str, Any] = {}
-    metrics: Optional[RunLog] = None
-    try:
-        from hpcrl.weights import WeightSyncer
-
-        # --- processes, model, optimizer, data, resume state (with the next rollout, finished) -------
-        pending = PendingRollout()
-        t = build_trainer(cfg, run_dir, model_path, watch, controller, ci_checks, pending=pending)
-        actor, data_source, trained, ckpt, start_rollout_id = t.actor, t.data_source, t.trained, t.ckpt, t.start
-        # --- engines up, router, client; weights; the first rollout ---------------------------------
-        rollout.start(t.datasets)
-        metrics = RunLog(run_dir, cfg.run.num_rollout, start_rollout_id, controller, cfg=cfg)
-        syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
-                                          engine_tp_sizes=rollout.engine_tp_sizes, hf_checkpoint=str(model_path),
-                                          disk_dir=str(run_dir / "weights"))
-        sync_weights(actor, syncer, rollout, version=start_rollout_id)
-        if start_rollout_id == 0:
-            last = rollout.evaluate(-1)
-            metrics.log(-1, last, advance=False)
-        if pending.rollout_id != start_rollout_id:  # a new run (or a checkpoint without it): generate it now
+    # --- watch, engines, model, data, resume state (with the next rollout, finished), first sync, eval -1 --
+    pending = PendingRollout()
+    with RunSession(cfg, run_dir, model_path, ci_checks, launch_engines, states={"pending": pending}) as s:
+        t, rollout, syncer = s.trainer, s.rollout, s.syncer
+        actor, data_source, trained, ckpt = t.actor, t.data_source, t.trained, t.ckpt
+        stopped: Optional[str] = None
+        if pending.rollout_id != t.start:  # a new run (or a checkpoint without it): generate it now
             before = data_source.state_dict()
-            finish_rollout(rollout, rollout.generate_async(start_rollout_id, data_source, t.multiple),
-                           start_rollout_id, pending, data_source, before, ckpt.save_before_failing)
+            finish_rollout(rollout, rollout.generate_async(t.start, data_source, t.multiple),
+                           t.start, pending, data_source, before, ckpt.save_before_failing)
 
         # --- the loop: rollout k+1 is generated while step k trains ----------------------------------
-        for rollout_id in range(start_rollout_id, cfg.run.num_rollout):
+        for rollout_id in range(t.start, cfg.run.num_rollout):
             t_step = time.perf_counter()
             samples, step = pending.take(rollout_id)
             has_next = rollout_id + 1 < cfg.run.num_rollout
@@ -89,29 +68,23 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
             t_wait = time.perf_counter()
             if has_next:  # the rollout in flight finishes before the weights change (slime train_async.py)
                 finish_rollout(rollout, future, rollout_id + 1, pending, data_source, before,
-                               lambda message: keep_step(ckpt, metrics, rollout_id, step, message))
+                               lambda message: keep_step(ckpt, s.metrics, rollout_id, step, message))
             step["timing/rollout_wait_seconds"] = time.perf_counter() - t_wait
             step.update(sync_weights(actor, syncer, rollout, version=rollout_id + 1))
             if due(rollout_id, cfg.rollout.eval_interval, cfg.run.num_rollout):
                 step.update(rollout.evaluate(rollout_id))
             step["timing/step_seconds"] = time.perf_counter() - t_step
-            watch.record_step(step["timing/step_seconds"])
-            metrics.log(rollout_id, step)
-            last = step
+            s.watch.record_step(step["timing/step_seconds"])
+            s.log(rollout_id, step)
             stopped = ckpt.end_step(rollout_id)  # the checkpoint holds rollout k+1 (pending)
             if stopped is not None:
                 break
-        metrics.finish(stopped)
-    finally:
-        if metrics is not None:  # a run stopped by an error: its bar ends and its curves are drawn too
-            metrics.close()
-        rollout.stop()
-        watch.uninstall()
-        destroy()
-    return dict(last, preempted=stopped) if stopped is not None else last
+        s.finish(stopped)
+    return s.result()
 
 
-def finish_rollout(rollout, future, rollout_id: int, pending: "PendingRollout", data_source, before: dict,
+def finish_rollout(rollout: "RolloutManager | NullRolloutManager", future: "Future", rollout_id: int,
+                   pending: "PendingRollout", data_source: "DataSource", before: dict,
                    on_error: Callable[[str], None]) -> None:
     """Wait for rollout ``rollout_id`` (:func:`collect`) and make it the pending one on every rank. When it
     failed: the data source back to ``before`` (its state when the rollout started), ``on_error(message)``
@@ -124,15 +97,15 @@ def finish_rollout(rollout, future, rollout_id: int, pending: "PendingRollout", 
     pending.put(rollout_id, *out)
 
 
-def keep_step(ckpt, metrics: RunLog, rollout_id: int, step: dict[str, Any], message: str) -> None:
+def keep_step(ckpt: "CheckpointManager", metrics: RunLog, rollout_id: int, step: dict[str, Any],
+              message: str) -> None:
     """Step ``rollout_id`` is trained but the next rollout failed: log the step and checkpoint it (without a
     pending rollout; a rerun generates it again, from these weights)."""
     metrics.log(rollout_id, step)
-    ckpt.progress.rollout_id = rollout_id
-    ckpt.save_before_failing(message)
+    ckpt.save_before_failing(message, finished=rollout_id)
 
 
-def collect(rollout, future, rollout_id: int):
+def collect(rollout: "RolloutManager | NullRolloutManager", future: "Future", rollout_id: int) -> Any:
     """Wait for a rollout started with ``generate_async`` and hand ``(samples, metrics)`` to every trainer rank;
     a :class:`~hpcrl.loop.StepFailed` instead when it raised on the controller."""
     try:
@@ -144,8 +117,11 @@ def collect(rollout, future, rollout_id: int):
 
 class PendingRollout:
     """The next rollout of an async run, finished at the step boundary: its id, samples (flat, group after
-    group) and ``rollout/*`` metrics. The checkpoint manager's ``pending`` state (samples in the buffer file's
-    ``pending/``, the rest in ``state.json``), so a checkpoint at step k holds rollout k+1."""
+    group) and ``rollout/*`` metrics. The checkpoint manager's ``pending`` state, which keeps its samples in
+    files (:class:`hpcrl.checkpoint.manager.FileStateful`: the buffer file's ``pending/``; the rest in
+    ``state.json``), so a checkpoint at step k holds rollout k+1."""
+
+    file_keys = ("groups",)
 
     def __init__(self) -> None:
         self.rollout_id: Optional[int] = None
@@ -173,3 +149,15 @@ class PendingRollout:
         self.rollout_id = state.get("rollout_id")
         self.samples = [s for g in groups for s in g] if self.rollout_id is not None else None
         self.metrics = dict(state.get("metrics") or {})
+
+    def save_files(self, state: dict[str, Any], folder: Path) -> None:
+        """Write ``state["groups"]`` as the buffer file's ``pending/`` in checkpoint folder ``folder``."""
+        from hpcrl.data.buffer import BUFFER_FILE, write_groups_part
+
+        write_groups_part(Path(folder) / BUFFER_FILE, "pending", state["groups"])
+
+    def load_files(self, state: dict[str, Any], folder: Path) -> dict[str, Any]:
+        """``state`` with ``"groups"`` from the buffer file's ``pending/`` in ``folder`` (none without it)."""
+        from hpcrl.data.buffer import BUFFER_FILE, read_groups_part
+
+        return {**state, "groups": read_groups_part(Path(folder) / BUFFER_FILE, "pending") or []}

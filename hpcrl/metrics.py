@@ -53,20 +53,28 @@ def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
 
 
 class MetricsPosition:
-    """Where ``metrics.jsonl`` stands, as a stateful object for the checkpoint manager. ``state_dict()`` is
-    ``{"rows": [...]}``, the rows logged so far (the controller's; ``[]`` elsewhere); ``load_state_dict({"step":
-    k, ...})`` drops the rows logged after step ``k`` (steps a resumed run does again; ``k = -2`` for a new
-    run drops all, the eval before step 0 included). Only ``controller`` touches the file."""
+    """Where ``metrics.jsonl`` stands, as a stateful object for the checkpoint manager, kept at the top of
+    ``state.json`` (``flat_state``): ``state_dict()`` is ``{"metrics": [...]}``, the rows logged so far (the
+    controller's; ``[]`` elsewhere); ``load_state_dict(state)`` drops the rows logged after step ``k``:
+    ``state["step"]``, else ``state["rollout_id"]`` (it gets all of ``state.json``), the steps a resumed run
+    does again; :meth:`start_fresh` (a new run: ``k = -2``) drops them all, the eval before step 0 included.
+    Only ``controller`` touches the file."""
+
+    flat_state = True
 
     def __init__(self, run_dir: str | os.PathLike, controller: bool) -> None:
         self.run_dir, self.controller = Path(run_dir), controller
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rows": read_metrics(self.run_dir) if self.controller else []}
+        return {"metrics": read_metrics(self.run_dir) if self.controller else []}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.controller:
-            truncate_metrics(self.run_dir, int(state["step"]))
+            truncate_metrics(self.run_dir, int(state["step"] if "step" in state else state["rollout_id"]))
+
+    def start_fresh(self) -> None:
+        """No checkpoint to resume: drop the rows a killed earlier start of this run logged."""
+        self.load_state_dict({"step": -2})
 
 
 @contextmanager

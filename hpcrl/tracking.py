@@ -96,7 +96,7 @@ def wandb_identity(cfg: Config, run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def current_attempt(run_dir: str | os.PathLike) -> int:
     """The N of the newest ``logs/attempt-N`` folder (this attempt's on the controller), 0 without one."""
-    from hpcrl.errors import attempt_numbers
+    from hpcrl.run_setup import attempt_numbers
 
     nums = attempt_numbers(Path(run_dir))
     return nums[-1] if nums else 0

@@ -1,8 +1,19 @@
 """The run's checkpoint manager: one owner of the resume state and of when it is saved (torchtitan's
 ``CheckpointManager`` is the model).
 
-The loop hands it, once, the Megatron model and optimizer and a dict of *stateful* objects (anything with
-``state_dict()`` / ``load_state_dict(state)``):
+The session (:mod:`hpcrl.session`) hands it, once, the Megatron model and optimizer, a dict of named
+*stateful* objects (anything with ``state_dict()`` / ``load_state_dict(state)``) and the context a save runs
+in. The manager knows none of them by name but its own counter (``progress``); each one's ``state_dict()``
+goes to ``state.json`` under its name, except where the object says otherwise:
+
+* ``flat_state = True``: its keys sit at the top of ``state.json``, and it loads from the whole file
+  (:class:`RolloutCounter`: ``rollout_id``; :class:`hpcrl.metrics.MetricsPosition`: ``metrics``).
+* ``file_keys``, ``save_files(state, folder)``, ``load_files(state, folder)`` (:class:`FileStateful`): those
+  keys of its state live in files of the checkpoint folder, which it writes (rank 0) and reads itself; the
+  rest goes to ``state.json``, under its name when not empty.
+* ``start_fresh()``: called when there is no checkpoint to resume.
+
+A run's objects and where they are written:
 
 =================  ==================================================  ==========================================
 name               object                                              where it is written
@@ -18,9 +29,10 @@ any other name     a stateful whose state is plain JSON                 ``state.
 =================  ==================================================  ==========================================
 
 and the manager decides when to save (:meth:`CheckpointManager.end_step`): every ``checkpoint.save_interval``
-steps, at the last step, and when a preemption signal or the job's deadline stops the run (agreed by every
-trainer rank, :mod:`hpcrl.preempt`); :meth:`~CheckpointManager.save_before_failing` keeps the last finished
-step when a step fails before the weights changed. The files and the atomic save are
+steps, at the last step (:func:`hpcrl.run_setup.due`), and when a preemption signal or the job's deadline
+stops the run (agreed by every trainer rank, :mod:`hpcrl.preempt`);
+:meth:`~CheckpointManager.save_before_failing` keeps the last finished step when a step fails before the
+weights changed. The files and the atomic save are
 :func:`hpcrl.checkpoint.save_checkpoint`'s (stage, write, verify, publish, prune); the buffer format is
 :mod:`hpcrl.data.buffer`'s. ``state.json`` keeps the layout of older checkpoints, which load unchanged.
 """
@@ -31,17 +43,20 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Protocol
 
 from hpcrl.checkpoint.layout import find_latest_checkpoint
 from hpcrl.checkpoint.load import load_checkpoint
 from hpcrl.checkpoint.save import save_checkpoint
+from hpcrl.run_setup import due
+
+if TYPE_CHECKING:
+    from hpcrl.preempt import PreemptionWatch
 
 log = logging.getLogger("hpcrl.checkpoint")
 
-REQUIRED_STATES = ("progress", "data_source", "trained", "metrics")
-PENDING = "pending"
-"""The optional state whose ``"groups"`` (lists of samples) go to the buffer file's ``pending/``."""
+PROGRESS = "progress"
+"""The name of the manager's own :class:`RolloutCounter` among the states (made when not given)."""
 
 
 class Stateful(Protocol):
@@ -52,8 +67,24 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class FileStateful(Stateful, Protocol):
+    """A stateful object that keeps the keys ``file_keys`` of its ``state_dict()`` in files of the checkpoint
+    folder: rank 0 calls ``save_files(state, folder)`` with its whole state inside the save (the files are
+    listed and checksummed with the rest); a load calls ``load_files(state, folder)`` with its ``state.json``
+    part (``{}`` when it has none) and passes the result to ``load_state_dict``."""
+
+    file_keys: tuple[str, ...]
+
+    def save_files(self, state: dict[str, Any], folder: Path) -> None: ...
+
+    def load_files(self, state: dict[str, Any], folder: Path) -> dict[str, Any]: ...
+
+
 class RolloutCounter:
-    """The rollout counter: the id of the last finished rollout step (-1 before the first)."""
+    """The rollout counter: the id of the last finished rollout step (-1 before the first); ``state.json``'s
+    top-level ``rollout_id``."""
+
+    flat_state = True
 
     def __init__(self) -> None:
         self.rollout_id = -1
@@ -70,28 +101,43 @@ class RolloutCounter:
         self.rollout_id = int(state["rollout_id"])
 
 
-def pack_states(states: Mapping[str, dict[str, Any]], config: Optional[dict] = None) -> tuple[dict, list, Any]:
-    """Split the states' dicts into the checkpoint's files: ``(state.json content, held-back groups as
-    samples, trained rows int64 [n, 3])``. Raises KeyError when a :data:`REQUIRED_STATES` name is missing."""
-    from hpcrl.data.sample import Sample
+def pack_states(states: Mapping[str, Stateful], config: Optional[dict] = None
+                ) -> tuple[dict[str, Any], list[Callable[[Path], None]]]:
+    """The ``state.json`` content of ``states`` (each one's ``state_dict()`` under its name, at the top for a
+    ``flat_state`` one, without its ``file_keys``) plus ``config``, and the writers of their files (each
+    called with the checkpoint folder on rank 0)."""
+    extra: dict[str, Any] = {}
+    writers: list[Callable[[Path], None]] = []
+    for name, obj in states.items():
+        state = obj.state_dict()
+        keys = getattr(obj, "file_keys", ())
+        if keys:
+            writers.append(lambda folder, obj=obj, state=state: obj.save_files(state, folder))
+            state = {k: v for k, v in state.items() if k not in keys}
+            if not state:
+                continue
+        if getattr(obj, "flat_state", False):
+            extra.update(state)
+        else:
+            extra[name] = state
+    extra["config"] = config or {}
+    return extra, writers
 
-    data_source = dict(states["data_source"])
-    groups = [[s if isinstance(s, Sample) else Sample.from_dict(s) for s in g] for g in data_source.pop("buffer", [])]
-    extra = {"rollout_id": states["progress"]["rollout_id"], "data_source": data_source,
-             "metrics": states["metrics"]["rows"], "config": config or {}}
-    extra.update({k: v for k, v in states.items() if k not in REQUIRED_STATES})
-    return extra, groups, states["trained"]["rows"]
 
-
-def unpack_states(extra: Mapping[str, Any], groups: list, trained: Any, names) -> dict[str, dict[str, Any]]:
-    """Inverse of :func:`pack_states` for the stateful objects ``names``: each one's ``load_state_dict``
-    argument (a name the checkpoint does not have is left out: that state keeps its fresh value).
-    ``groups`` / ``trained`` are ``[]`` / ``[]`` for a checkpoint without a buffer file."""
-    out = {"progress": {"rollout_id": extra["rollout_id"]},
-           "data_source": {**extra["data_source"], "buffer": groups},
-           "trained": {"rows": trained},
-           "metrics": {"step": extra["rollout_id"], "rows": extra.get("metrics", [])}}
-    out.update({k: extra[k] for k in names if k not in REQUIRED_STATES and k in extra})
+def unpack_states(extra: Mapping[str, Any], folder: Path, states: Mapping[str, Stateful]) -> dict[str, Any]:
+    """Inverse of :func:`pack_states`: each object's ``load_state_dict`` argument from ``state.json``'s
+    content ``extra`` and the files in checkpoint ``folder`` (a name the checkpoint does not have is left out:
+    that state keeps its fresh value)."""
+    out: dict[str, Any] = {}
+    for name, obj in states.items():
+        keys = getattr(obj, "file_keys", ())
+        if getattr(obj, "flat_state", False):
+            state = dict(extra)
+        elif name in extra or keys:
+            state = dict(extra.get(name) or {})
+        else:
+            continue
+        out[name] = obj.load_files(state, folder) if keys else state
     return out
 
 
@@ -103,28 +149,28 @@ class CheckpointManager:
     ``interval``: ``checkpoint.save_interval`` (0: only the last step and stops); ``num_rollout``: the run's
     steps; ``keep_last``: ``checkpoint.keep_last``; ``resume``: ``checkpoint.resume``; ``watch``: the
     :class:`hpcrl.preempt.PreemptionWatch` that says when to stop (it is told how long saves take);
-    ``config``: the resolved config as a dict, written beside the state for ``hpcrl convert`` and readers.
-    Raises KeyError when a :data:`REQUIRED_STATES` name is missing from ``states``.
+    ``config``: the resolved config as a dict, written beside the state for ``hpcrl convert`` and readers;
+    ``on_device``: a context in which the model and optimizer are on the device, entered around every save
+    (colocated on GPUs the trainer's memory is offloaded between the weight sync and the next train step:
+    :meth:`hpcrl.rollout.manager.RolloutManager.trainer_onloaded`; default: nothing to do). The counter
+    ``states["progress"]`` is made when not given.
     """
 
     def __init__(self, run_dir: Path, model: Any, optimizer: Any, states: Mapping[str, Stateful], *,
-                 interval: int, num_rollout: int, keep_last: int, resume: bool, watch: Any,
-                 config: Optional[dict] = None) -> None:
-        missing = [k for k in REQUIRED_STATES if k not in states]
-        if missing:
-            raise KeyError(f"checkpoint manager needs the states {list(REQUIRED_STATES)}; missing {missing}")
-        self.run_dir, self.model, self.optimizer, self.states = Path(run_dir), model, optimizer, dict(states)
+                 interval: int, num_rollout: int, keep_last: int, resume: bool, watch: "PreemptionWatch",
+                 config: Optional[dict] = None,
+                 on_device: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer
+        self.states: dict[str, Stateful] = {PROGRESS: RolloutCounter(), **states}
         self.interval, self.num_rollout, self.keep_last, self.resume = interval, num_rollout, keep_last, resume
-        self.watch, self.config = watch, config
+        self.watch, self.config, self.on_device = watch, config, on_device
+        self.progress: RolloutCounter = self.states[PROGRESS]
         self.last_saved: Optional[int] = None  # rollout id of the newest checkpoint of this run
-        self.on_device: Callable[[], ContextManager] = contextlib.nullcontext
-        """A context in which the model and optimizer are on the device, entered around every save: colocated
-        on GPUs the trainer's memory is offloaded between the weight sync and the next train step
-        (:meth:`hpcrl.rollout.manager.RolloutManager.trainer_onloaded`)."""
 
     @classmethod
     def from_config(cls, cfg: Any, run_dir: Path, actor: Any, states: Mapping[str, Stateful],
-                    watch: Any) -> "CheckpointManager":
+                    watch: "PreemptionWatch",
+                    on_device: Callable[[], ContextManager] = contextlib.nullcontext) -> "CheckpointManager":
         """The manager of a run: ``cfg.checkpoint``'s interval, keep-last and resume, the actor's model and
         optimizer."""
         from hpcrl.config import config_to_dict
@@ -132,35 +178,26 @@ class CheckpointManager:
         c = cfg.checkpoint
         return cls(run_dir, actor.ddp_model, actor.optimizer, states, interval=c.save_interval,
                    num_rollout=cfg.run.num_rollout, keep_last=c.keep_last, resume=c.resume, watch=watch,
-                   config=config_to_dict(cfg))
-
-    @property
-    def progress(self) -> RolloutCounter:
-        return self.states["progress"]
+                   config=config_to_dict(cfg), on_device=on_device)
 
     def load(self) -> int:
         """Load the newest complete checkpoint into the model, optimizer and every state (with ``resume``)
-        and return the first rollout id to run (0 for a new run, whose metrics rows of a killed earlier start
-        are dropped). Raises :class:`~hpcrl.checkpoint.CheckpointError` for an unreadable checkpoint and what
-        a state's ``load_state_dict`` raises (ValueError when the data changed since the checkpoint)."""
-        from hpcrl.data.buffer import BUFFER_FILE, read_buffer, read_pending
-
+        and return the first rollout id to run (0 for a new run: the states that can ``start_fresh`` do, e.g.
+        the metrics rows of a killed earlier start are dropped). Raises
+        :class:`~hpcrl.checkpoint.CheckpointError` for an unreadable checkpoint and what a state's
+        ``load_state_dict`` / ``load_files`` raises (ValueError: the data changed since the checkpoint)."""
         path = find_latest_checkpoint(self.run_dir) if self.resume else None
         if path is None:
-            self.states["metrics"].load_state_dict({"step": -2, "rows": []})
+            for obj in self.states.values():
+                if hasattr(obj, "start_fresh"):
+                    obj.start_fresh()
             return 0
         extra = load_checkpoint(path, self.model, self.optimizer)
-        buffer = path / BUFFER_FILE
-        groups, trained = read_buffer(buffer) if buffer.exists() else ([], [])
-        states = unpack_states(extra, groups, trained, self.states)
-        if PENDING in states:
-            pending = read_pending(buffer) if buffer.exists() else None
-            states[PENDING] = {**states[PENDING], "groups": pending or []}
-        for name, state in states.items():
+        for name, state in unpack_states(extra, path, self.states).items():
             self.states[name].load_state_dict(state)
         self.last_saved = self.progress.rollout_id
-        log.info("resumed from %s: next rollout %d (%d held-back groups)", path, self.progress.next_rollout_id,
-                 len(groups))
+        log.info("resumed from %s: next rollout %d (states: %s)", path, self.progress.next_rollout_id,
+                 ", ".join(self.states))
         return self.progress.next_rollout_id
 
     def save(self, rollout_id: int) -> Path:
@@ -170,26 +207,18 @@ class CheckpointManager:
             return self._save(rollout_id)
 
     def _save(self, rollout_id: int) -> Path:
-        from hpcrl.data.buffer import BUFFER_FILE, write_buffer
-
         t0 = time.perf_counter()
         self.progress.rollout_id = rollout_id
-        states = {k: v.state_dict() for k, v in self.states.items()}
-        pending = None
-        if PENDING in states:
-            states[PENDING] = dict(states[PENDING])
-            pending = states[PENDING].pop("groups")
-        extra, groups, trained = pack_states(states, self.config)
+        extra, writers = pack_states(self.states, self.config)
         path = save_checkpoint(self.run_dir, rollout_id, self.model, self.optimizer, extra,
-                               keep_last=self.keep_last,
-                               extra_files={BUFFER_FILE: lambda p: write_buffer(p, groups, trained, pending)})
+                               keep_last=self.keep_last, write_files=writers)
         self.watch.record_save(time.perf_counter() - t0)
         self.last_saved = rollout_id
         return path
 
     def due(self, rollout_id: int) -> bool:
-        """True at every ``interval``-th step and at the last step (interval 0: only the last)."""
-        return rollout_id == self.num_rollout - 1 or (self.interval > 0 and (rollout_id + 1) % self.interval == 0)
+        """True at every ``interval``-th step and at the last step (:func:`hpcrl.run_setup.due`)."""
+        return due(rollout_id, self.interval, self.num_rollout)
 
     def end_step(self, rollout_id: int) -> Optional[str]:
         """Step ``rollout_id`` finished on every rank: count it, save when :meth:`due`, then ask every rank
@@ -212,9 +241,12 @@ class CheckpointManager:
                         stopped)
         return stopped
 
-    def save_before_failing(self, message: str) -> None:
+    def save_before_failing(self, message: str, finished: Optional[int] = None) -> None:
         """The step after the last finished one failed before the weights changed: save the last finished
-        step unless it is saved (or there is none)."""
+        step unless it is saved (or there is none). ``finished``: a step that finished without
+        :meth:`end_step` (the async loop's step whose next rollout failed), counted first."""
+        if finished is not None:
+            self.progress.rollout_id = finished
         last = self.progress.rollout_id
         if last >= 0 and self.last_saved != last:
             log.error("%s; saving the checkpoint of rollout %d first, a rerun resumes from it", message, last)

@@ -11,7 +11,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,8 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
                     optimizer: Any, extra_state: Optional[Mapping[str, Any]] = None, keep_last: int = 2,
                     distrib_optim_sharding_type: str = DISTRIB_OPTIM_SHARDING,
                     checksums: bool = True,
-                    extra_files: Optional[Mapping[str, Callable[[Path], None]]] = None) -> Path:
+                    extra_files: Optional[Mapping[str, Callable[[Path], None]]] = None,
+                    write_files: Sequence[Callable[[Path], None]] = ()) -> Path:
     """Write the checkpoint of ``rollout_id`` to ``run_dir/checkpoints/iter_{rollout_id:07d}/`` (all ranks).
 
     ``ddp_model``: the trainer's model (megatron-core DDP / Float16Module wrappers or a bare GPTModel).
@@ -72,7 +73,9 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
     :data:`DISTRIB_OPTIM_SHARDING`. ``checksums``: CRC-32 every file (each rank reads back the files it
     wrote, mostly from its page cache); False lists sizes only, for very large checkpoints. ``extra_files``:
     ``{name: writer}``; rank 0 calls ``writer(path)`` to write the file ``name`` at the checkpoint's top level
-    (e.g. the HDF5 data buffer), inside the same atomic save (listed and checksummed by ``COMPLETE``).
+    inside the same atomic save (listed and checksummed by ``COMPLETE``). ``write_files``: writers rank 0
+    calls, in order, with the checkpoint's (temporary) folder after those (the checkpoint manager's stateful
+    objects that keep files, e.g. the HDF5 data buffer), listed and checksummed the same way.
 
     Returns the checkpoint folder. Raises, on every rank: RuntimeError without ``torch.distributed``,
     TypeError if ``extra_state`` is not plain JSON (nothing is written then), OSError if a rank fails to
@@ -89,7 +92,7 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
     save_optimizer = optimizer if optimizer_state == "saved" else None
     metadata = sharding_metadata(save_optimizer, distrib_optim_sharding_type)
     tmp, state_json = stage(final, extra_state, rank)
-    write(tmp, final, model, save_optimizer, metadata, state_json, extra_files, rank)
+    write(tmp, final, model, save_optimizer, metadata, state_json, extra_files, rank, write_files)
     listing = verify(tmp, final, checksums, rank, world)
     marker = {
         "rollout_id": int(rollout_id), **parallel_layout(),
@@ -135,10 +138,10 @@ def stage(final: Path, extra_state: Optional[Mapping[str, Any]], rank: int) -> t
 
 def write(tmp: Path, final: Path, model: torch.nn.Module, optimizer: Any, metadata: dict[str, Any],
           state_json: Optional[str], extra_files: Optional[Mapping[str, Callable[[Path], None]]],
-          rank: int) -> None:
+          rank: int, write_files: Sequence[Callable[[Path], None]] = ()) -> None:
     """Phase 2 (collective): the megatron-core distributed checkpoint of model + optimizer (all ranks), each
-    rank's RNG states, and on rank 0 ``state.json`` and the ``extra_files``. Raises OSError on every rank if
-    any rank failed."""
+    rank's RNG states, and on rank 0 ``state.json``, the ``extra_files`` and ``write_files``. Raises OSError
+    on every rank if any rank failed."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
@@ -153,6 +156,8 @@ def write(tmp: Path, final: Path, model: torch.nn.Module, optimizer: Any, metada
             write_file(tmp / STATE_FILE, state_json.encode())
             for name, writer in (extra_files or {}).items():
                 writer(tmp / name)
+            for writer in write_files:
+                writer(tmp)
         error = None
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
         error = f"rank {rank}: {type(e).__name__}: {e}"

@@ -66,8 +66,11 @@ def trained_rows(rollout_id: int, samples: Sequence[Sample]) -> list[tuple[int, 
 
 class TrainedRows:
     """``(rollout id, group index, sample index)`` of every sample trained so far, in training order (the
-    buffer file's ``trained``). A stateful object for the checkpoint manager: ``state_dict()`` is ``{"rows":
-    int64 [n, 3]}``."""
+    buffer file's ``trained``). A stateful object for the checkpoint manager that keeps its state in files
+    (:class:`hpcrl.checkpoint.manager.FileStateful`): ``state_dict()`` is ``{"rows": int64 [n, 3]}``, all of
+    it in the buffer file."""
+
+    file_keys = ("rows",)
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, int, int]] = []
@@ -81,6 +84,14 @@ class TrainedRows:
 
     def load_state_dict(self, state: dict) -> None:
         self.rows = [tuple(r) for r in np.asarray(state["rows"], dtype=np.int64).reshape(-1, 3).tolist()]
+
+    def save_files(self, state: dict, folder: Path) -> None:
+        """Write ``state["rows"]`` as the buffer file's ``trained`` in checkpoint folder ``folder``."""
+        write_trained(Path(folder) / BUFFER_FILE, state["rows"])
+
+    def load_files(self, state: dict, folder: Path) -> dict:
+        """``state`` with ``"rows"`` from the buffer file in ``folder`` (none for a checkpoint without it)."""
+        return {**state, "rows": read_trained(Path(folder) / BUFFER_FILE)}
 
 
 def write_buffer(path: str | os.PathLike, groups: Sequence[Sequence[Sample]],
@@ -102,6 +113,67 @@ def write_buffer(path: str | os.PathLike, groups: Sequence[Sequence[Sample]],
         if pending is not None:
             _write_groups(f.create_group("pending"), pending)
         f.create_dataset("trained", data=rows, maxshape=(None, 3))
+
+
+def open_for_part(path: str | os.PathLike):
+    """The buffer file at ``path`` opened to add a part (``groups/``, ``pending/``, ``trained``): created with
+    the format attributes when new. Each stateful writes its own part (:func:`write_groups_part`,
+    :func:`write_trained`); the parts together make the file :func:`write_buffer` writes at once."""
+    import h5py
+
+    f = h5py.File(path, "a")
+    if "format" not in f.attrs:
+        f.attrs["format"] = FORMAT
+        f.attrs["version"] = VERSION
+    return f
+
+
+def write_groups_part(path: str | os.PathLike, part: str, groups: Sequence[Sequence[Sample]]) -> None:
+    """Add ``groups`` (lists of samples) as the buffer file's ``part`` (``"groups"`` or ``"pending"``, the
+    columns of the module doc). Raises what :func:`write_buffer` raises; ValueError when the part exists."""
+    with open_for_part(path) as f:
+        _write_groups(f.create_group(part), groups)
+
+
+def write_trained(path: str | os.PathLike, trained: Sequence[Sequence[int]]) -> None:
+    """Add the ``trained`` rows (``int64 [n, 3]``) to the buffer file."""
+    with open_for_part(path) as f:
+        rows = np.asarray(trained, dtype=np.int64).reshape(-1, 3)
+        f.create_dataset("trained", data=rows, maxshape=(None, 3))
+
+
+def read_groups_part(path: str | os.PathLike, part: str) -> Optional[list[list[Sample]]]:
+    """The groups of the buffer file's ``part`` (``"groups"``: version 1 or 2; ``"pending"``), or None when
+    the file or the part is absent. Raises OSError (not HDF5), ValueError for another format or version."""
+    import h5py
+
+    if not Path(path).exists():
+        return None
+    with h5py.File(path, "r") as f:
+        version = _check_format(f, path)
+        if part not in f:
+            return None
+        return _read_groups_v1(f[part]) if version == 1 else _read_groups(f[part])
+
+
+def read_trained(path: str | os.PathLike) -> np.ndarray:
+    """The buffer file's ``trained`` rows, ``int64 [n, 3]`` (``[0, 3]`` when the file is absent). Raises what
+    :func:`read_groups_part` raises, KeyError for a file without them."""
+    import h5py
+
+    if not Path(path).exists():
+        return np.zeros((0, 3), dtype=np.int64)
+    with h5py.File(path, "r") as f:
+        _check_format(f, path)
+        return np.asarray(f["trained"][()], dtype=np.int64).reshape(-1, 3)
+
+
+def _check_format(f, path) -> int:
+    version = int(f.attrs.get("version", -1))
+    if f.attrs.get("format") != FORMAT or version not in READABLE_VERSIONS:
+        raise ValueError(f"{path} is not an {FORMAT} file of version {READABLE_VERSIONS} "
+                         f"(format {f.attrs.get('format')!r}, version {f.attrs.get('version')!r})")
+    return version
 
 
 def _write_groups(g, groups: Sequence[Sequence[Sample]]) -> None:
@@ -145,10 +217,7 @@ def read_buffer(path: str | os.PathLike) -> tuple[list[list[Sample]], np.ndarray
     if not path.exists():
         raise FileNotFoundError(f"no data buffer {path}")
     with h5py.File(path, "r") as f:
-        version = int(f.attrs.get("version", -1))
-        if f.attrs.get("format") != FORMAT or version not in READABLE_VERSIONS:
-            raise ValueError(f"{path} is not an {FORMAT} file of version {READABLE_VERSIONS} "
-                             f"(format {f.attrs.get('format')!r}, version {f.attrs.get('version')!r})")
+        version = _check_format(f, path)
         groups = _read_groups_v1(f["groups"]) if version == 1 else _read_groups(f["groups"])
         trained = np.asarray(f["trained"][()], dtype=np.int64).reshape(-1, 3)
     return groups, trained

@@ -144,6 +144,29 @@ class DataSource:
             state["buffer"] = [[s.to_dict() for s in g] for g in self.buffer]
         return state
 
+    file_keys = ("buffer",)
+    """The part of :meth:`state_dict` a checkpoint keeps in files (:meth:`save_files`), not ``state.json``."""
+
+    def save_files(self, state: dict[str, Any], folder) -> None:
+        """Write ``state["buffer"]`` (the pushed-back groups of :meth:`state_dict`) as the ``groups/`` of the
+        buffer file in checkpoint folder ``folder`` (:mod:`hpcrl.data.buffer`). Raises what
+        :func:`hpcrl.data.buffer.write_groups_part` raises."""
+        from pathlib import Path
+
+        from hpcrl.data.buffer import BUFFER_FILE, write_groups_part
+
+        groups = [[s if isinstance(s, Sample) else Sample.from_dict(s) for s in g] for g in state["buffer"]]
+        write_groups_part(Path(folder) / BUFFER_FILE, "groups", groups)
+
+    def load_files(self, state: dict[str, Any], folder) -> dict[str, Any]:
+        """``state`` (the rest, from ``state.json``) with ``"buffer"`` read back from the buffer file in
+        ``folder`` (no groups when the checkpoint has none)."""
+        from pathlib import Path
+
+        from hpcrl.data.buffer import BUFFER_FILE, read_groups_part
+
+        return {**state, "buffer": read_groups_part(Path(folder) / BUFFER_FILE, "groups") or []}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` output (its ``seed`` and ``shuffle`` win over the constructor's;
         a state saved without its buffer leaves :attr:`buffer` empty; the buffer's samples may be

@@ -34,10 +34,12 @@ import time
 from typing import Any, Callable, Optional
 
 from hpcrl.config import Config
+from hpcrl.errors import EXIT_RETRY
 
-EXIT_REQUEUE = 75
-"""Exit status of a run that stopped early with a checkpoint and wants to continue in a requeued job
-(``EX_TEMPFAIL``); the plain sbatch templates run ``scontrol requeue`` on it, ``hpcrl run`` returns it."""
+EXIT_REQUEUE = EXIT_RETRY
+"""Exit status of a run that stopped early with a checkpoint and wants to continue in a requeued job: the
+one number :data:`hpcrl.errors.EXIT_RETRY` (75, ``EX_TEMPFAIL``), under the name docs/slurm.md uses; the
+plain sbatch templates run ``scontrol requeue`` on it, ``hpcrl run`` returns it."""
 MAX_TIME_LIMIT_REQUEUES = 100
 """How often submitit requeues a run that reached its time limit (its ``max_num_timeout``; preemptions do not
 count)."""

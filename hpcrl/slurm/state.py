@@ -46,7 +46,6 @@ RUNNING, COMPLETED, STOPPED, FAILED = "RUNNING", "COMPLETED", "STOPPED", "FAILED
 (preemption signal, Ctrl-C; resumable); ended by an error or killed."""
 LOCAL_RUN_FILE = "local_run.json"
 """The record of the newest local ``hpcrl run`` in a run folder (:func:`local_run_record`)."""
-_ATTEMPT_RE = re.compile(r"attempt-(\d+)")
 _BAD_STATES = ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "CANCELLED")
 
 def queued_or_running(state: str) -> bool:
@@ -368,8 +367,9 @@ def attempt_dirs(run_dir: str | os.PathLike) -> list[Path]:
     logs = Path(run_dir) / "logs"
     if not logs.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in logs.iterdir()
-             if p.is_dir() and (m := _ATTEMPT_RE.fullmatch(p.name))]
+    from hpcrl.run_setup import attempt_number
+
+    found = [(n, p) for p in logs.iterdir() if p.is_dir() and (n := attempt_number(p.name)) is not None]
     return [p for _, p in sorted(found)]
 
 

@@ -25,7 +25,7 @@ DRIVER = '''
 import json, math, sys
 import torch
 import hpcrl.checkpoint.manager as manager
-import hpcrl.loop as loop
+import hpcrl.session as session
 import hpcrl.offload as offload
 
 held, record = {}, {"offloads": 0, "saves": []}
@@ -72,7 +72,7 @@ def checked_save(self, rollout_id):
 if __name__ == "__main__":  # checkpoint writers are spawned: they import this file
     offload.create_trainer_memory = (lambda colocate: PoisonedWhileOffloaded() if colocate
                                      else offload.TrainerMemory())
-    build_trainer, loop.build_trainer = loop.build_trainer, capture
+    build_trainer, session.build_trainer = session.build_trainer, capture
     save, manager.CheckpointManager._save = manager.CheckpointManager._save, checked_save
     from hpcrl.cli import main
 

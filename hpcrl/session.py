@@ -1,0 +1,270 @@
+"""What every loop needs around its ``for`` loop, built and torn down in one place: :class:`RunSession`.
+
+Both loops (:func:`hpcrl.loop.train_main`, :func:`hpcrl.loop_async.train_async_main`) open one with ``with
+RunSession(...) as s:`` and are then their step loop. Entering it does, in this order (every trainer rank; the
+controller is global rank 0):
+
+1. quiet logs, freed memory returned eagerly (:func:`hpcrl.procs.release_freed_memory_eagerly`), the
+   preemption watch installed (before any child process: :mod:`hpcrl.preempt`);
+2. the rollout manager (:func:`hpcrl.rollout.manager.rollout_manager`: the real one on the controller, its
+   twin elsewhere), whose engines start loading (``launch(early=True)``) before torch is imported;
+3. the trainer (:func:`build_trainer`: process groups, actor, datasets, data source, trained rows and a
+   checkpoint manager that has loaded the newest checkpoint);
+4. engines up (``rollout.start``), the run log (:class:`RunLog`), with ``offload_engines_first`` the engines'
+   memory given back (the colocated sync loop), the weight syncer and the first weight sync (after a resume
+   the engines hold older weights), and for a new run the eval before the first step (``last``).
+
+Leaving it, also on an error (in entering too, once step 2 is done): the run log closed (its bar ended, its
+curves drawn), the rollout manager stopped, the watch uninstalled, the process groups destroyed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+from hpcrl.procs import env_rank, release_freed_memory_eagerly
+from hpcrl.run_setup import quiet_logs
+
+if TYPE_CHECKING:
+    from hpcrl.checkpoint.manager import CheckpointManager, Stateful
+    from hpcrl.config import Config
+    from hpcrl.data.buffer import TrainedRows
+    from hpcrl.data.source import DataSource
+    from hpcrl.data.sources import Datasets
+    from hpcrl.preempt import PreemptionWatch
+    from hpcrl.rollout.manager import EngineLauncher, NullRolloutManager, RolloutManager
+    from hpcrl.train.actor import Actor
+    from hpcrl.weights.sync import WeightSyncer
+
+log = logging.getLogger("hpcrl.loop")
+
+
+@dataclass
+class Trainer:
+    """The trainer side both loops build before the first step (:func:`build_trainer`)."""
+
+    actor: "Actor"
+    """The Megatron model and optimizer."""
+    datasets: "Datasets"
+    """Train items, eval items, the task."""
+    data_source: "DataSource"
+    """The rollout's data source (``rollout.data_source``), resumed."""
+    trained: "TrainedRows"
+    """Every sample trained so far, resumed."""
+    ckpt: "CheckpointManager"
+    """The checkpoint manager holding all of the above."""
+    start: int
+    """The first rollout id to run (0 for a new run)."""
+    multiple: int
+    """Groups per step must be a multiple of this (data-parallel ranks x optimizer steps per rollout)."""
+
+
+def build_trainer(cfg: "Config", run_dir: Path, model_path: Path, watch: "PreemptionWatch", controller: bool,
+                  ci_checks: Optional[bool] = None, on_device: Optional[Callable[[], Any]] = None,
+                  **states: "Stateful") -> Trainer:
+    """Processes, model, optimizer, data and resume state of a run, on every trainer rank: process groups
+    (:func:`hpcrl.train.parallel.setup_parallel`), the actor (slime's ``--ci-test`` gates with
+    ``run.deterministic`` unless ``ci_checks`` says otherwise), the datasets and data source, and a checkpoint
+    manager holding them (plus the extra stateful ``states``, e.g. the async loop's ``pending``; saves run
+    inside ``on_device()``) that has loaded the newest checkpoint. Raises what those raise (ConfigError,
+    DataError, CheckpointError)."""
+    import contextlib
+
+    from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
+    from hpcrl.data.buffer import TrainedRows
+    from hpcrl.data.sources import load_datasets
+    from hpcrl.metrics import MetricsPosition
+    from hpcrl.rollout.plugins import make_data_source
+    from hpcrl.rollout.rollout import group_multiple
+    from hpcrl.train.actor import Actor
+    from hpcrl.train.parallel import setup_parallel
+
+    setup_parallel(cfg)
+    actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
+    datasets = load_datasets(cfg)
+    data_source = make_data_source(cfg, datasets.train)  # rollout.data_source, hpcrl.rollout.plugins
+    trained = TrainedRows()
+    ckpt = CheckpointManager.from_config(cfg, run_dir, actor, watch=watch, states={
+        "progress": RolloutCounter(), "data_source": data_source, "trained": trained,
+        "metrics": MetricsPosition(run_dir, controller), **states},
+        on_device=on_device or contextlib.nullcontext)
+    start = ckpt.load()
+    multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size,
+                              cfg.train.num_steps_per_rollout)
+    return Trainer(actor, datasets, data_source, trained, ckpt, start, multiple)
+
+
+@dataclass
+class RunSession:
+    """Set-up and tear-down of one trainer rank's run around a loop (the order is in the module doc); use as
+    ``with RunSession(cfg, run_dir, model_path, ...) as s:``. Entering raises what the set-up raises, after
+    tearing down what was built.
+
+    ``ci_checks`` and ``launch_engines`` as :func:`hpcrl.loop.train_main`; ``states``: extra stateful
+    objects for the checkpoint manager (the async loop's ``pending``); ``offload_engines_first``: the engines
+    give their memory back before the first sync (the sync loop, which trains right after; the async loop
+    keeps them generating)."""
+
+    cfg: "Config"
+    run_dir: Path
+    model_path: Path
+    ci_checks: Optional[bool] = None
+    launch_engines: Optional["EngineLauncher"] = None
+    states: Mapping[str, "Stateful"] = field(default_factory=dict)
+    offload_engines_first: bool = False
+    controller: bool = field(init=False, default=False)
+    """Whether this rank is the controller (global rank 0)."""
+    watch: "PreemptionWatch" = field(init=False)
+    rollout: "RolloutManager | NullRolloutManager" = field(init=False)
+    trainer: Trainer = field(init=False)
+    syncer: "WeightSyncer" = field(init=False)
+    metrics: Optional["RunLog"] = field(init=False, default=None)
+    """The run log, once built (None when the set-up failed before it)."""
+    last: dict[str, Any] = field(init=False, default_factory=dict)
+    """The newest step's metrics (the eval before the first step until a step finished)."""
+    stopped: Optional[str] = field(init=False, default=None)
+    """Why the run stopped early with a checkpoint (``"signal"``, ``"deadline"``), None otherwise."""
+
+    def __enter__(self) -> "RunSession":
+        from hpcrl.preempt import PreemptionWatch
+        from hpcrl.rollout.engines import launch_local_engines
+        from hpcrl.rollout.manager import rollout_manager
+
+        cfg, run_dir, model_path = self.cfg, self.run_dir, self.model_path
+        # --- preemption watch; the engines start loading (not on GPUs shared with the trainer) ------------
+        quiet_logs()
+        release_freed_memory_eagerly()  # freed activations and sync buffers leave the RSS (hpcrl.procs)
+        controller = self.controller = env_rank() == 0
+        watch = self.watch = PreemptionWatch.from_config(cfg, controller)
+        watch.install()  # before any child process: the signal sets a flag, blocked for them; hpcrl.preempt
+        launcher = self.launch_engines or launch_local_engines
+        rollout = self.rollout = rollout_manager(controller, cfg, run_dir, model_path, launcher,
+                                                 watch.job_ending)
+        rollout.launch(early=True)  # they load while the trainer imports Megatron and builds its model
+        from hpcrl.train.parallel import destroy  # imports torch: after the engines started loading
+
+        self._destroy = destroy
+        try:
+            from hpcrl.weights.sync import WeightSyncer
+
+            # --- processes, model, optimizer, data, resume state -------------------------------------
+            # colocated on GPUs: saves run with the trainer onloaded (rollout.trainer_onloaded)
+            t = self.trainer = build_trainer(cfg, run_dir, model_path, watch, controller, self.ci_checks,
+                                             on_device=rollout.trainer_onloaded, **self.states)
+            # --- engines up, router, client (a twin that does nothing on the other ranks); weights -----
+            rollout.start(t.datasets)
+            self.metrics = RunLog(run_dir, cfg.run.num_rollout, t.start, controller, cfg=cfg)
+            if self.offload_engines_first:
+                rollout.offload()  # colocated: the engines give their memory back before the first sync
+            self.syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
+                                                   engine_tp_sizes=rollout.engine_tp_sizes,
+                                                   hf_checkpoint=str(model_path),
+                                                   disk_dir=str(run_dir / "weights"))
+            # after a resume the engines hold older weights
+            sync_weights(t.actor, self.syncer, rollout, version=t.start)
+            if t.start == 0:
+                self.last = rollout.evaluate(-1)
+                self.metrics.log(-1, self.last, advance=False)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def log(self, rollout_id: int, step: dict[str, Any]) -> None:
+        """Log step ``rollout_id``'s metrics (before its checkpoint: a resume truncates the lines after its
+        step) and make them :attr:`last`."""
+        self.metrics.log(rollout_id, step)
+        self.last = step
+
+    def finish(self, stopped: Optional[str]) -> None:
+        """The loop ended (``stopped``: why early, or None): the run log says how, and closes."""
+        self.stopped = stopped
+        self.metrics.finish(stopped)
+
+    def result(self) -> dict[str, Any]:
+        """What the loop returns: the last step's metrics (on the controller the rollout and eval ones too),
+        plus ``"preempted": reason`` when it stopped early with a checkpoint."""
+        return dict(self.last, preempted=self.stopped) if self.stopped is not None else self.last
+
+    def close(self) -> None:
+        """Tear down in order: run log (a run stopped by an error: its bar ends and its curves are drawn
+        too), rollout manager, preemption watch, process groups."""
+        if self.metrics is not None:
+            self.metrics.close()
+        self.rollout.stop()
+        self.watch.uninstall()
+        self._destroy()
+
+
+def sync_weights(actor: "Actor", syncer: "WeightSyncer", rollout: "RolloutManager | NullRolloutManager",
+                 version: int) -> dict[str, Any]:
+    """Weight sync in the colocated phase order: trainer off and engine weights on, sync, engine KV on.
+
+    Every trainer rank iterates the exported weights (TP all-gathers); only the controller sends. Colocated on
+    GPUs, offloading the trainer unmaps its parameters, so the exported weights are first copied to host
+    memory (as slime syncs from its pinned CPU copies); otherwise they stream from the trainer's tensors.
+    Returns the sync metrics (seconds, bytes, GB/s) prefixed ``sync/``.
+    """
+    from hpcrl.weights.sync import iterate_for_sync
+
+    named = iterate_for_sync(actor.ddp_model)
+    if rollout.trainer_paused_during_sync:
+        named = iter([(name, tensor.to("cpu", copy=True)) for name, tensor in named])
+    rollout.onload_weights()
+    m = rollout.update_weights(syncer, named, version)
+    rollout.onload_kv()
+    return {f"sync/{k}": v for k, v in m.items() if isinstance(v, (int, float))}
+
+
+class RunLog:
+    """The run's metrics (``metrics.jsonl``, TensorBoard, progress bar, ``curves.png``:
+    :class:`hpcrl.metrics.MetricsLogger`; W&B when ``cfg.wandb.mode`` is not ``disabled``:
+    :class:`hpcrl.tracking.WandbTracker`) on the controller; nothing on the other ranks."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, controller: bool,
+                 cfg: Optional["Config"] = None) -> None:
+        from hpcrl.metrics import MetricsLogger
+        from hpcrl.tracking import WandbTracker
+
+        self.run_dir = run_dir
+        self.logger = MetricsLogger(run_dir, total_steps, start_step) if controller else None
+        with_wandb = controller and cfg is not None
+        self.tracker = WandbTracker.start(cfg, run_dir, start_step) if with_wandb else None
+        self.stopped: Optional[str] = None
+        self.finished = False
+
+    def log(self, step: int, metrics: dict[str, Any], advance: bool = True) -> None:
+        """Append one step's metrics (``advance=False``: the eval before the first step); W&B gets the row."""
+        if self.logger is not None:
+            row = self.logger.log(step, metrics, advance=advance)
+            if self.tracker is not None:
+                self.tracker.log(row)
+
+    def finish(self, stopped: Optional[str]) -> None:
+        """Close the files, draw ``curves.png``, end the W&B run and say how the run ended."""
+        self.stopped, self.finished = stopped, True
+        if self.logger is not None:
+            png = self.close()
+            log.info("%s: %s (curves: %s)", "stopped" if stopped else "done", self.run_dir, png)
+
+    def close(self) -> Optional[Path]:
+        """Close the files and the progress bar (ending its line, so that an error printed after it starts a
+        line of its own), draw ``curves.png`` and end the W&B run (failed unless :meth:`finish` came first),
+        once; later calls do nothing and return None."""
+        logger, self.logger = self.logger, None
+        if logger is None:
+            return None
+        png = None
+        try:  # every metrics line is already on disk (fsynced): a plot that fails must not fail the run
+            png = logger.close()
+        except Exception as e:  # noqa: BLE001 - reported, and the run's own outcome (or error) stands
+            log.warning("could not draw curves.png: %s: %s", type(e).__name__, e)
+        if self.tracker is not None:
+            self.tracker.finish(png, stopped=self.stopped is not None, failed=not self.finished)
+        return png
