@@ -52,7 +52,7 @@ from hpcrl.checkpoint.layout import (CHECKPOINTS_DIR, DIST_DIR, RNG_DIR, STATE_F
 from hpcrl.checkpoint.state import DISTRIB_OPTIM_SHARDING
 from hpcrl.checkpoint.save import save_checkpoint
 from hpcrl.checkpoint.load import load_checkpoint
-from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter, Stateful
+from hpcrl.checkpoint.manager import CheckpointManager, FileStateful, RolloutCounter, Stateful
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -77,4 +77,5 @@ __all__ = [
     "CheckpointManager",
     "RolloutCounter",
     "Stateful",
+    "FileStateful",
 ]
