@@ -86,8 +86,9 @@ def test_megatron_logits_equal_hfs(ds_dir):
         hf = AutoModelForCausalLM.from_pretrained(str(ds_dir), dtype=torch.float32).eval()
         ids = torch.randint(3, 21, (2, 80), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            logits = model.eval()(input_ids=ids, position_ids=torch.arange(80).expand(2, -1),
-                                  attention_mask=None)
-            assert (logits[..., :hf.config.vocab_size] - hf(ids).logits).abs().max() < 1e-5
+            dev = next(model.parameters()).device  # CUDA when there is one (build_gpt_model moves it)
+            positions = torch.arange(80, device=dev).expand(2, -1)
+            logits = model.eval()(input_ids=ids.to(dev), position_ids=positions, attention_mask=None)
+            assert (logits[..., :hf.config.vocab_size].cpu() - hf(ids).logits).abs().max() < 1e-5
     finally:
         parallel.destroy()
