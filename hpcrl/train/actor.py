@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 import torch
 
-from hpcrl.train import algorithms, deepseek_moe
+from hpcrl.train import algorithms, deepseek_moe, parallel
 
 if TYPE_CHECKING:
     from hpcrl.config import Config
@@ -308,8 +308,8 @@ class Actor:
     :func:`~hpcrl.train.parallel.model_parallel_cuda_manual_seed`. The reference copy (``use_kl_loss``) is
     taken here, from the HF weights: load a checkpoint into :attr:`ddp_model` / :attr:`optimizer` afterwards,
     never before, or the reference would be the checkpoint. ``run.deterministic`` turns on
-    ``torch.use_deterministic_algorithms(True)`` for the whole process (and sets ``CUBLAS_WORKSPACE_CONFIG``
-    if unset, on GPUs).
+    ``torch.use_deterministic_algorithms(True)`` for the whole process, first thing
+    (:func:`hpcrl.train.parallel.deterministic_mode`, its one home).
 
     Args:
         cfg: the run config (``train``, ``megatron``, ``algorithm``, ``rollout.temperature``,
@@ -342,10 +342,7 @@ class Actor:
 
         from hpcrl.train import bridge, model as tmodel
 
-        if cfg.run.deterministic:
-            if torch.cuda.is_available():
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
+        parallel.deterministic_mode(cfg.run.deterministic)
         self.cfg = cfg
         self.ci_checks = ci_checks
         self.ci_logprob_abs_diff_threshold = ci_logprob_abs_diff_threshold
