@@ -41,7 +41,7 @@ import dataclasses
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -613,20 +613,6 @@ class Actor:
         grad_norm = result["grad_norm"]
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else None
         return out
-
-    # -- weights -------------------------------------------------------------------------------------------
-
-    def hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
-        """``(hf_name, full_tensor)`` for every HF tensor of the current policy
-        (:func:`hpcrl.train.bridge.export_hf_weights`). Collective over the TP group: every TP rank must
-        iterate to the end. Tensors are fresh copies on the model's device, cast to ``dtype`` if given."""
-        from hpcrl.train import bridge
-
-        return bridge.export_hf_weights(self.ddp_model, dtype)
-
-    def state(self) -> dict[str, Any]:
-        """``{"model": ddp_model, "optimizer": optimizer}``: the objects a checkpoint saves and loads."""
-        return {"model": self.ddp_model, "optimizer": self.optimizer}
 
 
 def _logits_window_start(model: torch.nn.Module, mb: MicroBatch) -> int:
