@@ -152,7 +152,3 @@ def unpin(before: tuple[set[int], int]) -> None:
     os.sched_setaffinity(0, before[0])
     torch.set_num_threads(before[1])
 
-
-def pin_child(cpus) -> None:
-    """For a child process (``preexec_fn``): pin it to ``cpus`` before it execs."""
-    os.sched_setaffinity(0, set(cpus))

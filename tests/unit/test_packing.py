@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core")
 
 from hpcrl.config import ConfigError  # noqa: E402
 from hpcrl.data.sample import Sample  # noqa: E402
+from hpcrl.train import bridge  # noqa: E402
 from hpcrl.train.actor import Actor, build_micro_batch  # noqa: E402
 from hpcrl.train.packing import build_pack, plan_micro_batches, unit_tokens  # noqa: E402
 from tests.unit.test_actor import make_config, make_samples, tp1  # noqa: E402,F401
@@ -187,8 +188,9 @@ def test_packed_actor_passes_ci_gates_and_trains_the_padded_step(tp1, tiny_model
         assert packed.step_metrics[0][key] == pytest.approx(steps_pad[0][key], rel=1e-5, abs=1e-7), key
     assert m_pad["train/forward_tokens"] == m_pad["train/padded_tokens"]
     assert m_pack["train/forward_tokens"] < min(m_pack["train/padded_tokens"], m_pad["train/forward_tokens"])
-    packed_weights = dict(packed.hf_weights())  # Adam magnifies rounding of near-zero gradients: as at TP=2
-    for name, w in padded.hf_weights():
+    # Adam magnifies rounding of near-zero gradients: as at TP=2
+    packed_weights = dict(bridge.export_hf_weights(packed.ddp_model))
+    for name, w in bridge.export_hf_weights(padded.ddp_model):
         assert (packed_weights[name] - w).abs().max().item() < 1e-3, name
 
 
@@ -197,7 +199,7 @@ def test_packed_actor_same_seed_is_bitwise_repeatable(tp1, tiny_model_dir, sampl
         actor = Actor(make_config(**PACKED, **{"run.deterministic": True}), tiny_model_dir, ci_checks=True)
         for rollout_id in range(2):
             actor.train(rollout_id, samples)
-        return {k: v.clone() for k, v in actor.hf_weights()}
+        return {k: v.clone() for k, v in bridge.export_hf_weights(actor.ddp_model)}
 
     a, b = run(), run()
     assert all(torch.equal(a[k], b[k]) for k in a)
