@@ -40,6 +40,7 @@ from aiohttp import web
 from hpcrl.engine import openai_server, protocol, state
 from hpcrl.engine.args import EngineArgs, parse_args
 from hpcrl.engine.auth import ADMIN_PATHS, OPEN_PREFIXES, make_auth_middleware  # noqa: F401 - re-exported
+from hpcrl.engine.generation import Generation, read_body
 from hpcrl.engine.httplog import quiet_refused_requests
 from hpcrl.engine.memory import create_memory_saver, normalize_tags
 from hpcrl.engine.scheduler import EngineUnavailable, Job, Scheduler
@@ -100,9 +101,12 @@ class EngineServer:
         pad = self.tokenizer.pad_token_id
         self.scheduler = Scheduler(self.model, self.tokenizer, eos, args.max_running_requests,
                                    args.random_seed, args.weight_version, pad_id=0 if pad is None else pad)
-        self.chat_template = (Path(args.chat_template).read_text() if args.chat_template
-                              else getattr(self.tokenizer, "chat_template", None))
-        """Jinja chat template for ``/v1/chat/completions`` (``--chat-template`` file, else the tokenizer's)."""
+        chat_template = (Path(args.chat_template).read_text() if args.chat_template
+                         else getattr(self.tokenizer, "chat_template", None))
+        self.generation = Generation(self.tokenizer, self.scheduler, self.vocab_size, self.context_len,
+                                     chat_template, args.allow_auto_truncate)
+        """What both front ends generate with (:mod:`hpcrl.engine.generation`); its ``chat_template`` renders
+        ``/v1/chat/completions`` (``--chat-template`` file, else the tokenizer's)."""
         self.loader = WeightLoader(self.model)
         self.groups = WeightUpdateGroups(args.dist_timeout)
         self.session = state.WeightUpdateSession()
@@ -117,7 +121,7 @@ class EngineServer:
         r = app.router
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
-        for path, h in openai_server.routes(self).items():
+        for path, h in openai_server.routes(self.generation).items():
             r.add_route("POST", path, h)
         for path, h in [("/health", self.health), ("/health_generate", self.health_generate),
                         ("/ping", self.ping), ("/ready", self.ready), ("/get_model_info", self.model_info),
@@ -144,11 +148,6 @@ class EngineServer:
             r.add_route("POST", path, h)
         return app
 
-    @staticmethod
-    async def read_body(request: web.Request) -> dict:
-        """The JSON body as a dict ({} when empty). Raises protocol.RequestError on invalid JSON."""
-        return protocol.parse_json_body(await request.read())
-
     async def _command(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run ``fn`` in the scheduler thread (between forward passes) and await it for up to ``timeout``
         s."""
@@ -156,56 +155,16 @@ class EngineServer:
         return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
     # ------------------------------------------------------------------ generation
-    def parse_generate(self, body: dict) -> protocol.GenerateSpec:
-        """:func:`hpcrl.engine.protocol.parse_generate` with this engine's model facts and flags."""
-        return protocol.parse_generate(body, self.tokenizer, self.vocab_size, self.context_len,
-                                       routed_experts=self.scheduler.routed.layers > 0,
-                                       allow_auto_truncate=self.args.allow_auto_truncate)
-
-    async def collect(self, spec: protocol.GenerateSpec) -> list[dict]:
-        """Run ``spec`` and return every row's finished response (response order). Raises EngineUnavailable
-        when generation is refused; aborts the rows if the client goes away (CancelledError)."""
-        queue = self.updates(spec)
-        results: list[dict | None] = [None] * len(spec.rows)
-        left = len(spec.rows)
-        try:
-            while left:
-                index, response, finished = await queue.get()
-                if finished:
-                    results[index] = response
-                    left -= 1
-        except asyncio.CancelledError:
-            self.abort_spec(spec, "Abort: the client disconnected.")
-            raise
-        return results  # type: ignore[return-value]
-
-    def updates(self, spec: protocol.GenerateSpec) -> asyncio.Queue:
-        """Submit ``spec`` with streaming callbacks: a queue of ``(index, response, finished)``. Raises
-        EngineUnavailable."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def on_update(index: int, response: dict, finished: bool) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (index, response, finished))
-
-        self.scheduler.submit(Job(spec, on_update))
-        return queue
-
-    def abort_spec(self, spec: protocol.GenerateSpec, message: str) -> None:
-        """Abort every row of ``spec`` (by its inputs' rids) with ``message``."""
-        for base in {row.base_rid for row in spec.rows}:
-            self.scheduler.abort(base, message)
-
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """``/generate``: SGLang's native generation (see :func:`hpcrl.engine.protocol.parse_generate`)."""
         try:
-            spec = self.parse_generate(await self.read_body(request))
+            spec = self.generation.parse_generate(await read_body(request))
         except protocol.RequestError as e:
             return request_error_response(e)
         if spec.options.stream:
             return await self._generate_stream(request, spec)
         try:
-            results = await self.collect(spec)
+            results = await self.generation.collect(spec)
         except EngineUnavailable as e:
             return error_response(str(e), 503)
         failed = protocol.engine_failure(results)
@@ -215,7 +174,7 @@ class EngineServer:
 
     async def _generate_stream(self, request: web.Request, spec: protocol.GenerateSpec) -> web.StreamResponse:
         try:
-            queue = self.updates(spec)
+            queue = self.generation.updates(spec)
         except EngineUnavailable as e:
             return error_response(str(e), 503)
         resp = web.StreamResponse(headers=protocol.SSE_HEADERS)
@@ -230,7 +189,7 @@ class EngineServer:
                 left -= finished
             await resp.write(protocol.sse_event("[DONE]"))
         except (asyncio.CancelledError, ConnectionResetError):
-            self.abort_spec(spec, "Abort: the client disconnected.")
+            self.generation.abort_spec(spec, "Abort: the client disconnected.")
             raise
         await resp.write_eof()
         return resp
@@ -239,7 +198,7 @@ class EngineServer:
         """``/abort_request``: ``rid`` or ``abort_all: true``; the rows finish with an abort reason. Empty
         200."""
         try:
-            body = await self.read_body(request)
+            body = await read_body(request)
         except protocol.RequestError as e:
             return error_response(str(e))
         message = body.get("abort_message") or "Abort by /abort_request."
@@ -255,7 +214,7 @@ class EngineServer:
         """``/pause_generation``: ``mode`` abort (default), retract or in_place; new requests wait until
         continue."""
         try:
-            body = await self.read_body(request)
+            body = await read_body(request)
             mode = body.get("mode") or "abort"
             if mode not in ("abort", "retract", "in_place"):
                 raise protocol.RequestError(f"unknown mode {mode!r}; use abort, retract or in_place")
@@ -429,7 +388,7 @@ class EngineServer:
             return web.json_response({"success": False, "message": message, **extra}, status=400)
 
         try:
-            body = await self.read_body(request)
+            body = await read_body(request)
         except protocol.RequestError as e:
             return fail(str(e))
         missing = [k for k in required if body.get(k) is None]
@@ -531,7 +490,7 @@ class EngineServer:
         200 ``{"success": true, "message": "Success"}``, or 400 with ``success: false`` and SGLang's
         message."""
         try:
-            body = await self.read_body(request)
+            body = await read_body(request)
             await self._command(lambda: step(body), 60.0)
         except (protocol.RequestError, ValueError) as e:
             logger.error("%s refused: %s", request.path, e)
@@ -555,7 +514,7 @@ class EngineServer:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``/update_weight_version``: set ``new_version`` (aborting all requests unless told not to)."""
         try:
-            body = await self.read_body(request)
+            body = await read_body(request)
         except protocol.RequestError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         version = body.get("new_version")
@@ -570,7 +529,7 @@ class EngineServer:
 
     async def _memory(self, request: web.Request, release: bool) -> web.Response:
         try:
-            body = await self.read_body(request)
+            body = await read_body(request)
             tags = normalize_tags(body.get("tags"))
         except (protocol.RequestError, ValueError) as e:
             return error_response(str(e))
