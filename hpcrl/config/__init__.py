@@ -35,7 +35,8 @@ from hpcrl.config.tracking import (WandbSection)
 from hpcrl.config.convert import (parse_override, set_dotted, apply_override, apply_overrides)
 from hpcrl.config.load import (read_config_file, load_config, build, load_raw, config_to_dict, config_to_yaml,
                                resolve, save_resolved, check_sweep, validate)
-from hpcrl.config.checks import (BUILTIN_DATA_SOURCES, DATA_FILE_SUFFIXES, REMOTE_RM_PREFIX)
+from hpcrl.config.checks import (BUILTIN_DATA_SOURCES, DATA_FILE_SUFFIXES)
+from hpcrl.names import REMOTE_RM_PREFIX
 from hpcrl.config.yaml_io import (YamlDumper, parse_yaml)
 
 __all__ = [

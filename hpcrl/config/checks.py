@@ -1,22 +1,21 @@
 """Helpers the sections' checks share: the one-line error helpers (:func:`require`, :func:`positive`, :func:`non_negative`),
-data sources and plug-in paths (:func:`check_source`, :func:`check_plugin`)."""
+data sources and plug-in paths (:func:`check_source`, :func:`check_plugin`).
+
+``Config`` in the annotations of this module and of the section modules is
+:class:`hpcrl.config.schema.Config`, not imported (not even under ``TYPE_CHECKING``): schema imports the
+sections, which import these helpers."""
 
 from __future__ import annotations
 
 import difflib
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from hpcrl import names
 from hpcrl.config.errors import ConfigError
-from hpcrl.data.tasks import BUILTIN_TASKS
-from hpcrl.rewards.resolve import REMOTE_RM_PREFIX
 
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
-
-
-BUILTIN_DATA_SOURCES = tuple(BUILTIN_TASKS)
+BUILTIN_DATA_SOURCES = names.TASKS
 """Built-in generators besides ``reasoning_gym:<task>`` (the names :mod:`hpcrl.data.tasks` implements)."""
 
 
@@ -95,13 +94,12 @@ def check_plugin(field_name: str, value: Optional[str], builtins: tuple[str, ...
     ConfigError naming ``field_name`` when it does not (the import is tried only with ``check_files``)."""
     if value is None or value in builtins:
         return
-    if field_name == "rollout.reward_function" and value.startswith(REMOTE_RM_PREFIX):
-        require(value[len(REMOTE_RM_PREFIX):].startswith(("http://", "https://")), field_name, value,
-                 "remote_rm needs the reward server's URL",
+    if field_name == "rollout.reward_function" and (url := names.remote_rm_url(value)) is not None:
+        require(bool(url), field_name, value, "remote_rm needs the reward server's URL",
                  "write e.g. remote_rm:http://127.0.0.1:8000/reward")
         return
-    names = [*builtins, *([REMOTE_RM_PREFIX + "<url>"] if field_name == "rollout.reward_function" else [])]
-    kinds = f"{', '.join(repr(b) for b in names)} or a dotted path" if names else "a dotted path"
+    shown = names.REWARD_CHOICES if field_name == "rollout.reward_function" else builtins
+    kinds = f"{', '.join(repr(b) for b in shown)} or a dotted path" if shown else "a dotted path"
     kinds += " pkg.module.function or path/to/file.py:function"
     from hpcrl.plugins import FILE_FORM_RE, PluginError, load_function
 

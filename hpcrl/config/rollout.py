@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
+from hpcrl import names
 from hpcrl.config.checks import check_plugin, non_negative, positive, require
 from hpcrl.config.train import GROUP_ESTIMATORS
-from hpcrl.rewards.resolve import BUILTIN_REWARD_FACTORIES
-from hpcrl.rollout.filters import BUILTIN_FILTERS
-from hpcrl.rollout.plugins import DEFAULT_DATA_SOURCE, DEFAULT_GENERATE_FUNCTION, DEFAULT_ROLLOUT_FUNCTION
-
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
+from hpcrl.names import DEFAULT_DATA_SOURCE, DEFAULT_GENERATE_FUNCTION, DEFAULT_ROLLOUT_FUNCTION
 
 
 @dataclass
@@ -114,11 +110,11 @@ class RolloutSection:
     """Greedy eval every this many rollout steps (0: only at start and end)."""
 
 
-BUILTIN_REWARD_FUNCTIONS = tuple(BUILTIN_REWARD_FACTORIES)
+BUILTIN_REWARD_FUNCTIONS = names.REWARDS
 """Reward names :func:`hpcrl.rewards.resolve.get_reward_function` knows, besides ``remote_rm:<url>``."""
 
 
-BUILTIN_DYNAMIC_FILTERS = tuple(BUILTIN_FILTERS)
+BUILTIN_DYNAMIC_FILTERS = names.FILTERS
 """Filter names :mod:`hpcrl.rollout.filters` implements."""
 
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.checks import check_source, get_field, non_negative, positive, require
-
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
 
 
 @dataclass

@@ -6,13 +6,11 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from hpcrl.config.errors import MIB
 from hpcrl.config.checks import get_field, non_negative, positive, require
-
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
+from hpcrl.names import Estimator, KLKind, PolicyLoss
 
 
 @dataclass
@@ -98,9 +96,9 @@ class OPDSection:
 class AlgorithmSection:
     """Advantage estimator and policy loss (slime's definitions and flag names)."""
 
-    advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    advantage_estimator: Estimator = "grpo"
     grpo_std_normalization: bool = True
-    policy_loss: Literal["ppo_clip", "cispo"] = "ppo_clip"
+    policy_loss: PolicyLoss = "ppo_clip"
     """``ppo_clip``: PPO's clipped surrogate (with ``eps_clip_high``, ``eps_clip_c``, GSPO's ratio).
     ``cispo``: MiniMax-M1's clipped, detached importance weight times ``A * logp``, no token dropped
     (arXiv 2506.13585; ``eps_clip`` is its ``eps_low``, up to 1.0 = no lower bound, ``eps_clip_high`` its
@@ -112,7 +110,7 @@ class AlgorithmSection:
     """Dual-clip constant (> 1) for negative advantages; off when null."""
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    kl_loss_type: KLKind = "k1"
     entropy_coef: float = 0.0
     use_tis: bool = False
     tis_clip: float = 2.0

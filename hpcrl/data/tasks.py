@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Optional, Protocol
 
+from hpcrl import names
 from hpcrl.rewards import verifiers
 
 
@@ -233,6 +234,8 @@ class ReasoningGymTask:
 
 BUILTIN_TASKS = MappingProxyType({"addition": AdditionTask})
 """Built-in task generators by ``data.source`` name (read-only), besides ``reasoning_gym:<name>``."""
+assert tuple(BUILTIN_TASKS) == names.TASKS, \
+    "hpcrl.names.TASKS must list BUILTIN_TASKS (config validates by it)"
 _EXAMPLES = ("basic_arithmetic", "chain_sum", "countdown", "gsm_symbolic")
 
 
