@@ -23,6 +23,11 @@ TASKS: tuple[str, ...] = ("addition",)
 REWARDS: tuple[str, ...] = ("task", "exact_match", "math_answer", "countdown")
 """Built-in rewards by ``rollout.reward_function`` name, besides ``remote_rm:<url>``."""
 
+VERIFIER_REWARDS: tuple[str, ...] = ("exact_match", "math_answer", "countdown")
+"""The built-in rewards that are rule-based verifiers (:mod:`hpcrl.rewards.verifiers`): they also score the rows
+of a data file (:class:`hpcrl.data.tasks.VerifierTask`)."""
+assert set(VERIFIER_REWARDS) <= set(REWARDS)
+
 REMOTE_RM_PREFIX = "remote_rm:"
 """``rollout.reward_function: remote_rm:<url>`` POSTs each sample to the reward server at ``<url>``."""
 

@@ -86,9 +86,8 @@ class VerifierTask:
     name: str = "file"
 
     def __post_init__(self) -> None:
-        if self.verifier not in ("exact_match", "math_answer", "countdown"):
-            raise ValueError(f"unknown verifier {self.verifier!r}; "
-                             "known: exact_match, math_answer, countdown")
+        if self.verifier not in names.VERIFIER_REWARDS:
+            raise ValueError(f"unknown verifier {self.verifier!r}; known: {', '.join(names.VERIFIER_REWARDS)}")
 
     def generate(self, n: int, seed: int) -> list[dict[str, Any]]:
         raise TypeError(f"task {self.name!r} reads its items from a file; it has no generator")
