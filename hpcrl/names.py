@@ -15,6 +15,7 @@ these, in this order (the order of the "known: ..." lists in error messages):
 
 from __future__ import annotations
 
+import re
 from typing import Literal, Optional, get_args
 
 TASKS: tuple[str, ...] = ("addition",)
@@ -67,3 +68,8 @@ def remote_rm_url(name: str) -> Optional[str]:
         return None
     url = name.partition(":")[2].strip()
     return url if url.startswith(("http://", "https://")) else ""
+
+
+FILE_FORM_RE = re.compile(r"(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_]\w*)")
+"""``path/to/module.py:attr``: a plug-in named by its file (:mod:`hpcrl.plugins` loads it; the config accepts
+this form besides a dotted ``pkg.module.attr``)."""

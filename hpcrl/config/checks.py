@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpcrl import names
+from hpcrl.config.environment import Environment
 from hpcrl.config.errors import ConfigError
 
 BUILTIN_DATA_SOURCES = names.TASKS
@@ -88,10 +89,11 @@ def check_source(field_name: str, value: str, check_files: bool) -> None:
 
 
 def check_plugin(field_name: str, value: Optional[str], builtins: tuple[str, ...],
-                  check_files: bool) -> None:
+                  check_files: bool, env: Optional[Environment] = None) -> None:
     """A plug-in is a builtin name, a dotted ``pkg.module.attr`` or a file's ``path/to/module.py:attr`` that
-    imports to a callable (:func:`hpcrl.plugins.load_function`, the loader the rollout uses). Raises
-    ConfigError naming ``field_name`` when it does not (the import is tried only with ``check_files``)."""
+    imports to a callable (``env.plugin_problem``: :func:`hpcrl.plugins.load_function`, the loader the rollout
+    uses). Raises ConfigError naming ``field_name`` when it does not (the import is tried only with
+    ``check_files`` and an ``env``)."""
     if value is None or value in builtins:
         return
     if field_name == "rollout.reward_function" and (url := names.remote_rm_url(value)) is not None:
@@ -101,19 +103,15 @@ def check_plugin(field_name: str, value: Optional[str], builtins: tuple[str, ...
     shown = names.REWARD_CHOICES if field_name == "rollout.reward_function" else builtins
     kinds = f"{', '.join(repr(b) for b in shown)} or a dotted path" if shown else "a dotted path"
     kinds += " pkg.module.function or path/to/file.py:function"
-    from hpcrl.plugins import FILE_FORM_RE, PluginError, load_function
-
-    if not (_DOTTED_PATH_RE.fullmatch(value) or FILE_FORM_RE.fullmatch(value)):
+    if not (_DOTTED_PATH_RE.fullmatch(value) or names.FILE_FORM_RE.fullmatch(value)):
         close = difflib.get_close_matches(value, list(builtins), n=1)
         raise ConfigError(field_name, value, f"must be {kinds}",
                           f"did you mean {close[0]!r}?" if close else
                           "write e.g. my_rewards.math.score (a module on PYTHONPATH and a function in it) or "
                           "my_rewards/math.py:score")
-    if not check_files:
+    if not check_files or env is None:
         return
-    try:
-        load_function(value)
-    except PluginError as e:
-        raise ConfigError(field_name, value, e.reason,
-                          "fix the dotted path pkg.module.function or the file path path/to/file.py:function"
-                          ) from None
+    reason = env.plugin_problem(value)
+    if reason is not None:
+        raise ConfigError(field_name, value, reason,
+                          "fix the dotted path pkg.module.function or the file path path/to/file.py:function")

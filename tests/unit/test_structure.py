@@ -101,30 +101,18 @@ def test_no_import_cycle_between_hpcrl_modules():
 LEAF = "hpcrl.names"
 """The one module outside ``hpcrl/config/`` that config may import: the built-ins' names (it imports nothing
 from hpcrl)."""
-CONFIG_ENVIRONMENT_CHECKS = {
-    "hpcrl.config.checks": {"hpcrl.plugins"},
-    "hpcrl.config.load": {"hpcrl", "hpcrl.fsutil"},
-    "hpcrl.config.memory": {"hpcrl.models.params", "hpcrl.models.support"},
-    "hpcrl.config.run": {"hpcrl.models.support", "hpcrl.placement"},
-    "hpcrl.config.train": {"hpcrl.models.hf", "hpcrl.models.support"},
-}
-"""What config still imports from base and model modules, none of which imports config back: the login-node
-checks of the environment (``check_files``: the model folder, plug-ins that import, CPU sets, tokenizers,
-parameter counts for the memory check; function-level imports) and ``save_resolved`` (``fsutil``, the
-version).
-The rest of issue #36 point 1 moves them above config; this list may only shrink."""
 
 
 def test_config_imports_only_config_and_the_leaf_of_names():
     """``hpcrl.config`` is the bottom layer: it imports nothing from hpcrl but ``hpcrl.config.*`` and
-    :mod:`hpcrl.names`, which imports nothing from hpcrl (besides what :data:`CONFIG_ENVIRONMENT_CHECKS`
-    lists)."""
+    :mod:`hpcrl.names`, which imports nothing from hpcrl (the checks that read the model or import plug-ins
+    reach them through the :class:`hpcrl.config.Environment` that :mod:`hpcrl.validate` passes)."""
     edges, _ = import_graph()
     assert edges[LEAF] == set()
     for m in (m for m in modules() if m == "hpcrl.config" or m.startswith("hpcrl.config.")):
         outside = {t for t in edges[m] if t not in (LEAF, "hpcrl.config")
                    and not t.startswith("hpcrl.config.")}
-        assert outside <= CONFIG_ENVIRONMENT_CHECKS.get(m, set()), (m, outside)
+        assert outside == set(), (m, outside)
 
 
 def test_no_private_name_imported_across_modules():
