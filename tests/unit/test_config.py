@@ -606,3 +606,19 @@ def test_moe_quickstart_values():
     assert (cfg.algorithm.advantage_estimator, cfg.rollout.router) == ("gspo", False)
     replayed = load_and_check(REPO / "configs" / "moe-quickstart.yaml", ["algorithm.routing_replay=true"])
     assert replayed.algorithm.routing_replay
+
+
+def test_environment_checks_run_only_with_the_environment_in_the_same_order(tmp_path):
+    """Config imports no plug-in loader or model reader: ``hpcrl.config.load_config`` without an ``env`` skips
+    the checks that need one, ``hpcrl.validate.load_and_check`` (what every command uses) runs them, and an
+    error the config finds on its own still comes first in the order validate checks."""
+    from hpcrl.validate import ENVIRONMENT
+
+    bad_plugin = ["model.create=tiny-qwen2", "rollout.reward_function=os.no_such_function"]
+    assert load_config(None, bad_plugin).rollout.reward_function == "os.no_such_function"
+    with pytest.raises(ConfigError) as e:
+        load_and_check(None, bad_plugin)
+    assert "has no attribute 'no_such_function'" in assert_one_line(e.value, "rollout.reward_function")
+    with pytest.raises(ConfigError) as e:  # the model section is checked before the rollout's plug-ins
+        load_config(None, [*bad_plugin, "model.tiny_num_heads=3"], env=ENVIRONMENT)
+    assert e.value.field == "model.tiny_num_heads"
