@@ -15,7 +15,8 @@ import multiprocessing as mp
 import os
 from pathlib import Path
 
-from hpcrl.config import Config, save_resolved
+from hpcrl.config import Config
+from hpcrl.validate import save_resolved
 from hpcrl.run_setup import prepare_model, quiet_logs, run_dir_of
 from hpcrl.slurm.requeue import EXIT_REQUEUE
 

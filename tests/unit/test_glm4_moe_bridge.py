@@ -109,14 +109,15 @@ def test_glm_config_fields(glm_dirs):
 
 
 def test_bias_update_rate_is_validated_on_the_login_node(glm_dirs):
-    from hpcrl.config import ConfigError, load_config
+    from hpcrl.config import ConfigError
+    from hpcrl.validate import load_and_check
 
     path = glm_dirs["qk_norm"]
-    cfg = load_config(None, [f"model.path={path}", "train.nprocs=2", "train.expert_parallel_size=2",
-                             "megatron.moe_router_bias_update_rate=0.001"])
+    cfg = load_and_check(None, [f"model.path={path}", "train.nprocs=2", "train.expert_parallel_size=2",
+                                "megatron.moe_router_bias_update_rate=0.001"])
     assert cfg.megatron["moe_router_bias_update_rate"] == 0.001
     with pytest.raises(ConfigError, match="moe_router_bias_update_rate"):
-        load_config(None, [f"model.path={path}", "megatron.moe_router_bias_update_rate=-1"])
+        load_and_check(None, [f"model.path={path}", "megatron.moe_router_bias_update_rate=-1"])
 
 
 # --- weights and forward -----------------------------------------------------------------------------------

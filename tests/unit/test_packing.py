@@ -273,13 +273,13 @@ def test_each_segment_of_a_sample_is_its_own_sequence(tp1, tiny_model_dir, sampl
 
 
 def test_budget_smaller_than_a_sample_is_a_config_error_naming_both_numbers(tmp_path, tiny_model_dir):
-    from hpcrl.config import load_config
+    from hpcrl.validate import load_and_check
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"model: {{path: {tiny_model_dir}}}\nrollout: {{max_new_tokens: 16}}\n"
                    "train: {max_tokens_per_microbatch: 12}\n")
     with pytest.raises(ConfigError, match=r"train\.max_tokens_per_microbatch.*12.*17 tokens.*max_new_tokens=16"):
-        load_config(cfg)
+        load_and_check(cfg)
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n' * 3 + '{"prompt": "' + "9" * 40 + '=", "label": "9"}\n'
                     + '{"prompt": "2+2=", "label": "4"}\n')
@@ -289,4 +289,4 @@ def test_budget_smaller_than_a_sample_is_a_config_error_naming_both_numbers(tmp_
 
     with pytest.raises(ConfigError, match=r"train\.max_tokens_per_microbatch.*40.*longest prompt of (\d+) "
                                           r"tokens \+ rollout\.max_new_tokens=16.*at least"):
-        check_data(load_config(cfg))
+        check_data(load_and_check(cfg))

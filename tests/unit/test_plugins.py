@@ -12,6 +12,7 @@ import pytest
 from hpcrl.config import ConfigError
 from hpcrl.config.checks import check_plugin
 from hpcrl.plugins import PluginError, load_function
+from hpcrl.validate import ENVIRONMENT
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,10 +113,10 @@ def test_config_check_takes_the_file_form(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "path", list(sys.path))
     agent = "examples/agent_calculator/agent.py"
-    check_plugin("rollout.agent.function", f"{agent}:solve", (), check_files=True)
+    check_plugin("rollout.agent.function", f"{agent}:solve", (), check_files=True, env=ENVIRONMENT)
     with pytest.raises(ConfigError, match=rf"^config error: rollout.agent.function='{agent}:nope': module "
                                           r"'agent_calculator.agent' has no attribute 'nope'"):
-        check_plugin("rollout.agent.function", f"{agent}:nope", (), check_files=True)
+        check_plugin("rollout.agent.function", f"{agent}:nope", (), check_files=True, env=ENVIRONMENT)
     with pytest.raises(ConfigError, match="or path/to/file.py:function"):
         check_plugin("rollout.agent.function", "agents/solve.py", (), check_files=False)  # no :function
 
