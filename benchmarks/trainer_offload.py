@@ -108,8 +108,20 @@ def allocated() -> int:
     return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
-def worker(name: str, bf16: bool, cpu_smoke: bool) -> dict:
-    """One model: build, train, offload, onload, train; returns the row."""
+def memory_estimate(cfg, path: Path) -> int:
+    """``hpcrl validate``'s trainer estimate for this model and config
+    (:func:`hpcrl.config.memory.trainer_memory`: weights + gradients + Adam states, bytes), from the model
+    folder's ``config.json``."""
+    from hpcrl.config.memory import trainer_memory
+    from hpcrl.models.params import count_parameters
+
+    hf = json.loads((path / "config.json").read_text())
+    return int(trainer_memory(cfg, count_parameters(hf)).total)
+
+
+def worker(name: str, bf16: bool, cpu_smoke: bool, no_offload: bool = False) -> dict:
+    """One model: build, train, offload, onload, train; returns the row. ``no_offload``: the no-op adapter on
+    CUDA too (no torch-memory-saver needed; the offload columns then show nothing freed)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -121,7 +133,7 @@ def worker(name: str, bf16: bool, cpu_smoke: bool) -> dict:
 
     if not cpu_smoke and not torch.cuda.is_available():
         raise SystemExit("trainer_offload: no CUDA device here (use --cpu-smoke to check the script on a CPU)")
-    memory = TrainerMemory() if cpu_smoke else TorchMemorySaverTrainerMemory()
+    memory = TrainerMemory() if cpu_smoke or no_offload else TorchMemorySaverTrainerMemory()
     parallel.init_distributed()
     parallel.initialize_model_parallel(tp=1)
     parallel.model_parallel_cuda_manual_seed(1234)
@@ -134,12 +146,14 @@ def worker(name: str, bf16: bool, cpu_smoke: bool) -> dict:
         cfg.train.lr = 1e-5
         cfg.train.bf16 = bf16
         actor = Actor(cfg, path)
+        estimate = memory_estimate(cfg, path)
     params = sum(p.numel() for p in actor.model.parameters())
     samples = grpo_samples(tok, seed=0)
     first = actor.train(0, samples)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     before, allocated_before = device_used(), allocated()
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     digest = state_digest(actor)
     t = time.perf_counter()
     memory.offload()
@@ -158,7 +172,7 @@ def worker(name: str, bf16: bool, cpu_smoke: bool) -> dict:
             "allocated": allocated_before, "allocated_offloaded": allocated_off, "offload_s": offload_s,
             "onload_s": onload_s, "bitwise_equal": equal, "loss_1": first["train/loss"],
             "loss_2": second["train/loss"], "grad_norm_2": second["train/grad_norm"],
-            "adapter": type(memory).__name__}
+            "adapter": type(memory).__name__, "estimate": estimate, "peak_allocated": peak}
 
 
 def preload_env() -> dict[str, str]:
@@ -174,16 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--bf16", action="store_true", help="bf16 parameters (train.bf16), else fp32")
     p.add_argument("--cpu-smoke", action="store_true", help="run on the CPU with the no-op adapter")
+    p.add_argument("--no-offload", action="store_true",
+                   help="no torch-memory-saver: only the memory columns (estimate against torch's peak)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.bf16, args.cpu_smoke)), flush=True)
+        row = worker(args.worker, args.bf16, args.cpu_smoke, args.no_offload)
+        print("RESULT " + json.dumps(row), flush=True)
         return 0
-    env = dict(os.environ) if args.cpu_smoke else preload_env()
+    env = dict(os.environ) if args.cpu_smoke or args.no_offload else preload_env()
     env.setdefault("HF_HUB_OFFLINE", "1")
     rows = []
     for name in args.models:  # one process per model: a fresh device and a fresh torch-memory-saver
-        cmd = [sys.executable, __file__, "--worker", name] + ["--bf16"] * args.bf16 + ["--cpu-smoke"] * args.cpu_smoke
+        cmd = ([sys.executable, __file__, "--worker", name] + ["--bf16"] * args.bf16
+               + ["--cpu-smoke"] * args.cpu_smoke + ["--no-offload"] * args.no_offload)
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or not result:
@@ -210,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         ok &= r["bitwise_equal"] and finite
         print(f"{r['model']:<13} {r['params'] / 1e6:>8.1f} {r['before'] / GiB:>8.2f} {r['offloaded'] / GiB:>11.2f} "
               f"{r['onloaded'] / GiB:>10.2f} {r['allocated'] / GiB:>9.2f} {r['offload_s']:>9.3f} "
-              f"{r['onload_s']:>8.3f} {str(r['bitwise_equal']):>7} {r['loss_2']:>8.4f} {r['grad_norm_2']:>8.3f}")
+              f"{r['onload_s']:>8.3f} {str(r['bitwise_equal']):>7} {r['loss_2']:>8.4f} {r['grad_norm_2']:>8.3f} "
+              f"{r['estimate'] / GiB:>7.2f} {r['peak_allocated'] / GiB:>8.2f}")
     return 0 if ok else 1
 
 

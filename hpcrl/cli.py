@@ -17,7 +17,8 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from hpcrl import __version__
-from hpcrl.config import Config, ConfigError, load_config
+from hpcrl.config import Config, ConfigError
+from hpcrl.validate import load_and_check
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -91,7 +92,7 @@ def summarize(cfg: Config) -> list[str]:
 # ------------------------------------------------------------------------------------------------------------
 
 def _cmd_validate(ns: argparse.Namespace) -> int:
-    cfg = load_config(ns.config, ns.overrides, check_files=not ns.no_check_files)
+    cfg = load_and_check(ns.config, ns.overrides, check_files=not ns.no_check_files)
     if not ns.no_check_files:
         from hpcrl.data.sources import check_data
 
@@ -102,7 +103,7 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
         print(config_to_yaml(cfg), end="")
         return EXIT_OK
     print(f"OK: {ns.config}")
-    from hpcrl.config.memory import memory_lines
+    from hpcrl.validate import memory_lines
 
     for line in summarize(cfg) + memory_lines(cfg):
         print(line)
@@ -110,7 +111,7 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    cfg = load_config(ns.config, ns.overrides)
+    cfg = load_and_check(ns.config, ns.overrides)
     from hpcrl import launch_local
     from hpcrl.run_setup import run_dir_of
     from hpcrl.errors import report_known
@@ -143,7 +144,7 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _cmd_sft(ns: argparse.Namespace) -> int:
-    cfg = load_config(ns.config, ns.overrides)
+    cfg = load_and_check(ns.config, ns.overrides)
     if not cfg.sft.output:
         raise ConfigError("sft.output", cfg.sft.output, "hpcrl sft needs a folder to save the SFT model to",
                           "set sft.output, e.g. sft.output=.cache/models/my-sft")
@@ -199,7 +200,7 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
     from hpcrl.slurm.submit import submit
 
     result = submit(ns.config, ns.overrides, dry_run=ns.dry_run, plain=ns.plain)
-    from hpcrl.config.memory import memory_lines
+    from hpcrl.validate import memory_lines
 
     for line in memory_lines(result.config):  # the per-GPU estimate, on stderr (stdout: the dry run's script)
         _err(line)

@@ -16,9 +16,10 @@ import multiprocessing as mp
 import os
 from pathlib import Path
 
-from hpcrl.config import Config, save_resolved
+from hpcrl.config import Config
 from hpcrl.errors import EXIT_RETRY
 from hpcrl.loops import loop_of
+from hpcrl.validate import save_resolved
 from hpcrl.run_setup import prepare_model, quiet_logs, run_dir_of
 
 __all__ = ["main", "loop_of", "resolve_cpu_sets", "check_local_engine", "run_local_workers"]

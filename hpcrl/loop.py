@@ -7,7 +7,7 @@ Synchronous mode, one rollout step::
 
 Every trainer rank runs :func:`train_main`; global rank 0 is the controller. Its
 :class:`~hpcrl.rollout.manager.RolloutManager` starts engines and router and drives the rollout; the other ranks
-hold a :class:`~hpcrl.rollout.manager.NullRolloutManager` and receive the samples by broadcast, so the loop never
+hold a :class:`~hpcrl.rollout.manager.FollowerRollout` and receive the samples by broadcast, so the loop never
 branches on the rank. How the engines start is the caller's choice (``launch_engines``): local processes for
 ``hpcrl run`` (:mod:`hpcrl.launch_local`), a Slurm job step inside a job (:mod:`hpcrl.slurm.entry`).
 Colocated runs move device memory between trainer and engines in the order :mod:`hpcrl.rollout.manager`

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from hpcrl.checkpoint.manager import CheckpointManager
     from hpcrl.data.source import DataSource
-    from hpcrl.rollout.manager import EngineLauncher, NullRolloutManager, RolloutManager
+    from hpcrl.rollout.manager import EngineLauncher, FollowerRollout, RolloutManager
 
 
 def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None,
@@ -83,7 +83,7 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
     return s.result()
 
 
-def finish_rollout(rollout: "RolloutManager | NullRolloutManager", future: "Future", rollout_id: int,
+def finish_rollout(rollout: "RolloutManager | FollowerRollout", future: "Future", rollout_id: int,
                    pending: "PendingRollout", data_source: "DataSource", before: dict,
                    on_error: Callable[[str], None]) -> None:
     """Wait for rollout ``rollout_id`` (:func:`collect`) and make it the pending one on every rank. When it
@@ -105,7 +105,7 @@ def keep_step(ckpt: "CheckpointManager", metrics: RunLog, rollout_id: int, step:
     ckpt.save_before_failing(message, finished=rollout_id)
 
 
-def collect(rollout: "RolloutManager | NullRolloutManager", future: "Future", rollout_id: int) -> Any:
+def collect(rollout: "RolloutManager | FollowerRollout", future: "Future", rollout_id: int) -> Any:
     """Wait for a rollout started with ``generate_async`` and hand ``(samples, metrics)`` to every trainer rank;
     a :class:`~hpcrl.loop.StepFailed` instead when it raised on the controller."""
     try:

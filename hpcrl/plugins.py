@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
+
+from hpcrl.names import FILE_FORM_RE  # ``path/to/module.py:attr``: a plug-in named by its file
 
 
 class PluginError(ValueError):
@@ -28,10 +29,6 @@ class PluginError(ValueError):
         self.path = path
         self.reason = reason
         super().__init__(f"plugin error: {path!r}: {reason}")
-
-
-FILE_FORM_RE = re.compile(r"(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_]\w*)")
-"""``path/to/module.py:attr``: a plug-in named by its file (see the module doc)."""
 
 
 def load_function(path: str) -> Callable[..., Any]:

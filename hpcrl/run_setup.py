@@ -97,7 +97,7 @@ def prepare_teachers(cfg: Config) -> None:
     import dataclasses
 
     from hpcrl.config import ConfigError
-    from hpcrl.config.train import check_teacher_tokenizers
+    from hpcrl.validate import check_teacher_tokenizers
 
     for i, t in enumerate(cfg.algorithm.opd.teachers):
         if t.sft_target_accuracy is not None:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from hpcrl.data.source import DataSource
     from hpcrl.data.sources import Datasets
     from hpcrl.preempt import PreemptionWatch
-    from hpcrl.rollout.manager import EngineLauncher, NullRolloutManager, RolloutManager
+    from hpcrl.rollout.manager import EngineLauncher, FollowerRollout, RolloutManager
     from hpcrl.train.actor import Actor
     from hpcrl.weights.sync import WeightSyncer
 
@@ -118,7 +118,7 @@ class RunSession:
     controller: bool = field(init=False, default=False)
     """Whether this rank is the controller (global rank 0)."""
     watch: "PreemptionWatch" = field(init=False)
-    rollout: "RolloutManager | NullRolloutManager" = field(init=False)
+    rollout: "RolloutManager | FollowerRollout" = field(init=False)
     trainer: Trainer = field(init=False)
     syncer: "WeightSyncer" = field(init=False)
     metrics: Optional["RunLog"] = field(init=False, default=None)
@@ -202,7 +202,7 @@ class RunSession:
         self._destroy()
 
 
-def sync_weights(actor: "Actor", syncer: "WeightSyncer", rollout: "RolloutManager | NullRolloutManager",
+def sync_weights(actor: "Actor", syncer: "WeightSyncer", rollout: "RolloutManager | FollowerRollout",
                  version: int) -> dict[str, Any]:
     """Weight sync in the colocated phase order: trainer off and engine weights on, sync, engine KV on.
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from hpcrl.config import Config, ConfigError, load_config
+from hpcrl.config import Config, ConfigError
+from hpcrl.validate import load_and_check as load_config
 
 
 @dataclass

@@ -1,1 +1,2 @@
-"""Example plug-ins, one per extension point (``PYTHONPATH=examples``, then ``plugins.<module>.<function>``)."""
+"""Example plug-ins, one per extension point: ``examples/plugins/<module>.py:<function>``, or
+``plugins.<module>.<function>`` with ``PYTHONPATH=examples``."""

@@ -1,22 +1,22 @@
 """Helpers the sections' checks share: the one-line error helpers (:func:`require`, :func:`positive`, :func:`non_negative`),
-data sources and plug-in paths (:func:`check_source`, :func:`check_plugin`)."""
+data sources and plug-in paths (:func:`check_source`, :func:`check_plugin`).
+
+``Config`` in the annotations of this module and of the section modules is
+:class:`hpcrl.config.schema.Config`, not imported (not even under ``TYPE_CHECKING``): schema imports the
+sections, which import these helpers."""
 
 from __future__ import annotations
 
 import difflib
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from hpcrl import names
+from hpcrl.config.environment import Environment
 from hpcrl.config.errors import ConfigError
-from hpcrl.data.tasks import BUILTIN_TASKS
-from hpcrl.rewards.resolve import REMOTE_RM_PREFIX
 
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
-
-
-BUILTIN_DATA_SOURCES = tuple(BUILTIN_TASKS)
+BUILTIN_DATA_SOURCES = names.TASKS
 """Built-in generators besides ``reasoning_gym:<task>`` (the names :mod:`hpcrl.data.tasks` implements)."""
 
 
@@ -89,33 +89,29 @@ def check_source(field_name: str, value: str, check_files: bool) -> None:
 
 
 def check_plugin(field_name: str, value: Optional[str], builtins: tuple[str, ...],
-                  check_files: bool) -> None:
+                  check_files: bool, env: Optional[Environment] = None) -> None:
     """A plug-in is a builtin name, a dotted ``pkg.module.attr`` or a file's ``path/to/module.py:attr`` that
-    imports to a callable (:func:`hpcrl.plugins.load_function`, the loader the rollout uses). Raises
-    ConfigError naming ``field_name`` when it does not (the import is tried only with ``check_files``)."""
+    imports to a callable (``env.plugin_problem``: :func:`hpcrl.plugins.load_function`, the loader the rollout
+    uses). Raises ConfigError naming ``field_name`` when it does not (the import is tried only with
+    ``check_files`` and an ``env``)."""
     if value is None or value in builtins:
         return
-    if field_name == "rollout.reward_function" and value.startswith(REMOTE_RM_PREFIX):
-        require(value[len(REMOTE_RM_PREFIX):].startswith(("http://", "https://")), field_name, value,
-                 "remote_rm needs the reward server's URL",
+    if field_name == "rollout.reward_function" and (url := names.remote_rm_url(value)) is not None:
+        require(bool(url), field_name, value, "remote_rm needs the reward server's URL",
                  "write e.g. remote_rm:http://127.0.0.1:8000/reward")
         return
-    names = [*builtins, *([REMOTE_RM_PREFIX + "<url>"] if field_name == "rollout.reward_function" else [])]
-    kinds = f"{', '.join(repr(b) for b in names)} or a dotted path" if names else "a dotted path"
+    shown = names.REWARD_CHOICES if field_name == "rollout.reward_function" else builtins
+    kinds = f"{', '.join(repr(b) for b in shown)} or a dotted path" if shown else "a dotted path"
     kinds += " pkg.module.function or path/to/file.py:function"
-    from hpcrl.plugins import FILE_FORM_RE, PluginError, load_function
-
-    if not (_DOTTED_PATH_RE.fullmatch(value) or FILE_FORM_RE.fullmatch(value)):
+    if not (_DOTTED_PATH_RE.fullmatch(value) or names.FILE_FORM_RE.fullmatch(value)):
         close = difflib.get_close_matches(value, list(builtins), n=1)
         raise ConfigError(field_name, value, f"must be {kinds}",
                           f"did you mean {close[0]!r}?" if close else
                           "write e.g. my_rewards.math.score (a module on PYTHONPATH and a function in it) or "
                           "my_rewards/math.py:score")
-    if not check_files:
+    if not check_files or env is None:
         return
-    try:
-        load_function(value)
-    except PluginError as e:
-        raise ConfigError(field_name, value, e.reason,
-                          "fix the dotted path pkg.module.function or the file path path/to/file.py:function"
-                          ) from None
+    reason = env.plugin_problem(value)
+    if reason is not None:
+        raise ConfigError(field_name, value, reason,
+                          "fix the dotted path pkg.module.function or the file path path/to/file.py:function")

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from hpcrl.config.checks import check_source, require
-
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
 
 DEFAULT_EVAL_SET = "default"
 """Name of the eval set ``data`` defines (its metrics are ``eval/<metric>``, without the name)."""

@@ -1,5 +1,8 @@
 """Loading stages (:func:`read_config_file`, :func:`apply_overrides`, :func:`build`, :func:`validate`, :func:`resolve`;
-:func:`load_config` runs them all), writing the resolved config, and the sweep section's checks."""
+:func:`load_config` runs them all), the resolved config's text, and the sweep section's checks.
+
+The checks that read the model or import plug-ins need an :class:`~hpcrl.config.environment.Environment`
+(``env``); :func:`hpcrl.validate.load_and_check` passes hpcrl's, as every command of a run does."""
 
 from __future__ import annotations
 
@@ -7,11 +10,11 @@ import copy
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import yaml
 
-from hpcrl.fsutil import atomic_write_text
+from hpcrl.config.environment import Environment
 from hpcrl.config.errors import FILE_FIELD, ConfigError
 from hpcrl.config.yaml_io import parse_yaml, YamlDumper
 from hpcrl.config.checks import non_negative, positive, require
@@ -52,8 +55,8 @@ def read_config_file(path: str | os.PathLike) -> dict:
     return data
 
 
-def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = (), check_files: bool = True
-                ) -> Config:
+def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = (), check_files: bool = True,
+                env: Optional[Environment] = None) -> Config:
     """Load a run config: YAML file, ``key=value`` overrides, type checks, :func:`validate`, :func:`resolve`.
 
     Args:
@@ -65,8 +68,11 @@ def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = (), c
             boolean given to a string field is kept as its text (``run.name=2024``); ``key=`` sets a string
             field to ``""`` and an optional field to null.
         check_files: also check the environment: that files exist (model, data, GGUF, container), that
-            dotted plug-in paths import, that reasoning-gym task names exist. ``False`` checks only the config
-            itself.
+            reasoning-gym task names exist and, with ``env``, that plug-in paths import, that the model folder
+            can be trained, teachers share its tokenizer and the run fits ``slurm.gpu_memory_gb``. ``False``
+            checks only the config itself.
+        env: what those checks read the model and plug-ins with (:data:`hpcrl.validate.ENVIRONMENT`; call
+            :func:`hpcrl.validate.load_and_check` for every check a run makes); None skips them.
 
     Returns:
         The validated, resolved :class:`Config` (derived defaults filled in).
@@ -78,7 +84,7 @@ def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = (), c
     :func:`build`, :func:`validate`, :func:`resolve` (:func:`load_raw` is the last three).
     """
     raw = {} if path is None else read_config_file(path)
-    return load_raw(apply_overrides(raw, overrides), check_files=check_files)
+    return load_raw(apply_overrides(raw, overrides), check_files=check_files, env=env)
 
 
 def build(raw: Mapping[str, Any]) -> Config:
@@ -87,12 +93,12 @@ def build(raw: Mapping[str, Any]) -> Config:
     return convert_dataclass(raw, Config, "")
 
 
-def load_raw(raw: Mapping[str, Any], check_files: bool = True) -> Config:
+def load_raw(raw: Mapping[str, Any], check_files: bool = True, env: Optional[Environment] = None) -> Config:
     """:func:`build`, :func:`validate` and :func:`resolve` of a raw dict: the stages of :func:`load_config` after
     the file is read, for callers that change the raw dict first (``hpcrl submit``, ``hpcrl sweep``).
     Raises ConfigError."""
     cfg = build(raw)
-    validate(cfg, check_files=check_files)
+    validate(cfg, check_files=check_files, env=env)
     return resolve(cfg)
 
 
@@ -145,20 +151,11 @@ def resolve(cfg: Config) -> Config:
     return out
 
 
-def save_resolved(cfg: Config, run_dir: str | os.PathLike) -> Path:
-    """Write the resolved ``cfg`` to ``run_dir/config.yaml`` atomically (temp file, fsync, ``os.replace``).
-
-    Creates ``run_dir``. The file loads back with :func:`load_config` to an equal config. Returns its path;
-    raises OSError when the folder is not writable.
-    """
-    from hpcrl import __version__
-
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / "config.yaml"
+def resolved_text(cfg: Config, version: str) -> str:
+    """The text of ``run_dir/config.yaml``: a comment naming hpcrl ``version``, then the resolved ``cfg`` as
+    YAML (:func:`config_to_yaml` of :func:`resolve`); :func:`hpcrl.validate.save_resolved` writes it."""
     body = config_to_yaml(resolve(cfg))
-    text = f"# Resolved config written by hpcrl {__version__}; load it with hpcrl.config.load_config.\n{body}"
-    return atomic_write_text(target, text, fsync=True)
+    return f"# Resolved config written by hpcrl {version}; load it with hpcrl.config.load_config.\n{body}"
 
 
 def _check_space(cfg: Config, name: str, space: dict[str, list[Any]]) -> None:
@@ -193,7 +190,7 @@ def check_sweep(cfg: Config) -> None:
              "list each seed once")
 
 
-def validate(cfg: Config, check_files: bool = True) -> None:
+def validate(cfg: Config, check_files: bool = True, env: Optional[Environment] = None) -> None:
     """Check a config: the types of every field, then ranges and cross-field rules.
 
     Checks include: ``model.path`` present (unless ``model.create``) and, with ``check_files``, an HF folder;
@@ -206,7 +203,9 @@ def validate(cfg: Config, check_files: bool = True) -> None:
 
     Args:
         cfg: the config to check (not modified).
-        check_files: also check the environment (files exist, plug-ins import, reasoning-gym tasks exist).
+        check_files: also check the environment (files exist, reasoning-gym tasks exist; with ``env`` also
+            plug-ins import, the model folder's support, teachers' tokenizers, the memory estimate).
+        env: the readers of those last checks (:data:`hpcrl.validate.ENVIRONMENT`); None skips them.
 
     Raises:
         ConfigError: at the first problem, naming the dotted field.
@@ -215,18 +214,18 @@ def validate(cfg: Config, check_files: bool = True) -> None:
         raise TypeError(f"validate expects a hpcrl.config.Config, got {type(cfg).__name__}")
     convert_dataclass(config_to_dict(cfg), Config, "")  # types, also for configs built in code
     check_run(cfg)
-    check_model(cfg, check_files)
+    check_model(cfg, check_files, env)
     check_data(cfg, check_files)
-    check_rollout(cfg, check_files)
+    check_rollout(cfg, check_files, env)
     check_sft(cfg, check_files)
     check_train(cfg)
     check_heads(cfg, check_files)
-    check_moe(cfg, check_files)
-    check_algorithm(cfg, check_files)
+    check_moe(cfg, check_files, env)
+    check_algorithm(cfg, check_files, env)
     check_weights(cfg)
     check_checkpoint(cfg)
     check_slurm(cfg, check_files)
-    check_memory(cfg, check_files)
+    check_memory(cfg, check_files, env)
     check_sweep(cfg)
     check_eval(cfg, check_files)
     check_wandb(cfg, check_files)

@@ -5,8 +5,8 @@
 ``sweep`` on the login node) refuses, in one line naming the field, a layout whose trainer or engine cannot
 fit in the GPU memory ``slurm.gpu_memory_gb`` states, or whose engines do not tile the GPUs;
 :func:`memory_lines` is what ``hpcrl validate`` and ``hpcrl submit`` print. Parameter counts come from the
-model's ``config.json`` (:func:`hpcrl.models.params.count_parameters`, no torch); nothing is estimated before
-that file exists.
+model's ``config.json`` (:func:`hpcrl.models.params.count_parameters`, no torch, reached through the
+:class:`~hpcrl.config.environment.Environment` the caller passes); nothing is estimated before that file exists.
 
 **Trainer** (Megatron-core, as hpcrl builds it in :func:`hpcrl.train.model.wrap_model_and_optimizer`), bytes
 per parameter a GPU holds:
@@ -55,14 +55,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hpcrl.config.checks import require
+from hpcrl.config.environment import Environment
 from hpcrl.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import Config
-    from hpcrl.models.params import ParamCount
+
+ParamCount = Any
+"""A :class:`hpcrl.models.params.ParamCount` (``Environment.count_parameters``), not imported: config is the bottom
+layer."""
 
 GB = 10 ** 9
 """``slurm.gpu_memory_gb`` is in GB (10^9 bytes), the unit GPU vendors state (H100: 80 GB)."""
@@ -179,12 +183,11 @@ def engine_args(cfg: Config) -> dict:
             "dtype": sg.get("dtype") or cfg.model.dtype, "quantization": sg.get("quantization")}
 
 
-def engine_memory(cfg: Config, p: ParamCount, gpu_bytes: float, hf: Optional[dict] = None) -> EngineMemory:
+def engine_memory(cfg: Config, p: ParamCount, gpu_bytes: float, hf: Optional[dict] = None,
+                  env: Optional[Environment] = None) -> EngineMemory:
     """One engine's weights per GPU and its static pool on a GPU of ``gpu_bytes`` (module doc: the rules);
-    with the model's ``config.json`` ``hf`` also the KV-cache bytes per token
-    (:func:`hpcrl.models.params.kv_cache_elements_per_token`)."""
-    from hpcrl.models.params import kv_cache_elements_per_token
-
+    with the model's ``config.json`` ``hf`` and an ``env`` also the KV-cache bytes per token
+    (``env.kv_cache_elements_per_token``: :func:`hpcrl.models.params.kv_cache_elements_per_token`)."""
     a = engine_args(cfg)
     tp, pp, attn_tp = a["tp_size"], a["pp_size"], max(a["tp_size"] // a["attn_dp_size"], 1)
     w = 2 if a["dtype"] in ("bfloat16", "float16", "half", "auto") else 4
@@ -194,7 +197,7 @@ def engine_memory(cfg: Config, p: ParamCount, gpu_bytes: float, hf: Optional[dic
     fraction = a["mem_fraction_static"]
     frac = float(fraction) if fraction is not None else SGLANG_DEFAULT_FRACTION
     kv_bytes = 1 if str((cfg.sglang or {}).get("kv_cache_dtype") or "").startswith("fp8") else w
-    kv = kv_bytes * kv_cache_elements_per_token(hf, attn_tp) / pp if hf is not None else 0.0
+    kv = kv_bytes * env.kv_cache_elements_per_token(hf, attn_tp) / pp if hf is not None and env is not None else 0.0
     return EngineMemory(weights=weights, pool=frac * gpu_bytes, fraction=frac,
                         fraction_set=fraction is not None,
                         layout=f"tp{tp} pp{pp} ep{a['ep_size']} attn_dp{a['attn_dp_size']}", kv_per_token=kv)
@@ -279,28 +282,25 @@ def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0) ->
     return "; ".join(fixes)
 
 
-def check_memory(cfg: Config, check_files: bool) -> None:
+def check_memory(cfg: Config, check_files: bool, env: Optional[Environment] = None) -> None:
     """With ``slurm.gpu_memory_gb`` on GPU nodes and a readable ``config.json``: the engine layout
     (:func:`check_engine_layout`), the trainer's states within the GPU memory less :data:`RESERVED_GB`, and
     each engine's weights within its static pool. Raises ConfigError (one line: field, value, fix). The memory
-    is not checked without ``check_files`` (the model folder is not read then), without ``gpu_memory_gb``, or
-    before the model's ``config.json`` exists."""
+    is not checked without ``check_files`` and an ``env`` (the model folder is not read then), without
+    ``gpu_memory_gb``, or before the model's ``config.json`` exists."""
     s = cfg.slurm
     if s.gpu_memory_gb is None or s.gpus_per_node <= 0:  # check_slurm refuses gpu_memory_gb on CPU nodes
         return
-    hf = read_model_config(cfg) if check_files else None
-    from hpcrl.models.params import COUNTED_MODEL_TYPES, count_parameters
-    from hpcrl.models.support import routed_experts
-
+    hf = read_model_config(cfg) if check_files and env is not None else None
     if _sglang_engines(cfg):
-        check_engine_layout(cfg, routed_experts(hf) if hf is not None else None)
-    if hf is None or hf.get("model_type") not in COUNTED_MODEL_TYPES:
+        check_engine_layout(cfg, env.routed_experts(hf) if hf is not None else None)
+    if hf is None or hf.get("model_type") not in env.counted_model_types:
         return  # no config.json yet, or a family without a count (check_model refuses what cannot be built)
-    p = count_parameters(hf)
+    p = env.count_parameters(hf)
     gpu = s.gpu_memory_gb * GB
     budget = gpu - RESERVED_GB * GB
     tm = trainer_memory(cfg, p)
-    experts = routed_experts(hf) if p.expert else 0
+    experts = env.routed_experts(hf) if p.expert else 0
     require(tm.total <= budget, "slurm.gpu_memory_gb", s.gpu_memory_gb,
             f"the trainer needs {_gb(tm.total)} per GPU at {tm.layout} (weights {_gb(tm.weights)}, gradients "
             f"{_gb(tm.grads)}, Adam {_gb(tm.adam)}) plus {RESERVED_GB:g} GB reserved, more than the GPU has",
@@ -310,7 +310,7 @@ def check_memory(cfg: Config, check_files: bool) -> None:
     _, engine_gb, _ = _engine_gpus(cfg)
     if engine_gb is None:
         return
-    em = engine_memory(cfg, p, engine_gb * GB, hf)
+    em = engine_memory(cfg, p, engine_gb * GB, hf, env)
     field = "sglang.mem_fraction_static" if em.fraction_set else "sglang.tp_size"
     value = em.fraction if em.fraction_set else engine_args(cfg)["tp_size"]
     assumed = ("" if em.fraction_set else
@@ -328,19 +328,18 @@ def check_memory(cfg: Config, check_files: bool) -> None:
             f"{assumed}", "raise sglang.mem_fraction_static, or use more GPUs per engine")
 
 
-def memory_lines(cfg: Config) -> list[str]:
+def memory_lines(cfg: Config, env: Environment) -> list[str]:
     """What ``hpcrl validate`` and ``submit`` print: the trainer's per-GPU estimate (with and without the CPU
-    optimizer offload) and the engines' static memory, against ``slurm.gpu_memory_gb``. Empty on CPU nodes or
-    before the model's ``config.json`` exists."""
+    optimizer offload) and the engines' static memory, against ``slurm.gpu_memory_gb``, the parameters counted
+    by ``env`` (:data:`hpcrl.validate.ENVIRONMENT`). Empty on CPU nodes or before the model's ``config.json``
+    exists."""
     s = cfg.slurm
     hf = read_model_config(cfg)
     if s.gpus_per_node <= 0 or hf is None:
         return []
-    from hpcrl.models.params import COUNTED_MODEL_TYPES, count_parameters
-
-    if hf.get("model_type") not in COUNTED_MODEL_TYPES:
+    if hf.get("model_type") not in env.counted_model_types:
         return [f"  memory:    no estimate for model_type {hf.get('model_type')!r}"]
-    p = count_parameters(hf)
+    p = env.count_parameters(hf)
     gpu = s.gpu_memory_gb
     of = f" of {gpu:g} GB" if gpu is not None else " (set slurm.gpu_memory_gb to check it)"
     tm = trainer_memory(cfg, p)
@@ -360,7 +359,7 @@ def memory_lines(cfg: Config) -> list[str]:
              f"{_gb(on.adam_host * s.gpus_per_node)} host memory per node)"]
     if _sglang_engines(cfg):
         _, engine_gb, _ = _engine_gpus(cfg)
-        em = engine_memory(cfg, p, (engine_gb or 0) * GB, hf)
+        em = engine_memory(cfg, p, (engine_gb or 0) * GB, hf, env)
         frac = f"{em.fraction:g}" + ("" if em.fraction_set else " (unset: SGLang's default assumed)")
         pool = (f", static pool {_gb(em.pool)} (mem_fraction_static {frac}) -> KV cache "
                 f"{_gb(em.pool - em.weights)} ({em.kv_tokens / 1e3:.0f}k tokens per GPU)"

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
+from hpcrl import names
+from hpcrl.config.environment import Environment
 from hpcrl.config.checks import check_plugin, non_negative, positive, require
 from hpcrl.config.train import GROUP_ESTIMATORS
-from hpcrl.rewards.resolve import BUILTIN_REWARD_FACTORIES
-from hpcrl.rollout.filters import BUILTIN_FILTERS
-from hpcrl.rollout.plugins import DEFAULT_DATA_SOURCE, DEFAULT_GENERATE_FUNCTION, DEFAULT_ROLLOUT_FUNCTION
-
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
+from hpcrl.names import DEFAULT_DATA_SOURCE, DEFAULT_GENERATE_FUNCTION, DEFAULT_ROLLOUT_FUNCTION
 
 
 @dataclass
@@ -114,15 +111,15 @@ class RolloutSection:
     """Greedy eval every this many rollout steps (0: only at start and end)."""
 
 
-BUILTIN_REWARD_FUNCTIONS = tuple(BUILTIN_REWARD_FACTORIES)
+BUILTIN_REWARD_FUNCTIONS = names.REWARDS
 """Reward names :func:`hpcrl.rewards.resolve.get_reward_function` knows, besides ``remote_rm:<url>``."""
 
 
-BUILTIN_DYNAMIC_FILTERS = tuple(BUILTIN_FILTERS)
+BUILTIN_DYNAMIC_FILTERS = names.FILTERS
 """Filter names :mod:`hpcrl.rollout.filters` implements."""
 
 
-def check_rollout(cfg: Config, check_files: bool) -> None:
+def check_rollout(cfg: Config, check_files: bool, env: Optional[Environment] = None) -> None:
     r = cfg.rollout
     positive(cfg, "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.over_sampling_batch_size",
               "rollout.max_new_tokens", "rollout.num_engines", "rollout.request_timeout_s")
@@ -155,15 +152,15 @@ def check_rollout(cfg: Config, check_files: bool) -> None:
         require(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt", r.n_samples_per_prompt,
                  "dynamic_filter nonzero_std drops every group of 1 sample",
                  "use 2 or more samples per prompt")
-    check_plugin("rollout.reward_function", r.reward_function, BUILTIN_REWARD_FUNCTIONS, check_files)
-    check_plugin("rollout.dynamic_filter", r.dynamic_filter, BUILTIN_DYNAMIC_FILTERS, check_files)
-    check_plugin("rollout.generate_function", r.generate_function, (), check_files)
-    check_agent(cfg, check_files)
-    check_plugin("rollout.rollout_function", r.rollout_function, (), check_files)
-    check_plugin("rollout.data_source", r.data_source, (), check_files)
+    check_plugin("rollout.reward_function", r.reward_function, BUILTIN_REWARD_FUNCTIONS, check_files, env)
+    check_plugin("rollout.dynamic_filter", r.dynamic_filter, BUILTIN_DYNAMIC_FILTERS, check_files, env)
+    check_plugin("rollout.generate_function", r.generate_function, (), check_files, env)
+    check_agent(cfg, check_files, env)
+    check_plugin("rollout.rollout_function", r.rollout_function, (), check_files, env)
+    check_plugin("rollout.data_source", r.data_source, (), check_files, env)
 
 
-def check_agent(cfg: "Config", check_files: bool) -> None:
+def check_agent(cfg: "Config", check_files: bool, env: Optional[Environment] = None) -> None:
     """``rollout.agent``: one of function and command; an executable command; a readable template."""
     import os
     import shutil
@@ -183,7 +180,7 @@ def check_agent(cfg: "Config", check_files: bool) -> None:
             "leave rollout.generate_function unset")
     require(not cfg.rollout.partial_rollout, "rollout.partial_rollout", True,
             "an agent episode cannot be continued on another engine", "set rollout.partial_rollout: false")
-    check_plugin("rollout.agent.function", a.function, (), check_files)
+    check_plugin("rollout.agent.function", a.function, (), check_files, env)
     if a.command and check_files:
         exe = a.command[0]
         found = shutil.which(exe) if os.sep not in exe else (exe if os.path.isfile(exe) else None)

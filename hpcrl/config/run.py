@@ -6,13 +6,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 from hpcrl.config.errors import ConfigError
+from hpcrl.config.cpus import check_cpu_specs
+from hpcrl.config.environment import Environment
 from hpcrl.config.checks import check_source, get_field, non_negative, positive, require
-
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
 
 
 @dataclass
@@ -156,12 +155,10 @@ def check_run(cfg: Config) -> None:
             require(get_field(cfg, f) is None, f, get_field(cfg, f),
                     "CPU sets split trainer and engines, but run.placement is colocate (they take turns on "
                     "the same CPUs)", f"set run.placement=disaggregate or {f}=null")
-    from hpcrl.placement import check_cpu_specs
-
     check_cpu_specs(cfg.train.cpus, cfg.rollout.cpus)  # syntax and overlap; the machine's CPUs at start
 
 
-def check_model(cfg: Config, check_files: bool) -> None:
+def check_model(cfg: Config, check_files: bool, env: Optional[Environment] = None) -> None:
     m = cfg.model
     if not m.path:
         require(m.create is not None, "model.path", m.path, "is required",
@@ -174,10 +171,8 @@ def check_model(cfg: Config, check_files: bool) -> None:
         require((p / "config.json").is_file(), "model.path", m.path,
                  "not an HF model folder (no config.json)",
                  "point it at a folder with config.json, safetensors and the tokenizer")
-    if m.path and check_files and (Path(m.path) / "config.json").is_file():  # also a folder create made
-        from hpcrl.models.support import check_model_folder
-
-        problem = check_model_folder(m.path)
+    if m.path and check_files and env is not None and (Path(m.path) / "config.json").is_file():  # or created
+        problem = env.model_folder_problem(m.path)
         if problem is not None:
             raise ConfigError("model.path", m.path, *problem)
     if m.create == "gguf":

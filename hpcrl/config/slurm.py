@@ -9,13 +9,10 @@ import re
 import signal as _signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.checks import get_field, non_negative, positive, require
-
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
 
 
 @dataclass

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Literal, Optional
 
 from hpcrl.config.checks import require
-
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
 
 
 @dataclass

@@ -6,13 +6,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
+from hpcrl.config.environment import Environment
 from hpcrl.config.errors import MIB
 from hpcrl.config.checks import get_field, non_negative, positive, require
-
-if TYPE_CHECKING:
-    from hpcrl.config.schema import Config
+from hpcrl.names import Estimator, KLKind, PolicyLoss
 
 
 @dataclass
@@ -98,9 +97,9 @@ class OPDSection:
 class AlgorithmSection:
     """Advantage estimator and policy loss (slime's definitions and flag names)."""
 
-    advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    advantage_estimator: Estimator = "grpo"
     grpo_std_normalization: bool = True
-    policy_loss: Literal["ppo_clip", "cispo"] = "ppo_clip"
+    policy_loss: PolicyLoss = "ppo_clip"
     """``ppo_clip``: PPO's clipped surrogate (with ``eps_clip_high``, ``eps_clip_c``, GSPO's ratio).
     ``cispo``: MiniMax-M1's clipped, detached importance weight times ``A * logp``, no token dropped
     (arXiv 2506.13585; ``eps_clip`` is its ``eps_low``, up to 1.0 = no lower bound, ``eps_clip_high`` its
@@ -112,7 +111,7 @@ class AlgorithmSection:
     """Dual-clip constant (> 1) for negative advantages; off when null."""
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    kl_loss_type: KLKind = "k1"
     entropy_coef: float = 0.0
     use_tis: bool = False
     tis_clip: float = 2.0
@@ -258,10 +257,12 @@ def check_heads(cfg: Config, check_files: bool) -> None:
                 f"use a tensor_parallel_size that divides {n}")
 
 
-def model_experts(cfg: Config, check_files: bool) -> Optional[tuple[int, int]]:
+def model_experts(cfg: Config, check_files: bool, env: Optional[Environment] = None
+                  ) -> Optional[tuple[int, int]]:
     """``(routed experts per layer, experts per token)`` of the policy model, ``(0, 0)`` for a dense one, or
     None when it cannot be known on the login node (the folder does not exist yet, or ``check_files`` is
-    off). Read from ``model.create``'s ``tiny_*`` keys or the folder's ``config.json`` (no transformers)."""
+    off, or the folder's ``config.json`` is to be read without an ``env``). Read from ``model.create``'s
+    ``tiny_*`` keys or the folder's ``config.json`` (``env.routed_experts``; no transformers)."""
     m = cfg.model
     created = m.path and Path(m.path, "config.json").is_file()
     if m.create in ("tiny-qwen3-moe", "tiny-glm4-moe", "tiny-deepseek-v3") and not created:
@@ -269,19 +270,17 @@ def model_experts(cfg: Config, check_files: bool) -> Optional[tuple[int, int]]:
     if m.create == "tiny-qwen2" and not created:
         return 0, 0
     hf = model_config_json(cfg, check_files)
-    if hf is None:
+    if hf is None or env is None:
         return None
-    from hpcrl.models.support import routed_experts
-
-    experts = routed_experts(hf)
+    experts = env.routed_experts(hf)
     return experts, int(hf.get("num_experts_per_tok") or 0) if experts else 0
 
 
-def check_moe(cfg: Config, check_files: bool) -> None:
+def check_moe(cfg: Config, check_files: bool, env: Optional[Environment] = None) -> None:
     """Expert parallelism fits the model: a MoE model whose expert count ``train.expert_parallel_size``
     divides and whose top-k is at most that count; a dense model only with EP=1 and without routing replay."""
     t = cfg.train
-    known = model_experts(cfg, check_files)
+    known = model_experts(cfg, check_files, env)
     if cfg.algorithm.routing_replay:
         require(known is None or known[0] > 0, "algorithm.routing_replay", True,
                 f"the model at model.path={cfg.model.path!r} is dense: it has no routing to replay",
@@ -329,7 +328,7 @@ def check_microbatch_budget(cfg: Config, longest: int, what: str) -> None:
             f"rollout.max_new_tokens={m})", f"set it to at least {longest}")
 
 
-def check_algorithm(cfg: Config, check_files: bool = True) -> None:
+def check_algorithm(cfg: Config, check_files: bool = True, env: Optional[Environment] = None) -> None:
     a = cfg.algorithm
     if a.policy_loss == "cispo":
         require(0 < a.eps_clip <= 1, "algorithm.eps_clip", a.eps_clip,
@@ -355,15 +354,15 @@ def check_algorithm(cfg: Config, check_files: bool = True) -> None:
     require(a.tis_clip_low < a.tis_clip, "algorithm.tis_clip_low", a.tis_clip_low,
              f"must be < algorithm.tis_clip={a.tis_clip}", "lower tis_clip_low")
     require(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]", "1.0 is usual for LLM RL")
-    check_opd(cfg, check_files)
+    check_opd(cfg, check_files, env)
 
 
 _TEACHER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-def check_opd(cfg: Config, check_files: bool) -> None:
+def check_opd(cfg: Config, check_files: bool, env: Optional[Environment] = None) -> None:
     """On-policy distillation: teachers named with a folder (or a way to make one), a positive
-    coefficient, and, when the folders exist, the student's tokenizer."""
+    coefficient, and, when the folders exist (and with an ``env``), the student's tokenizer."""
     o = cfg.algorithm.opd
     require(o.coef > 0, "algorithm.opd.coef", o.coef, "must be > 0 (it weighs log pi_teacher - log pi_student)",
             "e.g. algorithm.opd.coef=1.0 (slime's default)")
@@ -391,22 +390,20 @@ def check_opd(cfg: Config, check_files: bool) -> None:
             require((Path(t.path) / "config.json").is_file(), f"{f}.path", t.path,
                     "is not an HF model folder (no config.json)",
                     f"fix the path, or set {f}.sft_target_accuracy to make it by SFT")
-    if check_files:
-        check_teacher_tokenizers(cfg)
+    if check_files and env is not None:
+        check_teacher_tokenizers(cfg, env)
 
 
-def check_teacher_tokenizers(cfg: Config) -> None:
-    """Every existing teacher folder has the student's tokenizer (same vocabulary and special tokens), when
-    the student's folder exists too (else :func:`hpcrl.run_setup.prepare_model` checks at start). Raises
-    ConfigError naming the teacher."""
-    from hpcrl.models.hf import same_tokenizer
-
+def check_teacher_tokenizers(cfg: Config, env: Environment) -> None:
+    """Every existing teacher folder has the student's tokenizer (same vocabulary and special tokens,
+    ``env.tokenizer_difference``), when the student's folder exists too (else
+    :func:`hpcrl.run_setup.prepare_model` checks at start). Raises ConfigError naming the teacher."""
     student = Path(cfg.model.path)
     if not (student / "config.json").is_file():
         return
     for i, t in enumerate(cfg.algorithm.opd.teachers):
         if (Path(t.path) / "config.json").is_file():
-            why = same_tokenizer(student, Path(t.path))
+            why = env.tokenizer_difference(student, Path(t.path))
             require(why is None, f"algorithm.opd.teachers[{i}].path", t.path,
                     f"has another tokenizer than the student's model.path ({why}), so its log-probs would be "
                     "of other tokens", "use a teacher of the student's model family (same tokenizer)")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
+from hpcrl import names
 from hpcrl.config import ConfigError
 from hpcrl.data.chat import TOOLS_KEY, chat_messages, prompt_token_ids
 from hpcrl.data.tasks import Task, VerifierTask, make_task
@@ -501,7 +502,7 @@ def _file_task(cfg: "Config", path: str) -> VerifierTask:
     """The task that scores a data file's rows: ``rollout.reward_function``'s verifier when it is one
     (``exact_match`` / ``math_answer`` / ``countdown``), else ``exact_match``."""
     rf = cfg.rollout.reward_function
-    verifier = rf if rf in ("exact_match", "math_answer", "countdown") else "exact_match"
+    verifier = rf if rf in names.VERIFIER_REWARDS else "exact_match"
     return VerifierTask(verifier=verifier, name=os.path.basename(path))
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Optional, Protocol
 
+from hpcrl import names
 from hpcrl.rewards import verifiers
 
 
@@ -85,9 +86,8 @@ class VerifierTask:
     name: str = "file"
 
     def __post_init__(self) -> None:
-        if self.verifier not in ("exact_match", "math_answer", "countdown"):
-            raise ValueError(f"unknown verifier {self.verifier!r}; "
-                             "known: exact_match, math_answer, countdown")
+        if self.verifier not in names.VERIFIER_REWARDS:
+            raise ValueError(f"unknown verifier {self.verifier!r}; known: {', '.join(names.VERIFIER_REWARDS)}")
 
     def generate(self, n: int, seed: int) -> list[dict[str, Any]]:
         raise TypeError(f"task {self.name!r} reads its items from a file; it has no generator")
@@ -233,6 +233,8 @@ class ReasoningGymTask:
 
 BUILTIN_TASKS = MappingProxyType({"addition": AdditionTask})
 """Built-in task generators by ``data.source`` name (read-only), besides ``reasoning_gym:<name>``."""
+assert tuple(BUILTIN_TASKS) == names.TASKS, \
+    "hpcrl.names.TASKS must list BUILTIN_TASKS (config validates by it)"
 _EXAMPLES = ("basic_arithmetic", "chain_sum", "countdown", "gsm_symbolic")
 
 

@@ -20,7 +20,12 @@ Modules, one job each:
   ``MultiprocessingSerializer``), used by both sender and engine.
 - :mod:`hpcrl.engine.memory`: the memory-saver adapter (no-op on CPU, torch-memory-saver on GPU).
 - :mod:`hpcrl.engine.state`: SGLang's state rules (the weight-update session, idleness, the flush rule).
-- :mod:`hpcrl.engine.server`: the aiohttp application, authentication and ``main``
+- :mod:`hpcrl.engine.generation`: generation as both front ends use it (read and parse a request, submit it,
+  collect or stream its rows, abort them).
+- :mod:`hpcrl.engine.native_server`: SGLang's native endpoints (``/generate``, weights, memory, health, info).
+- :mod:`hpcrl.engine.openai_server`: OpenAI's endpoints (:mod:`hpcrl.engine.openai_api`: their shapes).
+- :mod:`hpcrl.engine.server`: loads the model, assembles the aiohttp application from both front ends with
+  authentication (:mod:`hpcrl.engine.auth`), serves it, and ``main``
   (:mod:`hpcrl.engine.httplog`: aiohttp's log of refused requests).
 
 Start it with ``python -m hpcrl.engine.server --model-path DIR --port 30000`` (or ``hpcrl serve ...``).

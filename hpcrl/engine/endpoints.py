@@ -2,7 +2,7 @@
 aliases that SGLang does not have.
 
 Every other endpoint of SGLang's ``srt/entrypoints/http_server.py`` is served by
-:class:`hpcrl.engine.server.EngineServer` with SGLang's fields and answers;
+:class:`hpcrl.engine.native_server.NativeServer` with SGLang's fields and answers;
 ``tests/unit/test_sglang_conformance.py`` reads the route list from the installed wheel and fails when SGLang
 adds an endpoint that is in neither place, so an SGLang bump shows up in CI. A client of hpcrl (rollout,
 weight sync, health) calls none of these.

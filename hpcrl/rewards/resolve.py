@@ -19,6 +19,7 @@ import inspect
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional, Union
 
+from hpcrl import names
 from hpcrl.data.sample import Sample
 from hpcrl.plugins import load_function
 from hpcrl.rewards import verifiers
@@ -104,8 +105,11 @@ BUILTIN_REWARD_FACTORIES: Mapping[str, Callable[["Config", Optional["Task"]], Re
     "countdown": _countdown_reward})
 """The built-in rewards by ``rollout.reward_function`` name: ``factory(cfg, task) -> async fn(sample)``
 (read-only); ``remote_rm:<url>`` and dotted paths are resolved by :func:`get_reward_function`."""
-REMOTE_RM_PREFIX = "remote_rm:"
-BUILTIN_REWARDS = (*BUILTIN_REWARD_FACTORIES, REMOTE_RM_PREFIX + "<url>")
+assert tuple(BUILTIN_REWARD_FACTORIES) == names.REWARDS, \
+    "hpcrl.names.REWARDS must list BUILTIN_REWARD_FACTORIES (config validates by it)"
+REMOTE_RM_PREFIX = names.REMOTE_RM_PREFIX
+BUILTIN_REWARDS = names.REWARD_CHOICES
+"""What ``rollout.reward_function`` may name besides a dotted path (:data:`hpcrl.names.REWARD_CHOICES`)."""
 
 
 def get_reward_function(cfg: "Config", task: Optional["Task"] = None) -> RewardFn:
@@ -118,9 +122,9 @@ def get_reward_function(cfg: "Config", task: Optional["Task"] = None) -> RewardF
     if name in BUILTIN_REWARD_FACTORIES:
         return BUILTIN_REWARD_FACTORIES[name](cfg, task)
 
-    if name == "remote_rm" or name.startswith("remote_rm:"):
-        url = name.partition(":")[2].strip()
-        if not url.startswith(("http://", "https://")):
+    url = names.remote_rm_url(name)
+    if url is not None:
+        if not url:
             raise ValueError(f"rollout.reward_function: {name!r} needs the server URL, "
                              "e.g. 'remote_rm:http://127.0.0.1:8000/reward'")
         timeout_s, retries = cfg.rollout.request_timeout_s, cfg.rollout.max_retries

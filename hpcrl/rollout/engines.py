@@ -253,7 +253,7 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
 
 @dataclass
 class LocalEngineLaunch:
-    """Engines started on this machine and still loading (:data:`hpcrl.rollout.manager.EngineLauncher`'s
+    """Engines started on this machine and still loading (:data:`hpcrl.rollout.fleet.EngineLauncher`'s
     result for local runs): ``wait()`` returns ``(engines, None)`` once all answer ``/health``; ``stop()``
     stops them (also those not up yet)."""
 
@@ -331,7 +331,7 @@ class LocalEngineLaunch:
 
 def launch_local_engines(cfg: Any, run_dir: Path, attempt_dir: Path, model_path: str | os.PathLike,
                          secret_path: Path) -> LocalEngineLaunch:
-    """The engine launcher of a run on this machine (:data:`hpcrl.rollout.manager.EngineLauncher`):
+    """The engine launcher of a run on this machine (:data:`hpcrl.rollout.fleet.EngineLauncher`):
     starts ``rollout.num_engines`` local engine processes, logs in ``attempt_dir/engine-<i>.log``, and returns
     at once (disaggregated: each pinned to its share of ``rollout.cpus``, :mod:`hpcrl.placement`); :meth:`LocalEngineLaunch.wait` waits until they are healthy. If one cannot be started, the ones
     already started are stopped and the error propagates."""

@@ -11,6 +11,7 @@ import math
 from types import MappingProxyType
 from typing import Callable, Optional, Sequence
 
+from hpcrl import names
 from hpcrl.data.sample import Sample
 from hpcrl.plugins import PluginError, load_function
 
@@ -35,6 +36,8 @@ def nonzero_std(group: Sequence[Sample]) -> bool:
 
 BUILTIN_FILTERS = MappingProxyType({"nonzero_std": nonzero_std})
 """Built-in filters by name (read-only)."""
+assert tuple(BUILTIN_FILTERS) == names.FILTERS, \
+    "hpcrl.names.FILTERS must list BUILTIN_FILTERS (config validates by it)"
 
 
 def get_dynamic_filter(name_or_path: Optional[str]) -> Optional[GroupFilter]:

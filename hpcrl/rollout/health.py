@@ -1,8 +1,9 @@
 """Engines and router that die or hang are replaced, not fatal: the controller's health monitor.
 
-:class:`HealthMonitor` runs on the rollout's event loop (:class:`hpcrl.rollout.manager.RolloutManager`), one
-watcher task per engine and one for the router (slime's ``RolloutHealthMonitor``, ``--use-fault-tolerance``;
-GLM-5 report section 3.6). Every ``rollout.heartbeat_interval_s`` seconds each engine is probed:
+:class:`HealthMonitor` runs on the rollout's event loop (started by
+:class:`hpcrl.rollout.fleet.RolloutFleet`), one watcher task per engine and one for the router (slime's
+``RolloutHealthMonitor``, ``--use-fault-tolerance``; GLM-5 report section 3.6). Every
+``rollout.heartbeat_interval_s`` seconds each engine is probed:
 
 - ``GET /health_generate`` while the engines generate (a one-token generation, answered at once by a busy
   engine), ``GET /health`` while the manager has them paused, updating weights or with their memory released:

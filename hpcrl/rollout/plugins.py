@@ -30,22 +30,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from hpcrl.names import DEFAULT_DATA_SOURCE, DEFAULT_GENERATE_FUNCTION, DEFAULT_ROLLOUT_FUNCTION
 from hpcrl.plugins import load_function
 
 if TYPE_CHECKING:
     from hpcrl.config import Config
     from hpcrl.data.tasks import Task
 
-DEFAULT_DATA_SOURCE = "hpcrl.data.source.DataSource"
-DEFAULT_ROLLOUT_FUNCTION = "hpcrl.rollout.rollout.generate_rollout"
-DEFAULT_GENERATE_FUNCTION = "hpcrl.rollout.generate.generate"
-
 
 @dataclass
 class RolloutPlugins:
     """The resolved extension points of a run (callables; see the module doc for their signatures)."""
 
-    data_source_cls: Callable[..., Any]
     rollout_fn: Callable[..., Any]
     generate_fn: Callable[..., Any]
     reward_fn: Callable[..., Any]
@@ -70,7 +66,6 @@ def resolve_plugins(cfg: "Config", task: Optional["Task"] = None) -> RolloutPlug
 
     rc = cfg.rollout
     return RolloutPlugins(
-        data_source_cls=load_function(rc.data_source or DEFAULT_DATA_SOURCE),
         rollout_fn=load_function(rc.rollout_function or DEFAULT_ROLLOUT_FUNCTION),
         generate_fn=get_generate_function(load_function(rc.generate_function or DEFAULT_GENERATE_FUNCTION)),
         reward_fn=get_reward_function(cfg, task),

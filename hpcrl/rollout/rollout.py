@@ -260,8 +260,7 @@ async def generate_group(cfg, ctx: RolloutContext, group: list[Sample], params: 
     return group
 
 
-async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContext,
-                           evaluation: bool = False) -> RolloutOutput:
+async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContext) -> RolloutOutput:
     """Generate ``cfg.rollout.batch_size`` accepted groups for rollout step ``rollout_id``.
 
     Returns the kept groups in submission order with ``sample.rollout_id`` set (fewer than ``batch_size``, at
@@ -277,7 +276,7 @@ async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContex
     rc = cfg.rollout
     target = rc.batch_size
     chunk = rc.over_sampling_batch_size or target
-    params = sampling_params(rc, evaluation)
+    params = sampling_params(rc)
     finish_in_flight = bool(cfg.run.deterministic and rc.partial_rollout)  # no timing-dependent cut
     t0 = time.perf_counter()
     kept: list[list[Sample]] = []
@@ -299,7 +298,7 @@ async def generate_rollout(cfg, rollout_id: int, data_source, ctx: RolloutContex
                 for g in groups:
                     for s in g:
                         s.rollout_id = rollout_id
-                pending = [(asyncio.create_task(generate_group(cfg, ctx, g, params, evaluation)), g)
+                pending = [(asyncio.create_task(generate_group(cfg, ctx, g, params, evaluation=False)), g)
                            for g in groups]
                 submitted += len(groups)
             task, group = pending[0]

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hpcrl.config import Config, load_config
+from hpcrl.config import Config
+from hpcrl.validate import load_and_check as load_config
 from hpcrl.slurm.requeue import (EXIT_REQUEUE, exit_for_requeue_on_signal, ignore_late_signals,
                                   requeue_after_checkpoint, submitit_resubmission)
 

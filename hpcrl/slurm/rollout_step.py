@@ -288,7 +288,7 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     took this one before the engine bound it). Returns the engine's exit status."""
     import argparse
 
-    from hpcrl.config import load_config
+    from hpcrl.validate import load_and_check as load_config
     from hpcrl.procs import find_free_service_port
     from hpcrl.rollout.engines import engine_command, engine_sglang_args
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from hpcrl.config import (Config, apply_overrides, build, load_raw, read_config_file, resolve, save_resolved,
-                          set_dotted, validate)
+from hpcrl.config import Config, apply_overrides, build, read_config_file, resolve, set_dotted
+from hpcrl.validate import check as validate, load_raw_and_check as load_raw, save_resolved
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.container import container_prefix, shell_join
 from hpcrl.slurm.requeue import MAX_TIME_LIMIT_REQUEUES, sbatch_option

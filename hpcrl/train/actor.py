@@ -41,11 +41,11 @@ import dataclasses
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 import torch
 
-from hpcrl.train import algorithms, deepseek_moe
+from hpcrl.train import algorithms, deepseek_moe, parallel
 
 if TYPE_CHECKING:
     from hpcrl.config import Config
@@ -308,8 +308,8 @@ class Actor:
     :func:`~hpcrl.train.parallel.model_parallel_cuda_manual_seed`. The reference copy (``use_kl_loss``) is
     taken here, from the HF weights: load a checkpoint into :attr:`ddp_model` / :attr:`optimizer` afterwards,
     never before, or the reference would be the checkpoint. ``run.deterministic`` turns on
-    ``torch.use_deterministic_algorithms(True)`` for the whole process (and sets ``CUBLAS_WORKSPACE_CONFIG``
-    if unset, on GPUs).
+    ``torch.use_deterministic_algorithms(True)`` for the whole process, first thing
+    (:func:`hpcrl.train.parallel.deterministic_mode`, its one home).
 
     Args:
         cfg: the run config (``train``, ``megatron``, ``algorithm``, ``rollout.temperature``,
@@ -342,10 +342,7 @@ class Actor:
 
         from hpcrl.train import bridge, model as tmodel
 
-        if cfg.run.deterministic:
-            if torch.cuda.is_available():
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
+        parallel.deterministic_mode(cfg.run.deterministic)
         self.cfg = cfg
         self.ci_checks = ci_checks
         self.ci_logprob_abs_diff_threshold = ci_logprob_abs_diff_threshold
@@ -616,20 +613,6 @@ class Actor:
         grad_norm = result["grad_norm"]
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else None
         return out
-
-    # -- weights -------------------------------------------------------------------------------------------
-
-    def hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
-        """``(hf_name, full_tensor)`` for every HF tensor of the current policy
-        (:func:`hpcrl.train.bridge.export_hf_weights`). Collective over the TP group: every TP rank must
-        iterate to the end. Tensors are fresh copies on the model's device, cast to ``dtype`` if given."""
-        from hpcrl.train import bridge
-
-        return bridge.export_hf_weights(self.ddp_model, dtype)
-
-    def state(self) -> dict[str, Any]:
-        """``{"model": ddp_model, "optimizer": optimizer}``: the objects a checkpoint saves and loads."""
-        return {"model": self.ddp_model, "optimizer": self.optimizer}
 
 
 def _logits_window_start(model: torch.nn.Module, mb: MicroBatch) -> int:

@@ -28,19 +28,16 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence, Union
 
 import torch
 
+from hpcrl.names import ESTIMATORS, KL_KINDS, POLICY_LOSSES, Estimator, KLKind, PolicyLoss
+
 if TYPE_CHECKING:
     from hpcrl.config import AlgorithmSection
 
 Tensor = torch.Tensor
 Reducer = Callable[[Tensor], Tensor]
-KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
-Estimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 ReductionKind = Literal["rollout_token_mean", "sequence_mean", "token_mean"]
-PolicyLoss = Literal["ppo_clip", "cispo"]
-
-ESTIMATORS: tuple[str, ...] = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
-POLICY_LOSSES: tuple[str, ...] = ("ppo_clip", "cispo")
+# The names this module dispatches on (compute_advantages, approx_kl, compute_loss) are the config's: one
+# list in the leaf module hpcrl.names, re-exported here (ESTIMATORS, KL_KINDS, POLICY_LOSSES, their Literals).
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Process groups of the trainer: distributed start-up and teardown (the model and optimizer are in
 :mod:`hpcrl.train.model`).
 
-- :func:`setup_parallel` is what a trainer rank calls once: the groups, the seeds, deterministic mode.
+- :func:`setup_parallel` is what a trainer rank calls once: the groups and the seeds.
+- :func:`deterministic_mode` switches torch's deterministic algorithms on for the process
+  (``run.deterministic``; the :class:`~hpcrl.train.actor.Actor` calls it first thing, so every way of
+  building one gets it).
 - :func:`init_distributed` starts ``torch.distributed`` from torchrun-style environment variables (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): NCCL on GPUs, gloo on CPUs (where it first
   applies :mod:`hpcrl.train.cpu_compat`). :func:`initialize_model_parallel` and
@@ -39,18 +42,26 @@ class DistEnv:
 
 def setup_parallel(cfg: Any) -> DistEnv:
     """A trainer rank's process groups for a run: :func:`init_distributed`, Megatron's model-parallel groups
-    from ``train.*_parallel_size``, the seeded RNG states (``run.seed``) and, with ``run.deterministic``,
-    torch's deterministic algorithms. Returns the :class:`DistEnv`."""
-    import torch
-
+    from ``train.*_parallel_size`` and the seeded RNG states (``run.seed``); ``run.deterministic`` is switched
+    on by the :class:`~hpcrl.train.actor.Actor` built next (:func:`deterministic_mode`). Returns the
+    :class:`DistEnv`."""
     env = init_distributed()
     tc = cfg.train
     initialize_model_parallel(tc.tensor_parallel_size, tc.pipeline_parallel_size, tc.context_parallel_size,
                               tc.expert_parallel_size)
     model_parallel_cuda_manual_seed(cfg.run.seed)
-    if cfg.run.deterministic:
-        torch.use_deterministic_algorithms(True)
     return env
+
+
+def deterministic_mode(enabled: bool) -> None:
+    """With ``enabled`` (``run.deterministic``), ``torch.use_deterministic_algorithms(True)`` for the whole
+    process, after setting ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset on GPUs (cuBLAS reads it when it
+    starts). Without, nothing changes (an earlier call is not undone). Raises nothing."""
+    if not enabled:
+        return
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def prepare_megatron() -> None:

@@ -20,22 +20,15 @@ Entry point: :class:`~hpcrl.weights.sync.WeightSyncer` and :func:`~hpcrl.weights
     ...
     await syncer.close()
 
-This package imports nothing heavy at import time (torch, aiohttp and megatron are imported where used).
+The names below are re-exported from the modules that define them (:mod:`.sync`, :mod:`.buckets`,
+:mod:`.common`); those import nothing heavy at import time (torch, aiohttp and megatron are imported where
+used), so neither does this package.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from hpcrl.weights.buckets import iter_buckets, tensor_nbytes
 from hpcrl.weights.common import WeightSyncError
+from hpcrl.weights.sync import WeightSyncer, iterate_for_sync
 
 __all__ = ["WeightSyncError", "WeightSyncer", "iter_buckets", "iterate_for_sync", "tensor_nbytes"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("WeightSyncer", "iterate_for_sync"):
-        from hpcrl.weights import sync
-
-        return getattr(sync, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

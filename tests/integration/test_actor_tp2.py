@@ -47,6 +47,7 @@ def run_actor(model_dir, samples, **extra) -> dict:
     per-rollout metrics and step metrics."""
     from megatron.core import parallel_state
 
+    from hpcrl.train import bridge
     from hpcrl.train.actor import Actor
 
     h = _unit_helpers()
@@ -59,7 +60,7 @@ def run_actor(model_dir, samples, **extra) -> dict:
         timing = ("train/seconds", "train/tokens_per_s")
         out["metrics"].append({k: v for k, v in m.items() if k not in timing})
         out["steps"].append([dict(s) for s in actor.step_metrics])
-    out["weights"] = {k: v.clone() for k, v in actor.hf_weights()}
+    out["weights"] = {k: v.clone() for k, v in bridge.export_hf_weights(actor.ddp_model)}
     return out
 
 

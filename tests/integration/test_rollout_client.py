@@ -442,7 +442,7 @@ def test_engines_load_while_the_trainer_starts(tmp_path, tiny_model_dir):
 
     gpu_colocated = manager("rollout.engine=sglang", "run.placement=colocate")
     gpu_colocated.launch(early=True)
-    assert gpu_colocated.pending is None and gpu_colocated.secret_path is None  # nothing started
+    assert gpu_colocated.fleet.pending is None and gpu_colocated.fleet.secret_path is None  # nothing started
     gpu_colocated.stop()
 
     m = manager("rollout.engine=cpu")
@@ -450,11 +450,12 @@ def test_engines_load_while_the_trainer_starts(tmp_path, tiny_model_dir):
     m.launch(early=True)
     try:
         assert time.monotonic() - t0 < 1.0  # no health wait
-        [eng] = m.pending.engines
-        assert eng.alive() and http_status(eng.url + "/health", read_secret(m.secret_path), timeout_s=1.0) != 200
+        [eng] = m.fleet.pending.engines
+        key = read_secret(m.fleet.secret_path)
+        assert eng.alive() and http_status(eng.url + "/health", key, timeout_s=1.0) != 200
         m.start(load_datasets(m.cfg))
-        assert m.pending is None and m.engines == [eng]
-        assert http_status(eng.url + "/health", read_secret(m.secret_path), timeout_s=5.0) == 200
+        assert m.fleet.pending is None and m.fleet.engines == [eng]
+        assert http_status(eng.url + "/health", key, timeout_s=5.0) == 200
         assert 0.0 <= m.evaluate(-1)["eval/accuracy"] <= 1.0
     finally:
         m.stop()
@@ -466,10 +467,10 @@ def test_engines_load_while_the_trainer_starts(tmp_path, tiny_model_dir):
     m.launch(early=True)
     try:
         assert time.monotonic() - t0 < 1.0  # no health wait for either
-        [eng], router = m.pending.engines, m.router
+        [eng], router = m.fleet.pending.engines, m.fleet.router
         assert router is not None and router.alive()
         m.start(load_datasets(m.cfg))
-        assert m.router is router and router.worker_urls(healthy_only=True) == [eng.url]
+        assert m.fleet.router is router and router.worker_urls(healthy_only=True) == [eng.url]
         assert 0.0 <= m.evaluate(-1)["eval/accuracy"] <= 1.0  # through the router
     finally:
         m.stop()

@@ -130,7 +130,8 @@ def test_unreadable_checkpoint_then_unexpected_error(tmp_path):
 def test_slurm_entry_prints_one_line(tmp_path):
     """The job's entry (what `hpcrl run-slurm` and submitit's SlurmEntry run in the allocation), outside Slurm:
     one trainer task. A bad data row: one line on stderr (the job's .err log), the traceback in the attempt."""
-    from hpcrl.config import load_config, save_resolved
+    from hpcrl.config import load_config
+    from hpcrl.validate import save_resolved
 
     f = bad_data(tmp_path)
     run_dir = tmp_path / "runs" / "job"

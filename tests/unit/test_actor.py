@@ -91,7 +91,7 @@ def make_samples(model_dir, num_groups: int = 4, seed: int = 0, correct_first: b
 
 
 def weights_of(actor) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in actor.hf_weights()}
+    return {k: v.clone() for k, v in bridge.export_hf_weights(actor.ddp_model)}
 
 
 # --- fixtures -------------------------------------------------------------------------------------------
@@ -183,8 +183,8 @@ def test_kl_loss_recomputes_swaps_reference_and_gates(tp1, tiny_model_dir, sampl
     # The swap put the trained weights back (rollout 1 started from them); the ref copy is the initial model.
     assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4
     with actor.weights.swapped("ref"):
-        assert all(torch.equal(initial[k], v) for k, v in actor.hf_weights())
-    assert not all(torch.equal(initial[k], v) for k, v in actor.hf_weights())
+        assert all(torch.equal(initial[k], v) for k, v in bridge.export_hf_weights(actor.ddp_model))
+    assert not all(torch.equal(initial[k], v) for k, v in bridge.export_hf_weights(actor.ddp_model))
 
 
 def test_ci_gates_raise_with_metric_name(tp1, tiny_model_dir, samples, monkeypatch):

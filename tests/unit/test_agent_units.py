@@ -75,10 +75,11 @@ def test_hermes_tool_calls_become_openai_tool_calls():
 
 
 def test_agent_config_is_checked_on_the_login_node(tmp_path):
-    from hpcrl.config import ConfigError, load_config
+    from hpcrl.config import ConfigError
+    from hpcrl.validate import load_and_check
 
     def check(*overrides):
-        return load_config(None, [f"model.path={tmp_path / 'm'}", "model.create=tiny-qwen2", *overrides])
+        return load_and_check(None, [f"model.path={tmp_path / 'm'}", "model.create=tiny-qwen2", *overrides])
 
     script = tmp_path / "agent.sh"
     script.write_text("#!/bin/sh\necho 1\n")
@@ -96,11 +97,12 @@ def test_agent_config_is_checked_on_the_login_node(tmp_path):
 
 def test_agent_step_needs_a_command_and_a_slurm_job(tmp_path):
     from hpcrl.agent.runner import agent_step_prefix
-    from hpcrl.config import ConfigError, load_config
+    from hpcrl.config import ConfigError
+    from hpcrl.validate import load_and_check
 
     with pytest.raises(ConfigError, match="rollout.agent_step"):
-        load_config(None, [f"model.path={tmp_path / 'm'}", "model.create=tiny-qwen2", "rollout.agent_step=true",
-                           "rollout.agent.function=os.getcwd"])
+        load_and_check(None, [f"model.path={tmp_path / 'm'}", "model.create=tiny-qwen2", "rollout.agent_step=true",
+                              "rollout.agent.function=os.getcwd"])
     assert agent_step_prefix("r-agent", 1, {"SLURM_JOB_ID": "42"}) == [
         "srun", "--jobid=42", "--overlap", "--mem=0", "--ntasks=1", "--nodes=1", "--kill-on-bad-exit=1", "--quiet",
         "--job-name=r-agent", "--het-group=1"]

@@ -123,12 +123,12 @@ def test_validate_summarizes_the_sft_stop(capsys, target, line):
 
 
 def test_validate_print_config_is_loadable(tmp_path, capsys):
-    from hpcrl.config import load_config
+    from hpcrl.validate import load_and_check
 
     assert cli.main(["validate", str(REPO / "configs" / "quickstart.yaml"), "--print-config"]) == 0
     dumped = tmp_path / "dumped.yaml"
     dumped.write_text(capsys.readouterr().out)
-    assert load_config(dumped) == load_config(REPO / "configs" / "quickstart.yaml")
+    assert load_and_check(dumped) == load_and_check(REPO / "configs" / "quickstart.yaml")
 
 
 def test_validate_no_check_files(tmp_path, capsys):

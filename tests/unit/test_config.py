@@ -22,10 +22,10 @@ from hpcrl.config import (
     load_config,
     parse_override,
     resolve,
-    save_resolved,
     slurm_time_seconds,
     validate,
 )
+from hpcrl.validate import load_and_check, save_resolved
 
 REPO = Path(__file__).resolve().parents[2]
 M = "model: {create: tiny-qwen2}\n"
@@ -243,7 +243,7 @@ BAD = [
 def test_malformed_config_is_one_line_error(tmp_path, text, overrides, field, value, parts):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
+        load_and_check(path, overrides)
     err = info.value
     msg = assert_one_line(err, field)
     if value is FILE:
@@ -303,13 +303,13 @@ def test_problem_text_with_newlines_stays_one_line():
 
 @pytest.mark.parametrize("name", ["quickstart.yaml", "smollm2-arith.yaml", "moe-quickstart.yaml"])
 def test_shipped_configs_load(name):
-    cfg = load_config(REPO / "configs" / name)
+    cfg = load_and_check(REPO / "configs" / name)
     assert cfg.model.create is not None and cfg.model.path.startswith(".cache/models/")
     assert cfg.train.global_batch_size == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
 
 
 def test_quickstart_values():
-    cfg = load_config(REPO / "configs" / "quickstart.yaml")
+    cfg = load_and_check(REPO / "configs" / "quickstart.yaml")
     assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 700, "addition")
     assert (cfg.sft.enabled, cfg.sft.output, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr) == (
         True, ".cache/models/tiny-qwen2-addition-sft", 3000, 256, 1e-3)
@@ -326,7 +326,7 @@ def test_smollm2_agent_config_does_its_warm_start_itself(monkeypatch):
     the RL prompts in data) and names the agent by its file, so it validates with no PYTHONPATH."""
     monkeypatch.chdir(REPO)  # its paths are relative to the working directory
     monkeypatch.setattr(sys, "path", list(sys.path))
-    cfg = load_config(REPO / "configs" / "smollm2-agent.yaml")
+    cfg = load_and_check(REPO / "configs" / "smollm2-agent.yaml")
     assert (cfg.model.create, cfg.model.gguf_file) == ("gguf", "smollm2")
     assert cfg.sft.enabled and cfg.sft.output == ".cache/models/smollm2-agent-sft"
     assert (cfg.sft.data.source, cfg.sft.data.num_eval) == ("examples/agent_calculator/demos.jsonl", 16)
@@ -335,7 +335,7 @@ def test_smollm2_agent_config_does_its_warm_start_itself(monkeypatch):
 
 
 def test_smollm2_values():
-    cfg = load_config(REPO / "configs" / "smollm2-arith.yaml")
+    cfg = load_and_check(REPO / "configs" / "smollm2-arith.yaml")
     assert cfg.model.gguf_file == "smollm2" and cfg.data.source == "reasoning_gym:basic_arithmetic"
     assert cfg.rollout.stop == ["\n"] and cfg.rollout.max_new_tokens == 16 and cfg.run.num_rollout == 20
     # packed, and megatron's activation recompute (issue #13: trainer peak below TRL's on the same work)
@@ -344,27 +344,27 @@ def test_smollm2_values():
 
 
 def test_defaults_only_need_a_model():
-    cfg = load_config(None, ["model.create=tiny-qwen2"])
+    cfg = load_and_check(None, ["model.create=tiny-qwen2"])
     assert cfg.model.path == ".cache/models/tiny-qwen2"
     assert cfg.rollout == dataclasses.replace(Config().rollout, over_sampling_batch_size=8)
 
 
 def test_overrides_apply(tmp_path):
     path = write(tmp_path, M + "rollout: {batch_size: 4}\ntrain: {micro_batch_size: 32}\nsglang:\n")
-    cfg = load_config(path, [
-        "rollout.batch_size=16",
-        "slurm.extra_sbatch=[--reservation=foo, --qos=high]",
-        "sglang.enable_memory_saver=true",
-        "sglang.mem_fraction_static=0.7",
-        "megatron.recompute_granularity=full",
-        "data.task_kwargs.digits=4",
-        "sweep.grid.train.lr=[1e-5, 3e-5]",
-        "run.name=2024",
-        'rollout.stop=["\\n"]',
-        "run.placement=disaggregate",
-        "slurm.rollout.nodes=2",
-        "train.lr=1e-4",
-    ])
+    cfg = load_and_check(path, [
+           "rollout.batch_size=16",
+           "slurm.extra_sbatch=[--reservation=foo, --qos=high]",
+           "sglang.enable_memory_saver=true",
+           "sglang.mem_fraction_static=0.7",
+           "megatron.recompute_granularity=full",
+           "data.task_kwargs.digits=4",
+           "sweep.grid.train.lr=[1e-5, 3e-5]",
+           "run.name=2024",
+           'rollout.stop=["\\n"]',
+           "run.placement=disaggregate",
+           "slurm.rollout.nodes=2",
+           "train.lr=1e-4",
+       ])
     assert cfg.rollout.batch_size == 16 and cfg.train.global_batch_size == 128
     assert cfg.slurm.extra_sbatch == ["--reservation=foo", "--qos=high"]
     assert cfg.sglang == {"enable_memory_saver": True, "mem_fraction_static": 0.7}
@@ -379,8 +379,8 @@ def test_overrides_apply(tmp_path):
 
 def test_later_override_wins_and_null_clears(tmp_path):
     path = write(tmp_path, M + "rollout: {dynamic_filter: nonzero_std}\n")
-    cfg = load_config(path, ["rollout.batch_size=2", "rollout.batch_size=4", "rollout.dynamic_filter=null",
-                             "train.micro_batch_size=8"])
+    cfg = load_and_check(path, ["rollout.batch_size=2", "rollout.batch_size=4", "rollout.dynamic_filter=null",
+                                "train.micro_batch_size=8"])
     assert cfg.rollout.batch_size == 4 and cfg.rollout.dynamic_filter is None
 
 
@@ -394,13 +394,13 @@ def test_parse_override():
 def test_yaml12_numbers_and_times(tmp_path):
     path = write(tmp_path, M + "train: {lr: 3e-5, min_lr: 0}\nslurm: {time: 12:00:00}\n"
                                "run: {name: '010'}\nsft: {output: out, lr: 1e-3}\n")
-    cfg = load_config(path)
+    cfg = load_and_check(path)
     assert cfg.train.lr == 3e-5 and isinstance(cfg.train.min_lr, float) and cfg.train.min_lr == 0.0
     assert cfg.slurm.time == "12:00:00" and cfg.sft.lr == 1e-3
 
 
 def test_empty_sections_keep_defaults(tmp_path):
-    cfg = load_config(write(tmp_path, M + "rollout:\nsglang:\nsweep:\n"))
+    cfg = load_and_check(write(tmp_path, M + "rollout:\nsglang:\nsweep:\n"))
     assert cfg.rollout.batch_size == 8 and cfg.sglang == {}
 
 
@@ -429,7 +429,7 @@ def test_existing_files_pass(tmp_path, monkeypatch):
     text = ("model: {path: m}\ndata: {source: train.jsonl, eval_source: train.jsonl}\n"
             "rollout: {reward_function: hpcrl.config.validate}\n"
             "slurm: {container: img.sif, time: '2-00:00:00', signal: SIGUSR2@300}\n")
-    cfg = load_config(write(tmp_path, text))
+    cfg = load_and_check(write(tmp_path, text))
     assert cfg.model.path == "m" and cfg.data.source == "train.jsonl"
 
 
@@ -451,7 +451,7 @@ def test_reward_builtins_match_rewards_module():
     resolve_mod = pytest.importorskip("hpcrl.rewards.resolve")
     for builtin in resolve_mod.BUILTIN_REWARDS:
         name = builtin.replace("<url>", "http://127.0.0.1:8000/reward")
-        cfg = load_config(None, ["model.create=tiny-qwen2", f"rollout.reward_function={name}"])
+        cfg = load_and_check(None, ["model.create=tiny-qwen2", f"rollout.reward_function={name}"])
         assert cfg.rollout.reward_function == name
 
 
@@ -482,16 +482,16 @@ def test_validate_checks_types_of_configs_built_in_code():
 
 
 def test_int_is_accepted_for_float_and_converted():
-    cfg = load_config(None, ["model.create=tiny-qwen2", "rollout.temperature=1", "train.lr=1"])
+    cfg = load_and_check(None, ["model.create=tiny-qwen2", "rollout.temperature=1", "train.lr=1"])
     assert type(cfg.rollout.temperature) is float and type(cfg.train.lr) is float
 
 
 def test_cispo_takes_eps_low_one_which_ppo_clip_refuses():
-    cfg = load_config(None, ["model.create=tiny-qwen2", "algorithm.policy_loss=cispo", "algorithm.eps_clip=1.0",
-                             "algorithm.eps_clip_high=4.0"])
+    cfg = load_and_check(None, ["model.create=tiny-qwen2", "algorithm.policy_loss=cispo", "algorithm.eps_clip=1.0",
+                                "algorithm.eps_clip_high=4.0"])
     assert (cfg.algorithm.policy_loss, cfg.algorithm.eps_clip) == ("cispo", 1.0)
     with pytest.raises(ConfigError, match="algorithm.eps_clip"):
-        load_config(None, ["model.create=tiny-qwen2", "algorithm.eps_clip=1.0"])
+        load_and_check(None, ["model.create=tiny-qwen2", "algorithm.eps_clip=1.0"])
 
 
 def test_resolve_fills_derived_defaults_without_mutating():
@@ -515,22 +515,22 @@ def test_resolve_fills_derived_defaults_without_mutating():
 
 
 def test_explicit_values_survive_resolve():
-    cfg = load_config(None, ["model.create=tiny-qwen2", "rollout.over_sampling_batch_size=12",
-                             "algorithm.eps_clip_high=0.28", "weights.method=disk"])
+    cfg = load_and_check(None, ["model.create=tiny-qwen2", "rollout.over_sampling_batch_size=12",
+                                "algorithm.eps_clip_high=0.28", "weights.method=disk"])
     assert (cfg.rollout.over_sampling_batch_size, cfg.algorithm.eps_clip_high, cfg.weights.method) == (
         12, 0.28, "disk")
 
 
 def test_resolved_round_trip(tmp_path):
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
-        "sglang.enable_memory_saver=true", "slurm.extra_sbatch=['--comment=a: b #c']", "run.name=1e5",
-        "slurm.setup=['module load x']", 'rollout.stop=["\\n", "12:30", "null", "yes"]',
-        "data.task_kwargs={digits: 3, few_shot: 2}", "sweep.grid.train.lr=[1.0e-5, 2.0e-5]",
-        "sweep.grid.run.mode=[sync]", "sft.target_accuracy=0.95"])
+    cfg = load_and_check(REPO / "configs" / "quickstart.yaml", [
+           "sglang.enable_memory_saver=true", "slurm.extra_sbatch=['--comment=a: b #c']", "run.name=1e5",
+           "slurm.setup=['module load x']", 'rollout.stop=["\\n", "12:30", "null", "yes"]',
+           "data.task_kwargs={digits: 3, few_shot: 2}", "sweep.grid.train.lr=[1.0e-5, 2.0e-5]",
+           "sweep.grid.run.mode=[sync]", "sft.target_accuracy=0.95"])
     path = save_resolved(cfg, tmp_path / "runs" / "x")
     assert path == tmp_path / "runs" / "x" / "config.yaml"
     assert sorted(p.name for p in path.parent.iterdir()) == ["config.yaml"]  # no temp file left behind
-    back = load_config(path)
+    back = load_and_check(path)
     assert back == cfg
     assert yaml.safe_load(path.read_text())["rollout"]["batch_size"] == 8
     assert config_to_dict(back) == config_to_dict(cfg)
@@ -542,7 +542,7 @@ def test_save_resolved_resolves_and_overwrites(tmp_path):
     save_resolved(cfg, tmp_path)
     cfg.run.name = "second"
     path = save_resolved(cfg, tmp_path)
-    back = load_config(path)
+    back = load_and_check(path)
     assert back.run.name == "second" and back.train.global_batch_size == 64
     assert back == resolve(cfg)
 
@@ -561,22 +561,22 @@ def test_expert_parallel_size_is_checked_against_an_existing_model_folder(tmp_pa
     folder = model_folder(tmp_path / "moe", {"model_type": "qwen3_moe", "num_experts": 4,
                                              "num_experts_per_tok": 6})
     with pytest.raises(ConfigError) as e:
-        load_config(None, [f"model.path={folder}"])
+        load_and_check(None, [f"model.path={folder}"])
     assert "num_experts_per_tok=6 of only 4 experts" in assert_one_line(e.value, "model.path")
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
                                                     "num_experts_per_tok": 2}))
     with pytest.raises(ConfigError) as e:
-        load_config(None, [f"model.path={folder}", "train.expert_parallel_size=3", "train.nprocs=3"])
+        load_and_check(None, [f"model.path={folder}", "train.expert_parallel_size=3", "train.nprocs=3"])
     assert "must divide the model's 4 experts" in assert_one_line(e.value, "train.expert_parallel_size")
-    cfg = load_config(None, [f"model.path={folder}", "train.expert_parallel_size=2", "train.nprocs=2"])
+    cfg = load_and_check(None, [f"model.path={folder}", "train.expert_parallel_size=2", "train.nprocs=2"])
     assert cfg.train.expert_parallel_size == 2
     with pytest.raises(ConfigError) as e:  # megatron-core trains MoE under TP only with sequence parallelism
-        load_config(None, [f"model.path={folder}", "train.tensor_parallel_size=2", "train.nprocs=2"])
+        load_and_check(None, [f"model.path={folder}", "train.tensor_parallel_size=2", "train.nprocs=2"])
     assert "sequence parallelism" in assert_one_line(e.value, "train.tensor_parallel_size")
     for create in ("tiny-glm4-moe", "tiny-deepseek-v3"):  # known before the folder exists
         with pytest.raises(ConfigError) as e:
-            load_config(None, [f"model.path={tmp_path / create}", f"model.create={create}",
-                               "train.tensor_parallel_size=2", "train.nprocs=2"])
+            load_and_check(None, [f"model.path={tmp_path / create}", f"model.create={create}",
+                                     "train.tensor_parallel_size=2", "train.nprocs=2"])
         assert "mixture-of-experts" in assert_one_line(e.value, "train.tensor_parallel_size")
 
 
@@ -585,24 +585,40 @@ def test_tensor_parallel_size_must_divide_the_heads(tmp_path):
     folder = model_folder(tmp_path / "dense", {"model_type": "qwen2", "num_attention_heads": 6,
                                                "num_key_value_heads": 2})
     with pytest.raises(ConfigError) as e:
-        load_config(None, [f"model.path={folder}", "train.tensor_parallel_size=4", "train.nprocs=4"])
+        load_and_check(None, [f"model.path={folder}", "train.tensor_parallel_size=4", "train.nprocs=4"])
     assert "num_attention_heads=6" in assert_one_line(e.value, "train.tensor_parallel_size")
     with pytest.raises(ConfigError) as e:
-        load_config(None, [f"model.path={folder}", "train.tensor_parallel_size=3", "train.nprocs=3"])
+        load_and_check(None, [f"model.path={folder}", "train.tensor_parallel_size=3", "train.nprocs=3"])
     assert "num_key_value_heads=2" in assert_one_line(e.value, "train.tensor_parallel_size")
-    assert load_config(None, [f"model.path={folder}", "train.tensor_parallel_size=2",
-                              "train.nprocs=2"]).train.tensor_parallel_size == 2
+    assert load_and_check(None, [f"model.path={folder}", "train.tensor_parallel_size=2",
+                                 "train.nprocs=2"]).train.tensor_parallel_size == 2
     with pytest.raises(ConfigError) as e:  # before the tiny model exists
-        load_config(None, [f"model.path={tmp_path / 'tiny'}", "model.create=tiny-qwen2",
-                           "model.tiny_num_heads=4", "model.tiny_num_kv_heads=2",
-                           "train.tensor_parallel_size=4", "train.nprocs=4"])
+        load_and_check(None, [f"model.path={tmp_path / 'tiny'}", "model.create=tiny-qwen2",
+                              "model.tiny_num_heads=4", "model.tiny_num_kv_heads=2",
+                              "train.tensor_parallel_size=4", "train.nprocs=4"])
     assert "num_key_value_heads=2" in assert_one_line(e.value, "train.tensor_parallel_size")
 
 
 def test_moe_quickstart_values():
     """The MoE quickstart: the tiny MoE, GSPO, experts over 2 trainer processes (issue #15 point 4)."""
-    cfg = load_config(REPO / "configs" / "moe-quickstart.yaml")
+    cfg = load_and_check(REPO / "configs" / "moe-quickstart.yaml")
     assert (cfg.model.create, cfg.train.expert_parallel_size, cfg.train.nprocs) == ("tiny-qwen3-moe", 2, 2)
     assert (cfg.algorithm.advantage_estimator, cfg.rollout.router) == ("gspo", False)
-    replayed = load_config(REPO / "configs" / "moe-quickstart.yaml", ["algorithm.routing_replay=true"])
+    replayed = load_and_check(REPO / "configs" / "moe-quickstart.yaml", ["algorithm.routing_replay=true"])
     assert replayed.algorithm.routing_replay
+
+
+def test_environment_checks_run_only_with_the_environment_in_the_same_order(tmp_path):
+    """Config imports no plug-in loader or model reader: ``hpcrl.config.load_config`` without an ``env`` skips
+    the checks that need one, ``hpcrl.validate.load_and_check`` (what every command uses) runs them, and an
+    error the config finds on its own still comes first in the order validate checks."""
+    from hpcrl.validate import ENVIRONMENT
+
+    bad_plugin = ["model.create=tiny-qwen2", "rollout.reward_function=os.no_such_function"]
+    assert load_config(None, bad_plugin).rollout.reward_function == "os.no_such_function"
+    with pytest.raises(ConfigError) as e:
+        load_and_check(None, bad_plugin)
+    assert "has no attribute 'no_such_function'" in assert_one_line(e.value, "rollout.reward_function")
+    with pytest.raises(ConfigError) as e:  # the model section is checked before the rollout's plug-ins
+        load_config(None, [*bad_plugin, "model.tiny_num_heads=3"], env=ENVIRONMENT)
+    assert e.value.field == "model.tiny_num_heads"

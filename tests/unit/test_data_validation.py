@@ -213,9 +213,9 @@ def test_prompt_length_is_checked_at_start_when_the_model_does_not_exist(validat
     assert (f"data.source: prompt lengths not checked against the model's context: {tmp_path / 'not-yet'} does "
             "not exist yet (they are checked at the start of the run)") in err
     # ... and at the start the same loader refuses it (the model exists by then)
-    from hpcrl.config import load_config
+    from hpcrl.validate import load_and_check
 
-    cfg = load_config(write_config(tmp_path, f, f"{{path: {tmp_path / 'm'}, create: tiny-qwen2}}"))
+    cfg = load_and_check(write_config(tmp_path, f, f"{{path: {tmp_path / 'm'}, create: tiny-qwen2}}"))
     from hpcrl.models.hf import ensure_model
 
     ensure_model(cfg.model, seed=0)

@@ -221,7 +221,7 @@ def test_checkpoint_save_and_resume_is_bitwise(tp1, mla_dirs, tmp_path):
     a, b = dict(bridge.export_hf_weights(ddp_model)), dict(bridge.export_hf_weights(fresh))
     assert all(torch.equal(a[n], b[n]) for n in a)
     kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
-    assert not torch.equal(a[kv_a], bridge.read_hf_state_dict(path)[kv_a])  # it trained
+    assert not torch.equal(a[kv_a].cpu(), bridge.read_hf_state_dict(path)[kv_a])  # it trained
 
 
 def test_packed_and_shared_forwards_equal_the_padded_one(tp1, tiny_model_dir, tmp_path):
@@ -333,7 +333,7 @@ def test_engine_loader_takes_every_exported_name(tp1, mla_dirs, kind):
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for _, t in bridge.named_tensors(model):
-            t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.02)
+            t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device) * 0.02)
     exported = [(n, t.cpu()) for n, t in bridge.export_hf_weights(model)]
     hf_model = load_hf(mla_dirs[kind])
     loader = WeightLoader(hf_model)

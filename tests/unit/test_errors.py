@@ -6,11 +6,12 @@ import pytest
 
 from hpcrl import errors
 from hpcrl.checkpoint import CheckpointError
-from hpcrl.config import ConfigError, load_config, save_resolved
+from hpcrl.config import ConfigError
 from hpcrl.data.sources import DataError
 from hpcrl.models.hf import ModelFolderError
 from hpcrl.procs import ProcessStartError
 from hpcrl.slurm import entry
+from hpcrl.validate import load_and_check, save_resolved
 from hpcrl.weights.common import WeightSyncError
 
 
@@ -66,8 +67,8 @@ def test_traceback_goes_to_this_start_attempt(tmp_path, capsys):
 
 
 def test_slurm_entry_status_for_known_and_unexpected(tmp_path, monkeypatch, capsys):
-    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=r", "model.create=tiny-qwen2",
-                             f"model.path={tmp_path / 'm'}"])
+    cfg = load_and_check(None, [f"run.output_dir={tmp_path}", "run.name=r", "model.create=tiny-qwen2",
+                                f"model.path={tmp_path / 'm'}"])
     path = save_resolved(cfg, tmp_path / "r")
     (tmp_path / "boots.py").write_text("from hpcrl.data.sources import DataError\n"
                                        "def bad(cfg, run_dir):\n    raise DataError('d.jsonl', 4, 'bad', 'fix')\n"

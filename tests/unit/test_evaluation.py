@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config import ConfigError, load_config
+from hpcrl.config import ConfigError
 from hpcrl.data.chat import prompt_token_ids
 from hpcrl.data.sample import Sample, Status
 from hpcrl.data.sources import DataError, load_datasets
 from hpcrl.rollout import evaluate as ev
 from hpcrl.rollout.rollout import tokenize_prompt
+from hpcrl.validate import load_and_check
 
 BASE = """\
 run: {name: ev}
@@ -36,7 +37,7 @@ TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}({{ m['content
 
 def config(tmp_path: Path, *overrides: str, text: str = BASE, model: Path | None = None):
     (tmp_path / "run.yaml").write_text(text.replace("MODEL", str(model or tmp_path / "tiny")))
-    return load_config(tmp_path / "run.yaml", list(overrides))
+    return load_and_check(tmp_path / "run.yaml", list(overrides))
 
 
 @pytest.fixture

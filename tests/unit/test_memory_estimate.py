@@ -34,9 +34,10 @@ import pytest
 import yaml
 
 from hpcrl.config import ConfigError, load_config
-from hpcrl.config.memory import GB, RESERVED_GB, check_memory, engine_memory, memory_lines, trainer_memory
+from hpcrl.config.memory import GB, RESERVED_GB, check_memory, engine_memory, trainer_memory
 from hpcrl.models.params import count_parameters
 from hpcrl.models.support import SUPPORTED_MODEL_TYPES
+from hpcrl.validate import ENVIRONMENT, load_and_check, memory_lines
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "configs" / "cluster"
@@ -237,7 +238,7 @@ def test_cluster_config_fits_and_tiles_its_gpus(tmp_path, name):
     """All six, GLM and DeepSeek included: the estimate and layout checks (the model-folder check that refuses
     glm4_moe/deepseek_v3 for now is not part of :func:`check_memory`)."""
     cfg = _cfg(tmp_path, name)
-    check_memory(cfg, check_files=True)  # raises if a layout does not fit
+    check_memory(cfg, check_files=True, env=ENVIRONMENT)  # raises if a layout does not fit
     s, t, sg = cfg.slurm, cfg.train, cfg.sglang
     world = s.nodes * s.gpus_per_node
     assert t.nprocs == world  # what hpcrl submit sets from the allocation
@@ -270,8 +271,8 @@ def test_cluster_config_fits_and_tiles_its_gpus(tmp_path, name):
 def test_layout_that_cannot_fit_is_refused_in_one_line(tmp_path, override, field):
     folder = model_folder(tmp_path / "m", "qwen3-30b-a3b")
     with pytest.raises(ConfigError) as e:
-        load_config(CLUSTER / "qwen3-30b-a3b.yaml", [f"model.path={folder}", override,
-                                                     "rollout.max_new_tokens=16000"])
+        load_and_check(CLUSTER / "qwen3-30b-a3b.yaml", [f"model.path={folder}", override,
+                                                        "rollout.max_new_tokens=16000"])
     assert e.value.field == field
     assert "\n" not in str(e.value) and "; " in str(e.value)  # one line: field=value: problem; fix
 
@@ -279,8 +280,8 @@ def test_layout_that_cannot_fit_is_refused_in_one_line(tmp_path, override, field
 def test_refusal_names_the_offload_that_would_fit(tmp_path):
     folder = model_folder(tmp_path / "m", "qwen3-30b-a3b")
     with pytest.raises(ConfigError) as e:
-        load_config(CLUSTER / "qwen3-30b-a3b.yaml",
-                    [f"model.path={folder}", "megatron.optimizer_cpu_offload=false"])
+        load_and_check(CLUSTER / "qwen3-30b-a3b.yaml",
+                       [f"model.path={folder}", "megatron.optimizer_cpu_offload=false"])
     assert "megatron.optimizer_cpu_offload=true" in e.value.fix and "fits" in e.value.fix
 
 
@@ -288,8 +289,8 @@ def test_moe_refusal_names_expert_parallelism_not_tp(tmp_path):
     """A MoE model that does not fit is pointed at the offload and more expert parallelism, never at TP."""
     folder = model_folder(tmp_path / "m", "glm-4.5-air")
     with pytest.raises(ConfigError) as e:
-        load_config(CLUSTER / "glm-4.5-air.yaml",
-                    [f"model.path={folder}", "megatron.optimizer_cpu_offload=false"])
+        load_and_check(CLUSTER / "glm-4.5-air.yaml",
+                       [f"model.path={folder}", "megatron.optimizer_cpu_offload=false"])
     assert e.value.field == "slurm.gpu_memory_gb"
     assert "train.expert_parallel_size (up to 128)" in e.value.fix
     assert "tensor_parallel_size" not in e.value.fix
@@ -301,8 +302,8 @@ def test_moe_under_tensor_parallelism_is_refused(tmp_path):
     spec refuses."""
     folder = model_folder(tmp_path / "m", "deepseek-v3")
     with pytest.raises(ConfigError) as e:
-        load_config(CLUSTER / "deepseek-v3.yaml", [f"model.path={folder}", "train.tensor_parallel_size=8",
-                                                   "train.expert_parallel_size=32"])
+        load_and_check(CLUSTER / "deepseek-v3.yaml", [f"model.path={folder}", "train.tensor_parallel_size=8",
+                                                      "train.expert_parallel_size=32"])
     assert e.value.field == "train.tensor_parallel_size"
 
 
@@ -336,7 +337,7 @@ def test_deepseek_v3_on_h100_is_refused_in_one_line(tmp_path):
 def test_gpu_memory_key_is_checked(tmp_path, name, overrides, field):
     folder = model_folder(tmp_path / "m", "qwen3-30b-a3b")
     with pytest.raises(ConfigError) as e:
-        load_config(CLUSTER / f"{name}.yaml", [f"model.path={folder}", *overrides])
+        load_and_check(CLUSTER / f"{name}.yaml", [f"model.path={folder}", *overrides])
     assert e.value.field == field
 
 

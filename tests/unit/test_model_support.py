@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config import ConfigError, load_config
+from hpcrl.config import ConfigError
 from hpcrl.models.support import check_model_folder, routed_experts, unsupported_feature
+from hpcrl.validate import load_and_check
 
 HPCRL = [sys.executable, "-m", "hpcrl"]
 
@@ -40,7 +41,7 @@ def hf_folder(path: Path, model_type: str, **fields) -> Path:
 def test_unsupported_families_are_refused_by_validate_and_run_in_one_line(tmp_path, model_type, why):
     folder = hf_folder(tmp_path / model_type, model_type)
     with pytest.raises(ConfigError) as e:
-        load_config(None, [f"model.path={folder}"])
+        load_and_check(None, [f"model.path={folder}"])
     assert e.value.field == "model.path"
     assert f"config.json model_type={model_type!r} " in str(e.value) and why in str(e.value)
     config = write_config(tmp_path, folder)
@@ -121,5 +122,5 @@ def test_damaged_folders_are_refused_without_reading_tensors(tmp_path, tiny_mode
     problem, fix = check_model_folder(folder)
     assert words in problem, problem
     with pytest.raises(ConfigError) as e:
-        load_config(None, [f"model.path={folder}"])
+        load_and_check(None, [f"model.path={folder}"])
     assert e.value.field == "model.path" and words in str(e.value) and "\n" not in str(e.value)

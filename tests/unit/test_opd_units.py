@@ -11,12 +11,13 @@ import sys
 import pytest
 import torch
 
-from hpcrl.config import ConfigError, load_config
+from hpcrl.config import ConfigError
 from hpcrl.data.buffer import read_buffer, write_buffer
 from hpcrl.data.sample import Sample, Status
 from hpcrl.rollout.teacher import opd_metrics, response_log_probs
 from hpcrl.train import algorithms as alg
 from hpcrl.train.actor import build_micro_batch
+from hpcrl.validate import load_and_check
 
 M = ["model.create=tiny-qwen2"]
 
@@ -102,7 +103,7 @@ def test_buffer_keeps_teacher_log_probs_and_reads_files_without_them(tmp_path):
 ])
 def test_opd_config_refusals(overrides, field, words):
     with pytest.raises(ConfigError) as info:
-        load_config(None, M + overrides)
+        load_and_check(None, M + overrides)
     assert info.value.field == field
     for w in words:
         assert w in str(info.value), str(info.value)
@@ -110,9 +111,9 @@ def test_opd_config_refusals(overrides, field, words):
 
 def test_group_of_one_is_allowed_only_with_a_teacher():
     with pytest.raises(ConfigError, match="algorithm.opd.teachers"):
-        load_config(None, M + ["rollout.n_samples_per_prompt=1", "rollout.dynamic_filter=null", "train.micro_batch_size=8"])
-    cfg = load_config(None, M + ["rollout.n_samples_per_prompt=1", "rollout.dynamic_filter=null", "train.micro_batch_size=8",
-                                 "algorithm.opd.teachers=[{path: t, sft_target_accuracy: 0.5}]"])
+        load_and_check(None, M + ["rollout.n_samples_per_prompt=1", "rollout.dynamic_filter=null", "train.micro_batch_size=8"])
+    cfg = load_and_check(None, M + ["rollout.n_samples_per_prompt=1", "rollout.dynamic_filter=null", "train.micro_batch_size=8",
+                                    "algorithm.opd.teachers=[{path: t, sft_target_accuracy: 0.5}]"])
     assert cfg.algorithm.opd.teachers[0].path == "t"
 
 
@@ -126,7 +127,7 @@ def test_teacher_with_another_tokenizer_is_refused_before_anything_runs(tmp_path
     vocab["0"], vocab["1"] = vocab["1"], vocab["0"]  # ids of two digits swapped: same size, other meaning
     (other / "tokenizer.json").write_text(json.dumps(tok))
     base = [f"model.path={tiny_model_dir}"]
-    cfg = load_config(None, base + [f"algorithm.opd.teachers=[{{path: {same}}}]"])
+    cfg = load_and_check(None, base + [f"algorithm.opd.teachers=[{{path: {same}}}]"])
     assert cfg.algorithm.opd.teachers[0].path == str(same)
     (tmp_path / "run.yaml").write_text(f"model: {{path: {tiny_model_dir}}}\n")
     cmd = [sys.executable, "-m", "hpcrl", "validate", str(tmp_path / "run.yaml"),

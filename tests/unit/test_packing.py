@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core")
 
 from hpcrl.config import ConfigError  # noqa: E402
 from hpcrl.data.sample import Sample  # noqa: E402
+from hpcrl.train import bridge  # noqa: E402
 from hpcrl.train.actor import Actor, build_micro_batch  # noqa: E402
 from hpcrl.train.packing import build_pack, plan_micro_batches, unit_tokens  # noqa: E402
 from tests.unit.test_actor import make_config, make_samples, tp1  # noqa: E402,F401
@@ -187,8 +188,9 @@ def test_packed_actor_passes_ci_gates_and_trains_the_padded_step(tp1, tiny_model
         assert packed.step_metrics[0][key] == pytest.approx(steps_pad[0][key], rel=1e-5, abs=1e-7), key
     assert m_pad["train/forward_tokens"] == m_pad["train/padded_tokens"]
     assert m_pack["train/forward_tokens"] < min(m_pack["train/padded_tokens"], m_pad["train/forward_tokens"])
-    packed_weights = dict(packed.hf_weights())  # Adam magnifies rounding of near-zero gradients: as at TP=2
-    for name, w in padded.hf_weights():
+    # Adam magnifies rounding of near-zero gradients: as at TP=2
+    packed_weights = dict(bridge.export_hf_weights(packed.ddp_model))
+    for name, w in bridge.export_hf_weights(padded.ddp_model):
         assert (packed_weights[name] - w).abs().max().item() < 1e-3, name
 
 
@@ -197,7 +199,7 @@ def test_packed_actor_same_seed_is_bitwise_repeatable(tp1, tiny_model_dir, sampl
         actor = Actor(make_config(**PACKED, **{"run.deterministic": True}), tiny_model_dir, ci_checks=True)
         for rollout_id in range(2):
             actor.train(rollout_id, samples)
-        return {k: v.clone() for k, v in actor.hf_weights()}
+        return {k: v.clone() for k, v in bridge.export_hf_weights(actor.ddp_model)}
 
     a, b = run(), run()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -271,13 +273,13 @@ def test_each_segment_of_a_sample_is_its_own_sequence(tp1, tiny_model_dir, sampl
 
 
 def test_budget_smaller_than_a_sample_is_a_config_error_naming_both_numbers(tmp_path, tiny_model_dir):
-    from hpcrl.config import load_config
+    from hpcrl.validate import load_and_check
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"model: {{path: {tiny_model_dir}}}\nrollout: {{max_new_tokens: 16}}\n"
                    "train: {max_tokens_per_microbatch: 12}\n")
     with pytest.raises(ConfigError, match=r"train\.max_tokens_per_microbatch.*12.*17 tokens.*max_new_tokens=16"):
-        load_config(cfg)
+        load_and_check(cfg)
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n' * 3 + '{"prompt": "' + "9" * 40 + '=", "label": "9"}\n'
                     + '{"prompt": "2+2=", "label": "4"}\n')
@@ -287,4 +289,4 @@ def test_budget_smaller_than_a_sample_is_a_config_error_naming_both_numbers(tmp_
 
     with pytest.raises(ConfigError, match=r"train\.max_tokens_per_microbatch.*40.*longest prompt of (\d+) "
                                           r"tokens \+ rollout\.max_new_tokens=16.*at least"):
-        check_data(load_config(cfg))
+        check_data(load_and_check(cfg))

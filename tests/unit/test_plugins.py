@@ -12,6 +12,7 @@ import pytest
 from hpcrl.config import ConfigError
 from hpcrl.config.checks import check_plugin
 from hpcrl.plugins import PluginError, load_function
+from hpcrl.validate import ENVIRONMENT
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,9 +113,23 @@ def test_config_check_takes_the_file_form(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "path", list(sys.path))
     agent = "examples/agent_calculator/agent.py"
-    check_plugin("rollout.agent.function", f"{agent}:solve", (), check_files=True)
+    check_plugin("rollout.agent.function", f"{agent}:solve", (), check_files=True, env=ENVIRONMENT)
     with pytest.raises(ConfigError, match=rf"^config error: rollout.agent.function='{agent}:nope': module "
                                           r"'agent_calculator.agent' has no attribute 'nope'"):
-        check_plugin("rollout.agent.function", f"{agent}:nope", (), check_files=True)
+        check_plugin("rollout.agent.function", f"{agent}:nope", (), check_files=True, env=ENVIRONMENT)
     with pytest.raises(ConfigError, match="or path/to/file.py:function"):
         check_plugin("rollout.agent.function", "agents/solve.py", (), check_files=False)  # no :function
+
+
+def test_an_absolute_file_path_names_the_same_plugin_from_any_directory(tmp_path, monkeypatch):
+    """``/abs/path/module.py:attr`` works from any working directory and is the module the relative form of
+    the same file imports (the calculator example's agent, with its relative import of the tool)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restored after the test
+    monkeypatch.chdir(tmp_path)
+    agent = REPO / "examples" / "agent_calculator" / "agent.py"
+    absolute = load_function(f"{agent}:solve")
+    assert absolute.__module__ == "agent_calculator.agent"
+    monkeypatch.chdir(REPO)
+    assert load_function("examples/agent_calculator/agent.py:solve") is absolute
+    with pytest.raises(PluginError, match=re.escape(f"no such file '{tmp_path}/nope.py'")):
+        load_function(f"{tmp_path}/nope.py:solve")

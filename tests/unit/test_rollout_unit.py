@@ -152,8 +152,8 @@ def test_cuda_possible_reads_the_gpu_device_nodes(tmp_path):
 ENGINES_BEFORE_TORCH = """
 import sys
 from pathlib import Path
-from hpcrl.config import load_config
 from hpcrl.launch_local import loop_of
+from hpcrl.validate import load_and_check
 
 class Launched(Exception):
     pass
@@ -162,8 +162,8 @@ def launcher(cfg, run_dir, attempt_dir, model_path, secret_path):
     raise Launched(f"torch imported: {'torch' in sys.modules}")
 
 tmp = Path(sys.argv[1])
-cfg = load_config(None, [f"run.output_dir={tmp}", f"model.path={tmp / 'model'}", "model.create=tiny-qwen2",
-                         "rollout.engine=auto", *sys.argv[2:]])
+cfg = load_and_check(None, [f"run.output_dir={tmp}", f"model.path={tmp / 'model'}", "model.create=tiny-qwen2",
+                            "rollout.engine=auto", *sys.argv[2:]])
 try:
     loop_of(cfg)(cfg, tmp / "run", tmp / "model", launch_engines=launcher)
 except Launched as e:

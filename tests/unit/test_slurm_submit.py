@@ -28,6 +28,7 @@ from hpcrl.slurm.control import cancel, print_logs
 from hpcrl.slurm.executor import HETJOB_LINE, HetSlurmExecutor, HetSlurmInfoWatcher, insert_after_last_sbatch
 from hpcrl.slurm.resources import plan_job, slurm_config
 from hpcrl.slurm.submit import prepare_config, submit, submitit_parameters
+from hpcrl.validate import load_and_check
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -793,7 +794,7 @@ def test_templates_are_strict_jinja(tmp_path, work):
 def test_rollout_step_srun_command_colocated_and_het(tmp_path):
     from hpcrl.slurm.rollout_step import num_engines, srun_command
 
-    cfg = load_config(None, ["model.create=tiny-qwen2", "rollout.num_engines=2", "slurm.gpus_per_node=4"])
+    cfg = load_and_check(None, ["model.create=tiny-qwen2", "rollout.num_engines=2", "slurm.gpus_per_node=4"])
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1"}
     cmd = srun_command(cfg, tmp_path, tmp_path / "logs/attempt-0", tmp_path / "m", tmp_path / "secret", env,
                        python="py")
@@ -804,14 +805,14 @@ def test_rollout_step_srun_command_colocated_and_het(tmp_path):
                                      str(tmp_path / "config.yaml"), "--model-path", str(tmp_path / "m"),
                                      "--attempt-dir", str(tmp_path / "logs/attempt-0"), "--secret",
                                      str(tmp_path / "secret")]
-    het = load_config(None, ["model.create=tiny-qwen2", "run.placement=disaggregate",
-                             "slurm.rollout={nodes: 3, gpus_per_node: 8}"])
+    het = load_and_check(None, ["model.create=tiny-qwen2", "run.placement=disaggregate",
+                                "slurm.rollout={nodes: 3, gpus_per_node: 8}"])
     cmd = srun_command(het, tmp_path, tmp_path, tmp_path / "m", tmp_path / "secret", env, python="py")
     assert num_engines(het) == 3
     assert {"--het-group=1", "--nodes=3", "--ntasks-per-node=1", "--ntasks=3", "--gres=gpu:8"} <= set(cmd)
     image = tmp_path / "hpcrl.sif"
     image.write_bytes(b"")
-    boxed = load_config(None, ["model.create=tiny-qwen2", f"slurm.container={image}"])
+    boxed = load_and_check(None, ["model.create=tiny-qwen2", f"slurm.container={image}"])
     cmd = srun_command(boxed, tmp_path, tmp_path, tmp_path / "m", tmp_path / "secret", env, python="py")
     assert cmd[cmd.index("apptainer"):cmd.index("py")][-1] == str(image)
 
@@ -822,8 +823,8 @@ def test_rollout_step_srun_command_of_a_replacement_engine(tmp_path):
     from hpcrl.slurm.rollout_step import srun_command
 
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1"}
-    het = load_config(None, ["model.create=tiny-qwen2", "run.placement=disaggregate",
-                             "slurm.rollout={nodes: 3, gpus_per_node: 8}"])
+    het = load_and_check(None, ["model.create=tiny-qwen2", "run.placement=disaggregate",
+                                "slurm.rollout={nodes: 3, gpus_per_node: 8}"])
     cmd = srun_command(het, tmp_path, tmp_path / "a", tmp_path / "snap", tmp_path / "secret", env, python="py",
                        restart=(2, 1, "n4", "17"))
     assert {"--het-group=1", "--nodes=1", "--ntasks=1", "--nodelist=n4", "--gres=gpu:8",
@@ -831,7 +832,7 @@ def test_rollout_step_srun_command_of_a_replacement_engine(tmp_path):
     tail = cmd[cmd.index("py"):]
     assert tail[tail.index("--model-path") + 1] == str(tmp_path / "snap")
     assert tail[-4:] == ["--address-file", "engine-2.restart-1.json", "--weight-version", "17"]
-    colo = load_config(None, ["model.create=tiny-qwen2", "rollout.num_engines=2"])
+    colo = load_and_check(None, ["model.create=tiny-qwen2", "rollout.num_engines=2"])
     cmd = srun_command(colo, tmp_path, tmp_path, tmp_path / "m", tmp_path / "secret", env, python="py",
                        restart=(0, 3, "n1", None))
     assert {"--ntasks=1", "--nodes=1", "--nodelist=n1"} <= set(cmd) and "--weight-version" not in cmd
@@ -852,7 +853,7 @@ def test_rollout_step_engine_command_passes_gpu_sglang_flags(tmp_path):
         sglang: {{moe_a2a_backend: deepep, deepep_mode: low_latency, attention_backend: flashinfer,
                  quantization: fp8, tp_size: 4}}
         """))
-    cfg = load_config(tmp_path / "c.yaml")
+    cfg = load_and_check(tmp_path / "c.yaml")
     cmd = engine_command(cfg.rollout, engine_sglang_args(cfg), "/m", "0.0.0.0", 30000, create_run_secret(tmp_path),
                          key_via="config")
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
@@ -871,8 +872,8 @@ def test_engine_gets_model_dtype(tmp_path):
 
     (tmp_path / "c.yaml").write_text(f"model: {{path: {tmp_path}/m, create: tiny-qwen2, dtype: bfloat16}}\n"
                                      "rollout: {engine: cpu}\n")
-    cmd = engine_command(load_config(tmp_path / "c.yaml").rollout, engine_sglang_args(load_config(
-        tmp_path / "c.yaml")), "/m", "127.0.0.1", 30000, None)
+    cmd = engine_command(load_and_check(tmp_path / "c.yaml").rollout, engine_sglang_args(load_and_check(
+           tmp_path / "c.yaml")), "/m", "127.0.0.1", 30000, None)
     assert cmd[1:3] == ["-m", "hpcrl.engine.server"] and " --dtype bfloat16" in " ".join(cmd)
 
 

@@ -1,7 +1,8 @@
 """The shape issue #10 gave the package, read from the source (ast) so that it stays true: no import cycle between
-hpcrl modules (function-level imports included; ``if TYPE_CHECKING:`` blocks, which never run, excluded), no
-``from hpcrl.x import _name`` across modules, no module over 700 lines, the loop function at most 100 lines with
-no branch on the rank, and the loop importing nothing from ``hpcrl.slurm``."""
+hpcrl modules (function-level imports and ``if TYPE_CHECKING:`` blocks included: a circle of annotations is a
+circle of meaning), config at the bottom (``hpcrl.config`` imports only itself and the leaf
+:mod:`hpcrl.names`), no ``from hpcrl.x import _name`` across modules, no module over 700 lines, the loop
+function at most 100 lines with no branch on the rank, and the loop importing nothing from ``hpcrl.slurm``."""
 
 from __future__ import annotations
 
@@ -25,20 +26,11 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def imports(tree: ast.AST):
-    """Every import node that runs (module level or inside functions), skipping ``if TYPE_CHECKING:``."""
+    """Every import node: module level, inside functions and under ``if TYPE_CHECKING:``."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            stack.extend(node.orelse)
-            continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         stack.extend(ast.iter_child_nodes(node))
@@ -106,6 +98,23 @@ def test_no_import_cycle_between_hpcrl_modules():
     assert cycles(edges) == []
 
 
+LEAF = "hpcrl.names"
+"""The one module outside ``hpcrl/config/`` that config may import: the built-ins' names (it imports nothing
+from hpcrl)."""
+
+
+def test_config_imports_only_config_and_the_leaf_of_names():
+    """``hpcrl.config`` is the bottom layer: it imports nothing from hpcrl but ``hpcrl.config.*`` and
+    :mod:`hpcrl.names`, which imports nothing from hpcrl (the checks that read the model or import plug-ins
+    reach them through the :class:`hpcrl.config.Environment` that :mod:`hpcrl.validate` passes)."""
+    edges, _ = import_graph()
+    assert edges[LEAF] == set()
+    for m in (m for m in modules() if m == "hpcrl.config" or m.startswith("hpcrl.config.")):
+        outside = {t for t in edges[m] if t not in (LEAF, "hpcrl.config")
+                   and not t.startswith("hpcrl.config.")}
+        assert outside == set(), (m, outside)
+
+
 def test_no_private_name_imported_across_modules():
     _, private = import_graph()
     assert private == []
@@ -138,36 +147,48 @@ def test_the_async_loop_is_no_longer_than_the_sync_one():
 
 
 def test_the_checks_find_what_they_look_for():
-    """The cycle finder fires on a cycle; imports under ``if TYPE_CHECKING:`` are skipped, function-level ones
-    are not."""
+    """The cycle finder fires on a cycle; imports under ``if TYPE_CHECKING:`` and function-level ones
+    count."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from x import y\n"
                      "def f():\n    from hpcrl.z import _w\n")
     found = sorted((n.module, n.names[0].name) for n in imports(tree) if isinstance(n, ast.ImportFrom))
-    assert found == [("hpcrl.z", "_w"), ("typing", "TYPE_CHECKING")]
+    assert found == [("hpcrl.z", "_w"), ("typing", "TYPE_CHECKING"), ("x", "y")]
 
 
 def test_built_in_names_come_from_the_implementing_modules():
-    """Config validation knows the tasks, rewards and filters that their modules implement (no second list);
-    the estimator and KL literals, kept in the config so that it does not import torch, equal the algorithm
-    module's tuples."""
+    """Config validation knows the tasks, rewards, filters, estimators and losses by the leaf's names
+    (:mod:`hpcrl.names`), which are the implementing modules' (each registry asserts it on import)."""
     from typing import get_args, get_type_hints
 
-    from hpcrl import config
+    from hpcrl import config, names
     from hpcrl.config.train import GROUP_ESTIMATORS, AlgorithmSection
     from hpcrl.data.tasks import BUILTIN_TASKS
-    from hpcrl.rewards.resolve import BUILTIN_REWARD_FACTORIES
+    from hpcrl.rewards.resolve import BUILTIN_REWARD_FACTORIES, BUILTIN_REWARDS
     from hpcrl.rollout.filters import BUILTIN_FILTERS
+    from hpcrl.rollout import plugins
     from hpcrl.train import algorithms
 
-    assert config.BUILTIN_DATA_SOURCES == tuple(BUILTIN_TASKS)
-    assert config.BUILTIN_REWARD_FUNCTIONS == tuple(BUILTIN_REWARD_FACTORIES)
-    assert config.BUILTIN_DYNAMIC_FILTERS == tuple(BUILTIN_FILTERS)
+    assert config.BUILTIN_DATA_SOURCES == tuple(BUILTIN_TASKS) == names.TASKS
+    assert config.BUILTIN_REWARD_FUNCTIONS == tuple(BUILTIN_REWARD_FACTORIES) == names.REWARDS
+    assert BUILTIN_REWARDS == (*names.REWARDS, config.REMOTE_RM_PREFIX + "<url>")
+    assert config.BUILTIN_DYNAMIC_FILTERS == tuple(BUILTIN_FILTERS) == names.FILTERS
     hints = get_type_hints(AlgorithmSection)
-    assert get_args(hints["advantage_estimator"]) == algorithms.ESTIMATORS
-    assert get_args(hints["kl_loss_type"]) == algorithms.KL_KINDS
-    assert get_args(hints["policy_loss"]) == algorithms.POLICY_LOSSES
+    assert get_args(hints["advantage_estimator"]) == algorithms.ESTIMATORS == names.ESTIMATORS
+    assert get_args(hints["kl_loss_type"]) == algorithms.KL_KINDS == names.KL_KINDS
+    assert get_args(hints["policy_loss"]) == algorithms.POLICY_LOSSES == names.POLICY_LOSSES
     assert set(GROUP_ESTIMATORS) <= set(algorithms.ESTIMATORS)
+    assert config.RolloutSection().data_source == plugins.DEFAULT_DATA_SOURCE == names.DEFAULT_DATA_SOURCE
+
+
+def test_one_parser_of_the_remote_reward_model_url():
+    """``remote_rm:<url>``: the URL, "" when it is missing or not http(s), None for other names."""
+    from hpcrl.names import remote_rm_url
+
+    assert remote_rm_url("remote_rm:http://127.0.0.1:8000/reward") == "http://127.0.0.1:8000/reward"
+    assert remote_rm_url(" remote_rm: https://rm/x ") == "https://rm/x"
+    assert remote_rm_url("remote_rm") == remote_rm_url("remote_rm:ftp://x") == ""
+    assert remote_rm_url("exact_match") is remote_rm_url("remote_rmx.score") is None
 
 
 def test_test_files_have_unique_basenames():

@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from hpcrl.config import ModelSection, load_config
+from hpcrl.config import ModelSection
 from hpcrl.models.hf import SUPPORTED_MODEL_TYPES, ensure_model
 from hpcrl.models.support import check_model_folder
+from hpcrl.validate import ENVIRONMENT, load_and_check
 
 SECTION = dict(create="tiny-deepseek-v3", tiny_hidden_size=64, tiny_num_layers=3, tiny_num_heads=4,
                tiny_num_experts=8, tiny_moe_top_k=2, tiny_moe_intermediate_size=32, tiny_intermediate_size=96,
@@ -64,8 +65,8 @@ def test_transformers_the_tokenizer_and_the_login_node_read_it(ds_dir):
     assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().min() > 0  # loaded, not re-zeroed
     from hpcrl.config.train import model_experts
 
-    cfg = load_config(None, [f"model.path={ds_dir}", "model.create=tiny-deepseek-v3", "sft.enabled=false"])
-    assert model_experts(cfg, check_files=True) == (8, 2)
+    cfg = load_and_check(None, [f"model.path={ds_dir}", "model.create=tiny-deepseek-v3", "sft.enabled=false"])
+    assert model_experts(cfg, check_files=True, env=ENVIRONMENT) == (8, 2)
 
 
 def test_megatron_logits_equal_hfs(ds_dir):
@@ -86,8 +87,9 @@ def test_megatron_logits_equal_hfs(ds_dir):
         hf = AutoModelForCausalLM.from_pretrained(str(ds_dir), dtype=torch.float32).eval()
         ids = torch.randint(3, 21, (2, 80), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            logits = model.eval()(input_ids=ids, position_ids=torch.arange(80).expand(2, -1),
-                                  attention_mask=None)
-            assert (logits[..., :hf.config.vocab_size] - hf(ids).logits).abs().max() < 1e-5
+            dev = next(model.parameters()).device  # CUDA when there is one (build_gpt_model moves it)
+            positions = torch.arange(80, device=dev).expand(2, -1)
+            logits = model.eval()(input_ids=ids.to(dev), position_ids=positions, attention_mask=None)
+            assert (logits[..., :hf.config.vocab_size].cpu() - hf(ids).logits).abs().max() < 1e-5
     finally:
         parallel.destroy()

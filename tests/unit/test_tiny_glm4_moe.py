@@ -130,13 +130,13 @@ def test_the_glm4_moe_quickstart_config_loads_and_knows_its_experts():
     tiny_* keys before the folder exists (EP=2 divides 8), and routing replay validates on it."""
     from pathlib import Path
 
-    from hpcrl.config import load_config
+    from hpcrl.validate import load_and_check
     from hpcrl.config.train import model_experts
 
     path = Path(__file__).resolve().parents[2] / "configs" / "glm4-moe-quickstart.yaml"
-    cfg = load_config(path)
+    cfg = load_and_check(path)
     assert (cfg.model.create, cfg.model.path, cfg.train.expert_parallel_size, cfg.train.nprocs) == \
         ("tiny-glm4-moe", ".cache/models/tiny-glm4-moe", 2, 2)
     assert (cfg.algorithm.advantage_estimator, cfg.rollout.router, cfg.sft.enabled) == ("gspo", False, True)
     assert model_experts(cfg, check_files=False) == (8, 2)
-    assert load_config(path, ["algorithm.routing_replay=true"]).algorithm.routing_replay
+    assert load_and_check(path, ["algorithm.routing_replay=true"]).algorithm.routing_replay

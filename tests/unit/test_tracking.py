@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from hpcrl.cli import main
-from hpcrl.config import load_config
 from hpcrl.loop import RunLog
 from hpcrl.metrics import MetricsPosition, read_metrics
 from hpcrl.tracking import (ATTEMPT_KEY, CURVES_KEY, FIRST_STEP_KEY, STEP_KEY, WANDB_FILE, last_attempt_rows,
                             offline_runs, wandb_identity)
+from hpcrl.validate import load_and_check
 from tests.unit.wandb_records import history, records, wandb_files
 
 pytest.importorskip("wandb")
@@ -95,7 +95,7 @@ def test_offline_attempts_hold_metrics_jsonl_rows_by_the_last_attempt_rule(offli
     """Attempt 0 logs -1..2 and dies (checkpoint at 0); attempt 1 redoes 1 and is preempted there (step 2 of
     attempt 0 is no longer in metrics.jsonl, and must not come back from W&B); attempt 2 finishes. After each
     attempt, the offline files read by the rule are metrics.jsonl, value for value (null for NaN)."""
-    cfg = load_config(write_config(offline))
+    cfg = load_and_check(write_config(offline))
     run_dir = offline / "runs" / "wb"
     attempt(run_dir, cfg, 0, -2, range(0, 3), "error")
     assert [r["step"] for r in read_metrics(run_dir)] == [-1, 0, 1, 2]
@@ -160,7 +160,7 @@ def test_rule_drops_what_a_resume_truncated_and_keeps_the_last_row_of_a_step():
 
 
 def test_identity_is_kept_across_attempts_and_defaults(offline):
-    cfg = load_config(write_config(offline))
+    cfg = load_and_check(write_config(offline))
     run_dir = offline / "runs" / "wb"
     first = wandb_identity(cfg, run_dir)
     assert first["project"] == "wb" and first["entity"] is None and first["group"] is None and first["id"]
@@ -171,7 +171,7 @@ def test_identity_is_kept_across_attempts_and_defaults(offline):
 def test_online_run_that_cannot_start_warns_once_and_the_run_goes_on(offline, monkeypatch, caplog):
     """No API key (and no server): the metrics are written, W&B is left out with one warning."""
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
-    cfg = load_config(write_config(offline, mode="online"))
+    cfg = load_and_check(write_config(offline, mode="online"))
     run_dir = offline / "runs" / "wb"
     (run_dir / "logs" / "attempt-0").mkdir(parents=True)
     with caplog.at_level(logging.WARNING, logger="hpcrl.tracking"):
@@ -185,7 +185,7 @@ def test_online_run_that_cannot_start_warns_once_and_the_run_goes_on(offline, mo
 
 
 def test_disabled_imports_nothing_and_other_ranks_send_nothing(offline):
-    cfg = load_config(write_config(offline, mode="disabled"))
+    cfg = load_and_check(write_config(offline, mode="disabled"))
     run_dir = offline / "runs" / "wb"
     assert RunLog(run_dir, 4, 0, controller=True, cfg=cfg).tracker is None
     cfg.wandb.mode = "offline"
@@ -231,7 +231,7 @@ def test_wandb_sync_runs_wandb_sync_on_every_attempt(offline, monkeypatch):
     """The real wandb CLI sees both attempts and stops at the missing API key (exit 1, one line from hpcrl
     after wandb's own); with a stand-in ``wandb`` on PATH for the upload itself, the command line is ``wandb
     sync`` of the two offline runs, oldest first, and hpcrl exits 0."""
-    cfg = load_config(write_config(offline))
+    cfg = load_and_check(write_config(offline))
     run_dir = offline / "runs" / "wb"
     attempt(run_dir, cfg, 0, -2, range(0, 2), "preempted")
     attempt(run_dir, cfg, 1, 1, range(2, 4), "done")

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from hpcrl.config import (FILE_FIELD, OVERRIDE_FIELD, Config, ConfigError, SweepSection, build, check_sweep,
-                          load_raw, set_dotted)
+                          set_dotted)
+from hpcrl.validate import load_raw_and_check as load_raw
 from hpcrl.slurm.sweep.points import SweepPoint, expand_points, point_names
 
 # ------------------------------------------------------------------------------------------------------------

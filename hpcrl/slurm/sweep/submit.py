@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from hpcrl.config import ConfigError, load_config
+from hpcrl.config import ConfigError
+from hpcrl.validate import load_and_check as load_config
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.resources import JobPlan
 from hpcrl.slurm.state import Runner, queued_or_running, run_command, write_job_file
@@ -191,7 +192,7 @@ def submit_sweep(config: str | os.PathLike | None, overrides: Iterable[str] = ()
     if not dry_run:
         check_no_live_jobs(old, runner=runner)
     from hpcrl import __version__
-    from hpcrl.config import save_resolved
+    from hpcrl.validate import save_resolved
 
     parallelism = sp.base.sweep.array_parallelism
     sp.sweep_dir.mkdir(parents=True, exist_ok=True)
