@@ -59,7 +59,7 @@ class RolloutError(RuntimeError):
 
 class EnginesLost(RolloutError):
     """No engine is left to generate and none may be restarted (``rollout.max_engine_restarts`` used up): the
-    run checkpoints its last finished step and exits for requeue (:data:`hpcrl.errors.EXIT_REQUEUE`)."""
+    run checkpoints its last finished step and exits for requeue (:data:`hpcrl.errors.EXIT_RETRY`)."""
 
 
 class _Retryable(Exception):
