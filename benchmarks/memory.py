@@ -266,7 +266,7 @@ def trl_worker(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from hpcrl.data.sources import load_datasets
+    from hpcrl.data.datasets import load_datasets
     from hpcrl.models.hf import load_hf_model
     from vs_trl import (ADAM_BETA2, BATCH_PROMPTS, CLIP_GRAD, EPS_CLIP, GROUP_SIZE, LR, MAX_NEW_TOKENS,
                         TEMPERATURE, build_config)

@@ -344,7 +344,7 @@ def hpcrl_worker(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from hpcrl.data.sources import load_datasets
+    from hpcrl.data.datasets import load_datasets
     from hpcrl.launch_local import loop_of, resolve_cpu_sets
     from hpcrl.placement import pin
 
@@ -387,7 +387,7 @@ def trl_worker(spec: dict) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from hpcrl.data.sources import load_datasets
+    from hpcrl.data.datasets import load_datasets
     from hpcrl.eval import greedy_accuracy
     from hpcrl.models.hf import load_hf_model
 

@@ -94,7 +94,7 @@ def summarize(cfg: Config) -> list[str]:
 def _cmd_validate(ns: argparse.Namespace) -> int:
     cfg = load_and_check(ns.config, ns.overrides, check_files=not ns.no_check_files)
     if not ns.no_check_files:
-        from hpcrl.data.sources import check_data
+        from hpcrl.data.datasets import check_data
 
         check_data(cfg)  # every row of every data file, as the run reads them; notes on stderr
     if ns.print_config:

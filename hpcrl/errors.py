@@ -48,11 +48,11 @@ returns it; the Slurm job is requeued on it (:data:`hpcrl.slurm.requeue.EXIT_REQ
 
 _RETRY_ERRORS = {"hpcrl.rollout.client.EnginesLost"}
 
-_CONFIG_ERRORS = {"hpcrl.config.errors.ConfigError", "hpcrl.data.sources.DataError"}
+_CONFIG_ERRORS = {"hpcrl.config.errors.ConfigError", "hpcrl.data.datasets.DataError"}
 _RUN_ERRORS = {
     "hpcrl.rollout.client.RolloutError", "hpcrl.procs.ProcessStartError",
     "hpcrl.rollout.router.RouterError", "hpcrl.slurm.rollout_step.RolloutStepError",
-    "hpcrl.models.hf.ModelFolderError", "hpcrl.checkpoint.layout.CheckpointError", "hpcrl.plugins.PluginError",
+    "hpcrl.models.hf.ModelFolderError", "hpcrl.checkpoint.layout.CheckpointError", "hpcrl.plugin_loader.PluginError",
     "hpcrl.weights.common.WeightSyncError", "hpcrl.rollout.rollout.FilterStarved",
     "megatron.core.dist_checkpointing.core.CheckpointingException",
 }

@@ -12,7 +12,7 @@ branches on the rank. How the engines start is the caller's choice (``launch_eng
 ``hpcrl run`` (:mod:`hpcrl.launch_local`), a Slurm job step inside a job (:mod:`hpcrl.slurm.entry`).
 Colocated runs move device memory between trainer and engines in the order :mod:`hpcrl.rollout.manager`
 documents (no-op adapters on CPU). What the loop needs around it (watch, rollout manager, trainer, weight
-syncer, checkpoint manager, run log) is built and torn down by :class:`hpcrl.session.RunSession`. The run
+syncer, checkpoint manager, run log) is built and torn down by :class:`hpcrl.run_session.RunSession`. The run
 folder is described in :mod:`hpcrl.run_setup`.
 """
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from hpcrl.config import Config
 from hpcrl.run_setup import due
-from hpcrl.session import RunLog, RunSession, Trainer, build_trainer, sync_weights
+from hpcrl.run_session import RunLog, RunSession, Trainer, build_trainer, sync_weights
 
 if TYPE_CHECKING:
     from hpcrl.rollout.manager import EngineLauncher
@@ -43,7 +43,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     :func:`hpcrl.rollout.engines.launch_local_engines`). Raises what a step raises, after checkpointing the
     last finished step when the weights had not changed yet (rollout, reward, filter, a dead engine).
     """
-    # --- watch, engines, model, data, resume state, first sync, eval -1: hpcrl.session ------------------
+    # --- watch, engines, model, data, resume state, first sync, eval -1: hpcrl.run_session ------------------
     with RunSession(cfg, run_dir, model_path, ci_checks, launch_engines, offload_engines_first=True) as s:
         t, rollout, syncer = s.trainer, s.rollout, s.syncer
         actor, data_source, trained, ckpt = t.actor, t.data_source, t.trained, t.ckpt

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from hpcrl.config import Config
 from hpcrl.loop import StepFailed, broadcast
 from hpcrl.run_setup import due
-from hpcrl.session import RunLog, RunSession, sync_weights
+from hpcrl.run_session import RunLog, RunSession, sync_weights
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

@@ -71,5 +71,5 @@ def remote_rm_url(name: str) -> Optional[str]:
 
 
 FILE_FORM_RE = re.compile(r"(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_]\w*)")
-"""``path/to/module.py:attr``: a plug-in named by its file (:mod:`hpcrl.plugins` loads it; the config accepts
+"""``path/to/module.py:attr``: a plug-in named by its file (:mod:`hpcrl.plugin_loader` loads it; the config accepts
 this form besides a dotted ``pkg.module.attr``)."""

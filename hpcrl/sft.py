@@ -211,7 +211,7 @@ def run_sft(cfg: "Config") -> Path:
     ``sft.data`` when set (a data section of their own: an agent run warm-starts on tool-use demonstrations,
     then trains on the task's prompts), else the run's ``data``; everything below that says ``data`` means
     that section. When ``sft.output`` exists with the same :func:`cache_key` it is returned at once (the
-    cache). Otherwise: train/eval items come from :func:`hpcrl.data.sources.load_datasets`; the model is
+    cache). Otherwise: train/eval items come from :func:`hpcrl.data.datasets.load_datasets`; the model is
     trained in float32 with AdamW (betas :data:`ADAM_BETAS`, weight decay :data:`WEIGHT_DECAY`, grad-norm clip
     :data:`GRAD_CLIP`, linear warmup then cosine decay, see :func:`lr_at`) for at most ``sft.steps`` optimizer
     steps of ``sft.batch_size`` demonstrations at peak lr ``sft.lr``. Greedy accuracy on the eval items
@@ -233,7 +233,7 @@ def run_sft(cfg: "Config") -> Path:
     """
     import torch
 
-    from hpcrl.data.sources import load_datasets
+    from hpcrl.data.datasets import load_datasets
     from hpcrl.eval import greedy_accuracy
     from hpcrl.models.hf import ensure_model, load_hf_model
 

@@ -92,7 +92,7 @@ def evaluate_target(t: EvalTarget) -> dict[str, Any]:
     Raises what the export, the data loading and the engines raise (FileNotFoundError, DataError,
     ProcessStartError, RolloutError).
     """
-    from hpcrl.data.sources import load_datasets
+    from hpcrl.data.datasets import load_datasets
     from hpcrl.rollout.engines import launch_local_engines
     from hpcrl.rollout.manager import RolloutManager
     from hpcrl.run_setup import new_attempt_dir, prepare_model

@@ -22,12 +22,12 @@ from hpcrl.fsutil import atomic_write_text
 from hpcrl.models.hf import same_tokenizer
 from hpcrl.models.params import COUNTED_MODEL_TYPES, count_parameters, kv_cache_elements_per_token
 from hpcrl.models.support import check_model_folder, routed_experts
-from hpcrl.plugins import PluginError, load_function
+from hpcrl.plugin_loader import PluginError, load_function
 
 
 def plugin_problem(path: str) -> Optional[str]:
     """Why the plug-in ``path`` (``pkg.module.attr`` or ``path/to/file.py:attr``) does not import to a callable
-    (:func:`hpcrl.plugins.load_function`'s reason), or None when it does. Raises nothing else."""
+    (:func:`hpcrl.plugin_loader.load_function`'s reason), or None when it does. Raises nothing else."""
     try:
         load_function(path)
     except PluginError as e:

@@ -1,7 +1,7 @@
 """The run's checkpoint manager: one owner of the resume state and of when it is saved (torchtitan's
 ``CheckpointManager`` is the model).
 
-The session (:mod:`hpcrl.session`) hands it, once, the Megatron model and optimizer, a dict of named
+The session (:mod:`hpcrl.run_session`) hands it, once, the Megatron model and optimizer, a dict of named
 *stateful* objects (anything with ``state_dict()`` / ``load_state_dict(state)``) and the context a save runs
 in. The manager knows none of them by name but its own counter (``progress``); each one's ``state_dict()``
 goes to ``state.json`` under its name, except where the object says otherwise:

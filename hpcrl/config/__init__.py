@@ -19,7 +19,7 @@ Free-form sections (``sglang``, ``megatron``) are passed through: ``sglang`` key
 Modules: :mod:`~hpcrl.config.schema` (the root :class:`Config`), one module per group of sections with their
 checks (:mod:`~hpcrl.config.run`, :mod:`~hpcrl.config.rollout`, :mod:`~hpcrl.config.train`,
 :mod:`~hpcrl.config.slurm`, :mod:`~hpcrl.config.evaluation`, :mod:`~hpcrl.config.tracking`),
-:mod:`~hpcrl.config.convert` (typed conversion, overrides),
+:mod:`~hpcrl.config.coerce` (typed conversion, overrides),
 :mod:`~hpcrl.config.load` (the loading stages), :mod:`~hpcrl.config.errors`, :mod:`~hpcrl.config.checks`,
 :mod:`~hpcrl.config.yaml_io`, :mod:`~hpcrl.config.environment`, :mod:`~hpcrl.config.cpus` (CPU-list syntax),
 :mod:`~hpcrl.config.memory` (the per-GPU memory estimate). Everything public is importable from ``hpcrl.config``.
@@ -37,7 +37,7 @@ from hpcrl.config.train import (TrainSection, AlgorithmSection, WeightsSection, 
 from hpcrl.config.slurm import (SlurmGroup, SlurmSection, SweepSection, SIGNAL_RE, slurm_time_seconds)
 from hpcrl.config.evaluation import (EvalSection, EvalSetSection, DEFAULT_EVAL_SET)
 from hpcrl.config.tracking import (WandbSection)
-from hpcrl.config.convert import (parse_override, set_dotted, apply_override, apply_overrides)
+from hpcrl.config.coerce import (parse_override, set_dotted, apply_override, apply_overrides)
 from hpcrl.config.load import (read_config_file, load_config, build, load_raw, config_to_dict, config_to_yaml,
                                resolve, resolved_text, check_sweep, validate)
 from hpcrl.config.checks import (BUILTIN_DATA_SOURCES, DATA_FILE_SUFFIXES)

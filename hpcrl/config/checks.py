@@ -91,7 +91,7 @@ def check_source(field_name: str, value: str, check_files: bool) -> None:
 def check_plugin(field_name: str, value: Optional[str], builtins: tuple[str, ...],
                   check_files: bool, env: Optional[Environment] = None) -> None:
     """A plug-in is a builtin name, a dotted ``pkg.module.attr`` or a file's ``path/to/module.py:attr`` that
-    imports to a callable (``env.plugin_problem``: :func:`hpcrl.plugins.load_function`, the loader the rollout
+    imports to a callable (``env.plugin_problem``: :func:`hpcrl.plugin_loader.load_function`, the loader the rollout
     uses). Raises ConfigError naming ``field_name`` when it does not (the import is tried only with
     ``check_files`` and an ``env``)."""
     if value is None or value in builtins:

@@ -34,7 +34,7 @@ class Environment:
     (:func:`hpcrl.models.hf.same_tokenizer`)."""
     plugin_problem: Callable[[str], Optional[str]]
     """Why a plug-in path does not import to a callable, or None when it does
-    (:func:`hpcrl.plugins.load_function`'s ``PluginError.reason``)."""
+    (:func:`hpcrl.plugin_loader.load_function`'s ``PluginError.reason``)."""
     counted_model_types: tuple[str, ...]
     """HF ``model_type`` values :attr:`count_parameters` knows (:data:`hpcrl.models.params.COUNTED_MODEL_TYPES`)."""
     count_parameters: Callable[[Mapping[str, Any]], Any]

@@ -27,7 +27,7 @@ from hpcrl.config.memory import check_memory
 from hpcrl.config.evaluation import check_eval
 from hpcrl.config.tracking import check_wandb
 from hpcrl.config.schema import Config
-from hpcrl.config.convert import (apply_overrides, convert_dataclass, convert_value, schema_lookup,
+from hpcrl.config.coerce import (apply_overrides, convert_dataclass, convert_value, schema_lookup,
                                   unwrap_optional, value_kind)
 
 

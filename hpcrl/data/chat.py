@@ -3,7 +3,7 @@ template.
 
 One function, :func:`prompt_token_ids`, is used by the rollout
 (:func:`hpcrl.rollout.rollout.tokenize_prompt`), by evaluation (which goes through the rollout) and by the
-login-node prompt-length check (:class:`hpcrl.data.sources.PromptLengthCheck`), so all three count the same
+login-node prompt-length check (:class:`hpcrl.data.datasets.PromptLengthCheck`), so all three count the same
 tokens.
 
 With ``data.apply_chat_template`` a prompt is rendered with ``tokenizer.apply_chat_template(messages,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional, U
 
 from hpcrl import names
 from hpcrl.data.sample import Sample
-from hpcrl.plugins import load_function
+from hpcrl.plugin_loader import load_function
 from hpcrl.rewards import verifiers
 from hpcrl.rewards.remote import remote_rm
 
@@ -116,7 +116,7 @@ def get_reward_function(cfg: "Config", task: Optional["Task"] = None) -> RewardF
     """Resolve ``cfg.rollout.reward_function`` (module docstring) to ``async fn(sample) -> float | dict``.
 
     Raises ValueError for an unknown name (listing the built-ins) or ``task`` without a task, and
-    :class:`~hpcrl.plugins.PluginError` for a dotted path that does not load.
+    :class:`~hpcrl.plugin_loader.PluginError` for a dotted path that does not load.
     """
     name = cfg.rollout.reward_function.strip()
     if name in BUILTIN_REWARD_FACTORIES:

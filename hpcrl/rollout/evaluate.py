@@ -89,7 +89,7 @@ def eval_params(cfg, set_cfg=None) -> dict[str, Any]:
 
 def eval_sets(cfg, datasets) -> list[EvalSet]:
     """The run's eval sets: the default one (``datasets.eval``, when it has items) first, then ``eval.sets``
-    in order (:class:`hpcrl.data.sources.Datasets` holds their items)."""
+    in order (:class:`hpcrl.data.datasets.Datasets` holds their items)."""
     out = []
     if datasets.eval:
         out.append(EvalSet(DEFAULT_EVAL_SET, list(datasets.eval), datasets.task, cfg.eval.n_samples,

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 from hpcrl import names
 from hpcrl.data.sample import Sample
-from hpcrl.plugins import PluginError, load_function
+from hpcrl.plugin_loader import PluginError, load_function
 
 GroupFilter = Callable[[Sequence[Sample]], bool]
 
@@ -42,7 +42,7 @@ assert tuple(BUILTIN_FILTERS) == names.FILTERS, \
 
 def get_dynamic_filter(name_or_path: Optional[str]) -> Optional[GroupFilter]:
     """The filter named by ``rollout.dynamic_filter``: None for None/empty, a built-in by name, else the
-    function at a dotted import path (:func:`hpcrl.plugins.load_function`). Raises PluginError for an unknown
+    function at a dotted import path (:func:`hpcrl.plugin_loader.load_function`). Raises PluginError for an unknown
     name without a dot or a path that does not load."""
     if name_or_path is None or not name_or_path.strip():
         return None

@@ -172,7 +172,7 @@ class RolloutFleet:
         from hpcrl.agent.gateway import AgentGateway
         from hpcrl.agent.runner import agent_generate
         from hpcrl.models.hf import context_length
-        from hpcrl.plugins import load_function
+        from hpcrl.plugin_loader import load_function
         from hpcrl.rollout.rollout import sampling_params
 
         a = self.cfg.rollout.agent

@@ -2,7 +2,7 @@
 
 A custom generate function (multi-turn, tool calls) has the same signature,
 ``async def generate(client, sample, sampling_params) -> Sample``, and plugs in by dotted path
-(``rollout.generate_function``, resolved with :func:`hpcrl.plugins.load_function`); pass the callable to
+(``rollout.generate_function``, resolved with :func:`hpcrl.plugin_loader.load_function`); pass the callable to
 :func:`get_generate_function`.
 """
 

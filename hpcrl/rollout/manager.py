@@ -86,7 +86,7 @@ class RolloutManager:
     def start(self, datasets) -> None:
         """Start the fleet (:meth:`hpcrl.rollout.fleet.RolloutFleet.start`: engines, router, client, monitor,
         teachers), then build the memory phases, the rollout context (the agent gateway with
-        ``rollout.agent``) and the eval sets. ``datasets``: :class:`hpcrl.data.sources.Datasets` (eval items
+        ``rollout.agent``) and the eval sets. ``datasets``: :class:`hpcrl.data.datasets.Datasets` (eval items
         and the task that scores them). Raises what the launcher raises
         (:class:`hpcrl.procs.ProcessStartError`, a job step's error)."""
         from transformers import AutoTokenizer

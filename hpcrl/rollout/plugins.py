@@ -21,7 +21,7 @@ field                       default                                         call
 ==========================  ==============================================  ===========================================
 
 :func:`resolve_plugins` turns a config into the callables; config validation loads the same paths with the
-same loader (:func:`hpcrl.plugins.load_function`), so a bad path fails on the login node. The signatures are
+same loader (:func:`hpcrl.plugin_loader.load_function`), so a bad path fails on the login node. The signatures are
 pinned by ``tests/plugin_contracts/``; ``examples/plugins/`` has one working plug-in per point.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from hpcrl.names import DEFAULT_DATA_SOURCE, DEFAULT_GENERATE_FUNCTION, DEFAULT_ROLLOUT_FUNCTION
-from hpcrl.plugins import load_function
+from hpcrl.plugin_loader import load_function
 
 if TYPE_CHECKING:
     from hpcrl.config import Config
@@ -51,14 +51,14 @@ class RolloutPlugins:
 def make_data_source(cfg: "Config", items: Sequence[dict[str, Any]]):
     """The run's data source: ``rollout.data_source`` (default :class:`hpcrl.data.source.DataSource`) built on
     the train ``items`` with ``rollout.n_samples_per_prompt``, ``run.seed`` and ``data.shuffle``. Raises
-    :class:`~hpcrl.plugins.PluginError` for a path that does not load, and what the class raises."""
+    :class:`~hpcrl.plugin_loader.PluginError` for a path that does not load, and what the class raises."""
     cls = load_function(cfg.rollout.data_source or DEFAULT_DATA_SOURCE)
     return cls(items, cfg.rollout.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
 
 def resolve_plugins(cfg: "Config", task: Optional["Task"] = None) -> RolloutPlugins:
     """Every extension point of ``cfg.rollout`` as a callable; ``task`` is the data source's task (for the
-    ``task`` reward). Raises :class:`~hpcrl.plugins.PluginError` for a dotted path that does not load,
+    ``task`` reward). Raises :class:`~hpcrl.plugin_loader.PluginError` for a dotted path that does not load,
     ValueError for an unknown built-in name."""
     from hpcrl.rewards import get_reward_function
     from hpcrl.rollout.filters import get_dynamic_filter

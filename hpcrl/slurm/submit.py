@@ -118,7 +118,7 @@ def prepare_config(config: str | os.PathLike | Config | None, overrides: Iterabl
     cfg.run.output_dir = os.path.normpath(os.path.join(cwd, cfg.run.output_dir))
     cfg = slurm_config(cfg)
     plan = plan_job(cfg)
-    from hpcrl.data.sources import check_data
+    from hpcrl.data.datasets import check_data
 
     check_data(cfg)  # every data row, before anything is queued (remembered across a sweep's points)
     return cfg, plan

@@ -25,7 +25,7 @@ DRIVER = '''
 import json, math, sys
 import torch
 import hpcrl.checkpoint.manager as manager
-import hpcrl.session as session
+import hpcrl.run_session as session
 import hpcrl.offload as offload
 
 held, record = {}, {"offloads": 0, "saves": []}

@@ -21,7 +21,7 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.data.source import DataSource
-from hpcrl.data.sources import load_datasets
+from hpcrl.data.datasets import load_datasets
 from hpcrl.rollout.engines import launch_local_engines
 from hpcrl.rollout.evaluate import generate_eval
 from hpcrl.rollout.manager import RolloutManager

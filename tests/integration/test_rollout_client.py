@@ -428,7 +428,7 @@ def test_engines_load_while_the_trainer_starts(tmp_path, tiny_model_dir):
     colocated on the trainer's GPUs the early launch starts nothing: SGLang sizes its memory pool after the
     trainer's model is resident, as before (checked here without a GPU: nothing is spawned)."""
     from hpcrl.config import load_config
-    from hpcrl.data.sources import load_datasets
+    from hpcrl.data.datasets import load_datasets
     from hpcrl.procs import http_status
     from hpcrl.rollout.engines import launch_local_engines
     from hpcrl.rollout.manager import RolloutManager

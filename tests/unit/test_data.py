@@ -13,7 +13,7 @@ import pytest
 from hpcrl.config import Config
 from hpcrl.data.sample import Sample, Status
 from hpcrl.data.source import DataSource
-from hpcrl.data.sources import DataError, load_datasets, read_jsonl, read_parquet
+from hpcrl.data.datasets import DataError, load_datasets, read_jsonl, read_parquet
 from hpcrl.data.tasks import ReasoningGymTask, VerifierTask
 
 # ---------------------------------------------------------------------------------------------- files
@@ -66,7 +66,7 @@ def test_jsonl_bad_row_error(tmp_path, bad, what):
 def test_jsonl_bad_rows_skipped_and_logged(tmp_path, caplog):
     good = [json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) for i in range(3)]
     f = write_lines(tmp_path / "d.jsonl", [good[0], BAD_ROWS[0][0], good[1], BAD_ROWS[2][0], good[2]])
-    with caplog.at_level(logging.WARNING, logger="hpcrl.data.sources"):
+    with caplog.at_level(logging.WARNING, logger="hpcrl.data.datasets"):
         items = read_jsonl(f, on_bad_row="skip")
     assert [i["prompt"] for i in items] == ["0+1=", "1+1=", "2+1="]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -98,7 +98,7 @@ def test_read_parquet_and_bad_rows(tmp_path, caplog):
     with pytest.raises(DataError) as ei:
         read_parquet(f, prompt_key="q", label_key="a")
     assert (ei.value.path, ei.value.line) == (str(f), 2) and "is a NoneType" in str(ei.value)
-    with caplog.at_level(logging.WARNING, logger="hpcrl.data.sources"):
+    with caplog.at_level(logging.WARNING, logger="hpcrl.data.datasets"):
         items = read_parquet(f, prompt_key="q", label_key="a", on_bad_row="skip")
     assert items == [{"prompt": "a", "label": "1", "metadata": {"extra": 1}},
                      {"prompt": "c", "label": None, "metadata": {"extra": 3}}]

@@ -1,5 +1,5 @@
 """Bad datasets are refused on the login node: `hpcrl validate` / `submit` / `sweep` read every row with the
-loader the run uses (hpcrl.data.sources.check_data) and print one line `config error: data.source: FILE:LINE:
+loader the run uses (hpcrl.data.datasets.check_data) and print one line `config error: data.source: FILE:LINE:
 problem; fix` with exit status 2, or with `data.on_bad_row: skip` say how many rows they skipped."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from hpcrl import cli
-from hpcrl.data import sources
-from hpcrl.data.sources import MAX_ROW_BYTES, read_jsonl
+from hpcrl.data import datasets
+from hpcrl.data.datasets import MAX_ROW_BYTES, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = json.dumps({"prompt": "1+1=", "label": "2"})
@@ -219,8 +219,8 @@ def test_prompt_length_is_checked_at_start_when_the_model_does_not_exist(validat
     from hpcrl.models.hf import ensure_model
 
     ensure_model(cfg.model, seed=0)
-    with pytest.raises(sources.DataError, match=r":2: prompt is 300 tokens"):
-        sources.load_datasets(cfg)
+    with pytest.raises(datasets.DataError, match=r":2: prompt is 300 tokens"):
+        datasets.load_datasets(cfg)
 
 
 def test_no_check_files_reads_no_rows(validate, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from hpcrl import errors
 from hpcrl.checkpoint import CheckpointError
 from hpcrl.config import ConfigError
-from hpcrl.data.sources import DataError
+from hpcrl.data.datasets import DataError
 from hpcrl.models.hf import ModelFolderError
 from hpcrl.procs import ProcessStartError
 from hpcrl.slurm import entry
@@ -70,7 +70,7 @@ def test_slurm_entry_status_for_known_and_unexpected(tmp_path, monkeypatch, caps
     cfg = load_and_check(None, [f"run.output_dir={tmp_path}", "run.name=r", "model.create=tiny-qwen2",
                                 f"model.path={tmp_path / 'm'}"])
     path = save_resolved(cfg, tmp_path / "r")
-    (tmp_path / "boots.py").write_text("from hpcrl.data.sources import DataError\n"
+    (tmp_path / "boots.py").write_text("from hpcrl.data.datasets import DataError\n"
                                        "def bad(cfg, run_dir):\n    raise DataError('d.jsonl', 4, 'bad', 'fix')\n"
                                        "def crash(cfg, run_dir):\n    return 1 / 0\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -16,7 +16,7 @@ import pytest
 from hpcrl.config import ConfigError
 from hpcrl.data.chat import prompt_token_ids
 from hpcrl.data.sample import Sample, Status
-from hpcrl.data.sources import DataError, load_datasets
+from hpcrl.data.datasets import DataError, load_datasets
 from hpcrl.rollout import evaluate as ev
 from hpcrl.rollout.rollout import tokenize_prompt
 from hpcrl.validate import load_and_check
@@ -172,7 +172,7 @@ def test_chat_rows_system_and_tools_tokenised_as_the_rollout_does(tmp_path, chat
 
 
 def test_chat_rows_refused_on_the_login_node(tmp_path, chat_model, tiny_model_dir):
-    from hpcrl.data.sources import check_data
+    from hpcrl.data.datasets import check_data
 
     row = {"prompt": [{"role": "user", "content": "1+2="}], "label": "3"}
     rows = write_rows(tmp_path / "chat.jsonl", [row] * 4)

@@ -285,7 +285,7 @@ def test_budget_smaller_than_a_sample_is_a_config_error_naming_both_numbers(tmp_
                     + '{"prompt": "2+2=", "label": "4"}\n')
     cfg.write_text(f"model: {{path: {tiny_model_dir}}}\nrollout: {{max_new_tokens: 16}}\n"
                    f"data: {{source: {data}, num_eval: 1}}\ntrain: {{max_tokens_per_microbatch: 40}}\n")
-    from hpcrl.data.sources import check_data
+    from hpcrl.data.datasets import check_data
 
     with pytest.raises(ConfigError, match=r"train\.max_tokens_per_microbatch.*40.*longest prompt of (\d+) "
                                           r"tokens \+ rollout\.max_new_tokens=16.*at least"):

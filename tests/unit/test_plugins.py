@@ -11,7 +11,7 @@ import pytest
 
 from hpcrl.config import ConfigError
 from hpcrl.config.checks import check_plugin
-from hpcrl.plugins import PluginError, load_function
+from hpcrl.plugin_loader import PluginError, load_function
 from hpcrl.validate import ENVIRONMENT
 
 REPO = Path(__file__).resolve().parents[2]

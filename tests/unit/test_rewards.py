@@ -13,7 +13,7 @@ from aiohttp import web
 from hpcrl.config import Config
 from hpcrl.data.sample import Sample
 from hpcrl.data.tasks import make_task
-from hpcrl.plugins import PluginError
+from hpcrl.plugin_loader import PluginError
 from hpcrl.rewards import (
     RemoteRewardError,
     countdown,

@@ -1,4 +1,4 @@
-"""Both loops are their ``for`` loop inside one :class:`hpcrl.session.RunSession`: the set-up and tear-down
+"""Both loops are their ``for`` loop inside one :class:`hpcrl.run_session.RunSession`: the set-up and tear-down
 (preemption watch, rollout manager, trainer, syncer, first sync, run log, destroy) is written once, in the
 session, and neither loop file does any of it itself; the Slurm entry does not import the local launcher."""
 

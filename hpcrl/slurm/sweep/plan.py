@@ -100,7 +100,7 @@ def plan_sweep(config: str | os.PathLike | None, overrides: Iterable[str] = (),
     base_error: Optional[ConfigError] = None
     try:
         base = load_raw(with_slurm_ranks(copy.deepcopy(raw)))
-        from hpcrl.data.sources import check_data
+        from hpcrl.data.datasets import check_data
 
         check_data(base)  # a bad data row of the base is the base's error, not every point's
     except ConfigError as e:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from hpcrl.config import Config
     from hpcrl.data.buffer import TrainedRows
     from hpcrl.data.source import DataSource
-    from hpcrl.data.sources import Datasets
+    from hpcrl.data.datasets import Datasets
     from hpcrl.preempt import PreemptionWatch
     from hpcrl.rollout.manager import EngineLauncher, FollowerRollout, RolloutManager
     from hpcrl.train.actor import Actor
@@ -75,7 +75,7 @@ def build_trainer(cfg: "Config", run_dir: Path, model_path: Path, watch: "Preemp
 
     from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
     from hpcrl.data.buffer import TrainedRows
-    from hpcrl.data.sources import load_datasets
+    from hpcrl.data.datasets import load_datasets
     from hpcrl.metrics import MetricsPosition
     from hpcrl.rollout.plugins import make_data_source
     from hpcrl.rollout.rollout import group_multiple
