@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from hpcrl.config import Config, ConfigError
-from hpcrl.validate import load_and_check as load_config
+from hpcrl.validate import load_and_check
 
 
 @dataclass
@@ -49,7 +49,7 @@ def _run_config(run_dir: Path, config: Optional[str], overrides: Sequence[str]) 
     path = Path(config) if config else run_dir / "config.yaml"
     if not path.is_file():
         raise ConfigError("CONFIG", str(path), "no such config file", "give the run's config.yaml as CONFIG")
-    return load_config(path, list(overrides))
+    return load_and_check(path, list(overrides))
 
 
 def resolve_target(target: str, config: Optional[str] = None, overrides: Sequence[str] = (),
@@ -78,7 +78,7 @@ def resolve_target(target: str, config: Optional[str] = None, overrides: Sequenc
             raise ConfigError("CONFIG", None, f"{target} is an HF model folder, and says nothing of what to "
                               "evaluate it on", "give a run config: hpcrl eval MODEL CONFIG (its data, eval "
                               "and rollout sections are used)")
-        cfg = load_config(config, [*overrides, f"model.path={path}", "model.create=null",
+        cfg = load_and_check(config, [*overrides, f"model.path={path}", "model.create=null",
                                    "sft.enabled=false"])
         return EvalTarget(cfg, path, None, Path(output) if output else Path("eval") / path.name, path.name)
     raise ConfigError("RUN_OR_CHECKPOINT", target, "is not a run folder (config.yaml), a checkpoint folder "

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hpcrl.config import Config
-from hpcrl.validate import load_and_check as load_config
+from hpcrl.validate import load_and_check
 from hpcrl.slurm.requeue import (EXIT_REQUEUE, exit_for_requeue_on_signal, ignore_late_signals,
                                   requeue_after_checkpoint, submitit_resubmission)
 
@@ -155,7 +155,7 @@ def _run(config_path: str | os.PathLike, bootstrap: Optional[Bootstrap] = None) 
     state = {"reported": True}
 
     def run() -> int:
-        cfg = load_config(config_path)
+        cfg = load_and_check(config_path)
         result = exit_for_requeue_on_signal(cfg, lambda: (bootstrap or _bootstrap())(cfg, run_dir))
         state["reported"] = False
         # The run is over (finished, or checkpointed for a requeue). Slurm may still signal the step (the time

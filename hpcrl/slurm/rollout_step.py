@@ -288,7 +288,7 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     took this one before the engine bound it). Returns the engine's exit status."""
     import argparse
 
-    from hpcrl.validate import load_and_check as load_config
+    from hpcrl.validate import load_and_check
     from hpcrl.procs import find_free_service_port
     from hpcrl.rollout.engines import engine_command, engine_sglang_args
 
@@ -302,7 +302,7 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--port", type=int, default=None,
                    help="the first port to try (default: a free one below the ephemeral range)")
     args = p.parse_args(argv)
-    cfg = load_config(args.config)
+    cfg = load_and_check(args.config)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     sglang_args = engine_sglang_args(cfg)
     if args.weight_version is not None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from hpcrl.config import Config, apply_overrides, build, read_config_file, resolve, set_dotted
-from hpcrl.validate import check as validate, load_raw_and_check as load_raw, save_resolved
+from hpcrl.validate import check, load_raw_and_check, save_resolved
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.container import container_prefix, shell_join
 from hpcrl.slurm.requeue import MAX_TIME_LIMIT_REQUEUES, sbatch_option
@@ -110,10 +110,10 @@ def prepare_config(config: str | os.PathLike | Config | None, overrides: Iterabl
         world = gpu_trainer_ranks(cfg)
         if world is not None:
             cfg.train.nprocs = world
-        validate(cfg)
+        check(cfg)
         cfg = resolve(cfg)
     else:
-        cfg = load_raw(with_slurm_ranks(raw_config(config, overrides)))
+        cfg = load_raw_and_check(with_slurm_ranks(raw_config(config, overrides)))
     cwd = os.path.abspath(os.getcwd() if cwd is None else cwd)
     cfg.run.output_dir = os.path.normpath(os.path.join(cwd, cfg.run.output_dir))
     cfg = slurm_config(cfg)

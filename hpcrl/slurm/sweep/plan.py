@@ -12,7 +12,7 @@ from typing import Iterable, Optional
 
 from hpcrl.config import (FILE_FIELD, OVERRIDE_FIELD, Config, ConfigError, SweepSection, build, check_sweep,
                           set_dotted)
-from hpcrl.validate import load_raw_and_check as load_raw
+from hpcrl.validate import load_raw_and_check
 from hpcrl.slurm.sweep.points import SweepPoint, expand_points, point_names
 
 # ------------------------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def plan_sweep(config: str | os.PathLike | None, overrides: Iterable[str] = (),
     raw = raw_config(config, overrides)
     base_error: Optional[ConfigError] = None
     try:
-        base = load_raw(with_slurm_ranks(copy.deepcopy(raw)))
+        base = load_raw_and_check(with_slurm_ranks(copy.deepcopy(raw)))
         from hpcrl.data.datasets import check_data
 
         check_data(base)  # a bad data row of the base is the base's error, not every point's

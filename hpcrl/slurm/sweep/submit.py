@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from hpcrl.config import ConfigError
-from hpcrl.validate import load_and_check as load_config
+from hpcrl.validate import load_and_check
 from hpcrl.slurm import SCRIPT_FILE, SUBMITIT_DIR, SlurmCommandError
 from hpcrl.slurm.resources import JobPlan
 from hpcrl.slurm.state import Runner, queued_or_running, run_command, write_job_file
@@ -318,7 +318,7 @@ def resubmit_sweep(sweep_dir: str | os.PathLike, points: Optional[Sequence[str]]
         sweep_points = []
         for j, q in enumerate(picked):
             try:
-                cfg, plan = prepare_config(load_config(Path(q["run_dir"]) / "config.yaml"), cwd=workdir)
+                cfg, plan = prepare_config(load_and_check(Path(q["run_dir"]) / "config.yaml"), cwd=workdir)
             except ConfigError as e:
                 raise point_error(q["name"], e) from None
             sweep_points.append(SweepPoint(index=j, name=q["name"], overrides=q.get("overrides", {}),
