@@ -4,7 +4,7 @@
 Each worker gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and a ``file://``
 rendezvous in a new temporary folder (:data:`hpcrl.train.parallel.INIT_METHOD_ENV`: no port is picked, so none
 can be taken by another process before rank 0 binds it) and runs the loop of ``run.mode``
-(:func:`hpcrl.run_modes.loop_of`: :func:`hpcrl.loop.train_main` or :func:`hpcrl.loop_async.train_async_main`);
+(:func:`hpcrl.loop.loop_of`: :func:`hpcrl.loop.train_main` or :func:`hpcrl.loop_async.train_async_main`);
 rank 0 is the controller. Under
 Slurm the same function runs as a job step instead (``hpcrl submit``). With ``run.placement: disaggregate``
 the trainer is pinned to its CPU set and the engines to theirs (:mod:`hpcrl.placement`).
@@ -18,11 +18,11 @@ from pathlib import Path
 
 from hpcrl.config import Config
 from hpcrl.errors import EXIT_RETRY
-from hpcrl.run_modes import loop_of
+from hpcrl.loop import loop_of
 from hpcrl.validate import save_resolved
 from hpcrl.run_setup import prepare_model, quiet_logs, run_dir_of
 
-__all__ = ["main", "loop_of", "resolve_cpu_sets", "check_local_engine", "run_local_workers"]
+__all__ = ["main", "resolve_cpu_sets", "check_local_engine", "run_local_workers"]
 
 
 def main(cfg: Config) -> int:

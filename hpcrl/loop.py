@@ -10,7 +10,7 @@ Every trainer rank runs :func:`train_main`; global rank 0 is the controller. Its
 hold a :class:`~hpcrl.rollout.manager.FollowerRollout` and receive the samples by broadcast, so the loop never
 branches on the rank. How the engines start is the caller's choice (``launch_engines``): local processes for
 ``hpcrl run`` (:mod:`hpcrl.launch_local`), a Slurm job step inside a job (:mod:`hpcrl.slurm.entry`).
-Colocated runs move device memory between trainer and engines in the order :mod:`hpcrl.rollout.manager`
+Colocated runs move device memory between trainer and engines in the order :mod:`hpcrl.rollout.phases`
 documents (no-op adapters on CPU). What the loop needs around it (watch, rollout manager, trainer, weight
 syncer, checkpoint manager, run log) is built and torn down by :class:`hpcrl.run_session.RunSession`. The run
 folder is described in :mod:`hpcrl.run_setup`.
@@ -19,19 +19,17 @@ folder is described in :mod:`hpcrl.run_setup`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from hpcrl.config import Config
 from hpcrl.run_setup import due
-from hpcrl.run_session import RunLog, RunSession, Trainer, build_trainer, sync_weights
+from hpcrl.run_session import RunSession, StepFailed, broadcast, sync_weights
 
 if TYPE_CHECKING:
     from hpcrl.rollout.manager import EngineLauncher
 
-__all__ = ["train_main", "StepFailed", "broadcast", "due", "sync_weights", "RunLog", "Trainer",
-           "build_trainer"]
+__all__ = ["train_main", "loop_of"]
 
 
 def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None,
@@ -83,24 +81,14 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
     return s.result()
 
 
-@dataclass
-class StepFailed:
-    """What the controller broadcasts instead of the samples when a step's rollout failed (every rank then
-    checkpoints the last finished step and raises: the controller its ``error``, the others RuntimeError)."""
+def loop_of(cfg: Config) -> Callable[..., dict[str, Any]]:
+    """The loop function of ``run.mode``, for both launchers (``hpcrl run``: :mod:`hpcrl.launch_local`; the
+    Slurm job: :mod:`hpcrl.slurm.entry`): :func:`train_main` (sync) or
+    :func:`hpcrl.loop_async.train_async_main` (async, beside this file like slime's ``train_async.py``); both
+    take ``(cfg, run_dir, model_path, ...)`` and return the last step's metrics (``"preempted"`` when stopped
+    early with a checkpoint)."""
+    if cfg.run.mode == "async":
+        from hpcrl.loop_async import train_async_main
 
-    message: str
-    error: Optional[BaseException] = None
-
-    def __getstate__(self) -> dict:  # the exception stays on the controller; only the message is broadcast
-        return {"message": self.message, "error": None}
-
-
-def broadcast(obj: Any) -> Any:
-    """Send the controller's object to every trainer rank (a no-op with one rank)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        return train_async_main
+    return train_main

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from hpcrl.config import Config
-from hpcrl.loop import StepFailed, broadcast
 from hpcrl.run_setup import due
-from hpcrl.run_session import RunLog, RunSession, sync_weights
+from hpcrl.run_session import RunLog, RunSession, StepFailed, broadcast, sync_weights
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -107,7 +106,7 @@ def keep_step(ckpt: "CheckpointManager", metrics: RunLog, rollout_id: int, step:
 
 def collect(rollout: "RolloutManager | FollowerRollout", future: "Future", rollout_id: int) -> Any:
     """Wait for a rollout started with ``generate_async`` and hand ``(samples, metrics)`` to every trainer rank;
-    a :class:`~hpcrl.loop.StepFailed` instead when it raised on the controller."""
+    a :class:`~hpcrl.run_session.StepFailed` instead when it raised on the controller."""
     try:
         out = rollout.result(future)
     except Exception as e:  # noqa: BLE001 - every rank learns of it, then it is re-raised

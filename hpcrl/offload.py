@@ -66,8 +66,8 @@ class TorchMemorySaverTrainerMemory(TrainerMemory):
     ``hpcrl run`` by restarting itself (:func:`restart_with_hook`). With
     ``TMS_INIT_ENABLE_CPU_BACKUP=1`` parameters, gradients and optimizer state come back bitwise on
     :meth:`onload`; while paused nothing may read them, so the colocated loop copies the weights to sync to host
-    memory before it offloads (:func:`hpcrl.loop.sync_weights`). Not exercised in CPU CI; measured on an H200
-    by ``benchmarks/trainer_offload.py`` (docs/gpu-verification.md).
+    memory before it offloads (:func:`hpcrl.run_session.sync_weights`). Not exercised in CPU CI; measured on
+    an H200 by ``benchmarks/trainer_offload.py`` (docs/gpu-verification.md).
     """
 
     pauses_device_memory = True

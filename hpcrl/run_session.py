@@ -85,7 +85,8 @@ def build_trainer(cfg: "Config", run_dir: Path, model_path: Path, watch: "Preemp
     setup_parallel(cfg)
     actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
     datasets = load_datasets(cfg)
-    data_source = make_data_source(cfg, datasets.train)  # rollout.data_source, hpcrl.rollout.plugins
+    # rollout.data_source: by default hpcrl.data.source.DataSource (prompts -> groups of samples)
+    data_source = make_data_source(cfg, datasets.train)
     trained = TrainedRows()
     ckpt = CheckpointManager.from_config(cfg, run_dir, actor, watch=watch, states={
         "progress": RolloutCounter(), "data_source": data_source, "trained": trained,
@@ -268,3 +269,26 @@ class RunLog:
         if self.tracker is not None:
             self.tracker.finish(png, stopped=self.stopped is not None, failed=not self.finished)
         return png
+
+
+@dataclass
+class StepFailed:
+    """What the controller broadcasts instead of the samples when a step's rollout failed (every rank then
+    checkpoints the last finished step and raises: the controller its ``error``, the others RuntimeError)."""
+
+    message: str
+    error: Optional[BaseException] = None
+
+    def __getstate__(self) -> dict:  # the exception stays on the controller; only the message is broadcast
+        return {"message": self.message, "error": None}
+
+
+def broadcast(obj: Any) -> Any:
+    """Send the controller's object to every trainer rank (a no-op with one rank)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

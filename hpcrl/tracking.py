@@ -1,6 +1,6 @@
 """Weights & Biases tracking of a run (the ``wandb`` section, :class:`hpcrl.config.tracking.WandbSection`).
 
-Only the controller (global rank 0) talks to W&B, through :class:`hpcrl.loop.RunLog`:
+Only the controller (global rank 0) talks to W&B, through :class:`hpcrl.run_session.RunLog`:
 :meth:`WandbTracker.start` when the loop's metrics start, :meth:`WandbTracker.log` for every row written to
 ``metrics.jsonl`` (as it is written: the W&B charts follow the run live), :meth:`WandbTracker.finish` at the
 end of each attempt (``curves.png`` as the summary image ``curves``, then ``wandb.finish``). The ``wandb``

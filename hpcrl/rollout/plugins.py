@@ -48,11 +48,21 @@ class RolloutPlugins:
     dynamic_filter: Optional[Callable[..., bool]]
 
 
+def builtin_or_load(path: Optional[str], default_path: str, builtin: Any) -> Any:
+    """``builtin`` itself when ``path`` is unset or names it (``default_path``, e.g.
+    :data:`hpcrl.names.DEFAULT_ROLLOUT_FUNCTION`), so the default is a name a reader can follow; else the
+    plug-in ``path`` loaded by :func:`~hpcrl.plugin_loader.load_function` (the same object for the default
+    path: ``tests/unit/test_plugins.py`` checks it). Raises PluginError for a path that does not load."""
+    return builtin if path in (None, default_path) else load_function(path)
+
+
 def make_data_source(cfg: "Config", items: Sequence[dict[str, Any]]):
     """The run's data source: ``rollout.data_source`` (default :class:`hpcrl.data.source.DataSource`) built on
     the train ``items`` with ``rollout.n_samples_per_prompt``, ``run.seed`` and ``data.shuffle``. Raises
     :class:`~hpcrl.plugin_loader.PluginError` for a path that does not load, and what the class raises."""
-    cls = load_function(cfg.rollout.data_source or DEFAULT_DATA_SOURCE)
+    from hpcrl.data.source import DataSource
+
+    cls = builtin_or_load(cfg.rollout.data_source, DEFAULT_DATA_SOURCE, DataSource)
     return cls(items, cfg.rollout.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
 
@@ -62,11 +72,13 @@ def resolve_plugins(cfg: "Config", task: Optional["Task"] = None) -> RolloutPlug
     ValueError for an unknown built-in name."""
     from hpcrl.rewards import get_reward_function
     from hpcrl.rollout.filters import get_dynamic_filter
-    from hpcrl.rollout.generate import get_generate_function
+    from hpcrl.rollout.generate import generate, get_generate_function
+    from hpcrl.rollout.rollout import generate_rollout
 
     rc = cfg.rollout
     return RolloutPlugins(
-        rollout_fn=load_function(rc.rollout_function or DEFAULT_ROLLOUT_FUNCTION),
-        generate_fn=get_generate_function(load_function(rc.generate_function or DEFAULT_GENERATE_FUNCTION)),
+        rollout_fn=builtin_or_load(rc.rollout_function, DEFAULT_ROLLOUT_FUNCTION, generate_rollout),
+        generate_fn=get_generate_function(builtin_or_load(rc.generate_function, DEFAULT_GENERATE_FUNCTION,
+                                                          generate)),
         reward_fn=get_reward_function(cfg, task),
         dynamic_filter=get_dynamic_filter(rc.dynamic_filter))

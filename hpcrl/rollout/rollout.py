@@ -67,13 +67,20 @@ class FilterStarved(RuntimeError):
 
 @dataclass
 class RolloutContext:
-    """What a rollout needs besides the config: the client, tokenizer and the resolved plug-ins."""
+    """What a rollout needs besides the config: the client, tokenizer and the resolved plug-ins
+    (:func:`hpcrl.rollout.plugins.resolve_plugins`, built by the rollout manager)."""
 
     client: RolloutClient
+    """The engines' client (:class:`hpcrl.rollout.client.RolloutClient`)."""
     tokenizer: Any
     reward_fn: RewardFn
+    """``rollout.reward_function``; by default the task's verifier (``Task.score``, :mod:`hpcrl.data.tasks`)
+    for built-in tasks, else the named built-in reward (:mod:`hpcrl.rewards.resolve`) or a plug-in."""
     generate_fn: Callable[[RolloutClient, Sample, dict], Awaitable[Sample]]
+    """``rollout.generate_function``; by default :func:`hpcrl.rollout.generate.generate` (one ``/generate``
+    call through the client)."""
     dynamic_filter: Optional[GroupFilter] = None
+    """``rollout.dynamic_filter`` (:mod:`hpcrl.rollout.filters`), None to keep every group."""
     seed: int = 0
 
 

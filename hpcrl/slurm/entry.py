@@ -61,7 +61,7 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     Every task: torch.distributed from Slurm's environment (:func:`export_torch_env`; gloo with hpcrl's CPU
     compat module on CPU nodes, NCCL on GPUs), ``SLURM_CPUS_PER_TASK`` torch threads. Rank 0 prepares the
     model (creation, SFT warm start, GGUF conversion; cached in the run's paths) while the others wait at a
-    barrier, then every rank runs the loop of ``run.mode`` (:func:`hpcrl.run_modes.loop_of`), whose
+    barrier, then every rank runs the loop of ``run.mode`` (:func:`hpcrl.loop.loop_of`), whose
     controller (rank 0) starts the engines
     as the rollout job step (:mod:`hpcrl.slurm.rollout_step`), waits for their health, runs the loop and stops
     the step at the end. Returns 0, or :data:`EXIT_REQUEUE` when the loop stopped on the preemption signal or
@@ -70,7 +70,7 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from hpcrl.run_modes import loop_of
+    from hpcrl.loop import loop_of
     from hpcrl.run_setup import prepare_model, quiet_logs
     from hpcrl.slurm.rollout_step import launch_engine_step
     from hpcrl.train.parallel import init_distributed

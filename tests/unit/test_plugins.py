@@ -133,3 +133,21 @@ def test_an_absolute_file_path_names_the_same_plugin_from_any_directory(tmp_path
     assert load_function("examples/agent_calculator/agent.py:solve") is absolute
     with pytest.raises(PluginError, match=re.escape(f"no such file '{tmp_path}/nope.py'")):
         load_function(f"{tmp_path}/nope.py:solve")
+
+
+def test_default_plug_in_paths_load_the_builtins_the_resolver_uses_directly():
+    """hpcrl.rollout.plugins hands out the built-in objects themselves for unset or default plug-in fields (a
+    name a reader can follow), so each default path in hpcrl.names must load exactly that object."""
+    from hpcrl.data.source import DataSource
+    from hpcrl.names import DEFAULT_DATA_SOURCE, DEFAULT_GENERATE_FUNCTION, DEFAULT_ROLLOUT_FUNCTION
+    from hpcrl.plugin_loader import load_function
+    from hpcrl.rollout.generate import generate
+    from hpcrl.rollout.plugins import builtin_or_load
+    from hpcrl.rollout.rollout import generate_rollout
+
+    for path, builtin in ((DEFAULT_DATA_SOURCE, DataSource), (DEFAULT_GENERATE_FUNCTION, generate),
+                          (DEFAULT_ROLLOUT_FUNCTION, generate_rollout)):
+        assert load_function(path) is builtin
+        assert builtin_or_load(None, path, builtin) is builtin_or_load(path, path, builtin) is builtin
+    assert builtin_or_load("hpcrl.rollout.rollout.split_trainable", DEFAULT_ROLLOUT_FUNCTION,
+                           generate_rollout).__name__ == "split_trainable"

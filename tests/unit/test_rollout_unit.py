@@ -152,7 +152,7 @@ def test_cuda_possible_reads_the_gpu_device_nodes(tmp_path):
 ENGINES_BEFORE_TORCH = """
 import sys
 from pathlib import Path
-from hpcrl.launch_local import loop_of
+from hpcrl.loop import loop_of
 from hpcrl.validate import load_and_check
 
 class Launched(Exception):

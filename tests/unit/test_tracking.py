@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.cli import main
-from hpcrl.loop import RunLog
+from hpcrl.run_session import RunLog
 from hpcrl.metrics import MetricsPosition, read_metrics
 from hpcrl.tracking import (ATTEMPT_KEY, CURVES_KEY, FIRST_STEP_KEY, STEP_KEY, WANDB_FILE, last_attempt_rows,
                             offline_runs, wandb_identity)
