@@ -6,8 +6,9 @@ It ends with weights bitwise equal to an uninterrupted run and the same samples 
 each exactly once. ``checkpoint.save_interval=1``, so every completed step survives its kill unless the kill
 lands inside that step's save (then the step is redone, exactly).
 
-The run is the over-sampling config of ``tests/integration/test_preemption_local.py`` with 36 steps (a
-training kill lets an attempt log at most ~4 steps, so 7 of them cannot finish the run).
+The run is the over-sampling config of ``tests/integration/test_preemption_local.py`` with 36 steps: a
+training kill lets its attempt log at most ~4 steps, so the 7 leave steps to the final rerun (measured
+2026-11-27: 16 steps logged over the 10 kills; 23 over the 20 kills of 48 steps before).
 """
 
 from __future__ import annotations
