@@ -1,12 +1,14 @@
-"""Exactness under 20 random SIGKILLs (issue #5 points 3-4, the slow test): one deterministic run is SIGKILLed
-at 20 random moments - 5 during start-up (imports, resume, engine start, first weight sync), 15 after the
+"""Exactness under 10 random SIGKILLs (issue #5 points 3-4, the slow test): one deterministic run is SIGKILLed
+at 10 random moments - 3 during start-up (imports, resume, engine start, first weight sync), 7 after the
 attempt's first step, over its first checkpoint write and ~2 more steps (rollout, training, weight sync,
 checkpoint writes) - and rerun each time.
 It ends with weights bitwise equal to an uninterrupted run and the same samples trained in the same steps,
 each exactly once. ``checkpoint.save_interval=1``, so every completed step survives its kill unless the kill
 lands inside that step's save (then the step is redone, exactly).
 
-The run is the over-sampling config of ``tests/integration/test_preemption_local.py`` with 48 steps.
+The run is the over-sampling config of ``tests/integration/test_preemption_local.py`` with 36 steps: a
+training kill lets its attempt log at most ~4 steps, so the 7 leave steps to the final rerun (measured
+2026-11-27: 16 steps logged over the 10 kills; 23 over the 20 kills of 48 steps before).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from tests.integration.test_preemption_local import finish, start, steps_done, t
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-STEPS = 48
-KILLS = 20
+STEPS = 36
+KILLS = 10
 ARGS = (f"run.num_rollout={STEPS}", "checkpoint.save_interval=1", "checkpoint.keep_last=2")
 
 
@@ -36,7 +38,7 @@ def _rows(run_dir):
     return read_metrics(run_dir)
 
 
-def test_twenty_random_sigkills_then_reruns_end_bitwise_equal(tmp_path):
+def test_ten_random_sigkills_then_reruns_end_bitwise_equal(tmp_path):
     t0 = time.time()
     proc = start(tmp_path, "ref", *ARGS)
     assert finish(proc) == 0, (tmp_path / "ref.log").read_text()[-3000:]
@@ -52,7 +54,7 @@ def test_twenty_random_sigkills_then_reruns_end_bitwise_equal(tmp_path):
     while len(kills) < KILLS:
         t_start = time.time()
         proc = start(tmp_path, "killed", *ARGS)
-        if len(kills) % 4 == 3:  # every 4th kill: during start-up (imports, checkpoint load, engine, first sync)
+        if len(kills) % 3 == 2:  # every 3rd kill: in start-up (imports, checkpoint load, engine, first sync)
             delay = rng.uniform(0.5, startup)
             where = "start-up"
         else:  # the others: after this attempt's first step, over its first save and about 2 more steps

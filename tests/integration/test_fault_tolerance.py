@@ -1,5 +1,5 @@
 """Engines and router that die or hang are replaced, not fatal (issue #12), on real processes: a local
-``hpcrl run`` (tiny model, real CPU engine, real sglang-router) whose engine is SIGKILLed ten times at random
+``hpcrl run`` (tiny model, real CPU engine, real sglang-router) whose engine is SIGKILLed six times at random
 steps (sync, and async), SIGSTOPped (hung), whose router is SIGKILLed, and one whose engine may not restart.
 
 Heartbeat 1 s / timeout 3 s so that detection is quick; every run trains 4 groups x 4 samples per step from
@@ -26,7 +26,8 @@ from tests.integration.test_preemption_local import _alive, _cmdline, descendant
 
 pytestmark = pytest.mark.integration
 
-STEPS = 100
+STEPS = 60
+KILLS = 6
 
 
 def write_config(tmp_path: Path, steps: int = STEPS) -> Path:
@@ -92,11 +93,13 @@ def assert_each_group_once(tmp_path: Path, name: str, steps: int = STEPS) -> Non
     assert len(set(rows[:, 2].tolist())) == len(rows)
 
 
-def kill_engine_ten_times(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
-    """Run with ten SIGKILLs of the engine at random steps (each after the last replacement serves)."""
+def kill_engine_six_times(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    """Run with six SIGKILLs of the engine at random steps (each after the last replacement serves)."""
     proc = start(tmp_path, name, *overrides)
     run_dir = tmp_path / "runs" / name
-    for target in sorted(random.Random(12).sample(range(2, STEPS - 5), 10)):
+    # steps 3, 7, 20, 21, 39, 51: one soon after start, two on consecutive steps (the second soon after a
+    # replacement), as the ten kills of 100 steps had with seed 12
+    for target in sorted(random.Random(23).sample(range(2, STEPS - 5), KILLS)):
         wait_for(lambda: steps_done(run_dir) >= target, proc, what=f"step {target}")
         wait_for(lambda: procs(proc, "hpcrl.engine.server"), proc, what="an engine")
         victim = procs(proc, "hpcrl.engine.server")[0]
@@ -107,10 +110,10 @@ def kill_engine_ten_times(tmp_path: Path, name: str, *overrides: str) -> list[di
     assert steps_done(run_dir) == STEPS
     assert_each_group_once(tmp_path, name)
     rows = metrics(tmp_path, name)
-    assert sum(m["rollout/engine_restarts"] for m in rows) == 10
+    assert sum(m["rollout/engine_restarts"] for m in rows) == KILLS
     assert sum(m["rollout/seconds_without_engine"] for m in rows) > 0
     assert max(m["rollout/engine_recovery_seconds"] for m in rows) > 0
-    assert len(list((run_dir / "logs" / "attempt-0").glob("engine-0.restart-*.log"))) == 10
+    assert len(list((run_dir / "logs" / "attempt-0").glob("engine-0.restart-*.log"))) == KILLS
     assert_no_state_rule_broken(run_dir)
     return rows
 
@@ -129,19 +132,19 @@ def assert_no_state_rule_broken(run_dir: Path) -> None:
         assert not broken, f"{log.name}: {broken}"
 
 
-def test_sync_run_survives_ten_engine_kills(tmp_path):
-    """Sync, colocated, through the router: ten kills, the run completes, every group trained once, and
+def test_sync_run_survives_six_engine_kills(tmp_path):
+    """Sync, colocated, through the router: six kills, the run completes, every group trained once, and
     every rollout k came from weight version k (a restarted engine loads the current weights)."""
-    rows = kill_engine_ten_times(tmp_path, "sync")
+    rows = kill_engine_six_times(tmp_path, "sync")
     assert [m["rollout/weight_version"] for m in rows] == [str(k) for k in range(STEPS)]
     assert sum(m["rollout/retried_requests"] for m in rows) > 0  # requests in flight went elsewhere
 
 
-def test_async_run_survives_ten_engine_kills(tmp_path):
+def test_async_run_survives_six_engine_kills(tmp_path):
     """Async (one step off, disaggregated, weights over a torch.distributed group that is rebuilt for the
-    new engine): ten kills, the run completes, every group once, every rollout k+1 from version k. With
+    new engine): six kills, the run completes, every group once, every rollout k+1 from version k. With
     ``rollout.partial_rollout`` generations stream (a response cut by a kill is continued, not redone)."""
-    rows = kill_engine_ten_times(tmp_path, "async", "run.mode=async", "run.placement=disaggregate",
+    rows = kill_engine_six_times(tmp_path, "async", "run.mode=async", "run.placement=disaggregate",
                                  "rollout.partial_rollout=true")
     assert [m["rollout/weight_version"] for m in rows] == ["0"] + [str(k - 1) for k in range(1, STEPS)]
     assert all(m["rollout/kept_partial_tokens"] >= 0 for m in rows)
