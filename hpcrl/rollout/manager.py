@@ -103,7 +103,7 @@ class RolloutManager:
                                                       colocate=colocate), self.fleet.call)
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         plugins = resolve_plugins(cfg, self.datasets.task)
-        self.rollout_fn = plugins.rollout_fn
+        self.rollout_fn = plugins.rollout_fn  # by default hpcrl.rollout.rollout.generate_rollout
         generate_fn = plugins.generate_fn
         if rc.agent.enabled:  # agentic rollouts: the gateway in this process, in front of the router
             generate_fn = self.fleet.start_agent_gateway(tokenizer)
