@@ -254,8 +254,21 @@ def test_expert_bias_moves_by_megatrons_rule_when_enabled(tp1, glm_dirs):
 
 
 def test_expert_bias_is_checkpointed_and_resumed_bitwise(tp1, glm_dirs, tmp_path):
+    """Saved, loaded and the next step equal to an uninterrupted one's, bitwise. With deterministic algorithms
+    (``run.deterministic``), as the bitwise resume of a run needs on CUDA: an H200 without them gave the two
+    steps ~1 ulp apart in every weight (nondeterministic CUDA kernels)."""
     from hpcrl import checkpoint
+    from hpcrl.train.parallel import deterministic_mode
 
+    was = torch.are_deterministic_algorithms_enabled()
+    deterministic_mode(True)
+    try:
+        expert_bias_resumes_bitwise(glm_dirs, tmp_path, checkpoint)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def expert_bias_resumes_bitwise(glm_dirs, tmp_path, checkpoint) -> None:
     path = glm_dirs["qk_norm"]
     batch = sample_batch(load_hf(path).config.vocab_size, seed=5)
     megatron = {**MEGATRON, "moe_router_bias_update_rate": 1e-2}
