@@ -188,7 +188,9 @@ def hpcrl_worker(spec: dict) -> dict:
     _patch_backward(phases)
 
     import hpcrl.loop as loop
-    from hpcrl.config.rollout import DEFAULT_ROLLOUT_FUNCTION
+    import hpcrl.rollout.manager as rollout_manager
+    import hpcrl.run_session as run_session
+    from hpcrl.names import DEFAULT_ROLLOUT_FUNCTION
     from hpcrl.train.actor import Actor
     from vs_trl import RECOMPUTE, build_config
 
@@ -217,11 +219,13 @@ def hpcrl_worker(spec: dict) -> dict:
         return actor_forward(self, *a, **k)
 
     Actor._forward = forward
-    loop.sync_weights = phases.during("weight sync", after="other")(loop.sync_weights)
-    loop.RunLog.log = phases.during("metrics log")(loop.RunLog.log)
-    loop.RunLog.finish = phases.during("run end (curves.png)")(loop.RunLog.finish)
+    # the first sync (run_session) and each step's (loop)
+    synced = phases.during("weight sync", after="other")(loop.sync_weights)
+    run_session.sync_weights = loop.sync_weights = synced
+    run_session.RunLog.log = phases.during("metrics log")(run_session.RunLog.log)
+    run_session.RunLog.finish = phases.during("run end (curves.png)")(run_session.RunLog.finish)
     engine_peak = {"bytes": 0}
-    make_manager = loop.rollout_manager
+    make_manager = rollout_manager.rollout_manager
 
     def manager(*a, **k):
         m = make_manager(*a, **k)
@@ -242,7 +246,7 @@ def hpcrl_worker(spec: dict) -> dict:
         m.stop = stop_after_reading_engines
         return m
 
-    loop.rollout_manager = manager
+    rollout_manager.rollout_manager = manager  # RunSession imports it when it builds the rollout side
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     loop.train_main(cfg, run_dir, Path(spec["start"]))

@@ -345,7 +345,8 @@ def hpcrl_worker(spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     from hpcrl.data.datasets import load_datasets
-    from hpcrl.launch_local import loop_of, resolve_cpu_sets
+    from hpcrl.launch_local import resolve_cpu_sets
+    from hpcrl.loop import loop_of
     from hpcrl.placement import pin
 
     cfg = build_config(spec["model"], spec["start"], spec["out_dir"], spec["seed"], spec["dtype"],
