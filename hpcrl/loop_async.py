@@ -11,7 +11,7 @@ slime), so the weights change only while the engines are idle, and the checkpoin
 finished (:class:`PendingRollout`): a resumed run trains on exactly what the uninterrupted one would have. The
 samples are one step off policy, so the trainer recomputes the old log-probs with its current weights
 (:class:`hpcrl.train.actor.Actor`; TIS against the rollout log-probs with ``algorithm.use_tis``), and each
-sample's lag (:func:`hpcrl.rollout.manager.sample_lag`) is logged as ``rollout/lag_mean`` / ``rollout/lag_max``.
+sample's lag (:func:`hpcrl.rollout.stats.sample_lag`) is logged as ``rollout/lag_mean`` / ``rollout/lag_max``.
 ``timing/rollout_wait_seconds`` is how long the trainer waited for the engines at the boundary.
 
 Trainer and engines need their own devices (``run.placement: disaggregate``: a het job on Slurm, disjoint CPU

@@ -233,7 +233,7 @@ def _is_ours(url: str, key: str) -> bool:
 # ------------------------------------------------------------------------------------------ inside a task
 @dataclass
 class RolloutStepLaunch:
-    """The rollout step started and still loading (:data:`hpcrl.rollout.manager.EngineLauncher`'s result
+    """The rollout step started and still loading (:data:`hpcrl.rollout.fleet.EngineLauncher`'s result
     inside a Slurm job): ``wait()`` returns ``(engine addresses, the step)``; ``stop()`` stops the step."""
 
     step: RolloutStep
@@ -275,7 +275,7 @@ class RolloutStepLaunch:
 
 def launch_engine_step(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path,
                        secret_path: Path) -> RolloutStepLaunch:
-    """The engine launcher of a run inside a Slurm job (:data:`hpcrl.rollout.manager.EngineLauncher`): starts
+    """The engine launcher of a run inside a Slurm job (:data:`hpcrl.rollout.fleet.EngineLauncher`): starts
     the engines as the rollout job step (:func:`spawn_rollout_step`) and returns at once; ``wait()`` on the
     result waits until they are healthy."""
     step = spawn_rollout_step(cfg, run_dir, attempt_dir, Path(model_path).absolute(), secret_path)
