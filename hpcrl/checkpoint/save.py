@@ -57,7 +57,6 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
                     optimizer: Any, extra_state: Optional[Mapping[str, Any]] = None, keep_last: int = 2,
                     distrib_optim_sharding_type: str = DISTRIB_OPTIM_SHARDING,
                     checksums: bool = True,
-                    extra_files: Optional[Mapping[str, Callable[[Path], None]]] = None,
                     write_files: Sequence[Callable[[Path], None]] = ()) -> Path:
     """Write the checkpoint of ``rollout_id`` to ``run_dir/checkpoints/iter_{rollout_id:07d}/`` (all ranks).
 
@@ -71,11 +70,10 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
     (:func:`prune_checkpoints`; 0 or less keeps all, the one just written is always kept) and removes
     ``.tmp-*`` / ``.del-*`` leftovers of crashed saves. ``distrib_optim_sharding_type``: see
     :data:`DISTRIB_OPTIM_SHARDING`. ``checksums``: CRC-32 every file (each rank reads back the files it
-    wrote, mostly from its page cache); False lists sizes only, for very large checkpoints. ``extra_files``:
-    ``{name: writer}``; rank 0 calls ``writer(path)`` to write the file ``name`` at the checkpoint's top level
-    inside the same atomic save (listed and checksummed by ``COMPLETE``). ``write_files``: writers rank 0
-    calls, in order, with the checkpoint's (temporary) folder after those (the checkpoint manager's stateful
-    objects that keep files, e.g. the HDF5 data buffer), listed and checksummed the same way.
+    wrote, mostly from its page cache); False lists sizes only, for very large checkpoints. ``write_files``:
+    writers rank 0 calls, in order, with the checkpoint's (temporary) folder, to add their files inside the
+    same atomic save (the checkpoint manager's stateful objects that keep files, e.g. the HDF5 data buffer),
+    listed and checksummed by ``COMPLETE`` with the rest.
 
     Returns the checkpoint folder. Raises, on every rank: RuntimeError without ``torch.distributed``,
     TypeError if ``extra_state`` is not plain JSON (nothing is written then), OSError if a rank fails to
@@ -92,7 +90,7 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
     save_optimizer = optimizer if optimizer_state == "saved" else None
     metadata = sharding_metadata(save_optimizer, distrib_optim_sharding_type)
     tmp, state_json = stage(final, extra_state, rank)
-    write(tmp, final, model, save_optimizer, metadata, state_json, extra_files, rank, write_files)
+    write(tmp, final, model, save_optimizer, metadata, state_json, rank, write_files)
     listing = verify(tmp, final, checksums, rank, world)
     marker = {
         "rollout_id": int(rollout_id), **parallel_layout(),
@@ -137,10 +135,9 @@ def stage(final: Path, extra_state: Optional[Mapping[str, Any]], rank: int) -> t
 
 
 def write(tmp: Path, final: Path, model: torch.nn.Module, optimizer: Any, metadata: dict[str, Any],
-          state_json: Optional[str], extra_files: Optional[Mapping[str, Callable[[Path], None]]],
-          rank: int, write_files: Sequence[Callable[[Path], None]] = ()) -> None:
+          state_json: Optional[str], rank: int, write_files: Sequence[Callable[[Path], None]] = ()) -> None:
     """Phase 2 (collective): the megatron-core distributed checkpoint of model + optimizer (all ranks), each
-    rank's RNG states, and on rank 0 ``state.json``, the ``extra_files`` and ``write_files``. Raises OSError
+    rank's RNG states, and on rank 0 ``state.json`` and the ``write_files``. Raises OSError
     on every rank if any rank failed."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -154,8 +151,6 @@ def write(tmp: Path, final: Path, model: torch.nn.Module, optimizer: Any, metada
         write_file(tmp / RNG_DIR / f"rank_{rank:05d}.pt", _torch_bytes(rng_state()))
         if rank == 0:
             write_file(tmp / STATE_FILE, state_json.encode())
-            for name, writer in (extra_files or {}).items():
-                writer(tmp / name)
             for writer in write_files:
                 writer(tmp)
         error = None

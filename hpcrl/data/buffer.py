@@ -103,16 +103,11 @@ def write_buffer(path: str | os.PathLike, groups: Sequence[Sequence[Sample]],
     ``groups/``), or None. Raises OSError from h5py when the file cannot be written, TypeError for a sample
     whose free-form fields (label, metadata, ...) are not JSON.
     """
-    import h5py
-
-    rows = np.asarray(trained, dtype=np.int64).reshape(-1, 3)
-    with h5py.File(path, "w") as f:
-        f.attrs["format"] = FORMAT
-        f.attrs["version"] = VERSION
-        _write_groups(f.create_group("groups"), groups)
-        if pending is not None:
-            _write_groups(f.create_group("pending"), pending)
-        f.create_dataset("trained", data=rows, maxshape=(None, 3))
+    Path(path).unlink(missing_ok=True)
+    write_groups_part(path, "groups", groups)
+    if pending is not None:
+        write_groups_part(path, "pending", pending)
+    write_trained(path, trained)
 
 
 def open_for_part(path: str | os.PathLike):
@@ -209,28 +204,22 @@ def _free_fields(s: Sample) -> dict:
 def read_buffer(path: str | os.PathLike) -> tuple[list[list[Sample]], np.ndarray]:
     """Read a buffer file of version 1 or 2: ``(groups, trained)`` with ``trained`` ``int64 [n, 3]``.
 
-    Raises FileNotFoundError, OSError (not HDF5), ValueError for another format or version.
+    Raises FileNotFoundError, OSError (not HDF5), ValueError for another format or version, KeyError for a
+    file without a part.
     """
-    import h5py
-
-    path = Path(path)
-    if not path.exists():
+    if not Path(path).exists():
         raise FileNotFoundError(f"no data buffer {path}")
-    with h5py.File(path, "r") as f:
-        version = _check_format(f, path)
-        groups = _read_groups_v1(f["groups"]) if version == 1 else _read_groups(f["groups"])
-        trained = np.asarray(f["trained"][()], dtype=np.int64).reshape(-1, 3)
-    return groups, trained
+    groups = read_groups_part(path, "groups")
+    if groups is None:
+        raise KeyError(f"{path} has no 'groups'")
+    return groups, read_trained(path)
 
 
 def read_pending(path: str | os.PathLike) -> Optional[list[list[Sample]]]:
     """The ``pending/`` groups of a buffer file (an async run's finished next rollout), or None when it has
     none. Raises what :func:`read_buffer` raises."""
-    import h5py
-
-    read_buffer(path)  # format and version checks
-    with h5py.File(path, "r") as f:
-        return _read_groups(f["pending"]) if "pending" in f else None
+    read_buffer(path)  # the file, its format and version, and its other parts
+    return read_groups_part(path, "pending")
 
 
 def _read_groups_v1(g) -> list[list[Sample]]:
