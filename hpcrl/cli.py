@@ -18,7 +18,6 @@ from typing import Callable, Optional, Sequence
 
 from hpcrl import __version__
 from hpcrl.config import Config, ConfigError
-from hpcrl.validate import load_and_check
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -92,6 +91,8 @@ def summarize(cfg: Config) -> list[str]:
 # ------------------------------------------------------------------------------------------------------------
 
 def _cmd_validate(ns: argparse.Namespace) -> int:
+    from hpcrl.validate import load_and_check, memory_lines
+
     cfg = load_and_check(ns.config, ns.overrides, check_files=not ns.no_check_files)
     if not ns.no_check_files:
         from hpcrl.data.datasets import check_data
@@ -103,14 +104,14 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
         print(config_to_yaml(cfg), end="")
         return EXIT_OK
     print(f"OK: {ns.config}")
-    from hpcrl.validate import memory_lines
-
     for line in summarize(cfg) + memory_lines(cfg):
         print(line)
     return EXIT_OK
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
+    from hpcrl.validate import load_and_check
+
     cfg = load_and_check(ns.config, ns.overrides)
     from hpcrl import launch_local
     from hpcrl.run_setup import run_dir_of
@@ -144,6 +145,8 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _cmd_sft(ns: argparse.Namespace) -> int:
+    from hpcrl.validate import load_and_check
+
     cfg = load_and_check(ns.config, ns.overrides)
     if not cfg.sft.output:
         raise ConfigError("sft.output", cfg.sft.output, "hpcrl sft needs a folder to save the SFT model to",

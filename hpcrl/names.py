@@ -21,13 +21,13 @@ from typing import Literal, Optional, get_args
 TASKS: tuple[str, ...] = ("addition",)
 """Built-in task generators by ``data.source`` name, besides ``reasoning_gym:<name>``."""
 
-REWARDS: tuple[str, ...] = ("task", "exact_match", "math_answer", "countdown")
-"""Built-in rewards by ``rollout.reward_function`` name, besides ``remote_rm:<url>``."""
-
 VERIFIER_REWARDS: tuple[str, ...] = ("exact_match", "math_answer", "countdown")
 """The built-in rewards that are rule-based verifiers (:mod:`hpcrl.rewards.verifiers`): they also score the rows
 of a data file (:class:`hpcrl.data.tasks.VerifierTask`)."""
-assert set(VERIFIER_REWARDS) <= set(REWARDS)
+
+REWARDS: tuple[str, ...] = ("task", *VERIFIER_REWARDS)
+"""Built-in rewards by ``rollout.reward_function`` name, besides ``remote_rm:<url>``: the task's own verifier
+and the rule-based ones."""
 
 REMOTE_RM_PREFIX = "remote_rm:"
 """``rollout.reward_function: remote_rm:<url>`` POSTs each sample to the reward server at ``<url>``."""

@@ -32,8 +32,6 @@ COMMAND_MARGIN_S = 30.0
 """Seconds a distributed weight-update command may run past ``--dist-timeout`` before it is answered 400."""
 
 
-COMMAND_MARGIN_S = 30.0
-
 def error_response(message: str, status: int = 400) -> web.Response:
     """SGLang's error body ``{"error": {"message": ...}}`` with HTTP ``status``."""
     return web.json_response({"error": {"message": message}}, status=status)

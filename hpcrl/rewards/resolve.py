@@ -107,7 +107,6 @@ BUILTIN_REWARD_FACTORIES: Mapping[str, Callable[["Config", Optional["Task"]], Re
 (read-only); ``remote_rm:<url>`` and dotted paths are resolved by :func:`get_reward_function`."""
 assert tuple(BUILTIN_REWARD_FACTORIES) == names.REWARDS, \
     "hpcrl.names.REWARDS must list BUILTIN_REWARD_FACTORIES (config validates by it)"
-REMOTE_RM_PREFIX = names.REMOTE_RM_PREFIX
 BUILTIN_REWARDS = names.REWARD_CHOICES
 """What ``rollout.reward_function`` may name besides a dotted path (:data:`hpcrl.names.REWARD_CHOICES`)."""
 

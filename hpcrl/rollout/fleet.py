@@ -63,11 +63,6 @@ class RolloutFleet:
         self.teachers: list = []  # hpcrl.rollout.teacher.Teacher, with algorithm.opd.teachers
         self.gateway = None  # hpcrl.agent.gateway.AgentGateway, with rollout.agent
 
-    @property
-    def engine_urls(self) -> list[str]:
-        """The URLs of the engines in rotation (the client's; empty before :meth:`start`)."""
-        return self.client.engine_urls if self.client is not None else []
-
     # ------------------------------------------------------------------------------------------------------
     def call(self, coro):
         """Run a coroutine on the rollout's event loop, wait and return its result (:meth:`result`)."""
