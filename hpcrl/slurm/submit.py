@@ -2,8 +2,8 @@
 
 Order (nothing is written or queued until every check has passed):
 
-1. load and validate the config with the overrides (:func:`hpcrl.validate.load_raw_and_check`; every error is a
-   one-line :class:`~hpcrl.config.ConfigError` naming the field);
+1. load and validate the config with the overrides (:func:`hpcrl.validate.load_raw_and_check`; every error is
+   a one-line :class:`~hpcrl.config.ConfigError` naming the field);
 2. resolve resources (:mod:`hpcrl.slurm.resources`): ``run.output_dir`` made absolute (the job may start
    anywhere), ``train.nprocs`` set to the trainer's task count on GPU nodes, het groups for a disaggregated
    run;
