@@ -61,6 +61,18 @@ class RolloutSection:
     generations are then streamed, so an engine that dies mid-generation costs only the tokens it had not sent
     (the rest continue on another engine). Each SSE chunk carries the response so far (SGLang's default), so
     for long responses set ``sglang.stream_interval`` (tokens per chunk) on SGLang engines."""
+    max_inflight_groups: Optional[int] = None
+    """``run.mode: fully_async``: groups generating on the engines at all times (slime's fully-async
+    concurrency); default 2 x ``batch_size``; must be >= ``batch_size``."""
+    max_staleness: int = 2
+    """``run.mode: fully_async``: the most weight versions between the policy that sampled a token and the
+    policy that trains on it (a token sampled by weights v and trained at step k has staleness k - v; K = 0 is
+    on-policy, 1 what ``run.mode: async`` gives; docs/algorithms.md). New groups are not started when they
+    would exceed it at the trainer's pace; a finished group that exceeds it meets ``stale_policy``."""
+    stale_policy: Literal["keep", "regenerate", "drop"] = "keep"
+    """``run.mode: fully_async``: a finished group older than ``max_staleness``: ``keep`` it (trained, its
+    off-policy part corrected by TIS / MIS; no bias against long responses), ``regenerate`` it from its prompt,
+    or ``drop`` it (counted in ``rollout/stale_dropped``; biases training against long responses)."""
     max_new_tokens: int = 16
     """Response length limit in tokens (slime ``--rollout-max-response-len``)."""
     temperature: float = 1.0
@@ -134,6 +146,11 @@ def check_rollout(cfg: Config, check_files: bool, env: Optional[Environment] = N
         require(r.over_sampling_batch_size >= r.batch_size, "rollout.over_sampling_batch_size",
                  r.over_sampling_batch_size, f"must be >= rollout.batch_size={r.batch_size}",
                  f"set it to at least {r.batch_size} or leave it unset")
+    if r.max_inflight_groups is not None:
+        require(r.max_inflight_groups >= r.batch_size, "rollout.max_inflight_groups", r.max_inflight_groups,
+                f"must be >= rollout.batch_size={r.batch_size}, or a step could never fill",
+                f"set it to at least {r.batch_size} or leave it unset (2 x batch_size)")
+    non_negative(cfg, "rollout.max_staleness")
     require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]", "use 1.0 to disable top-p")
     require(r.top_k == -1 or r.top_k > 0, "rollout.top_k", r.top_k, "must be -1 (off) or > 0",
              "use -1 to disable top-k")

@@ -26,10 +26,14 @@ class RunSection:
     """Seed for data shuffling, sampling seeds and model init."""
     num_rollout: int = 100
     """Number of rollout -> train steps (slime ``--num-rollout``)."""
-    mode: Literal["sync", "async"] = "sync"
+    mode: Literal["sync", "async", "fully_async"] = "sync"
     """``sync``: rollout, train, sync in order (:func:`hpcrl.loop.train_main`). ``async``: one step
     off-policy, rollout k+1 generated while step k trains (:func:`hpcrl.loop_async.train_async_main`;
-    ``run.placement: disaggregate`` only)."""
+    ``run.placement: disaggregate`` only). ``fully_async``: the engines generate all the time (up to
+    ``rollout.max_inflight_groups`` groups), the trainer takes the next ``rollout.batch_size`` finished groups
+    when it is ready, and weight updates land on in-flight responses (``weights.pause_mode``); staleness is
+    bounded by ``rollout.max_staleness`` (:func:`hpcrl.loop_fully_async.train_fully_async_main`;
+    ``run.placement: disaggregate`` only, not ``run.deterministic``)."""
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """``colocate``: trainer and engines share devices; ``disaggregate``: separate devices / het groups."""
     deterministic: bool = False
@@ -150,6 +154,13 @@ def check_run(cfg: Config) -> None:
              "async (one-step off-policy) mode needs run.placement: disaggregate, since colocated "
              "trainer and engines take turns on the same devices",
              "set run.placement=disaggregate or run.mode=sync")
+    require(not (r.mode == "fully_async" and r.placement == "colocate"), "run.mode", r.mode,
+             "fully_async keeps the engines generating while the trainer trains, but colocated trainer and "
+             "engines take turns on the same devices", "set run.placement=disaggregate or run.mode=sync")
+    require(not (r.mode == "fully_async" and r.deterministic), "run.deterministic", True,
+             "cannot hold in run.mode: fully_async, where timing decides which groups finish first and which "
+             "tokens a weight update lands on", "set run.deterministic=false, or run.mode=async for a "
+             "reproducible off-policy run")
     if r.placement == "colocate":
         for f in ("train.cpus", "rollout.cpus"):
             require(get_field(cfg, f) is None, f, get_field(cfg, f),

@@ -116,6 +116,13 @@ class AlgorithmSection:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    mis_level: Optional[Literal["token", "sequence", "geometric"]] = None
+    """Masked importance sampling (MIS; slime's ``mis.py`` mask mode, veRL's rollout rejection sampling): a
+    token (``token``), or a whole sample (``sequence``: the product of its token ratios; ``geometric``: their
+    geometric mean) whose ratio pi_old / pi_rollout leaves [``mis_low``, ``mis_high``] gets no gradient.
+    Applied after TIS. null: off."""
+    mis_low: float = 0.5
+    mis_high: float = 2.0
     gamma: float = 1.0
     routing_replay: bool = False
     """Rollout routing replay for MoE policies (R3, slime ``--use-rollout-routing-replay``): the engines return
@@ -137,6 +144,12 @@ class WeightsSection:
     bucket, its shared-memory copy): lower it (``configs/smollm2-arith.yaml``: 64 MiB) to keep the trainer's
     peak down."""
     timeout_s: float = 300.0
+    pause_mode: Optional[Literal["abort", "retract", "in_place"]] = None
+    """How the engines pause for a weight update (SGLang's ``/pause_generation`` modes): ``abort`` running
+    requests (they return what they have; the rollout continues them), ``retract`` them (kept, re-prefilled
+    under the new weights) or keep them ``in_place`` (their KV cache stays; no cache flush). null:
+    ``in_place`` in ``run.mode: fully_async`` (miles' in-flight updates), ``abort`` otherwise (the engines are
+    idle at a sync there)."""
 
 
 @dataclass

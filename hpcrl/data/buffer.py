@@ -20,6 +20,8 @@ It holds what a resumed run needs beyond the data-source position so that nothin
                                                         files: read as empty)
   ``segments`` / ``segments_len``   ``int64 [sum]`` / ``[n]``  ``Sample.segments`` (agent episodes split into
                                                         chains; absent in older files: read as empty)
+  ``rollout_token_versions`` /      ``int64 [sum]`` / ``[n]``  the weight version of each response token
+  ``..._len``                                           (absent in older files: read as empty)
   ``fields``                        ``str [n]``         JSON of the free-form rest: prompt, label, response
                                                         text, weight versions, metadata, a dict reward
   ================================  ==================  =================================================
@@ -55,7 +57,7 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 _INT_COLUMNS = ("group_index", "index", "rollout_id", "response_length")
 _RAGGED = {"tokens": np.int64, "loss_mask": np.int8, "rollout_log_probs": np.float64,
-           "teacher_log_probs": np.float64, "segments": np.int64}
+           "teacher_log_probs": np.float64, "segments": np.int64, "rollout_token_versions": np.int64}
 _FREE_FIELDS = ("prompt", "label", "response", "weight_versions", "metadata", "rollout_routed_experts")
 
 

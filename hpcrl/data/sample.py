@@ -41,6 +41,11 @@ class Sample:
     response_length: int = 0
     loss_mask: list[int] = field(default_factory=list)
     rollout_log_probs: list[float] = field(default_factory=list)
+    rollout_token_versions: list[int] = field(default_factory=list)
+    """The engine weight version that sampled each response token, ``[response_length]`` aligned with
+    ``rollout_log_probs`` (-1: not a sampled token, e.g. tool output, or unknown); filled by the generate
+    function from the client's ``meta_info["output_token_weight_versions"]`` (else the call's
+    ``weight_version``). Staleness (``rollout.max_staleness``) is counted from these."""
     teacher_log_probs: list[float] = field(default_factory=list)
     """On-policy distillation (``algorithm.opd``): the teachers' log-probs of the response tokens,
     ``[response_length]`` (mean over the teachers that scored it); empty without OPD."""
@@ -103,16 +108,22 @@ class Sample:
         return self.weight_versions[-1] if self.weight_versions else None
 
     def append_response_tokens(self, tokens: list[int], log_probs: Optional[list[float]] = None,
-                               trainable: bool = True, text: str = "") -> None:
-        """Append response tokens, keeping ``loss_mask`` and ``rollout_log_probs`` aligned.
+                               trainable: bool = True, text: str = "",
+                               versions: Optional[list[int]] = None) -> None:
+        """Append response tokens, keeping ``loss_mask``, ``rollout_log_probs`` and ``rollout_token_versions``
+        aligned. ``versions``: the weight version that sampled each token (None: -1, unknown).
 
-        Non-trainable tokens (tool output in multi-turn rollouts) get mask 0 and log-prob 0.0.
-        Raises ValueError if ``log_probs`` is given with a different length than ``tokens``.
+        Non-trainable tokens (tool output in multi-turn rollouts) get mask 0, log-prob 0.0 and version -1.
+        Raises ValueError if ``log_probs`` or ``versions`` is given with a different length than ``tokens``.
         """
         if log_probs is None:
             log_probs = [0.0] * len(tokens)
         if len(log_probs) != len(tokens):
             raise ValueError(f"log_probs has {len(log_probs)} entries for {len(tokens)} tokens")
+        if versions is not None and len(versions) != len(tokens):
+            raise ValueError(f"versions has {len(versions)} entries for {len(tokens)} tokens")
+        self.rollout_token_versions.extend([int(v) for v in versions] if trainable and versions is not None
+                                           else [-1] * len(tokens))
         self.tokens.extend(tokens)
         self.response_length += len(tokens)
         self.loss_mask.extend([1 if trainable else 0] * len(tokens))

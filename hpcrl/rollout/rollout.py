@@ -131,6 +131,7 @@ def reset_sample(sample: Sample) -> None:
     sample.response, sample.response_length = "", 0
     sample.loss_mask.clear()
     sample.rollout_log_probs.clear()
+    sample.rollout_token_versions.clear()
     sample.teacher_log_probs.clear()
     sample.rollout_routed_experts = ""
     sample.segments.clear()
