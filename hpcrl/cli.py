@@ -58,7 +58,8 @@ def summarize(cfg: Config) -> list[str]:
          f"tp{t.tensor_parallel_size} pp{t.pipeline_parallel_size} cp{t.context_parallel_size} "
          f"ep{t.expert_parallel_size}, nprocs {t.nprocs}"),
         (f"  algorithm: {a.advantage_estimator}, {a.policy_loss} loss, eps_clip {a.eps_clip}/{a.eps_clip_high}, "
-         f"{kl}" + (", tis" if a.use_tis else "")),
+         f"{kl}" + (", tis" if a.use_tis else "")
+         + (f", mis {a.mis_level} [{a.mis_low:g}, {a.mis_high:g}]" if a.mis_level else "")),
         f"  weights:   {cfg.weights.method}",
     ]
     for i, t in enumerate(a.opd.teachers):

@@ -8,7 +8,7 @@ these, in this order (the order of the "known: ..." lists in error messages):
 - rewards (``rollout.reward_function``): :data:`hpcrl.rewards.resolve.BUILTIN_REWARD_FACTORIES`, besides
   ``remote_rm:<url>`` (:func:`remote_rm_url`, the one parser of it)
 - dynamic filters (``rollout.dynamic_filter``): :data:`hpcrl.rollout.filters.BUILTIN_FILTERS`
-- advantage estimators, KL estimators, policy losses (``algorithm.*``): :mod:`hpcrl.train.algorithms`
+- advantage estimators, KL estimators, policy losses, MIS levels (``algorithm.*``): :mod:`hpcrl.train.algorithms`
 - the default plug-in paths (``rollout.data_source``, ``rollout.rollout_function``,
   ``rollout.generate_function``): :mod:`hpcrl.rollout.plugins`
 """
@@ -44,10 +44,13 @@ KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 """``algorithm.kl_loss_type``."""
 PolicyLoss = Literal["ppo_clip", "cispo"]
 """``algorithm.policy_loss``."""
+MISLevel = Literal["token", "sequence", "geometric"]
+"""``algorithm.mis_level`` (null: no masked importance sampling)."""
 
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 KL_KINDS: tuple[str, ...] = get_args(KLKind)
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
+MIS_LEVELS: tuple[str, ...] = get_args(MISLevel)
 
 DEFAULT_DATA_SOURCE = "hpcrl.data.source.DataSource"
 """Default of ``rollout.data_source`` (its null means this too)."""

@@ -11,7 +11,7 @@ from typing import Literal, Optional, Union
 from hpcrl.config.environment import Environment
 from hpcrl.config.errors import MIB
 from hpcrl.config.checks import get_field, non_negative, positive, require
-from hpcrl.names import Estimator, KLKind, PolicyLoss
+from hpcrl.names import Estimator, KLKind, MISLevel, PolicyLoss
 
 
 @dataclass
@@ -116,13 +116,15 @@ class AlgorithmSection:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
-    mis_level: Optional[Literal["token", "sequence", "geometric"]] = None
+    mis_level: Optional[MISLevel] = None
     """Masked importance sampling (MIS; slime's ``mis.py`` mask mode, veRL's rollout rejection sampling): a
     token (``token``), or a whole sample (``sequence``: the product of its token ratios; ``geometric``: their
     geometric mean) whose ratio pi_old / pi_rollout leaves [``mis_low``, ``mis_high``] gets no gradient.
-    Applied after TIS. null: off."""
+    Applied after TIS. null: off. Needs the engines' log-probs (as ``use_tis``)."""
     mis_low: float = 0.5
+    """Lower bound of the kept ratios, in [0, 1) (0: no lower bound)."""
     mis_high: float = 2.0
+    """Upper bound of the kept ratios, > 1 (a band without 1 would mask exactly on-policy tokens)."""
     gamma: float = 1.0
     routing_replay: bool = False
     """Rollout routing replay for MoE policies (R3, slime ``--use-rollout-routing-replay``): the engines return
@@ -366,6 +368,12 @@ def check_algorithm(cfg: Config, check_files: bool = True, env: Optional[Environ
     positive(cfg, "algorithm.tis_clip")
     require(a.tis_clip_low < a.tis_clip, "algorithm.tis_clip_low", a.tis_clip_low,
              f"must be < algorithm.tis_clip={a.tis_clip}", "lower tis_clip_low")
+    require(0 <= a.mis_low < 1, "algorithm.mis_low", a.mis_low,
+            "must be in [0, 1): MIS keeps the ratios in [mis_low, mis_high], which must hold the on-policy ratio 1",
+            "0.5 is usual (0: no lower bound)")
+    require(a.mis_high > 1, "algorithm.mis_high", a.mis_high,
+            "must be > 1: MIS keeps the ratios in [mis_low, mis_high], which must hold the on-policy ratio 1",
+            "2.0 is usual")
     require(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]", "1.0 is usual for LLM RL")
     check_opd(cfg, check_files, env)
 

@@ -349,10 +349,11 @@ class Actor:
         # async (one step off): the samples come from the weights before the last step, so the old log-probs
         # are recomputed with the current ones (slime train_async.py)
         self.on_policy = (cfg.run.mode == "sync" and cfg.train.num_steps_per_rollout == 1
-                          and not cfg.algorithm.use_kl_loss and not cfg.algorithm.use_tis)
+                          and not cfg.algorithm.use_kl_loss and not cfg.algorithm.use_tis
+                          and cfg.algorithm.mis_level is None)
         if recompute_log_probs is False and not self.on_policy:
             raise ValueError("recompute_log_probs=False needs an exactly on-policy step "
-                             "(sync mode, num_steps_per_rollout 1, no KL loss, no TIS)")
+                             "(sync mode, num_steps_per_rollout 1, no KL loss, no TIS, no MIS)")
         self.recompute = (not self.on_policy) if recompute_log_probs is None else recompute_log_probs
         tp = parallel_state.get_tensor_model_parallel_world_size()
         if tp != cfg.train.tensor_parallel_size:
@@ -440,12 +441,13 @@ class Actor:
 
         ``samples``: ``N`` samples, the ``rollout.n_samples_per_prompt`` samples of each prompt adjacent, each
         with a reward, ``loss_mask`` and ``rollout_log_probs`` of ``response_length`` entries (the log-probs
-        may be empty for every sample; then there is no ``train_rollout_logprob_abs_diff`` and TIS raises).
+        may be empty for every sample; then there is no ``train_rollout_logprob_abs_diff`` and TIS/MIS raise).
 
         Returns metrics (floats, the same on every rank): ``train/{loss, pg_loss, pg_clipfrac, ppo_kl,
         entropy, grad_norm, train_rollout_logprob_abs_diff}`` (means over the optimizer steps, each the
         global per-sample token mean of its step; entropy in nats, log-prob diff in nats per token),
-        ``train/kl_loss`` (KL loss), ``train/{tis, tis_clipfrac, tis_abs}`` (TIS),
+        ``train/kl_loss`` (KL loss), ``train/{tis, tis_clipfrac, tis_abs}`` (TIS), ``train/{mis_masked_frac,
+        mis_masked_seq_frac}`` (MIS: shares of loss tokens masked and of samples with a masked token),
         ``train/first_step_ppo_kl``, ``train/ref_logprob_diff`` (rollout 0 with a reference: masked mean
         ``|old - ref|``), ``train/forward_tokens`` / ``train/padded_tokens`` (tokens through the decoder per
         pass over the rollout, all ranks, and what the padded layout would take), ``train/seconds`` (wall time of this call), ``train/tokens_per_s`` (prompt +
@@ -463,8 +465,9 @@ class Actor:
         samples = list(samples)
         n = len(samples)
         with_rollout_lp = any(len(s.rollout_log_probs) for s in samples)
-        if alg.use_tis and not with_rollout_lp:
-            raise ValueError("algorithm.use_tis needs the samples' rollout_log_probs")
+        for key, on in (("use_tis", alg.use_tis), ("mis_level", alg.mis_level is not None)):
+            if on and not with_rollout_lp:
+                raise ValueError(f"algorithm.{key} needs the samples' rollout_log_probs")
 
         # 1. advantages over the whole rollout, before any split (slime: compute_advantages_and_returns).
         masks = [torch.as_tensor(s.loss_mask, dtype=torch.float32) for s in samples]

@@ -23,12 +23,14 @@ Flow of one training step::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence, Union
 
 import torch
 
-from hpcrl.names import ESTIMATORS, KL_KINDS, POLICY_LOSSES, Estimator, KLKind, PolicyLoss
+from hpcrl.names import (ESTIMATORS, KL_KINDS, MIS_LEVELS, POLICY_LOSSES, Estimator, KLKind, MISLevel,
+                         PolicyLoss)
 
 if TYPE_CHECKING:
     from hpcrl.config import AlgorithmSection
@@ -37,7 +39,8 @@ Tensor = torch.Tensor
 Reducer = Callable[[Tensor], Tensor]
 ReductionKind = Literal["rollout_token_mean", "sequence_mean", "token_mean"]
 # The names this module dispatches on (compute_advantages, approx_kl, compute_loss) are the config's: one
-# list in the leaf module hpcrl.names, re-exported here (ESTIMATORS, KL_KINDS, POLICY_LOSSES, their Literals).
+# list in the leaf module hpcrl.names, re-exported here (ESTIMATORS, KL_KINDS, POLICY_LOSSES, MIS_LEVELS, their
+# Literals).
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -381,6 +384,53 @@ def tis_weights(old_logp_train: Tensor, rollout_logp: Tensor, tis_clip: float = 
     return w, metrics
 
 
+def mis_mask(old_logp_train: Tensor, rollout_logp: Tensor, mask: Tensor, level: MISLevel, low: float = 0.5,
+             high: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Masked importance sampling (MIS): which loss tokens keep their gradient, by the ratio of the proximal
+    policy (the trainer's recomputed ``old_logp_train``) to the behaviour policy (the engine's
+    ``rollout_logp``) at one of three levels:
+
+    - ``token``: ``r_t = exp(old_t - rollout_t)``, each token kept iff ``low <= r_t <= high``;
+    - ``sequence``: ``r = exp(sum_t m_t (old_t - rollout_t))`` over the sample's loss tokens (the product of
+      its token ratios), the whole sample kept or masked;
+    - ``geometric``: ``r = exp(sum_t m_t (old_t - rollout_t) / max(sum_t m_t, 1))`` (their geometric mean),
+      the whole sample kept or masked.
+
+    slime: ``examples/train_infer_mismatch_helper/mis.py`` with ``mis_mode: mask`` (bounds inclusive, levels
+    ``token``/``sequence``/``geometric``); veRL's rollout correction, rejection sampling ``rollout_rs``
+    (token / sequence / geometric); Yao et al. 2025 (the token-level mask, "MIS"). Compared in log space, so
+    no ratio overflows; ``low == 0`` means no lower bound. A row is one whole sample (a micro-batch never
+    splits a sample: :func:`hpcrl.train.packing.plan_micro_batches` and :func:`hpcrl.train.actor.split_steps`
+    hand out whole samples), so the sequence ratio is the sample's.
+
+    old_logp_train, rollout_logp, mask: ``[B, T]`` (``mask``: the loss mask, 1.0 for tokens that train).
+    Returns ``(keep, metrics)``: ``keep`` ``[B, T]``, detached, 0.0 on the loss tokens whose ratio leaves
+    ``[low, high]`` and 1.0 everywhere else (padding included); metrics, each ``[B, T]`` and detached, to be
+    reduced like the loss: ``mis_masked_frac`` (1 on a masked loss token: its sum is the count of masked
+    tokens) and ``mis_masked_seq_frac`` (1 on every token of a sample with at least one masked loss token; at
+    the sequence and geometric levels these are the masked samples). Raises ValueError for an unknown level or
+    bounds outside ``0 <= low < high``.
+    """
+    if not 0 <= low < high:
+        raise ValueError(f"MIS bounds need 0 <= low < high, got low={low}, high={high}")
+    m = mask.detach().to(old_logp_train.dtype)
+    log_ratio = (old_logp_train.detach() - rollout_logp.detach()) * m
+    if level == "token":
+        pass
+    elif level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(m)
+    elif level == "geometric":
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1.0)).expand_as(m)
+    else:
+        raise ValueError(f"unknown MIS level {level!r}; expected one of {', '.join(MIS_LEVELS)}")
+    log_low = math.log(low) if low > 0 else -math.inf
+    inside = (log_ratio >= log_low) & (log_ratio <= math.log(high))
+    masked = (~inside).to(m.dtype) * m
+    keep = 1.0 - masked
+    masked_seq = (masked.sum(-1, keepdim=True) > 0).to(m.dtype).expand_as(m)
+    return keep, {"mis_masked_frac": masked, "mis_masked_seq_frac": masked_seq}
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Reduction
 # ------------------------------------------------------------------------------------------------------------
@@ -514,6 +564,8 @@ class LossOutput:
     tis: Optional[Tensor] = None
     tis_clipfrac: Optional[Tensor] = None
     tis_abs: Optional[Tensor] = None
+    mis_masked_frac: Optional[Tensor] = None
+    mis_masked_seq_frac: Optional[Tensor] = None
 
     def metrics(self) -> dict[str, float]:
         """The non-None fields as Python floats (one device sync; call when logging)."""
@@ -527,36 +579,53 @@ def compute_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tenso
 
     :func:`policy_loss` (GSPO ratio when ``cfg.advantage_estimator == "gspo"``) or, with
     ``cfg.policy_loss == "cispo"``, :func:`cispo_loss`; then TIS weights when
-    ``cfg.use_tis`` (:func:`tis_weights` of ``old_logp`` against ``rollout_logp``), then :func:`total_loss`
-    with ``cfg.entropy_coef`` and, when ``cfg.use_kl_loss``, ``approx_kl(logp, ref_logp, cfg.kl_loss_type)``.
+    ``cfg.use_tis`` (:func:`tis_weights` of ``old_logp`` against ``rollout_logp``); then, when
+    ``cfg.mis_level`` is set, the MIS keep mask (:func:`mis_mask`, same ratio): a masked token is left out of
+    every term of the loss (policy, entropy, KL), as slime rebuilds its reducer with MIS's modified loss mask,
+    the denominators staying those of the whole batch; then :func:`total_loss` with ``cfg.entropy_coef`` and,
+    when ``cfg.use_kl_loss``, ``approx_kl(logp, ref_logp, cfg.kl_loss_type)``. With MIS, ``pg_loss``,
+    ``pg_clipfrac``, ``ppo_kl``, ``entropy`` and ``kl_loss`` are reduced over the kept tokens; the TIS and MIS
+    metrics over all loss tokens. Nothing masked: exactly the loss without MIS.
 
     logp (with grad), old_logp, advantages, mask, entropy, ref_logp, rollout_logp: ``[B, T]``. reduce: from
-    :func:`make_reducer`.
+    :func:`make_reducer`. Raises ValueError when TIS, MIS or the KL loss lacks its log-probs.
     """
     if cfg.policy_loss == "cispo":
         pg, clipfrac, ppo_kl = cispo_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.eps_clip_high)
     else:
         pg, clipfrac, ppo_kl = policy_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.eps_clip_high,
                                            cfg.eps_clip_c, gspo=cfg.advantage_estimator == "gspo")
-    tis_stats: dict[str, Tensor] = {}
+    correction: dict[str, Tensor] = {}
     if cfg.use_tis:
         if rollout_logp is None:
             raise ValueError("use_tis needs the rollout engine's log-probs (rollout_logp)")
         w, stats = tis_weights(old_logp, rollout_logp, cfg.tis_clip, cfg.tis_clip_low)
         pg = pg * w
-        tis_stats = {k: reduce(v).detach() for k, v in stats.items()}
+        correction = {k: reduce(v).detach() for k, v in stats.items()}
+    kept = reduce
+    if cfg.mis_level is not None:
+        if rollout_logp is None:
+            raise ValueError("mis_level needs the rollout engine's log-probs (rollout_logp)")
+        keep, stats = mis_mask(old_logp, rollout_logp, mask, cfg.mis_level, cfg.mis_low, cfg.mis_high)
+        correction.update({k: reduce(v).detach() for k, v in stats.items()})
+        kept = _masked_reducer(reduce, keep)
     kl = None
     if cfg.use_kl_loss:
         if ref_logp is None:
             raise ValueError("use_kl_loss needs the reference model's log-probs (ref_logp)")
         kl = approx_kl(logp, ref_logp.detach(), cfg.kl_loss_type)
-    loss = total_loss(pg, reduce, entropy, kl, cfg.entropy_coef, cfg.kl_loss_coef, cfg.use_kl_loss)
+    loss = total_loss(pg, kept, entropy, kl, cfg.entropy_coef, cfg.kl_loss_coef, cfg.use_kl_loss)
     return LossOutput(
         loss=loss,
-        pg_loss=reduce(pg).detach(),
-        pg_clipfrac=reduce(clipfrac),
-        ppo_kl=reduce(ppo_kl),
-        entropy=reduce(entropy).detach() if entropy is not None else None,
-        kl_loss=reduce(kl).detach() if kl is not None else None,
-        **tis_stats,
+        pg_loss=kept(pg).detach(),
+        pg_clipfrac=kept(clipfrac),
+        ppo_kl=kept(ppo_kl),
+        entropy=kept(entropy).detach() if entropy is not None else None,
+        kl_loss=kept(kl).detach() if kl is not None else None,
+        **correction,
     )
+
+
+def _masked_reducer(reduce: Reducer, keep: Tensor) -> Reducer:
+    """``reduce`` over the tokens where ``keep`` ``[B, T]`` is 1 (its denominators unchanged)."""
+    return lambda v: reduce(v * keep)

@@ -320,3 +320,119 @@ def test_compute_loss_with_tis_scales_pg_loss():
     close(out.tis, (4.0 + 0.5) / 2)
     close(out.tis_clipfrac, 0.5)
     close(out.tis_abs, (3.0 + 0.5) / 2)
+
+
+# --- MIS (masked importance sampling) -------------------------------------------------------------------------
+
+# Log-ratios log(pi_old / pi_rollout) per token (rollout log-probs 0, so old_logp IS the log-ratio) of four
+# samples, and their loss masks: C's second token does not train (tool output, an extreme ratio that must not
+# count); C's third and D's third are padding.
+MIS_LOG_RATIO = [[0.3, 0.3, 0.3], [1.0, -1.0, 0.1], [0.1, 5.0, 0.0], [0.8, 0.8, 0.0]]
+MIS_MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("level,keep", [
+    # token: exp(0.3) = 1.35 kept; B: e = 2.72 and 1/e = 0.37 out, 1.105 kept; D: exp(0.8) = 2.23 out.
+    ("token", [[1, 1, 1], [0, 0, 1], [1, 1, 1], [0, 0, 1]]),
+    # sequence: A exp(0.9) = 2.46 out; B exp(0.1) kept; C exp(0.1) kept (the 5.0 is not a loss token);
+    # D exp(1.6) = 4.95 out.
+    ("sequence", [[0, 0, 0], [1, 1, 1], [1, 1, 1], [0, 0, 1]]),
+    # geometric: A exp(0.3), B exp(0.1 / 3), C exp(0.1) kept; D exp(1.6 / 2) = 2.23 out.
+    ("geometric", [[1, 1, 1], [1, 1, 1], [1, 1, 1], [0, 0, 1]]),
+])
+def test_mis_mask_levels_mask_exactly_the_tokens_by_hand(level, keep):
+    old, mask = t(*MIS_LOG_RATIO), t(*MIS_MASK)
+    k, m = alg.mis_mask(old, torch.zeros_like(old), mask, level, low=0.5, high=2.0)
+    close(k, keep)
+    close(m["mis_masked_frac"], (1.0 - t(*keep)) * mask)
+    seq = [float(any(kk == 0 for kk in row)) for row in keep]
+    close(m["mis_masked_seq_frac"], t(*[[s] * 3 for s in seq]))
+    # Reduced like the loss: token_mean gives the share of loss tokens masked, sequence_mean the share of
+    # samples with a masked token (9 loss tokens, 4 samples).
+    masked_tokens = sum(1 - kk for row, mrow in zip(keep, MIS_MASK) for kk, mm in zip(row, mrow) if mm)
+    close(alg.token_mean(m["mis_masked_frac"], mask), masked_tokens / 9)
+    close(alg.sequence_mean(m["mis_masked_seq_frac"], mask), sum(seq) / 4)
+
+
+def test_mis_mask_bounds_inclusive_log_space_and_no_lower_bound():
+    old = t([[math.log(2.0), math.log(0.5), 30.0, -30.0]])  # exp(+-30): far outside, no overflow in log space
+    mask = t([[1.0, 1.0, 1.0, 1.0]])
+    k, _ = alg.mis_mask(old, torch.zeros_like(old), mask, "token", low=0.5, high=2.0)
+    close(k, [[1.0, 1.0, 0.0, 0.0]])  # slime's mask mode: low <= r <= high is kept
+    k, _ = alg.mis_mask(old, torch.zeros_like(old), mask, "token", low=0.0, high=2.0)
+    close(k, [[1.0, 1.0, 0.0, 1.0]])  # low 0: no lower bound
+    empty = torch.zeros(1, 3, dtype=F64)  # a sample without loss tokens: ratio 1 at every level, nothing masked
+    for level in ("sequence", "geometric"):
+        k, m = alg.mis_mask(t([[9.0, 9.0, 9.0]]), empty.clone(), empty, level)
+        close(k, [[1.0, 1.0, 1.0]])
+        close(m["mis_masked_seq_frac"], [[0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="unknown MIS level 'batch'"):
+        alg.mis_mask(old, old, mask, "batch")
+    with pytest.raises(ValueError, match="0 <= low < high"):
+        alg.mis_mask(old, old, mask, "token", low=2.0, high=2.0)
+
+
+def test_compute_loss_with_mis_gives_masked_tokens_no_gradient_by_hand():
+    cfg = AlgorithmSection(mis_level="token", use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1")
+    old = t([[0.0, 0.0, 0.0, 0.0]])
+    logp = old.clone().requires_grad_()
+    mask, adv = t([[1.0, 1.0, 1.0, 1.0]]), t([[1.0, 1.0, 1.0, 1.0]])
+    rollout = t([[0.0, -1.0, 0.0, 1.0]])  # ratios 1, e (out), 1, 1/e (out)
+    ref = t([[-0.2, -0.4, -0.6, -0.8]])  # k1 = logp - ref = 0.2, 0.4, 0.6, 0.8
+    reduce = alg.make_reducer("token_mean", mask)  # denominator 4: the batch's loss tokens, MIS or not
+    out = alg.compute_loss(logp, old, adv, mask, reduce, cfg, ref_logp=ref, rollout_logp=rollout)
+    close(out.pg_loss, (-1.0 - 1.0) / 4)
+    close(out.kl_loss, (0.2 + 0.6) / 4)
+    close(out.loss, -0.5 + 0.5 * 0.2)
+    close(out.mis_masked_frac, 0.5)
+    close(out.mis_masked_seq_frac, 1.0)
+    assert out.tis is None and out.tis_clipfrac is None
+    out.loss.backward()
+    # kept tokens: pg -A/4 = -0.25, kl 0.5/4 = 0.125; masked tokens: nothing from any term.
+    close(logp.grad, [[-0.125, 0.0, -0.125, 0.0]])
+    with pytest.raises(ValueError, match="mis_level needs the rollout engine's log-probs"):
+        alg.compute_loss(logp, old, adv, mask, reduce, cfg, ref_logp=ref)
+
+
+def test_compute_loss_tis_then_geometric_mis_by_hand():
+    cfg = AlgorithmSection(use_tis=True, tis_clip=2.0, mis_level="geometric", mis_low=0.5, mis_high=2.0)
+    old = t([[0.0, 0.0], [0.0, 0.0]])
+    mask, adv = t([[1.0, 1.0], [1.0, 1.0]]), t([[1.0, 1.0], [1.0, 1.0]])
+    # sample 0: log-ratios 2, 2 (geometric e^2: masked); sample 1: log 4, log 1/4 (geometric 1: kept), TIS
+    # weights clamp(4, 0, 2) = 2 and 0.25.
+    rollout = t([[-2.0, -2.0], [-math.log(4.0), math.log(4.0)]])
+    logp = old.clone().requires_grad_()
+    reduce = alg.make_reducer("sequence_mean", mask)
+    out = alg.compute_loss(logp, old, adv, mask, reduce, cfg, rollout_logp=rollout)
+    close(out.pg_loss, (0.0 + (-2.0 - 0.25) / 2) / 2)
+    close(out.tis, (math.exp(2.0) + (4.0 + 0.25) / 2) / 2, tol=1e-9)  # TIS metrics: over all loss tokens
+    close(out.tis_clipfrac, (1.0 + 0.5) / 2)
+    close(out.mis_masked_frac, 0.5)
+    close(out.mis_masked_seq_frac, 0.5)
+    out.loss.backward()
+    close(logp.grad, [[0.0, 0.0], [-2.0 / 4, -0.25 / 4]])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_compute_loss_with_mis_masking_nothing_equals_the_loss_without(level):
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 5, generator=g, dtype=F64)
+    rollout = old + 0.05 * (torch.rand(3, 5, generator=g, dtype=F64) - 0.5)  # ratios within exp(+-0.025)
+    logp0 = old + 0.1 * torch.randn(3, 5, generator=g, dtype=F64)
+    mask = t([[1.0] * 5, [1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
+    adv, ent, ref = (torch.randn(3, 5, generator=g, dtype=F64) for _ in range(3))
+    outs, grads = [], []
+    for mis in (None, level):
+        cfg = AlgorithmSection(use_tis=True, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01,
+                               mis_level=mis)
+        logp = logp0.clone().requires_grad_()
+        reduce = alg.make_reducer("rollout_token_mean", mask, rollout_ids=[0, 1, 2],
+                                  rollout_mask_sums={0: 5.0, 1: 3.0, 2: 3.0})
+        out = alg.compute_loss(logp, old, adv, mask, reduce, cfg, entropy=ent, ref_logp=ref,
+                               rollout_logp=rollout)
+        out.loss.backward()
+        outs.append(out.metrics())
+        grads.append(logp.grad)
+    assert outs[1].pop("mis_masked_frac") == 0.0 and outs[1].pop("mis_masked_seq_frac") == 0.0
+    assert outs[0] == outs[1]
+    assert torch.equal(grads[0], grads[1])
