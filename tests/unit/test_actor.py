@@ -222,6 +222,29 @@ def test_on_policy_shortcut_equals_recompute(tp1, tiny_model_dir, samples):
     assert b["train/first_step_ppo_kl"] == 0.0
 
 
+def test_mis_masks_a_sample_with_off_log_probs_and_masking_nothing_changes_nothing(tp1, tiny_model_dir, samples):
+    """algorithm.mis_level through the real trainer: with the engine's log-probs of the same weights nothing is
+    masked and the step is the plain recomputing one, bitwise; one sample whose rollout log-probs are 1 nat
+    per token too low (sequence ratio e^len > 2) is masked whole, also in packed micro-batches."""
+    mis_cfg = make_config(**{"algorithm.mis_level": "sequence"})
+    mis, plain = Actor(mis_cfg, tiny_model_dir), Actor(make_config(), tiny_model_dir, recompute_log_probs=True)
+    assert mis.recompute
+    m, p = mis.train(0, samples), plain.train(0, samples)
+    assert m["train/mis_masked_frac"] == 0.0 and m["train/mis_masked_seq_frac"] == 0.0
+    assert m["train/loss"] == p["train/loss"] and m["train/grad_norm"] == p["train/grad_norm"]
+    after_mis, after_plain = weights_of(mis), weights_of(plain)
+    assert all(torch.equal(after_mis[k], after_plain[k]) for k in after_plain)
+    off = [dataclasses.replace(s, rollout_log_probs=[v - 1.0 for v in s.rollout_log_probs]) if i == 3 else s
+           for i, s in enumerate(samples)]
+    packed = Actor(make_config(**{"algorithm.mis_level": "sequence", "train.max_tokens_per_microbatch": 64}),
+                   tiny_model_dir)
+    m = packed.train(0, off)
+    assert m["train/mis_masked_seq_frac"] == pytest.approx(1 / len(samples))
+    assert m["train/mis_masked_frac"] == pytest.approx(1 / len(samples))  # per-sample share, sample mean
+    with pytest.raises(ValueError, match="algorithm.mis_level needs the samples' rollout_log_probs"):
+        packed.train(1, [dataclasses.replace(s, rollout_log_probs=[]) for s in samples])
+
+
 def test_micro_batch_size_does_not_change_the_step(tp1, tiny_model_dir, samples):
     results = {}
     for mbs in (4, 16, 3):  # 3: uneven micro-batches that split groups
