@@ -8,7 +8,8 @@ these, in this order (the order of the "known: ..." lists in error messages):
 - rewards (``rollout.reward_function``): :data:`hpcrl.rewards.resolve.BUILTIN_REWARD_FACTORIES`, besides
   ``remote_rm:<url>`` (:func:`remote_rm_url`, the one parser of it)
 - dynamic filters (``rollout.dynamic_filter``): :data:`hpcrl.rollout.filters.BUILTIN_FILTERS`
-- advantage estimators, KL estimators, policy losses, MIS levels (``algorithm.*``): :mod:`hpcrl.train.algorithms`
+- advantage estimators, KL estimators, policy losses, MIS levels (``algorithm.*``):
+  :mod:`hpcrl.train.algorithms`
 - the default plug-in paths (``rollout.data_source``, ``rollout.rollout_function``,
   ``rollout.generate_function``): :mod:`hpcrl.rollout.plugins`
 """

@@ -3,8 +3,9 @@ agent episodes), the policy lag of a sample, and the staleness of its tokens, ad
 own metrics by :meth:`hpcrl.rollout.manager.RolloutManager.generate`.
 
 Staleness (docs/algorithms.md, "Fully asynchronous training"): a response token sampled by engine weights of
-version ``v`` and trained at optimizer step ``k`` (the trainer at step ``k`` holds version ``k``) has staleness
-``k - v``; a group's age, which ``rollout.max_staleness`` bounds, is that of its oldest trainable token.
+version ``v`` and trained at optimizer step ``k`` (the trainer at step ``k`` holds version ``k``) has
+staleness ``k - v``; a group's age, which ``rollout.max_staleness`` bounds, is that of its oldest trainable
+token.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ Tensor = torch.Tensor
 Reducer = Callable[[Tensor], Tensor]
 ReductionKind = Literal["rollout_token_mean", "sequence_mean", "token_mean"]
 # The names this module dispatches on (compute_advantages, approx_kl, compute_loss) are the config's: one
-# list in the leaf module hpcrl.names, re-exported here (ESTIMATORS, KL_KINDS, POLICY_LOSSES, MIS_LEVELS, their
-# Literals).
+# list in the leaf module hpcrl.names, re-exported here (ESTIMATORS, KL_KINDS, POLICY_LOSSES, MIS_LEVELS,
+# their Literals).
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -398,10 +398,11 @@ def mis_mask(old_logp_train: Tensor, rollout_logp: Tensor, mask: Tensor, level: 
 
     slime: ``examples/train_infer_mismatch_helper/mis.py`` with ``mis_mode: mask`` (bounds inclusive, levels
     ``token``/``sequence``/``geometric``); veRL's rollout correction, rejection sampling ``rollout_rs``
-    (token / sequence / geometric); Yao et al. 2025 (the token-level mask, "MIS"). Compared in log space, so
-    no ratio overflows; ``low == 0`` means no lower bound. A row is one whole sample (a micro-batch never
-    splits a sample: :func:`hpcrl.train.packing.plan_micro_batches` and :func:`hpcrl.train.actor.split_steps`
-    hand out whole samples), so the sequence ratio is the sample's.
+    (token / sequence / geometric); the token mask of the "When Speed Kills Stability" study (2025), which
+    slime's mask mode cites; AReaL's ``behav_imp_weight_cap`` is ``token`` with ``low = 0``. Compared in
+    log space, so no ratio overflows; ``low == 0`` means no lower bound. A row is one whole sample (a
+    micro-batch never splits a sample: :func:`hpcrl.train.packing.plan_micro_batches` and
+    :func:`hpcrl.train.actor.split_steps` hand out whole samples), so the sequence ratio is the sample's.
 
     old_logp_train, rollout_logp, mask: ``[B, T]`` (``mask``: the loss mask, 1.0 for tokens that train).
     Returns ``(keep, metrics)``: ``keep`` ``[B, T]``, detached, 0.0 on the loss tokens whose ratio leaves

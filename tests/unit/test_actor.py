@@ -222,12 +222,13 @@ def test_on_policy_shortcut_equals_recompute(tp1, tiny_model_dir, samples):
     assert b["train/first_step_ppo_kl"] == 0.0
 
 
-def test_mis_masks_a_sample_with_off_log_probs_and_masking_nothing_changes_nothing(tp1, tiny_model_dir, samples):
-    """algorithm.mis_level through the real trainer: with the engine's log-probs of the same weights nothing is
-    masked and the step is the plain recomputing one, bitwise; one sample whose rollout log-probs are 1 nat
+def test_mis_masks_an_off_sample_and_masking_nothing_changes_nothing(tp1, tiny_model_dir, samples):
+    """algorithm.mis_level through the real trainer: with the engine's log-probs of the same weights nothing
+    is masked and the step is the plain recomputing one, bitwise; one sample whose rollout log-probs are 1 nat
     per token too low (sequence ratio e^len > 2) is masked whole, also in packed micro-batches."""
     mis_cfg = make_config(**{"algorithm.mis_level": "sequence"})
-    mis, plain = Actor(mis_cfg, tiny_model_dir), Actor(make_config(), tiny_model_dir, recompute_log_probs=True)
+    mis = Actor(mis_cfg, tiny_model_dir)
+    plain = Actor(make_config(), tiny_model_dir, recompute_log_probs=True)
     assert mis.recompute
     m, p = mis.train(0, samples), plain.train(0, samples)
     assert m["train/mis_masked_frac"] == 0.0 and m["train/mis_masked_seq_frac"] == 0.0

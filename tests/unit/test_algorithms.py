@@ -322,7 +322,7 @@ def test_compute_loss_with_tis_scales_pg_loss():
     close(out.tis_abs, (3.0 + 0.5) / 2)
 
 
-# --- MIS (masked importance sampling) -------------------------------------------------------------------------
+# --- MIS (masked importance sampling) -----------------------------------------------------------------------
 
 # Log-ratios log(pi_old / pi_rollout) per token (rollout log-probs 0, so old_logp IS the log-ratio) of four
 # samples, and their loss masks: C's second token does not train (tool output, an extreme ratio that must not
@@ -361,7 +361,7 @@ def test_mis_mask_bounds_inclusive_log_space_and_no_lower_bound():
     close(k, [[1.0, 1.0, 0.0, 0.0]])  # slime's mask mode: low <= r <= high is kept
     k, _ = alg.mis_mask(old, torch.zeros_like(old), mask, "token", low=0.0, high=2.0)
     close(k, [[1.0, 1.0, 0.0, 1.0]])  # low 0: no lower bound
-    empty = torch.zeros(1, 3, dtype=F64)  # a sample without loss tokens: ratio 1 at every level, nothing masked
+    empty = torch.zeros(1, 3, dtype=F64)  # a sample without loss tokens: ratio 1 at any level, none masked
     for level in ("sequence", "geometric"):
         k, m = alg.mis_mask(t([[9.0, 9.0, 9.0]]), empty.clone(), empty, level)
         close(k, [[1.0, 1.0, 1.0]])

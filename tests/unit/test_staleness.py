@@ -1,6 +1,7 @@
-"""hpcrl.rollout.stats' staleness of trained tokens (docs/algorithms.md, "Fully asynchronous training") against
-hand counts on hand-built samples: per-token versions (mixed, unknown -1, tool tokens), the per-call fallback,
-a group's oldest version, and what rollout_metrics adds (nothing without token versions)."""
+"""hpcrl.rollout.stats' staleness of trained tokens (docs/algorithms.md, "Fully asynchronous training")
+against hand counts on hand-built samples: per-token versions (mixed, unknown -1, tool tokens), the
+per-call fallback, a group's oldest version, and what rollout_metrics adds (nothing without token
+versions)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def test_staleness_metrics_token_weighted_by_hand():
                  "rollout/mixed_version_share": pytest.approx(2 / 3)}
     assert stats.staleness_metrics(list(s.values())) == m  # default step: each sample's rollout_id (5)
     m7 = stats.staleness_metrics([s["mixed"]], step=7)
-    assert m7["rollout/staleness_mean"] == pytest.approx((4 + 4 + 3 + 3) / 4) and m7["rollout/staleness_max"] == 4
+    assert m7["rollout/staleness_mean"] == pytest.approx((4 + 4 + 3 + 3) / 4)
+    assert m7["rollout/staleness_max"] == 4
     assert stats.staleness_metrics([s["unknown"]], step=5) == {}
 
 
