@@ -370,8 +370,7 @@ def check_algorithm(cfg: Config, check_files: bool = True, env: Optional[Environ
              f"must be < algorithm.tis_clip={a.tis_clip}", "lower tis_clip_low")
     require(0 <= a.mis_low < 1, "algorithm.mis_low", a.mis_low,
             "must be in [0, 1): MIS keeps the ratios in [mis_low, mis_high], which must hold the on-policy "
-            "ratio 1",
-            "0.5 is usual (0: no lower bound)")
+            "ratio 1", "0.5 is usual (0: no lower bound)")
     require(a.mis_high > 1, "algorithm.mis_high", a.mis_high,
             "must be > 1: MIS keeps the ratios in [mis_low, mis_high], which must hold the on-policy ratio 1",
             "2.0 is usual")
