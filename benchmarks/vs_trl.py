@@ -489,7 +489,7 @@ def trl_worker(spec: dict) -> None:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _tree(pid: int) -> list:
+def process_tree(pid: int) -> list:
     """The process and its descendants (psutil.Process objects)."""
     import psutil
 
@@ -512,7 +512,7 @@ def _hwm_bytes(pid: int) -> int:
     return 0
 
 
-def _proc_kind(p) -> str:
+def proc_kind(p) -> str:
     cmd = " ".join(p.cmdline())
     if "hpcrl.engine" in cmd:
         return "engine"
@@ -561,11 +561,11 @@ class Worker:
         """Update the peak RSS of every process of the tree (its kernel high-water mark, so nothing between
         samples is missed); ``refresh`` looks for new processes (engine, router) first."""
         if refresh or not self._procs:
-            self._procs = {p.pid: (p if p.pid != self.proc.pid else None) for p in _tree(self.proc.pid)}
+            self._procs = {p.pid: (p if p.pid != self.proc.pid else None) for p in process_tree(self.proc.pid)}
         for pid, p in self._procs.items():
             hwm = _hwm_bytes(pid)
             if hwm:
-                name = "trainer" if p is None else _proc_kind(p)
+                name = "trainer" if p is None else proc_kind(p)
                 self._hwm[pid] = (name, max(hwm, self._hwm.get(pid, ("", 0))[1]))
         parts: dict[str, int] = {}
         for name, b in self._hwm.values():
@@ -576,10 +576,10 @@ class Worker:
         """CPU time (user + system, seconds) used so far by each kind of process of the tree (trainer, engine,
         router, ...), read now (psutil)."""
         out: dict[str, float] = {}
-        for p in _tree(self.proc.pid):
+        for p in process_tree(self.proc.pid):
             try:
                 t = p.cpu_times()
-                kind = "trainer" if p.pid == self.proc.pid else _proc_kind(p)
+                kind = "trainer" if p.pid == self.proc.pid else proc_kind(p)
                 out[kind] = out.get(kind, 0.0) + t.user + t.system
             except Exception:  # noqa: BLE001 - it exited meanwhile
                 pass
@@ -596,7 +596,7 @@ class Worker:
         # descendants seen so far (psutil checks each one's identity, so a reused pid is never hit)
         procs = {p.pid: p for p in self._procs.values() if p is not None}
         if self.proc.poll() is None:
-            procs.update({p.pid: p for p in _tree(self.proc.pid)[1:]})
+            procs.update({p.pid: p for p in process_tree(self.proc.pid)[1:]})
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=20)

@@ -287,8 +287,9 @@ def _known_tasks() -> str:
 def make_task(name: str, **kwargs: Any) -> Task:
     """Resolve a data-source name to a task. Raises ValueError naming the unknown task and the known ones.
 
-    ``addition`` takes ``digits``; ``repeat`` takes ``min_digits`` and ``max_digits``. ``reasoning_gym:<name>``
-    takes ``few_shot``, ``few_shot_seed`` and ``binary`` (see :class:`ReasoningGymTask`); every other keyword is the reasoning-gym dataset's config.
+    ``addition`` takes ``digits``; ``repeat`` takes ``min_digits`` and ``max_digits``.
+    ``reasoning_gym:<name>`` takes ``few_shot``, ``few_shot_seed`` and ``binary`` (see
+    :class:`ReasoningGymTask`); every other keyword is the reasoning-gym dataset's config.
     """
     if name in BUILTIN_TASKS:
         try:
