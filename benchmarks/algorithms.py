@@ -56,11 +56,13 @@ def algorithms(teacher_accuracy: float) -> dict[str, list[str]]:
     }
 
 
-def run_one(folder: Path, name: str, overrides: list[str], steps: int) -> dict:
-    """``hpcrl run quickstart.yaml`` in ``folder`` as run ``name``; returns the row (accuracies in [0, 1])."""
+def run_one(folder: Path, name: str, overrides: list[str], steps: int, config: str = "quickstart.yaml") -> dict:
+    """``hpcrl run <config>`` (a file in ``folder``) in ``folder`` as run ``name``, ``steps`` rollout steps, greedy
+    eval at the start and the end; returns the row (accuracies in [0, 1]; ``rc``, ``wall_s``, and the log's
+    tail when it failed). benchmarks/async_modes.py runs its modes through it too."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     hpcrl = Path(sys.executable).with_name("hpcrl")
-    cmd = [str(hpcrl), "run", "quickstart.yaml", f"run.name={name}", f"run.num_rollout={steps}",
+    cmd = [str(hpcrl), "run", config, f"run.name={name}", f"run.num_rollout={steps}",
            f"rollout.eval_interval={steps}", *overrides]
     t0 = time.perf_counter()
     with open(folder / f"{name}.log", "wb") as log:

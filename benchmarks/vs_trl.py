@@ -31,8 +31,13 @@ greedy through :func:`hpcrl.eval.greedy_accuracy`; hpcrl: greedy through its eng
 ``eval/accuracy``). Both also measure the starting checkpoint the same way before the first step, so the two
 evaluators can be compared. Peak RSS: the sum of the kernel's high-water mark (``VmHWM``) of every process
 of a worker's tree (hpcrl: trainer + engine + router + torch's shared-memory manager), read every second.
-All processes get ``--threads`` OpenMP threads (default 1: on 2 shared cores, 2 threads per process made the
-engine 13x slower under load).
+Threads at equal cores: every hpcrl process gets ``--threads`` OpenMP threads (default 1: on 2 shared cores,
+2 threads per process made the engine 13x slower under load; ``mode=async|fully_async`` sides instead pin
+the trainer and the engine to disjoint halves of the CPUs, one thread per CPU). TRL is one process, so by
+default it gets as many threads as an hpcrl side's processes use together (trainer + engines; the largest
+hpcrl side, at most the CPUs this run may use), not ``--threads``: with 1 thread per process on 2 cores,
+hpcrl ran 2 threads and TRL 1 before (issue #37). ``--trl-threads N`` or the side option ``trl:threads=N``
+sets it explicitly. The header prints both.
 
 TRL runs with its ``GRPOConfig`` defaults beyond what is listed here, which include
 ``gradient_checkpointing=True`` (activations recomputed in backward: less memory, more compute); the hpcrl side
@@ -259,6 +264,32 @@ async def gated_rollout(cfg, rollout_id, data_source, ctx):
     """``rollout.rollout_function`` of the hpcrl worker: the gate, then slime's default ``generate_rollout``."""
     from hpcrl.rollout.rollout import generate_rollout
 
+    await _gate_step(cfg, rollout_id, ctx)
+    out = await generate_rollout(cfg, rollout_id, data_source, ctx)
+    _HPCRL["gen_tokens"] = sum(s.response_length for g in out.groups for s in g)
+    return out
+
+
+def gate_fully_async_take() -> None:
+    """``mode=fully_async``: the producer calls no rollout function (the loop refuses one), so the gate
+    sits in :meth:`hpcrl.rollout.manager.RolloutManager.take`, before the trainer takes its next groups; the
+    engines keep generating meanwhile, as they do in that loop (so the sides run one after the other)."""
+    from hpcrl.rollout.manager import RolloutManager
+
+    take = RolloutManager.take
+
+    def gated_take(self, rollout_id: int, multiple: int = 1):
+        self.call(_gate_step(self.cfg, rollout_id, self.ctx))  # StopRun reaches the loop, which re-raises it
+        samples, metrics = take(self, rollout_id, multiple)
+        _HPCRL["gen_tokens"] = sum(s.response_length for s in samples or [])
+        return samples, metrics
+
+    RolloutManager.take = gated_take
+
+
+async def _gate_step(cfg, rollout_id, ctx) -> None:
+    """Report the step that ended (the loop's last metrics row) and wait for the orchestrator's command; at
+    ``stop``, measure the greedy accuracy and raise :class:`StopRun`."""
     gate = _GATE
     assert gate is not None
     extra = {}
@@ -281,9 +312,6 @@ async def gated_rollout(cfg, rollout_id, data_source, ctx):
         acc = await _engine_greedy_accuracy(cfg, ctx)
         gate.send({"final_accuracy": acc, "eval_seconds": time.perf_counter() - t0, "steps": rollout_id})
         raise StopRun()
-    out = await generate_rollout(cfg, rollout_id, data_source, ctx)
-    _HPCRL["gen_tokens"] = sum(s.response_length for g in out.groups for s in g)
-    return out
 
 
 def _exit_on_sigterm() -> None:
@@ -358,13 +386,21 @@ def hpcrl_worker(spec: dict) -> None:
         cfg.train.share_group_prompt = spec.get("share", True)
     if spec.get("recompute"):
         cfg.megatron.update(RECOMPUTE)
-    if spec.get("mode") == "async":  # one step off policy; trainer and engine on disjoint CPUs, as hpcrl run does
-        cfg.run.mode, cfg.run.placement = "async", "disaggregate"
+    if spec.get("mode") in ("async", "fully_async"):  # trainer and engine on disjoint CPUs, as hpcrl run does
+        cfg.run.mode, cfg.run.placement = spec["mode"], "disaggregate"
+        if spec["mode"] == "fully_async":
+            import importlib.util
+
+            if importlib.util.find_spec("hpcrl.loop_fully_async") is None:  # its loop_of runs the sync loop
+                raise SystemExit("mode=fully_async: this hpcrl tree has no hpcrl/loop_fully_async.py")
+            cfg.rollout.rollout_function = None  # the producer generates; the gate is in take
+            gate_fully_async_take()
         cpus = resolve_cpu_sets(cfg)
         pin(cpus.train)
         _GATE.info["cpus"] = {"train": cfg.train.cpus, "rollout": cfg.rollout.cpus}
     _HPCRL["datasets"] = load_datasets(cfg)
     _GATE.info["eval_items"] = len(_HPCRL["datasets"].eval)
+    _GATE.info["trainer_threads"] = torch.get_num_threads()
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -419,6 +455,7 @@ def trl_worker(spec: dict) -> None:
         return greedy_accuracy(model, tok, data.eval, task.score, MAX_NEW_TOKENS, stop=stop)
 
     gate.info["eval_items"] = len(data.eval)
+    gate.info["trainer_threads"] = torch.get_num_threads()
     gate.info["start_accuracy"] = evaluate()
 
     class GateCallback(TrainerCallback):
@@ -489,7 +526,7 @@ def trl_worker(spec: dict) -> None:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _tree(pid: int) -> list:
+def process_tree(pid: int) -> list:
     """The process and its descendants (psutil.Process objects)."""
     import psutil
 
@@ -512,7 +549,7 @@ def _hwm_bytes(pid: int) -> int:
     return 0
 
 
-def _proc_kind(p) -> str:
+def proc_kind(p) -> str:
     cmd = " ".join(p.cmdline())
     if "hpcrl.engine" in cmd:
         return "engine"
@@ -561,11 +598,11 @@ class Worker:
         """Update the peak RSS of every process of the tree (its kernel high-water mark, so nothing between
         samples is missed); ``refresh`` looks for new processes (engine, router) first."""
         if refresh or not self._procs:
-            self._procs = {p.pid: (p if p.pid != self.proc.pid else None) for p in _tree(self.proc.pid)}
+            self._procs = {p.pid: (p if p.pid != self.proc.pid else None) for p in process_tree(self.proc.pid)}
         for pid, p in self._procs.items():
             hwm = _hwm_bytes(pid)
             if hwm:
-                name = "trainer" if p is None else _proc_kind(p)
+                name = "trainer" if p is None else proc_kind(p)
                 self._hwm[pid] = (name, max(hwm, self._hwm.get(pid, ("", 0))[1]))
         parts: dict[str, int] = {}
         for name, b in self._hwm.values():
@@ -576,10 +613,10 @@ class Worker:
         """CPU time (user + system, seconds) used so far by each kind of process of the tree (trainer, engine,
         router, ...), read now (psutil)."""
         out: dict[str, float] = {}
-        for p in _tree(self.proc.pid):
+        for p in process_tree(self.proc.pid):
             try:
                 t = p.cpu_times()
-                kind = "trainer" if p.pid == self.proc.pid else _proc_kind(p)
+                kind = "trainer" if p.pid == self.proc.pid else proc_kind(p)
                 out[kind] = out.get(kind, 0.0) + t.user + t.system
             except Exception:  # noqa: BLE001 - it exited meanwhile
                 pass
@@ -596,7 +633,7 @@ class Worker:
         # descendants seen so far (psutil checks each one's identity, so a reused pid is never hit)
         procs = {p.pid: p for p in self._procs.values() if p is not None}
         if self.proc.poll() is None:
-            procs.update({p.pid: p for p in _tree(self.proc.pid)[1:]})
+            procs.update({p.pid: p for p in process_tree(self.proc.pid)[1:]})
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=20)
@@ -631,8 +668,9 @@ def _fmt(x, spec: str) -> str:
 
 
 def parse_side(text: str) -> dict:
-    """``kind[:key=value,...]``: kind ``trl`` or ``hpcrl``; keys ``router=on|off`` (hpcrl), ``mode=sync|async``
-    (hpcrl: ``run.mode``; async pins trainer and engine to disjoint halves of the CPUs), ``threads=N``,
+    """``kind[:key=value,...]``: kind ``trl`` or ``hpcrl``; keys ``router=on|off`` (hpcrl),
+    ``mode=sync|async|fully_async`` (hpcrl: ``run.mode``; async and fully_async pin trainer and engine to
+    disjoint halves of the CPUs), ``threads=N`` (hpcrl: per process; TRL: its one process),
     ``src=DIR`` (hpcrl: import hpcrl from this source tree, e.g. an unpacked older commit, for before/after
     comparisons), ``pack=N`` (hpcrl: packed micro-batches of at most N tokens, ``train.max_tokens_per_microbatch``,
     instead of ``--micro-batch``), ``share=on|off`` (hpcrl with ``pack``: ``train.share_group_prompt``, default on),
@@ -649,7 +687,7 @@ def parse_side(text: str) -> dict:
             opts["router"] = value == "on"
         elif key == "threads" and value.isdigit():
             opts["threads"] = int(value)
-        elif key == "mode" and value in ("sync", "async"):
+        elif key == "mode" and value in ("sync", "async", "fully_async"):
             opts["mode"] = value
         elif key == "pack" and value.isdigit():
             opts["pack"] = int(value)
@@ -664,6 +702,41 @@ def parse_side(text: str) -> dict:
         else:
             raise SystemExit(f"--sides: bad option {part!r} in {text!r}")
     return opts
+
+
+def hpcrl_threads(side: dict, args, start: Path) -> dict[str, int]:
+    """The torch/OpenMP threads of an hpcrl side's processes: ``trainer``, ``engines`` (all of them) and their
+    ``total``. sync: ``threads`` each (the engines inherit the trainer's ``OMP_NUM_THREADS``); async and
+    fully_async: one per CPU of the trainer's and the engines' sets (:func:`hpcrl.placement.run_cpu_sets`, as
+    the worker pins them). The router (no torch) is not counted."""
+    from hpcrl.placement import run_cpu_sets
+
+    cfg = build_config(args.model, str(start), tempfile.gettempdir(), args.seed, args.dtype, args.micro_batch)
+    n = cfg.rollout.num_engines
+    if side.get("mode", "sync") in ("async", "fully_async"):
+        cfg.run.placement = "disaggregate"
+        cpus = run_cpu_sets(cfg)
+        trainer, engines = len(cpus.train), sum(len(cpus.engine(i, n)) for i in range(n))
+    else:
+        t = side.get("threads", args.threads)
+        trainer, engines = t, t * n
+    return {"trainer": trainer, "engines": engines, "total": trainer + engines}
+
+
+def trl_threads(sides: list[dict], args, start: Path) -> tuple[int, str]:
+    """TRL's threads at equal cores and how they were chosen: ``--trl-threads`` when given, else the largest
+    hpcrl side's total (:func:`hpcrl_threads`), at most the CPUs this process may use (more threads than cores
+    only oversubscribe them); ``--threads`` when there is no hpcrl side."""
+    if args.trl_threads is not None:
+        return args.trl_threads, "--trl-threads"
+    counts = [(sd["label"], hpcrl_threads(sd, args, start)) for sd in sides if sd["kind"] == "hpcrl"]
+    if not counts:
+        return args.threads, "--threads (no hpcrl side)"
+    label, c = max(counts, key=lambda x: x[1]["total"])
+    ncpu = len(os.sched_getaffinity(0))
+    how = (f"equal cores: hpcrl side {label}'s trainer {c['trainer']} + engine(s) {c['engines']} = "
+           f"{c['total']} threads" + (f", at most the {ncpu} CPUs" if c["total"] > ncpu else ""))
+    return min(c["total"], ncpu), how
 
 
 PRECISION_NOTE = {
@@ -691,10 +764,22 @@ def run(args) -> int:
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="hpcrl-vs-trl-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     sides = [parse_side(t) for t in args.sides.split()]
+    trl_default, trl_how = trl_threads(sides, args, start)
+    thread_notes = []
+    for sd in sides:
+        if sd["kind"] == "trl":
+            n, why = (sd["threads"], "side option threads=N") if "threads" in sd else (trl_default, trl_how)
+            thread_notes.append(f"{sd['label']}: {n} thread(s) in its one process ({why})")
+        else:
+            c = hpcrl_threads(sd, args, start)
+            thread_notes.append(f"{sd['label']}: trainer {c['trainer']} + engine(s) {c['engines']} = "
+                                f"{c['total']} thread(s)")
     workers: list[Worker] = []
     for i, side in enumerate(sides):
+        default_threads = trl_default if side["kind"] == "trl" else args.threads
         spec = {"model": args.model, "start": str(start), "out_dir": str(out_dir / f"side{i}-{side['kind']}"),
-                "seed": args.seed, "threads": side.get("threads", args.threads), "router": side.get("router"),
+                "seed": args.seed, "threads": side.get("threads", default_threads),
+                "router": side.get("router"),
                 "src": side.get("src"), "dtype": args.dtype, "micro_batch": args.micro_batch,
                 "mode": side.get("mode", "sync"), "pack": side.get("pack"), "share": side.get("share", True),
                 "recompute": side.get("recompute", False)}
@@ -717,7 +802,7 @@ def run(args) -> int:
             w.ready = w.read()
             print(f"[{w.label}] ready: start accuracy {w.ready.get('start_accuracy')}", file=sys.stderr)
         need = args.warmup + args.steps
-        sequential = args.sequential or any(sd.get("mode") == "async" for sd in sides)
+        sequential = args.sequential or any(sd.get("mode") in ("async", "fully_async") for sd in sides)
         if sequential and not args.sequential:
             print("an async side overlaps generation with training, so its steps cannot be gated one at a time "
                   "between sides: the sides run one after the other (--sequential)", file=sys.stderr)
@@ -787,7 +872,9 @@ def run(args) -> int:
              f"{load_before[0]:.1f} before / {load_after[0]:.1f} after",
              f"start: {how}; eval: {rows[0].get('eval_items')} held-out problems, greedy, exact match",
              f"timed: the steps after {args.warmup} warm-up step(s); budget {args.budget_s:g} s of step time per "
-             f"side; loop wall time {loop_s:.0f} s", ""]
+             f"side; loop wall time {loop_s:.0f} s",
+             "threads (torch/OpenMP): " + "; ".join(thread_notes) + " (measured: " + ", ".join(
+                 f"{w.label} trainer {w.ready.get('trainer_threads')}" for w in workers) + ")", ""]
     head = f"| {'':34} | " + " | ".join(f"{x:>{width}}" for x in labels)
     head += "".join(f" | {r:>{max(9, len(r))}}" for r in ratio_names) + " |"
     lines += [head, "|" + "|".join("-" * (len(c) + 2) for c in head.strip("|").split("|")[:-1]) + "|"]
@@ -895,7 +982,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=None,
                    help="seconds of step time per side before the accuracy is taken (default: 120 tiny, 0 smollm2)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch/OpenMP threads of every process (trainers, hpcrl's engine)")
+                   help="torch/OpenMP threads of every hpcrl process (trainer, engine) of a sync side")
+    p.add_argument("--trl-threads", type=int, default=None,
+                   help="TRL's threads (default: as many as an hpcrl side's processes use together, at "
+                        "most the CPUs: equal cores)")
     p.add_argument("--sides", default="trl hpcrl",
                    help="space-separated sides, alternated in one run: trl, hpcrl, or kind:opt=value,... with "
                         "router=on|off, threads=N, src=DIR (hpcrl from another source tree), name=LABEL; ratios are "
@@ -907,7 +997,7 @@ def main(argv=None) -> int:
                         f"(default {BATCH_PROMPTS * GROUP_SIZE}: one micro-batch per step)")
     p.add_argument("--sequential", action="store_true",
                    help="run the sides one after the other instead of alternating steps (always so with an "
-                        "async side, whose generation overlaps its training)")
+                        "async or fully_async side, whose generation overlaps its training)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--start", default=None, help="starting HF checkpoint instead of the model's default one")
     p.add_argument("--out-dir", default=None, help="run folder (default: a new temp folder)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Literal, Optional, get_args
 
-TASKS: tuple[str, ...] = ("addition",)
+TASKS: tuple[str, ...] = ("addition", "repeat")
 """Built-in task generators by ``data.source`` name, besides ``reasoning_gym:<name>``."""
 
 VERIFIER_REWARDS: tuple[str, ...] = ("exact_match", "math_answer", "countdown")

@@ -85,7 +85,7 @@ def check_source(field_name: str, value: str, check_files: bool) -> None:
     close = difflib.get_close_matches(value, list(BUILTIN_DATA_SOURCES), n=1)
     raise ConfigError(field_name, value, "unknown data source",
                       f"did you mean {close[0]!r}?" if close else
-                      "use 'addition', 'reasoning_gym:<task>' or a .jsonl/.parquet file")
+                      "use 'addition', 'repeat', 'reasoning_gym:<task>' or a .jsonl/.parquet file")
 
 
 def check_plugin(field_name: str, value: Optional[str], builtins: tuple[str, ...],

@@ -27,8 +27,9 @@ class EvalSetSection:
     name: str = ""
     """Metric prefix, ``eval/<name>/accuracy``: letters, digits and ``._-``; unique; not ``default``."""
     source: str = ""
-    """A built-in generator (``addition``, ``reasoning_gym:<task>``) or a ``.jsonl`` / ``.parquet`` file (read
-    with ``data.prompt_key`` / ``data.label_key`` / ``data.tools_key``, checked like the training data)."""
+    """A built-in generator (``addition``, ``repeat``, ``reasoning_gym:<task>``) or a ``.jsonl`` /
+    ``.parquet`` file (read with ``data.prompt_key`` / ``data.label_key`` / ``data.tools_key``, checked like
+    the training data)."""
     num: Optional[int] = None
     """Items: a generator draws this many (default ``data.num_eval``); a file gives its first ``num`` rows
     (default all)."""
@@ -87,7 +88,7 @@ def check_eval(cfg: Config, check_files: bool) -> None:
         require(s.name not in seen, f"{where}.name", s.name, "names two eval sets", "give each set its own name")
         seen.add(s.name)
         require(bool(s.source), f"{where}.source", s.source, "is required",
-                "set it to a generator (addition, reasoning_gym:<task>) or a .jsonl / .parquet file")
+                "set it to a generator (addition, repeat, reasoning_gym:<task>) or a .jsonl / .parquet file")
         check_source(f"{where}.source", s.source, check_files)
         if s.num is not None:
             require(s.num >= 1, f"{where}.num", s.num, "must be >= 1", f"set {where}.num or leave it unset")

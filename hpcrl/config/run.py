@@ -84,7 +84,8 @@ class DataSection:
     """Where prompts come from and how they are split into train and eval."""
 
     source: str = "addition"
-    """Built-in generator (``addition``, ``reasoning_gym:<task>``) or a ``.jsonl`` / ``.parquet`` file."""
+    """Built-in generator (``addition``, ``repeat``, ``reasoning_gym:<task>``) or a ``.jsonl`` / ``.parquet``
+    file."""
     prompt_key: str = "prompt"
     label_key: str = "label"
     num_train: int = 10000

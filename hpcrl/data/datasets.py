@@ -440,8 +440,8 @@ def _read_file(cfg: "Config", path: str, row_check: Optional[RowCheck] = None,
 def load_datasets(cfg: "Config", stats: Optional[dict[str, BadRows]] = None) -> Datasets:
     """Train and eval items for a run, and the task that scores them.
 
-    Generator source (``addition``, ``reasoning_gym:<name>``; ``data.task_kwargs`` go to :func:`make_task`):
-    train = ``task.generate(data.num_train, seed=run.seed)``, eval = ``task.generate(data.num_eval,
+    Generator source (``addition``, ``repeat``, ``reasoning_gym:<name>``; ``data.task_kwargs`` go to
+    :func:`make_task`): train = ``task.generate(data.num_train, seed=run.seed)``, eval = ``task.generate(data.num_eval,
     seed=run.seed + 1)`` minus every item whose prompt also occurs in train (so eval may hold slightly fewer
     than ``num_eval`` items; for small problem spaces such as 1-digit addition, many fewer).
 

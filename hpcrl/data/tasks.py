@@ -1,7 +1,7 @@
 """Built-in task generators with their own scorers.
 
 A task turns a seed into prompts with labels, and scores a response against a label. ``make_task`` resolves a
-data-source name (``addition``, ``reasoning_gym:<task>``) to a task. Items are plain dicts
+data-source name (``addition``, ``repeat``, ``reasoning_gym:<task>``) to a task. Items are plain dicts
 ``{"prompt": str, "label": Any, "metadata": dict}`` (``metadata`` optional).
 
 Reasoning-gym tasks (``reasoning_gym:<name>``, any of reasoning-gym's ~100 registered datasets, e.g.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
 import random
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -68,6 +69,46 @@ class AdditionTask:
         for _ in range(n):
             a, b = rng.randint(lo, hi), rng.randint(lo, hi)
             items.append({"prompt": f"{a}+{b}=", "label": str(a + b)})
+        return items
+
+    def score(self, response: str, item: dict[str, Any]) -> float:
+        return 1.0 if response.strip() == str(item["label"]) else 0.0
+
+
+@dataclass
+class RepeatTask:
+    """``40213=`` -> ``40213``: repeat a digit string: the long-tailed CI task (issue #37's workload).
+
+    The string's length is drawn log-uniformly from ``min_digits`` to ``max_digits`` (default 2..40, a 20x
+    spread): half the answers have at most ~9 digits, one in ten has more than ~30, so a rollout step's
+    slowest sample takes several times its median one, as with chain-of-thought responses - the workload where
+    the one-step-off loop waits for its tail and the fully asynchronous loop does not. With the tiny model's
+    character tokenizer the answer is one token per digit (plus eos); ``rollout.max_new_tokens`` must be at
+    least ``max_digits + 1``. The response's stripped text must equal the label (exact match scores 1.0).
+
+    Raises ValueError when ``min_digits < 1`` or ``max_digits < min_digits``.
+    """
+
+    min_digits: int = 2
+    max_digits: int = 40
+    name: str = "repeat"
+
+    def __post_init__(self) -> None:
+        if self.min_digits < 1 or self.max_digits < self.min_digits:
+            raise ValueError(f"repeat task: need 1 <= min_digits <= max_digits, got min_digits="
+                             f"{self.min_digits}, max_digits={self.max_digits}")
+
+    def length(self, rng: random.Random) -> int:
+        """One answer length (digits), log-uniform in [``min_digits``, ``max_digits``] (rounded)."""
+        lo, hi = math.log(self.min_digits), math.log(self.max_digits + 1)
+        return min(self.max_digits, int(math.exp(rng.uniform(lo, hi))))
+
+    def generate(self, n: int, seed: int) -> list[dict[str, Any]]:
+        rng = random.Random(seed)
+        items = []
+        for _ in range(n):
+            digits = "".join(rng.choice("0123456789") for _ in range(self.length(rng)))
+            items.append({"prompt": f"{digits}=", "label": digits})
         return items
 
     def score(self, response: str, item: dict[str, Any]) -> float:
@@ -231,7 +272,7 @@ class ReasoningGymTask:
         return value
 
 
-BUILTIN_TASKS = MappingProxyType({"addition": AdditionTask})
+BUILTIN_TASKS = MappingProxyType({"addition": AdditionTask, "repeat": RepeatTask})
 """Built-in task generators by ``data.source`` name (read-only), besides ``reasoning_gym:<name>``."""
 assert tuple(BUILTIN_TASKS) == names.TASKS, \
     "hpcrl.names.TASKS must list BUILTIN_TASKS (config validates by it)"
@@ -246,8 +287,9 @@ def _known_tasks() -> str:
 def make_task(name: str, **kwargs: Any) -> Task:
     """Resolve a data-source name to a task. Raises ValueError naming the unknown task and the known ones.
 
-    ``addition`` takes ``digits``. ``reasoning_gym:<name>`` takes ``few_shot``, ``few_shot_seed`` and
-    ``binary`` (see :class:`ReasoningGymTask`); every other keyword is the reasoning-gym dataset's config.
+    ``addition`` takes ``digits``; ``repeat`` takes ``min_digits`` and ``max_digits``.
+    ``reasoning_gym:<name>`` takes ``few_shot``, ``few_shot_seed`` and ``binary`` (see
+    :class:`ReasoningGymTask`); every other keyword is the reasoning-gym dataset's config.
     """
     if name in BUILTIN_TASKS:
         try:

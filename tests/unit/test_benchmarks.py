@@ -155,3 +155,51 @@ def test_memory_phase_peaks_charge_each_allocation_to_its_phase(method, monkeypa
     assert big - after >= 200 * MiB, why
     with pytest.raises(ValueError, match="method='hwm'"):
         memory.PhasePeaks("x", method="hwm")
+
+
+def _async_modes():
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))  # its own imports: algorithms, machine, vs_trl
+    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_async_modes",
+                                                  BENCHMARKS / "async_modes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_async_modes_summary_from_metrics_rows():
+    """benchmarks/async_modes.py's numbers from a run's metrics rows, against hand computations: eval seconds
+    are not step time, short groups are not trained samples, the sync trainer waits for the whole rollout."""
+    m = _async_modes()
+    rows = [{"step": -1, "time": 100.0, "eval/accuracy": 0.1},
+            {"step": 0, "time": 104.0, "timing/step_seconds": 4.0, "rollout/seconds": 3.0,
+             "rollout/groups_short": 0, "rollout/lag_mean": 0.0, "rollout/lag_max": 0,
+             "rollout/response_length": 10.0},
+            {"step": 1, "time": 106.0, "timing/step_seconds": 2.0, "rollout/seconds": 1.0,
+             "rollout/groups_short": 2, "rollout/lag_mean": 0.5, "rollout/lag_max": 1,
+             "rollout/response_length": 20.0},
+            {"step": 2, "time": 112.0, "timing/step_seconds": 6.0, "eval/seconds": 2.0,
+             "rollout/seconds": 1.0,
+             "rollout/groups_short": 1, "rollout/lag_mean": 1.0, "rollout/lag_max": 2,
+             "rollout/response_length": 30.0, "eval/accuracy": 0.4}]
+    out = m.summarize(rows, batch_size=8, group_size=4, warmup=1)
+    assert out["steps"] == 3 and out["timed"] == 2
+    assert out["samples_s"] == pytest.approx((6 * 4 + 7 * 4) / (2.0 + 4.0))
+    assert out["idle"] == pytest.approx((1.0 + 1.0) / 6.0)  # no rollout_wait: the sync trainer's rollout
+    assert out["stale_mean"] == pytest.approx(0.75) and out["stale_max"] == 2
+    assert out["acc0"] == 0.1 and out["acc1"] == 0.4 and out["wall_s"] == 12.0
+    assert out["acc_per_min"] == pytest.approx(0.4 / (12.0 / 60))
+    assert out["len_trained"] == (25.0, 30.0) and out["len_sampled"] is None
+    rows[2]["timing/rollout_wait_seconds"], rows[3]["timing/rollout_wait_seconds"] = 0.5, 0.0
+    rows[2]["rollout/staleness_mean"], rows[2]["rollout/staleness_max"] = 1.5, 3
+    out = m.summarize(rows, batch_size=8, group_size=4, warmup=1)
+    assert out["idle"] == pytest.approx(0.5 / 6.0)  # async: only the wait at the boundary
+    assert out["stale_mean"] == 1.5 and out["stale_max"] == 3  # token-level staleness wins over the lag
+    runs = m.runs_of(["sync", "fully_async"], ["keep", "drop"], fully_async_loop=False)
+    fa = ["run.mode=fully_async"]
+    assert runs == [("sync", "sync", ["run.mode=sync"]),
+                    ("fully_async-keep", "fully_async-keep*", [*fa, "rollout.stale_policy=keep"]),
+                    ("fully_async-drop", "fully_async-drop*", [*fa, "rollout.stale_policy=drop"])]
+    lines = m.table([("sync", out), ("async", {"error": 1})])
+    assert "failed (1)" in lines[2] and "8.7" in lines[2]

@@ -101,7 +101,7 @@ def test_generic_reasoning_gym_name_and_config():
 
 
 @pytest.mark.parametrize("name,match", [
-    ("nope", r"unknown task 'nope'; known: addition, reasoning_gym:<name>"),
+    ("nope", r"unknown task 'nope'; known: addition, repeat, reasoning_gym:<name>"),
     ("reasoning_gym:countdwn", r"did you mean countdown"),
 ])
 def test_unknown_task_lists_known(name, match):
@@ -126,3 +126,29 @@ def test_verifier_task():
         t.generate(1, 0)
     with pytest.raises(ValueError, match="unknown verifier"):
         VerifierTask("bleu")
+
+
+def test_repeat_task_long_tailed_deterministic_and_scored():
+    """The long-tailed workload of benchmarks/async_modes.py: seeded, answers spread >= 10x in length (one
+    token per digit with the tiny model's tokenizer), most answers short, exact match scores."""
+    from hpcrl.data.tasks import RepeatTask
+    from hpcrl.models.tiny import build_char_tokenizer
+
+    task = make_task("repeat")
+    assert isinstance(task, RepeatTask) and task.name == "repeat"
+    items = task.generate(2000, seed=5)
+    assert items == task.generate(2000, seed=5) and items != task.generate(2000, seed=6)
+    tok = build_char_tokenizer()
+    lengths = sorted(len(tok(it["label"], add_special_tokens=False)["input_ids"]) for it in items)
+    assert lengths[0] == 2 and lengths[-1] == 40  # the bounds are reached: a 20x spread
+    assert lengths[-1] / lengths[0] >= 10
+    median, p90 = lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))]
+    assert median <= 12 and p90 >= 25  # log-uniform: a long tail, not a uniform spread (median would be 21)
+    for it in items[:50]:
+        assert it["prompt"] == it["label"] + "=" and it["label"].isdigit()
+        assert task.score(it["label"], it) == 1.0 and task.score(f" {it['label']}\n", it) == 1.0
+        assert task.score(it["label"][:-1], it) == 0.0 and task.score(it["label"] + "0", it) == 0.0
+    short = make_task("repeat", min_digits=3, max_digits=5).generate(200, seed=1)
+    assert {len(it["label"]) for it in short} == {3, 4, 5}
+    with pytest.raises(ValueError, match="min_digits"):
+        make_task("repeat", min_digits=5, max_digits=4)
