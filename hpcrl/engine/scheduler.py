@@ -55,6 +55,8 @@ class Row:
     """int32 ``[layers, top_k]`` per fed token (prompt, then outputs), with ``return_routed_experts``."""
     finish_reason: dict | None = None
     next_pos: int = 0
+    version_events: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    """``(old weight version, output tokens then)`` at each version change while the row had output."""
 
     @property
     def params(self) -> protocol.SamplingParams:
@@ -241,6 +243,18 @@ class Scheduler:
         return self.is_fully_idle(ignore_waiting=self._paused)
 
     # ------------------------------------------------------------------ commands (scheduler thread)
+    def set_weight_version(self, version: str) -> None:
+        """Serve ``version`` from now on (a command: no step runs meanwhile, as SGLang's scheduler records
+        it). Rows with output (running, paused in place or retracted) record the change, so that their
+        finished answers say which version sampled which tokens (``meta_info.weight_versions`` spans)."""
+        if version != self.weight_version:
+            with self._cond:
+                rows = [*self._waiting, *self._running]
+            for row in rows:
+                if row.output_ids:
+                    row.version_events.append((self.weight_version, len(row.output_ids)))
+            self.weight_version = version
+
     def pause_now(self, mode: str) -> None:
         """Command body of ``/pause_generation``: pause, then abort, retract or keep the running rows.
 
@@ -599,6 +613,9 @@ class Scheduler:
             "weight_version": self.weight_version,
             "e2e_latency": time.monotonic() - row.job.created,
         }
+        if row.finish_reason is not None:
+            meta["weight_versions"] = protocol.weight_version_spans(row.version_events, self.weight_version,
+                                                                    len(row.output_ids))
         if row.spec.return_logprob:
             start = self._logprob_start(row)
             in_ids = row.spec.prompt_ids[start:]

@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 
 import aiohttp
 
-from hpcrl.rollout.token_versions import ChunkLabeller
+from hpcrl.rollout.token_versions import ChunkLabeller, labels_from_spans
 
 class RolloutError(RuntimeError):
     """A request to an engine or the router failed for good.
@@ -416,15 +416,16 @@ class RolloutClient:
         ``rid`` names the request (for targeted aborts); ``extra`` adds other documented ``/generate`` fields
         (``logprob_start_len``, ``return_routed_experts``...). Updates :attr:`weight_version`.
 
-        Per-token versions: with ``keep_partial`` the call streams, and ``meta_info`` gains
-        ``output_token_weight_versions``, one engine version per output token (the version of the chunk that
-        brought it, :mod:`hpcrl.rollout.token_versions`; kept tokens of a dead engine keep theirs). A
-        non-streamed answer has none: its one ``weight_version`` cannot say where an in-place (or retract)
-        update landed inside the response, so fully asynchronous rollouts must stream. The log-prob of each
-        token is the engine's sampled one, i.e. the distribution the token was drawn from: one version's
-        policy given the prefix under ``abort`` (one call per version) and ``retract`` (the prefix is
-        re-prefilled with the new weights), but after an ``in_place`` update the new weights over the KV cache
-        the old ones computed (neither version's policy).
+        Per-token versions: ``meta_info`` gains ``output_token_weight_versions``, one engine version per
+        output token, when the client can tell (:mod:`hpcrl.rollout.token_versions`): from the answer's
+        ``weight_versions`` spans (SGLang 0.5.23, the CPU engine), else, streamed (``keep_partial``), from the
+        chunks that brought the tokens (kept tokens of a dead engine keep theirs). Without either (an older
+        SGLang, not streamed) it is absent: the one ``weight_version`` cannot say where an in-place (or
+        retract) update landed inside the response. The log-prob of each token is the engine's sampled one,
+        i.e. the distribution the token was drawn from: one version's policy given the prefix under ``abort``
+        (one call per version) and ``retract`` (the prefix is re-prefilled with the new weights), but after an
+        ``in_place`` update the new weights over the KV cache the old ones computed (neither version's
+        policy).
         Raises RolloutError (see :meth:`request`).
         """
         payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
@@ -439,6 +440,7 @@ class RolloutClient:
         if not isinstance(out, dict):
             raise RolloutError(f"/generate returned {type(out).__name__}, expected a JSON object",
                                self.router_url or "engines")
+        _label_tokens(out)
         version = (out.get("meta_info") or {}).get("weight_version")
         if version is not None:
             self._weight_version = str(version)
@@ -492,11 +494,13 @@ class RolloutClient:
         if limit is not None and int(limit) <= 0:
             return await self.request("POST", "/generate", payload)
         final = await self._with_retries(send, "POST", "/generate", base_url=None, retry=True)
+        ids, lp, text = split(final)
         meta = dict(final.get("meta_info") or {})
-        meta["output_token_weight_versions"] = kept_versions + current["labels"].labels
+        exact = labels_from_spans(meta.get("weight_versions"), len(ids))
+        meta["output_token_weight_versions"] = kept_versions + (current["labels"].labels if exact is None
+                                                                else exact)
         if not kept_ids:
             return {**final, "meta_info": meta}
-        ids, lp, text = split(final)
         if "output_token_logprobs" in meta:
             meta["output_token_logprobs"] = kept_lp + lp
         meta["completion_tokens"] = len(kept_ids) + len(ids)
@@ -526,6 +530,7 @@ class RolloutClient:
                                f"{type(out).__name__} {len(out) if isinstance(out, list) else ''}, expected a "
                                f"list of {len(input_ids)} JSON objects", self.router_url or "engines")
         for o in out:
+            _label_tokens(o)
             version = (o.get("meta_info") or {}).get("weight_version")
             if version is not None:
                 self._weight_version = str(version)
@@ -626,3 +631,15 @@ class RolloutClient:
                 first = next(iter(pending))
                 raise RolloutError(f"not healthy after {timeout_s:g} s: {detail}", first + "/health")
             await asyncio.sleep(poll_s)
+
+
+def _label_tokens(out: dict) -> None:
+    """Add ``meta_info["output_token_weight_versions"]`` to a ``/generate`` answer from its
+    ``weight_versions`` spans when it has none yet and the spans cover its output tokens."""
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict) or "output_token_weight_versions" in meta:
+        return
+    tokens = meta.get("output_token_logprobs") or out.get("output_ids") or []
+    labels = labels_from_spans(meta.get("weight_versions"), len(tokens))
+    if labels is not None:
+        meta["output_token_weight_versions"] = labels

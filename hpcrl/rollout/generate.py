@@ -44,9 +44,10 @@ async def generate(client: RolloutClient, sample: Sample, sampling_params: dict)
     (:func:`finish_status`); the engine's ``meta_info.weight_version`` is appended to ``weight_versions``;
     each token's version goes to ``rollout_token_versions``
     (:func:`~hpcrl.rollout.token_versions.version_number`: a non-integer name is -1): the client's
-    ``meta_info.output_token_weight_versions`` when it streamed (exact under in-flight updates), else the
-    answer's one ``weight_version`` for every token (exact only if no update landed during the call: under
-    ``retract``/``in_place`` pauses a non-streamed answer names the newer version for all its tokens).
+    ``meta_info.output_token_weight_versions`` when it could label them (the engine's ``weight_versions``
+    spans, or streamed chunks: exact under in-flight updates), else the answer's one ``weight_version`` for
+    every token (exact only if no update landed during the call: under ``retract``/``in_place`` pauses such an
+    answer names the newer version for all its tokens).
     ``rollout_log_probs`` get the engine's sampled log-probs: the distribution each token was drawn from
     (after an ``in_place`` update, new weights over the old KV cache). An abort/failure message goes to
     ``metadata["finish_message"]``; ``meta_info.routed_experts`` (when the client asks for it,

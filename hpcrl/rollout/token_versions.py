@@ -1,22 +1,22 @@
 """Per-token weight versions of a generated response: which engine weights sampled each output token.
 
-SGLang's ``/generate`` answer names one ``meta_info.weight_version``: the engine's version when the answer (or
-a streamed chunk) was built. Under an in-flight weight update (``/pause_generation`` in mode ``retract`` or
-``in_place``, then the update, then ``/continue_generation``) one request's tokens come from two versions, and
-a single answer cannot say where the switch is: it names the newer one. A *streamed* answer can: its SSE
-chunks are cumulative (each holds every output token so far) and each names the version when it was built, so
-the tokens a chunk adds are labelled with that chunk's version (:class:`ChunkLabeller`, used by
-:class:`hpcrl.rollout.client.RolloutClient` when it streams).
+Under an in-flight weight update (``/pause_generation`` in mode ``retract`` or ``in_place``, the update,
+``/continue_generation``) one request's tokens come from two versions, while an answer's
+``meta_info.weight_version`` names one (the newer). Sources of per-token labels, best first:
 
-Exactness. On hpcrl's CPU engine a streamed row gets one chunk per sampled token, built in the scheduler
-thread right after the token is sampled, and weight updates run in that thread between steps; with generation
-paused over the update (as :class:`hpcrl.weights.sync.WeightSyncer` always does) the version is changed before
-any token of the new weights is sampled, so every chunk's one new token carries the version that sampled it.
-On SGLang, chunks go out every ``stream_interval`` tokens, so one chunk may hold tokens from both sides of an
-update: such a chunk (more than one new token and a version other than the previous chunk's) is labelled with
-the *older* version, so staleness is over-, never under-estimated. (SGLang attaches the version after the
-scheduler, in its tokenizer manager; a token sampled just before a pause may come back with the new version -
-unverified here.)
+1. A finished answer's ``meta_info.weight_versions`` spans (SGLang 0.5.23, ``srt/utils/weight_versions.py``,
+   and hpcrl's CPU engine): the engine's scheduler records, when the version changes, how many output tokens
+   each live request had, so the spans are exact, streamed or not (:func:`labels_from_spans`).
+2. Streamed chunks (:class:`ChunkLabeller`): SSE chunks are cumulative and each names the version when it was
+   built, so the tokens a chunk adds get that chunk's version. Used for tokens kept from an engine that died
+   mid-response (it sent no finished answer) and for engines without spans. On the CPU engine each chunk
+   brings one token, built in the scheduler thread right after it was sampled, and the version changes in
+   the same scheduler command as the weights: exact. On SGLang chunks go out every ``stream_interval`` tokens
+   and name the tokenizer manager's version (changed when the update call returns), so one chunk may hold
+   tokens from both sides of an update: a chunk with more than one new token and a version other than the
+   previous chunk's is labelled with the *older* version (staleness over-, never under-estimated).
+3. Else (:func:`hpcrl.rollout.generate.generate`) a non-streamed answer's one version for all its tokens,
+   wrong for a response an update landed in: fully asynchronous rollouts stream, or use an engine with spans.
 
 The label of a token never changes the loss's behaviour log-prob: that is the engine's sampled log-prob of the
 token (``output_token_logprobs``), whatever version produced it (see ``docs/algorithms.md``).
@@ -40,6 +40,25 @@ def version_number(version: Any) -> int:
     text = str(version).strip()
     digits = text[1:] if text[:1] in "+-" else text
     return int(text) if digits.isdigit() else UNKNOWN_VERSION
+
+
+def labels_from_spans(spans: Any, num_output: int) -> Optional[list]:
+    """One version per output token from a finished answer's ``meta_info.weight_versions`` (SGLang 0.5.23 and
+    the CPU engine: ``[{"version", "start", "end"}, ...]``, recorded by the engine's scheduler at each update
+    while the request lived, so exact, streamed or not). None when absent or not a contiguous cover of the
+    ``num_output`` tokens (older SGLang, or a router that dropped the field)."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    labels: list = []
+    for span in spans:
+        try:
+            version, start, end = span["version"], int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if start != len(labels) or end < start:
+            return None
+        labels += [version] * (end - start)
+    return labels if len(labels) == num_output else None
 
 
 class ChunkLabeller:

@@ -374,38 +374,62 @@ def in_place_logprobs(old, new, prompt: list[int], out: list[int], switch: int) 
     return [lp[j, out[switch + j]].item() for j in range(len(out) - switch)]
 
 
-async def generate_across_update(client, mode: str, new_tensors: list, version: str):
-    """A streamed :func:`hpcrl.rollout.generate.generate` of ACROSS_PROMPT on ``client`` (``keep_partial``,
-    engines or router) in flight across a weight sync of ``new_tensors`` as ``version`` with pause mode
-    ``mode``: once an engine runs it, every engine is frozen (``/pause_generation`` in place, so the sync
-    lands mid-response whatever the machine's speed), then a :class:`hpcrl.weights.WeightSyncer` (``tensor``)
-    pauses in ``mode``, updates and continues. Under ``abort`` the aborted sample is continued by a second
-    call.
-    Returns ``(first, sample, metrics)``: the first call's ``(status, response_length, token versions)``, the
-    sample, the sync's metrics."""
+async def stream_labels(url: str, key: str | None) -> tuple[list, list]:
+    """Stream one ``/generate`` of ACROSS_PROMPT from the engine at ``url`` (raw SSE) and return the per-token
+    versions from its chunks (:class:`hpcrl.rollout.token_versions.ChunkLabeller`) and from its finished
+    answer's ``weight_versions`` spans."""
+    import aiohttp
+
+    from hpcrl.rollout.token_versions import ChunkLabeller, labels_from_spans
+
+    body = {"input_ids": ACROSS_PROMPT, "sampling_params": ACROSS_PARAMS, "stream": True}
+    labeller, last = ChunkLabeller(), None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/generate", json=body, headers=headers) as resp:
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    last = json.loads(line[len("data:"):])
+                    labeller.add(last["output_ids"], last["meta_info"]["weight_version"])
+    return labeller.labels, labels_from_spans(last["meta_info"]["weight_versions"], len(last["output_ids"]))
+
+
+async def generate_across_update(clients: list, mode: str, new_tensors: list, version: str,
+                                 also_running: int = 0):
+    """One :func:`hpcrl.rollout.generate.generate` of ACROSS_PROMPT per client of ``clients`` (engines or
+    router; streamed with ``keep_partial``, else not) in flight across a weight sync of ``new_tensors`` as
+    ``version`` with pause mode ``mode``: once the engines run them all, every engine is frozen
+    (``/pause_generation`` in place, so the sync lands mid-response whatever the machine's speed), then a
+    :class:`hpcrl.weights.WeightSyncer` (``tensor``, on the first client) pauses in ``mode``, updates and
+    continues. Under ``abort`` each aborted sample is continued by a second call. Returns ``(results,
+    metrics)``: per client ``(first, sample)`` (the first call's ``(status, response_length, token
+    versions)``, the sample), and the sync's metrics. ``also_running``: more requests started by the caller
+    that must be running too before the freeze."""
     import asyncio
 
     from hpcrl.data.sample import Sample
     from hpcrl.rollout.generate import generate
     from hpcrl.weights import WeightSyncer
 
-    sample = Sample(tokens=list(ACROSS_PROMPT))
-    task = asyncio.create_task(generate(client, sample, dict(ACROSS_PARAMS)))
+    samples = [Sample(tokens=list(ACROSS_PROMPT)) for _ in clients]
+    tasks = [asyncio.create_task(generate(c, s, dict(ACROSS_PARAMS))) for c, s in zip(clients, samples)]
     deadline = time.monotonic() + 30
     while True:
-        loads = [await client.request("GET", "/v1/loads", base_url=u) for u in client.engine_urls]
-        if any(x["loads"][0]["num_running_reqs"] for x in loads):
+        loads = [await clients[0].request("GET", "/v1/loads", base_url=u) for u in clients[0].engine_urls]
+        if sum(x["loads"][0]["num_running_reqs"] for x in loads) >= len(clients) + also_running:
             break
-        assert not task.done() and time.monotonic() < deadline, "the response did not start, or ended at once"
+        assert not any(t.done() for t in tasks) and time.monotonic() < deadline, \
+            "the responses did not start, or one ended at once"
         await asyncio.sleep(0.01)
-    await client.pause("in_place")
-    syncer = WeightSyncer(client, "tensor", bucket_bytes=1 << 20, timeout_s=60, pause_mode=mode)
+    await clients[0].pause("in_place")
+    syncer = WeightSyncer(clients[0], "tensor", bucket_bytes=1 << 20, timeout_s=60, pause_mode=mode)
     metrics = await syncer.sync(iter(new_tensors), version)
-    await asyncio.wait_for(task, 60)
-    first = (sample.status, sample.response_length, list(sample.rollout_token_versions))
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    firsts = [(s.status, s.response_length, list(s.rollout_token_versions)) for s in samples]
     if mode == "abort":
-        await generate(client, sample, dict(ACROSS_PARAMS))
-    return first, sample, metrics
+        await asyncio.gather(*(generate(c, s, dict(ACROSS_PARAMS)) for c, s in zip(clients, samples)))
+    return list(zip(firsts, samples)), metrics
 
 
 def check_across_update(mode: str, first, sample, old, new, old_version: int, new_version: int,

@@ -357,6 +357,8 @@ def test_partial_response_kept_when_the_engine_dies(stack, tiny_model_dir, tmp_p
         assert len(out["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"]) == 240
         assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
         assert out["output_ids"][:kept] == reference[:kept]
+        # the kept tokens' versions come from the dead engine's chunks, the rest from the survivor's spans
+        assert meta["output_token_weight_versions"] == ["default"] * 240
         rest = await client.request("POST", "/generate", {
                 "input_ids": PROMPT + out["output_ids"][:kept], "return_logprob": True,
                 "sampling_params": {**greedy, "max_new_tokens": 240 - kept}}, base_url=survivor.url)
@@ -441,11 +443,11 @@ def test_in_place_update_mid_response_through_the_router(stack, tiny_model_dir):
         async with _client(stack, keep_partial=True) as c:
             await sync(c, old, "10")
             try:
-                return await generate_across_update(c, "in_place", hf_tensors(new), "11")
+                return await generate_across_update([c], "in_place", hf_tensors(new), "11")
             finally:
                 await sync(c, old, "default")
 
-    first, sample, metrics = asyncio.run(run())
+    [(first, sample)], metrics = asyncio.run(run())
     check_across_update("in_place", first, sample, old, new, 10, 11)
     assert metrics["weight_version"] == "11"
 
