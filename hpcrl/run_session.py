@@ -160,7 +160,8 @@ class RunSession:
             self.metrics = RunLog(run_dir, cfg.run.num_rollout, t.start, controller, cfg=cfg)
             if self.offload_engines_first:
                 rollout.offload()  # colocated: the engines give their memory back before the first sync
-            self.syncer = WeightSyncer.from_config(rollout.client, cfg.weights, is_sender=controller,
+            self.syncer = WeightSyncer.from_config(rollout.client, cfg.weights, cfg.run.mode,
+                                                   is_sender=controller,
                                                    engine_tp_sizes=rollout.engine_tp_sizes,
                                                    hf_checkpoint=str(model_path),
                                                    disk_dir=str(run_dir / "weights"))

@@ -332,11 +332,12 @@ class NativeServer:
                              extra: dict | None = None, flushes: bool = True) -> web.Response:
         """Common body of the update endpoints: parse, optionally abort all, run ``work`` in the scheduler
         thread, then, with ``flushes`` and the body's ``flush_cache`` (default true), the flush that ends an
-        update, and bump the weight version if given. ``work`` returns a message or raises (any error is a 400
-        failure). A gated endpoint (:data:`hpcrl.engine.state.SESSION_GATED`) outside a weight-update session
-        is refused before ``work`` runs; a flush refused after it (requests hold KV cache) is a 400 failure
-        although the weights were loaded, and the version stays (:mod:`hpcrl.engine.state`).
-        ``extra`` fields are added to the response body."""
+        update, and the weight version if given, set in the same command (so no token of the new weights is
+        sampled under the old version, :meth:`Scheduler.set_weight_version`). ``work`` returns a message or
+        raises (any error is a 400 failure). A gated endpoint (:data:`hpcrl.engine.state.SESSION_GATED`)
+        outside a weight-update session is refused before ``work`` runs; a flush refused after it (requests
+        hold KV cache) is a 400 failure although the weights were loaded, and the version stays
+        (:mod:`hpcrl.engine.state`). ``extra`` fields are added to the response body."""
         extra = extra or {}
         endpoint = request.path.lstrip("/")
 
@@ -354,12 +355,15 @@ class NativeServer:
         if body.get("abort_all_requests"):
             self.scheduler.abort(None, "Abort: weight update with abort_all_requests.")
         flush = flushes and body.get("flush_cache", True) is not False
+        version = body.get("weight_version")
 
         def command() -> tuple[bool, str]:
             self.session.require(endpoint)
             message = work(body)
             if flush and not self.scheduler.flush_now():
                 return False, state.UPDATE_NOT_FLUSHED
+            if version is not None:  # with the weights, before any token of theirs (SGLang's scheduler too)
+                self.scheduler.set_weight_version(str(version))
             return True, message
 
         try:
@@ -373,9 +377,7 @@ class NativeServer:
             return fail(str(e) if known else f"{type(e).__name__}: {e}")
         if not flushed:
             return fail(message)
-        version = body.get("weight_version")
         if version is not None:
-            self.scheduler.weight_version = str(version)
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message, **extra})
 
@@ -480,7 +482,7 @@ class NativeServer:
                                      status=400)
         if body.get("abort_all_requests", True):
             self.scheduler.abort(None, "Abort: weight version update.")
-        self.scheduler.weight_version = str(version)
+        await self._command(lambda: self.scheduler.set_weight_version(str(version)), 60.0)
         return web.json_response({"success": True, "message": f"Weight version updated to {version}",
                                   "new_version": str(version)})
 

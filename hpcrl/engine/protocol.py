@@ -482,3 +482,21 @@ def top_logprob_triples(tokenizer, values: list, ids: list, with_text: bool) -> 
     for vs, ts in zip(values, ids):
         out.append(None if vs is None else logprob_triples(tokenizer, vs, ts, with_text))
     return out
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str, num_output: int) -> list[dict]:
+    """SGLang 0.5.23's ``meta_info.weight_versions`` of a finished answer (``srt/utils/weight_versions.py``
+    ``compute_weight_version_spans``): ``[{"version", "start", "end"}, ...]``, contiguous over the output
+    tokens ``[0, num_output)``, one span per weight version that sampled some of them. ``events``: ``(old
+    version, output tokens so far)`` recorded at each version change while the request lived; ``current``: the
+    version now. A request with no output has one empty span of ``current``."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, num_output)]:
+        end = min(end, num_output)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans

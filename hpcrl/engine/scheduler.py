@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from hpcrl.engine import protocol, routing, sampling, state
+from hpcrl.engine import kvcache, protocol, routing, sampling, state
 from hpcrl.engine.memory import TAG_KV_CACHE, TAG_WEIGHTS
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class Row:
     """int32 ``[layers, top_k]`` per fed token (prompt, then outputs), with ``return_routed_experts``."""
     finish_reason: dict | None = None
     next_pos: int = 0
+    version_events: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    """``(old weight version, output tokens then)`` at each version change while the row had output."""
 
     @property
     def params(self) -> protocol.SamplingParams:
@@ -81,7 +83,7 @@ class Job:
 
 @dataclasses.dataclass
 class Stats:
-    """Counters exposed in ``/get_server_info`` ``internal_states`` (tokens, rows, batches)."""
+    """Counters exposed in ``/get_server_info`` ``internal_states`` (tokens, rows, batches, seconds)."""
 
     requests_served: int = 0
     rows_served: int = 0
@@ -95,6 +97,9 @@ class Stats:
     aborted_rows: int = 0
     retracted_rows: int = 0
     last_gen_throughput: float = 0.0
+    busy_seconds: float = 0.0
+    """Wall seconds of the steps that prefilled or decoded at least one row (forward passes and their
+    bookkeeping); time idle, paused (rows held in place included) or running commands is not counted."""
 
 
 class Scheduler:
@@ -238,6 +243,18 @@ class Scheduler:
         return self.is_fully_idle(ignore_waiting=self._paused)
 
     # ------------------------------------------------------------------ commands (scheduler thread)
+    def set_weight_version(self, version: str) -> None:
+        """Serve ``version`` from now on (a command: no step runs meanwhile, as SGLang's scheduler records
+        it). Rows with output (running, paused in place or retracted) record the change, so that their
+        finished answers say which version sampled which tokens (``meta_info.weight_versions`` spans)."""
+        if version != self.weight_version:
+            with self._cond:
+                rows = [*self._waiting, *self._running]
+            for row in rows:
+                if row.output_ids:
+                    row.version_events.append((self.weight_version, len(row.output_ids)))
+            self.weight_version = version
+
     def pause_now(self, mode: str) -> None:
         """Command body of ``/pause_generation``: pause, then abort, retract or keep the running rows.
 
@@ -379,6 +396,8 @@ class Scheduler:
         if self._running:
             self._decode()
         dt = time.monotonic() - t0
+        if new_rows or self._running:  # (a prefill whose rows all finished at once ran too)
+            self.stats.busy_seconds += dt
         if dt > 0 and self.stats.tokens_generated > tokens_before:
             self.stats.last_gen_throughput = (self.stats.tokens_generated - tokens_before) / dt
 
@@ -404,7 +423,7 @@ class Scheduler:
         # log-probs, the prompt from logprob_start_len on (prompts end at the right edge: left padding).
         keep = max([1] + [len(row.spec.prompt_ids) + len(row.output_ids) - self._logprob_start(row)
                           for row in rows if row.needs_input_logprobs()])
-        cache = _new_cache(self.model.config)
+        cache = kvcache.new_cache(self.model.config)
         with self.routed.recording(any(row.job.options.return_routed_experts for row in rows)):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                              use_cache=True, logits_to_keep=keep)
@@ -594,6 +613,9 @@ class Scheduler:
             "weight_version": self.weight_version,
             "e2e_latency": time.monotonic() - row.job.created,
         }
+        if row.finish_reason is not None:
+            meta["weight_versions"] = protocol.weight_version_spans(row.version_events, self.weight_version,
+                                                                    len(row.output_ids))
         if row.spec.return_logprob:
             start = self._logprob_start(row)
             in_ids = row.spec.prompt_ids[start:]
@@ -640,10 +662,10 @@ class Scheduler:
             old_len, new_len = self._mask.shape[1], mask.shape[1]
             width = max(old_len, new_len)
             for mine, theirs in zip(self._cache.layers, cache.layers):
-                k1, v1 = _pad_left(mine.keys, width), _pad_left(mine.values, width)
-                k2, v2 = _pad_left(theirs.keys, width), _pad_left(theirs.values, width)
+                k1, v1 = kvcache.pad_left(mine.keys, width), kvcache.pad_left(mine.values, width)
+                k2, v2 = kvcache.pad_left(theirs.keys, width), kvcache.pad_left(theirs.values, width)
                 mine.keys, mine.values = torch.cat([k1, k2], 0), torch.cat([v1, v2], 0)
-            self._mask = torch.cat([_pad_mask(self._mask, width), _pad_mask(mask, width)], 0)
+            self._mask = torch.cat([kvcache.pad_mask(self._mask, width), kvcache.pad_mask(mask, width)], 0)
             self._running = self._running + list(rows)
         with self._cond:
             self._num_running = len(self._running)
@@ -672,28 +694,3 @@ class Scheduler:
         with self._cond:
             self._num_running = 0
 
-
-def _new_cache(config):
-    """An empty KV cache for ``config``; a sliding-window model's (Mistral, Mixtral) has whole-length layers:
-    transformers' attention mask applies the window whatever the cache holds, and whole layers can be merged
-    and trimmed (continuous batching), where its sliding-window layers could not."""
-    from transformers import DynamicCache
-
-    sliding = getattr(config, "model_type", None) in ("mistral", "mixtral") and config.sliding_window
-    return DynamicCache() if sliding else DynamicCache(config=config)
-
-
-def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
-    """Left-pad ``[batch, heads, len, dim]`` with zeros to ``width`` along ``len``."""
-    extra = width - x.shape[2]
-    if extra <= 0:
-        return x
-    pad = torch.zeros((x.shape[0], x.shape[1], extra, x.shape[3]), dtype=x.dtype, device=x.device)
-    return torch.cat([pad, x], dim=2)
-
-
-def _pad_mask(m: torch.Tensor, width: int) -> torch.Tensor:
-    extra = width - m.shape[1]
-    if extra <= 0:
-        return m
-    return torch.cat([torch.zeros((m.shape[0], extra), dtype=m.dtype), m], dim=1)

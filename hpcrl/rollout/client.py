@@ -42,6 +42,7 @@ from typing import Any, Optional, Sequence
 
 import aiohttp
 
+from hpcrl.rollout.token_versions import ChunkLabeller, labels_from_spans
 
 class RolloutError(RuntimeError):
     """A request to an engine or the router failed for good.
@@ -414,6 +415,17 @@ class RolloutClient:
         and with ``return_logprob`` ``output_token_logprobs`` as ``[logprob, token_id, text]`` triples).
         ``rid`` names the request (for targeted aborts); ``extra`` adds other documented ``/generate`` fields
         (``logprob_start_len``, ``return_routed_experts``...). Updates :attr:`weight_version`.
+
+        Per-token versions: ``meta_info`` gains ``output_token_weight_versions``, one engine version per
+        output token, when the client can tell (:mod:`hpcrl.rollout.token_versions`): from the answer's
+        ``weight_versions`` spans (SGLang 0.5.23, the CPU engine), else, streamed (``keep_partial``), from the
+        chunks that brought the tokens (kept tokens of a dead engine keep theirs). Without either (an older
+        SGLang, not streamed) it is absent: the one ``weight_version`` cannot say where an in-place (or
+        retract) update landed inside the response. The log-prob of each token is the engine's sampled one,
+        i.e. the distribution the token was drawn from: one version's policy given the prefix under ``abort``
+        (one call per version) and ``retract`` (the prefix is re-prefilled with the new weights), but after an
+        ``in_place`` update the new weights over the KV cache the old ones computed (neither version's
+        policy).
         Raises RolloutError (see :meth:`request`).
         """
         payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
@@ -428,6 +440,7 @@ class RolloutClient:
         if not isinstance(out, dict):
             raise RolloutError(f"/generate returned {type(out).__name__}, expected a JSON object",
                                self.router_url or "engines")
+        _label_tokens(out)
         version = (out.get("meta_info") or {}).get("weight_version")
         if version is not None:
             self._weight_version = str(version)
@@ -439,17 +452,21 @@ class RolloutClient:
         continues from ``prompt + kept`` with ``max_new_tokens`` reduced by their number, on another engine
         (as slime's ``sglang_streaming_rollout`` keeps an aborted sample's partial state). Returns one
         response as a non-streamed call would (``output_ids``, ``text`` and ``output_token_logprobs`` joined,
-        ``completion_tokens`` counted over all attempts). :attr:`kept_partial_tokens` counts kept tokens."""
+        ``completion_tokens`` counted over all attempts). :attr:`kept_partial_tokens` counts kept tokens.
+        ``meta_info["output_token_weight_versions"]``: each output token's version
+        (:class:`~hpcrl.rollout.token_versions.ChunkLabeller`)."""
         prompt = list(payload["input_ids"])
         params = dict(payload["sampling_params"])
         limit = params.get("max_new_tokens")
         kept_ids: list[int] = []
         kept_lp: list = []
+        kept_versions: list = []
         kept_text = ""
         current: dict = {}
 
         def on_chunk(chunk: dict) -> None:
             current["chunk"] = chunk
+            current["labels"].add(split(chunk)[0], (chunk.get("meta_info") or {}).get("weight_version"))
 
         def split(chunk: dict) -> tuple[list[int], list, str]:
             triples = (chunk.get("meta_info") or {}).get("output_token_logprobs")
@@ -457,11 +474,12 @@ class RolloutClient:
             return ids, list(triples or []), str(chunk.get("text") or "")
 
         async def send(base: str) -> dict:
-            nonlocal kept_ids, kept_lp, kept_text
+            nonlocal kept_ids, kept_lp, kept_versions, kept_text
             body = dict(payload, stream=True, input_ids=prompt + kept_ids, sampling_params=dict(params))
             if kept_ids and limit is not None:
                 body["sampling_params"]["max_new_tokens"] = max(int(limit) - len(kept_ids), 0)
             current.clear()
+            current["labels"] = ChunkLabeller(kept_versions[-1] if kept_versions else None)
             try:
                 return await self._stream_attempt(base + "/generate", body, on_chunk)
             except _Retryable:
@@ -469,16 +487,20 @@ class RolloutClient:
                 if chunk is not None:  # the engine died mid-stream: keep what it sent
                     ids, lp, text = split(chunk)
                     kept_ids, kept_lp, kept_text = kept_ids + ids, kept_lp + lp, kept_text + text
+                    kept_versions = kept_versions + current["labels"].labels
                     self.kept_partial_tokens += len(ids)
                 raise
 
         if limit is not None and int(limit) <= 0:
             return await self.request("POST", "/generate", payload)
         final = await self._with_retries(send, "POST", "/generate", base_url=None, retry=True)
-        if not kept_ids:
-            return final
         ids, lp, text = split(final)
         meta = dict(final.get("meta_info") or {})
+        exact = labels_from_spans(meta.get("weight_versions"), len(ids))
+        meta["output_token_weight_versions"] = kept_versions + (current["labels"].labels if exact is None
+                                                                else exact)
+        if not kept_ids:
+            return {**final, "meta_info": meta}
         if "output_token_logprobs" in meta:
             meta["output_token_logprobs"] = kept_lp + lp
         meta["completion_tokens"] = len(kept_ids) + len(ids)
@@ -508,6 +530,7 @@ class RolloutClient:
                                f"{type(out).__name__} {len(out) if isinstance(out, list) else ''}, expected a "
                                f"list of {len(input_ids)} JSON objects", self.router_url or "engines")
         for o in out:
+            _label_tokens(o)
             version = (o.get("meta_info") or {}).get("weight_version")
             if version is not None:
                 self._weight_version = str(version)
@@ -608,3 +631,15 @@ class RolloutClient:
                 first = next(iter(pending))
                 raise RolloutError(f"not healthy after {timeout_s:g} s: {detail}", first + "/health")
             await asyncio.sleep(poll_s)
+
+
+def _label_tokens(out: dict) -> None:
+    """Add ``meta_info["output_token_weight_versions"]`` to a ``/generate`` answer from its
+    ``weight_versions`` spans when it has none yet and the spans cover its output tokens."""
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict) or "output_token_weight_versions" in meta:
+        return
+    tokens = meta.get("output_token_logprobs") or out.get("output_ids") or []
+    labels = labels_from_spans(meta.get("weight_versions"), len(tokens))
+    if labels is not None:
+        meta["output_token_weight_versions"] = labels

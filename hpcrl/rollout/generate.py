@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from hpcrl.data.sample import Sample, Status
 from hpcrl.rollout.client import RolloutClient, RolloutError
+from hpcrl.rollout.token_versions import version_number
 
 GenerateFn = Callable[[RolloutClient, Sample, dict], Awaitable[Sample]]
 """``async (client, sample, sampling_params) -> Sample``."""
@@ -40,11 +41,20 @@ async def generate(client: RolloutClient, sample: Sample, sampling_params: dict)
     ``response_length`` (a sample that already used its budget is marked TRUNCATED without a request). The
     output tokens and their log-probs (from ``meta_info.output_token_logprobs``, as slime does) are appended
     as trainable tokens, the text to ``response``; ``status`` follows ``finish_reason``
-    (:func:`finish_status`); the engine's ``meta_info.weight_version`` is appended to ``weight_versions``; an
-    abort/failure message goes to ``metadata["finish_message"]``; ``meta_info.routed_experts`` (when the client
-    asks for it, :attr:`RolloutClient.generate_fields`) replaces ``rollout_routed_experts``.
+    (:func:`finish_status`); the engine's ``meta_info.weight_version`` is appended to ``weight_versions``;
+    each token's version goes to ``rollout_token_versions``
+    (:func:`~hpcrl.rollout.token_versions.version_number`: a non-integer name is -1): the client's
+    ``meta_info.output_token_weight_versions`` when it could label them (the engine's ``weight_versions``
+    spans, or streamed chunks: exact under in-flight updates), else the answer's one ``weight_version`` for
+    every token (exact only if no update landed during the call: under ``retract``/``in_place`` pauses such an
+    answer names the newer version for all its tokens).
+    ``rollout_log_probs`` get the engine's sampled log-probs: the distribution each token was drawn from
+    (after an ``in_place`` update, new weights over the old KV cache). An abort/failure message goes to
+    ``metadata["finish_message"]``; ``meta_info.routed_experts`` (when the client asks for it,
+    :attr:`RolloutClient.generate_fields`) replaces ``rollout_routed_experts``.
 
-    Raises RolloutError if the request fails for good or the response lacks the log-probs of its tokens.
+    Raises RolloutError if the request fails for good, the response lacks the log-probs of its tokens, or its
+    per-token versions are not one per token.
     """
     params = dict(sampling_params)
     if sample.response_length > 0:
@@ -69,13 +79,20 @@ async def generate(client: RolloutClient, sample: Sample, sampling_params: dict)
         triples = []
     tokens = [int(t[1]) for t in triples]
     log_probs = [float(t[0]) for t in triples]
-    sample.append_response_tokens(tokens, log_probs, trainable=True, text=out.get("text") or "")
+    version = meta.get("weight_version")
+    labels = meta.get("output_token_weight_versions")
+    if labels is None:  # a non-streamed answer: nothing better known than the version it names
+        labels = [version] * len(tokens)
+    elif len(labels) != len(tokens):
+        raise RolloutError(f"/generate answered {len(labels)} output_token_weight_versions for {len(tokens)} "
+                           "tokens", client.router_url or "engines")
+    sample.append_response_tokens(tokens, log_probs, trainable=True, text=out.get("text") or "",
+                                  versions=[version_number(v) for v in labels])
     sample.status = finish_status(meta)
     reason = meta.get("finish_reason")
     sample.metadata.pop("finish_message", None)  # from an earlier, aborted call of a continued sample
     if isinstance(reason, dict) and reason.get("message"):
         sample.metadata["finish_message"] = str(reason["message"])
-    version = meta.get("weight_version")
     if version is not None:
         sample.weight_versions.append(str(version))
     routed = meta.get("routed_experts")

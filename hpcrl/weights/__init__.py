@@ -15,7 +15,7 @@ Three transports (``weights.method`` in the run config):
 
 Entry point: :class:`~hpcrl.weights.sync.WeightSyncer` and :func:`~hpcrl.weights.sync.iterate_for_sync`::
 
-    syncer = WeightSyncer.from_config(client, cfg.weights, is_sender=dist.get_rank() == 0)
+    syncer = WeightSyncer.from_config(client, cfg.weights, cfg.run.mode, is_sender=dist.get_rank() == 0)
     metrics = await syncer.sync(iterate_for_sync(model), weight_version=str(step))   # on every trainer rank
     ...
     await syncer.close()

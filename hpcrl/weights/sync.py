@@ -7,7 +7,8 @@ just drive the iterator (ranks outside rank 0's TP group get an empty one).
 
 The sender does what slime's ``update_weights`` does around the transfer:
 
-1. ``/pause_generation`` (mode ``abort`` by default, SGLang's default: running requests return early with
+1. ``/pause_generation`` (``weights.pause_mode``, :func:`resolve_pause_mode`: ``abort``, SGLang's default,
+   except ``in_place`` in fully asynchronous runs; ``abort``: running requests return early with
    ``finish_reason.type == "abort"``), then ``/flush_cache`` (asked again while it answers 400); with mode
    ``in_place`` the running requests keep their KV cache, so there is no flush (SGLang would refuse it) and
    the updates are sent with ``flush_cache: false``;
@@ -41,6 +42,24 @@ from hpcrl.weights.common import EngineCalls, WeightSyncError
 
 METHODS = ("tensor", "distributed", "disk")
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def resolve_pause_mode(pause_mode: str | None, run_mode: str) -> str:
+    """``weights.pause_mode`` with null resolved: ``in_place`` in ``run.mode: fully_async`` (in-flight
+    responses keep their tokens and KV cache across the update, miles' ``--pause-generation-mode in_place``),
+    ``abort`` otherwise (the sync and one-step-off loops sync between rollouts, with the engines idle).
+
+    What the rollout records per mode (the behaviour log-prob is always the engine's sampled log-prob, the
+    distribution the token was actually drawn from): ``abort``: the running responses end aborted and are
+    continued by a new call, so each token comes from one version's policy given its prefix; ``retract``: the
+    running responses are re-prefilled with the new weights, likewise one version per token; ``in_place``:
+    tokens sampled after the update come from the new weights over the KV cache the old weights computed for
+    the earlier tokens, a mixture that is neither version's policy. Per-token versions come from the streaming
+    client (:mod:`hpcrl.rollout.token_versions`). Raises ValueError on an unknown mode."""
+    mode = pause_mode if pause_mode is not None else ("in_place" if run_mode == "fully_async" else "abort")
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"unknown pause_mode {mode!r}; use one of {PAUSE_MODES}")
+    return mode
 
 
 def needs_session(method: str) -> bool:
@@ -148,11 +167,13 @@ class WeightSyncer:
             raise ValueError("the sender needs a RolloutClient")
 
     @classmethod
-    def from_config(cls, client: Any, weights: Any, **kwargs: Any) -> WeightSyncer:
-        """Build from a :class:`hpcrl.config.WeightsSection` (``method`` already resolved from ``auto``);
-        ``kwargs`` are the other fields (``is_sender``, ``disk_dir``...)."""
+    def from_config(cls, client: Any, weights: Any, run_mode: str = "sync", **kwargs: Any) -> WeightSyncer:
+        """Build from a :class:`hpcrl.config.WeightsSection` (``method`` already resolved from ``auto``) and
+        the run's ``run.mode`` (which decides a null ``weights.pause_mode``, :func:`resolve_pause_mode`);
+        ``kwargs`` are the other fields (``is_sender``, ``disk_dir``...). Raises ValueError as the class."""
         return cls(client, method=weights.method, bucket_bytes=weights.bucket_bytes,
-                   timeout_s=weights.timeout_s, **kwargs)
+                   timeout_s=weights.timeout_s, pause_mode=resolve_pause_mode(weights.pause_mode, run_mode),
+                   **kwargs)
 
     @property
     def flushes(self) -> bool:

@@ -321,3 +321,148 @@ def load_benchmark(name: str):
     weight_sync)."""
     bench = Path(__file__).resolve().parents[2] / "benchmarks"
     return load_file_module(bench / f"{name}.py", f"hpcrl_bench_{name}", bench)
+
+
+# --- a streamed response across an in-flight weight update (the pause-mode tests) ------------------------
+
+ACROSS_PROMPT = [1, 5, 9]
+ACROSS_PARAMS = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
+"""Temperature 1: the engine's sampled log-probs are plain log-softmaxes, comparable with a transformers
+forward. 240 tokens: ~1 s of decoding on the tiny model, so the response is still running when frozen."""
+
+
+def two_policies(model_path: str | os.PathLike, seed: int = 37, scale: float = 0.3):
+    """``(old, new)``: the HF model of ``model_path`` (fp32, eval) and a copy with seeded noise on every
+    parameter, the two weight versions of the pause-mode tests."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    old = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    new = copy.deepcopy(old)
+    perturb(new, seed, scale)
+    return old, new
+
+
+def hf_tensors(model) -> list:
+    """``(HF name, tensor)`` pairs of ``model``, the stream a weight sync sends."""
+    return [(n, t.detach().clone()) for n, t in model.state_dict().items()]
+
+
+def full_logprobs(model, prompt: list[int], out: list[int]) -> list[float]:
+    """log p(out[j] | prompt + out[:j]) of ``model`` for every output token (one forward, temperature 1)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + out])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(out)]
+
+
+def in_place_logprobs(old, new, prompt: list[int], out: list[int], switch: int) -> list[float]:
+    """What an engine paused ``in_place`` samples output tokens ``switch``.. with: the ``new`` weights fed
+    ``out[switch-1:]`` over the KV cache the ``old`` weights computed for ``prompt + out[:switch-1]`` (token
+    ``switch-1`` was sampled before the update but fed after it)."""
+    import torch
+
+    with torch.no_grad():
+        cache = old(input_ids=torch.tensor([prompt + out[:switch - 1]]), use_cache=True).past_key_values
+        logits = new(input_ids=torch.tensor([out[switch - 1:-1]]), past_key_values=cache,
+                     use_cache=True).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[j, out[switch + j]].item() for j in range(len(out) - switch)]
+
+
+async def stream_labels(url: str, key: str | None) -> tuple[list, list]:
+    """Stream one ``/generate`` of ACROSS_PROMPT from the engine at ``url`` (raw SSE) and return the per-token
+    versions from its chunks (:class:`hpcrl.rollout.token_versions.ChunkLabeller`) and from its finished
+    answer's ``weight_versions`` spans."""
+    import aiohttp
+
+    from hpcrl.rollout.token_versions import ChunkLabeller, labels_from_spans
+
+    body = {"input_ids": ACROSS_PROMPT, "sampling_params": ACROSS_PARAMS, "stream": True}
+    labeller, last = ChunkLabeller(), None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/generate", json=body, headers=headers) as resp:
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    last = json.loads(line[len("data:"):])
+                    labeller.add(last["output_ids"], last["meta_info"]["weight_version"])
+    return labeller.labels, labels_from_spans(last["meta_info"]["weight_versions"], len(last["output_ids"]))
+
+
+async def generate_across_update(clients: list, mode: str, new_tensors: list, version: str,
+                                 also_running: int = 0):
+    """One :func:`hpcrl.rollout.generate.generate` of ACROSS_PROMPT per client of ``clients`` (engines or
+    router; streamed with ``keep_partial``, else not) in flight across a weight sync of ``new_tensors`` as
+    ``version`` with pause mode ``mode``: once the engines run them all, every engine is frozen
+    (``/pause_generation`` in place, so the sync lands mid-response whatever the machine's speed), then a
+    :class:`hpcrl.weights.WeightSyncer` (``tensor``, on the first client) pauses in ``mode``, updates and
+    continues. Under ``abort`` each aborted sample is continued by a second call. Returns ``(results,
+    metrics)``: per client ``(first, sample)`` (the first call's ``(status, response_length, token
+    versions)``, the sample), and the sync's metrics. ``also_running``: more requests started by the caller
+    that must be running too before the freeze."""
+    import asyncio
+
+    from hpcrl.data.sample import Sample
+    from hpcrl.rollout.generate import generate
+    from hpcrl.weights import WeightSyncer
+
+    samples = [Sample(tokens=list(ACROSS_PROMPT)) for _ in clients]
+    tasks = [asyncio.create_task(generate(c, s, dict(ACROSS_PARAMS))) for c, s in zip(clients, samples)]
+    deadline = time.monotonic() + 30
+    while True:
+        loads = [await clients[0].request("GET", "/v1/loads", base_url=u) for u in clients[0].engine_urls]
+        if sum(x["loads"][0]["num_running_reqs"] for x in loads) >= len(clients) + also_running:
+            break
+        assert not any(t.done() for t in tasks) and time.monotonic() < deadline, \
+            "the responses did not start, or one ended at once"
+        await asyncio.sleep(0.01)
+    await clients[0].pause("in_place")
+    syncer = WeightSyncer(clients[0], "tensor", bucket_bytes=1 << 20, timeout_s=60, pause_mode=mode)
+    metrics = await syncer.sync(iter(new_tensors), version)
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    firsts = [(s.status, s.response_length, list(s.rollout_token_versions)) for s in samples]
+    if mode == "abort":
+        await asyncio.gather(*(generate(c, s, dict(ACROSS_PARAMS)) for c, s in zip(clients, samples)))
+    return list(zip(firsts, samples)), metrics
+
+
+def check_across_update(mode: str, first, sample, old, new, old_version: int, new_version: int,
+                        tol: float = 1e-3) -> int:
+    """The checks of :func:`generate_across_update`'s result; returns the index of the first token of the new
+    version. One response of ACROSS_PARAMS' length whose tokens' versions switch once, from ``old_version`` to
+    ``new_version``, aligned with its log-probs: before the switch the old policy's, after it the new one's
+    (``abort``: a second call; ``retract``: the prefix re-prefilled) or, ``in_place``, the new weights over
+    the old KV cache (:func:`in_place_logprobs`), which is neither policy. ``tol``: on log-probs (~240 decoded
+    tokens against one forward drift by ~1e-4 in fp32)."""
+    from hpcrl.data.sample import Status
+
+    n = ACROSS_PARAMS["max_new_tokens"]
+    out = sample.tokens[len(ACROSS_PROMPT):]
+    versions, lp = sample.rollout_token_versions, sample.rollout_log_probs
+    assert sample.status is Status.TRUNCATED and len(out) == len(versions) == len(lp) == n
+    switch = versions.index(new_version) if new_version in versions else n
+    assert 0 < switch < n, versions
+    assert versions == [old_version] * switch + [new_version] * (n - switch)
+
+    def gap(a, b):
+        return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+    assert gap(lp[:switch], full_logprobs(old, ACROSS_PROMPT, out)[:switch]) < tol
+    pure_new = full_logprobs(new, ACROSS_PROMPT, out)[switch:]
+    if mode == "in_place":
+        assert gap(lp[switch:], in_place_logprobs(old, new, ACROSS_PROMPT, out, switch)) < tol
+        assert gap(lp[switch:], pure_new) > 10 * tol  # neither the old nor the new policy
+    else:
+        assert gap(lp[switch:], pure_new) < tol
+    if mode == "abort":  # one call per version
+        assert first == (Status.ABORTED, switch, [old_version] * switch)
+        assert sample.weight_versions == [str(old_version), str(new_version)]
+    else:  # the same request went on
+        assert first[0] is Status.TRUNCATED and sample.weight_versions == [str(new_version)]
+    return switch

@@ -449,6 +449,35 @@ def test_pause_continue_and_flush(engine):
     assert post(engine, "/pause_generation", {"mode": "sideways"})[0] == 400
 
 
+def test_busy_seconds_count_generation_only(engine):
+    """``busy_seconds`` in ``internal_states`` (issue #37: the engines' busy share): the wall seconds of steps
+    that prefilled or decoded a row; idle time and a pause with a row held in place (KV cache kept, nothing
+    computed) do not count."""
+    long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 200,
+                                                          "ignore_eos": True}}
+    time.sleep(0.1)  # the last step of an earlier test is counted just after its answer went out
+    b0 = server_state(engine)["busy_seconds"]
+    t0 = time.monotonic()
+    gen(engine, {**long, "sampling_params": {**long["sampling_params"], "max_new_tokens": 60}})
+    wall = time.monotonic() - t0
+    time.sleep(0.3)
+    b1 = server_state(engine)["busy_seconds"]
+    assert 0.5 * wall < b1 - b0 <= wall + 0.05  # the HTTP round trips are not generation
+    time.sleep(0.3)
+    assert server_state(engine)["busy_seconds"] == b1  # idle
+    fut = run_in_thread(gen, engine, long)
+    wait_running(engine)
+    assert post(engine, "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        held = server_state(engine)["busy_seconds"]
+        time.sleep(0.3)
+        assert server_state(engine)["busy_seconds"] == held and server_state(engine)["num_running_reqs"] == 1
+    finally:
+        post(engine, "/continue_generation")
+    fut.result(timeout=60)
+    assert server_state(engine)["busy_seconds"] > held
+
+
 def test_release_and_resume_memory(engine):
     assert post(engine, "/release_memory_occupation", {"tags": None}) == (200, None)
     assert get(engine, "/health_generate")[0] == 503  # released: no generation, as SGLang

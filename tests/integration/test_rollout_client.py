@@ -24,7 +24,8 @@ from hpcrl.rollout.router import start_router
 from hpcrl.rollout.secret import create_run_secret, read_secret
 from hpcrl.procs import ProcessStartError, find_free_port
 from hpcrl.rollout.engines import start_engine
-from tests.integration.engine_utils import EngineProcess
+from tests.integration.engine_utils import (EngineProcess, check_across_update, generate_across_update,
+                                            hf_tensors, two_policies)
 
 pytestmark = pytest.mark.integration
 
@@ -356,6 +357,8 @@ def test_partial_response_kept_when_the_engine_dies(stack, tiny_model_dir, tmp_p
         assert len(out["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"]) == 240
         assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
         assert out["output_ids"][:kept] == reference[:kept]
+        # the kept tokens' versions come from the dead engine's chunks, the rest from the survivor's spans
+        assert meta["output_token_weight_versions"] == ["default"] * 240
         rest = await client.request("POST", "/generate", {
                 "input_ids": PROMPT + out["output_ids"][:kept], "return_logprob": True,
                 "sampling_params": {**greedy, "max_new_tokens": 240 - kept}}, base_url=survivor.url)
@@ -420,6 +423,33 @@ def test_generate_batch_without_router_equals_single_requests(stack):
         assert [t[0] for t in b["meta_info"]["output_token_logprobs"]] == \
             pytest.approx([t[0] for t in s["meta_info"]["output_token_logprobs"]], abs=1e-5)
     assert all(s.tokens == PROMPT + ids[0] and s.response_length == 6 for s in group)
+
+
+def test_in_place_update_mid_response_through_the_router(stack, tiny_model_dir):
+    """Issue #37 point 2 through sglang-router: a response streamed by the router (``keep_partial``) while
+    both engines are paused in place and synced from version 10 to 11 (no flush: it would be refused while
+    the response holds its KV cache) finishes as the same request, its tokens labelled 10 then 11 from the
+    router's chunks, aligned with their log-probs (the new weights over the old KV cache after the switch).
+    The engines get their first weights and version back afterwards."""
+    from hpcrl.weights import WeightSyncer
+
+    old, new = two_policies(tiny_model_dir)
+
+    async def sync(client, model, version):
+        await WeightSyncer(client, "tensor", bucket_bytes=1 << 20, timeout_s=60).sync(iter(hf_tensors(model)),
+                                                                                       version)
+
+    async def run():
+        async with _client(stack, keep_partial=True) as c:
+            await sync(c, old, "10")
+            try:
+                return await generate_across_update([c], "in_place", hf_tensors(new), "11")
+            finally:
+                await sync(c, old, "default")
+
+    [(first, sample)], metrics = asyncio.run(run())
+    check_across_update("in_place", first, sample, old, new, 10, 11)
+    assert metrics["weight_version"] == "11"
 
 
 def test_engines_load_while_the_trainer_starts(tmp_path, tiny_model_dir):

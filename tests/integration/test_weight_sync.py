@@ -28,10 +28,13 @@ import pytest
 import torch
 
 try:
-    from tests.integration.engine_utils import EngineProcess, http_json, max_diff, perturb, prefill_logprobs
+    from tests.integration.engine_utils import (EngineProcess, check_across_update, generate_across_update,
+                                                hf_tensors, http_json, max_diff, perturb, prefill_logprobs,
+                                                stream_labels, two_policies)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_utils import EngineProcess, http_json, max_diff, perturb, prefill_logprobs
+    from engine_utils import (EngineProcess, check_across_update, generate_across_update, hf_tensors,
+                              http_json, max_diff, perturb, prefill_logprobs, stream_labels, two_policies)
 
 KEY = "weight-sync-test-key"
 TOL = 1e-5
@@ -390,6 +393,47 @@ def test_sync_paused_in_place_keeps_the_running_request(engine, trainer):
     assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 240}
     assert out["meta_info"]["weight_version"] == "in-place"
     _assert_synced(engine, trainer, "in-place")
+
+
+@pytest.fixture(scope="module")
+def policies(tiny_model_dir):
+    """``(old, new)`` HF models: the weight versions 10 and 11 of the pause-mode tests."""
+    return two_policies(tiny_model_dir)
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_streamed_response_across_a_weight_update(engine, policies, mode):
+    """Issue #37 point 2: a streamed response in flight while the weights go from version 10 to 11 with each
+    pause mode, one streamed and one not (labelled from the engine's ``weight_versions`` spans either way).
+    ``abort``: the call ends aborted with its tokens so far (all of version 10) and a continued call finishes
+    it with version 11; ``retract`` and ``in_place``: the same request finishes, its tokens' versions switch
+    once, aligned with the recorded log-probs (each the distribution the token was drawn from; under
+    ``in_place`` the new weights over the old KV cache). ``in_place`` syncs without any flush: a
+    flush would be refused while the frozen request holds its KV cache, and the sync would fail."""
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.weights import WeightSyncer
+
+    old, new = policies
+
+    async def go():
+        async with RolloutClient(engine_urls=[engine.url], api_key=KEY, keep_partial=True) as streamed, \
+                RolloutClient(engine_urls=[engine.url], api_key=KEY) as plain:
+            await WeightSyncer(plain, "tensor", bucket_bytes=1 << 20, timeout_s=60).sync(
+                iter(hf_tensors(old)), "10")
+            before = (await plain.request("GET", "/get_server_info"))["internal_states"][0]
+            raw = asyncio.create_task(stream_labels(engine.url, KEY))
+            result = await generate_across_update([streamed, plain], mode, hf_tensors(new), "11",
+                                                  also_running=1)
+            after = (await plain.request("GET", "/get_server_info"))["internal_states"][0]
+            return result, await raw, {k: after[k] - before[k] for k in ("aborted_rows", "retracted_rows")}
+
+    (results, metrics), (by_chunk, by_span), counts = asyncio.run(go())
+    for first, sample in results:
+        check_across_update(mode, first, sample, old, new, 10, 11)
+    assert metrics["weight_version"] == "11"
+    assert counts == {"aborted_rows": 3 * (mode == "abort"), "retracted_rows": 3 * (mode == "retract")}
+    # no chunk of the CPU engine mixes versions: its chunks label the tokens as its spans do
+    assert by_chunk == by_span and by_span[0] == "10" and (mode == "abort" or by_span[-1] == "11")
 
 
 def test_version_check_and_empty_stream(engine):
