@@ -4,7 +4,8 @@
 The engines never wait for the trainer except during a weight update: a producer on the rollout's event loop
 (:mod:`hpcrl.rollout.fully_async`) keeps up to ``rollout.max_inflight_groups`` groups generating, filters the
 finished ones into a buffer, and starts no group that would be more than ``rollout.max_staleness`` versions
-old at the trainer's pace. The trainer takes the next ``rollout.batch_size`` finished groups when it is ready::
+old at the trainer's pace. The trainer takes the next ``rollout.batch_size`` finished groups when it is
+ready::
 
     trainer:  take | train k ---------| sync k+1 | eval | ckpt | take | train k+1 -------| sync ...
     engines:  generate, generate, generate ... (paused only while the weights load) ... generate ...
@@ -17,7 +18,8 @@ Nothing lost, nothing trained twice: each checkpoint holds one snapshot of the s
 (the data source's position, the finished groups, the generating ones as far as their last finished call,
 and the ledger of filtered / dropped / regenerated groups; :class:`hpcrl.rollout.fully_async.StreamState`);
 a resumed run serves the finished groups first and continues the partial ones. Timing decides what is
-trained, so ``run.deterministic`` is refused, as is colocation (the engines generate while the trainer trains).
+trained, so ``run.deterministic`` is refused, as is colocation (the engines generate while the trainer
+trains).
 """
 
 from __future__ import annotations

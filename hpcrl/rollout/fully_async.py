@@ -100,9 +100,9 @@ class AsyncProducer:
         ledger: ledger rows restored from a checkpoint.
     """
 
-    def __init__(self, cfg, ctx: RolloutContext, data_source, version: int, max_inflight: Optional[int] = None,
-                 finished: Optional[list] = None, inflight: Optional[list] = None,
-                 ledger: Optional[list] = None) -> None:
+    def __init__(self, cfg, ctx: RolloutContext, data_source, version: int,
+                 max_inflight: Optional[int] = None, finished: Optional[list] = None,
+                 inflight: Optional[list] = None, ledger: Optional[list] = None) -> None:
         rc = cfg.rollout
         self.cfg, self.ctx, self.data_source = cfg, ctx, data_source
         self.batch_size, self.max_staleness, self.policy = rc.batch_size, rc.max_staleness, rc.stale_policy
@@ -126,6 +126,7 @@ class AsyncProducer:
         self.changed = asyncio.Event()  # a group finished, the version moved, or the stream stopped
         self.task: Optional[asyncio.Task] = None
         self.last_take = time.perf_counter()
+        self.reported = collections.Counter()  # counts as of the last take (its metrics are the differences)
 
     # ------------------------------------------------------------------------------------------ producing
     def capacity(self) -> int:
@@ -193,13 +194,16 @@ class AsyncProducer:
         of ``multiple``, at least ``multiple``), waiting for them; each sample's ``rollout_id`` is set to
         ``step``. A group older than ``max_staleness`` at ``step`` meets the stale policy (keep: trained and
         counted; regenerate: reset and requeued; drop: counted). Returns ``(groups, metrics)``:
-        ``rollout/wait_seconds`` (this call), ``rollout/seconds`` (since the last take), ``rollout/groups_{filtered,stale_kept,stale_regenerated,stale_dropped}``
-        since the last take, ``rollout/groups_in_flight``, ``rollout/groups_finished_buffered``. Raises the
-        error that stopped the stream (a group's generation or reward), RuntimeError when it was stopped."""
+        ``rollout/wait_seconds`` (this call), ``rollout/seconds`` (since the last take); since the last take
+        ``rollout/groups_filtered``, ``rollout/stale_{kept,regenerated,dropped}`` and
+        ``rollout/groups_continued`` (continued after an abort); now ``rollout/groups_in_flight`` and
+        ``rollout/groups_finished_buffered``. Raises the error that stopped the stream (a group's generation
+        or reward), RuntimeError when it was stopped."""
+        if self.stopping:
+            raise RuntimeError("the fully-async stream is stopped")
         need = max(multiple, n_groups - n_groups % multiple)
         t0 = time.perf_counter()
         self.set_version(max(self.version, step))
-        before = collections.Counter(self.counts)
         out: list[list[Sample]] = []
         while len(out) < need:
             while not self.finished:
@@ -230,8 +234,9 @@ class AsyncProducer:
         self.changed.set()
         now, since = time.perf_counter(), self.last_take
         self.last_take = now
-        diff = {k: self.counts[k] - before[k] for k in ("filtered", "stale_kept", "stale_regenerated",
-                                                        "stale_dropped", "continued")}
+        diff = {k: self.counts[k] - self.reported[k] for k in ("filtered", "stale_kept", "stale_regenerated",
+                                                               "stale_dropped", "continued")}
+        self.reported = collections.Counter(self.counts)
         return out, {"rollout/wait_seconds": now - t0, "rollout/seconds": now - since,
                      "rollout/groups_filtered": diff["filtered"],
                      "rollout/stale_kept": diff["stale_kept"],
@@ -308,7 +313,8 @@ class StreamState:
                 "counters": dict(snap.counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.restored = StreamSnapshot({}, list(state.get("finished") or []), list(state.get("inflight") or []),
+        self.restored = StreamSnapshot({}, list(state.get("finished") or []),
+                                       list(state.get("inflight") or []),
                                        [tuple(r) for r in state.get("ledger") or []],
                                        dict(state.get("counters") or {}))
 

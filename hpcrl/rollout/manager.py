@@ -188,7 +188,8 @@ class RolloutManager:
 
     def take(self, rollout_id: int, multiple: int = 1) -> tuple[list, dict[str, float]]:
         """The next ``rollout.batch_size`` finished groups of the stream (a multiple of ``multiple``, at least
-        one multiple) for training step ``rollout_id``, waiting for them: ``(flat samples, rollout/* metrics)``
+        one multiple) for training step ``rollout_id``, waiting for them: ``(flat samples, rollout/*
+        metrics)``
         (:meth:`hpcrl.rollout.fully_async.AsyncProducer.take`, plus the trained samples' statistics,
         :func:`hpcrl.rollout.stats.rollout_metrics`, and OPD teacher scores as :meth:`generate`). Raises the
         error that stopped the stream (:class:`hpcrl.rollout.client.RolloutError`, a reward's error)."""
