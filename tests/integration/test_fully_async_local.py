@@ -1,0 +1,137 @@
+"""Fully asynchronous training on one machine (issue #37 points 1, 3 and 5): ``run.mode: fully_async``,
+disaggregated on disjoint CPU sets, the tiny model, the engine the bottleneck (two running requests, 48-token
+answers) so that groups are always in flight, a weight update aborts them (``weights.pause_mode: abort``) and
+they are continued, and ``rollout.stale_policy: drop`` with ``max_staleness: 1``.
+
+One run, interrupted twice: USR2 after 3 steps (stops with a checkpoint, exit 75), the same command again
+(resumes), SIGKILL inside a step after two more, the same command again until the end. Timing decides what
+is trained, so nothing is compared bitwise; the checks are the accounting: every drawn group is trained,
+filtered, dropped, finished-and-waiting, in flight or pushed back, exactly once; no sample is trained twice;
+the partial responses a checkpoint holds are continued (their tokens kept) after the resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.integration.test_preemption_local import finish, start, steps_done, wait_steps
+
+pytestmark = pytest.mark.integration
+
+STEPS = 8
+K = 1
+FULLY_ASYNC = ("run.mode=fully_async", "run.placement=disaggregate", "run.deterministic=false",
+               f"run.num_rollout={STEPS}", "data.num_train=40", "rollout.max_new_tokens=48",
+               "sglang.max_running_requests=2", "weights.pause_mode=abort", f"rollout.max_staleness={K}",
+               "rollout.stale_policy=drop", "checkpoint.save_interval=1", "checkpoint.keep_last=20")
+
+
+def checkpoint_parts(folder: Path) -> dict:
+    """A checkpoint's stream: trained rows, ledger, finished / in-flight / pushed-back groups, data source."""
+    import h5py
+
+    from hpcrl.data.buffer import BUFFER_FILE, read_groups_part, read_trained
+
+    path = folder / BUFFER_FILE
+    with h5py.File(path, "r") as f:
+        ledger = f["stream_ledger"][()].reshape(-1, 3).tolist()
+    state = json.loads((folder / "state.json").read_text())
+    return {"trained": read_trained(path), "ledger": ledger, "finished": read_groups_part(path, "finished"),
+            "inflight": read_groups_part(path, "inflight"), "pushed": read_groups_part(path, "groups") or [],
+            "data_source": state["data_source"], "rollout_id": state["rollout_id"]}
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """The run, USR2'd, resumed, SIGKILLed and rerun: (tmp, run dir, copy of the USR2 checkpoint, steps done
+    at USR2)."""
+    from hpcrl.checkpoint import find_latest_checkpoint
+
+    tmp = tmp_path_factory.mktemp("fully-async")
+    run_dir = tmp / "runs" / "fa"
+    proc = start(tmp, "fa", *FULLY_ASYNC)
+    wait_steps(proc, run_dir, 3)
+    os.kill(proc.pid, signal.SIGUSR2)
+    assert finish(proc) == 75, (tmp / "fa.log").read_text()[-3000:]
+    at_usr2 = steps_done(run_dir)
+    usr2_ckpt = tmp / "usr2-checkpoint"
+    shutil.copytree(find_latest_checkpoint(run_dir), usr2_ckpt)
+
+    proc = start(tmp, "fa", *FULLY_ASYNC)
+    wait_steps(proc, run_dir, min(at_usr2 + 2, STEPS - 1))
+    time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    proc = start(tmp, "fa", *FULLY_ASYNC)
+    assert finish(proc) == 0, (tmp / "fa.log").read_text()[-3000:]
+    return tmp, run_dir, usr2_ckpt, at_usr2
+
+
+def test_every_drawn_group_is_accounted_for_once_and_no_sample_is_trained_twice(interrupted):
+    from hpcrl.checkpoint import find_latest_checkpoint
+
+    tmp, run_dir, _, _ = interrupted
+    log = (tmp / "fa.log").read_text()
+    assert log.count("resumed from") == 2
+    final = find_latest_checkpoint(run_dir)
+    assert final.name == f"iter_{STEPS - 1:07d}"
+    parts = checkpoint_parts(final)
+    rows = parts["trained"]
+    assert len({(g, i) for _, g, i in rows.tolist()}) == len(rows)  # no sample trained twice
+    assert sorted(set(rows[:, 0].tolist())) == list(range(STEPS))  # every step trained something
+    per_group: dict[int, int] = {}
+    for _, g, _ in rows.tolist():
+        per_group[g] = per_group.get(g, 0) + 1
+    assert set(per_group.values()) == {4}  # whole groups
+    ledger = {kind: [g for _, g, k in parts["ledger"] if k == kind] for kind in (0, 1, 2)}
+    accounted = (sorted(per_group) + ledger[0] + ledger[1] + [g[0].group_index for g in parts["finished"]]
+                 + [g[0].group_index for g in parts["inflight"]] + [g[0].group_index for g in parts["pushed"]])
+    ds = parts["data_source"]
+    drawn = ds["epoch"] * ds["num_items"] + ds["offset"]
+    assert ds["epoch"] >= 1  # the run crossed an epoch of its 40 prompts
+    assert sorted(accounted) == list(range(drawn))  # each drawn group exactly once
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["step"] >= 0]
+    assert [m["step"] for m in steps] == list(range(STEPS))  # one line per step, none repeated
+    assert all(m["rollout/lag_max"] <= K for m in steps)  # drop: nothing staler than K is trained
+    assert all("timing/rollout_wait_seconds" in m for m in steps)
+    assert sum(m["rollout/groups_continued"] for m in steps) > 0  # weight updates aborted groups mid-way
+
+
+def test_partial_responses_of_a_checkpoint_are_continued_after_the_resume(interrupted):
+    """The USR2 checkpoint holds in-flight groups with partial responses (tokens, log-probs, versions); after
+    the resume each of those samples is trained (whole) or still waiting with its saved prefix; nothing of
+    the checkpoint's finished or in-flight groups is lost."""
+    from hpcrl.checkpoint import find_latest_checkpoint
+
+    _, run_dir, usr2_ckpt, at_usr2 = interrupted
+    saved = checkpoint_parts(usr2_ckpt)
+    assert saved["rollout_id"] == at_usr2 - 1
+    partial = {s.index: s for g in saved["inflight"] for s in g if s.response_length > 0
+               and s.status.value == "pending"}
+    assert partial, "the checkpoint holds no partial response"
+    for s in partial.values():
+        assert len(s.rollout_log_probs) == s.response_length == len(s.tokens) - s.prompt_length
+        assert s.weight_versions and int(s.weight_versions[-1]) <= at_usr2
+    final = checkpoint_parts(find_latest_checkpoint(run_dir))
+    trained = {i for _, _, i in final["trained"].tolist()}
+    later = {s.index: s for part in ("finished", "inflight", "pushed") for g in final[part] for s in g}
+    dropped = {g for _, g, k in final["ledger"] if k == 1}
+    for i, s in partial.items():
+        assert i in trained or i in later or s.group_index in dropped, f"sample {i} was lost"
+        if i in later and later[i].response_length:  # still waiting: continued from its saved prefix
+            assert later[i].tokens[:len(s.tokens)] == s.tokens
+            assert later[i].rollout_log_probs[:s.response_length] == s.rollout_log_probs
+    saved_groups = {g[0].group_index for part in ("finished", "inflight") for g in saved[part]}
+    final_groups = {g for _, g, _ in final["trained"].tolist()} | {g for _, g, _ in final["ledger"]} | {
+        g[0].group_index for part in ("finished", "inflight", "pushed") for g in final[part]}
+    assert saved_groups <= final_groups
+    assert np.isin(list(partial), list(trained)).any() or any(i in later for i in partial)
