@@ -221,10 +221,14 @@ class RolloutManager:
             self.call(self._stop_stream())
 
     async def _stop_stream(self) -> None:
+        from hpcrl.rollout.client import RolloutError
+
         producer, self.producer = self.producer, None
         producer.stopping = True
         try:
             await self.fleet.client.abort_all()
+        except RolloutError as e:  # the run's outcome stands; the engines are stopped next anyway
+            logging.getLogger("hpcrl.rollout").warning("could not abort the stream's requests: %s", e)
         finally:
             await producer.stop()
             self.fleet.generating(False)
@@ -250,7 +254,7 @@ class RolloutManager:
             logging.getLogger("hpcrl.health").error("eval skipped: %s", e)
             return {}
         finally:
-            self.fleet.generating(False)
+            self.fleet.generating(self.producer is not None)  # a fully-async stream still generates
 
     # ---------------------------------------------------------------------------------- colocated memory
     def offload(self) -> None:

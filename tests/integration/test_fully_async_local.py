@@ -92,8 +92,8 @@ def test_every_drawn_group_is_accounted_for_once_and_no_sample_is_trained_twice(
         per_group[g] = per_group.get(g, 0) + 1
     assert set(per_group.values()) == {4}  # whole groups
     ledger = {kind: [g for _, g, k in parts["ledger"] if k == kind] for kind in (0, 1, 2)}
-    accounted = (sorted(per_group) + ledger[0] + ledger[1] + [g[0].group_index for g in parts["finished"]]
-                 + [g[0].group_index for g in parts["inflight"]] + [g[0].group_index for g in parts["pushed"]])
+    waiting = [g[0].group_index for part in ("finished", "inflight", "pushed") for g in parts[part]]
+    accounted = sorted(per_group) + ledger[0] + ledger[1] + waiting
     ds = parts["data_source"]
     drawn = ds["epoch"] * ds["num_items"] + ds["offset"]
     assert ds["epoch"] >= 1  # the run crossed an epoch of its 40 prompts

@@ -37,7 +37,8 @@ class CharTokenizer:
 class Engine:
     """A scripted engine behind the generate plug-in: ``version`` labels the tokens it samples; ``gate``
     holds every call until set (a first call to abort is aborted at once); group indices in ``abort_once``
-    have their samples' first call aborted after one token; ``varied(g)`` says whether group g's rewards differ (else the nonzero-std filter drops it)."""
+    have their samples' first call aborted after one token; ``varied(g)`` says whether group g's rewards
+    differ (else the nonzero-std filter drops it)."""
 
     def __init__(self, varied=lambda g: True) -> None:
         self.version = 0
@@ -209,7 +210,8 @@ def test_filtered_groups_go_to_the_ledger():
         groups, m = await p.take(2, step=0)
         assert all(g[0].group_index % 2 == 0 for g in groups)
         filtered = [g for _, g, kind in p.ledger if kind == FILTERED]
-        assert filtered and all(g % 2 == 1 for g in filtered) and m["rollout/groups_filtered"] == len(filtered)
+        assert filtered and all(g % 2 == 1 for g in filtered)
+        assert m["rollout/groups_filtered"] == len(filtered)
         await p.stop()
 
     asyncio.run(main())
