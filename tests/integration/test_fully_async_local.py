@@ -135,3 +135,37 @@ def test_partial_responses_of_a_checkpoint_are_continued_after_the_resume(interr
         g[0].group_index for part in ("finished", "inflight", "pushed") for g in final[part]}
     assert saved_groups <= final_groups
     assert np.isin(list(partial), list(trained)).any() or any(i in later for i in partial)
+
+
+def test_engine_killed_mid_generation_is_replaced_and_the_stream_goes_on(tmp_path):
+    """Point 6: the engine, always busy in this run, SIGKILLed twice mid-generation: the health monitor
+    replaces it (weights from the snapshot of the last sync), the streamed responses continue, the run
+    completes, and the accounting holds (no sample trained twice, every drawn group once)."""
+    from hpcrl.checkpoint import find_latest_checkpoint
+    from tests.integration.test_fault_tolerance import procs, wait_for
+
+    steps = 10
+    proc = start(tmp_path, "kill", *FULLY_ASYNC, f"run.num_rollout={steps}", "checkpoint.save_interval=0",
+                 "rollout.heartbeat_interval_s=1", "rollout.heartbeat_timeout_s=3",
+                 "rollout.max_engine_restarts=5")
+    run_dir = tmp_path / "runs" / "kill"
+    for target in (2, 5):
+        wait_for(lambda: steps_done(run_dir) >= target, proc, what=f"step {target}")
+        wait_for(lambda: procs(proc, "hpcrl.engine.server"), proc, what="an engine")
+        victim = procs(proc, "hpcrl.engine.server")[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: [p for p in procs(proc, "hpcrl.engine.server") if p != victim], proc,
+                 what="a new engine")
+    assert finish(proc) == 0, (tmp_path / "kill.log").read_text()[-3000:]
+    steps_logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [m for m in steps_logged if m["step"] >= 0]
+    assert [m["step"] for m in steps_logged] == list(range(steps))
+    assert sum(m["rollout/engine_restarts"] for m in steps_logged) == 2
+    assert sum(m["rollout/kept_partial_tokens"] for m in steps_logged) > 0  # streams cut by a kill, continued
+    parts = checkpoint_parts(find_latest_checkpoint(run_dir))
+    rows = parts["trained"].tolist()
+    assert len({(g, i) for _, g, i in rows}) == len(rows)
+    waiting = [g[0].group_index for part in ("finished", "inflight", "pushed") for g in parts[part]]
+    accounted = sorted({g for _, g, _ in rows}) + [g for _, g, k in parts["ledger"] if k in (0, 1)] + waiting
+    ds = parts["data_source"]
+    assert sorted(accounted) == list(range(ds["epoch"] * ds["num_items"] + ds["offset"]))
