@@ -203,7 +203,8 @@ class AsyncProducer:
             raise RuntimeError("the fully-async stream is stopped")
         need = max(multiple, n_groups - n_groups % multiple)
         t0 = time.perf_counter()
-        self.set_version(max(self.version, step))
+        if step > self.version:  # the trainer is ahead of the last sync the producer heard of
+            self.set_version(step)
         out: list[list[Sample]] = []
         while len(out) < need:
             while not self.finished:
@@ -215,6 +216,7 @@ class AsyncProducer:
                 await self.changed.wait()
             group = self.finished.popleft()
             if is_stale(group, step, self.max_staleness):
+                self.changed.set()  # dropped or requeued: room for new groups (the producer may be waiting)
                 if self.policy == "drop":
                     self.counts["stale_dropped"] += 1
                     self.ledger.append((step, group[0].group_index, DROPPED))
@@ -230,7 +232,7 @@ class AsyncProducer:
             for s in group:
                 s.rollout_id = step
             out.append(group)
-        self.taken += len(out)
+            self.taken += 1  # counted at once: a group taken is no longer finished, but still admitted
         self.changed.set()
         now, since = time.perf_counter(), self.last_take
         self.last_take = now

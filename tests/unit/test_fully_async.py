@@ -294,3 +294,23 @@ def test_snapshot_round_trip_accounts_for_every_group_and_continues_partials(tmp
         await p2.stop()
 
     asyncio.run(main())
+
+
+def test_dropping_every_finished_group_wakes_the_producer():
+    """K = 0 and nothing generating: the finished groups fill the bound, all are stale at the next step and
+    dropped; the producer must start new groups (not wait for a finish that cannot come)."""
+    async def main():
+        eng = Engine()
+        src = DataSource(ITEMS, 2, seed=0, shuffle=False)
+        p = start(AsyncProducer(make_config(max_staleness=0, stale_policy="drop"), eng.ctx(), src, version=0))
+        await settle()
+        assert len(p.finished) == 2 and not p.generating  # (0 + 0 + 1) x 2: the bound is reached
+        eng.version = 1
+        p.set_version(1)
+        await settle()
+        assert len(p.finished) == 4 and not p.generating  # (1 + 0 + 1) x 2: two of version 0, two of 1
+        groups, m = await asyncio.wait_for(p.take(4, step=1), timeout=10)
+        assert m["rollout/stale_dropped"] == 2 and all(s.weight_versions == ["1"] for g in groups for s in g)
+        await p.stop()
+
+    asyncio.run(main())
