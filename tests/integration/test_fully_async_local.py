@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.integration
 STEPS = 8
 K = 1
 FULLY_ASYNC = ("run.mode=fully_async", "run.placement=disaggregate", "run.deterministic=false",
-               f"run.num_rollout={STEPS}", "data.num_train=40", "rollout.max_new_tokens=48",
+               f"run.num_rollout={STEPS}", "data.num_train=24", "rollout.max_new_tokens=48",
                "sglang.max_running_requests=2", "weights.pause_mode=abort", f"rollout.max_staleness={K}",
                "rollout.stale_policy=drop", "checkpoint.save_interval=1", "checkpoint.keep_last=20")
 
@@ -96,7 +97,7 @@ def test_every_drawn_group_is_accounted_for_once_and_no_sample_is_trained_twice(
     accounted = sorted(per_group) + ledger[0] + ledger[1] + waiting
     ds = parts["data_source"]
     drawn = ds["epoch"] * ds["num_items"] + ds["offset"]
-    assert ds["epoch"] >= 1  # the run crossed an epoch of its 40 prompts
+    assert ds["epoch"] >= 1  # the run crossed an epoch of its 24 prompts (32 groups trained)
     assert sorted(accounted) == list(range(drawn))  # each drawn group exactly once
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if m["step"] >= 0]
@@ -162,6 +163,43 @@ def test_engine_killed_mid_generation_is_replaced_and_the_stream_goes_on(tmp_pat
     assert [m["step"] for m in steps_logged] == list(range(steps))
     assert sum(m["rollout/engine_restarts"] for m in steps_logged) == 2
     assert sum(m["rollout/kept_partial_tokens"] for m in steps_logged) > 0  # streams cut by a kill, continued
+    parts = checkpoint_parts(find_latest_checkpoint(run_dir))
+    rows = parts["trained"].tolist()
+    assert len({(g, i) for _, g, i in rows}) == len(rows)
+    waiting = [g[0].group_index for part in ("finished", "inflight", "pushed") for g in parts[part]]
+    accounted = sorted({g for _, g, _ in rows}) + [g for _, g, k in parts["ledger"] if k in (0, 1)] + waiting
+    ds = parts["data_source"]
+    assert sorted(accounted) == list(range(ds["epoch"] * ds["num_items"] + ds["offset"]))
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
+def test_het_job_usr2_requeue_loses_nothing(tmp_path, monkeypatch, slurm_cluster):
+    """The fully-async run as a het job on the local Slurm cluster (trainer on n1, engine on n2), USR2
+    mid-run: it checkpoints the stream, requeues, resumes and completes; every drawn group once, no sample
+    trained twice, one metrics line per step."""
+    from hpcrl.checkpoint import find_latest_checkpoint
+    from tests.integration.test_preemption_local import write_config
+    from tests.integration.test_preemption_slurm import job_log, metric_steps, submit, wait_final
+    from tests.integration.test_preemption_slurm import wait_steps as wait_job_steps
+
+    write_config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    job_id, run_dir = submit(tmp_path, "het", *FULLY_ASYNC, "slurm.cpus_per_task=1",
+                             "slurm.rollout={nodes: 1, cpus_per_task: 1}")
+    try:
+        wait_job_steps(job_id, run_dir, 3)
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        assert wait_final(job_id, run_dir) == "COMPLETED", job_log(run_dir)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)
+    log = job_log(run_dir, tail=10**6)
+    assert "(signal)" in log and "requeueing job" in log
+    assert metric_steps(run_dir) == list(range(STEPS))
+    engine = json.loads((run_dir / "logs" / "attempt-0" / "engines" / "engine-0.json").read_text())
+    assert engine["node"] == "n2"  # het group 1
     parts = checkpoint_parts(find_latest_checkpoint(run_dir))
     rows = parts["trained"].tolist()
     assert len({(g, i) for _, g, i in rows}) == len(rows)
