@@ -196,7 +196,8 @@ class AsyncProducer:
         counted; regenerate: reset and requeued; drop: counted). Returns ``(groups, metrics)``:
         ``rollout/wait_seconds`` (this call), ``rollout/seconds`` (since the last take); since the last take
         ``rollout/groups_filtered``, ``rollout/stale_{kept,regenerated,dropped}`` and
-        ``rollout/groups_continued`` (continued after an abort); now ``rollout/groups_in_flight`` and
+        ``rollout/groups_continued`` (continued after an abort), ``rollout/groups_started`` and
+        ``rollout/groups_resumed_partial`` (partial groups a checkpoint gave back); now ``rollout/groups_in_flight`` and
         ``rollout/groups_finished_buffered``. Raises the error that stopped the stream (a group's generation
         or reward), RuntimeError when it was stopped."""
         if self.stopping:
@@ -236,8 +237,9 @@ class AsyncProducer:
         self.changed.set()
         now, since = time.perf_counter(), self.last_take
         self.last_take = now
-        diff = {k: self.counts[k] - self.reported[k] for k in ("filtered", "stale_kept", "stale_regenerated",
-                                                               "stale_dropped", "continued")}
+        diff = {k: self.counts[k] - self.reported[k] for k in (
+            "started", "filtered", "stale_kept", "stale_regenerated", "stale_dropped", "continued",
+            "resumed_partial_groups")}
         self.reported = collections.Counter(self.counts)
         return out, {"rollout/wait_seconds": now - t0, "rollout/seconds": now - since,
                      "rollout/groups_filtered": diff["filtered"],
@@ -245,6 +247,8 @@ class AsyncProducer:
                      "rollout/stale_regenerated": diff["stale_regenerated"],
                      "rollout/stale_dropped": diff["stale_dropped"],
                      "rollout/groups_continued": diff["continued"],
+                     "rollout/groups_started": diff["started"],
+                     "rollout/groups_resumed_partial": diff["resumed_partial_groups"],
                      "rollout/groups_in_flight": len(self.generating),
                      "rollout/groups_finished_buffered": len(self.finished)}
 

@@ -109,7 +109,8 @@ def test_every_drawn_group_is_accounted_for_once_and_no_sample_is_trained_twice(
 
 def test_partial_responses_of_a_checkpoint_are_continued_after_the_resume(interrupted):
     """The USR2 checkpoint holds in-flight groups with partial responses (tokens, log-probs, versions); after
-    the resume each of those samples is trained (whole) or still waiting with its saved prefix; nothing of
+    the resume they are all handed back (``rollout/groups_resumed_partial``), and each of those samples is
+    trained (whole), filtered or dropped with its group, or still waiting with its saved prefix; nothing of
     the checkpoint's finished or in-flight groups is lost."""
     from hpcrl.checkpoint import find_latest_checkpoint
 
@@ -122,12 +123,15 @@ def test_partial_responses_of_a_checkpoint_are_continued_after_the_resume(interr
     for s in partial.values():
         assert len(s.rollout_log_probs) == s.response_length == len(s.tokens) - s.prompt_length
         assert s.weight_versions and int(s.weight_versions[-1]) <= at_usr2
+    metrics = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    partial_groups = sum(any(s.response_length for s in g) for g in saved["inflight"])
+    assert metrics[at_usr2]["rollout/groups_resumed_partial"] == partial_groups  # all handed back
     final = checkpoint_parts(find_latest_checkpoint(run_dir))
     trained = {i for _, _, i in final["trained"].tolist()}
     later = {s.index: s for part in ("finished", "inflight", "pushed") for g in final[part] for s in g}
-    dropped = {g for _, g, k in final["ledger"] if k == 1}
+    filtered_or_dropped = {g for _, g, k in final["ledger"] if k in (0, 1)}
     for i, s in partial.items():
-        assert i in trained or i in later or s.group_index in dropped, f"sample {i} was lost"
+        assert i in trained or i in later or s.group_index in filtered_or_dropped, f"sample {i} was lost"
         if i in later and later[i].response_length:  # still waiting: continued from its saved prefix
             assert later[i].tokens[:len(s.tokens)] == s.tokens
             assert later[i].rollout_log_probs[:s.response_length] == s.rollout_log_probs
