@@ -314,3 +314,28 @@ def test_dropping_every_finished_group_wakes_the_producer():
         await p.stop()
 
     asyncio.run(main())
+
+
+def test_the_checkpointed_data_source_state_is_the_snapshot_not_the_live_source():
+    """The producer keeps drawing after the snapshot; the checkpoint's ``data_source`` state is the
+    snapshot's (consistent with its finished and in-flight groups), not the live source's, which has moved
+    on: a save read on the trainer thread cannot be torn."""
+    async def main():
+        eng = Engine()
+        src = DataSource(ITEMS, 2, seed=0, shuffle=False)
+        p = start(AsyncProducer(make_config(max_staleness=0), eng.ctx(), src, version=0))
+        await settle()
+        state = StreamState()
+        state.attach(src)
+        assert state.data_source_state.state_dict()["offset"] == src.offset  # before any snapshot: live
+        state.put(p.snapshot())
+        await p.take(2, step=0)
+        p.set_version(1)
+        await settle()
+        saved = state.data_source_state.state_dict()
+        assert src.offset > saved["offset"] == 2  # the source moved on; the checkpoint did not
+        drawn = sorted(g[0].group_index for g in state.snapshot.finished + state.snapshot.inflight)
+        assert drawn == list(range(saved["offset"]))  # the same instant as the groups it saves
+        await p.stop()
+
+    asyncio.run(main())
