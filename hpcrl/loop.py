@@ -83,12 +83,17 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
 
 def loop_of(cfg: Config) -> Callable[..., dict[str, Any]]:
     """The loop function of ``run.mode``, for both launchers (``hpcrl run``: :mod:`hpcrl.launch_local`; the
-    Slurm job: :mod:`hpcrl.slurm.entry`): :func:`train_main` (sync) or
-    :func:`hpcrl.loop_async.train_async_main` (async, beside this file like slime's ``train_async.py``); both
+    Slurm job: :mod:`hpcrl.slurm.entry`): :func:`train_main` (sync),
+    :func:`hpcrl.loop_async.train_async_main` (async, beside this file like slime's ``train_async.py``) or
+    :func:`hpcrl.loop_fully_async.train_fully_async_main` (fully_async); all
     take ``(cfg, run_dir, model_path, ...)`` and return the last step's metrics (``"preempted"`` when stopped
     early with a checkpoint)."""
     if cfg.run.mode == "async":
         from hpcrl.loop_async import train_async_main
 
         return train_async_main
+    if cfg.run.mode == "fully_async":
+        from hpcrl.loop_fully_async import train_fully_async_main
+
+        return train_fully_async_main
     return train_main

@@ -1,6 +1,7 @@
 """What every loop needs around its ``for`` loop, built and torn down in one place: :class:`RunSession`.
 
-Both loops (:func:`hpcrl.loop.train_main`, :func:`hpcrl.loop_async.train_async_main`) open one with ``with
+The loops (:func:`hpcrl.loop.train_main`, :func:`hpcrl.loop_async.train_async_main`,
+:func:`hpcrl.loop_fully_async.train_fully_async_main`) open one with ``with
 RunSession(...) as s:`` and are then their step loop. Entering it does, in this order (every trainer rank; the
 controller is global rank 0):
 

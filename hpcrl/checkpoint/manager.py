@@ -25,6 +25,9 @@ name               object                                              where it 
 ``metrics``        :class:`hpcrl.metrics.MetricsPosition`               ``state.json`` ``metrics`` (rows so far)
 ``pending``        async runs: :class:`hpcrl.loop_async.PendingRollout`  ``buffer.h5`` ``pending`` (its groups);
                    (the next rollout, finished)                         ``state.json`` ``pending`` (the rest)
+``stream``         fully-async runs: the stream's last snapshot         ``buffer.h5`` ``finished``, ``inflight``,
+                   (:class:`hpcrl.rollout.fully_async.StreamState`;    ``stream_ledger``; ``state.json``
+                   it also stands in for ``data_source``)               ``stream`` (counters)
 any other name     a stateful whose state is plain JSON                 ``state.json`` under its name
 =================  ==================================================  ==========================================
 

@@ -151,6 +151,15 @@ def check_rollout(cfg: Config, check_files: bool, env: Optional[Environment] = N
                 f"must be >= rollout.batch_size={r.batch_size}, or a step could never fill",
                 f"set it to at least {r.batch_size} or leave it unset (2 x batch_size)")
     non_negative(cfg, "rollout.max_staleness")
+    if cfg.run.mode == "fully_async":
+        require(r.rollout_function in (None, DEFAULT_ROLLOUT_FUNCTION), "rollout.rollout_function",
+                r.rollout_function, "replaces the step-scoped rollout, which run.mode: fully_async does not "
+                "call (its producer generates group by group across steps)", "unset rollout.rollout_function "
+                "(a custom rollout.generate_function still plugs in), or use run.mode=async")
+        require(not r.agent.enabled, "rollout.agent", r.agent.function or r.agent.command,
+                "agent episodes cannot be continued after a weight update aborts them, which run.mode: "
+                "fully_async relies on",
+                "use run.mode=async with rollout.agent")
     require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]", "use 1.0 to disable top-p")
     require(r.top_k == -1 or r.top_k > 0, "rollout.top_k", r.top_k, "must be -1 (off) or > 0",
              "use -1 to disable top-k")

@@ -141,7 +141,8 @@ class RolloutFleet:
             self.router.wait_ready(urls, register=True)
         self.client = RolloutClient(self.router.url if self.router else None, urls, api_key=key,
                                     timeout_s=rc.request_timeout_s, max_retries=rc.max_retries,
-                                    keep_partial=rc.partial_rollout,
+                                    # fully async streams too: per-token versions, partials kept
+                                    keep_partial=rc.partial_rollout or cfg.run.mode == "fully_async",
                                     generate_fields={"return_routed_experts": True}
                                     if cfg.algorithm.routing_replay else None)
         self.call(self.client.open())

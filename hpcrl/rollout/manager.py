@@ -56,6 +56,7 @@ class RolloutManager:
         self.phases: ColocatedPhases | None = None  # from start()
         self.eval_sets: list = []  # hpcrl.rollout.evaluate.EvalSet, from start()
         self.eval_rewards: dict = {}  # eval set name -> its reward function, from start()
+        self.producer = None  # hpcrl.rollout.fully_async.AsyncProducer, between start_stream and stop_stream
 
     @property
     def client(self):
@@ -164,6 +165,74 @@ class RolloutManager:
             out.metrics.update(opd_metrics(samples))
         return samples, rollout_metrics(self.cfg, samples, out.metrics, len(groups), len(hold))
 
+    # ------------------------------------------------------------------------------ fully async stream
+    def start_stream(self, data_source, version: int, restored=None) -> None:
+        """Start the fully-async producer (:class:`hpcrl.rollout.fully_async.AsyncProducer`) on the rollout's
+        event loop: from now on up to ``rollout.max_inflight_groups`` groups generate from ``data_source``
+        (which the caller must not use until :meth:`stop_stream`), the engines holding weights ``version``.
+        ``restored``: a checkpoint's :class:`hpcrl.rollout.fully_async.StreamSnapshot` (finished groups served
+        first, partial groups continued), or None. The health monitor probes ``/health_generate`` from now
+        on."""
+        self.call(self._start_stream(data_source, version, restored))
+
+    async def _start_stream(self, data_source, version: int, restored) -> None:
+        from hpcrl.rollout.fully_async import AsyncProducer
+
+        self.phases.mark("generate")
+        self.producer = AsyncProducer(self.cfg, self.ctx, data_source, version,
+                                      finished=restored.finished if restored else None,
+                                      inflight=restored.inflight if restored else None,
+                                      ledger=restored.ledger if restored else None)
+        self.fleet.generating(True)
+        self.producer.task = asyncio.ensure_future(self.producer.run())
+
+    def take(self, rollout_id: int, multiple: int = 1) -> tuple[list, dict[str, float]]:
+        """The next ``rollout.batch_size`` finished groups of the stream (a multiple of ``multiple``, at least
+        one multiple) for training step ``rollout_id``, waiting for them: ``(flat samples, rollout/*
+        metrics)``
+        (:meth:`hpcrl.rollout.fully_async.AsyncProducer.take`, plus the trained samples' statistics,
+        :func:`hpcrl.rollout.stats.rollout_metrics`, and OPD teacher scores as :meth:`generate`). Raises the
+        error that stopped the stream (:class:`hpcrl.rollout.client.RolloutError`, a reward's error)."""
+        return self.call(self._take(rollout_id, multiple))
+
+    async def _take(self, rollout_id: int, multiple: int) -> tuple[list, dict[str, float]]:
+        groups, metrics = await self.producer.take(self.cfg.rollout.batch_size, rollout_id, multiple)
+        metrics.update(self.fleet.served())
+        samples = [s for g in groups for s in g]
+        if self.fleet.teachers:  # on-policy distillation: the teachers score the trained samples' tokens
+            from hpcrl.rollout.teacher import opd_metrics, score_samples
+
+            metrics["rollout/opd_teacher_seconds"] = await score_samples(self.fleet.teachers, samples,
+                                                                         self.cfg.rollout.temperature)
+            metrics.update(opd_metrics(samples))
+        return samples, rollout_metrics(self.cfg, samples, metrics, len(groups), 0)
+
+    def snapshot(self):
+        """The stream at one instant (:meth:`hpcrl.rollout.fully_async.AsyncProducer.snapshot`, taken on the
+        event loop, so the producer cannot change the data source halfway): what a checkpoint saves."""
+        return self.call(self._snapshot())
+
+    async def _snapshot(self):
+        return self.producer.snapshot()
+
+    def stop_stream(self) -> None:
+        """Stop the producer: no new group, the generating ones aborted on the engines and cancelled."""
+        if self.producer is not None:
+            self.call(self._stop_stream())
+
+    async def _stop_stream(self) -> None:
+        from hpcrl.rollout.client import RolloutError
+
+        producer, self.producer = self.producer, None
+        producer.stopping = True
+        try:
+            await self.fleet.client.abort_all()
+        except RolloutError as e:  # the run's outcome stands; the engines are stopped next anyway
+            logging.getLogger("hpcrl.rollout").warning("could not abort the stream's requests: %s", e)
+        finally:
+            await producer.stop()
+            self.fleet.generating(False)
+
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Every eval set through the rollout's path (:mod:`hpcrl.rollout.evaluate`: the same prompt
         rendering, generate function or agent, stop rules and reward function, with the eval sampling
@@ -185,7 +254,7 @@ class RolloutManager:
             logging.getLogger("hpcrl.health").error("eval skipped: %s", e)
             return {}
         finally:
-            self.fleet.generating(False)
+            self.fleet.generating(self.producer is not None)  # a fully-async stream still generates
 
     # ---------------------------------------------------------------------------------- colocated memory
     def offload(self) -> None:
@@ -219,6 +288,12 @@ class RolloutManager:
         return self.call(self._update_weights(syncer, named, version))
 
     async def _update_weights(self, syncer, named, version: int) -> dict[str, Any]:
+        out = await self._sync_weights(syncer, named, version)
+        if self.producer is not None:  # fully async: newer weights admit more groups
+            self.producer.set_version(version)
+        return out
+
+    async def _sync_weights(self, syncer, named, version: int) -> dict[str, Any]:
         fleet = self.fleet
         if fleet.snapshot is not None:  # a restarted engine loads this version (hpcrl.weights.snapshot)
             named = fleet.snapshot.tee(named, version)
@@ -321,6 +396,20 @@ class FollowerRollout:
     def result(self, future: concurrent.futures.Future):
         """The future's result."""
         return future.result()
+
+    def start_stream(self, data_source, version: int, restored=None) -> None:
+        """Nothing: the controller's producer generates."""
+
+    def take(self, rollout_id: int, multiple: int = 1) -> tuple[None, dict[str, float]]:
+        """No samples (the loop broadcasts the controller's) and no metrics."""
+        return None, {}
+
+    def snapshot(self) -> None:
+        """None: the controller's checkpoint files hold the stream."""
+        return None
+
+    def stop_stream(self) -> None:
+        """Nothing: the controller's producer generates."""
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """No metrics: the controller evaluates."""

@@ -123,6 +123,15 @@ BAD = [
      "model.gguf_file", "smollm2", ["only used with model.create: gguf"]),
     ("async-colocate", M + "run: {mode: async, placement: colocate}\n", [], "run.mode", "async",
      ["run.placement: disaggregate"]),
+    ("fully-async-colocate", M + "run: {mode: fully_async, placement: colocate}\n", [], "run.mode",
+     "fully_async", ["take turns"]),
+    ("fully-async-deterministic", M + "run: {mode: fully_async, placement: disaggregate, deterministic: true}\n",
+     [], "run.deterministic", True, ["timing decides"]),
+    ("fully-async-agent", M + "run: {mode: fully_async, placement: disaggregate}\n"
+     "rollout: {agent: {function: my_agent.run}}\n", [], "rollout.agent", "my_agent.run", ["continued"]),
+    ("fully-async-custom-rollout", M + "run: {mode: fully_async, placement: disaggregate}\n"
+     "rollout: {rollout_function: my_rollout.run}\n", [], "rollout.rollout_function", "my_rollout.run",
+     ["does not call"]),
     ("run-name-slash", M + "run: {name: a/b}\n", [], "run.name", "a/b", ["no '/'"]),
     ("gbs-not-multiple-of-group", M + "train: {global_batch_size: 60}\n", [], "train.global_batch_size", 60,
      ["n_samples_per_prompt=8"]),

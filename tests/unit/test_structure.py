@@ -130,7 +130,8 @@ def loop_function(module: str, name: str) -> ast.FunctionDef:
     return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
 
 
-@pytest.mark.parametrize("module,name", [("loop", "train_main"), ("loop_async", "train_async_main")])
+@pytest.mark.parametrize("module,name", [("loop", "train_main"), ("loop_async", "train_async_main"),
+                                         ("loop_fully_async", "train_fully_async_main")])
 def test_the_loop_is_a_page_without_rank_branches_or_slurm(module, name):
     """The sync loop and the async one beside it (issue #11: at most the sync one's length)."""
     fn = loop_function(module, name)
