@@ -48,7 +48,6 @@ table; ``--out`` also writes it to a file. Results in docs/performance.md ("Sync
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -229,10 +228,9 @@ def table(cols: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
-def runs_of(modes: list[str], policies: list[str],
-            fully_async_loop: bool = True) -> list[tuple[str, str, list[str]]]:
-    """``(run name, column title, overrides)`` per run: each mode, fully_async once per stale policy (its
-    title ends in ``*`` when ``fully_async_loop`` is False: that tree's ``loop_of`` runs the sync loop)."""
+def runs_of(modes: list[str], policies: list[str]) -> list[tuple[str, str, list[str]]]:
+    """``(run name, column title, overrides)`` per run: each mode, fully_async once per stale policy (with
+    ``algorithm.use_tis``, which the mode requires)."""
     out = []
     for mode in modes:
         if mode != "fully_async":
@@ -240,8 +238,8 @@ def runs_of(modes: list[str], policies: list[str],
             continue
         for policy in policies:
             name = mode if len(policies) == 1 else f"{mode}-{policy}"
-            out.append((name, name + ("" if fully_async_loop else "*"),
-                        [f"run.mode={mode}", f"rollout.stale_policy={policy}"]))
+            out.append((name, name, [f"run.mode={mode}", f"rollout.stale_policy={policy}",
+                                     "algorithm.use_tis=true"]))
     return out
 
 
@@ -287,8 +285,7 @@ def main(argv=None) -> int:
             setattr(cfg.train if key.startswith("train") else cfg.rollout, "cpus", value)
     cpus = run_cpu_sets(cfg)
     cols: list[tuple[str, dict]] = []
-    fully_async_loop = importlib.util.find_spec("hpcrl.loop_fully_async") is not None
-    for name, title, overrides in runs_of(args.modes, args.stale_policies, fully_async_loop):
+    for name, title, overrides in runs_of(args.modes, args.stale_policies):
         with EngineBusyPoller() as poller:
             row = run_one(folder, name, [*common, *overrides], args.steps, config=src.name)
         print(f"[{name}] rc {row['rc']} in {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
@@ -311,8 +308,6 @@ def main(argv=None) -> int:
              f"{'no SFT' if args.no_sft else 'SFT warm start'}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}",
              *table(cols)]
-    if not fully_async_loop and "fully_async" in args.modes:
-        lines.append("* hpcrl/loop_fully_async.py is missing from this tree: these columns ran the sync loop")
     text = "\n".join(lines)
     print(text)
     if args.out:

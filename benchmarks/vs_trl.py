@@ -389,10 +389,7 @@ def hpcrl_worker(spec: dict) -> None:
     if spec.get("mode") in ("async", "fully_async"):  # trainer and engine on disjoint CPUs, as hpcrl run does
         cfg.run.mode, cfg.run.placement = spec["mode"], "disaggregate"
         if spec["mode"] == "fully_async":
-            import importlib.util
-
-            if importlib.util.find_spec("hpcrl.loop_fully_async") is None:  # its loop_of runs the sync loop
-                raise SystemExit("mode=fully_async: this hpcrl tree has no hpcrl/loop_fully_async.py")
+            cfg.algorithm.use_tis = True  # the mode's required correction (a per-token weight, no extra pass)
             cfg.rollout.rollout_function = None  # the producer generates; the gate is in take
             gate_fully_async_take()
         cpus = resolve_cpu_sets(cfg)

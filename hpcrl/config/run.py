@@ -162,6 +162,11 @@ def check_run(cfg: Config) -> None:
              "cannot hold in run.mode: fully_async, where timing decides which groups finish first and which "
              "tokens a weight update lands on", "set run.deterministic=false, or run.mode=async for a "
              "reproducible off-policy run")
+    a = cfg.algorithm
+    require(not (r.mode == "fully_async" and not a.use_tis and a.mis_level is None), "algorithm.use_tis", False,
+            "leaves run.mode: fully_async uncorrected: its tokens come from older (and mixed) weight versions, and "
+            "only TIS or MIS weigh them against the engines' behaviour log-probs (docs/algorithms.md)",
+            "set algorithm.use_tis=true (and/or algorithm.mis_level=token)")
     if r.placement == "colocate":
         for f in ("train.cpus", "rollout.cpus"):
             require(get_field(cfg, f) is None, f, get_field(cfg, f),

@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 from hpcrl.data.sample import Sample, Status
 from hpcrl.rollout.rollout import RolloutContext, generate_group, reset_sample, sampling_params
+from hpcrl.rollout.stats import group_staleness
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -48,28 +49,24 @@ FILTERED, DROPPED, REGENERATED = 0, 1, 2
 LEDGER_KINDS = {FILTERED: "filtered", DROPPED: "dropped", REGENERATED: "regenerated"}
 
 
-def oldest_version(group: list[Sample]) -> Optional[int]:
-    """The oldest weight version any trainable token of ``group`` was sampled with: the per-token labels
-    (``rollout_token_versions``, -1 = unknown, skipped) where a sample has them, else its per-call
-    ``weight_versions``; None when no sample has an integer version."""
-    versions: list[int] = []
-    for s in group:
-        known = [v for v in s.rollout_token_versions if v >= 0]
-        if known:
-            versions.append(min(known))
-            continue
-        try:
-            versions.extend(int(v) for v in s.weight_versions)
-        except ValueError:  # an engine's own version names: no staleness known
-            pass
-    return min(versions) if versions else None
-
-
 def is_stale(group: list[Sample], step: int, max_staleness: int) -> bool:
     """Whether ``group`` trained at step ``step`` would hold a token older than ``max_staleness`` versions
-    (oldest version < step - max_staleness); False when no version is known."""
-    v = oldest_version(group)
-    return v is not None and step - v > max_staleness
+    (:func:`hpcrl.rollout.stats.group_staleness` > ``max_staleness``); False when no version is known."""
+    staleness = group_staleness(group, step)
+    return staleness is not None and staleness > max_staleness
+
+
+def length_metrics(key: str, lengths: list[int], mean: bool = True) -> dict[str, float]:
+    """``{key: mean, key_p90: 90th percentile}`` of response ``lengths`` (tokens; nearest rank), the mean left
+    out with ``mean=False``; {} for no lengths. What the benchmark compares between the samples generated
+    (``rollout/sampled_response_length``) and those trained, per ``rollout.stale_policy``."""
+    if not lengths:
+        return {}
+    ordered = sorted(lengths)
+    out = {f"{key}_p90": float(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))])}
+    if mean:
+        out[key] = sum(ordered) / len(ordered)
+    return out
 
 
 @dataclass
@@ -127,6 +124,7 @@ class AsyncProducer:
         self.task: Optional[asyncio.Task] = None
         self.last_take = time.perf_counter()
         self.reported = collections.Counter()  # counts as of the last take (its metrics are the differences)
+        self.sampled_lengths: list[int] = []  # response lengths (tokens) of every sample finished since a take
 
     # ------------------------------------------------------------------------------------------ producing
     def capacity(self) -> int:
@@ -182,6 +180,7 @@ class AsyncProducer:
         if task.exception() is not None:
             self.error = self.error or task.exception()
             return
+        self.sampled_lengths.extend(s.response_length for s in group)  # before the filter and staleness
         if self.ctx.dynamic_filter is not None and not self.ctx.dynamic_filter(group):
             self.counts["filtered"] += 1
             self.ledger.append((self.version, group[0].group_index, FILTERED))
@@ -241,7 +240,10 @@ class AsyncProducer:
             "started", "filtered", "stale_kept", "stale_regenerated", "stale_dropped", "continued",
             "resumed_partial_groups")}
         self.reported = collections.Counter(self.counts)
-        return out, {"rollout/wait_seconds": now - t0, "rollout/seconds": now - since,
+        sampled, self.sampled_lengths = self.sampled_lengths, []
+        trained = [s.response_length for g in out for s in g]
+        return out, {**length_metrics("rollout/sampled_response_length", sampled),
+                     **length_metrics("rollout/response_length", trained, mean=False),"rollout/wait_seconds": now - t0, "rollout/seconds": now - since,
                      "rollout/groups_filtered": diff["filtered"],
                      "rollout/stale_kept": diff["stale_kept"],
                      "rollout/stale_regenerated": diff["stale_regenerated"],

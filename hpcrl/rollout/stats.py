@@ -53,8 +53,11 @@ def rollout_metrics(cfg, samples: list, metrics: dict[str, float], trained_group
 
 def sample_lag(sample) -> "int | None":
     """How many optimizer-step versions the policy that generated ``sample`` is behind the one it is trained
-    for: its rollout id minus the oldest weight version its tokens came from (0 in sync mode, 1 one step off,
-    more for a partial rollout continued across steps); None when the engine's versions are not integers."""
+    for, counted per generate call: its rollout id minus the oldest version of its calls (0 in sync mode, 1 one
+    step off, more for a partial rollout continued across steps); None when the engine's versions are not
+    integers. A call that a weight update aborted before it sampled a token counts too, so this can read
+    higher than the per-token ``rollout/staleness_*`` (:func:`staleness_metrics`), which the
+    ``rollout.max_staleness`` bound uses."""
     try:
         return sample.rollout_id - min(int(v) for v in sample.weight_versions)
     except ValueError:  # no versions, or not integers (an engine's own version names)

@@ -196,10 +196,10 @@ def test_async_modes_summary_from_metrics_rows():
     out = m.summarize(rows, batch_size=8, group_size=4, warmup=1)
     assert out["idle"] == pytest.approx(0.5 / 6.0)  # async: only the wait at the boundary
     assert out["stale_mean"] == 1.5 and out["stale_max"] == 3  # token-level staleness wins over the lag
-    runs = m.runs_of(["sync", "fully_async"], ["keep", "drop"], fully_async_loop=False)
-    fa = ["run.mode=fully_async"]
+    runs = m.runs_of(["sync", "fully_async"], ["keep", "drop"])
+    fa, tis = ["run.mode=fully_async"], ["algorithm.use_tis=true"]
     assert runs == [("sync", "sync", ["run.mode=sync"]),
-                    ("fully_async-keep", "fully_async-keep*", [*fa, "rollout.stale_policy=keep"]),
-                    ("fully_async-drop", "fully_async-drop*", [*fa, "rollout.stale_policy=drop"])]
+                    ("fully_async-keep", "fully_async-keep", [*fa, "rollout.stale_policy=keep", *tis]),
+                    ("fully_async-drop", "fully_async-drop", [*fa, "rollout.stale_policy=drop", *tis])]
     lines = m.table([("sync", out), ("async", {"error": 1})])
     assert "failed (1)" in lines[2] and "8.7" in lines[2]

@@ -127,10 +127,12 @@ BAD = [
      "fully_async", ["take turns"]),
     ("fully-async-deterministic", M + "run: {mode: fully_async, placement: disaggregate, deterministic: true}\n",
      [], "run.deterministic", True, ["timing decides"]),
+    ("fully-async-uncorrected", M + "run: {mode: fully_async, placement: disaggregate}\n", [],
+     "algorithm.use_tis", False, ["uncorrected"]),
     ("fully-async-agent", M + "run: {mode: fully_async, placement: disaggregate}\n"
-     "rollout: {agent: {function: my_agent.run}}\n", [], "rollout.agent", "my_agent.run", ["continued"]),
+     "algorithm: {use_tis: true}\nrollout: {agent: {function: my_agent.run}}\n", [], "rollout.agent", "my_agent.run", ["continued"]),
     ("fully-async-custom-rollout", M + "run: {mode: fully_async, placement: disaggregate}\n"
-     "rollout: {rollout_function: my_rollout.run}\n", [], "rollout.rollout_function", "my_rollout.run",
+     "algorithm: {use_tis: true}\nrollout: {rollout_function: my_rollout.run}\n", [], "rollout.rollout_function", "my_rollout.run",
      ["does not call"]),
     ("run-name-slash", M + "run: {name: a/b}\n", [], "run.name", "a/b", ["no '/'"]),
     ("gbs-not-multiple-of-group", M + "train: {global_batch_size: 60}\n", [], "train.global_batch_size", 60,

@@ -20,8 +20,8 @@ from hpcrl.config import Config
 from hpcrl.data.sample import Status
 from hpcrl.data.source import DataSource
 from hpcrl.rollout.filters import nonzero_std
-from hpcrl.rollout.fully_async import (DROPPED, FILTERED, REGENERATED, AsyncProducer, StreamState, is_stale,
-                                       oldest_version)
+from hpcrl.rollout.fully_async import DROPPED, FILTERED, REGENERATED, AsyncProducer, StreamState, is_stale
+from hpcrl.rollout.stats import group_oldest_version as oldest_version
 from hpcrl.rollout.rollout import RolloutContext
 
 ITEMS = [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(50)]
@@ -100,12 +100,15 @@ def test_versions_and_staleness_of_a_group():
     from hpcrl.data.sample import Sample
 
     a, b = Sample(group_index=0, index=0), Sample(group_index=0, index=1)
+    a.append_response_tokens([1, 2], [-1.0, -1.0])
+    b.append_response_tokens([3], [-1.0])
     a.weight_versions, b.weight_versions = ["3", "4"], ["5"]
     assert oldest_version([a, b]) == 3  # per call, when no token is labelled
-    a.append_response_tokens([1, 2], [-1.0, -1.0], versions=[-1, 6])
+    a.rollout_token_versions = [-1, 6]
     assert oldest_version([a, b]) == 5  # labelled tokens win over the sample's calls; -1 is unknown
     assert not is_stale([a, b], 6, 1) and is_stale([a, b], 7, 1)
     c = Sample(group_index=1, index=2)
+    c.append_response_tokens([4], [-1.0])
     c.weight_versions = ["policy-a"]
     assert oldest_version([c]) is None and not is_stale([c], 100, 0)
 
