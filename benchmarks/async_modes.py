@@ -60,6 +60,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
@@ -82,8 +84,9 @@ CACHE_PATHS = ("model.path", "sft.output")
 
 class EngineBusyPoller:
     """Polls every CPU engine below this process once a second: ``/get_server_info``'s ``busy_seconds``
-    (``(time.time(), busy_seconds)`` per engine URL; nothing when the engine does not report it or needs an
-    API key) and the engine process's CPU seconds (user + system, per pid), the fallback measure."""
+    (``(time.time(), busy_seconds)`` per engine URL, with the run's API key from the engine's
+    ``--api-key-file``; nothing when the engine does not report it) and the engine process's CPU seconds (user
+    + system, per pid), the fallback measure."""
 
     def __init__(self, interval_s: float = 1.0) -> None:
         self.interval_s = interval_s
@@ -100,7 +103,7 @@ class EngineBusyPoller:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def _urls(self) -> list[str]:
+    def _urls(self) -> list[tuple[str, dict]]:
         urls = []
         for p in process_tree(os.getpid())[1:]:
             try:
@@ -112,15 +115,24 @@ class EngineBusyPoller:
             except Exception:  # noqa: BLE001 - it exited meanwhile
                 continue
             opts = dict(zip(argv, argv[1:]))
-            if "--port" in opts and "--api-key" not in opts and "--api-key-file" not in opts:
-                urls.append(f"http://{opts.get('--host', '127.0.0.1')}:{opts['--port']}")
+            if "--port" not in opts:
+                continue
+            headers = {}
+            if "--api-key-file" in opts:
+                try:
+                    key_file = Path(p.cwd()) / opts["--api-key-file"]  # relative to the engine's folder
+                    headers["Authorization"] = "Bearer " + key_file.read_text().strip()
+                except (OSError, psutil.Error):
+                    continue
+            urls.append((f"http://{opts.get('--host', '127.0.0.1')}:{opts['--port']}", headers))
         return urls
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for url in self._urls():
+            for url, headers in self._urls():
                 try:
-                    with urllib.request.urlopen(url + "/get_server_info", timeout=2) as r:
+                    request = urllib.request.Request(url + "/get_server_info", headers=headers)
+                    with urllib.request.urlopen(request, timeout=2) as r:
                         info = json.load(r)
                     busy = (info.get("internal_states") or [{}])[0].get("busy_seconds")
                 except Exception:  # noqa: BLE001 - starting, stopping or busy: the next poll tries again

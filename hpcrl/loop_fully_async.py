@@ -71,7 +71,8 @@ def train_fully_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_chec
             step["timing/step_seconds"] = time.perf_counter() - t_step
             s.watch.record_step(step["timing/step_seconds"])
             s.log(rollout_id, step)
-            stream.put(rollout.snapshot())  # one instant of the stream, for this step's checkpoint
+            saving = ckpt.due(rollout_id) or s.watch.local_reason() is not None  # in-flight responses too:
+            stream.put(rollout.snapshot(partials=saving))  # one instant of the stream, for the checkpoint
             stopped = ckpt.end_step(rollout_id)
             if stopped is not None:
                 break

@@ -19,6 +19,18 @@ from hpcrl.checkpoint.state import (broadcast_object, parallel_layout, require_d
 logger = logging.getLogger("hpcrl.checkpoint")
 
 
+def optimizer_classes() -> list[type]:
+    """The optimizer classes megatron-core's CPU optimizer offload (``megatron.optimizer_cpu_offload``:
+    ``HybridDeviceOptimizer``) keeps in its param groups (``cpu_optimizer_cls``, ``gpu_optimizer_cls``: torch's
+    AdamW / SGD, or TransformerEngine's or apex's fused ones), which megatron pickles into a checkpoint's
+    common state. ``torch.load`` in its default ``weights_only`` mode refuses to read a class back unless it
+    is allowed, so the load allows exactly these (references to classes megatron itself chose, no code run);
+    without it a checkpoint of such a run could not be resumed or converted (seen on an H200, 2026-11-27)."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    return list({getattr(megatron_optimizer, name) for name in ("Adam", "SGD", "CPUAdam", "CPUSGD")})
+
+
 def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, optimizer: Any = None,
                     load_rng: bool = True, strict: bool = True) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` into a freshly built model; every rank calls.
@@ -62,8 +74,10 @@ def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, o
         raise CheckpointError(header["error"])
     marker = header["marker"]
     dist_dir = str(path / DIST_DIR)
-    metadata = (dist_checkpointing.load_content_metadata(dist_dir)
-                or dict(marker.get("sharding_metadata") or {}))
+    allowed = torch.serialization.safe_globals(optimizer_classes())
+    with allowed:
+        metadata = (dist_checkpointing.load_content_metadata(dist_dir)
+                    or dict(marker.get("sharding_metadata") or {}))
     model = unwrap(ddp_model)
     saved_optimizer = marker.get("optimizer", "saved")
     if optimizer is not None and saved_optimizer == "none":
@@ -73,7 +87,8 @@ def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, o
     sharded = sharded_state_dict(model, load_optimizer, metadata, is_loading=True)
     # Tensors asked for but absent from the checkpoint fail in the load itself; extra ones (the optimizer's
     # when loading the model only) are fine.
-    loaded = dist_checkpointing.load(sharded, dist_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    with allowed:
+        loaded = dist_checkpointing.load(sharded, dist_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     with torch.no_grad():  # the distributed optimizer copies into views of parameters that require grad
         model.load_state_dict(loaded["model"], strict=strict)
         if load_optimizer is not None:

@@ -141,8 +141,11 @@ class RolloutFleet:
             self.router.wait_ready(urls, register=True)
         self.client = RolloutClient(self.router.url if self.router else None, urls, api_key=key,
                                     timeout_s=rc.request_timeout_s, max_retries=rc.max_retries,
-                                    # fully async streams too: per-token versions, partials kept
-                                    keep_partial=rc.partial_rollout or cfg.run.mode == "fully_async",
+                                    # streamed: an engine's death costs only the tokens it had not sent.
+                                    # Not forced in fully_async: the engines' weight-version spans label
+                                    # tokens exactly without it, and batched, unstreamed groups generate
+                                    # faster on a busy engine
+                                    keep_partial=rc.partial_rollout,
                                     generate_fields={"return_routed_experts": True}
                                     if cfg.algorithm.routing_replay else None)
         self.call(self.client.open())

@@ -22,10 +22,12 @@ earlier than version ``n // B - K``, and is trained at about step ``n // B``: st
 finish far out of order (then ``stale_policy``). Also at most ``rollout.max_inflight_groups`` generate.
 
 **Checkpoint** (:meth:`AsyncProducer.snapshot`): a plain function with no ``await``, so called on the event
-loop it sees one instant of the data source, the finished groups and the generating ones. A generating
-group is saved as it was after its samples' last finished ``/generate`` call (``generate`` updates a sample
-in one step, when the call returns): partial responses kept through an abort are saved, tokens of a call
-still streaming are not (they are generated again after a resume; correct, at the cost of those tokens).
+loop it sees one instant of the data source, the finished groups and the generating ones. At a step whose
+checkpoint is saved, :meth:`AsyncProducer.capture_partials` first aborts the generating calls and parks each
+group with its partial response (tokens, log-probs, per-token weight versions), so the snapshot holds every
+in-flight response as far as it got; the groups then continue (one re-prefill each), and a resumed run
+continues them from the checkpoint. Between checkpoints a snapshot is taken without it (a generating group
+as after its last finished ``/generate`` call).
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ class AsyncProducer:
             self.counts["resumed_partial_groups"] = sum(any(s.response_length for s in g) for g in inflight)
         self.error: Optional[BaseException] = None
         self.stopping = False
+        self.hold: Optional[asyncio.Event] = None  # set by capture_partials: groups park instead of continuing
+        self.parked: set[asyncio.Task] = set()
         self.changed = asyncio.Event()  # a group finished, the version moved, or the stream stopped
         self.task: Optional[asyncio.Task] = None
         self.last_take = time.perf_counter()
@@ -143,7 +147,7 @@ class AsyncProducer:
         stream and is raised by the next :meth:`take`."""
         try:
             while not self.stopping and self.error is None:
-                n = self.capacity()
+                n = 0 if self.hold is not None else self.capacity()  # no new group while partials are held
                 if n:
                     for group in self.data_source.get_samples(n):
                         self.counts["started"] += 1
@@ -171,6 +175,14 @@ class AsyncProducer:
             for s in group:
                 if s.status == Status.ABORTED:
                     s.status = Status.PENDING  # keeps its partial response; generate() continues it
+            if self.hold is not None:  # a checkpoint is taking its partial response: wait until it is saved
+                me = asyncio.current_task()
+                self.parked.add(me)
+                self.changed.set()
+                try:
+                    await self.hold.wait()
+                finally:
+                    self.parked.discard(me)
 
     def _done(self, task: asyncio.Task) -> None:
         group = self.generating.pop(task)
@@ -255,6 +267,32 @@ class AsyncProducer:
                      "rollout/groups_finished_buffered": len(self.finished)}
 
     # ------------------------------------------------------------------------------------- checkpointing
+    async def capture_partials(self) -> None:
+        """Before a checkpoint's :meth:`snapshot`: abort the generating groups' calls on every engine and wait
+        until each group has its partial response back (tokens, log-probs, weight versions) and is parked,
+        or has finished; no new group starts meanwhile. The snapshot then holds every in-flight response as
+        far as it got, and a resumed run continues it (issue #37: the in-flight partial responses are part of
+        the checkpoint). :meth:`release` lets the parked groups continue (one re-prefill each). Raises what
+        the client's ``abort_all`` raises (the groups are released first)."""
+        self.hold = asyncio.Event()
+        self.changed.set()
+        try:
+            if self.generating:
+                await self.ctx.client.abort_all()
+            while any(t not in self.parked for t in self.generating) and self.error is None:
+                self.changed.clear()
+                await self.changed.wait()
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Let the groups :meth:`capture_partials` parked continue, and new groups start."""
+        if self.hold is not None:
+            self.hold.set()
+            self.hold = None
+            self.changed.set()
+
     def snapshot(self) -> StreamSnapshot:
         """Copies of the data source's state, the finished and the generating groups and the ledger, at one
         instant (no ``await`` inside: call it on the event loop). Generating samples are saved as after their

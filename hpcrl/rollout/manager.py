@@ -207,13 +207,22 @@ class RolloutManager:
             metrics.update(opd_metrics(samples))
         return samples, rollout_metrics(self.cfg, samples, metrics, len(groups), 0)
 
-    def snapshot(self):
+    def snapshot(self, partials: bool = False):
         """The stream at one instant (:meth:`hpcrl.rollout.fully_async.AsyncProducer.snapshot`, taken on the
-        event loop, so the producer cannot change the data source halfway): what a checkpoint saves."""
-        return self.call(self._snapshot())
+        event loop, so the producer cannot change the data source halfway): what a checkpoint saves. With
+        ``partials`` (a step whose checkpoint is saved), the generating groups' calls are aborted first and
+        their partial responses taken into the snapshot
+        (:meth:`~hpcrl.rollout.fully_async.AsyncProducer.capture_partials`); they continue after it."""
+        return self.call(self._snapshot(partials))
 
-    async def _snapshot(self):
-        return self.producer.snapshot()
+    async def _snapshot(self, partials: bool):
+        if not partials:
+            return self.producer.snapshot()
+        await self.producer.capture_partials()
+        try:
+            return self.producer.snapshot()
+        finally:
+            self.producer.release()
 
     def stop_stream(self) -> None:
         """Stop the producer: no new group, the generating ones aborted on the engines and cancelled."""
@@ -404,7 +413,7 @@ class FollowerRollout:
         """No samples (the loop broadcasts the controller's) and no metrics."""
         return None, {}
 
-    def snapshot(self) -> None:
+    def snapshot(self, partials: bool = False) -> None:
         """None: the controller's checkpoint files hold the stream."""
         return None
 

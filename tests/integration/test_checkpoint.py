@@ -524,3 +524,28 @@ def test_checkpoint_manager_saves_its_states_when_due_and_restores_them(small_mo
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3, 4]
     state = json.loads((tmp_path / "checkpoints" / "iter_0000004" / "state.json").read_text())
     assert state["rollout_id"] == 4 and "buffer" not in state["data_source"] and len(state["metrics"]) == 5
+
+
+def test_optimizer_classes_in_param_groups_load_back(tp1, tiny_model_dir, tmp_path):
+    """megatron's CPU optimizer offload (``megatron.optimizer_cpu_offload``: HybridDeviceOptimizer) keeps its
+    sub-optimizer classes (``cpu_optimizer_cls``, ``gpu_optimizer_cls``) in the param groups, which megatron
+    pickles into the checkpoint's common state. On an H200 (2026-11-27) such a checkpoint could not be loaded
+    (resume and convert failed: torch.load's weights_only refused ``torch.optim.adamw.AdamW``). The same param
+    groups on CPU: saved, then loaded into a fresh optimizer, classes and all."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    from hpcrl import checkpoint
+    from hpcrl.train import model as tmodel
+
+    seed_everything(1234)
+    model, opt = tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN)
+    one_step(model, opt)
+    classes = {"cpu_optimizer_cls": megatron_optimizer.CPUAdam, "gpu_optimizer_cls": megatron_optimizer.Adam}
+    for group in opt.param_groups:
+        group.update(classes)
+    path = checkpoint.save_checkpoint(tmp_path, 0, model, opt, {"rollout_id": 0})
+    model2, opt2 = tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN)
+    checkpoint.load_checkpoint(path, model2, opt2)
+    assert all(g["cpu_optimizer_cls"] is megatron_optimizer.CPUAdam for g in opt2.param_groups)
+    assert model_tensors(model2).keys() == model_tensors(model).keys()
+    assert all(torch.equal(a, model_tensors(model2)[k]) for k, a in model_tensors(model).items())

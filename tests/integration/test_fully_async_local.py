@@ -1,7 +1,8 @@
 """Fully asynchronous training on one machine (issue #37 points 1, 3 and 5): ``run.mode: fully_async``,
 disaggregated on disjoint CPU sets, the tiny model, the engine the bottleneck (two running requests, 48-token
-answers) so that groups are always in flight, a weight update aborts them (``weights.pause_mode: abort``) and
-they are continued, and ``rollout.stale_policy: drop`` with ``max_staleness: 1``.
+answers) so that groups are always in flight, weight updates land on them in place (the mode's default
+``weights.pause_mode``), every step's checkpoint takes their partial responses (an abort, then they are
+continued), and ``rollout.stale_policy: drop`` with ``max_staleness: 1``.
 
 One run, interrupted twice: USR2 after 3 steps (stops with a checkpoint, exit 75), the same command again
 (resumes), SIGKILL inside a step after two more, the same command again until the end. Timing decides what
@@ -30,7 +31,7 @@ STEPS = 8
 K = 1
 FULLY_ASYNC = ("run.mode=fully_async", "run.placement=disaggregate", "run.deterministic=false",
                f"run.num_rollout={STEPS}", "data.num_train=24", "rollout.max_new_tokens=48",
-               "sglang.max_running_requests=2", "weights.pause_mode=abort", f"rollout.max_staleness={K}",
+               "sglang.max_running_requests=2", f"rollout.max_staleness={K}",
                "rollout.stale_policy=drop", "checkpoint.save_interval=1", "checkpoint.keep_last=20",
                "algorithm.use_tis=true")
 
@@ -106,7 +107,7 @@ def test_every_drawn_group_is_accounted_for_once_and_no_sample_is_trained_twice(
     # update aborted before they sampled a token, so it may read higher)
     assert all(m["rollout/staleness_max"] <= K for m in steps)
     assert all("timing/rollout_wait_seconds" in m for m in steps)
-    assert sum(m["rollout/groups_continued"] for m in steps) > 0  # weight updates aborted groups mid-way
+    assert sum(m["rollout/groups_continued"] for m in steps) > 0  # checkpoints took partial responses mid-way
 
 
 def test_partial_responses_of_a_checkpoint_are_continued_after_the_resume(interrupted):
@@ -153,7 +154,7 @@ def test_engine_killed_mid_generation_is_replaced_and_the_stream_goes_on(tmp_pat
 
     steps = 10
     proc = start(tmp_path, "kill", *FULLY_ASYNC, f"run.num_rollout={steps}", "checkpoint.save_interval=0",
-                 "rollout.heartbeat_interval_s=1", "rollout.heartbeat_timeout_s=3",
+                 "rollout.heartbeat_interval_s=1", "rollout.heartbeat_timeout_s=3", "rollout.partial_rollout=true",
                  "rollout.max_engine_restarts=5")
     run_dir = tmp_path / "runs" / "kill"
     for target in (2, 5):

@@ -47,6 +47,7 @@ class Engine:
         self.abort_once: set[int] = set()
         self.calls = 0
         self.varied = varied
+        self.waiting: list[asyncio.Future] = []  # calls held at the gate, which abort_all aborts
 
     async def generate(self, client, sample, params):
         self.calls += 1
@@ -57,7 +58,18 @@ class Engine:
             sample.weight_versions.append(str(v))
             sample.status = Status.ABORTED
             return sample
-        await self.gate.wait()
+        if not self.gate.is_set():
+            aborted = asyncio.get_running_loop().create_future()
+            self.waiting.append(aborted)
+            gate = asyncio.ensure_future(self.gate.wait())
+            await asyncio.wait([gate, aborted], return_when=asyncio.FIRST_COMPLETED)
+            gate.cancel()
+            if aborted.done():  # /abort_request: the call returns the one token it had sampled
+                sample.append_response_tokens([5], [-0.3], versions=[v])
+                sample.weight_versions.append(str(v))
+                sample.status = Status.ABORTED
+                return sample
+            self.waiting.remove(aborted)
         v = self.version
         sample.append_response_tokens([1, 2], [-0.1, -0.2], versions=[v, v])
         sample.weight_versions.append(str(v))
@@ -68,8 +80,16 @@ class Engine:
         async def reward(sample):
             return float(sample.index % 2) if self.varied(sample.group_index) else 1.0
 
-        return RolloutContext(client=None, tokenizer=CharTokenizer(), reward_fn=reward,
+        return RolloutContext(client=self, tokenizer=CharTokenizer(), reward_fn=reward,
                               generate_fn=self.generate, dynamic_filter=dynamic_filter, seed=3)
+
+
+    async def abort_all(self) -> list:
+        """The client's ``/abort_request {"abort_all": true}``: every call held at the gate returns."""
+        waiting, self.waiting = self.waiting, []
+        for f in waiting:
+            f.set_result(True)
+        return []
 
 
 def make_config(**rollout) -> Config:
@@ -339,6 +359,40 @@ def test_the_checkpointed_data_source_state_is_the_snapshot_not_the_live_source(
         assert src.offset > saved["offset"] == 2  # the source moved on; the checkpoint did not
         drawn = sorted(g[0].group_index for g in state.snapshot.finished + state.snapshot.inflight)
         assert drawn == list(range(saved["offset"]))  # the same instant as the groups it saves
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_a_checkpoint_captures_the_in_flight_partial_responses_then_they_continue():
+    """At a checkpoint step (``capture_partials``) the generating calls are aborted and each group parks with
+    its partial response, so the snapshot holds their tokens, log-probs and versions; no new group starts
+    meanwhile; after ``release`` the same groups continue from those tokens and finish."""
+    async def main():
+        eng = Engine()
+        src = DataSource(ITEMS, 2, seed=0, shuffle=False)
+        p = start(AsyncProducer(make_config(max_staleness=5), eng.ctx(), src, version=0, max_inflight=3))
+        eng.gate.clear()
+        eng.version = 4
+        await settle()
+        assert len(p.generating) == 3 and all(s.response_length == 0 for g in p.generating.values() for s in g)
+        started = src.offset
+        await p.capture_partials()
+        snap = p.snapshot()
+        assert len(snap.inflight) == 3 and src.offset == started  # parked, nothing new drawn
+        for s in (s for g in snap.inflight for s in g):
+            assert (s.status, s.tokens[s.prompt_length:]) == (Status.PENDING, [5])
+            assert s.rollout_log_probs == [-0.3] and s.rollout_token_versions == [4]
+        p.release()
+        eng.gate.set()
+        want, resumed = {s.index for g in snap.inflight for s in g}, {}
+        for step in range(5, 30):  # new groups start too and may finish first (kept when stale)
+            groups, _ = await p.take(1, step=step)
+            resumed.update({s.index: s for g in groups for s in g})
+            if want <= set(resumed):
+                break
+        for s in (s for g in snap.inflight for s in g):  # the same samples went on from their partial tokens
+            assert resumed[s.index].tokens[s.prompt_length:] == [5, 1, 2]
         await p.stop()
 
     asyncio.run(main())
