@@ -263,7 +263,7 @@ def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0) ->
     if not (meg.get("optimizer_cpu_offload") and float(meg.get("optimizer_offload_fraction", 0.0)) >= 1.0):
         fits = "fits" if offloaded.total <= budget else "still does not fit"
         fixes.append(f"set megatron.optimizer_cpu_offload=true and megatron.optimizer_offload_fraction=1.0 "
-                     f"({_gb(offloaded.total)}: {fits})")
+                     f"with the distributed optimizer ({_gb(offloaded.total)}: {fits})")
     if not experts:
         fixes.append("or raise train.tensor_parallel_size with more GPUs (slurm.nodes)")
         return "; ".join(fixes)

@@ -181,6 +181,13 @@ def check_train(cfg: Config) -> None:
                 "the fused THD rotary kernel ignores the per-token positions that packed micro-batches "
                 "(train.max_tokens_per_microbatch) need", "leave megatron.apply_rope_fusion unset (false)")
     non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps")
+    meg = cfg.megatron or {}
+    require(not (meg.get("optimizer_cpu_offload") and not meg.get("use_distributed_optimizer",
+                                                                     t.use_distributed_optimizer)),
+            "megatron.optimizer_cpu_offload", True, "without the distributed optimizer writes checkpoints that "
+            "megatron-core 0.16.1 cannot load (its HybridDeviceOptimizer's load hook fails: seen on an H200, "
+            "2026-11-27), so the run could not resume", "set train.use_distributed_optimizer=true as well "
+            "(as configs/cluster/*.yaml do), or megatron.optimizer_cpu_offload=false")
     rate = (cfg.megatron or {}).get("moe_router_bias_update_rate")
     number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
     require(rate is None or (number and 0 <= rate < math.inf),

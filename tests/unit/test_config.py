@@ -127,6 +127,8 @@ BAD = [
      "fully_async", ["take turns"]),
     ("fully-async-deterministic", M + "run: {mode: fully_async, placement: disaggregate, deterministic: true}\n",
      [], "run.deterministic", True, ["timing decides"]),
+    ("offload-without-distributed-optimizer", M + "megatron: {optimizer_cpu_offload: true}\n", [],
+     "megatron.optimizer_cpu_offload", True, ["cannot load", "use_distributed_optimizer=true"]),
     ("fully-async-uncorrected", M + "run: {mode: fully_async, placement: disaggregate}\n", [],
      "algorithm.use_tis", False, ["uncorrected"]),
     ("fully-async-agent", M + "run: {mode: fully_async, placement: disaggregate}\n"
