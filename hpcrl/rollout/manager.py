@@ -157,13 +157,18 @@ class RolloutManager:
         if hold:
             data_source.add_samples(hold)
         samples = [s for g in groups for s in g]
-        if self.fleet.teachers:  # on-policy distillation: the teachers score the trained samples' tokens
+        await self._score_teachers(samples, out.metrics)
+        return samples, rollout_metrics(self.cfg, samples, out.metrics, len(groups), len(hold))
+
+    async def _score_teachers(self, samples: list, metrics: dict) -> None:
+        """On-policy distillation (``algorithm.opd``): the teachers score the trained samples' tokens
+        (``rollout/opd_*`` into ``metrics``); nothing without teachers."""
+        if self.fleet.teachers:
             from hpcrl.rollout.teacher import opd_metrics, score_samples
 
-            out.metrics["rollout/opd_teacher_seconds"] = await score_samples(self.fleet.teachers, samples,
-                                                                             self.cfg.rollout.temperature)
-            out.metrics.update(opd_metrics(samples))
-        return samples, rollout_metrics(self.cfg, samples, out.metrics, len(groups), len(hold))
+            metrics["rollout/opd_teacher_seconds"] = await score_samples(self.fleet.teachers, samples,
+                                                                         self.cfg.rollout.temperature)
+            metrics.update(opd_metrics(samples))
 
     # ------------------------------------------------------------------------------ fully async stream
     def start_stream(self, data_source, version: int, restored=None) -> None:
@@ -199,12 +204,7 @@ class RolloutManager:
         groups, metrics = await self.producer.take(self.cfg.rollout.batch_size, rollout_id, multiple)
         metrics.update(self.fleet.served())
         samples = [s for g in groups for s in g]
-        if self.fleet.teachers:  # on-policy distillation: the teachers score the trained samples' tokens
-            from hpcrl.rollout.teacher import opd_metrics, score_samples
-
-            metrics["rollout/opd_teacher_seconds"] = await score_samples(self.fleet.teachers, samples,
-                                                                         self.cfg.rollout.temperature)
-            metrics.update(opd_metrics(samples))
+        await self._score_teachers(samples, metrics)
         return samples, rollout_metrics(self.cfg, samples, metrics, len(groups), 0)
 
     def snapshot(self, partials: bool = False):
