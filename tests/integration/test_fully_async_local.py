@@ -51,6 +51,20 @@ def checkpoint_parts(folder: Path) -> dict:
             "data_source": state["data_source"], "rollout_id": state["rollout_id"]}
 
 
+def assert_nothing_lost_or_trained_twice(run_dir: Path) -> None:
+    """The run's last checkpoint: no sample trained twice, and every drawn group trained, filtered, dropped,
+    finished, in flight or pushed back exactly once."""
+    from hpcrl.checkpoint import find_latest_checkpoint
+
+    parts = checkpoint_parts(find_latest_checkpoint(run_dir))
+    rows = parts["trained"].tolist()
+    assert len({(g, i) for _, g, i in rows}) == len(rows)
+    waiting = [g[0].group_index for part in ("finished", "inflight", "pushed") for g in parts[part]]
+    accounted = sorted({g for _, g, _ in rows}) + [g for _, g, k in parts["ledger"] if k in (0, 1)] + waiting
+    ds = parts["data_source"]
+    assert sorted(accounted) == list(range(ds["epoch"] * ds["num_items"] + ds["offset"]))
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     """The run, USR2'd, resumed, SIGKILLed and rerun: (tmp, run dir, copy of the USR2 checkpoint, steps done
@@ -149,7 +163,6 @@ def test_engine_killed_mid_generation_is_replaced_and_the_stream_goes_on(tmp_pat
     """Point 6: the engine, always busy in this run, SIGKILLed twice mid-generation: the health monitor
     replaces it (weights from the snapshot of the last sync), the streamed responses continue, the run
     completes, and the accounting holds (no sample trained twice, every drawn group once)."""
-    from hpcrl.checkpoint import find_latest_checkpoint
     from tests.integration.test_fault_tolerance import procs, wait_for
 
     steps = 10
@@ -170,13 +183,7 @@ def test_engine_killed_mid_generation_is_replaced_and_the_stream_goes_on(tmp_pat
     assert [m["step"] for m in steps_logged] == list(range(steps))
     assert sum(m["rollout/engine_restarts"] for m in steps_logged) == 2
     assert sum(m["rollout/kept_partial_tokens"] for m in steps_logged) > 0  # streams cut by a kill, continued
-    parts = checkpoint_parts(find_latest_checkpoint(run_dir))
-    rows = parts["trained"].tolist()
-    assert len({(g, i) for _, g, i in rows}) == len(rows)
-    waiting = [g[0].group_index for part in ("finished", "inflight", "pushed") for g in parts[part]]
-    accounted = sorted({g for _, g, _ in rows}) + [g for _, g, k in parts["ledger"] if k in (0, 1)] + waiting
-    ds = parts["data_source"]
-    assert sorted(accounted) == list(range(ds["epoch"] * ds["num_items"] + ds["offset"]))
+    assert_nothing_lost_or_trained_twice(run_dir)
 
 
 @pytest.mark.slurm
@@ -185,7 +192,6 @@ def test_het_job_usr2_requeue_loses_nothing(tmp_path, monkeypatch, slurm_cluster
     """The fully-async run as a het job on the local Slurm cluster (trainer on n1, engine on n2), USR2
     mid-run: it checkpoints the stream, requeues, resumes and completes; every drawn group once, no sample
     trained twice, one metrics line per step."""
-    from hpcrl.checkpoint import find_latest_checkpoint
     from tests.integration.test_preemption_local import write_config
     from tests.integration.test_preemption_slurm import job_log, metric_steps, submit, wait_final
     from tests.integration.test_preemption_slurm import wait_steps as wait_job_steps
@@ -207,10 +213,4 @@ def test_het_job_usr2_requeue_loses_nothing(tmp_path, monkeypatch, slurm_cluster
     assert metric_steps(run_dir) == list(range(STEPS))
     engine = json.loads((run_dir / "logs" / "attempt-0" / "engines" / "engine-0.json").read_text())
     assert engine["node"] == "n2"  # het group 1
-    parts = checkpoint_parts(find_latest_checkpoint(run_dir))
-    rows = parts["trained"].tolist()
-    assert len({(g, i) for _, g, i in rows}) == len(rows)
-    waiting = [g[0].group_index for part in ("finished", "inflight", "pushed") for g in parts[part]]
-    accounted = sorted({g for _, g, _ in rows}) + [g for _, g, k in parts["ledger"] if k in (0, 1)] + waiting
-    ds = parts["data_source"]
-    assert sorted(accounted) == list(range(ds["epoch"] * ds["num_items"] + ds["offset"]))
+    assert_nothing_lost_or_trained_twice(run_dir)
