@@ -151,21 +151,12 @@ class DataSource:
         """Write ``state["buffer"]`` (the pushed-back groups of :meth:`state_dict`) as the ``groups/`` of the
         buffer file in checkpoint folder ``folder`` (:mod:`hpcrl.data.buffer`). Raises what
         :func:`hpcrl.data.buffer.write_groups_part` raises."""
-        from pathlib import Path
-
-        from hpcrl.data.buffer import BUFFER_FILE, write_groups_part
-
-        groups = [[s if isinstance(s, Sample) else Sample.from_dict(s) for s in g] for g in state["buffer"]]
-        write_groups_part(Path(folder) / BUFFER_FILE, "groups", groups)
+        save_buffer_files(state, folder)
 
     def load_files(self, state: dict[str, Any], folder) -> dict[str, Any]:
         """``state`` (the rest, from ``state.json``) with ``"buffer"`` read back from the buffer file in
         ``folder`` (no groups when the checkpoint has none)."""
-        from pathlib import Path
-
-        from hpcrl.data.buffer import BUFFER_FILE, read_groups_part
-
-        return {**state, "buffer": read_groups_part(Path(folder) / BUFFER_FILE, "groups") or []}
+        return load_buffer_files(state, folder)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` output (its ``seed`` and ``shuffle`` win over the constructor's;
@@ -189,3 +180,25 @@ class DataSource:
         self.buffer = [[d if isinstance(d, Sample) else Sample.from_dict(d) for d in g]
                        for g in state.get("buffer", [])]
         self._order, self._order_epoch = None, -1
+
+
+def save_buffer_files(state: dict[str, Any], folder) -> None:
+    """Write a data source state's ``"buffer"`` (pushed-back groups, samples or their dicts) as the ``groups/``
+    of the buffer file in checkpoint folder ``folder`` (:mod:`hpcrl.data.buffer`). Raises what
+    :func:`hpcrl.data.buffer.write_groups_part` raises."""
+    from pathlib import Path
+
+    from hpcrl.data.buffer import BUFFER_FILE, write_groups_part
+
+    groups = [[s if isinstance(s, Sample) else Sample.from_dict(s) for s in g] for g in state["buffer"]]
+    write_groups_part(Path(folder) / BUFFER_FILE, "groups", groups)
+
+
+def load_buffer_files(state: dict[str, Any], folder) -> dict[str, Any]:
+    """``state`` with ``"buffer"`` read back from the ``groups/`` of the buffer file in ``folder`` (no groups
+    when the checkpoint has none)."""
+    from pathlib import Path
+
+    from hpcrl.data.buffer import BUFFER_FILE, read_groups_part
+
+    return {**state, "buffer": read_groups_part(Path(folder) / BUFFER_FILE, "groups") or []}

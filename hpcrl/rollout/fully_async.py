@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hpcrl.data.sample import Sample, Status
+from hpcrl.data.source import load_buffer_files, save_buffer_files
 from hpcrl.rollout.rollout import RolloutContext, generate_group, reset_sample, sampling_params
 from hpcrl.rollout.stats import group_staleness
 
@@ -424,16 +425,9 @@ class _DataSourceState:
             self.stream.attach(self.target)
 
     def save_files(self, state: dict[str, Any], folder) -> None:
-        from pathlib import Path
-
-        from hpcrl.data.buffer import BUFFER_FILE, write_groups_part
-
-        groups = [[s if isinstance(s, Sample) else Sample.from_dict(s) for s in g] for g in state["buffer"]]
-        write_groups_part(Path(folder) / BUFFER_FILE, "groups", groups)
+        """The held-back groups as the buffer file's ``groups/``, as the data source writes them."""
+        save_buffer_files(state, folder)
 
     def load_files(self, state: dict[str, Any], folder) -> dict[str, Any]:
-        from pathlib import Path
-
-        from hpcrl.data.buffer import BUFFER_FILE, read_groups_part
-
-        return {**state, "buffer": read_groups_part(Path(folder) / BUFFER_FILE, "groups") or []}
+        """``state`` with its held-back groups read back, as the data source reads them."""
+        return load_buffer_files(state, folder)
