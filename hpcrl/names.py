@@ -39,8 +39,13 @@ REWARD_CHOICES: tuple[str, ...] = (*REWARDS, REMOTE_RM_PREFIX + "<url>")
 FILTERS: tuple[str, ...] = ("nonzero_std",)
 """Built-in dynamic filters by ``rollout.dynamic_filter`` name."""
 
-Estimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-"""``algorithm.advantage_estimator``."""
+Estimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "gae"]
+"""``algorithm.advantage_estimator`` (``gae``: PPO with a learned critic, slime's ``ppo``; ``rloo``: RLOO's
+leave-one-out baseline, Ahmadian et al. 2024)."""
+LossReduction = Literal["rollout_token_mean", "token_mean", "sequence_mean", "seq_mean_token_sum",
+                        "seq_mean_token_sum_norm"]
+"""``algorithm.loss_reduction``: how per-token losses become a step's loss (veRL's ``loss_agg_mode`` names where
+they exist; ``seq_mean_token_sum_norm`` is Dr. GRPO's constant normaliser)."""
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 """``algorithm.kl_loss_type``."""
 PolicyLoss = Literal["ppo_clip", "cispo"]
@@ -52,6 +57,7 @@ ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 KL_KINDS: tuple[str, ...] = get_args(KLKind)
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
 MIS_LEVELS: tuple[str, ...] = get_args(MISLevel)
+LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
 
 DEFAULT_DATA_SOURCE = "hpcrl.data.source.DataSource"
 """Default of ``rollout.data_source`` (its null means this too)."""

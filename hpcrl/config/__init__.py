@@ -34,6 +34,7 @@ from hpcrl.config.run import (RunSection, ModelSection, DataSection, SFTSection)
 from hpcrl.config.rollout import (RolloutSection, BUILTIN_REWARD_FUNCTIONS, BUILTIN_DYNAMIC_FILTERS)
 from hpcrl.config.train import (TrainSection, AlgorithmSection, WeightsSection, CheckpointSection,
                                 GROUP_ESTIMATORS)
+from hpcrl.config.critic import (CriticSection, check_critic)
 from hpcrl.config.slurm import (SlurmGroup, SlurmSection, SweepSection, SIGNAL_RE, slurm_time_seconds)
 from hpcrl.config.evaluation import (EvalSection, EvalSetSection, DEFAULT_EVAL_SET)
 from hpcrl.config.tracking import (WandbSection)
@@ -60,6 +61,8 @@ __all__ = [
     "BUILTIN_DYNAMIC_FILTERS",
     "TrainSection",
     "AlgorithmSection",
+    "CriticSection",
+    "check_critic",
     "WeightsSection",
     "CheckpointSection",
     "GROUP_ESTIMATORS",

@@ -7,6 +7,7 @@ from typing import Any
 
 from hpcrl.config.run import DataSection, ModelSection, RunSection, SFTSection
 from hpcrl.config.rollout import RolloutSection
+from hpcrl.config.critic import CriticSection
 from hpcrl.config.train import AlgorithmSection, CheckpointSection, TrainSection, WeightsSection
 from hpcrl.config.slurm import SlurmSection, SweepSection
 from hpcrl.config.evaluation import EvalSection
@@ -26,6 +27,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     megatron: dict[str, Any] = field(default_factory=dict)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    critic: CriticSection = field(default_factory=CriticSection)
     weights: WeightsSection = field(default_factory=WeightsSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     slurm: SlurmSection = field(default_factory=SlurmSection)

@@ -11,7 +11,7 @@ from typing import Literal, Optional, Union
 from hpcrl.config.environment import Environment
 from hpcrl.config.errors import MIB
 from hpcrl.config.checks import get_field, non_negative, positive, require
-from hpcrl.names import Estimator, KLKind, MISLevel, PolicyLoss
+from hpcrl.names import Estimator, KLKind, LossReduction, MISLevel, PolicyLoss
 
 
 @dataclass
@@ -126,6 +126,27 @@ class AlgorithmSection:
     mis_high: float = 2.0
     """Upper bound of the kept ratios, > 1 (a band without 1 would mask exactly on-policy tokens)."""
     gamma: float = 1.0
+    """Discount over response tokens (slime ``--gamma``): REINFORCE++ returns and GAE."""
+    lam: float = 1.0
+    """GAE's lambda (slime ``--lambd``; Schulman et al. 2016), in [0, 1]: 1 = Monte-Carlo returns minus the
+    value, 0 = one-step TD errors. Only with ``advantage_estimator: gae``."""
+    kl_coef: float = 0.0
+    """KL penalty in the reward (slime ``--kl-coef``): each response token's reward gains
+    ``-kl_coef * KL(pi_old || pi_ref)`` (``kl_loss_type``'s estimator; the reference weights are kept as for
+    the KL loss), for ``gae`` and the REINFORCE++ estimators. 0: off. Exclusive with ``use_kl_loss``."""
+    normalize_advantages: Optional[bool] = None
+    """Whiten the advantages over the step's response tokens (slime ``--normalize-advantages``). null: on
+    for ``gae`` and the REINFORCE++ estimators, off for the group estimators (``grpo``, ``gspo``, ``rloo``)."""
+    loss_reduction: LossReduction = "rollout_token_mean"
+    """How per-token losses become the step's loss, each additive over micro-batches and data-parallel ranks
+    (step-wide denominators): ``rollout_token_mean`` (slime's default: each sample's token mean, averaged
+    over samples), ``token_mean`` (over all the step's tokens, slime ``--calculate-per-token-loss``, veRL
+    ``token-mean``), ``sequence_mean`` (= rollout_token_mean here), ``seq_mean_token_sum`` (each sample's
+    token sum, averaged over samples; veRL ``seq-mean-token-sum``), ``seq_mean_token_sum_norm`` (token sums
+    divided by the constant ``loss_scale_factor`` and the sample count: Dr. GRPO, arXiv 2503.20783)."""
+    loss_scale_factor: Optional[int] = None
+    """``seq_mean_token_sum_norm``'s constant normaliser in tokens (veRL ``loss_scale_factor``); default
+    ``rollout.max_new_tokens`` (Dr. GRPO's generation budget)."""
     routing_replay: bool = False
     """Rollout routing replay for MoE policies (R3, slime ``--use-rollout-routing-replay``): the engines return
     the experts each token was routed to (``return_routed_experts``) and the trainer's forwards of those
@@ -165,7 +186,7 @@ class CheckpointSection:
     """Resume from the newest complete checkpoint in the run folder if there is one."""
 
 
-GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
 """Advantage estimators whose baseline is the group: they need ``n_samples_per_prompt >= 2``."""
 
 
