@@ -57,9 +57,6 @@ Tensor = torch.Tensor
 CI_TOLERANCE = 1e-8
 """slime's ``--ci-test`` bound for values that must be exactly 0 (first-step ppo_kl, rollout-0 ref diff)."""
 
-REDUCTION = "rollout_token_mean"
-"""slime's default loss reduction; each sample is its own rollout (its position in the rollout's list)."""
-
 
 # ------------------------------------------------------------------------------------------------------------
 # Reference weights
@@ -582,10 +579,10 @@ class Actor:
         """One :func:`~hpcrl.train.model.train_step` over this rank's micro-batches of a step.
 
         The loss of a micro-batch is :func:`~hpcrl.train.algorithms.compute_loss` with the step's global
-        ``rollout_token_mean`` reducer, times ``dp_size`` (slime: ``loss *= dp_size``; megatron-core DDP
-        averages gradients over DP ranks, so the gradient is that of the global per-sample token mean).
-        Returns the step's metrics, each summed over micro-batches and DP ranks (the global value), plus
-        ``grad_norm``.
+        ``algorithm.loss_reduction`` reducer (:func:`~hpcrl.train.algorithms.step_reducers`), times
+        ``dp_size`` (slime: ``loss *= dp_size``; megatron-core DDP averages gradients over DP ranks, so the
+        gradient is that of the global reduction). Returns the step's metrics (per-sample token means but
+        ``loss``), each summed over micro-batches and DP ranks (the global value), plus ``grad_norm``.
         """
         from hpcrl.train.model import train_step
 
@@ -597,14 +594,14 @@ class Actor:
             logp = out.log_probs
             entropy = out.entropy if cfg.entropy_coef != 0.0 else out.entropy.detach()
             old = mb.old_log_probs if mb.old_log_probs is not None else logp.detach()
-            reduce = algorithms.make_reducer(REDUCTION, mb.mask, rollout_ids=mb.positions,
-                                             rollout_mask_sums=rollout_mask_sums)
+            reduce, report = algorithms.step_reducers(self.cfg, mb.mask, mb.positions, rollout_mask_sums)
             res = algorithms.compute_loss(logp, old, mb.advantages, mb.mask, reduce, cfg, entropy=entropy,
-                                          ref_logp=mb.ref_log_probs, rollout_logp=mb.rollout_log_probs)
+                                          ref_logp=mb.ref_log_probs, rollout_logp=mb.rollout_log_probs,
+                                          metric_reduce=report)
             values = {f.name: getattr(res, f.name).detach() for f in dataclasses.fields(res)
                       if getattr(res, f.name) is not None}
             if mb.rollout_log_probs is not None:
-                values["train_rollout_logprob_abs_diff"] = reduce((old - mb.rollout_log_probs).abs())
+                values["train_rollout_logprob_abs_diff"] = report((old - mb.rollout_log_probs).abs())
             for k, v in values.items():
                 local[k] = local[k] + v if k in local else v
             return res.loss * self.dp_size

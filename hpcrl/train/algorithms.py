@@ -25,19 +25,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 
-from hpcrl.names import (ESTIMATORS, KL_KINDS, MIS_LEVELS, POLICY_LOSSES, Estimator, KLKind, MISLevel,
-                         PolicyLoss)
+from hpcrl.names import (ESTIMATORS, KL_KINDS, LOSS_REDUCTIONS, MIS_LEVELS, POLICY_LOSSES, Estimator, KLKind,
+                         LossReduction, MISLevel, PolicyLoss)
 
 if TYPE_CHECKING:
-    from hpcrl.config import AlgorithmSection
+    from hpcrl.config import AlgorithmSection, Config
 
 Tensor = torch.Tensor
 Reducer = Callable[[Tensor], Tensor]
-ReductionKind = Literal["rollout_token_mean", "sequence_mean", "token_mean"]
+ReductionKind = LossReduction
 # The names this module dispatches on (compute_advantages, approx_kl, compute_loss) are the config's: one
 # list in the leaf module hpcrl.names, re-exported here (ESTIMATORS, KL_KINDS, POLICY_LOSSES, MIS_LEVELS,
 # their Literals).
@@ -501,16 +501,38 @@ def token_mean(values: Tensor, mask: Tensor, num_tokens: Optional[float] = None)
     return total / max(float(num_tokens), 1.0)
 
 
+def seq_mean_token_sum(values: Tensor, mask: Tensor, num_samples: Optional[int] = None,
+                       loss_scale_factor: float = 1.0) -> Tensor:
+    """Mean over samples of each sample's masked token *sum*, divided by a constant number of tokens.
+
+    Each sample: ``sum(v * m)``; summed and divided by ``num_samples * loss_scale_factor`` (``num_samples``
+    defaults to ``B``). ``loss_scale_factor == 1``: veRL's ``loss_agg_mode: seq-mean-token-sum``; a constant
+    generation budget (``algorithm.loss_scale_factor``, default ``rollout.max_new_tokens``): veRL's
+    ``seq-mean-token-sum-norm`` (``loss_scale_factor``), Dr. GRPO's unbiased normaliser (Liu et al. 2025,
+    "Understanding R1-Zero-Like Training", arXiv 2503.20783: no ``1/|o_i|`` length bias). Pass the step's
+    sample count when reducing a micro-batch: the micro-batch results then add up to the full-batch one.
+    values, mask: ``[B, T]``. Returns a scalar. Raises ValueError for ``loss_scale_factor <= 0``.
+    """
+    if not loss_scale_factor > 0:
+        raise ValueError(f"loss_scale_factor must be > 0, got {loss_scale_factor}")
+    total = (values * mask.to(values.dtype)).sum()
+    count = values.shape[0] if num_samples is None else num_samples
+    return total / (max(count, 1) * float(loss_scale_factor))
+
+
 def make_reducer(kind: ReductionKind, mask: Tensor, *, rollout_ids: Union[Sequence[int], Tensor, None] = None,
                  rollout_mask_sums: Optional[dict[int, float]] = None, num_samples: Optional[int] = None,
-                 num_tokens: Optional[float] = None) -> Reducer:
+                 num_tokens: Optional[float] = None, loss_scale_factor: Optional[float] = None) -> Reducer:
     """A function ``[B, T] -> scalar`` for one (micro-)batch, like the closure slime's
     ``get_sum_of_sample_mean`` returns. The same reducer serves the loss terms and the metrics.
 
-    kind: ``rollout_token_mean`` (default in slime; needs ``rollout_ids`` and the step-wide
-    ``rollout_mask_sums``), ``sequence_mean`` (``num_samples``: the step's sample count) or ``token_mean``
-    (``num_tokens``: the step's mask-token count). With the step-wide denominators given, the reductions of
-    the micro-batches of a step sum to the reduction of the whole step (see :func:`rollout_token_mean`).
+    kind (``algorithm.loss_reduction``): ``rollout_token_mean`` (default in slime; needs ``rollout_ids`` and
+    the step-wide ``rollout_mask_sums``), ``sequence_mean`` (``num_samples``: the step's sample count),
+    ``token_mean`` (``num_tokens``: the step's mask-token count), ``seq_mean_token_sum`` (``num_samples``) or
+    ``seq_mean_token_sum_norm`` (``num_samples`` and the constant ``loss_scale_factor``, required). With the
+    step-wide denominators given, the reductions of the micro-batches of a step sum to the reduction of the
+    whole step (see :func:`rollout_token_mean`); :func:`step_reducers` derives them. Raises ValueError for an
+    unknown kind or a missing argument.
     """
     if kind == "rollout_token_mean":
         if rollout_ids is None or rollout_mask_sums is None:
@@ -520,7 +542,41 @@ def make_reducer(kind: ReductionKind, mask: Tensor, *, rollout_ids: Union[Sequen
         return lambda v: sequence_mean(v, mask, num_samples)
     if kind == "token_mean":
         return lambda v: token_mean(v, mask, num_tokens)
-    raise ValueError(f"unknown reduction {kind!r}; expected rollout_token_mean, sequence_mean or token_mean")
+    if kind == "seq_mean_token_sum":
+        return lambda v: seq_mean_token_sum(v, mask, num_samples)
+    if kind == "seq_mean_token_sum_norm":
+        if loss_scale_factor is None:
+            raise ValueError("seq_mean_token_sum_norm needs loss_scale_factor")
+        return lambda v: seq_mean_token_sum(v, mask, num_samples, loss_scale_factor)
+    raise ValueError(f"unknown reduction {kind!r}; expected one of {', '.join(LOSS_REDUCTIONS)}")
+
+
+def step_reducers(cfg: "Config", mask: Tensor, rollout_ids: Union[Sequence[int], Tensor],
+                  rollout_mask_sums: dict[int, float]) -> tuple[Reducer, Reducer]:
+    """``(loss, metrics)`` reducers of one micro-batch of a step, every denominator step-wide.
+
+    ``loss`` is ``cfg.algorithm.loss_reduction`` (:func:`make_reducer`); ``metrics`` is always
+    ``rollout_token_mean`` (each sample's token mean, averaged), so logged values such as ``pg_clipfrac`` keep
+    their meaning whatever the loss reduction (with the default they are the same reducer). The denominators
+    come from ``rollout_mask_sums`` (:func:`compute_rollout_mask_sums` over all samples of the step, on every
+    data-parallel rank): the sample count is its number of entries (the actor gives each sample its own
+    rollout id) and the token count the sum of its values; ``seq_mean_token_sum_norm``'s constant is
+    ``cfg.algorithm.loss_scale_factor`` or else ``cfg.rollout.max_new_tokens``. Summed over the micro-batches
+    and data-parallel ranks of a step (the actor's ``loss * dp_size`` under DDP's gradient average), each
+    reduction gives the whole step's value, however the step is split.
+
+    mask: ``[b, T]``; rollout_ids: ``b`` keys of ``rollout_mask_sums``.
+    """
+    alg = cfg.algorithm
+    metrics = make_reducer("rollout_token_mean", mask, rollout_ids=rollout_ids,
+                           rollout_mask_sums=rollout_mask_sums)
+    if alg.loss_reduction == "rollout_token_mean":
+        return metrics, metrics
+    scale = alg.loss_scale_factor if alg.loss_scale_factor is not None else cfg.rollout.max_new_tokens
+    loss = make_reducer(alg.loss_reduction, mask, rollout_ids=rollout_ids,
+                        rollout_mask_sums=rollout_mask_sums, num_samples=len(rollout_mask_sums),
+                        num_tokens=sum(rollout_mask_sums.values()), loss_scale_factor=scale)
+    return loss, metrics
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -549,7 +605,8 @@ def total_loss(pg_loss: Tensor, reduce: Reducer, entropy: Optional[Tensor] = Non
 
 @dataclass
 class LossOutput:
-    """The loss of one (micro-)batch and its metrics, each reduced with the batch's reducer.
+    """The loss of one (micro-)batch and its metrics, each reduced with the batch's reducer (the metrics with
+    :func:`compute_loss`'s ``metric_reduce`` when given).
 
     ``loss`` carries the gradient; the rest are detached scalar tensors (``None`` when not computed). Because
     the reducers are additive over micro-batches, summing each field over a step's micro-batches gives the
@@ -575,7 +632,8 @@ class LossOutput:
 
 def compute_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, reduce: Reducer,
                  cfg: "AlgorithmSection", *, entropy: Optional[Tensor] = None,
-                 ref_logp: Optional[Tensor] = None, rollout_logp: Optional[Tensor] = None) -> LossOutput:
+                 ref_logp: Optional[Tensor] = None, rollout_logp: Optional[Tensor] = None,
+                 metric_reduce: Optional[Reducer] = None) -> LossOutput:
     """The policy loss of one micro-batch as slime's ``policy_loss_function`` computes it.
 
     :func:`policy_loss` (GSPO ratio when ``cfg.advantage_estimator == "gspo"``) or, with
@@ -589,27 +647,31 @@ def compute_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tenso
     metrics over all loss tokens. Nothing masked: exactly the loss without MIS.
 
     logp (with grad), old_logp, advantages, mask, entropy, ref_logp, rollout_logp: ``[B, T]``. reduce: from
-    :func:`make_reducer`. Raises ValueError when TIS, MIS or the KL loss lacks its log-probs.
+    :func:`make_reducer`, the loss's. metric_reduce: the reducer of every field but ``loss`` (default
+    ``reduce``; :func:`step_reducers` gives both). Raises ValueError when TIS, MIS or the KL loss lacks its
+    log-probs.
     """
     if cfg.policy_loss == "cispo":
         pg, clipfrac, ppo_kl = cispo_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.eps_clip_high)
     else:
         pg, clipfrac, ppo_kl = policy_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.eps_clip_high,
                                            cfg.eps_clip_c, gspo=cfg.advantage_estimator == "gspo")
+    report = reduce if metric_reduce is None else metric_reduce
     correction: dict[str, Tensor] = {}
     if cfg.use_tis:
         if rollout_logp is None:
             raise ValueError("use_tis needs the rollout engine's log-probs (rollout_logp)")
         w, stats = tis_weights(old_logp, rollout_logp, cfg.tis_clip, cfg.tis_clip_low)
         pg = pg * w
-        correction = {k: reduce(v).detach() for k, v in stats.items()}
-    kept = reduce
+        correction = {k: report(v).detach() for k, v in stats.items()}
+    kept, kept_report = reduce, report
     if cfg.mis_level is not None:
         if rollout_logp is None:
             raise ValueError("mis_level needs the rollout engine's log-probs (rollout_logp)")
         keep, stats = mis_mask(old_logp, rollout_logp, mask, cfg.mis_level, cfg.mis_low, cfg.mis_high)
-        correction.update({k: reduce(v).detach() for k, v in stats.items()})
+        correction.update({k: report(v).detach() for k, v in stats.items()})
         kept = _masked_reducer(reduce, keep)
+        kept_report = kept if report is reduce else _masked_reducer(report, keep)
     kl = None
     if cfg.use_kl_loss:
         if ref_logp is None:
@@ -618,11 +680,11 @@ def compute_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tenso
     loss = total_loss(pg, kept, entropy, kl, cfg.entropy_coef, cfg.kl_loss_coef, cfg.use_kl_loss)
     return LossOutput(
         loss=loss,
-        pg_loss=kept(pg).detach(),
-        pg_clipfrac=kept(clipfrac),
-        ppo_kl=kept(ppo_kl),
-        entropy=kept(entropy).detach() if entropy is not None else None,
-        kl_loss=kept(kl).detach() if kl is not None else None,
+        pg_loss=kept_report(pg).detach(),
+        pg_clipfrac=kept_report(clipfrac),
+        ppo_kl=kept_report(ppo_kl),
+        entropy=kept_report(entropy).detach() if entropy is not None else None,
+        kl_loss=kept_report(kl).detach() if kl is not None else None,
         **correction,
     )
 

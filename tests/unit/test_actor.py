@@ -21,6 +21,7 @@ pytest.importorskip("megatron.core")
 
 from hpcrl.config import Config  # noqa: E402
 from hpcrl.data.sample import Sample  # noqa: E402
+from hpcrl.names import LOSS_REDUCTIONS  # noqa: E402
 from hpcrl.train import actor as actor_mod  # noqa: E402
 from hpcrl.train import bridge, parallel, model as tmodel  # noqa: E402
 from hpcrl.train.actor import Actor, WeightBackup, split_steps  # noqa: E402
@@ -255,6 +256,26 @@ def test_micro_batch_size_does_not_change_the_step(tp1, tiny_model_dir, samples)
         for key in ("train/grad_norm", "train/loss", "train/pg_loss", "train/entropy"):
             # pg_loss is ~0 (GRPO advantages sum to 0 per group): compare it to rounding.
             assert results[mbs][key] == pytest.approx(results[4][key], rel=1e-5, abs=1e-7), (mbs, key)
+
+
+def test_every_loss_reduction_is_additive_over_micro_batches(tp1, tiny_model_dir, samples):
+    """One micro-batch of 16 vs uneven ones of 3 (splitting groups): the same loss and gradient norm for each
+    ``algorithm.loss_reduction``; the logged token means do not depend on the reduction, the loss does."""
+    whole = {}
+    for reduction in LOSS_REDUCTIONS:
+        results = {}
+        for mbs in (16, 3):
+            cfg = make_config(**{"train.micro_batch_size": mbs, "algorithm.loss_reduction": reduction,
+                                 "algorithm.entropy_coef": 0.01})  # a loss clearly away from 0
+            results[mbs] = Actor(cfg, tiny_model_dir).train(0, samples)
+        for key in ("train/grad_norm", "train/loss"):
+            assert results[3][key] == pytest.approx(results[16][key], rel=1e-6), (reduction, key)
+        whole[reduction] = results[16]
+    default = whole["rollout_token_mean"]
+    for reduction, m in whole.items():
+        assert m["train/entropy"] == pytest.approx(default["train/entropy"], rel=1e-6), reduction
+    for reduction in ("token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+        assert whole[reduction]["train/loss"] != pytest.approx(default["train/loss"], rel=1e-3), reduction
 
 
 def test_a_short_rollout_trains_like_a_smaller_batch(tp1, tiny_model_dir, samples):

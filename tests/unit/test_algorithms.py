@@ -232,6 +232,55 @@ def test_sequence_and_token_mean():
     close(tok, 22.0 / 6)
 
 
+def test_seq_mean_token_sum_and_its_constant_normaliser_by_hand():
+    values, mask = t(*VALUES), t(*MASK)
+    # token sums per sample: 6, 4, 12
+    close(alg.seq_mean_token_sum(values, mask), 22.0 / 3)
+    close(alg.seq_mean_token_sum(values, mask, loss_scale_factor=4), 22.0 / 3 / 4)
+    s = alg.seq_mean_token_sum(values[:1], mask[:1], 3, 4)
+    s = s + alg.seq_mean_token_sum(values[1:], mask[1:], 3, 4)
+    close(s, 22.0 / 12)
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        alg.make_reducer("seq_mean_token_sum_norm", mask, num_samples=3)
+    with pytest.raises(ValueError, match="seq_mean_token_sum_norm"):
+        alg.make_reducer("token_sum", mask)
+
+
+# each sample its own rollout, as in the actor; full-step value of each reduction by hand
+STEP_REDUCTIONS = {"rollout_token_mean": (2.0 + 4.0 + 6.0) / 3, "sequence_mean": (2.0 + 4.0 + 6.0) / 3,
+                   "token_mean": 22.0 / 6, "seq_mean_token_sum": 22.0 / 3,
+                   "seq_mean_token_sum_norm": 22.0 / 3 / 5}
+
+
+@pytest.mark.parametrize("kind", list(STEP_REDUCTIONS))
+def test_step_reducers_add_up_over_micro_batches_and_report_token_means(kind):
+    from hpcrl.config import Config
+
+    cfg = Config()
+    cfg.algorithm.loss_reduction = kind
+    cfg.rollout.max_new_tokens = 5  # seq_mean_token_sum_norm's default constant
+    values, mask = t(*VALUES), t(*MASK)
+    ids = [0, 1, 2]
+    sums = alg.compute_rollout_mask_sums(mask, ids)
+    loss, metric = alg.step_reducers(cfg, mask, ids, sums)
+    close(loss(values), STEP_REDUCTIONS[kind])
+    close(metric(values), (2.0 + 4.0 + 6.0) / 3)
+    full = values.clone().requires_grad_()
+    loss(full).backward()
+    acc = values.clone().requires_grad_()
+    total = 0.0
+    for rows in ([0, 2], [1]):
+        red, _ = alg.step_reducers(cfg, mask[rows], [ids[r] for r in rows], sums)
+        part = red(acc[rows])
+        part.backward()
+        total = total + part.detach()
+    close(total, STEP_REDUCTIONS[kind])
+    close(acc.grad, full.grad)
+    if kind == "seq_mean_token_sum_norm":
+        cfg.algorithm.loss_scale_factor = 2
+        close(alg.step_reducers(cfg, mask, ids, sums)[0](values), 22.0 / 3 / 2)
+
+
 # --- REINFORCE++ --------------------------------------------------------------------------------------------
 
 
