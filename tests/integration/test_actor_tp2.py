@@ -8,6 +8,9 @@ process does the same at world size 1. Every layout must give the same per-step 
 reduction (step-wide ``rollout_mask_sums`` and ``loss *= dp_size``). Samples and configs come from
 tests/unit/test_actor.py.
 
+Issue #38: every other ``algorithm.loss_reduction`` (:data:`REDUCTIONS`) trains one rollout at DP=2 only and
+matches world size 1 (the reductions' step-wide denominators are additive over DP ranks).
+
 Issue #13: the same two layouts with packed micro-batches and shared group prompts
 (``train.max_tokens_per_microbatch``, token-budget micro-batches balanced over the DP ranks) pass the CI gates
 and match world size 1 padded; at TP=2 the packed and shared forwards' per-token log-probs equal the padded
@@ -33,6 +36,8 @@ CHANGES = {"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5, "algori
            "train.micro_batch_size": 3}
 ROLLOUTS = 2
 PACKED = {"train.max_tokens_per_microbatch": 64, "train.share_group_prompt": True}
+REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+"""The ``algorithm.loss_reduction`` values besides the default, each run for one rollout at DP=2 only."""
 
 
 def _unit_helpers(path: Path = _UNIT):
@@ -42,8 +47,8 @@ def _unit_helpers(path: Path = _UNIT):
     return module
 
 
-def run_actor(model_dir, samples, **extra) -> dict:
-    """Train :data:`ROLLOUTS` rollouts on ``samples`` with CI gates (config :data:`CHANGES` and ``extra``);
+def run_actor(model_dir, samples, rollouts: int = ROLLOUTS, **extra) -> dict:
+    """Train ``rollouts`` rollouts on ``samples`` with CI gates (config :data:`CHANGES` and ``extra``);
     per-rollout metrics and step metrics."""
     from megatron.core import parallel_state
 
@@ -55,7 +60,7 @@ def run_actor(model_dir, samples, **extra) -> dict:
     actor = Actor(h.make_config(**CHANGES, **extra, **{"train.tensor_parallel_size": tp}), model_dir, ci_checks=True)
     out: dict = {"tp": tp, "dp": actor.dp_size,
                  "metrics": [], "steps": []}
-    for rollout_id in range(ROLLOUTS):
+    for rollout_id in range(rollouts):
         m = actor.train(rollout_id, samples)
         timing = ("train/seconds", "train/tokens_per_s")
         out["metrics"].append({k: v for k, v in m.items() if k not in timing})
@@ -89,6 +94,11 @@ def worker(model_dir: str, samples_file: Path, out: Path) -> None:
 
             res["tp2-gates"] = packing.forward_gates(Actor(_unit_helpers().make_config(
                 **{"train.tensor_parallel_size": 2}), model_dir), samples)
+        if name == "dp2":
+            for reduction in REDUCTIONS:
+                parallel.model_parallel_cuda_manual_seed(1234)
+                res[f"dp2-{reduction}"] = run_actor(model_dir, samples, 1,
+                                                    **{"algorithm.loss_reduction": reduction})
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
@@ -136,12 +146,16 @@ def single(tiny_model_dir, samples):
     """The same training at world size 1, in this process."""
     from hpcrl.train import parallel
 
+    def run(*args, **extra):
+        parallel.model_parallel_cuda_manual_seed(1234)
+        return run_actor(tiny_model_dir, samples, *args, **extra)
+
     torch.set_num_threads(1)
     parallel.init_distributed()
     parallel.initialize_model_parallel(tp=1)
-    parallel.model_parallel_cuda_manual_seed(1234)
     try:
-        yield run_actor(tiny_model_dir, samples)
+        yield {**run(), "reductions": {reduction: run(1, **{"algorithm.loss_reduction": reduction})
+                                       for reduction in REDUCTIONS}}
     finally:
         parallel.destroy()
 
@@ -190,6 +204,18 @@ def test_grad_norm_and_loss_match_world_size_1(ranks, single, name):
             assert step["entropy"] == pytest.approx(ref_step["entropy"], rel=1e-3)
     for k, w in single["weights"].items():
         assert (run["weights"][k] - w).abs().max().item() < 1e-3, k
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_every_loss_reduction_is_additive_over_data_parallel_ranks(ranks, single, reduction):
+    """Issue #38: each ``algorithm.loss_reduction`` gives the same step at DP=2 as at world size 1."""
+    run, ref = ranks[0][f"dp2-{reduction}"], single["reductions"][reduction]
+    assert run["dp"] == 2 and run["metrics"] == ranks[1][f"dp2-{reduction}"]["metrics"]
+    for step, ref_step in zip(run["steps"][0], ref["steps"][0], strict=True):
+        for key in ("grad_norm", "loss"):
+            assert step[key] == pytest.approx(ref_step[key], rel=1e-5, abs=1e-9), (reduction, key)
+    if reduction != "sequence_mean":  # = rollout_token_mean when each sample is its own rollout
+        assert run["metrics"][0]["train/loss"] != pytest.approx(single["metrics"][0]["train/loss"], rel=1e-3)
 
 
 if __name__ == "__main__":
