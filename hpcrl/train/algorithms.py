@@ -15,29 +15,34 @@ Flow of one training step::
     adv = compute_advantages(cfg.advantage_estimator, rewards, masks, n, kl=None, cfg=cfg)  # once per step
     sums = compute_rollout_mask_sums(masks, rollout_ids)                                      # once per step
     for mb in micro_batches:
-        reduce = make_reducer("rollout_token_mean", mb.mask, rollout_ids=mb.rollout_ids,
-                              rollout_mask_sums=sums)
-        out = compute_loss(mb.logp, mb.old_logp, mb.adv, mb.mask, reduce, cfg, entropy=..., ref_logp=...)
+        reduce, report = step_reducers(config, mb.mask, mb.rollout_ids, sums)  # algorithm.loss_reduction
+        out = compute_loss(mb.logp, mb.old_logp, mb.adv, mb.mask, reduce, cfg, entropy=..., ref_logp=...,
+                           metric_reduce=report)
         out.loss.backward()  # no division by the number of micro-batches: see rollout_token_mean
+
+The reductions are in :mod:`hpcrl.train.reduction` (re-exported here); GAE and the value loss of PPO with a
+critic in :mod:`hpcrl.train.gae`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
-from hpcrl.names import (ESTIMATORS, KL_KINDS, LOSS_REDUCTIONS, MIS_LEVELS, POLICY_LOSSES, Estimator, KLKind,
-                         LossReduction, MISLevel, PolicyLoss)
+from hpcrl.names import (ESTIMATORS, KL_KINDS, MIS_LEVELS, POLICY_LOSSES, Estimator, KLKind, MISLevel,
+                         PolicyLoss)
+# The loss reductions live in hpcrl.train.reduction; re-exported here, where the flow below uses them.
+from hpcrl.train.reduction import (Reducer, ReductionKind, compute_rollout_mask_sums,  # noqa: F401
+                                   make_reducer, rollout_token_mean, seq_mean_token_sum, sequence_mean,
+                                   step_reducers, token_mean)
 
 if TYPE_CHECKING:
-    from hpcrl.config import AlgorithmSection, Config
+    from hpcrl.config import AlgorithmSection
 
 Tensor = torch.Tensor
-Reducer = Callable[[Tensor], Tensor]
-ReductionKind = LossReduction
 # The names this module dispatches on (compute_advantages, approx_kl, compute_loss) are the config's: one
 # list in the leaf module hpcrl.names, re-exported here (ESTIMATORS, KL_KINDS, POLICY_LOSSES, MIS_LEVELS,
 # their Literals).
@@ -88,6 +93,42 @@ def grpo_advantages(rewards: Tensor, n_samples_per_prompt: int, std_normalizatio
         return centered
     groups = centered.view(-1, n_samples_per_prompt)
     return (groups / (groups.std(dim=-1, keepdim=True) + eps)).reshape(-1)
+
+
+def rloo_advantages(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """RLOO's scalar advantage per sample: its reward minus the mean reward of the *other* samples of its
+    group, ``A_i = R_i - 1/(n-1) * sum_{j != i} R_j`` (equal to ``n/(n-1) * (R_i - mean_group)``).
+
+    REINFORCE Leave-One-Out: Kool et al. 2019 ("Buy 4 REINFORCE samples, get a baseline for free"), for LLMs
+    Ahmadian et al. 2024 ("Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+    Feedback in LLMs"). veRL: ``compute_rloo_outcome_advantage`` (``algorithm.adv_estimator: rloo``), outcome
+    reward only, broadcast over the response tokens by :func:`compute_advantages`; no std division and no
+    whitening by default (``algorithm.normalize_advantages``).
+
+    rewards: ``[num_groups * n]`` raw rewards, a prompt's ``n`` samples adjacent. Returns
+    ``[num_groups * n]``. Raises ValueError for ``n_samples_per_prompt < 2`` (a sample needs another to be
+    its baseline) or rewards that do not split into groups.
+    """
+    rewards = _as_float(rewards)
+    n = n_samples_per_prompt
+    if n < 2:
+        raise ValueError(f"rloo needs n_samples_per_prompt >= 2 (leave-one-out baseline), got {n}")
+    if rewards.ndim != 1 or rewards.numel() % n != 0:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of "
+                         f"n_samples_per_prompt={n}")
+    groups = rewards.view(-1, n)
+    others = (groups.sum(dim=-1, keepdim=True) - groups) / (n - 1)
+    return (groups - others).reshape(-1)
+
+
+def whitens_advantages(estimator: Estimator, normalize_advantages: Optional[bool] = None) -> bool:
+    """Whether the advantages of ``estimator`` are whitened (:func:`masked_whiten`, slime
+    ``--normalize-advantages``): ``normalize_advantages`` (``algorithm.normalize_advantages``) when set, else
+    on for ``gae`` and the REINFORCE++ estimators (slime requires it for them) and off for the group
+    estimators ``grpo``, ``gspo``, ``rloo`` (their advantages are already group-relative)."""
+    if normalize_advantages is not None:
+        return bool(normalize_advantages)
+    return estimator in ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 def reinforce_plus_plus_baseline_advantages(centered_rewards: Tensor, kl: Tensor, mask: Tensor,
@@ -191,9 +232,11 @@ def compute_advantages(estimator: Estimator, rewards: Tensor, response_masks: Un
       loss).
     - ``reinforce_plus_plus_baseline``: group-mean-centred R, :func:`reinforce_plus_plus_baseline_advantages`.
     - ``reinforce_plus_plus``: :func:`reinforce_plus_plus_returns` with ``cfg.gamma``.
-    - Then, for both REINFORCE++ variants (slime asserts ``--normalize-advantages`` for them),
-      :func:`masked_whiten` over all mask tokens of the batch. ``normalize_advantages`` overrides that
-      (``None``: slime's choice, on for the REINFORCE++ variants and off for grpo/gspo).
+    - ``rloo``: :func:`rloo_advantages` (leave-one-out baseline), broadcast over the response tokens.
+    - ``gae`` needs the critic's values: :mod:`hpcrl.train.gae` (ValueError here).
+    - Then, when :func:`whitens_advantages` (``normalize_advantages``, else ``cfg.normalize_advantages``, else
+      on for the REINFORCE++ variants, as slime asserts, and off for grpo/gspo/rloo), :func:`masked_whiten`
+      over all mask tokens of the batch.
 
     rewards: ``[B]`` raw scalar rewards, ``B = num_groups * n_samples_per_prompt`` with each prompt's samples
     adjacent. response_masks: a list of ``B`` tensors ``[len_i]`` (returns a list of ``[len_i]``) or a padded
@@ -203,6 +246,9 @@ def compute_advantages(estimator: Estimator, rewards: Tensor, response_masks: Un
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
+    if estimator == "gae":
+        raise ValueError("gae advantages need the critic's values: "
+                         "hpcrl.train.gae.gae_advantages_and_returns")
     std_normalization = cfg.grpo_std_normalization if cfg is not None else True
     gamma = cfg.gamma if cfg is not None else 1.0
     rewards = _as_float(torch.as_tensor(rewards)).detach()
@@ -223,15 +269,17 @@ def compute_advantages(estimator: Estimator, rewards: Tensor, response_masks: Un
     if estimator in ("grpo", "gspo"):
         scalar = grpo_advantages(rewards, n_samples_per_prompt, std_normalization)
         adv = scalar[:, None] * mask
+    elif estimator == "rloo":
+        adv = rloo_advantages(rewards, n_samples_per_prompt)[:, None] * mask
     elif estimator == "reinforce_plus_plus_baseline":
         centered = group_centered_rewards(rewards, n_samples_per_prompt)
         adv = reinforce_plus_plus_baseline_advantages(centered, kl_t, mask, kl_coef)
     else:
         adv = reinforce_plus_plus_returns(rewards, kl_t, mask, kl_coef, gamma)
 
-    if normalize_advantages is None:
-        normalize_advantages = estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
-    if normalize_advantages:
+    if normalize_advantages is None and cfg is not None:
+        normalize_advantages = cfg.normalize_advantages
+    if whitens_advantages(estimator, normalize_advantages):
         adv = masked_whiten(adv, mask) * mask
 
     if as_list:
@@ -430,153 +478,6 @@ def mis_mask(old_logp_train: Tensor, rollout_logp: Tensor, mask: Tensor, level: 
     keep = 1.0 - masked
     masked_seq = (masked.sum(-1, keepdim=True) > 0).to(m.dtype).expand_as(m)
     return keep, {"mis_masked_frac": masked, "mis_masked_seq_frac": masked_seq}
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Reduction
-# ------------------------------------------------------------------------------------------------------------
-
-
-def compute_rollout_mask_sums(masks: Union[Sequence[Tensor], Tensor],
-                              rollout_ids: Sequence[int]) -> dict[int, float]:
-    """Total mask tokens per rollout id, over every sample of the step (slime's ``rollout_mask_sums``).
-
-    Compute once per step, before splitting into micro-batches. masks: list of ``[len_i]`` or ``[B, T]``;
-    rollout_ids: ``B`` ints (samples split from one trajectory share an id; otherwise one id per sample).
-    """
-    sums: dict[int, float] = {}
-    for m, rid in zip(masks, rollout_ids, strict=True):
-        sums[int(rid)] = sums.get(int(rid), 0.0) + float(m.sum())
-    return sums
-
-
-def rollout_token_mean(values: Tensor, mask: Tensor, rollout_ids: Union[Sequence[int], Tensor],
-                       rollout_mask_sums: dict[int, float]) -> Tensor:
-    """Per-rollout token mean, averaged over the step's rollouts (slime's default reduction).
-
-    slime: ``get_sum_of_sample_mean`` with per-rollout ``sample_denoms``: each sample's masked sum is divided
-    by the total mask tokens of all samples sharing its rollout id (``rollout_mask_sums``, precomputed
-    step-wide) and these are summed. That sum is then divided by ``len(rollout_mask_sums)``, the number of
-    rollouts in the step, which plays the part of slime's ``num_microbatches / step_global_batch_size`` loss
-    scale (identical when each rollout is one sample, slime's default; slime divides by samples, not rollouts,
-    otherwise). The result is the mean over the step's rollouts of each rollout's token mean.
-
-    Micro-batches: both denominators are step-wide constants, so the function is a plain sum over samples;
-    splitting a step into micro-batches (any split, even one that separates a rollout's samples) and summing
-    the micro-batch results gives exactly the full-batch value. Gradient accumulation with ``loss.backward()``
-    per micro-batch, with no division by the number of micro-batches, therefore equals one big batch. With
-    data parallelism, pass each rank its own rollouts' sums; DDP's gradient average then weighs ranks equally
-    (multiply by the DP size, as slime does, to get a sum over ranks instead).
-
-    values, mask: ``[B, T]``; rollout_ids: ``B`` ints, each a key of ``rollout_mask_sums``. Returns a scalar.
-    """
-    ids = rollout_ids.tolist() if isinstance(rollout_ids, Tensor) else list(rollout_ids)
-    denom = torch.tensor([rollout_mask_sums[int(r)] for r in ids], dtype=values.dtype, device=values.device)
-    per_sample = (values * mask.to(values.dtype)).sum(-1) / denom.clamp_min(1.0)
-    return per_sample.sum() / max(len(rollout_mask_sums), 1)
-
-
-def sequence_mean(values: Tensor, mask: Tensor, num_samples: Optional[int] = None) -> Tensor:
-    """Mean over samples of each sample's masked token mean (slime's legacy ``get_sum_of_sample_mean``).
-
-    Each sample: ``sum(v * m) / max(sum(m), 1)``; summed and divided by ``num_samples`` (default ``B``). Pass
-    the step's sample count when reducing a micro-batch: the micro-batch results then add up to the full-batch
-    one. values, mask: ``[B, T]``. Returns a scalar.
-    """
-    mask = mask.to(values.dtype)
-    per_sample = (values * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
-    return per_sample.sum() / (values.shape[0] if num_samples is None else num_samples)
-
-
-def token_mean(values: Tensor, mask: Tensor, num_tokens: Optional[float] = None) -> Tensor:
-    """Mean over all mask tokens: ``sum(v * m) / num_tokens`` (slime's ``--calculate-per-token-loss``).
-
-    ``num_tokens`` defaults to ``sum(m)``; pass the step's mask-token total when reducing a micro-batch so
-    that the micro-batch results add up to the full-batch one. values, mask: ``[B, T]``. Returns a scalar.
-    """
-    mask = mask.to(values.dtype)
-    total = (values * mask).sum()
-    if num_tokens is None:
-        return total / mask.sum().clamp_min(1.0)
-    return total / max(float(num_tokens), 1.0)
-
-
-def seq_mean_token_sum(values: Tensor, mask: Tensor, num_samples: Optional[int] = None,
-                       loss_scale_factor: float = 1.0) -> Tensor:
-    """Mean over samples of each sample's masked token *sum*, divided by a constant number of tokens.
-
-    Each sample: ``sum(v * m)``; summed and divided by ``num_samples * loss_scale_factor`` (``num_samples``
-    defaults to ``B``). ``loss_scale_factor == 1``: veRL's ``loss_agg_mode: seq-mean-token-sum``; a constant
-    generation budget (``algorithm.loss_scale_factor``, default ``rollout.max_new_tokens``): veRL's
-    ``seq-mean-token-sum-norm`` (``loss_scale_factor``), Dr. GRPO's unbiased normaliser (Liu et al. 2025,
-    "Understanding R1-Zero-Like Training", arXiv 2503.20783: no ``1/|o_i|`` length bias). Pass the step's
-    sample count when reducing a micro-batch: the micro-batch results then add up to the full-batch one.
-    values, mask: ``[B, T]``. Returns a scalar. Raises ValueError for ``loss_scale_factor <= 0``.
-    """
-    if not loss_scale_factor > 0:
-        raise ValueError(f"loss_scale_factor must be > 0, got {loss_scale_factor}")
-    total = (values * mask.to(values.dtype)).sum()
-    count = values.shape[0] if num_samples is None else num_samples
-    return total / (max(count, 1) * float(loss_scale_factor))
-
-
-def make_reducer(kind: ReductionKind, mask: Tensor, *, rollout_ids: Union[Sequence[int], Tensor, None] = None,
-                 rollout_mask_sums: Optional[dict[int, float]] = None, num_samples: Optional[int] = None,
-                 num_tokens: Optional[float] = None, loss_scale_factor: Optional[float] = None) -> Reducer:
-    """A function ``[B, T] -> scalar`` for one (micro-)batch, like the closure slime's
-    ``get_sum_of_sample_mean`` returns. The same reducer serves the loss terms and the metrics.
-
-    kind (``algorithm.loss_reduction``): ``rollout_token_mean`` (default in slime; needs ``rollout_ids`` and
-    the step-wide ``rollout_mask_sums``), ``sequence_mean`` (``num_samples``: the step's sample count),
-    ``token_mean`` (``num_tokens``: the step's mask-token count), ``seq_mean_token_sum`` (``num_samples``) or
-    ``seq_mean_token_sum_norm`` (``num_samples`` and the constant ``loss_scale_factor``, required). With the
-    step-wide denominators given, the reductions of the micro-batches of a step sum to the reduction of the
-    whole step (see :func:`rollout_token_mean`); :func:`step_reducers` derives them. Raises ValueError for an
-    unknown kind or a missing argument.
-    """
-    if kind == "rollout_token_mean":
-        if rollout_ids is None or rollout_mask_sums is None:
-            raise ValueError("rollout_token_mean needs rollout_ids and rollout_mask_sums")
-        return lambda v: rollout_token_mean(v, mask, rollout_ids, rollout_mask_sums)
-    if kind == "sequence_mean":
-        return lambda v: sequence_mean(v, mask, num_samples)
-    if kind == "token_mean":
-        return lambda v: token_mean(v, mask, num_tokens)
-    if kind == "seq_mean_token_sum":
-        return lambda v: seq_mean_token_sum(v, mask, num_samples)
-    if kind == "seq_mean_token_sum_norm":
-        if loss_scale_factor is None:
-            raise ValueError("seq_mean_token_sum_norm needs loss_scale_factor")
-        return lambda v: seq_mean_token_sum(v, mask, num_samples, loss_scale_factor)
-    raise ValueError(f"unknown reduction {kind!r}; expected one of {', '.join(LOSS_REDUCTIONS)}")
-
-
-def step_reducers(cfg: "Config", mask: Tensor, rollout_ids: Union[Sequence[int], Tensor],
-                  rollout_mask_sums: dict[int, float]) -> tuple[Reducer, Reducer]:
-    """``(loss, metrics)`` reducers of one micro-batch of a step, every denominator step-wide.
-
-    ``loss`` is ``cfg.algorithm.loss_reduction`` (:func:`make_reducer`); ``metrics`` is always
-    ``rollout_token_mean`` (each sample's token mean, averaged), so logged values such as ``pg_clipfrac`` keep
-    their meaning whatever the loss reduction (with the default they are the same reducer). The denominators
-    come from ``rollout_mask_sums`` (:func:`compute_rollout_mask_sums` over all samples of the step, on every
-    data-parallel rank): the sample count is its number of entries (the actor gives each sample its own
-    rollout id) and the token count the sum of its values; ``seq_mean_token_sum_norm``'s constant is
-    ``cfg.algorithm.loss_scale_factor`` or else ``cfg.rollout.max_new_tokens``. Summed over the micro-batches
-    and data-parallel ranks of a step (the actor's ``loss * dp_size`` under DDP's gradient average), each
-    reduction gives the whole step's value, however the step is split.
-
-    mask: ``[b, T]``; rollout_ids: ``b`` keys of ``rollout_mask_sums``.
-    """
-    alg = cfg.algorithm
-    metrics = make_reducer("rollout_token_mean", mask, rollout_ids=rollout_ids,
-                           rollout_mask_sums=rollout_mask_sums)
-    if alg.loss_reduction == "rollout_token_mean":
-        return metrics, metrics
-    scale = alg.loss_scale_factor if alg.loss_scale_factor is not None else cfg.rollout.max_new_tokens
-    loss = make_reducer(alg.loss_reduction, mask, rollout_ids=rollout_ids,
-                        rollout_mask_sums=rollout_mask_sums, num_samples=len(rollout_mask_sums),
-                        num_tokens=sum(rollout_mask_sums.values()), loss_scale_factor=scale)
-    return loss, metrics
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -358,7 +358,8 @@ def test_weight_backup_swap_is_exact(tp1, tiny_model_dir):
     {"algorithm.advantage_estimator": "reinforce_plus_plus", "algorithm.eps_clip_c": 3.0},
     {"algorithm.advantage_estimator": "reinforce_plus_plus_baseline", "train.bf16": True,
      "train.use_distributed_optimizer": True, "algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.1},
-], ids=["gspo", "reinforce_plus_plus", "rpp_baseline-bf16-distopt-kl"])
+    {"algorithm.advantage_estimator": "rloo"},
+], ids=["gspo", "reinforce_plus_plus", "rpp_baseline-bf16-distopt-kl", "rloo"])
 def test_estimators_and_bf16_pass_ci_gates(tp1, tiny_model_dir, samples, changes):
     actor = Actor(make_config(**changes), tiny_model_dir, ci_checks=True)
     before = weights_of(actor)

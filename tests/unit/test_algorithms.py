@@ -56,6 +56,48 @@ def test_compute_advantages_grpo_broadcasts_over_tokens_list_and_padded():
     close(padded, [[0.5, 0.5, 0.5], [-0.5, 0, 0]])
 
 
+# --- RLOO and advantage whitening --------------------------------------------------------------------------
+
+
+def test_rloo_is_reward_minus_the_mean_of_the_others_by_hand():
+    adv = alg.rloo_advantages(t([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), 4)
+    # group 1: 1 - (0+0+1)/3 = 2/3; 0 - (1+0+1)/3 = -2/3. group 2: all equal -> 0.
+    close(adv, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0])
+    close(alg.rloo_advantages(t([3.0, 1.0]), 2), [2.0, -2.0])  # n = 2: the other sample is the baseline
+    # n/(n-1) times GRPO's centred reward (veRL's form)
+    r = t([0.3, 1.7, -0.4, 2.2, 0.0, 5.0])
+    close(alg.rloo_advantages(r, 3), alg.group_centered_rewards(r, 3) * 1.5)
+    with pytest.raises(ValueError, match="n_samples_per_prompt >= 2"):
+        alg.rloo_advantages(t([1.0, 0.0]), 1)
+
+
+def test_compute_advantages_rloo_broadcasts_and_is_not_whitened_by_default():
+    masks = [torch.ones(3), torch.tensor([1.0, 0.0])]
+    out = alg.compute_advantages("rloo", t([1.0, 0.0]), masks, 2, cfg=AlgorithmSection())
+    close(out[0], [1.0, 1.0, 1.0])
+    close(out[1], [-1.0, 0.0])
+    with pytest.raises(ValueError, match="critic"):
+        alg.compute_advantages("gae", t([1.0, 0.0]), masks, 2, cfg=AlgorithmSection())
+
+
+def test_normalize_advantages_from_the_config_overrides_the_estimators_choice():
+    masks = t([1.0, 1, 1], [1.0, 0, 0])
+    rewards = t([1.0, 0.0])
+    plain = alg.compute_advantages("rloo", rewards, masks, 2, cfg=AlgorithmSection())
+    on = alg.compute_advantages("rloo", rewards, masks, 2, cfg=AlgorithmSection(normalize_advantages=True))
+    close(on, alg.masked_whiten(plain, masks) * masks)
+    # REINFORCE++ whitens by default; normalize_advantages: false turns it off
+    rpp_off = alg.compute_advantages("reinforce_plus_plus", rewards, masks, 2,
+                                     cfg=AlgorithmSection(normalize_advantages=False))
+    close(rpp_off, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    # the keyword wins over the config
+    close(alg.compute_advantages("rloo", rewards, masks, 2, cfg=AlgorithmSection(normalize_advantages=True),
+                                 normalize_advantages=False), plain)
+    assert [alg.whitens_advantages(e) for e in ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                                 "grpo", "gspo", "rloo")] == [True] * 3 + [False] * 3
+    assert alg.whitens_advantages("gae", False) is False
+
+
 # --- KL estimators ------------------------------------------------------------------------------------------
 
 
