@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from hpcrl.config.checks import non_negative, positive, require
@@ -33,9 +33,20 @@ class CriticSection:
 
 
 def check_critic(cfg: Config) -> None:
-    """The critic's own fields; the combinations with ``algorithm`` are in
-    :func:`hpcrl.config.train.check_algorithm`."""
+    """The critic's own fields, and none changed from its default unless the critic runs (it does exactly
+    when ``algorithm.advantage_estimator`` is ``gae``: a critic with ``gspo`` or ``grpo`` cannot be
+    configured). The other combinations with ``algorithm`` are in :func:`hpcrl.config.train.check_algorithm`.
+    Raises ConfigError naming the first offending field."""
     c = cfg.critic
+    est = cfg.algorithm.advantage_estimator
+    if est != "gae":
+        defaults = CriticSection()
+        for f in fields(CriticSection):
+            value = getattr(c, f.name)
+            require(value == getattr(defaults, f.name), f"critic.{f.name}", value,
+                    f"has no effect: the critic trains only with algorithm.advantage_estimator=gae "
+                    f"(not {est})",
+                    f"set algorithm.advantage_estimator=gae (PPO with a critic), or remove critic.{f.name}")
     positive(cfg, "critic.lr", "critic.value_clip")
     non_negative(cfg, "critic.lr_warmup_steps", "critic.warmup_steps")
     require(c.warmup_steps < cfg.run.num_rollout or cfg.algorithm.advantage_estimator != "gae",

@@ -174,6 +174,10 @@ def check_rollout(cfg: Config, check_files: bool, env: Optional[Environment] = N
                  f"{est} normalises rewards within a group, so a group of 1 has zero advantage",
                  "use 2 or more samples per prompt (8 is common), or distil from a teacher "
                  "(algorithm.opd.teachers), whose advantage needs no group")
+    if est == "rloo":  # even with a teacher: the leave-one-out baseline of a group of 1 is undefined
+        require(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt", r.n_samples_per_prompt,
+                "rloo's baseline is the mean reward of the group's other samples, and a group of 1 has none",
+                "use 2 or more samples per prompt")
     if r.dynamic_filter == "nonzero_std":
         require(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt", r.n_samples_per_prompt,
                  "dynamic_filter nonzero_std drops every group of 1 sample",

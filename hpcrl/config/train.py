@@ -403,7 +403,43 @@ def check_algorithm(cfg: Config, check_files: bool = True, env: Optional[Environ
             "must be > 1: MIS keeps the ratios in [mis_low, mis_high], which must hold the on-policy ratio 1",
             "2.0 is usual")
     require(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]", "1.0 is usual for LLM RL")
+    check_ppo_terms(cfg)
     check_opd(cfg, check_files, env)
+
+
+KL_REWARD_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""The advantage estimators that take the KL penalty in the reward (``algorithm.kl_coef``), as in slime."""
+
+
+def check_ppo_terms(cfg: Config) -> None:
+    """Issue #38's algorithm fields: ``lam`` (GAE only), ``kl_coef`` (KL in the reward, exclusive with the KL
+    loss, only where the estimator takes per-token rewards), ``loss_scale_factor`` (only with
+    ``seq_mean_token_sum_norm``). The ``critic`` fields are checked by
+    :func:`hpcrl.config.critic.check_critic`. ``policy_loss: cispo`` with ``gae`` is allowed: CISPO weighs any
+    per-token advantage."""
+    a = cfg.algorithm
+    est = a.advantage_estimator
+    require(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1] (GAE's lambda)",
+            "1.0 (Monte-Carlo returns) or e.g. 0.95")
+    require(a.lam == 1 or est == "gae", "algorithm.lam", a.lam,
+            f"has no effect with advantage_estimator={est} (only GAE has a lambda)",
+            "set algorithm.advantage_estimator=gae (PPO with a critic), or algorithm.lam=1.0")
+    non_negative(cfg, "algorithm.kl_coef")
+    if a.kl_coef > 0:
+        require(not a.use_kl_loss, "algorithm.kl_coef", a.kl_coef,
+                "(the KL penalty in the reward) and algorithm.use_kl_loss (the KL loss) are exclusive, as in "
+                "slime",
+                "keep one: algorithm.kl_coef=0, or algorithm.use_kl_loss=false")
+        require(est in KL_REWARD_ESTIMATORS, "algorithm.kl_coef", a.kl_coef,
+                f"has no effect with advantage_estimator={est} (its advantages come from the scalar reward "
+                "only)",
+                "use the KL loss (algorithm.use_kl_loss=true, kl_loss_coef) or an estimator with per-token "
+                f"rewards ({', '.join(KL_REWARD_ESTIMATORS)})")
+    if a.loss_scale_factor is not None:
+        positive(cfg, "algorithm.loss_scale_factor")
+        require(a.loss_reduction == "seq_mean_token_sum_norm", "algorithm.loss_scale_factor",
+                a.loss_scale_factor, f"has no effect with loss_reduction={a.loss_reduction}",
+                "set algorithm.loss_reduction=seq_mean_token_sum_norm, or algorithm.loss_scale_factor=null")
 
 
 _TEACHER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -178,6 +178,29 @@ BAD = [
      ["ppo_clip", "cispo"]),
     ("kl-coef-without-kl-loss", M + "algorithm: {kl_loss_coef: 0.01}\n", [], "algorithm.kl_loss_coef", 0.01,
      ["use_kl_loss"]),
+    # issue #38: PPO with a critic, loss reductions, RLOO
+    ("lam-above-1", M + "algorithm: {advantage_estimator: gae, lam: 1.5}\n", [], "algorithm.lam", 1.5,
+     ["[0, 1]"]),
+    ("lam-without-gae", M + "algorithm: {lam: 0.95}\n", [], "algorithm.lam", 0.95,
+     ["has no effect with advantage_estimator=grpo", "advantage_estimator=gae"]),
+    ("critic-with-gspo", M + "algorithm: {advantage_estimator: gspo}\ncritic: {path: /tmp/rm}\n", [],
+     "critic.path", "/tmp/rm", ["has no effect", "only with algorithm.advantage_estimator=gae (not gspo)"]),
+    ("critic-warmup-with-grpo", M + "critic: {warmup_steps: 2}\n", [], "critic.warmup_steps", 2,
+     ["has no effect", "(not grpo)"]),
+    ("kl-coef-with-kl-loss", M + "algorithm: {advantage_estimator: gae, kl_coef: 0.05, use_kl_loss: true, "
+     "kl_loss_coef: 0.1}\n", [], "algorithm.kl_coef", 0.05, ["exclusive", "use_kl_loss=false"]),
+    ("kl-coef-with-rloo", M + "algorithm: {advantage_estimator: rloo, kl_coef: 0.05}\n", [], "algorithm.kl_coef",
+     0.05, ["has no effect with advantage_estimator=rloo", "use_kl_loss=true"]),
+    ("kl-coef-negative", M + "algorithm: {advantage_estimator: gae, kl_coef: -0.1}\n", [], "algorithm.kl_coef",
+     -0.1, [">= 0"]),
+    ("loss-scale-without-norm", M + "algorithm: {loss_scale_factor: 512}\n", [], "algorithm.loss_scale_factor",
+     512, ["has no effect with loss_reduction=rollout_token_mean", "seq_mean_token_sum_norm"]),
+    ("loss-scale-zero", M + "algorithm: {loss_reduction: seq_mean_token_sum_norm, loss_scale_factor: 0}\n", [],
+     "algorithm.loss_scale_factor", 0, ["> 0"]),
+    ("unknown-loss-reduction", M + "algorithm: {loss_reduction: seq_mean_token_mean}\n", [],
+     "algorithm.loss_reduction", "seq_mean_token_mean", ["'seq_mean_token_sum'"]),
+    ("rloo-one-sample", M + "algorithm: {advantage_estimator: rloo}\nrollout: {n_samples_per_prompt: 1}\n", [],
+     "rollout.n_samples_per_prompt", 1, ["rloo", "2 or more"]),
     ("mis-low-at-1", M + "algorithm: {mis_level: token, mis_low: 1.0}\n", [], "algorithm.mis_low", 1.0,
      ["[0, 1)", "on-policy ratio 1"]),
     ("mis-low-negative", M + "algorithm: {mis_low: -0.1}\n", [], "algorithm.mis_low", -0.1, ["[0, 1)"]),
@@ -278,6 +301,17 @@ def test_battery_is_large_and_distinct():
     assert len(BAD) >= 30
     assert len({c[0] for c in BAD}) == len(BAD)
     assert len({(c[1], tuple(c[2])) for c in BAD}) == len(BAD)
+
+
+def test_ppo_rloo_and_reduction_combinations_that_make_sense_load(tmp_path):
+    """gae with its critic fields, lam, the KL in the reward and CISPO; rloo; Dr. GRPO's normaliser."""
+    for text in ("algorithm: {advantage_estimator: gae, lam: 0.95, kl_coef: 0.05, policy_loss: cispo, "
+                 "eps_clip: 1.0}\ncritic: {lr: 0.00002, warmup_steps: 1, value_clip: null}\n",
+                 "algorithm: {advantage_estimator: reinforce_plus_plus, kl_coef: 0.01}\n",
+                 "algorithm: {advantage_estimator: rloo, loss_reduction: seq_mean_token_sum_norm, "
+                 "loss_scale_factor: 256, normalize_advantages: true}\n"):
+        cfg = load_and_check(write(tmp_path, M + text), [])
+        assert cfg.algorithm.advantage_estimator in ("gae", "reinforce_plus_plus", "rloo")
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
