@@ -8,6 +8,11 @@ same number of rollout steps, 64 samples per step:
 - ``gspo``: ``algorithm.advantage_estimator=gspo`` (sequence-level ratio, GSPO's small clip range);
 - ``reinforce++``: ``advantage_estimator=reinforce_plus_plus`` (batch-whitened returns);
 - ``cispo``: ``algorithm.policy_loss=cispo`` (eps_low 1.0, eps_high 4.0: no lower bound, as in the paper);
+- ``rloo``: ``advantage_estimator=rloo`` (leave-one-out group baseline, no std division);
+- ``ppo``: ``advantage_estimator=gae``, PPO with a critic started from the same SFT model: 64 prompts x 1
+  sample (no group, so no dynamic filter), GAE with ``gamma = lam = 1`` on the outcome reward, advantages
+  whitened, critic lr 1e-3 (a fresh value head learns faster than the policy may move), 5 critic-only warm-up
+  steps, value clip 0.2;
 - ``opd``: on-policy distillation only: 64 prompts x 1 sample, no dynamic filter, advantage
   ``log pi_teacher - log pi_student`` from a teacher made by the same SFT run on to ``--teacher-accuracy``
   (0.6), with ``configs/opd-quickstart.yaml``'s learning rate (4e-4 cosine to 4e-5, 20 warmup steps).
@@ -49,6 +54,9 @@ def algorithms(teacher_accuracy: float) -> dict[str, list[str]]:
         "gspo": ["algorithm.advantage_estimator=gspo", "algorithm.eps_clip=0.0003", "algorithm.eps_clip_high=0.0004"],
         "reinforce++": ["algorithm.advantage_estimator=reinforce_plus_plus"],
         "cispo": ["algorithm.policy_loss=cispo", "algorithm.eps_clip=1.0", "algorithm.eps_clip_high=4.0"],
+        "rloo": ["algorithm.advantage_estimator=rloo"],
+        "ppo": ["algorithm.advantage_estimator=gae", "rollout.batch_size=64", "rollout.n_samples_per_prompt=1",
+                "rollout.dynamic_filter=null", "critic.lr=1e-3", "critic.warmup_steps=5"],
         "opd": ["rollout.batch_size=64", "rollout.n_samples_per_prompt=1", "rollout.dynamic_filter=null",
                 "train.lr=4e-4", "train.min_lr=4e-5", "train.lr_warmup_steps=20",  # configs/opd-quickstart.yaml's
                 f"algorithm.opd.teachers=[{{name: strong, path: {TEACHER}, "
@@ -84,7 +92,7 @@ def run_one(folder: Path, name: str, overrides: list[str], steps: int, config: s
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=300, help="rollout steps per algorithm (default 300)")
-    p.add_argument("--only", nargs="+", default=None, help="a subset of: grpo gspo reinforce++ cispo opd")
+    p.add_argument("--only", nargs="+", default=None, help="a subset of: grpo gspo reinforce++ cispo rloo ppo opd")
     p.add_argument("--teacher-accuracy", type=float, default=0.6, help="OPD teacher's SFT target (0.6)")
     p.add_argument("--folder", default=None, help="work folder (default: a new temporary one, deleted after)")
     args = p.parse_args(argv)

@@ -203,3 +203,24 @@ def test_async_modes_summary_from_metrics_rows():
                     ("fully_async-drop", "fully_async-drop", [*fa, "rollout.stale_policy=drop", *tis])]
     lines = m.table([("sync", out), ("async", {"error": 1})])
     assert "failed (1)" in lines[2] and "8.7" in lines[2]
+
+
+def test_every_algorithm_row_is_a_valid_quickstart_config(tmp_path, monkeypatch):
+    """benchmarks/algorithms.py's overrides of configs/quickstart.yaml pass ``hpcrl validate``'s checks (the
+    rows the lead runs for an hour each must not fail at start)."""
+    import sys
+
+    from hpcrl.validate import load_and_check
+
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_algorithms", BENCHMARKS / "algorithms.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.algorithms(0.6)
+    assert {"grpo", "rloo", "ppo"} <= set(rows)
+    monkeypatch.chdir(tmp_path)  # the quickstart's relative model folders, created on first use: none here
+    for name, overrides in rows.items():
+        cfg = load_and_check(BENCHMARKS.parent / "configs" / "quickstart.yaml", overrides)
+        assert cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt == 64, name
+    assert load_and_check(BENCHMARKS.parent / "configs" / "quickstart.yaml",
+                          rows["ppo"]).algorithm.advantage_estimator == "gae"
