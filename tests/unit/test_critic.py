@@ -1,0 +1,90 @@
+"""hpcrl.train.critic at world size 1 (gloo), on the real tiny Qwen2 in megatron-core: the value head reads the
+value of response token j where the actor reads its log-prob (checked against an HF forward of the same
+weights), a sample's values do not depend on its micro-batch or on the packed layout, a reward model's
+``score`` head is loaded, and the PPO path of :class:`~hpcrl.train.actor.Actor` (GAE) trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from hpcrl.train import actor as actor_mod  # noqa: E402
+from hpcrl.train.critic import Critic  # noqa: E402
+from tests.unit.test_actor import make_config, make_samples, tp1  # noqa: E402,F401 (fixture)
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_model_dir):
+    return make_samples(tiny_model_dir, num_groups=2, seed=3, correct_first=True)
+
+
+def gae_config(**changes):
+    return make_config(**{"algorithm.advantage_estimator": "gae", **changes})
+
+
+def hf_values(model_dir, samples, head: torch.Tensor) -> list[torch.Tensor]:
+    """Per sample ``[response_length]``: the HF decoder's last hidden state (after the final norm) at the
+    position before each response token, times ``head`` ``[1, hidden]``."""
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            h = hf(torch.tensor([s.tokens])).last_hidden_state[0]  # [T, hidden]
+            t = len(s.tokens)
+            out.append((h[t - s.response_length - 1: t - 1] @ head.float().T)[:, 0])
+    return out
+
+
+def micro_batch(samples, positions, packed=False):
+    zeros = [torch.zeros(s.response_length) for s in samples]
+    return actor_mod.build_micro_batch(samples, positions, zeros, packed=packed)
+
+
+def test_values_aligned_with_response_tokens_padded_and_packed(tp1, tiny_model_dir, samples):
+    critic = Critic(gae_config(), tiny_model_dir)
+    head = critic.model.output_layer.weight
+    assert tuple(head.shape) == (1, 128) and not head.any()  # a causal LM's folder: the head starts at 0
+    assert critic.values([micro_batch(samples, [0, 1])])[0].eq(0).all()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        head.normal_(0, 0.1)
+    ref = hf_values(tiny_model_dir, samples, head.detach())
+    rows = list(range(len(samples)))
+    batched, packed = critic.values([micro_batch(samples, rows), micro_batch(samples, rows, packed=True)])
+    assert batched.shape == (len(samples), max(s.response_length for s in samples))
+    for i, s in enumerate(samples):
+        alone = critic.values([micro_batch(samples, [i])])[0]
+        n = s.response_length
+        assert alone.shape == (1, n)
+        torch.testing.assert_close(alone[0], ref[i], rtol=0, atol=1e-5)  # megatron vs HF, fp32
+        torch.testing.assert_close(batched[i, :n], alone[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(packed[i, :n], alone[0], rtol=0, atol=1e-5)
+        assert batched[i, n:].eq(0).all() and packed[i, n:].eq(0).all()
+
+
+def test_score_head_of_a_reward_model_is_loaded_lm_head_is_not(tp1, tiny_model_dir, tmp_path, samples):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        rm.score.weight.normal_(0, 0.1)
+    rm.save_pretrained(tmp_path / "rm")
+    critic = Critic(gae_config(**{"critic.path": str(tmp_path / "rm")}), tiny_model_dir)
+    assert critic.path == str(tmp_path / "rm")
+    assert torch.equal(critic.model.output_layer.weight.detach(), rm.score.weight.detach())
+    values = critic.values([micro_batch(samples, [2])])[0][0]
+    torch.testing.assert_close(values, hf_values(tmp_path / "rm", samples[2:3], rm.score.weight.detach())[0],
+                               rtol=0, atol=1e-5)
+    from hpcrl.models.tiny import create_tiny_qwen2
+
+    untied = create_tiny_qwen2(tmp_path / "untied", seed=2, tie_word_embeddings=False)  # its lm_head is unused
+    assert not Critic(gae_config(**{"critic.path": str(untied)}), tiny_model_dir).model.output_layer.weight.any()
+    rm3 = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=3)
+    rm3.save_pretrained(tmp_path / "rm3")
+    with pytest.raises(ValueError, match=r"score.weight has shape \(3, 128\)"):
+        Critic(gae_config(**{"critic.path": str(tmp_path / "rm3")}), tiny_model_dir)
