@@ -1,10 +1,12 @@
-"""PPO's value model (``algorithm.advantage_estimator: gae``): a megatron-core GPTModel with a scalar value head.
+"""PPO's value model (``algorithm.advantage_estimator: gae``): a megatron-core GPTModel with a scalar value
+head.
 
-slime's critic (``--critic-*``, ``MegatronTrainRayActor`` with ``role="critic"``), veRL's ``DataParallelPPOCritic``
-(``AutoModelForTokenClassification`` with ``num_labels=1``), OpenRLHF's ``CriticModel``: the actor's
-architecture whose output layer is replaced by ``Linear(hidden, 1)``; the value of response token ``j`` is read
-at the position that predicts it (the position of its log-prob), so ``values[i, j]`` is ``V(s_j)``, the value
-of the state before token ``j`` (:func:`hpcrl.train.gae.gae_advantages_and_returns`'s convention).
+slime's critic (``--critic-*``, ``MegatronTrainRayActor`` with ``role="critic"``), veRL's
+``DataParallelPPOCritic`` (``AutoModelForTokenClassification`` with ``num_labels=1``), OpenRLHF's
+``CriticModel``: the actor's architecture whose output layer is replaced by ``Linear(hidden, 1)``; the value
+of response token ``j`` is read at the position that predicts it (the position of its log-prob), so
+``values[i, j]`` is ``V(s_j)``, the value of the state before token ``j``
+(:func:`hpcrl.train.gae.gae_advantages_and_returns`'s convention).
 
 :class:`Critic` lives on every trainer rank beside the :class:`~hpcrl.train.actor.Actor` (which owns it as
 ``actor.critic``), with the actor's tensor- and data-parallel layout and the same micro-batches, and its own
@@ -12,9 +14,9 @@ megatron DDP, Adam and learning-rate schedule. :class:`ValueHead` is the head; :
 the model from an HF folder.
 
 Value head initialisation: zeros (``critic.path`` a causal LM), so every value starts at 0 and the first
-rollout's GAE advantages are the plain (discounted) returns, as REINFORCE with no baseline would give: no random
-head output adds noise to the actor's first steps, and the backbone gets no gradient until the head has moved
-off 0 (a zero head passes none back), so the first critic steps fit the head on the pretrained features
+rollout's GAE advantages are the plain (discounted) returns, as REINFORCE with no baseline would give: no
+random head output adds noise to the actor's first steps, and the backbone gets no gradient until the head has
+moved off 0 (a zero head passes none back), so the first critic steps fit the head on the pretrained features
 (veRL and OpenRLHF draw small normal heads instead; at 0 the first values are exactly known, which the tests
 use). A ``critic.path`` with a one-output ``score`` head (HF ``*ForSequenceClassification`` /
 ``*ForTokenClassification`` with ``num_labels=1``, a reward model) loads that head.
@@ -41,13 +43,14 @@ SCORE_HEAD = "score.weight"
 class ValueHead(torch.nn.Module):
     """``Linear(hidden, 1)`` without bias, in place of GPTModel's ``output_layer``.
 
-    GPTModel's ``_postprocess`` calls ``output_layer(hidden_states, weight=..., runtime_gather_output=...)`` on
-    ``[seq, batch, hidden]`` and returns the first output transposed to ``[batch, seq, 1]`` (megatron-core
-    0.16.1); the head ignores both keywords (no vocab, no tied weight) and returns ``(values, None)``. The head is
-    replicated on every tensor-parallel rank: without sequence parallelism every rank holds the full hidden
-    states, so it computes the same values and gets the same gradient. With ``sequence_parallel`` the hidden
-    states are split along the sequence and are gathered first (backward: each rank keeps its slice of the
-    gradient, since every rank computes the full, identical loss).
+    GPTModel's ``_postprocess`` calls ``output_layer(hidden_states, weight=...,
+    runtime_gather_output=...)`` on ``[seq, batch, hidden]`` and returns the first output transposed to
+    ``[batch, seq, 1]`` (megatron-core 0.16.1); the head ignores both keywords (no vocab, no tied weight) and
+    returns ``(values, None)``. The head is replicated on every tensor-parallel rank: without sequence
+    parallelism every rank holds the full hidden states, so it computes the same values and gets the same
+    gradient. With ``sequence_parallel`` the hidden states are split along the sequence and are gathered first
+    (backward: each rank keeps its slice of the gradient, since every rank computes the full, identical
+    loss).
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: Union[str, torch.device],
@@ -62,7 +65,8 @@ class ValueHead(torch.nn.Module):
         if self.gather_sequence:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states,
+                                                                 tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
@@ -121,13 +125,15 @@ def critic_train_section(cfg: "Config") -> "TrainSection":
     """``cfg.train`` with the critic's learning rate: ``critic.lr``, linear warmup over
     ``critic.lr_warmup_steps`` optimizer steps, then constant (betas, weight decay, grad clip, bf16 and the
     distributed optimizer stay ``train``'s)."""
-    return dataclasses.replace(cfg.train, lr=cfg.critic.lr, min_lr=0.0, lr_warmup_steps=cfg.critic.lr_warmup_steps,
-                               lr_decay_style="constant", lr_decay_steps=None)
+    return dataclasses.replace(cfg.train, lr=cfg.critic.lr, min_lr=0.0,
+                               lr_warmup_steps=cfg.critic.lr_warmup_steps, lr_decay_style="constant",
+                               lr_decay_steps=None)
 
 
 @dataclasses.dataclass
 class ValueTargets:
-    """What the value loss of one micro-batch compares against, ``[b, R]`` float32 each (0 beyond a response)."""
+    """What the value loss of one micro-batch compares against, ``[b, R]`` float32 each (0 beyond a
+    response)."""
 
     old_values: Tensor
     """The critic's values before this rollout's critic steps (the clip's centre)."""
@@ -138,14 +144,16 @@ class ValueTargets:
 class Critic:
     """The value model on one trainer rank: megatron-core model + DDP + Adam + lr schedule.
 
-    Create on every trainer rank after model parallelism is initialised (as :class:`~hpcrl.train.actor.Actor`),
-    with the same config. ``hf_path``: the actor's HF folder, used when ``critic.path`` is null.
+    Create on every trainer rank after model parallelism is initialised (as
+    :class:`~hpcrl.train.actor.Actor`), with the same config. ``hf_path``: the actor's HF folder, used when
+    ``critic.path`` is null.
 
     Attributes:
         ddp_model: megatron-core ``DistributedDataParallel`` (for checkpointing).
         optimizer: the megatron-core optimizer (for checkpointing).
         lr_scheduler: megatron-core ``OptimizerParamScheduler`` over :func:`critic_train_section`; its
-            learning rate is a pure function of the global optimizer step (:func:`hpcrl.train.model.set_lr_step`).
+            learning rate is a pure function of the global optimizer step
+            (:func:`hpcrl.train.model.set_lr_step`).
         model: the bare GPTModel with :class:`ValueHead` as ``output_layer`` (``hf_config`` attached).
         path: the HF folder it was built from.
     """
@@ -239,15 +247,17 @@ class Critic:
         def loss_fn(model: torch.nn.Module, item: tuple[Any, ValueTargets]) -> Tensor:
             mb, target = item
             values = self.forward(mb)
-            loss, clipfrac = gae.value_loss(values, target.old_values, target.returns, mb.mask, reducer(mb), clip)
-            for k, v in (("value_loss", loss.detach()), ("value_clipfrac", torch.as_tensor(clipfrac).detach())):
+            loss, clipfrac = gae.value_loss(values, target.old_values, target.returns, mb.mask, reducer(mb),
+                                            clip)
+            for k, v in (("value_loss", loss.detach()), ("value_clipfrac", clipfrac.detach())):
                 local[k] = local[k] + v if k in local else v
             return loss * self.dp_size
 
         result = tmodel.train_step(self.ddp_model, self.optimizer, loss_fn, list(zip(micro_batches, targets,
                                                                                      strict=True)))
         if not result["update_successful"]:
-            raise RuntimeError("critic optimizer step was skipped (update_successful=False): non-finite gradients?")
+            raise RuntimeError("critic optimizer step was skipped (update_successful=False): "
+                               "non-finite gradients?")
         out: dict[str, Optional[float]] = dict(self.all_reduce_sum(local))
         grad_norm = result["grad_norm"]
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else None
