@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 import torch
 
-from hpcrl.train import algorithms, deepseek_moe, parallel, ppo
+from hpcrl.train import algorithms, parallel, ppo
 from hpcrl.train.critic import Critic
 
 if TYPE_CHECKING:
