@@ -232,10 +232,11 @@ class Critic:
 
         The loss of a micro-batch is :func:`hpcrl.train.gae.value_loss` (clipped with ``critic.value_clip``)
         reduced with the first of ``reducers(mb)``, the actor's ``(loss, metrics)`` reducers of that
-        micro-batch (step-wide denominators, so the micro-batches' losses sum to the step's; ``value_clipfrac``
-        uses the metrics one, so it stays a fraction whatever ``algorithm.loss_reduction``), times the
-        data-parallel size (megatron DDP averages gradients over DP; slime's ``loss *= dp_size``). ``targets[i]`` belong to ``micro_batches[i]``;
-        ``step``: the global optimizer step (``rollout_id * train.num_steps_per_rollout + k``), which sets the
+        micro-batch (step-wide denominators, so the micro-batches' losses sum to the step's;
+        ``value_clipfrac`` uses the metrics one, so it stays a fraction whatever the loss reduction), times
+        the data-parallel size (megatron DDP averages gradients over DP; slime's ``loss *= dp_size``).
+        ``targets[i]`` belong to ``micro_batches[i]``; ``step``: the global optimizer step
+        (``rollout_id * train.num_steps_per_rollout + k``), which sets the
         learning rate. Collective over the data-parallel group. Returns ``value_loss`` and
         ``value_clipfrac`` (the step's global values), ``grad_norm`` (None when not computed) and ``lr``.
         Raises RuntimeError when the optimizer skips the step (non-finite gradients).
