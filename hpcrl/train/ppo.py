@@ -89,8 +89,8 @@ def shaped_advantages(cfg: "Config", flat: Sequence[Any], rewards: Tensor, masks
     Returns ``(metrics, targets)``: with a critic ``critic/explained_variance`` (of the values before this
     rollout's critic steps, over all samples), ``critic/values_mean`` and ``critic/returns_mean`` (mask-token
     means), ``critic/seconds`` (this call's wall time), and one :class:`~hpcrl.train.critic.ValueTargets` per
-    micro-batch of ``flat``; without, ``({}, None)``. Raises ValueError when the KL penalty lacks log-probs
-    and what :mod:`hpcrl.train.gae` raises (a sample without loss-mask token).
+    micro-batch of ``flat``; without, ``({}, None)``. A sample without loss-mask token (an empty response)
+    gets advantage and return 0 (it trains nothing). Raises ValueError when the KL penalty lacks log-probs.
     """
     t0 = time.perf_counter()
     alg = cfg.algorithm
@@ -110,7 +110,11 @@ def shaped_advantages(cfg: "Config", flat: Sequence[Any], rewards: Tensor, masks
     local_values = critic.values(flat)
     mask = _padded(masks)
     values = _padded(gather_per_sample(flat, local_values, n, group, dp_size))
-    per_token = gae.token_rewards(rewards, mask, _padded(kl) if kl is not None else None, alg.kl_coef)
+    # a sample without loss-mask token (an empty response) trains nothing: it has no token for its reward
+    live = mask.sum(-1) > 0
+    per_token = torch.zeros_like(mask)
+    kl_t = _padded(kl)[live] if kl is not None else None
+    per_token[live] = gae.token_rewards(rewards[live], mask[live], kl_t, alg.kl_coef)
     adv, returns = gae.gae_advantages_and_returns(per_token, values, mask, alg.gamma, alg.lam)
     count = float(mask.sum().clamp_min(1.0))
     metrics = {"critic/explained_variance": gae.explained_variance(values, returns, mask),

@@ -126,6 +126,17 @@ def test_critic_only_warmup_then_ppo_step(tp1, tiny_model_dir, samples):
     assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-5
 
 
+def test_an_empty_response_trains_nothing(tp1, tiny_model_dir, samples):
+    import dataclasses
+
+    s = samples[1]
+    empty = dataclasses.replace(s, tokens=s.tokens[: s.prompt_length], response_length=0, loss_mask=[],
+                                rollout_log_probs=[])
+    actor = Actor(gae_config(), tiny_model_dir, ci_checks=True)
+    m = actor.train(0, [samples[0], empty, *samples[2:]])
+    assert m["train/grad_norm"] > 0 and m["critic/grad_norm"] > 0
+
+
 def test_packed_critic_step_equals_the_padded_one(tp1, tiny_model_dir, samples):
     runs = []
     for extra in ({}, {"train.max_tokens_per_microbatch": 64}):
