@@ -31,6 +31,19 @@ name               object                                              where it 
 any other name     a stateful whose state is plain JSON                 ``state.json`` under its name
 =================  ==================================================  ==========================================
 
+The Megatron models are not statefuls: the actor's model and optimizer go to ``dist/``, and each further
+named model (``models``: a PPO run's critic, ``{"critic": (ddp_model, optimizer)}``, built by
+:class:`hpcrl.train.critic.Critic` when ``algorithm.advantage_estimator`` is ``gae``) to its own
+``dist_<name>/`` (``dist_critic/``), all in the same atomic save; the critic's learning-rate schedule, like the
+actor's, is a pure function of the optimizer step and needs no state.
+
+=================  ==================================================  ==========================================
+model              object                                              where it is written
+=================  ==================================================  ==========================================
+(the actor)        ``actor.ddp_model``, ``actor.optimizer``             ``dist/``; ``COMPLETE`` ``optimizer``
+``critic``         ``actor.critic.ddp_model``, ``.optimizer`` (PPO)     ``dist_critic/``; ``COMPLETE`` ``models``
+=================  ==================================================  ==========================================
+
 and the manager decides when to save (:meth:`CheckpointManager.end_step`): every ``checkpoint.save_interval``
 steps, at the last step (:func:`hpcrl.run_setup.due`), and when a preemption signal or the job's deadline
 stops the run (agreed by every trainer rank, :mod:`hpcrl.preempt`);
