@@ -9,7 +9,8 @@ One :meth:`Actor.train` call does what slime's ``MegatronTrainRayActor.train_act
 loop do for one rollout:
 
 1. rewards -> per-token advantages over the whole rollout
-   (:func:`~hpcrl.train.algorithms.compute_advantages`);
+   (:func:`~hpcrl.train.algorithms.compute_advantages`); with a critic (``gae``) or a KL penalty in the reward
+   (``algorithm.kl_coef``) after steps 3-4 instead (:mod:`hpcrl.train.ppo`, GAE from :attr:`Actor.critic`);
 2. ``train.num_steps_per_rollout`` global batches, this data-parallel rank's contiguous slice of each, in
    micro-batches of ``train.micro_batch_size`` right-padded rows;
 3. old log-probs recomputed with the current weights, or taken from the training forward itself when the step
@@ -18,7 +19,9 @@ loop do for one rollout:
 5. the optimizer steps, each a :func:`~hpcrl.train.model.train_step` whose loss is
    :func:`~hpcrl.train.algorithms.compute_loss` reduced with slime's per-rollout token mean over the step's
    *global* batch (so neither micro-batching nor data parallelism changes the loss or its gradient);
-6. metrics summed over micro-batches and data-parallel ranks, and slime's ``--ci-test`` gates.
+6. metrics summed over micro-batches and data-parallel ranks, and slime's ``--ci-test`` gates;
+7. with a critic, its optimizer steps over the same micro-batches (only these in the ``critic.warmup_steps``
+   first rollouts).
 
 Sizes: ``N`` samples per rollout (every rank gets all of them), ``dp`` data-parallel ranks, ``S`` =
 ``train.num_steps_per_rollout``. ``N`` must be a multiple of ``dp * S``; it need not be ``rollout.batch_size x
@@ -45,7 +48,8 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 import torch
 
-from hpcrl.train import algorithms, deepseek_moe, parallel
+from hpcrl.train import algorithms, deepseek_moe, parallel, ppo
+from hpcrl.train.critic import Critic
 
 if TYPE_CHECKING:
     from hpcrl.config import Config
@@ -326,7 +330,8 @@ class Actor:
         ddp_model: the megatron-core ``DistributedDataParallel`` model (for checkpointing).
         optimizer: the megatron-core optimizer (for checkpointing).
         model: the bare GPTModel (``hf_config`` attached).
-        weights: the :class:`WeightBackup` (tag ``"ref"`` with ``use_kl_loss``).
+        weights: the :class:`WeightBackup` (tag ``"ref"`` with ``use_kl_loss`` or ``kl_coef > 0``).
+        critic: the :class:`~hpcrl.train.critic.Critic` (``advantage_estimator: gae``), else None.
         step_metrics: per optimizer step of the last :meth:`train` call, that step's global metrics (the keys
             of :meth:`train` without the ``train/`` prefix; ``grad_norm`` None when not computed).
 
@@ -344,12 +349,13 @@ class Actor:
 
         parallel.deterministic_mode(cfg.run.deterministic)
         self.cfg = cfg
+        self.uses_ref = cfg.algorithm.use_kl_loss or cfg.algorithm.kl_coef > 0  # KL loss or KL in the reward
         self.ci_checks = ci_checks
         self.ci_logprob_abs_diff_threshold = ci_logprob_abs_diff_threshold
         # async (one step off): the samples come from the weights before the last step, so the old log-probs
         # are recomputed with the current ones (slime train_async.py)
         self.on_policy = (cfg.run.mode == "sync" and cfg.train.num_steps_per_rollout == 1
-                          and not cfg.algorithm.use_kl_loss and not cfg.algorithm.use_tis
+                          and not self.uses_ref and not cfg.algorithm.use_tis
                           and cfg.algorithm.mis_level is None)
         if recompute_log_probs is False and not self.on_policy:
             raise ValueError("recompute_log_probs=False needs an exactly on-policy step "
@@ -382,8 +388,9 @@ class Actor:
                                  "false or train a mixture-of-experts model")
             self.routing = (routing_replay.moe_layer_count(mc), mc.moe_router_topk)
         self.step_metrics: list[dict[str, Optional[float]]] = []
-        if cfg.algorithm.use_kl_loss:
+        if self.uses_ref:
             self.weights.backup("ref")
+        self.critic = Critic(cfg, hf_path) if cfg.algorithm.advantage_estimator == "gae" else None
 
     # -- forward passes ------------------------------------------------------------------------------------
 
@@ -396,17 +403,17 @@ class Actor:
 
     def _forward_routed(self, mb: MicroBatch, with_entropy: bool):
         """:meth:`_forward` under whatever routing is in force."""
-        from hpcrl.train.logprobs import response_log_probs
+        from hpcrl.train.logprobs import logits_window_start, response_log_probs, windowed_response_log_probs
 
         if mb.pack is not None:
             from hpcrl.train.packing import packed_response_log_probs
 
             return packed_response_log_probs(self.ddp_model, mb.pack, mb.response_lengths,
                                              self.cfg.rollout.temperature, with_entropy, self.vocab_size)
-        start = _logits_window_start(self.model, mb)
+        start = logits_window_start(self.model, mb)
         if start > 0:
-            return _windowed_response_log_probs(self.ddp_model, self.model.output_layer, mb, start,
-                                                self.cfg.rollout.temperature, with_entropy, self.vocab_size)
+            return windowed_response_log_probs(self.ddp_model, self.model.output_layer, mb, start,
+                                               self.cfg.rollout.temperature, with_entropy, self.vocab_size)
         return response_log_probs(self.ddp_model, mb.tokens, mb.total_lengths, mb.response_lengths,
                                   temperature=self.cfg.rollout.temperature, with_entropy=with_entropy,
                                   vocab_size=self.vocab_size)
@@ -452,7 +459,10 @@ class Actor:
         ``|old - ref|``), ``train/forward_tokens`` / ``train/padded_tokens`` (tokens through the decoder per
         pass over the rollout, all ranks, and what the padded layout would take), ``train/seconds`` (wall time of this call), ``train/tokens_per_s`` (prompt +
         response tokens of all ``N`` samples per second), ``train/num_steps``. Per-step values are in
-        :attr:`step_metrics`.
+        :attr:`step_metrics`. With a critic: ``critic/{value_loss, value_clipfrac, grad_norm, lr,
+        explained_variance, values_mean, returns_mean, seconds}`` (:mod:`hpcrl.train.ppo`); in a critic-only
+        rollout (``rollout_id < critic.warmup_steps``) no actor step runs (``train/num_steps`` 0, no loss
+        keys).
 
         Raises ValueError for samples that do not split over ranks and steps, lack a reward or have
         inconsistent lengths; AssertionError (``ci_checks``) naming the failed metric and its value;
@@ -469,10 +479,13 @@ class Actor:
             if on and not with_rollout_lp:
                 raise ValueError(f"algorithm.{key} needs the samples' rollout_log_probs")
 
-        # 1. advantages over the whole rollout, before any split (slime: compute_advantages_and_returns).
+        # 1. advantages over the whole rollout, before any split (slime: compute_advantages_and_returns);
+        # with a critic or a KL penalty in the reward they need forwards first (4b).
         masks = [torch.as_tensor(s.loss_mask, dtype=torch.float32) for s in samples]
-        advantages = algorithms.compute_advantages(alg.advantage_estimator, sample_rewards(samples), masks,
-                                                   cfg.rollout.n_samples_per_prompt, cfg=alg)
+        shaped = self.critic is not None or alg.kl_coef > 0
+        advantages = [torch.zeros_like(m) for m in masks] if shaped else algorithms.compute_advantages(
+            alg.advantage_estimator, sample_rewards(samples), masks, cfg.rollout.n_samples_per_prompt,
+            cfg=alg)
 
         # 2. this rank's micro-batches per step; step-wide (global) denominators of the reduction.
         local, global_ = self._plan(samples)
@@ -491,39 +504,50 @@ class Actor:
             for mb, lp in zip(flat, self._forward_only(flat), strict=True):
                 mb.old_log_probs = lp
         # 4. reference log-probs with the reference weights swapped in.
-        if alg.use_kl_loss:
+        if self.uses_ref:
             with self.weights.swapped("ref"):
                 for mb, lp in zip(flat, self._forward_only(flat), strict=True):
                     mb.ref_log_probs = lp
 
         metrics: dict[str, float] = {}
-        # 4b. on-policy distillation (slime --use-opd): advantage += coef * (teacher - student) per token
+        # 4b. advantages from the KL-in-reward penalty and the critic's values (hpcrl.train.ppo)
+        if shaped:
+            more, targets = ppo.shaped_advantages(cfg, flat, sample_rewards(samples), masks, self.critic,
+                                                  self._dp_group, self.dp_size)
+            metrics.update(more)
+        # 4c. on-policy distillation (slime --use-opd): advantage += coef * (teacher - student) per token
         if opd:
             metrics["train/opd_reverse_kl"] = self._add_opd_advantage(flat, masks, alg.opd.coef)
-        if rollout_id == 0 and alg.use_kl_loss:  # (a KL loss always recomputes)
+        if rollout_id == 0 and self.uses_ref:  # (a reference always recomputes)
             metrics["train/ref_logprob_diff"] = self._rollout_mean(
                 flat, masks, lambda mb: (mb.old_log_probs - mb.ref_log_probs).abs())
             if self.ci_checks:
                 _gate("train/ref_logprob_diff", metrics["train/ref_logprob_diff"], CI_TOLERANCE)
 
         # 5. the optimizer steps, each at the scheduled learning rate of its global step number (a pure
-        # function of rollout_id, so a resumed run continues the schedule exactly).
-        per_step = []
-        for k, (step, sums) in enumerate(zip(steps, step_sums, strict=True)):
-            lr = tmodel.set_lr_step(self.lr_scheduler, rollout_id * cfg.train.num_steps_per_rollout + k)
+        # function of rollout_id, so a resumed run continues the schedule exactly); none in the critic-only
+        # rollouts (critic.warmup_steps); then the critic's steps over the same split.
+        per_step, first = [], rollout_id * cfg.train.num_steps_per_rollout
+        warmup = self.critic is not None and rollout_id < cfg.critic.warmup_steps
+        for k, (step, sums) in enumerate(zip(steps, step_sums, strict=True) if not warmup else ()):
+            lr = tmodel.set_lr_step(self.lr_scheduler, first + k)
             per_step.append(self._optimizer_step(step, sums))
             per_step[-1]["lr"] = lr
         self.step_metrics = per_step
-        metrics["train/first_step_ppo_kl"] = per_step[0]["ppo_kl"]
-        if self.ci_checks:
+        if self.critic is not None:
+            metrics.update(ppo.critic_steps(self.critic, steps, targets, [
+                lambda mb, s=s: self._reducer(mb, s) for s in step_sums], first, metrics["critic/seconds"]))
+        if per_step:
+            metrics["train/first_step_ppo_kl"] = per_step[0]["ppo_kl"]
+        if self.ci_checks and per_step:
             _gate("train/first_step_ppo_kl", per_step[0]["ppo_kl"], CI_TOLERANCE)
             if rollout_id == 0 and alg.use_kl_loss:
                 _gate("train/kl_loss (first step of rollout 0)", per_step[0]["kl_loss"], CI_TOLERANCE)
-        for key in per_step[0]:
+        for key in per_step[0] if per_step else ():
             vals = [m[key] for m in per_step if m.get(key) is not None]
             if vals:
                 metrics[f"train/{key}"] = sum(vals) / len(vals)
-        if self.ci_checks and self.ci_logprob_abs_diff_threshold is not None and with_rollout_lp:
+        if self.ci_checks and self.ci_logprob_abs_diff_threshold is not None and with_rollout_lp and per_step:
             diff = metrics["train/train_rollout_logprob_abs_diff"]
             if not diff <= self.ci_logprob_abs_diff_threshold:
                 raise AssertionError(f"train/train_rollout_logprob_abs_diff = {diff!r} > "
@@ -577,6 +601,12 @@ class Actor:
         local = sum(algorithms.rollout_token_mean(values(mb), mb.mask, mb.positions, sums) for mb in flat)
         return self._all_reduce_sum({"v": local})["v"]
 
+    def _reducer(self, mb: MicroBatch, rollout_mask_sums: dict[int, float]) -> algorithms.Reducer:
+        """The loss reducer of a micro-batch of a step (the actor's and the critic's loss): per-rollout token
+        mean with the step's mask sums."""
+        return algorithms.make_reducer(REDUCTION, mb.mask, rollout_ids=mb.positions,
+                                       rollout_mask_sums=rollout_mask_sums)
+
     def _optimizer_step(self, micro_batches: Sequence[MicroBatch], rollout_mask_sums: dict[int, float]
                         ) -> dict[str, Optional[float]]:
         """One :func:`~hpcrl.train.model.train_step` over this rank's micro-batches of a step.
@@ -597,8 +627,7 @@ class Actor:
             logp = out.log_probs
             entropy = out.entropy if cfg.entropy_coef != 0.0 else out.entropy.detach()
             old = mb.old_log_probs if mb.old_log_probs is not None else logp.detach()
-            reduce = algorithms.make_reducer(REDUCTION, mb.mask, rollout_ids=mb.positions,
-                                             rollout_mask_sums=rollout_mask_sums)
+            reduce = self._reducer(mb, rollout_mask_sums)
             res = algorithms.compute_loss(logp, old, mb.advantages, mb.mask, reduce, cfg, entropy=entropy,
                                           ref_logp=mb.ref_log_probs, rollout_logp=mb.rollout_log_probs)
             values = {f.name: getattr(res, f.name).detach() for f in dataclasses.fields(res)
@@ -616,58 +645,6 @@ class Actor:
         grad_norm = result["grad_norm"]
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else None
         return out
-
-
-def _logits_window_start(model: torch.nn.Module, mb: MicroBatch) -> int:
-    """The first sequence column whose logits the micro-batch needs: its earliest response prediction
-    (column ``total - response - 1`` of a row; the columns before it only predict prompt tokens). 0 (all
-    columns) with sequence parallelism, where the output layer's input is split along the sequence, or when
-    the model has no ``output_layer``."""
-    layer = getattr(model, "output_layer", None)
-    if layer is None or getattr(layer, "sequence_parallel", False) or mb.tokens.shape[0] == 0:
-        return 0
-    return max(0, int((mb.total_lengths - mb.response_lengths - 1).min()))
-
-
-def _windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.Module, mb: MicroBatch,
-                                 start: int, temperature: float, with_entropy: bool, vocab_size: int):
-    """:func:`hpcrl.train.logprobs.response_log_probs` of a micro-batch with the output layer, log-softmax and
-    entropy run only on the columns ``start .. seq-2`` (those that predict response tokens).
-
-    The whole rows still go through the decoder; a forward pre-hook hands the output layer only the
-    hidden states of those columns (``[seq, batch, hidden]`` sliced on the sequence), so the logits are
-    ``[b, seq - 1 - start, vocab]`` instead of ``[b, seq, vocab]``: the same values for the response tokens, for a
-    fraction of the time and memory when prompts are long and the vocab large.
-    """
-    from hpcrl.train.logprobs import ResponseLogProbs, compute_entropy, compute_log_probs
-
-    tokens = mb.tokens
-    batch, seq = tokens.shape
-
-    def keep_window(module, args, kwargs):
-        return (args[0][start:seq - 1], *args[1:]), kwargs
-
-    position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
-    valid = position_ids < mb.total_lengths.to(tokens.device).unsqueeze(1)
-    padding = deepseek_moe.padding_kwargs(model, valid)  # MoE expert-bias token counts only
-    handle = output_layer.register_forward_pre_hook(keep_window, with_kwargs=True)
-    try:
-        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
-    finally:
-        handle.remove()
-    # Column start + c predicts token start + c + 1.
-    lp_all = compute_log_probs(logits, tokens[:, start + 1:], temperature, vocab_size)
-    resp = mb.response_lengths
-    width = int(resp.max())
-    j = torch.arange(width, device=tokens.device).unsqueeze(0)
-    mask = j < resp.unsqueeze(1)
-    index = (mb.total_lengths - resp - 1 - start).unsqueeze(1) + j
-    index = torch.where(mask, index, torch.zeros_like(index))
-    log_probs = torch.gather(lp_all, 1, index).masked_fill(~mask, 0.0)
-    entropy = None
-    if with_entropy:
-        entropy = torch.gather(compute_entropy(logits, temperature, vocab_size), 1, index).masked_fill(~mask, 0.0)
-    return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
 
 
 def _gate(name: str, value: Optional[float], tol: float) -> None:

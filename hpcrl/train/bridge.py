@@ -387,15 +387,16 @@ class _LazyHFWeights(Mapping[str, torch.Tensor]):
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module,
-                    hf_weights: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> None:
+def load_hf_weights(model: torch.nn.Module, hf_weights: Union[str, os.PathLike, Mapping[str, torch.Tensor]],
+                    ignore: tuple[str, ...] = ()) -> None:
     """Copy HF weights into a megatron-core GPTModel built by :func:`build_gpt_model` (this rank's shards).
 
     ``model`` may be wrapped in megatron-core DDP / Float16Module. ``hf_weights`` is an HF folder
     (safetensors) or a state dict of full HF tensors (``HFModel.state_dict()``; transformers 5's fused
     experts are read through :func:`unfuse_experts`). Values are copied in place
     (cast to the parameter dtype), so DDP grad/param buffers stay valid. Every HF tensor must be used, except
-    ``lm_head.weight`` of a tied model and ``rotary_emb.inv_freq`` buffers.
+    ``lm_head.weight`` of a tied model, ``rotary_emb.inv_freq`` buffers and the HF names in ``ignore`` (a
+    value model's ``lm_head.weight`` / ``score.weight``: :mod:`hpcrl.train.critic` loads its own head).
     Raises KeyError for a missing or unused HF tensor, ValueError for a shape mismatch.
     """
     module = unwrap_model(model)
@@ -415,7 +416,7 @@ def load_hf_weights(model: torch.nn.Module,
                              f"{tuple(param.shape)}")
         param.copy_(shard)
         used.update(hf_names)
-    ignorable = {"lm_head.weight"} if module.share_embeddings_and_output_weights else set()
+    ignorable = set(ignore) | ({"lm_head.weight"} if module.share_embeddings_and_output_weights else set())
     unused = [n for n in state if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
               and not (g.ep > 1 and _EXPERT_HF_RE.match(n))  # other EP ranks' experts
               and not is_mtp_tensor(n, module.hf_config)]

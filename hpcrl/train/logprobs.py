@@ -15,7 +15,7 @@ initialised (:func:`hpcrl.train.parallel.initialize_model_parallel`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -167,4 +167,57 @@ def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor,
     if with_entropy:
         ent_all = compute_entropy(logits[:, :-1], temperature, vocab_size)
         entropy = torch.gather(ent_all, 1, index).masked_fill(~mask, 0.0)
+    return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
+
+
+def logits_window_start(model: torch.nn.Module, mb: Any) -> int:
+    """The first sequence column whose logits the micro-batch needs: its earliest response prediction
+    (column ``total - response - 1`` of a row; the columns before it only predict prompt tokens). 0 (all
+    columns) with sequence parallelism, where the output layer's input is split along the sequence, or when
+    the model has no ``output_layer``."""
+    layer = getattr(model, "output_layer", None)
+    if layer is None or getattr(layer, "sequence_parallel", False) or mb.tokens.shape[0] == 0:
+        return 0
+    return max(0, int((mb.total_lengths - mb.response_lengths - 1).min()))
+
+
+def windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.Module, mb: Any,
+                                start: int, temperature: float, with_entropy: bool, vocab_size: int):
+    """:func:`hpcrl.train.logprobs.response_log_probs` of a micro-batch with the output layer, log-softmax and
+    entropy run only on the columns ``start .. seq-2`` (those that predict response tokens).
+
+    The whole rows still go through the decoder; a forward pre-hook hands the output layer only the
+    hidden states of those columns (``[seq, batch, hidden]`` sliced on the sequence), so the logits are
+    ``[b, seq - 1 - start, vocab]`` instead of ``[b, seq, vocab]``: the same values for the response tokens,
+    for a fraction of the time and memory when prompts are long and the vocab large.
+    """
+    from hpcrl.train import deepseek_moe
+
+    tokens = mb.tokens
+    batch, seq = tokens.shape
+
+    def keep_window(module, args, kwargs):
+        return (args[0][start:seq - 1], *args[1:]), kwargs
+
+    position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
+    valid = position_ids < mb.total_lengths.to(tokens.device).unsqueeze(1)
+    padding = deepseek_moe.padding_kwargs(model, valid)  # MoE expert-bias token counts only
+    handle = output_layer.register_forward_pre_hook(keep_window, with_kwargs=True)
+    try:
+        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
+    finally:
+        handle.remove()
+    # Column start + c predicts token start + c + 1.
+    lp_all = compute_log_probs(logits, tokens[:, start + 1:], temperature, vocab_size)
+    resp = mb.response_lengths
+    width = int(resp.max())
+    j = torch.arange(width, device=tokens.device).unsqueeze(0)
+    mask = j < resp.unsqueeze(1)
+    index = (mb.total_lengths - resp - 1 - start).unsqueeze(1) + j
+    index = torch.where(mask, index, torch.zeros_like(index))
+    log_probs = torch.gather(lp_all, 1, index).masked_fill(~mask, 0.0)
+    entropy = None
+    if with_entropy:
+        entropy = torch.gather(compute_entropy(logits, temperature, vocab_size), 1, index)
+        entropy = entropy.masked_fill(~mask, 0.0)
     return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
