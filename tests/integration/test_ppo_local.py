@@ -3,7 +3,7 @@ run of tests/integration/test_preemption_local.py (deterministic, over-sampling,
 critic beside the actor.
 
 - Sync: the critic's metrics are logged every step and every checkpoint holds its model and optimizer
-  (``dist_critic/``). A run stopped by USR2, run again, SIGKILLed inside a later step and run again ends with
+  (``dist_critic/``); resuming that run folder without a critic is refused in one line. A run stopped by USR2, run again, SIGKILLed inside a later step and run again ends with
   the actor's weights, the critic's model and Adam states and every step's critic metrics bitwise equal to
   the uninterrupted run's (one test for both interruptions: one reference, three starts).
 - The one-step-off (``async``) and fully asynchronous loops run PPO for a few steps, critic metrics logged.
@@ -74,6 +74,12 @@ def test_ppo_logs_the_critic_and_checkpoints_it(reference):
     marker = read_marker(find_latest_checkpoint(tmp / "runs" / "ref"))
     assert marker["models"]["critic"]["optimizer"] == "saved"
     assert any(k.startswith("optimizer") for k in critic) and any(k.startswith("decoder.") for k in critic)
+    # the same run folder resumed without the critic (GRPO): refused in one line naming the checkpoint and fix
+    proc = start(tmp, "ref", f"run.num_rollout={STEPS + 1}")
+    assert finish(proc) == 1
+    last = (tmp / "ref.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("hpcrl run: error: CheckpointError: checkpoint ") and "holds a critic model" in last
+    assert "start a new run in another run folder" in last
 
 
 def test_ppo_usr2_then_sigkill_resume_bitwise(tmp_path, reference):
