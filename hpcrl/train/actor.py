@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 import torch
 
-from hpcrl.train import algorithms, deepseek_moe, parallel, ppo
+from hpcrl.train import algorithms, parallel, ppo
 from hpcrl.train.critic import Critic
 
 if TYPE_CHECKING:
@@ -536,7 +536,7 @@ class Actor:
         self.step_metrics = per_step
         if self.critic is not None:
             metrics.update(ppo.critic_steps(self.critic, steps, targets, [
-                lambda mb, s=s: self._reducer(mb, s) for s in step_sums], first, metrics["critic/seconds"]))
+                lambda mb, s=s: self._reducers(mb, s) for s in step_sums], first, metrics["critic/seconds"]))
         if per_step:
             metrics["train/first_step_ppo_kl"] = per_step[0]["ppo_kl"]
         if self.ci_checks and per_step:
@@ -601,11 +601,13 @@ class Actor:
         local = sum(algorithms.rollout_token_mean(values(mb), mb.mask, mb.positions, sums) for mb in flat)
         return self._all_reduce_sum({"v": local})["v"]
 
-    def _reducer(self, mb: MicroBatch, rollout_mask_sums: dict[int, float]) -> algorithms.Reducer:
-        """The loss reducer of a micro-batch of a step (the actor's and the critic's loss): per-rollout token
-        mean with the step's mask sums."""
-        return algorithms.make_reducer(REDUCTION, mb.mask, rollout_ids=mb.positions,
-                                       rollout_mask_sums=rollout_mask_sums)
+    def _reducers(self, mb: MicroBatch, rollout_mask_sums: dict[int, float]
+                  ) -> tuple[algorithms.Reducer, algorithms.Reducer]:
+        """``(loss, metrics)`` reducers of a micro-batch of a step, for the actor's and the critic's losses:
+        both the per-rollout token mean with the step's mask sums."""
+        reduce = algorithms.make_reducer(REDUCTION, mb.mask, rollout_ids=mb.positions,
+                                         rollout_mask_sums=rollout_mask_sums)
+        return reduce, reduce
 
     def _optimizer_step(self, micro_batches: Sequence[MicroBatch], rollout_mask_sums: dict[int, float]
                         ) -> dict[str, Optional[float]]:
@@ -627,7 +629,7 @@ class Actor:
             logp = out.log_probs
             entropy = out.entropy if cfg.entropy_coef != 0.0 else out.entropy.detach()
             old = mb.old_log_probs if mb.old_log_probs is not None else logp.detach()
-            reduce = self._reducer(mb, rollout_mask_sums)
+            reduce, _ = self._reducers(mb, rollout_mask_sums)
             res = algorithms.compute_loss(logp, old, mb.advantages, mb.mask, reduce, cfg, entropy=entropy,
                                           ref_logp=mb.ref_log_probs, rollout_logp=mb.rollout_log_probs)
             values = {f.name: getattr(res, f.name).detach() for f in dataclasses.fields(res)

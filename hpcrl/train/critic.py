@@ -226,14 +226,17 @@ class Critic:
     # -- optimizer step ------------------------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[Any], targets: Sequence[ValueTargets],
-                   reducer: Callable[[Any], Reducer], step: int) -> dict[str, Optional[float]]:
+                   reducers: Callable[[Any], tuple[Reducer, Reducer]], step: int
+                   ) -> dict[str, Optional[float]]:
         """One optimizer step of the critic over this rank's micro-batches of an actor step (the same split).
 
         The loss of a micro-batch is :func:`hpcrl.train.gae.value_loss` (clipped with ``critic.value_clip``)
-        reduced with ``reducer(mb)``, the actor's reducer for that micro-batch (step-wide denominators, so the
-        micro-batches' losses sum to the step's), times the data-parallel size (megatron DDP averages
-        gradients over DP; slime's ``loss *= dp_size``). ``targets[i]`` belong to ``micro_batches[i]``;
-        ``step``: the global optimizer step (``rollout_id * train.num_steps_per_rollout + k``), which sets the
+        reduced with the first of ``reducers(mb)``, the actor's ``(loss, metrics)`` reducers of that
+        micro-batch (step-wide denominators, so the micro-batches' losses sum to the step's;
+        ``value_clipfrac`` uses the metrics one, so it stays a fraction whatever the loss reduction), times
+        the data-parallel size (megatron DDP averages gradients over DP; slime's ``loss *= dp_size``).
+        ``targets[i]`` belong to ``micro_batches[i]``; ``step``: the global optimizer step
+        (``rollout_id * train.num_steps_per_rollout + k``), which sets the
         learning rate. Collective over the data-parallel group. Returns ``value_loss`` and
         ``value_clipfrac`` (the step's global values), ``grad_norm`` (None when not computed) and ``lr``.
         Raises RuntimeError when the optimizer skips the step (non-finite gradients).
@@ -247,8 +250,11 @@ class Critic:
         def loss_fn(model: torch.nn.Module, item: tuple[Any, ValueTargets]) -> Tensor:
             mb, target = item
             values = self.forward(mb)
-            loss, clipfrac = gae.value_loss(values, target.old_values, target.returns, mb.mask, reducer(mb),
-                                            clip)
+            reduce, report = reducers(mb)
+            loss, clipfrac = gae.value_loss(values, target.old_values, target.returns, mb.mask, reduce, clip)
+            if report is not reduce:
+                clipfrac = gae.value_loss(values.detach(), target.old_values, target.returns, mb.mask, report,
+                                          clip)[1]
             for k, v in (("value_loss", loss.detach()), ("value_clipfrac", clipfrac.detach())):
                 local[k] = local[k] + v if k in local else v
             return loss * self.dp_size

@@ -133,7 +133,8 @@ def critic_steps(critic: "Critic", steps: Sequence[Sequence[Any]], targets: Sequ
                  reducers: Sequence[Callable[[Any], Any]], first_step: int, seconds: float = 0.0
                  ) -> dict[str, float]:
     """The critic's optimizer steps over the actor's step split: step ``k`` trains on ``steps[k]`` (this
-    rank's micro-batches) with ``reducers[k]`` (the actor's reducer of a micro-batch of that step) at global
+    rank's micro-batches) with ``reducers[k]`` (the actor's ``(loss, metrics)`` reducers of a micro-batch of
+    that step, :meth:`~hpcrl.train.critic.Critic.train_step`) at global
     optimizer step ``first_step + k``. ``targets``: one per micro-batch, in the order of ``steps`` flattened.
 
     Returns ``critic/{value_loss, value_clipfrac, grad_norm}`` (means over the steps, each the step's global

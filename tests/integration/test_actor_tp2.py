@@ -12,6 +12,10 @@ Issue #13: the same two layouts with packed micro-batches and shared group promp
 (``train.max_tokens_per_microbatch``, token-budget micro-batches balanced over the DP ranks) pass the CI gates
 and match world size 1 padded; at TP=2 the packed and shared forwards' per-token log-probs equal the padded
 forward's to 1e-5 and so does one backward's gradient (relative norm; tests/unit/test_packing.py at TP=1).
+
+Issue #38: one PPO rollout (``gae`` with the KL penalty in the reward, 2 steps) at TP=2 and at DP=2, the
+critic started from a reward model's random ``score`` head so that its values are not 0: the critic's values
+of all samples equal world size 1's to 1e-5, and so do the first actor step and the GAE metrics.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ CHANGES = {"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5, "algori
            "train.micro_batch_size": 3}
 ROLLOUTS = 2
 PACKED = {"train.max_tokens_per_microbatch": 64, "train.share_group_prompt": True}
+GAE = {"algorithm.advantage_estimator": "gae", "algorithm.kl_coef": 0.05, "algorithm.kl_loss_type": "k3",
+       "train.num_steps_per_rollout": 2, "train.micro_batch_size": 3, "critic.lr": 3e-4}
 
 
 def _unit_helpers(path: Path = _UNIT):
@@ -64,6 +70,37 @@ def run_actor(model_dir, samples, **extra) -> dict:
     return out
 
 
+def run_gae(model_dir, samples, critic_path) -> dict:
+    """One PPO rollout (:data:`GAE`, critic from ``critic_path``): the critic's values of all samples (one
+    padded micro-batch) before it, the rollout's metrics and its first actor step."""
+    from megatron.core import parallel_state
+
+    from hpcrl.train.actor import Actor, build_micro_batch
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cfg = _unit_helpers().make_config(**GAE, **{"train.tensor_parallel_size": tp,
+                                                "critic.path": str(critic_path)})
+    actor = Actor(cfg, model_dir, ci_checks=True)
+    mb = build_micro_batch(samples, range(len(samples)), [torch.zeros(s.response_length) for s in samples])
+    values = actor.critic.values([mb])[0]
+    m = actor.train(0, samples)
+    timing = ("seconds", "tokens_per_s")
+    return {"values": values, "metrics": {k: v for k, v in m.items() if not k.endswith(timing)},
+            "first_step": dict(actor.step_metrics[0])}
+
+
+def make_reward_model(model_dir, path: Path) -> Path:
+    """A one-output ``score`` head (random, std 0.1) on the tiny model's decoder, saved to ``path``."""
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        rm.score.weight.normal_(0, 0.1)
+    rm.save_pretrained(path)
+    return path
+
+
 # --- the distributed side: `torchrun --nproc_per_node=2 test_actor_tp2.py --model M --samples F --out D` ---
 
 
@@ -84,6 +121,8 @@ def worker(model_dir: str, samples_file: Path, out: Path) -> None:
         parallel.initialize_model_parallel(tp=tp)
         parallel.model_parallel_cuda_manual_seed(1234)
         res[name] = run_actor(model_dir, samples, **extra)
+        if extra is not PACKED:
+            res[f"{name}-gae"] = run_gae(model_dir, samples, out / "rm")
         if name == "tp2":
             from hpcrl.train.actor import Actor
 
@@ -121,6 +160,7 @@ def ranks(tiny_model_dir, samples, tmp_path_factory):
     """Run the torchrun job once; the per-rank results, rank 0 first."""
     out = tmp_path_factory.mktemp("actor-tp2-out")
     torch.save([s.to_dict() for s in samples], out / "samples.pt")
+    make_reward_model(tiny_model_dir, out / "rm")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__,
            "--model", str(tiny_model_dir), "--samples", str(out / "samples.pt"), "--out", str(out)]
@@ -132,7 +172,7 @@ def ranks(tiny_model_dir, samples, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single(tiny_model_dir, samples):
+def single(tiny_model_dir, samples, tmp_path_factory):
     """The same training at world size 1, in this process."""
     from hpcrl.train import parallel
 
@@ -141,7 +181,10 @@ def single(tiny_model_dir, samples):
     parallel.initialize_model_parallel(tp=1)
     parallel.model_parallel_cuda_manual_seed(1234)
     try:
-        yield run_actor(tiny_model_dir, samples)
+        res = run_actor(tiny_model_dir, samples)
+        rm = make_reward_model(tiny_model_dir, tmp_path_factory.mktemp("rm") / "rm")
+        res["gae"] = run_gae(tiny_model_dir, samples, rm)
+        yield res
     finally:
         parallel.destroy()
 
@@ -190,6 +233,22 @@ def test_grad_norm_and_loss_match_world_size_1(ranks, single, name):
             assert step["entropy"] == pytest.approx(ref_step["entropy"], rel=1e-3)
     for k, w in single["weights"].items():
         assert (run["weights"][k] - w).abs().max().item() < 1e-3, k
+
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2"])
+def test_critic_values_and_ppo_rollout_match_world_size_1(ranks, single, name):
+    ref = single["gae"]
+    assert ref["values"].abs().max() > 0.1  # the reward model's head, not a zero one
+    for rank in ranks:
+        run = rank[f"{name}-gae"]
+        torch.testing.assert_close(run["values"], ref["values"], rtol=0, atol=1e-5)
+        assert run["metrics"]["train/first_step_ppo_kl"] == 0.0 and run["metrics"]["train/num_steps"] == 2
+        for key in ("grad_norm", "loss", "entropy"):
+            assert run["first_step"][key] == pytest.approx(ref["first_step"][key], rel=1e-5, abs=1e-7), key
+        for key in ("critic/values_mean", "critic/explained_variance", "critic/value_loss"):
+            assert run["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert ranks[0][f"{name}-gae"]["metrics"] == ranks[1][f"{name}-gae"]["metrics"]
 
 
 if __name__ == "__main__":
