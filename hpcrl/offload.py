@@ -10,6 +10,11 @@ unmapped; the process must start with its ``LD_PRELOAD`` hook) and the engines f
 ``/release_memory_occupation`` (SGLang ``--enable-memory-saver``). On CPUs the trainer side is a no-op adapter
 and the CPU engine only records its released tags and refuses generation while released, so the phase order
 is the same code and tests assert it from :attr:`ColocatedMemory.events`.
+
+A PPO run's critic (:class:`hpcrl.train.critic.Critic`, ``algorithm.advantage_estimator: gae``) lives in the
+trainer process beside the actor, so it takes the actor's turns with no code of its own: on GPUs
+torch-memory-saver pauses every device allocation of the process (``TMS_INIT_ENABLE=1``), the critic's weights,
+gradients and Adam states with the actor's; it runs only inside ``Actor.train``, between onload and offload.
 """
 
 from __future__ import annotations

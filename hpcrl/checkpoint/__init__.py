@@ -12,11 +12,15 @@ loaded at another tensor-parallel size (megatron-core ``dist_checkpointing`` res
           common.pt               non-sharded objects (optimizer param groups, Adam step) and the
                                   sharding metadata the state dicts were built with; rank 0
           metadata.json           megatron backend/version marker
+        dist_critic/              the same for a further named model saved with it (``models=``): a PPO
+                                  run's critic (value model) and its optimizer (``algorithm.
+                                  advantage_estimator: gae``); one ``dist_<name>/`` per such model
         rng/rank_00000.pt         RNG states of global rank 0: python, numpy, torch CPU, CUDA (if any),
         rng/rank_00001.pt         megatron's tensor-parallel tracker; one small file per rank
         state.json                ``extra_state`` from rank 0 (rollout id, data source, metrics, config)
         COMPLETE                  JSON marker, written last: rollout id, time, world/TP/PP/DP sizes, model
-                                  dtype, padded vocab, whether optimizer state is in it, and ``files``:
+                                  dtype, padded vocab, whether optimizer state is in it, ``models``
+                                  (each further model's folder and optimizer state), and ``files``:
                                   size in bytes and CRC-32 of every other file
       iter_0000004.tmp-1a2b3c4d/  a save in progress or a crashed one: never loaded, removed by the next save
       iter_0000001.del-1a2b3c4d/  a checkpoint being deleted: never loaded, removed by the next save

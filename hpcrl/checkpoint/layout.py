@@ -22,6 +22,18 @@ CHECKPOINTS_DIR = "checkpoints"
 
 
 DIST_DIR = "dist"
+"""The main (actor) model's megatron-core distributed checkpoint folder; another named model ``name`` (e.g. the
+critic) has its own, :func:`model_dist_dir` (``dist_<name>``)."""
+
+_MODEL_NAME_RE = re.compile(r"^[a-z][a-z0-9]*$")
+
+
+def model_dist_dir(name: str) -> str:
+    """The distributed checkpoint folder of the extra model ``name`` (``"critic"`` -> ``dist_critic``).
+    Raises ValueError for a name that is not lower-case letters and digits starting with a letter."""
+    if not _MODEL_NAME_RE.match(name):
+        raise ValueError(f"a checkpoint's model name is lower-case letters and digits, got {name!r}")
+    return f"{DIST_DIR}_{name}"
 
 
 RNG_DIR = "rng"
@@ -98,7 +110,7 @@ def size_and_crc(path: Path, fsync: bool = False, crc: bool = True) -> tuple[int
     return size, f"{value:08x}" if crc else None
 
 
-_DISTCP_RE = re.compile(rf"^{DIST_DIR}/__(\d+)_\d+\.distcp$")
+_DISTCP_RE = re.compile(rf"^{DIST_DIR}(?:_[a-z0-9]+)?/__(\d+)_\d+\.distcp$")
 
 
 _RNG_RE = re.compile(rf"^{RNG_DIR}/rank_(\d+)\.pt$")
@@ -143,14 +155,15 @@ def validate_checkpoint(path: Union[str, os.PathLike], verify_checksums: bool = 
 
     Every listed file must exist with the listed size in bytes (with ``verify_checksums`` also the listed
     CRC-32, if the save computed one; this reads the whole checkpoint). The torch DCP index
-    ``dist/.metadata``, ``dist/metadata.json``, ``state.json`` and one RNG file per rank of the saved world
-    must be among them. Files on disk that are not listed are ignored. Raises CheckpointError naming the
+    ``dist/.metadata``, ``dist/metadata.json`` (and the same of every extra model's ``dist_<name>/``, the
+    marker's ``models``), ``state.json`` and one RNG file per rank of the saved world must be among them. Files on disk that are not listed are ignored. Raises CheckpointError naming the
     first problem.
     """
     path = Path(path)
     marker = read_marker(path)
     files: dict[str, Any] = marker["files"]
-    required = [f"{DIST_DIR}/.metadata", f"{DIST_DIR}/metadata.json", STATE_FILE]
+    dists = [DIST_DIR] + [model_dist_dir(name) for name in marker.get("models") or {}]
+    required = [f"{d}/{f}" for d in dists for f in (".metadata", "metadata.json")] + [STATE_FILE]
     required += [f"{RNG_DIR}/rank_{r:05d}.pt" for r in range(int(marker.get("world_size", 1)))]
     missing = [f for f in required if f not in files]
     if missing:

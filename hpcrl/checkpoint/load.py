@@ -6,12 +6,13 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from hpcrl.checkpoint.layout import DIST_DIR, RNG_DIR, STATE_FILE, CheckpointError, validate_checkpoint
+from hpcrl.checkpoint.layout import (DIST_DIR, RNG_DIR, STATE_FILE, CheckpointError, model_dist_dir,
+                                     validate_checkpoint)
 from hpcrl.checkpoint.state import (broadcast_object, parallel_layout, require_dist, reset_to_initial,
                                     restore_adam_steps, set_rng_state, sharded_state_dict, unwrap,
                                     zero_state_to_load_into)
@@ -32,7 +33,8 @@ def optimizer_classes() -> list[type]:
 
 
 def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, optimizer: Any = None,
-                    load_rng: bool = True, strict: bool = True) -> dict[str, Any]:
+                    load_rng: bool = True, strict: bool = True,
+                    models: Optional[Mapping[str, tuple[torch.nn.Module, Any]]] = None) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` into a freshly built model; every rank calls.
 
     ``ddp_model`` / ``optimizer``: built as for training
@@ -43,16 +45,17 @@ def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, o
     sizes. ``optimizer=None`` loads the model only; a checkpoint saved before the first optimizer step
     resets ``optimizer`` to a fresh one. This rank's RNG states are restored when ``load_rng`` and the
     world, TP and PP sizes equal the saved ones (otherwise a warning says they are not). ``strict`` goes to
-    the model's ``load_state_dict``.
+    the model's ``load_state_dict``. ``models``: the further models saved with ``save_checkpoint(models=...)``,
+    ``{name: (ddp_model, optimizer or None)}``, loaded alike from their ``dist_<name>/`` folders; their names
+    must be exactly the checkpoint's (None: load the main model only and ignore any others, as
+    :mod:`hpcrl.convert` does).
 
     Returns the ``extra_state`` saved with it. Raises, on every rank: CheckpointError if the folder is
-    incomplete or truncated (checked by rank 0, sizes only) or has no optimizer state but ``optimizer`` is
-    given, ValueError if the ranks name different folders, RuntimeError without ``torch.distributed``;
+    incomplete or truncated (checked by rank 0, sizes only), has no optimizer state but ``optimizer`` is
+    given, or holds other named models than ``models`` (one line naming the checkpoint and the fix),
+    ValueError if the ranks name different folders, RuntimeError without ``torch.distributed``;
     megatron-core raises CheckpointingException for state that does not fit the model.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
     rank, world = require_dist()
     path = Path(path)
     paths = [None] * world
@@ -73,15 +76,61 @@ def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, o
     if "error" in header:
         raise CheckpointError(header["error"])
     marker = header["marker"]
-    dist_dir = str(path / DIST_DIR)
+    saved_models = dict(marker.get("models") or {})
+    if models is not None and set(models) != set(saved_models):
+        raise CheckpointError(models_mismatch(path, sorted(saved_models), sorted(models)))
+    main = {"dist": DIST_DIR, "optimizer": marker.get("optimizer", "saved"),
+            "sharding_metadata": marker.get("sharding_metadata")}
+    load_model(path, main, ddp_model, optimizer, strict)
+    for name, (other_model, other_optimizer) in (models or {}).items():
+        load_model(path, dict(saved_models[name], dist=model_dist_dir(name)), other_model, other_optimizer,
+                   strict)
+
+    if load_rng:
+        layout = parallel_layout()
+        same = all(marker.get(k) == layout[k] for k in ("world_size", "tp_size", "pp_size"))
+        if same:
+            set_rng_state(torch.load(path / RNG_DIR / f"rank_{rank:05d}.pt", weights_only=True))
+        elif rank == 0:
+            logger.warning("RNG states not restored: %s was saved with world/TP/PP %s/%s/%s, this job has "
+                           "%s/%s/%s",
+                           path, marker.get("world_size"), marker.get("tp_size"), marker.get("pp_size"),
+                           layout["world_size"], layout["tp_size"], layout["pp_size"])
+    dist.barrier()
+    return header["extra"]
+
+
+def models_mismatch(path: Path, saved: list[str], wanted: list[str]) -> str:
+    """The one-line error for a checkpoint whose further models (e.g. the critic) are not this run's."""
+    missing, unexpected = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+    what = []
+    if missing:
+        what.append(f"has no {', '.join(missing)} model, which this run has")
+    if unexpected:
+        what.append(f"holds a {', '.join(unexpected)} model, which this run does not have")
+    return (f"checkpoint {path} {' and '.join(what)}: it was saved by a run with other settings (e.g. another "
+            f"algorithm.advantage_estimator; gae has a critic); resume with the settings it was saved with, "
+            f"or start a new run in another run folder")
+
+
+def load_model(path: Path, entry: Mapping[str, Any], ddp_model: torch.nn.Module, optimizer: Any,
+               strict: bool) -> None:
+    """Load one model (+ optimizer) of checkpoint ``path`` from its folder ``entry["dist"]``, as its
+    ``COMPLETE`` entry (``optimizer``: saved | initial | none, ``sharding_metadata``) says; collective.
+    Raises CheckpointError if it has no optimizer state but ``optimizer`` is given."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    dist_dir = str(path / entry["dist"])
     allowed = torch.serialization.safe_globals(optimizer_classes())
     with allowed:
         metadata = (dist_checkpointing.load_content_metadata(dist_dir)
-                    or dict(marker.get("sharding_metadata") or {}))
+                    or dict(entry.get("sharding_metadata") or {}))
     model = unwrap(ddp_model)
-    saved_optimizer = marker.get("optimizer", "saved")
+    saved_optimizer = entry.get("optimizer", "saved")
     if optimizer is not None and saved_optimizer == "none":
-        raise CheckpointError(f"{path} was saved without optimizer state; load it with optimizer=None")
+        raise CheckpointError(f"{path} was saved without optimizer state in {entry['dist']}/; load it with "
+                              f"optimizer=None")
     load_optimizer = optimizer if saved_optimizer == "saved" else None
     zero_state_to_load_into(load_optimizer)
     sharded = sharded_state_dict(model, load_optimizer, metadata, is_loading=True)
@@ -96,16 +145,3 @@ def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, o
             restore_adam_steps(optimizer)
         elif optimizer is not None:  # saved before the first step
             reset_to_initial(optimizer)
-
-    if load_rng:
-        layout = parallel_layout()
-        same = all(marker.get(k) == layout[k] for k in ("world_size", "tp_size", "pp_size"))
-        if same:
-            set_rng_state(torch.load(path / RNG_DIR / f"rank_{rank:05d}.pt", weights_only=True))
-        elif rank == 0:
-            logger.warning("RNG states not restored: %s was saved with world/TP/PP %s/%s/%s, this job has "
-                           "%s/%s/%s",
-                           path, marker.get("world_size"), marker.get("tp_size"), marker.get("pp_size"),
-                           layout["world_size"], layout["tp_size"], layout["pp_size"])
-    dist.barrier()
-    return header["extra"]

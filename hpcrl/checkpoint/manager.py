@@ -31,6 +31,19 @@ name               object                                              where it 
 any other name     a stateful whose state is plain JSON                 ``state.json`` under its name
 =================  ==================================================  ==========================================
 
+The Megatron models are not statefuls: the actor's model and optimizer go to ``dist/``, and each further
+named model (``models``: a PPO run's critic, ``{"critic": (ddp_model, optimizer)}``, built by
+:class:`hpcrl.train.critic.Critic` when ``algorithm.advantage_estimator`` is ``gae``) to its own
+``dist_<name>/`` (``dist_critic/``), all in the same atomic save; the critic's learning-rate schedule, like the
+actor's, is a pure function of the optimizer step and needs no state.
+
+=================  ==================================================  ==========================================
+model              object                                              where it is written
+=================  ==================================================  ==========================================
+(the actor)        ``actor.ddp_model``, ``actor.optimizer``             ``dist/``; ``COMPLETE`` ``optimizer``
+``critic``         ``actor.critic.ddp_model``, ``.optimizer`` (PPO)     ``dist_critic/``; ``COMPLETE`` ``models``
+=================  ==================================================  ==========================================
+
 and the manager decides when to save (:meth:`CheckpointManager.end_step`): every ``checkpoint.save_interval``
 steps, at the last step (:func:`hpcrl.run_setup.due`), and when a preemption signal or the job's deadline
 stops the run (agreed by every trainer rank, :mod:`hpcrl.preempt`);
@@ -60,6 +73,9 @@ log = logging.getLogger("hpcrl.checkpoint")
 
 PROGRESS = "progress"
 """The name of the manager's own :class:`RolloutCounter` among the states (made when not given)."""
+
+CRITIC = "critic"
+"""The critic's name among a run's checkpointed models (its folder: ``dist_critic/``)."""
 
 
 class Stateful(Protocol):
@@ -155,15 +171,20 @@ class CheckpointManager:
     ``config``: the resolved config as a dict, written beside the state for ``hpcrl convert`` and readers;
     ``on_device``: a context in which the model and optimizer are on the device, entered around every save
     (colocated on GPUs the trainer's memory is offloaded between the weight sync and the next train step:
-    :meth:`hpcrl.rollout.manager.RolloutManager.trainer_onloaded`; default: nothing to do). The counter
-    ``states["progress"]`` is made when not given.
+    :meth:`hpcrl.rollout.manager.RolloutManager.trainer_onloaded`; default: nothing to do); ``models``:
+    further Megatron models with their optimizers, ``{name: (ddp_model, optimizer)}``, saved and loaded with
+    the main one in the same checkpoint (``dist_<name>/``; a run with a critic: ``{"critic": ...}``, and
+    a checkpoint with other models than the run's is refused). The counter ``states["progress"]`` is made
+    when not given.
     """
 
     def __init__(self, run_dir: Path, model: Any, optimizer: Any, states: Mapping[str, Stateful], *,
                  interval: int, num_rollout: int, keep_last: int, resume: bool, watch: "PreemptionWatch",
                  config: Optional[dict] = None,
-                 on_device: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+                 on_device: Callable[[], ContextManager] = contextlib.nullcontext,
+                 models: Optional[Mapping[str, tuple[Any, Any]]] = None) -> None:
         self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer
+        self.models: dict[str, tuple[Any, Any]] = dict(models or {})
         self.states: dict[str, Stateful] = {PROGRESS: RolloutCounter(), **states}
         self.interval, self.num_rollout, self.keep_last, self.resume = interval, num_rollout, keep_last, resume
         self.watch, self.config, self.on_device = watch, config, on_device
@@ -175,13 +196,16 @@ class CheckpointManager:
                     watch: "PreemptionWatch",
                     on_device: Callable[[], ContextManager] = contextlib.nullcontext) -> "CheckpointManager":
         """The manager of a run: ``cfg.checkpoint``'s interval, keep-last and resume, the actor's model and
-        optimizer."""
+        optimizer, and its critic's (``actor.critic``: PPO's value model, ``algorithm.advantage_estimator:
+        gae``; None otherwise) as the further model ``critic``."""
         from hpcrl.config import config_to_dict
 
         c = cfg.checkpoint
+        critic = getattr(actor, "critic", None)
+        models = {CRITIC: (critic.ddp_model, critic.optimizer)} if critic is not None else {}
         return cls(run_dir, actor.ddp_model, actor.optimizer, states, interval=c.save_interval,
                    num_rollout=cfg.run.num_rollout, keep_last=c.keep_last, resume=c.resume, watch=watch,
-                   config=config_to_dict(cfg), on_device=on_device)
+                   config=config_to_dict(cfg), on_device=on_device, models=models)
 
     def load(self) -> int:
         """Load the newest complete checkpoint into the model, optimizer and every state (with ``resume``)
@@ -195,7 +219,7 @@ class CheckpointManager:
                 if hasattr(obj, "start_fresh"):
                     obj.start_fresh()
             return 0
-        extra = load_checkpoint(path, self.model, self.optimizer)
+        extra = load_checkpoint(path, self.model, self.optimizer, models=self.models)
         for name, state in unpack_states(extra, path, self.states).items():
             self.states[name].load_state_dict(state)
         self.last_saved = self.progress.rollout_id
@@ -214,7 +238,7 @@ class CheckpointManager:
         self.progress.rollout_id = rollout_id
         extra, writers = pack_states(self.states, self.config)
         path = save_checkpoint(self.run_dir, rollout_id, self.model, self.optimizer, extra,
-                               keep_last=self.keep_last, write_files=writers)
+                               keep_last=self.keep_last, write_files=writers, models=self.models)
         self.watch.record_save(time.perf_counter() - t0)
         self.last_saved = rollout_id
         return path

@@ -10,6 +10,7 @@ import secrets
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -18,8 +19,8 @@ import torch.distributed as dist
 
 from hpcrl.fsutil import fsync_path
 from hpcrl.checkpoint.layout import (DIST_DIR, FORMAT, FORMAT_VERSION, MARKER_FILE, RNG_DIR, STATE_FILE,
-                                     checkpoint_path, file_owner, files_of, prune_checkpoints, size_and_crc,
-                                     subdirs, write_file)
+                                     checkpoint_path, file_owner, files_of, model_dist_dir, prune_checkpoints,
+                                     size_and_crc, subdirs, write_file)
 from hpcrl.checkpoint.state import (DISTRIB_OPTIM_SHARDING, broadcast_object, has_state, parallel_layout,
                                     require_dist, rng_state, sharded_state_dict, sharding_metadata, unwrap)
 
@@ -57,7 +58,8 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
                     optimizer: Any, extra_state: Optional[Mapping[str, Any]] = None, keep_last: int = 2,
                     distrib_optim_sharding_type: str = DISTRIB_OPTIM_SHARDING,
                     checksums: bool = True,
-                    write_files: Sequence[Callable[[Path], None]] = ()) -> Path:
+                    write_files: Sequence[Callable[[Path], None]] = (),
+                    models: Optional[Mapping[str, tuple[torch.nn.Module, Any]]] = None) -> Path:
     """Write the checkpoint of ``rollout_id`` to ``run_dir/checkpoints/iter_{rollout_id:07d}/`` (all ranks).
 
     ``ddp_model``: the trainer's model (megatron-core DDP / Float16Module wrappers or a bare GPTModel).
@@ -73,30 +75,31 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
     wrote, mostly from its page cache); False lists sizes only, for very large checkpoints. ``write_files``:
     writers rank 0 calls, in order, with the checkpoint's (temporary) folder, to add their files inside the
     same atomic save (the checkpoint manager's stateful objects that keep files, e.g. the HDF5 data buffer),
-    listed and checksummed by ``COMPLETE`` with the rest.
+    listed and checksummed by ``COMPLETE`` with the rest. ``models``: further Megatron models saved in the
+    same atomic save, ``{name: (ddp_model, optimizer or None)}`` (e.g. ``{"critic": ...}``, PPO's value
+    model), each into its own distributed checkpoint folder ``dist_<name>/`` (:func:`model_dist_dir`); the
+    marker's ``models`` records each one's folder and optimizer state (saved | initial | none) and
+    :func:`load_checkpoint` restores them.
 
     Returns the checkpoint folder. Raises, on every rank: RuntimeError without ``torch.distributed``,
     TypeError if ``extra_state`` is not plain JSON (nothing is written then), OSError if a rank fails to
-    write; ValueError / NotImplementedError for a bad ``distrib_optim_sharding_type``.
+    write; ValueError / NotImplementedError for a bad ``distrib_optim_sharding_type`` or model name.
     """
-    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
-
     rank, world = require_dist()
     final = checkpoint_path(run_dir, rollout_id)
     model = unwrap(ddp_model)
-    # An optimizer that has not stepped has no state to save (and megatron-core 0.16.1 mis-saves one whose
-    # torch-Adam step is 0: ``if step:``); the marker says so and a load rebuilds it from the model.
-    optimizer_state = "none" if optimizer is None else ("saved" if has_state(optimizer) else "initial")
-    save_optimizer = optimizer if optimizer_state == "saved" else None
-    metadata = sharding_metadata(save_optimizer, distrib_optim_sharding_type)
-    tmp, state_json = stage(final, extra_state, rank)
-    write(tmp, final, model, save_optimizer, metadata, state_json, rank, write_files)
+    main = model_part(DIST_DIR, ddp_model, optimizer, distrib_optim_sharding_type)
+    extra_parts = {name: model_part(model_dist_dir(name), m, opt, distrib_optim_sharding_type)
+                   for name, (m, opt) in (models or {}).items()}
+    tmp, state_json = stage(final, extra_state, rank, [p.dist for p in extra_parts.values()])
+    write(tmp, final, [main, *extra_parts.values()], state_json, rank, write_files)
     listing = verify(tmp, final, checksums, rank, world)
     marker = {
         "rollout_id": int(rollout_id), **parallel_layout(),
         "params_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "padded_vocab_size": int(getattr(model, "vocab_size", 0)) or None,
-        "optimizer": optimizer_state, "sharding_metadata": _clean_metadata_for_serialization(metadata),
+        "optimizer": main.optimizer_state, "sharding_metadata": main.marker()["sharding_metadata"],
+        "models": {name: part.marker() for name, part in extra_parts.items()},
     }
     publish(tmp, final, marker, listing, rank)
     if rank == 0:
@@ -108,9 +111,41 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
     return final
 
 
-def stage(final: Path, extra_state: Optional[Mapping[str, Any]], rank: int) -> tuple[Path, Optional[str]]:
+@dataclass
+class ModelPart:
+    """One Megatron model of a checkpoint and how it is saved: ``dist`` (its folder, ``dist`` or
+    ``dist_<name>``), the bare model, the optimizer whose state is saved (None when there is none to save),
+    ``optimizer_state`` (the marker's saved | initial | none) and the sharding ``metadata``."""
+
+    dist: str
+    model: torch.nn.Module
+    optimizer: Any
+    optimizer_state: str
+    metadata: dict[str, Any]
+
+    def marker(self) -> dict[str, Any]:
+        """What ``COMPLETE`` records of it: folder, optimizer state, sharding metadata."""
+        from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+        return {"dist": self.dist, "optimizer": self.optimizer_state,
+                "sharding_metadata": _clean_metadata_for_serialization(self.metadata)}
+
+
+def model_part(dist_dir: str, ddp_model: torch.nn.Module, optimizer: Any, sharding_type: str) -> ModelPart:
+    """The :class:`ModelPart` of a model and its optimizer (None: model only), saved into ``dist_dir``."""
+    # An optimizer that has not stepped has no state to save (and megatron-core 0.16.1 mis-saves one whose
+    # torch-Adam step is 0: ``if step:``); the marker says so and a load rebuilds it from the model.
+    optimizer_state = "none" if optimizer is None else ("saved" if has_state(optimizer) else "initial")
+    save_optimizer = optimizer if optimizer_state == "saved" else None
+    return ModelPart(dist_dir, unwrap(ddp_model), save_optimizer, optimizer_state,
+                     sharding_metadata(save_optimizer, sharding_type))
+
+
+def stage(final: Path, extra_state: Optional[Mapping[str, Any]], rank: int,
+          dists: Sequence[str] = ()) -> tuple[Path, Optional[str]]:
     """Phase 1 (collective): rank 0 checks that ``extra_state`` is plain JSON and makes the temp folder
-    ``<final>.tmp-<nonce>`` with ``dist/`` and ``rng/``; every rank learns its name. Returns ``(temp folder,
+    ``<final>.tmp-<nonce>`` with ``dist/``, the further models' ``dists`` and ``rng/``; every rank learns
+    its name. Returns ``(temp folder,
     the state as JSON text on rank 0, None elsewhere)``. Raises TypeError (not plain JSON) or OSError (the
     folder cannot be made) on every rank."""
     header: dict[str, Any] = {}
@@ -124,7 +159,8 @@ def stage(final: Path, extra_state: Optional[Mapping[str, Any]], rank: int) -> t
             try:
                 tmp = final.parent / f"{final.name}.tmp-{secrets.token_hex(4)}"
                 (tmp / DIST_DIR).mkdir(parents=True)
-                (tmp / RNG_DIR).mkdir()
+                for d in (*dists, RNG_DIR):
+                    (tmp / d).mkdir()
                 header = {"tmp": str(tmp)}
             except OSError as e:
                 header = {"error": f"cannot create {final.parent}: {e}", "type": "OSError"}
@@ -134,19 +170,20 @@ def stage(final: Path, extra_state: Optional[Mapping[str, Any]], rank: int) -> t
     return Path(header["tmp"]), state_json
 
 
-def write(tmp: Path, final: Path, model: torch.nn.Module, optimizer: Any, metadata: dict[str, Any],
-          state_json: Optional[str], rank: int, write_files: Sequence[Callable[[Path], None]] = ()) -> None:
-    """Phase 2 (collective): the megatron-core distributed checkpoint of model + optimizer (all ranks), each
-    rank's RNG states, and on rank 0 ``state.json`` and the ``write_files``. Raises OSError
-    on every rank if any rank failed."""
+def write(tmp: Path, final: Path, parts: Sequence[ModelPart], state_json: Optional[str], rank: int,
+          write_files: Sequence[Callable[[Path], None]] = ()) -> None:
+    """Phase 2 (collective): the megatron-core distributed checkpoint of each model + optimizer of ``parts``
+    into its folder (all ranks), each rank's RNG states, and on rank 0 ``state.json`` and the
+    ``write_files``. Raises OSError on every rank if any rank failed."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
-    sharded = sharded_state_dict(model, optimizer, metadata, is_loading=False)
     _write_results_in_process()
-    dist_checkpointing.save(sharded, str(tmp / DIST_DIR), get_default_save_sharded_strategy("torch_dist"),
-                            content_metadata=_clean_metadata_for_serialization(metadata))
+    for part in parts:
+        sharded = sharded_state_dict(part.model, part.optimizer, part.metadata, is_loading=False)
+        dist_checkpointing.save(sharded, str(tmp / part.dist), get_default_save_sharded_strategy("torch_dist"),
+                                content_metadata=_clean_metadata_for_serialization(part.metadata))
     try:
         write_file(tmp / RNG_DIR / f"rank_{rank:05d}.pt", _torch_bytes(rng_state()))
         if rank == 0:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from hpcrl.config.checks import non_negative, positive, require
+from hpcrl.config.environment import Environment
+from hpcrl.config.errors import ConfigError
 
 
 @dataclass
@@ -53,3 +55,44 @@ def check_critic(cfg: Config) -> None:
             "critic.warmup_steps", c.warmup_steps,
             f"leaves no rollout step for the actor (run.num_rollout={cfg.run.num_rollout})",
             "use fewer critic-only steps, or more rollout steps")
+
+
+def check_critic_model(cfg: Config, check_files: bool, env: Optional[Environment] = None) -> None:
+    """What a PPO run (``algorithm.advantage_estimator: gae``) would refuse of its critic's folder, checked on
+    the login node when ``check_files`` and ``critic.path`` is set (null: the actor's folder, checked as
+    ``model.path``): an HF model folder (``config.json``) that the trainer supports (``env.model_folder_problem``),
+    whose attention and key/value heads ``train.tensor_parallel_size`` divides (the critic has the actor's
+    layout), and, when the actor's folder exists, with the actor's tokenizer (``env.tokenizer_difference``):
+    the critic reads the actor's token ids, so another vocabulary would value other tokens (or index past its
+    embedding). Raises ConfigError naming ``critic.path``."""
+    import json
+    from pathlib import Path
+
+    path = cfg.critic.path
+    if cfg.algorithm.advantage_estimator != "gae" or not path or not check_files:
+        return
+    folder = Path(path)
+    require((folder / "config.json").is_file(), "critic.path", path,
+            "no such folder" if not folder.exists() else "not an HF model folder (no config.json)",
+            "point it at an HF model folder (a causal LM or a one-output reward model), or null for model.path")
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError("critic.path", path, f"unreadable config.json ({e})", "fix or replace the folder")
+    if env is not None:
+        problem = env.model_folder_problem(path)
+        if problem is not None:
+            raise ConfigError("critic.path", path, *problem)
+    tp = cfg.train.tensor_parallel_size
+    heads = int(hf.get("num_attention_heads") or 0)
+    groups = heads if hf.get("kv_lora_rank") else int(hf.get("num_key_value_heads") or heads)
+    for field, n in (("num_attention_heads", heads), ("num_key_value_heads", groups)):
+        require(n % tp == 0, "critic.path", path,
+                f"has {field}={n}, which train.tensor_parallel_size={tp} does not divide (the critic has the "
+                "actor's layout)", f"use a critic whose {field} is a multiple of {tp}, or another TP size")
+    actor = Path(cfg.model.path or "")
+    if env is not None and cfg.model.path and (actor / "config.json").is_file():
+        why = env.tokenizer_difference(actor, folder)
+        require(why is None, "critic.path", path,
+                f"has another tokenizer than the actor's model.path ({why}), so it would value other tokens",
+                "use a critic of the actor's model family (same tokenizer)")

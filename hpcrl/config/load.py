@@ -20,7 +20,7 @@ from hpcrl.config.yaml_io import parse_yaml, YamlDumper
 from hpcrl.config.checks import non_negative, positive, require
 from hpcrl.config.run import check_data, check_model, check_run, check_sft
 from hpcrl.config.rollout import check_rollout
-from hpcrl.config.critic import check_critic
+from hpcrl.config.critic import check_critic, check_critic_model
 from hpcrl.config.train import (check_algorithm, check_checkpoint, check_heads, check_moe, check_train,
                                 check_weights)
 from hpcrl.config.slurm import check_slurm
@@ -224,6 +224,7 @@ def validate(cfg: Config, check_files: bool = True, env: Optional[Environment] =
     check_moe(cfg, check_files, env)
     check_algorithm(cfg, check_files, env)
     check_critic(cfg)
+    check_critic_model(cfg, check_files, env)
     check_weights(cfg)
     check_checkpoint(cfg)
     check_slurm(cfg, check_files)

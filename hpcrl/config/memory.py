@@ -25,6 +25,11 @@ per parameter a GPU holds:
   defaults to 0.0, i.e. nothing moves) keeps a fraction f of those states (and an fp32 copy of their
   gradients) in host memory instead.
 
+With a critic (``algorithm.advantage_estimator: gae``, PPO's value model) the trainer holds a second model
+with the actor's layout in the same processes: the same weights, gradients and Adam states again, less the
+output layer (the critic's is a ``hidden_size -> 1`` value head, not counted). The actor's parameter counts
+stand for the critic's (``critic.path`` must be the actor's architecture: :mod:`hpcrl.config.critic`).
+
 Megatron's own ``theoretical_memory_usage`` gives the same ``6 + 12/DP`` bytes per parameter for bf16 with the
 distributed optimizer. Activations are not estimated: :data:`RESERVED_GB` per GPU is kept back for them, the
 CUDA context, NCCL buffers and allocator fragmentation, and what is left is printed.
@@ -53,7 +58,7 @@ colocated run has one engine per node (``rollout.num_engines = slurm.nodes``), `
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -96,6 +101,9 @@ class TrainerMemory:
     """Adam states (and their fp32 gradient copy) this GPU's rank keeps in host memory."""
     layout: str
     """``tp1 pp1 ep8 dp8 edp1 over 8 GPUs``."""
+    critic: float = 0.0
+    """Bytes of the critic (``advantage_estimator: gae``) on the GPU: its weights, gradients and Adam states,
+    included in ``weights``, ``grads`` and ``adam`` (and its host Adam in ``adam_host``); 0 without one."""
 
     @property
     def total(self) -> float:
@@ -145,7 +153,19 @@ def trainer_memory(cfg: Config, p: ParamCount, offload: Optional[bool] = None) -
 
     ``offload``: override ``megatron.optimizer_cpu_offload`` (with fraction 1.0 when forced on), for the
     what-if lines. The world is ``slurm.nodes x slurm.gpus_per_node`` on GPU nodes, else ``train.nprocs``.
+    With ``algorithm.advantage_estimator: gae`` the critic (the actor's parameters less the output layer, same
+    layout and precision) is added to every field but ``params`` and ``layout`` (``critic``: its GPU bytes).
     """
+    actor = _model_memory(cfg, p, offload)
+    if cfg.algorithm.advantage_estimator != "gae":
+        return actor
+    c = _model_memory(cfg, replace(p, output=0), offload)
+    return TrainerMemory(params=actor.params, weights=actor.weights + c.weights, grads=actor.grads + c.grads,
+                         adam=actor.adam + c.adam, adam_no_offload=actor.adam_no_offload + c.adam_no_offload,
+                         adam_host=actor.adam_host + c.adam_host, layout=actor.layout, critic=c.total)
+
+
+def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool]) -> TrainerMemory:
     t, meg = cfg.train, dict(cfg.megatron or {})
     tp, pp = t.tensor_parallel_size, t.pipeline_parallel_size
     cp, ep = t.context_parallel_size, t.expert_parallel_size
@@ -352,6 +372,7 @@ def memory_lines(cfg: Config, env: Environment) -> list[str]:
              f"  trainer:   {tm.layout}, {tm.params / 1e9:.2f}B parameters per GPU: weights "
              f"{_gb(tm.weights)} ({dt}) + gradients {_gb(tm.grads)} ({gdt}) + Adam {_gb(tm.adam)} = "
              f"{_gb(tm.total)}{of}"
+             + (f" (the critic's {_gb(tm.critic)} included)" if tm.critic else "")
              + (f", {_gb(gpu * GB - RESERVED_GB * GB - tm.total)} left after {RESERVED_GB:g} GB reserved"
                 if gpu is not None else ""),
              f"             Adam without CPU offload {_gb(off.adam)} (total {_gb(off.total)}), with "

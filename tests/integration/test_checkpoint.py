@@ -279,6 +279,53 @@ def test_checkpoint_layout_and_marker(tp1_resume):
     assert json.loads((path / "state.json").read_text())["rollout_id"] == 1
 
 
+def test_resume_with_a_second_model_is_bitwise_identical(tp1, tiny_model_dir, tmp_path):
+    """A further named model + optimizer (PPO's critic) in the same checkpoint (``dist_critic/``, in the
+    marker's ``models``): a fresh pair of each loaded from it trains on bitwise like the saving run; a load
+    naming other models than the checkpoint's is one CheckpointError line naming it and the fix, and
+    ``models=None`` (hpcrl convert) loads the main model alone."""
+    from hpcrl import checkpoint
+    from hpcrl.train import model as tmodel
+
+    def build():
+        return [tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN) for _ in range(2)]
+
+    def step(pairs):
+        return [one_step(m, o)["loss"] for m, o in pairs]
+
+    def state(pairs):
+        return [(model_tensors(m), optimizer_tensors(o)) for m, o in pairs]
+
+    seed_everything(1234)
+    pairs = build()
+    step(pairs)
+    path = checkpoint.save_checkpoint(tmp_path, 1, *pairs[0], {"rollout_id": 1}, models={"critic": pairs[1]})
+    losses = step(pairs)
+    want = state(pairs)
+    assert any(not torch.equal(v, want[1][0][k]) for k, v in want[0][0].items())  # two different models
+    marker = checkpoint.validate_checkpoint(path, verify_checksums=True)
+    assert marker["models"]["critic"]["optimizer"] == "saved" and marker["optimizer"] == "saved"
+    assert {"dist_critic/.metadata", "dist_critic/metadata.json"} <= set(marker["files"])
+    assert any(f.startswith("dist_critic/") and f.endswith(".distcp") for f in marker["files"])
+
+    seed_everything(999)
+    fresh = build()
+    assert checkpoint.load_checkpoint(path, *fresh[0], models={"critic": fresh[1]}) == {"rollout_id": 1}
+    assert step(fresh) == losses
+    for (model, optim), (want_model, want_optim) in zip(state(fresh), want):
+        assert all(torch.equal(v, model[k]) for k, v in want_model.items())
+        assert len(optim) == len(want_optim) and all(torch.equal(a, b) for a, b in zip(optim, want_optim))
+
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"iter_0000001 holds a critic model, which this run does not have.*new run"):
+        checkpoint.load_checkpoint(path, *fresh[0], models={})
+    checkpoint.load_checkpoint(path, *fresh[0])  # models=None: the main model only
+    without = checkpoint.save_checkpoint(tmp_path, 2, *fresh[0], {"rollout_id": 2})
+    assert checkpoint.read_marker(without)["models"] == {}
+    with pytest.raises(checkpoint.CheckpointError, match=r"iter_0000002 has no critic model, which this run has"):
+        checkpoint.load_checkpoint(without, *fresh[0], models={"critic": fresh[1]})
+
+
 # (b) bitwise resume at TP=2 and TP=1 x DP=2 (distributed optimizer) in 2 processes -------------------------
 
 @pytest.mark.integration

@@ -33,9 +33,13 @@ held, record = {}, {"offloads": 0, "saves": []}
 
 def tensors():
     actor = held["actor"]
-    out = [p.data for p in actor.model.parameters()]
-    for state in actor.optimizer.optimizer.state.values():
-        out += [t for t in state.values() if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0]
+    out = []
+    for owner in (actor, getattr(actor, "critic", None)):  # a PPO run's critic shares the trainer's memory
+        if owner is None:
+            continue
+        out += [p.data for p in owner.model.parameters()]
+        for state in owner.optimizer.optimizer.state.values():
+            out += [t for t in state.values() if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0]
     return out
 
 
@@ -85,7 +89,10 @@ if __name__ == "__main__":  # checkpoint writers are spawned: they import this f
 '''
 
 
-def test_colocated_sync_and_saves_never_read_offloaded_trainer_tensors(tmp_path):
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_colocated_sync_and_saves_never_read_offloaded_trainer_tensors(tmp_path, estimator):
+    """``gae``: PPO, whose critic (model and Adam states, poisoned with the actor's) lives in the trainer
+    process and takes the actor's turns; its metrics are logged every step."""
     (tmp_path / "driver.py").write_text(DRIVER)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(textwrap.dedent(f"""
@@ -95,6 +102,7 @@ def test_colocated_sync_and_saves_never_read_offloaded_trainer_tensors(tmp_path)
         rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 6, dynamic_filter: null,
                   eval_interval: 0}}
         train: {{lr: 1.0e-3, micro_batch_size: 8}}
+        algorithm: {{advantage_estimator: {estimator}}}
         checkpoint: {{save_interval: 1, keep_last: 1}}
     """))
     record = tmp_path / "record.json"
@@ -110,6 +118,8 @@ def test_colocated_sync_and_saves_never_read_offloaded_trainer_tensors(tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "runs" / "colo" / "metrics.jsonl").read_text().splitlines()]
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in rows if r.get("step", -1) >= 0]
     assert len(diffs) == 3 and max(diffs) < 1e-4, diffs  # the engine got the trained weights, not NaN
+    if estimator == "gae":
+        assert all(r["critic/value_loss"] >= 0 for r in rows if r.get("step", -1) >= 0)
     phases = [json.loads(x)["phase"] for x in
               next((tmp_path / "runs" / "colo" / "logs").glob("attempt-0/phases.jsonl")).read_text().splitlines()]
     assert phases[:8] == ["offload_engine", "offload_trainer", "onload_engine_weights", "sync", "onload_engine_kv",

@@ -185,6 +185,28 @@ def test_dense_model_bytes_per_parameter_are_megatrons():
         assert trainer_memory(cfg, p).total / m.params == pytest.approx(16)
 
 
+def test_a_critic_adds_the_actors_states_less_its_output_layer():
+    """PPO (advantage_estimator gae) holds a critic of the actor's layout in the trainer: its weights, fp32
+    gradients and Adam again, without the vocab output layer (a value head instead), on top of the actor's."""
+    from hpcrl.config import Config
+
+    p = count_parameters(dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36,  # untied output
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                              intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False))
+    assert p.output > 0
+    cfg = Config()
+    cfg.slurm.nodes, cfg.slurm.gpus_per_node = 1, 8
+    cfg.train.tensor_parallel_size, cfg.train.bf16, cfg.train.use_distributed_optimizer = 2, True, True
+    actor = trainer_memory(cfg, p)
+    cfg.algorithm.advantage_estimator = "gae"
+    both = trainer_memory(cfg, p)
+    critic_params = (p.embedding + p.dense) / 2 + p.replicated
+    assert actor.critic == 0 and both.params == actor.params
+    assert both.critic == pytest.approx(critic_params * (6 + 12 / 4))  # bf16 + fp32 grads + Adam over DP 4
+    assert both.total == pytest.approx(actor.total + both.critic)
+    assert both.weights - actor.weights == pytest.approx(2 * critic_params)
+
+
 def test_experts_shard_over_ep_and_expert_dp(tmp_path):
     cfg = _cfg(tmp_path, "qwen3-30b-a3b-disaggregate")  # TP1 EP16 over 16 GPUs: EDP 1, DP 16
     p = _count()

@@ -1,0 +1,50 @@
+"""``hpcrl validate``'s refusals of a PPO critic's folder (``critic.path``, :func:`hpcrl.config.critic.
+check_critic_model`): what the run would fail on, or silently get wrong, said in one line before it starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from hpcrl.config import ConfigError
+from hpcrl.validate import load_and_check
+
+GAE = ["algorithm.advantage_estimator=gae"]
+
+
+def _refusal(overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_and_check(None, overrides)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_critic_folder_refusals(tmp_path, tiny_model_dir):
+    """Missing folder, a folder without config.json, heads TP does not divide, another tokenizer: each refused
+    naming critic.path; the actor's own folder as critic passes, and nothing is checked without gae."""
+    base = [f"model.path={tiny_model_dir}"] + GAE
+    err = _refusal(base + [f"critic.path={tmp_path / 'nope'}"])
+    assert err.field == "critic.path" and "no such folder" in str(err)
+    (tmp_path / "empty").mkdir()
+    assert "no config.json" in str(_refusal(base + [f"critic.path={tmp_path / 'empty'}"]))
+
+    same = shutil.copytree(tiny_model_dir, tmp_path / "same")
+    assert load_and_check(None, base + [f"critic.path={same}"]).critic.path == str(same)
+    odd = shutil.copytree(tiny_model_dir, tmp_path / "odd")
+    hf = json.loads((odd / "config.json").read_text())
+    hf["num_attention_heads"], hf["num_key_value_heads"] = 4, 1  # TP=2 cannot split one key/value head
+    (odd / "config.json").write_text(json.dumps(hf))
+    err = _refusal(base + [f"critic.path={odd}", "train.tensor_parallel_size=2",
+                            "train.nprocs=2"])
+    assert err.field == "critic.path" and "num_key_value_heads=1" in str(err)
+
+    other = shutil.copytree(tiny_model_dir, tmp_path / "other")
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]  # two digits' ids swapped: same size, other tokens
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    err = _refusal(base + [f"critic.path={other}"])
+    assert err.field == "critic.path" and "tokenizer" in str(err)
+    assert load_and_check(None, [f"model.path={tiny_model_dir}", f"critic.path={other}"]).critic.path
