@@ -23,7 +23,7 @@ def _refusal(overrides: list[str]) -> ConfigError:
 
 def test_critic_folder_refusals(tmp_path, tiny_model_dir):
     """Missing folder, a folder without config.json, heads TP does not divide, another tokenizer: each refused
-    naming critic.path; the actor's own folder as critic passes, and nothing is checked without gae."""
+    naming critic.path; the actor's own folder as critic passes; without gae a critic.path has no effect."""
     base = [f"model.path={tiny_model_dir}"] + GAE
     err = _refusal(base + [f"critic.path={tmp_path / 'nope'}"])
     assert err.field == "critic.path" and "no such folder" in str(err)
@@ -47,4 +47,5 @@ def test_critic_folder_refusals(tmp_path, tiny_model_dir):
     (other / "tokenizer.json").write_text(json.dumps(tok))
     err = _refusal(base + [f"critic.path={other}"])
     assert err.field == "critic.path" and "tokenizer" in str(err)
-    assert load_and_check(None, [f"model.path={tiny_model_dir}", f"critic.path={other}"]).critic.path
+    err = _refusal([f"model.path={tiny_model_dir}", f"critic.path={other}"])  # without gae: no critic at all
+    assert err.field == "critic.path" and "has no effect" in str(err)
