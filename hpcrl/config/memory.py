@@ -27,8 +27,9 @@ per parameter a GPU holds:
 
 With a critic (``algorithm.advantage_estimator: gae``, PPO's value model) the trainer holds a second model
 with the actor's layout in the same processes: the same weights, gradients and Adam states again, less the
-output layer (the critic's is a ``hidden_size -> 1`` value head, not counted). The actor's parameter counts
-stand for the critic's (``critic.path`` must be the actor's architecture: :mod:`hpcrl.config.critic`).
+output layer (the critic's is a ``hidden_size -> 1`` value head, not counted). Its parameters are counted from
+``critic.path``'s ``config.json`` when it is set (a critic may be smaller or larger than the actor), else they
+are the actor's (:func:`critic_parameters`).
 
 Megatron's own ``theoretical_memory_usage`` gives the same ``6 + 12/DP`` bytes per parameter for bf16 with the
 distributed optimizer. Activations are not estimated: :data:`RESERVED_GB` per GPU is kept back for them, the
@@ -148,18 +149,35 @@ def _trainer_world(cfg: Config) -> int:
     return s.nodes * s.gpus_per_node if s.gpus_per_node > 0 else cfg.train.nprocs
 
 
-def trainer_memory(cfg: Config, p: ParamCount, offload: Optional[bool] = None) -> TrainerMemory:
+def critic_parameters(cfg: Config, p: ParamCount, env: Environment) -> ParamCount:
+    """The critic's parameter count: from ``critic.path``'s ``config.json`` when it is set, readable and of
+    a family ``env`` counts, else the actor's ``p`` (``critic.path`` null: the critic is the actor's model)."""
+    path = Path(cfg.critic.path or "", "config.json")
+    if not cfg.critic.path or not path.is_file():
+        return p
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return p
+    if not isinstance(hf, dict) or hf.get("model_type") not in env.counted_model_types:
+        return p
+    return env.count_parameters(hf)
+
+
+def trainer_memory(cfg: Config, p: ParamCount, offload: Optional[bool] = None,
+                   critic: Optional[ParamCount] = None) -> TrainerMemory:
     """The trainer's per-GPU memory for the parameters ``p`` under ``cfg``'s parallel sizes and precision.
 
     ``offload``: override ``megatron.optimizer_cpu_offload`` (with fraction 1.0 when forced on), for the
     what-if lines. The world is ``slurm.nodes x slurm.gpus_per_node`` on GPU nodes, else ``train.nprocs``.
-    With ``algorithm.advantage_estimator: gae`` the critic (the actor's parameters less the output layer, same
-    layout and precision) is added to every field but ``params`` and ``layout`` (``critic``: its GPU bytes).
+    With ``algorithm.advantage_estimator: gae`` the critic (``critic``'s parameters, default ``p``, less the
+    output layer; the actor's layout and precision) is added to every field but ``params`` and ``layout``
+    (``critic``: its GPU bytes).
     """
     actor = _model_memory(cfg, p, offload)
     if cfg.algorithm.advantage_estimator != "gae":
         return actor
-    c = _model_memory(cfg, replace(p, output=0), offload)
+    c = _model_memory(cfg, replace(critic or p, output=0), offload)
     return TrainerMemory(params=actor.params, weights=actor.weights + c.weights, grads=actor.grads + c.grads,
                          adam=actor.adam + c.adam, adam_no_offload=actor.adam_no_offload + c.adam_no_offload,
                          adam_host=actor.adam_host + c.adam_host, layout=actor.layout, critic=c.total)
@@ -271,7 +289,8 @@ def check_engine_layout(cfg: Config, experts: Optional[int]) -> None:
                 f"set rollout.num_engines={cfg.slurm.nodes}")
 
 
-def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0) -> str:
+def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0,
+                 critic: Optional[ParamCount] = None) -> str:
     """What would make the trainer fit: the CPU offload, the distributed optimizer, or more GPUs; for a MoE
     model (``experts`` routed experts per layer, trained at TP=1) more expert parallelism, or, where even one
     expert per GPU with Adam offloaded does not fit, that no layout of hpcrl's trainer does."""
@@ -279,7 +298,7 @@ def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0) ->
     fixes = []
     if not meg.get("use_distributed_optimizer", t.use_distributed_optimizer):
         fixes.append("set train.use_distributed_optimizer=true (Adam sharded over data parallel)")
-    offloaded = trainer_memory(cfg, p, offload=True)
+    offloaded = trainer_memory(cfg, p, offload=True, critic=critic)
     if not (meg.get("optimizer_cpu_offload") and float(meg.get("optimizer_offload_fraction", 0.0)) >= 1.0):
         fits = "fits" if offloaded.total <= budget else "still does not fit"
         fixes.append(f"set megatron.optimizer_cpu_offload=true and megatron.optimizer_offload_fraction=1.0 "
@@ -319,12 +338,13 @@ def check_memory(cfg: Config, check_files: bool, env: Optional[Environment] = No
     p = env.count_parameters(hf)
     gpu = s.gpu_memory_gb * GB
     budget = gpu - RESERVED_GB * GB
-    tm = trainer_memory(cfg, p)
+    critic = critic_parameters(cfg, p, env)
+    tm = trainer_memory(cfg, p, critic=critic)
     experts = env.routed_experts(hf) if p.expert else 0
     require(tm.total <= budget, "slurm.gpu_memory_gb", s.gpu_memory_gb,
             f"the trainer needs {_gb(tm.total)} per GPU at {tm.layout} (weights {_gb(tm.weights)}, gradients "
             f"{_gb(tm.grads)}, Adam {_gb(tm.adam)}) plus {RESERVED_GB:g} GB reserved, more than the GPU has",
-            _trainer_fix(cfg, p, budget, experts))
+            _trainer_fix(cfg, p, budget, experts, critic))
     if not _sglang_engines(cfg):
         return
     _, engine_gb, _ = _engine_gpus(cfg)
@@ -362,8 +382,9 @@ def memory_lines(cfg: Config, env: Environment) -> list[str]:
     p = env.count_parameters(hf)
     gpu = s.gpu_memory_gb
     of = f" of {gpu:g} GB" if gpu is not None else " (set slurm.gpu_memory_gb to check it)"
-    tm = trainer_memory(cfg, p)
-    off, on = trainer_memory(cfg, p, offload=False), trainer_memory(cfg, p, offload=True)
+    cp = critic_parameters(cfg, p, env)
+    tm = trainer_memory(cfg, p, critic=cp)
+    off, on = trainer_memory(cfg, p, offload=False, critic=cp), trainer_memory(cfg, p, offload=True, critic=cp)
     meg = dict(cfg.megatron or {})
     dt = "bf16" if meg.get("bf16", cfg.train.bf16) else "fp32"
     gdt = "fp32" if meg.get("grad_reduce_in_fp32", True) else dt

@@ -207,6 +207,31 @@ def test_a_critic_adds_the_actors_states_less_its_output_layer():
     assert both.weights - actor.weights == pytest.approx(2 * critic_params)
 
 
+def test_a_smaller_critic_is_counted_from_its_own_config(tmp_path):
+    """A critic.path of another size (a 1.7B-like critic for an 8B-like actor) is counted from its own
+    config.json, not as a copy of the actor."""
+    from hpcrl.config import Config
+    from hpcrl.config.memory import critic_parameters
+
+    big = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+               tie_word_embeddings=False)
+    small = dict(big, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, intermediate_size=6144)
+    (tmp_path / "critic").mkdir()
+    (tmp_path / "critic" / "config.json").write_text(json.dumps(small))
+    cfg = Config()
+    cfg.slurm.nodes, cfg.slurm.gpus_per_node = 1, 8
+    cfg.train.bf16, cfg.train.use_distributed_optimizer = True, True
+    cfg.algorithm.advantage_estimator = "gae"
+    p, c = count_parameters(big), count_parameters(small)
+    assert critic_parameters(cfg, p, ENVIRONMENT) == p  # critic.path null: the actor's model
+    cfg.critic.path = str(tmp_path / "critic")
+    assert critic_parameters(cfg, p, ENVIRONMENT) == c
+    own, as_actor = trainer_memory(cfg, p, critic=c), trainer_memory(cfg, p)
+    assert own.critic == pytest.approx(trainer_memory(cfg, c).critic)  # depends only on the critic's counts
+    assert 0 < own.critic < as_actor.critic / 2
+
+
 def test_experts_shard_over_ep_and_expert_dp(tmp_path):
     cfg = _cfg(tmp_path, "qwen3-30b-a3b-disaggregate")  # TP1 EP16 over 16 GPUs: EDP 1, DP 16
     p = _count()
