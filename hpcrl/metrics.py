@@ -170,6 +170,7 @@ line that says nothing."""
 
 KL_PANEL = "KL (nats/token)"
 LOGPROB_GAP_PANEL = "log-prob gap, trainer vs rollout engine (nats/token)"
+CRITIC_PANEL = "critic (PPO)"
 
 CURVE_SERIES: tuple[CurveSeries, ...] = (
     CurveSeries("reward (mean over the step's samples)", "rollout/reward_mean", "reward"),
@@ -181,15 +182,20 @@ CURVE_SERIES: tuple[CurveSeries, ...] = (
     CurveSeries(KL_PANEL, "train/kl_loss", "kl_loss (policy vs reference)"),
     CurveSeries(KL_PANEL, "train/opd_reverse_kl", "opd_reverse_kl (rollout policy vs teacher)"),
     CurveSeries(LOGPROB_GAP_PANEL, "train/train_rollout_logprob_abs_diff", "mean |trainer - engine|"),
+    CurveSeries(CRITIC_PANEL, "critic/value_loss", "value loss"),
+    CurveSeries(CRITIC_PANEL, "critic/explained_variance", "explained variance"),
     CurveSeries("step time (s)", "rollout/seconds", "rollout"),
     CurveSeries("step time (s)", "train/seconds", "train"),
+    CurveSeries("step time (s)", "critic/seconds", "critic (in train)"),
     CurveSeries("step time (s)", "sync/seconds", "weight sync"),
     CurveSeries("step time (s)", "timing/step_seconds", "whole step"),
 )
 """What ``curves.png`` plots, panel by panel, from the loop's ``metrics.jsonl`` keys. A series whose key a run
 never logged is left out (``train/kl_loss`` needs ``algorithm.use_kl_loss``; eval needs ``eval_interval``),
 and so is one whose :attr:`CurveSeries.only_with` keys were never logged: the KL panel is drawn only with a
-KL term (:data:`KL_TERM_KEYS`). The log-prob gap (``train/train_rollout_logprob_abs_diff``, mean over loss
+KL term (:data:`KL_TERM_KEYS`); the critic's panel only with PPO's critic (``advantage_estimator: gae``):
+its value loss, and the explained variance of its values (1: they predict the returns; 0 or below: no better
+than a constant). The log-prob gap (``train/train_rollout_logprob_abs_diff``, mean over loss
 tokens of ``|trainer - engine|`` log-probs of the sampled tokens) is a health signal with its own panel: it is
 not 0 even on-policy when the trainer and the engine compute differently (kernels, precision), and it grows
 when weights fail to sync or the run goes off-policy."""

@@ -32,17 +32,25 @@ def test_curves_plot_reward_eval_length_entropy_kl_and_step_phases(tmp_path):
     """Issue #9 point 11: curves.png draws what the loop logs; a key the run never logged is left out."""
     keys = {"rollout/reward_mean", "eval/accuracy", "rollout/response_length", "train/entropy", "train/ppo_kl",
             "train/kl_loss", "train/opd_reverse_kl", "train/train_rollout_logprob_abs_diff", "rollout/seconds",
-            "train/seconds", "sync/seconds", "timing/step_seconds"}
+            "train/seconds", "sync/seconds", "timing/step_seconds", "critic/value_loss",
+            "critic/explained_variance", "critic/seconds"}
     assert {s.key for s in CURVE_SERIES} == keys
+    critic = {"critic/value_loss", "critic/explained_variance", "critic/seconds"}
     rows = [{"step": -1, "eval/accuracy": 0.2}] + [
-        {"step": i, **{k: 0.1 * i for k in keys - {"train/opd_reverse_kl"}}, "eval/accuracy": None}
+        {"step": i, **{k: 0.1 * i for k in keys - {"train/opd_reverse_kl"} - critic}, "eval/accuracy": None}
         for i in range(20)]
     fig = draw_curves(rows)
     got = drawn(fig)
     plt.close(fig)
     assert sorted(l for labels in got.values() for l in labels) == sorted(
-        s.label for s in CURVE_SERIES if s.key != "train/opd_reverse_kl")
+        s.label for s in CURVE_SERIES if s.key != "train/opd_reverse_kl" and s.key not in critic)
     assert got["step time (s)"] == ["rollout", "train", "weight sync", "whole step"]
+    assert "critic (PPO)" not in got  # no critic logged (not PPO): no critic panel
+    fig = draw_curves([{**r, **{k: 0.5 for k in critic}} for r in rows if r["step"] >= 0])
+    got = drawn(fig)
+    plt.close(fig)
+    assert got["critic (PPO)"] == ["value loss", "explained variance"]
+    assert got["step time (s)"] == ["rollout", "train", "critic (in train)", "weight sync", "whole step"]
     assert got["reward (mean over the step's samples)"] == ["reward", "reward (smoothed)"]
     assert draw_curves([{"step": 0, "other": 1.0}]) is None
     assert smoothed([1.0, 1.0, 1.0]) == [1.0, 1.0, 1.0]  # bias-corrected: no ramp from 0
