@@ -142,8 +142,10 @@ class EngineServer:
             await stop.wait()
         finally:
             logger.info("shutting down")
+            busy = not self.scheduler.is_fully_idle()
             await asyncio.to_thread(self.scheduler.stop)  # in-flight rows finish with 503 ...
-            await asyncio.sleep(0.1)  # ... and their handlers answer before the server closes
+            if busy:  # ... and their handlers answer before the server closes (an idle engine: no 0.1 s wait;
+                await asyncio.sleep(0.1)  # runner.cleanup still waits for handlers in progress)
             await runner.cleanup()
             logger.debug("http server closed")
             self.groups.destroy_all()

@@ -604,8 +604,9 @@ class RolloutClient:
         infos = await asyncio.gather(*(self.request("GET", "/get_model_info", base_url=u) for u in urls))
         return {u: (_as_dict(i).get("weight_version")) for u, i in zip(urls, infos)}
 
-    async def wait_healthy(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
-        """Poll ``GET /health`` on every engine and on the router until each answers 200.
+    async def wait_healthy(self, timeout_s: float = 600.0, poll_s: float = 0.05) -> None:
+        """Poll ``GET /health`` on every engine and on the router until each answers 200 (every ``poll_s``
+        seconds).
 
         ``timeout_s`` bounds the whole wait (seconds); each probe waits at most 5 s. Raises RolloutError
         naming every URL that never answered 200 and its last error.

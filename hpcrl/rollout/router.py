@@ -1,8 +1,9 @@
 """The real ``sglang-router`` (Rust "SGLang Model Gateway", 0.3.x) as a subprocess, and its worker API.
 
-``start_router`` runs ``python -m hpcrl.rollout.router [--api-key-stdin] <flags>``, a ten-line wrapper that
+``start_router`` runs ``python -m hpcrl.rollout.router [--api-key-stdin] <flags>``, a short wrapper that
 hands the flags to ``sglang_router.launch_router.main`` (exactly what ``python -m
-sglang_router.launch_router`` does), adding ``--api-key KEY`` in memory from the first line of its stdin, a
+sglang_router.launch_router`` does, but without importing its Python MiniLB unless ``--mini-lb`` is given:
+:func:`_mini_lb_placeholder`), adding ``--api-key KEY`` in memory from the first line of its stdin, a
 pipe that ``start_router`` writes the key into and closes. So the run secret is never on a command line
 (``ps``), in an environment (``/proc/PID/environ``) or in a file other than the 0600 run secret. (The router
 also overwrites its process title with ``sglang::router``.)
@@ -322,6 +323,21 @@ def spawn_router(worker_urls: Sequence[str], host: str = "127.0.0.1", port: Opti
                          port_pinned=port_pinned, log_offset=offset)
 
 
+def _mini_lb_placeholder() -> Any:
+    """A stand-in for ``sglang_router.mini_lb``, the Python debugging load balancer that
+    ``sglang_router.launch_router`` imports at module level but runs only with ``--mini-lb``: importing it
+    (FastAPI, uvicorn, sglang) took 0.44 s of CPU at every router start, beside the loading engines and
+    trainer. Its ``MiniLoadBalancer`` raises RuntimeError if ever called."""
+    import types
+
+    def unavailable(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("hpcrl.rollout.router: sglang_router.mini_lb was not imported (no --mini-lb flag)")
+
+    module = types.ModuleType("sglang_router.mini_lb")
+    module.MiniLoadBalancer = unavailable  # type: ignore[attr-defined]
+    return module
+
+
 def _main(argv: Sequence[str]) -> None:
     """Entry of the wrapper: run sglang-router's own launcher; with ``--api-key-stdin`` first, add
     ``--api-key`` read from the first line of stdin. Raises SystemExit if that line is empty."""
@@ -331,6 +347,8 @@ def _main(argv: Sequence[str]) -> None:
         if not key:
             raise SystemExit("hpcrl.rollout.router: --api-key-stdin given but stdin had no key")
         args = args[1:] + [f"--api-key={key}"]  # "=": a key may start with "-" (token_urlsafe)
+    if not any(a.startswith(("--mini-lb", "--router-mini-lb")) for a in args):
+        sys.modules.setdefault("sglang_router.mini_lb", _mini_lb_placeholder())
     from sglang_router.launch_router import main
 
     sys.argv = ["sglang-router"] + args

@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -68,13 +70,32 @@ def prepare_megatron() -> None:
     """megatron-core for this device: :func:`hpcrl.train.cpu_compat.apply` without CUDA,
     :func:`hpcrl.train.cpu_compat.define_te_general_gemm` with it. Idempotent. Imports megatron-core (~1 s
     after torch on a 2-core CPU machine), which is why :func:`init_distributed` can leave it out. Raises
-    ImportError if megatron-core is not installed."""
+    ImportError if megatron-core is not installed. megatron-core's optional ``import wandb`` (inference
+    contexts and timers, never used by hpcrl) fails while it is first imported here (:func:`module_hidden`):
+    it cost 0.3-0.7 s of every trainer start; :mod:`hpcrl.tracking` imports W&B itself when a run uses it."""
     from hpcrl.train import cpu_compat
 
-    if torch.cuda.is_available():
-        cpu_compat.define_te_general_gemm()  # MoE routers on GPUs without TransformerEngine
-    else:
-        cpu_compat.apply()
+    with module_hidden("wandb"):
+        if torch.cuda.is_available():
+            cpu_compat.define_te_general_gemm()  # MoE routers on GPUs without TransformerEngine
+        else:
+            cpu_compat.apply()
+
+
+@contextlib.contextmanager
+def module_hidden(name: str):
+    """Within the block ``import NAME`` raises ImportError (``sys.modules[NAME] = None``), so a library's
+    optional ``try: import NAME`` falls back; afterwards NAME imports as usual. Does nothing when NAME is
+    imported already (that import stands). Raises nothing itself."""
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if name in sys.modules and sys.modules[name] is None:
+            del sys.modules[name]
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
