@@ -134,8 +134,13 @@ class EngineMemory:
 def read_model_config(cfg: Config) -> Optional[dict]:
     """The policy model's ``config.json`` as a dict, or None when ``model.path`` has none (not downloaded yet,
     or created at run start) or it does not parse (:func:`hpcrl.config.run.check_model` names that)."""
-    path = Path(cfg.model.path or "", "config.json")
-    if not cfg.model.path or not path.is_file():
+    return _config_json(cfg.model.path)
+
+
+def _config_json(folder: Optional[str]) -> Optional[dict]:
+    """``folder/config.json`` as a dict, or None when ``folder`` is unset, has none, or it does not parse."""
+    path = Path(folder or "", "config.json")
+    if not folder or not path.is_file():
         return None
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
@@ -152,14 +157,8 @@ def _trainer_world(cfg: Config) -> int:
 def critic_parameters(cfg: Config, p: ParamCount, env: Environment) -> ParamCount:
     """The critic's parameter count: from ``critic.path``'s ``config.json`` when it is set, readable and of
     a family ``env`` counts, else the actor's ``p`` (``critic.path`` null: the critic is the actor's model)."""
-    path = Path(cfg.critic.path or "", "config.json")
-    if not cfg.critic.path or not path.is_file():
-        return p
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return p
-    if not isinstance(hf, dict) or hf.get("model_type") not in env.counted_model_types:
+    hf = _config_json(cfg.critic.path)
+    if hf is None or hf.get("model_type") not in env.counted_model_types:
         return p
     return env.count_parameters(hf)
 

@@ -426,16 +426,8 @@ class Actor:
             self.ddp_model.train()
 
     def _all_reduce_sum(self, values: dict[str, Union[float, Tensor]]) -> dict[str, float]:
-        """Sum each scalar over the data-parallel ranks; one collective and one device sync (every rank must
-        pass the same keys)."""
-        if not values:
-            return {}
-        keys = sorted(values)
-        t = torch.stack([torch.as_tensor(values[k], device=self.device).detach().to(torch.float64).reshape(())
-                         for k in keys])
-        if self.dp_size > 1:
-            torch.distributed.all_reduce(t, group=self._dp_group)
-        return dict(zip(keys, t.tolist(), strict=True))
+        """Sum each scalar over the data-parallel ranks (:func:`hpcrl.train.parallel.sum_over_ranks`)."""
+        return parallel.sum_over_ranks(values, self.device, self._dp_group if self.dp_size > 1 else None)
 
     # -- one rollout ---------------------------------------------------------------------------------------
 

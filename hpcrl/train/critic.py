@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from hpcrl.train import parallel
+
 if TYPE_CHECKING:
     from hpcrl.config import Config, TrainSection
 
@@ -271,13 +273,6 @@ class Critic:
         return out
 
     def all_reduce_sum(self, values: dict[str, Tensor]) -> dict[str, float]:
-        """Sum each scalar over the data-parallel ranks (one collective; every rank passes the same keys)."""
-        if not values:
-            return {}
-        keys = sorted(values)
-        t = torch.stack([torch.as_tensor(values[k], device=self.device).detach().to(torch.float64).reshape(())
-                         for k in keys])
-        if self.dp_size > 1:
-            torch.distributed.all_reduce(t, group=self._dp_group)
-        return dict(zip(keys, t.tolist(), strict=True))
+        """Sum each scalar over the data-parallel ranks (:func:`hpcrl.train.parallel.sum_over_ranks`)."""
+        return parallel.sum_over_ranks(values, self.device, self._dp_group if self.dp_size > 1 else None)
 

@@ -162,6 +162,20 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def sum_over_ranks(values: dict[str, Any], device: torch.device, group: Any = None) -> dict[str, float]:
+    """Sum each scalar of ``values`` (floats or 0-d tensors) over the ranks of ``group`` (a data-parallel
+    group; None or a one-rank world: no collective), in float64: one collective and one device sync. Every
+    rank must pass the same keys. Returns plain floats."""
+    if not values:
+        return {}
+    keys = sorted(values)
+    t = torch.stack([torch.as_tensor(values[k], device=device).detach().to(torch.float64).reshape(())
+                     for k in keys])
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
 def destroy() -> None:
     """Destroy megatron-core's model-parallel groups and the default process group (safe to call twice)."""
     from megatron.core import parallel_state
