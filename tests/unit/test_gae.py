@@ -9,19 +9,13 @@ import torch
 
 from hpcrl.train import algorithms as alg
 from hpcrl.train import gae
+from tests.unit.test_algorithms import close
 
 F64 = torch.float64
 
 
 def t(rows):
     return torch.tensor(rows, dtype=F64)
-
-
-def close(a, b, tol=1e-12):
-    a = torch.as_tensor(a, dtype=F64)
-    b = torch.as_tensor(b, dtype=F64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert torch.allclose(a, b, atol=tol, rtol=0), (a, b)
 
 
 def test_token_rewards_kl_penalty_and_reward_on_the_last_mask_token():
