@@ -166,7 +166,9 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
     ``update_successful``, ``num_zeros`` (None unless ``log_num_zeros_in_grad``), ``num_micro_batches``, and the
     mean of each metric over micro-batches. A model with an expert bias (GLM-4.5) gets megatron's
     aux-loss-free bias update after the gradient reduction when ``moe_router_bias_update_rate`` > 0
-    (:func:`hpcrl.train.deepseek_moe.update_expert_bias`; 0, the default, leaves it bitwise).
+    (:func:`hpcrl.train.deepseek_moe.update_expert_bias`; 0, the default, leaves it bitwise). Gradients of
+    parameters replicated over tensor-parallel ranks but fed by one rank's part of the activations (Qwen3's
+    per-head q/k norms) are summed over TP first (:func:`sum_replicated_grads_over_tp`).
     """
     from hpcrl.train import deepseek_moe
 
@@ -183,7 +185,21 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
             metrics[k] = metrics.get(k, 0.0) + float(v)
         n += 1
     ddp_model.finish_grad_sync()
+    sum_replicated_grads_over_tp(ddp_model)
     deepseek_moe.update_expert_bias(ddp_model)  # finalize_model_grads' aux-free bias step; rate 0: untouched
     update_successful, grad_norm, num_zeros = optimizer.step()
     return dict(loss=total_loss, grad_norm=grad_norm, update_successful=update_successful, num_zeros=num_zeros,
                 num_micro_batches=n, **{k: v / max(n, 1) for k, v in metrics.items()})
+
+
+def sum_replicated_grads_over_tp(ddp_model: torch.nn.Module) -> None:
+    """The tensor-parallel step of megatron-core's ``finalize_model_grads`` that ``train_step`` needs besides
+    the data-parallel sync: the gradients of the q/k layernorms (``qk_layernorm``: replicated on every TP rank,
+    each rank's heads giving a part of their gradient), of sequence-parallel norms and of parameters marked
+    ``average_gradients_across_tp_domain`` are reduced over the TP group, so the replicas stay equal. A no-op at
+    TP=1 and for models without such parameters (Qwen2, Llama at any TP). Call after ``finish_grad_sync``."""
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+    from hpcrl.train.bridge import unwrap_model
+
+    _allreduce_non_tensor_model_parallel_grads([ddp_model], unwrap_model(ddp_model).config)

@@ -5,7 +5,8 @@ computed per rank; the tests compare that with HF transformers in this process:
 - TP=2, tiny Qwen2 / Qwen3 / Llama: HF -> megatron -> HF export is bitwise equal on both ranks; gathered logits,
   vocab-parallel log-probs and entropy equal HF's (1e-5); the entropy gradient reaches both vocab shards.
 - One optimizer step (megatron DDP + optimizer) at TP=2, and at TP=1 x DP=2 with the distributed optimizer,
-  on the same data: grad norms equal each other and HF's (rel 1e-5), weights after the step equal HF AdamW's.
+  on the same data: grad norms equal each other and HF's (rel 1e-5), weights after the step equal HF AdamW's;
+  Qwen3 at TP=2: its per-head q/k norms stay equal on both ranks and step like HF's.
 Helpers (tiny models, batch, loss, HF references) come from tests/unit/test_megatron_bridge.py.
 """
 
@@ -65,13 +66,14 @@ def worker(dirs: dict[str, str], out: Path) -> None:
                                grad=gather_from_tensor_model_parallel_region(shard.grad))
 
     batch = h.sample_batch(21, seed=5)
-    for name, tp, train in (("tp2", 2, h.TRAIN),
-                            ("tp1_dp2_distopt", 1, dataclasses.replace(h.TRAIN, use_distributed_optimizer=True))):
+    for name, tp, train, kind in (
+            ("tp2", 2, h.TRAIN, "qwen2"), ("tp2_qwen3", 2, h.TRAIN, "qwen3"),
+            ("tp1_dp2_distopt", 1, dataclasses.replace(h.TRAIN, use_distributed_optimizer=True), "qwen2")):
         if tp != parallel_state.get_tensor_model_parallel_world_size():
             parallel_state.destroy_model_parallel()
             parallel.initialize_model_parallel(tp=tp)
             parallel.model_parallel_cuda_manual_seed(1234)
-        ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs["qwen2"], train, h.MEGATRON)
+        ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs[kind], train, h.MEGATRON)
         step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
         res[name] = dict(step=step, dp=parallel_state.get_data_parallel_world_size(),
                          after=dict(bridge.export_hf_weights(ddp_model)))
@@ -157,6 +159,21 @@ def test_grad_norm_tp2_equals_tp1_dp2_and_hf(h, dirs, ranks):
         assert max((run["after"][k] - ref_state[k]).abs().max().item() for k in ref_state) < 1e-6
     for name in ("tp2", "tp1_dp2_distopt"):  # both ranks hold the same full weights after the step
         assert all(torch.equal(ranks[0][name]["after"][k], ranks[1][name]["after"][k]) for k in ref_state)
+
+
+def test_qk_norm_stays_replicated_at_tp2_and_steps_like_hf(h, dirs, ranks):
+    """Qwen3's per-head q/k norms are replicated over TP ranks while each rank holds half the heads: their
+    gradients must be summed over TP (megatron's ``finalize_model_grads`` does; hpcrl's ``train_step`` does
+    too since issue #38's review), or the two ranks' copies drift apart after one step."""
+    batch = h.sample_batch(21, seed=5)
+    ref_loss, ref_norm, ref_state = h.hf_train_step(h.load_hf(dirs["qwen3"]).train(), *batch)
+    run = ranks[0]["tp2_qwen3"]
+    norms = [k for k in run["after"] if k.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert norms
+    for k in norms:
+        assert torch.equal(run["after"][k], ranks[1]["tp2_qwen3"]["after"][k]), k
+    assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert max((run["after"][k] - ref_state[k]).abs().max().item() for k in norms) < 1e-6
 
 
 if __name__ == "__main__":
