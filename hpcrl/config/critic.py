@@ -28,7 +28,8 @@ class CriticSection:
     """Optimizer steps of linear learning-rate warmup (slime ``--critic-lr-warmup-iters``); constant after."""
     warmup_steps: int = 0
     """Critic-only rollout steps at the start (slime ``--num-critic-only-steps``): the critic trains on them,
-    the actor does not (its weights, and so the engines', stay the initial ones)."""
+    the actor does not (its weights, and so the engines', stay the initial ones); the actor's learning-rate
+    schedule (``train.lr_warmup_steps``, the decay over the run) starts at its first step, as in slime."""
     value_clip: Optional[float] = 0.2
     """Clip of the value loss (slime ``--value-clip``): ``max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2)
     / 2``; null: unclipped."""

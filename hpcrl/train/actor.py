@@ -367,7 +367,11 @@ class Actor:
         if cfg.algorithm.routing_replay:
             megatron["moe_enable_routing_replay"] = True
         self.ddp_model, self.optimizer = tmodel.setup_model_and_optimizer(hf_path, cfg.train, megatron)
-        self.lr_scheduler = tmodel.lr_scheduler(self.optimizer, cfg.train, cfg.run.num_rollout)
+        # the actor's schedule starts at its first step, after PPO's critic-only rollouts (slime's scheduler
+        # advances only on the actor's steps)
+        self.critic_only = cfg.critic.warmup_steps if cfg.algorithm.advantage_estimator == "gae" else 0
+        self.lr_scheduler = tmodel.lr_scheduler(self.optimizer, cfg.train,
+                                                cfg.run.num_rollout - self.critic_only)
         self.model = bridge.unwrap_model(self.ddp_model)
         self.vocab_size: int = self.model.hf_config.vocab_size
         self.device = next(self.model.parameters()).device
@@ -451,7 +455,7 @@ class Actor:
         :attr:`step_metrics`. With a critic: ``critic/{value_loss, value_clipfrac, grad_norm, lr,
         explained_variance, values_mean, returns_mean, seconds}`` (:mod:`hpcrl.train.ppo`); in a critic-only
         rollout (``rollout_id < critic.warmup_steps``) no actor step runs (``train/num_steps`` 0, no loss
-        keys).
+        keys), and the actor's learning-rate schedule (warm-up, decay) starts at its first step.
 
         Raises ValueError for samples that do not split over ranks and steps, lack a reward or have
         inconsistent lengths; AssertionError (``ci_checks``) naming the failed metric and its value;
@@ -517,9 +521,10 @@ class Actor:
         # function of rollout_id, so a resumed run continues the schedule exactly); none in the critic-only
         # rollouts (critic.warmup_steps); then the critic's steps over the same split.
         per_step, first = [], rollout_id * cfg.train.num_steps_per_rollout
-        warmup = self.critic is not None and rollout_id < cfg.critic.warmup_steps
+        warmup = rollout_id < self.critic_only
+        actor_first = (rollout_id - self.critic_only) * cfg.train.num_steps_per_rollout
         for k, (step, sums) in enumerate(zip(steps, step_sums, strict=True) if not warmup else ()):
-            lr = tmodel.set_lr_step(self.lr_scheduler, first + k)
+            lr = tmodel.set_lr_step(self.lr_scheduler, actor_first + k)
             per_step.append(self._optimizer_step(step, sums))
             per_step[-1]["lr"] = lr
         self.step_metrics = per_step

@@ -100,11 +100,13 @@ def test_score_head_of_a_reward_model_is_loaded_lm_head_is_not(tp1, tiny_model_d
 
 def test_critic_only_warmup_then_ppo_step(tp1, tiny_model_dir, samples):
     """Two critic-only rollouts leave the actor bitwise as it was and lower the value loss on the same
-    samples; the third trains the actor with the CI gates (first-step ppo_kl exactly 0)."""
+    samples; the third trains the actor with the CI gates (first-step ppo_kl exactly 0), its learning-rate
+    warm-up starting at that first actor step (not used up by the critic-only rollouts)."""
     from tests.unit.test_actor import weights_of
 
     cfg = gae_config(**{"critic.warmup_steps": 2, "critic.lr": 3e-4, "run.num_rollout": 4,
-                        "train.num_steps_per_rollout": 2, "train.micro_batch_size": 3})
+                        "train.num_steps_per_rollout": 2, "train.micro_batch_size": 3,
+                        "train.lr_warmup_steps": 2})
     actor = Actor(cfg, tiny_model_dir, ci_checks=True)
     assert actor.critic is not None and actor.weights.tags == ()
     initial = weights_of(actor)
@@ -121,6 +123,7 @@ def test_critic_only_warmup_then_ppo_step(tp1, tiny_model_dir, samples):
     assert metrics[2]["critic/lr"] == 3e-4 and metrics[2]["critic/grad_norm"] > 0
     third = metrics[2]
     assert third["train/num_steps"] == 2.0 and third["train/first_step_ppo_kl"] == 0.0
+    assert [m["lr"] for m in actor.step_metrics] == pytest.approx([0.0, cfg.train.lr / 2])  # warm-up steps 0, 1
     assert third["train/grad_norm"] > 0
     trained = weights_of(actor)
     assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-5
