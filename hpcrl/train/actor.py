@@ -2,7 +2,7 @@
 
 :class:`Actor` lives on every trainer rank. It owns the megatron-core model (wrapped in DDP) and its
 optimizer, built from an HF folder by :func:`hpcrl.train.model.setup_model_and_optimizer`, and, with a KL
-loss, a CPU copy of the initial weights (the reference policy) that is swapped into the same model for the
+loss or a KL penalty in the reward (``algorithm.kl_coef``), a CPU copy of the initial weights (the reference policy) that is swapped into the same model for the
 reference forward (:class:`WeightBackup`, slime's ``TensorBackuper``: no second model).
 
 One :meth:`Actor.train` call does what slime's ``MegatronTrainRayActor.train_actor`` and Megatron's ``train``
@@ -15,10 +15,10 @@ loop do for one rollout:
    micro-batches of ``train.micro_batch_size`` right-padded rows;
 3. old log-probs recomputed with the current weights, or taken from the training forward itself when the step
    is exactly on-policy (slime's ``can_reuse_log_probs_in_loss``);
-4. reference log-probs with the reference weights swapped in (``algorithm.use_kl_loss``);
+4. reference log-probs with the reference weights swapped in (``algorithm.use_kl_loss`` or ``kl_coef``);
 5. the optimizer steps, each a :func:`~hpcrl.train.model.train_step` whose loss is
-   :func:`~hpcrl.train.algorithms.compute_loss` reduced with slime's per-rollout token mean over the step's
-   *global* batch (so neither micro-batching nor data parallelism changes the loss or its gradient);
+   :func:`~hpcrl.train.algorithms.compute_loss` reduced with ``algorithm.loss_reduction`` (default slime's
+   per-rollout token mean) over the step's *global* batch (so neither micro-batching nor data parallelism changes the loss or its gradient);
 6. metrics summed over micro-batches and data-parallel ranks, and slime's ``--ci-test`` gates;
 7. with a critic, its optimizer steps over the same micro-batches (only these in the ``critic.warmup_steps``
    first rollouts).

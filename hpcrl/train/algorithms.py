@@ -171,17 +171,19 @@ def reinforce_plus_plus_returns(rewards: Tensor, kl: Tensor, mask: Tensor, kl_co
     for this estimator; :func:`compute_advantages` whitens.
 
     rewards: ``[B]`` raw scalar rewards (no group baseline); kl, mask: ``[B, T]``. Returns ``[B, T]``, zero
-    where ``mask`` is 0. Every row needs at least one mask token.
+    where ``mask`` is 0; a row without mask token (an empty response) has no token for its reward and is all
+    zero (it trains nothing, as under GAE).
     """
     mask = mask.to(kl.dtype)
-    counts = mask.sum(-1)
-    if bool((counts <= 0).any()):
-        raise ValueError("reinforce_plus_plus: a sample has no loss-mask token to put the reward on")
+    live = mask.sum(-1) > 0
+    if not bool(live.any()):
+        return torch.zeros_like(mask)
     token_rewards = -kl_coef * kl * mask
     positions = torch.arange(mask.shape[-1], device=mask.device)
     last = torch.where(mask > 0, positions, -1).amax(dim=-1)
     token_rewards = token_rewards.clone()
-    token_rewards[torch.arange(mask.shape[0], device=mask.device), last] += rewards.to(kl.dtype)
+    rows = torch.arange(mask.shape[0], device=mask.device)[live]
+    token_rewards[rows, last[live]] += rewards.to(kl.dtype)[live]
     return discounted_returns(token_rewards, gamma) * mask
 
 
@@ -279,7 +281,7 @@ def compute_advantages(estimator: Estimator, rewards: Tensor, response_masks: Un
 
     if normalize_advantages is None and cfg is not None:
         normalize_advantages = cfg.normalize_advantages
-    if whitens_advantages(estimator, normalize_advantages):
+    if whitens_advantages(estimator, normalize_advantages) and bool(mask.sum() > 0):  # (else nothing trains)
         adv = masked_whiten(adv, mask) * mask
 
     if as_list:

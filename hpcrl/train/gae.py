@@ -100,6 +100,8 @@ def gae_advantages_and_returns(token_rewards: Tensor, values: Tensor, mask: Tens
     v = values.detach().to(dtype)
     m = mask.detach().to(dtype)
     advantages = torch.zeros_like(r)
+    if r.shape[-1] == 0:  # every response empty: nothing to estimate
+        return advantages, advantages.clone()
     next_value = torch.zeros_like(r[:, 0])
     next_adv = torch.zeros_like(r[:, 0])
     for t in range(r.shape[1] - 1, -1, -1):

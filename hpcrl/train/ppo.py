@@ -114,13 +114,14 @@ def shaped_advantages(cfg: "Config", flat: Sequence[Any], rewards: Tensor, masks
     live = mask.sum(-1) > 0
     per_token = torch.zeros_like(mask)
     kl_t = _padded(kl)[live] if kl is not None else None
-    per_token[live] = gae.token_rewards(rewards[live], mask[live], kl_t, alg.kl_coef)
+    if bool(live.any()):
+        per_token[live] = gae.token_rewards(rewards[live], mask[live], kl_t, alg.kl_coef)
     adv, returns = gae.gae_advantages_and_returns(per_token, values, mask, alg.gamma, alg.lam)
     count = float(mask.sum().clamp_min(1.0))
     metrics = {"critic/explained_variance": gae.explained_variance(values, returns, mask),
                "critic/values_mean": float((values * mask).sum()) / count,
                "critic/returns_mean": float((returns * mask).sum()) / count}
-    if alg.normalize_advantages is not False:
+    if alg.normalize_advantages is not False and bool(mask.sum() > 0):  # (all responses empty: none trains)
         adv = algorithms.masked_whiten(adv, mask) * mask
     _write_advantages(flat, [adv[i, : len(m)] for i, m in enumerate(masks)])
     targets = []

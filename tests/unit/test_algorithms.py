@@ -340,6 +340,20 @@ def test_reinforce_plus_plus_returns_by_hand():
     close(out, [[0.195, 0.43, 0.94, 0.0], [0.215, 0.0, 0.94, 0.0]])
 
 
+def test_an_empty_response_gets_zero_returns_and_a_rollout_of_them_trains_nothing():
+    """REINFORCE++ with an empty response (no loss-mask token, which the actor allows): that row's returns
+    are 0 and the others' are unchanged (it used to raise); a rollout of only empty responses gives zero
+    advantages instead of failing in the whitening (the same for GAE: tests/unit/test_critic.py)."""
+    kl = t([[0.2, 0.4], [0.0, 0.0]])
+    out = alg.reinforce_plus_plus_returns(t([1.0, 5.0]), kl, t([1.0, 1], [0.0, 0]), kl_coef=0.1, gamma=0.5)
+    close(out, [[-0.02 + 0.5 * 0.96, 0.96], [0.0, 0.0]])
+    for estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo", "rloo"):
+        adv = alg.compute_advantages(estimator, t([1.0, 0.0]), [torch.ones(0), torch.ones(0)], 2)
+        assert [a.numel() for a in adv] == [0, 0], estimator
+        adv = alg.compute_advantages(estimator, t([1.0, 0.0]), [torch.ones(2), torch.ones(0)], 2)
+        assert adv[1].numel() == 0 and torch.isfinite(adv[0]).all(), estimator
+
+
 def test_reinforce_plus_plus_baseline_by_hand():
     centred = alg.group_centered_rewards(t([1.0, 0.0, 1.0, 1.0]), 2)
     close(centred, [0.5, -0.5, 0.0, 0.0])

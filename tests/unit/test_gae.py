@@ -83,6 +83,11 @@ def test_rows_of_a_batch_are_independent():
     close(adv[1], [0.27 - 0.1 + 0.45 * (-1.3), -1.3, 0.0])
 
 
+def test_no_response_token_at_all_gives_empty_advantages_and_returns():
+    adv, ret = gae.gae_advantages_and_returns(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0), 1.0, 0.9)
+    assert adv.shape == ret.shape == (2, 0)
+
+
 def test_gae_refuses_bad_shapes_and_coefficients():
     with pytest.raises(ValueError, match="equal"):
         gae.gae_advantages_and_returns(t(R), t([[0.0, 0.0]]), t(ONES))
