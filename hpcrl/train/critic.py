@@ -190,14 +190,14 @@ class Critic:
         (:func:`hpcrl.train.packing.packed_response_log_probs`).
         """
         from hpcrl.train.deepseek_moe import padding_kwargs
+        from hpcrl.train.logprobs import prediction_columns
 
         resp = mb.response_lengths
-        width = int(resp.max()) if resp.numel() else 0
-        j = torch.arange(width, device=resp.device).unsqueeze(0)
-        mask = j < resp.unsqueeze(1)
         if mb.pack is not None:
             from hpcrl.train.packing import packed_seq_params, rotary_positions
 
+            width = int(resp.max()) if resp.numel() else 0
+            mask = torch.arange(width, device=resp.device).unsqueeze(0) < resp.unsqueeze(1)  # [b, R]
             pack = mb.pack
             with rotary_positions(self.model, pack.positions):
                 out = self.ddp_model(input_ids=pack.tokens, position_ids=pack.positions.unsqueeze(0),
@@ -211,8 +211,7 @@ class Critic:
         total = mb.total_lengths.to(tokens.device)
         padding = padding_kwargs(self.model, position_ids < total.unsqueeze(1))
         out = self.ddp_model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
-        index = (total - resp - 1).unsqueeze(1) + j
-        index = torch.where(mask, index, torch.zeros_like(index))
+        index, mask = prediction_columns(total, resp.to(tokens.device))
         return torch.gather(out[..., 0].float(), 1, index).masked_fill(~mask, 0.0)
 
     @torch.no_grad()

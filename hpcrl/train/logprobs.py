@@ -119,6 +119,20 @@ class ResponseLogProbs:
     """``[batch, max_response_len]`` bool: True on response tokens."""
 
 
+def prediction_columns(total_lengths: torch.Tensor, response_lengths: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a right-padded batch predicts its response tokens: ``(index, mask)``, both ``[batch, R]`` (``R``
+    the longest response). Response token ``j`` of row ``i`` sits at column ``total_i - resp_i + j``; the
+    output at the column before predicts it, so ``index[i, j] = total_i - resp_i + j - 1`` (0 where
+    ``mask`` is False, beyond row ``i``'s response). ``total_lengths``, ``response_lengths``: ``[batch]``
+    long tensors on one device."""
+    width = int(response_lengths.max()) if response_lengths.numel() else 0
+    j = torch.arange(width, device=response_lengths.device).unsqueeze(0)
+    mask = j < response_lengths.unsqueeze(1)
+    index = (total_lengths - response_lengths - 1).unsqueeze(1) + j
+    return torch.where(mask, index, torch.zeros_like(index)), mask
+
+
 def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor,
                        total_lengths: Union[torch.Tensor, Sequence[int]],
                        response_lengths: Union[torch.Tensor, Sequence[int]], temperature: float = 1.0,
@@ -156,12 +170,7 @@ def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor,
     labels = tokens[:, 1:]
     lp_all = compute_log_probs(logits[:, :-1], labels, temperature, vocab_size)  # [batch, seq-1]
 
-    width = int(resp.max()) if batch else 0
-    j = torch.arange(width, device=device).unsqueeze(0)
-    mask = j < resp.unsqueeze(1)
-    # response token j of row i sits at position total_i - resp_i + j; its prediction is at that minus 1.
-    index = (total - resp - 1).unsqueeze(1) + j
-    index = torch.where(mask, index, torch.zeros_like(index))
+    index, mask = prediction_columns(total, resp)
     log_probs = torch.gather(lp_all, 1, index).masked_fill(~mask, 0.0)
     entropy = None
     if with_entropy:
