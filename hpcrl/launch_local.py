@@ -35,6 +35,7 @@ def main(cfg: Config) -> int:
     """
     from hpcrl.placement import pin, unpin
     from hpcrl.slurm.state import local_run_record
+    from hpcrl.train.critic_group import local_threads
 
     quiet_logs()
     cpus = resolve_cpu_sets(cfg)
@@ -44,7 +45,10 @@ def main(cfg: Config) -> int:
     with local_run_record(run_dir, stopped_codes=(EXIT_RETRY,)) as record:  # for hpcrl status
         model_path = prepare_model(cfg)
         if cfg.train.nprocs == 1:
-            before = pin(cpus.train) if cpus is not None else None
+            # with a critic on processes of its own, each process gets its share of the CPUs
+            threads = local_threads(cfg) if cfg.critic.nprocs > 0 else None
+            before = (pin(cpus.train, threads) if cpus is not None else
+                      pin(os.sched_getaffinity(0), threads) if threads is not None else None)
             try:
                 result = loop_of(cfg)(cfg, run_dir, model_path)
             finally:
@@ -94,12 +98,12 @@ def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, mo
     import torch
 
     from hpcrl.placement import parse_cpu_list, pin
+    from hpcrl.train.critic_group import local_threads
 
     if cfg.run.placement == "disaggregate" and cfg.train.cpus is not None:  # resolved by main()
-        cpus = parse_cpu_list(cfg.train.cpus)
-        pin(cpus, threads=max(1, len(cpus) // world_size))
+        pin(parse_cpu_list(cfg.train.cpus), threads=local_threads(cfg))
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(local_threads(cfg))
     from hpcrl.errors import run_worker
 
     # a known error is handed to the parent (one line there), not printed here as a traceback

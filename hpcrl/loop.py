@@ -28,21 +28,25 @@ from hpcrl.run_session import RunSession, StepFailed, broadcast, sync_weights
 
 if TYPE_CHECKING:
     from hpcrl.rollout.manager import EngineLauncher
+    from hpcrl.train.critic_group import CriticLauncher
 
 __all__ = ["train_main", "loop_of"]
 
 
 def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None,
-               launch_engines: Optional["EngineLauncher"] = None) -> dict[str, Any]:
+               launch_engines: Optional["EngineLauncher"] = None,
+               launch_critic: Optional["CriticLauncher"] = None) -> dict[str, Any]:
     """One trainer rank's whole run; returns the last step's metrics (on the controller the rollout and eval
     ones too), plus ``"preempted": reason`` when it stopped early with a checkpoint.
 
     ``launch_engines`` starts the engines on the controller (default
-    :func:`hpcrl.rollout.engines.launch_local_engines`). Raises what a step raises, after checkpointing the
+    :func:`hpcrl.rollout.engines.launch_local_engines`); ``launch_critic`` the ranks of a critic with ranks of
+    its own (``critic.nprocs > 0``; default :func:`hpcrl.train.critic_group.launch_local_critic`). Raises what a step raises, after checkpointing the
     last finished step when the weights had not changed yet (rollout, reward, filter, a dead engine).
     """
     # --- watch, engines, model, data, resume state, first sync, eval -1: hpcrl.run_session ------------------
-    with RunSession(cfg, run_dir, model_path, ci_checks, launch_engines, offload_engines_first=True) as s:
+    with RunSession(cfg, run_dir, model_path, ci_checks, launch_engines, offload_engines_first=True,
+                    launch_critic=launch_critic) as s:
         t, rollout, syncer = s.trainer, s.rollout, s.syncer
         actor, data_source, trained, ckpt = t.actor, t.data_source, t.trained, t.ckpt
         stopped: Optional[str] = None

@@ -34,10 +34,12 @@ if TYPE_CHECKING:
     from hpcrl.checkpoint.manager import CheckpointManager
     from hpcrl.data.source import DataSource
     from hpcrl.rollout.manager import EngineLauncher, FollowerRollout, RolloutManager
+    from hpcrl.train.critic_group import CriticLauncher
 
 
 def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None,
-                     launch_engines: Optional["EngineLauncher"] = None) -> dict[str, Any]:
+                     launch_engines: Optional["EngineLauncher"] = None,
+                     launch_critic: Optional["CriticLauncher"] = None) -> dict[str, Any]:
     """One trainer rank's whole async run; returns the last step's metrics (on the controller the rollout and
     eval ones too), plus ``"preempted": reason`` when it stopped early with a checkpoint.
 
@@ -46,7 +48,8 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
     """
     # --- watch, engines, model, data, resume state (with the next rollout, finished), first sync, eval -1 --
     pending = PendingRollout()
-    with RunSession(cfg, run_dir, model_path, ci_checks, launch_engines, states={"pending": pending}) as s:
+    with RunSession(cfg, run_dir, model_path, ci_checks, launch_engines, states={"pending": pending},
+                    launch_critic=launch_critic) as s:
         t, rollout, syncer = s.trainer, s.rollout, s.syncer
         actor, data_source, trained, ckpt = t.actor, t.data_source, t.trained, t.ckpt
         stopped: Optional[str] = None

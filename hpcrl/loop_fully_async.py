@@ -35,10 +35,12 @@ from hpcrl.run_session import RunSession, StepFailed, broadcast, sync_weights
 
 if TYPE_CHECKING:
     from hpcrl.rollout.manager import EngineLauncher, FollowerRollout, RolloutManager
+    from hpcrl.train.critic_group import CriticLauncher
 
 
 def train_fully_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional[bool] = None,
-                           launch_engines: Optional["EngineLauncher"] = None) -> dict[str, Any]:
+                           launch_engines: Optional["EngineLauncher"] = None,
+                           launch_critic: Optional["CriticLauncher"] = None) -> dict[str, Any]:
     """One trainer rank's whole fully-async run; returns the last step's metrics (on the controller the
     rollout and eval ones too), plus ``"preempted": reason`` when it stopped early with a checkpoint.
 
@@ -48,7 +50,8 @@ def train_fully_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_chec
     # --- watch, engines, model, data, resume state (the stream's snapshot), first sync, eval -1 ----------
     stream = StreamState()  # its data_source_state replaces the data source among the checkpointed states
     with RunSession(cfg, run_dir, model_path, ci_checks, launch_engines,
-                    states={"stream": stream, "data_source": stream.data_source_state}) as s:
+                    states={"stream": stream, "data_source": stream.data_source_state},
+                    launch_critic=launch_critic) as s:
         t, rollout, syncer = s.trainer, s.rollout, s.syncer
         actor, data_source, trained, ckpt = t.actor, t.data_source, t.trained, t.ckpt
         stopped: Optional[str] = None

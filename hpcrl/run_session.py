@@ -22,6 +22,7 @@ curves drawn), the rollout manager stopped, the watch uninstalled, the process g
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from hpcrl.preempt import PreemptionWatch
     from hpcrl.rollout.manager import EngineLauncher, FollowerRollout, RolloutManager
     from hpcrl.train.actor import Actor
+    from hpcrl.train.critic_group import CriticGroup, CriticLauncher
     from hpcrl.weights.sync import WeightSyncer
 
 log = logging.getLogger("hpcrl.loop")
@@ -65,13 +67,15 @@ class Trainer:
 
 def build_trainer(cfg: "Config", run_dir: Path, model_path: Path, watch: "PreemptionWatch", controller: bool,
                   ci_checks: Optional[bool] = None, on_device: Optional[Callable[[], Any]] = None,
-                  **states: "Stateful") -> Trainer:
+                  critic_group: Optional["CriticGroup"] = None, **states: "Stateful") -> Trainer:
     """Processes, model, optimizer, data and resume state of a run, on every trainer rank: process groups
     (:func:`hpcrl.train.parallel.setup_parallel`), the actor (slime's ``--ci-test`` gates with
-    ``run.deterministic`` unless ``ci_checks`` says otherwise), the datasets and data source, and a checkpoint
+    ``run.deterministic`` unless ``ci_checks`` says otherwise; with a critic on ranks of its own,
+    ``critic.nprocs > 0``, its :class:`~hpcrl.train.critic_group.RemoteCritic`, whose ranks ``critic_group``
+    started on the controller and which load beside the actor), the datasets and data source, and a checkpoint
     manager holding them (plus the extra stateful ``states``, e.g. the async loop's ``pending``; saves run
     inside ``on_device()``) that has loaded the newest checkpoint. Raises what those raise (ConfigError,
-    DataError, CheckpointError)."""
+    DataError, CheckpointError, :class:`~hpcrl.train.critic_group.CriticError`)."""
     import contextlib
 
     from hpcrl.checkpoint.manager import CheckpointManager, RolloutCounter
@@ -84,7 +88,13 @@ def build_trainer(cfg: "Config", run_dir: Path, model_path: Path, watch: "Preemp
     from hpcrl.train.parallel import setup_parallel
 
     setup_parallel(cfg)
-    actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks)
+    remote = None
+    if own_critic_ranks(cfg):
+        from hpcrl.train.critic_group import remote_critic
+
+        remote = lambda: remote_critic(controller, cfg, critic_group, model_path)  # noqa: E731
+    actor = Actor(cfg, model_path, ci_checks=cfg.run.deterministic if ci_checks is None else ci_checks,
+                  critic=remote)
     datasets = load_datasets(cfg)
     # rollout.data_source: by default hpcrl.data.source.DataSource (prompts -> groups of samples)
     data_source = make_data_source(cfg, datasets.train)
@@ -96,7 +106,15 @@ def build_trainer(cfg: "Config", run_dir: Path, model_path: Path, watch: "Preemp
     start = ckpt.load()
     multiple = group_multiple(cfg.rollout.n_samples_per_prompt, actor.dp_size,
                               cfg.train.num_steps_per_rollout)
+    if remote is not None:  # the samples split over the critic's data-parallel ranks too
+        multiple = math.lcm(multiple, group_multiple(cfg.rollout.n_samples_per_prompt, actor.critic.dp_size,
+                                                     cfg.train.num_steps_per_rollout))
     return Trainer(actor, datasets, data_source, trained, ckpt, start, multiple)
+
+
+def own_critic_ranks(cfg: "Config") -> bool:
+    """Whether the run's critic has ranks of its own (PPO, ``critic.nprocs > 0``)."""
+    return cfg.algorithm.advantage_estimator == "gae" and cfg.critic.nprocs > 0
 
 
 @dataclass
@@ -105,10 +123,10 @@ class RunSession:
     ``with RunSession(cfg, run_dir, model_path, ...) as s:``. Entering raises what the set-up raises, after
     tearing down what was built.
 
-    ``ci_checks`` and ``launch_engines`` as :func:`hpcrl.loop.train_main`; ``states``: extra stateful
-    objects for the checkpoint manager (the async loop's ``pending``); ``offload_engines_first``: the engines
-    give their memory back before the first sync (the sync loop, which trains right after; the async loop
-    keeps them generating)."""
+    ``ci_checks``, ``launch_engines`` and ``launch_critic`` as :func:`hpcrl.loop.train_main`; ``states``:
+    extra stateful objects for the checkpoint manager (the async loop's ``pending``);
+    ``offload_engines_first``: the engines give their memory back before the first sync (the sync loop, which
+    trains right after; the async loop keeps them generating)."""
 
     cfg: "Config"
     run_dir: Path
@@ -117,12 +135,15 @@ class RunSession:
     launch_engines: Optional["EngineLauncher"] = None
     states: Mapping[str, "Stateful"] = field(default_factory=dict)
     offload_engines_first: bool = False
+    launch_critic: Optional["CriticLauncher"] = None
     controller: bool = field(init=False, default=False)
     """Whether this rank is the controller (global rank 0)."""
     watch: "PreemptionWatch" = field(init=False)
     rollout: "RolloutManager | FollowerRollout" = field(init=False)
     trainer: Trainer = field(init=False)
     syncer: "WeightSyncer" = field(init=False)
+    critic_group: Optional["CriticGroup"] = field(init=False, default=None)
+    """The critic's own ranks (PPO with ``critic.nprocs > 0``), on the controller; None elsewhere."""
     metrics: Optional["RunLog"] = field(init=False, default=None)
     """The run log, once built (None when the set-up failed before it)."""
     last: dict[str, Any] = field(init=False, default_factory=dict)
@@ -152,10 +173,15 @@ class RunSession:
         try:
             from hpcrl.weights.sync import WeightSyncer
 
+            if controller and own_critic_ranks(cfg):  # the critic's own ranks load beside the actor
+                from hpcrl.train.critic_group import CriticGroup
+
+                self.critic_group = CriticGroup.launch(cfg, run_dir, rollout.attempt_dir, self.launch_critic)
             # --- processes, model, optimizer, data, resume state -------------------------------------
             # colocated on GPUs: saves run with the trainer onloaded (rollout.trainer_onloaded)
             t = self.trainer = build_trainer(cfg, run_dir, model_path, watch, controller, self.ci_checks,
-                                             on_device=rollout.trainer_onloaded, **self.states)
+                                             on_device=rollout.trainer_onloaded, critic_group=self.critic_group,
+                                             **self.states)
             # --- engines up, router, client (a twin that does nothing on the other ranks); weights -----
             rollout.start(t.datasets)
             self.metrics = RunLog(run_dir, cfg.run.num_rollout, t.start, controller, cfg=cfg)
@@ -197,9 +223,11 @@ class RunSession:
 
     def close(self) -> None:
         """Tear down in order: run log (a run stopped by an error: its bar ends and its curves are drawn
-        too), rollout manager, preemption watch, process groups."""
+        too), the critic's own ranks, rollout manager, preemption watch, process groups."""
         if self.metrics is not None:
             self.metrics.close()
+        if self.critic_group is not None:
+            self.critic_group.stop()
         self.rollout.stop()
         self.watch.uninstall()
         self._destroy()

@@ -34,7 +34,8 @@ def optimizer_classes() -> list[type]:
 
 def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, optimizer: Any = None,
                     load_rng: bool = True, strict: bool = True,
-                    models: Optional[Mapping[str, tuple[torch.nn.Module, Any]]] = None) -> dict[str, Any]:
+                    models: Optional[Mapping[str, tuple[torch.nn.Module, Any]]] = None,
+                    remote: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` into a freshly built model; every rank calls.
 
     ``ddp_model`` / ``optimizer``: built as for training
@@ -48,7 +49,10 @@ def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, o
     the model's ``load_state_dict``. ``models``: the further models saved with ``save_checkpoint(models=...)``,
     ``{name: (ddp_model, optimizer or None)}``, loaded alike from their ``dist_<name>/`` folders; their names
     must be exactly the checkpoint's (None: load the main model only and ignore any others, as
-    :mod:`hpcrl.convert` does).
+    :mod:`hpcrl.convert` does). ``remote``: further models whose ranks are another world's
+    (``{"critic": RemoteCritic}``, :func:`save_checkpoint`'s ``remote``), each asked to load its entry
+    (``start_load(path, entry)`` while this world loads, ``finish_load()``); their names count with
+    ``models``'s.
 
     Returns the ``extra_state`` saved with it. Raises, on every rank: CheckpointError if the folder is
     incomplete or truncated (checked by rank 0, sizes only), has no optimizer state but ``optimizer`` is
@@ -77,14 +81,22 @@ def load_checkpoint(path: Union[str, os.PathLike], ddp_model: torch.nn.Module, o
         raise CheckpointError(header["error"])
     marker = header["marker"]
     saved_models = dict(marker.get("models") or {})
-    if models is not None and set(models) != set(saved_models):
-        raise CheckpointError(models_mismatch(path, sorted(saved_models), sorted(models)))
+    remote = dict(remote or {})
+    if models is not None and set(models) | set(remote) != set(saved_models):
+        raise CheckpointError(models_mismatch(path, sorted(saved_models), sorted(set(models) | set(remote))))
+    for name, part in remote.items():  # they load beside this world's load
+        part.start_load(path, dict(saved_models[name], dist=model_dist_dir(name)))
     main = {"dist": DIST_DIR, "optimizer": marker.get("optimizer", "saved"),
             "sharding_metadata": marker.get("sharding_metadata")}
     load_model(path, main, ddp_model, optimizer, strict)
     for name, (other_model, other_optimizer) in (models or {}).items():
         load_model(path, dict(saved_models[name], dist=model_dist_dir(name)), other_model, other_optimizer,
                    strict)
+    for name, part in remote.items():
+        try:
+            part.finish_load()
+        except RuntimeError as e:  # raised on every rank alike
+            raise CheckpointError(f"{path}: loading its {name} failed: {e}") from e
 
     if load_rng:
         layout = parallel_layout()

@@ -42,6 +42,8 @@ model              object                                              where it 
 =================  ==================================================  ==========================================
 (the actor)        ``actor.ddp_model``, ``actor.optimizer``             ``dist/``; ``COMPLETE`` ``optimizer``
 ``critic``         ``actor.critic.ddp_model``, ``.optimizer`` (PPO)     ``dist_critic/``; ``COMPLETE`` ``models``
+``critic``         ``actor.critic``, a ``RemoteCritic`` (PPO, its own   ``dist_critic/`` written by the critic's
+                   ranks: ``critic.nprocs > 0``)                         ranks; ``COMPLETE`` ``models``
 =================  ==================================================  ==========================================
 
 and the manager decides when to save (:meth:`CheckpointManager.end_step`): every ``checkpoint.save_interval``
@@ -174,17 +176,21 @@ class CheckpointManager:
     :meth:`hpcrl.rollout.manager.RolloutManager.trainer_onloaded`; default: nothing to do); ``models``:
     further Megatron models with their optimizers, ``{name: (ddp_model, optimizer)}``, saved and loaded with
     the main one in the same checkpoint (``dist_<name>/``; a run with a critic: ``{"critic": ...}``, and
-    a checkpoint with other models than the run's is refused). The counter ``states["progress"]`` is made
-    when not given.
+    a checkpoint with other models than the run's is refused); ``remote``: such models whose ranks are
+    another world's, ``{name: RemotePart}`` (a critic on ranks of its own,
+    :class:`hpcrl.train.critic_group.RemoteCritic`), which write and load their ``dist_<name>/`` themselves
+    in the same save and load. The counter ``states["progress"]`` is made when not given.
     """
 
     def __init__(self, run_dir: Path, model: Any, optimizer: Any, states: Mapping[str, Stateful], *,
                  interval: int, num_rollout: int, keep_last: int, resume: bool, watch: "PreemptionWatch",
                  config: Optional[dict] = None,
                  on_device: Callable[[], ContextManager] = contextlib.nullcontext,
-                 models: Optional[Mapping[str, tuple[Any, Any]]] = None) -> None:
+                 models: Optional[Mapping[str, tuple[Any, Any]]] = None,
+                 remote: Optional[Mapping[str, Any]] = None) -> None:
         self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer
         self.models: dict[str, tuple[Any, Any]] = dict(models or {})
+        self.remote: dict[str, Any] = dict(remote or {})
         self.states: dict[str, Stateful] = {PROGRESS: RolloutCounter(), **states}
         self.interval, self.num_rollout, self.keep_last, self.resume = interval, num_rollout, keep_last, resume
         self.watch, self.config, self.on_device = watch, config, on_device
@@ -202,10 +208,14 @@ class CheckpointManager:
 
         c = cfg.checkpoint
         critic = getattr(actor, "critic", None)
-        models = {CRITIC: (critic.ddp_model, critic.optimizer)} if critic is not None else {}
+        models, remote = {}, {}
+        if getattr(critic, "remote", False):  # on ranks of its own: it writes and loads its part itself
+            remote[CRITIC] = critic
+        elif critic is not None:
+            models[CRITIC] = (critic.ddp_model, critic.optimizer)
         return cls(run_dir, actor.ddp_model, actor.optimizer, states, interval=c.save_interval,
                    num_rollout=cfg.run.num_rollout, keep_last=c.keep_last, resume=c.resume, watch=watch,
-                   config=config_to_dict(cfg), on_device=on_device, models=models)
+                   config=config_to_dict(cfg), on_device=on_device, models=models, remote=remote)
 
     def load(self) -> int:
         """Load the newest complete checkpoint into the model, optimizer and every state (with ``resume``)
@@ -219,7 +229,7 @@ class CheckpointManager:
                 if hasattr(obj, "start_fresh"):
                     obj.start_fresh()
             return 0
-        extra = load_checkpoint(path, self.model, self.optimizer, models=self.models)
+        extra = load_checkpoint(path, self.model, self.optimizer, models=self.models, remote=self.remote)
         for name, state in unpack_states(extra, path, self.states).items():
             self.states[name].load_state_dict(state)
         self.last_saved = self.progress.rollout_id
@@ -238,7 +248,8 @@ class CheckpointManager:
         self.progress.rollout_id = rollout_id
         extra, writers = pack_states(self.states, self.config)
         path = save_checkpoint(self.run_dir, rollout_id, self.model, self.optimizer, extra,
-                               keep_last=self.keep_last, write_files=writers, models=self.models)
+                               keep_last=self.keep_last, write_files=writers, models=self.models,
+                               remote=self.remote)
         self.watch.record_save(time.perf_counter() - t0)
         self.last_saved = rollout_id
         return path

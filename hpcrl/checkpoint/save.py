@@ -12,7 +12,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,8 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
                     distrib_optim_sharding_type: str = DISTRIB_OPTIM_SHARDING,
                     checksums: bool = True,
                     write_files: Sequence[Callable[[Path], None]] = (),
-                    models: Optional[Mapping[str, tuple[torch.nn.Module, Any]]] = None) -> Path:
+                    models: Optional[Mapping[str, tuple[torch.nn.Module, Any]]] = None,
+                    remote: Optional[Mapping[str, "RemotePart"]] = None) -> Path:
     """Write the checkpoint of ``rollout_id`` to ``run_dir/checkpoints/iter_{rollout_id:07d}/`` (all ranks).
 
     ``ddp_model``: the trainer's model (megatron-core DDP / Float16Module wrappers or a bare GPTModel).
@@ -79,7 +80,10 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
     same atomic save, ``{name: (ddp_model, optimizer or None)}`` (e.g. ``{"critic": ...}``, PPO's value
     model), each into its own distributed checkpoint folder ``dist_<name>/`` (:func:`model_dist_dir`); the
     marker's ``models`` records each one's folder and optimizer state (saved | initial | none) and
-    :func:`load_checkpoint` restores them.
+    :func:`load_checkpoint` restores them. ``remote``: further models whose ranks are not this world's
+    (``{"critic": RemoteCritic}``: PPO's critic on ranks of its own, :mod:`hpcrl.train.critic_group`), each a
+    :class:`RemotePart` that writes its ``dist_<name>/`` into the staged folder while this world writes its
+    own, and returns its files' listing and its marker entry; they are in the same ``COMPLETE``.
 
     Returns the checkpoint folder. Raises, on every rank: RuntimeError without ``torch.distributed``,
     TypeError if ``extra_state`` is not plain JSON (nothing is written then), OSError if a rank fails to
@@ -91,15 +95,35 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
     main = model_part(DIST_DIR, ddp_model, optimizer, distrib_optim_sharding_type)
     extra_parts = {name: model_part(model_dist_dir(name), m, opt, distrib_optim_sharding_type)
                    for name, (m, opt) in (models or {}).items()}
-    tmp, state_json = stage(final, extra_state, rank, [p.dist for p in extra_parts.values()])
-    write(tmp, final, [main, *extra_parts.values()], state_json, rank, write_files)
-    listing = verify(tmp, final, checksums, rank, world)
+    remote = dict(remote or {})
+    remote_dirs = [model_dist_dir(name) for name in remote]
+    tmp, state_json = stage(final, extra_state, rank, [p.dist for p in extra_parts.values()] + remote_dirs)
+    for part in remote.values():  # they write beside this world's write
+        part.start_save(tmp)
+    failed: Optional[BaseException] = None
+    try:
+        write(tmp, final, [main, *extra_parts.values()], state_json, rank, write_files)
+    except OSError as e:  # (on every rank) the remote parts' answers are still collected first
+        failed = e
+    remote_markers, remote_files = {}, {}
+    for name, part in remote.items():
+        try:
+            remote_markers[name], files = part.finish_save()
+        except RuntimeError as e:  # raised on every rank alike
+            failed = failed or OSError(f"saving checkpoint {final} failed: {name}: {e}")
+            continue
+        remote_files.update(files)
+    if failed is not None:
+        raise failed
+    listing = verify(tmp, final, checksums, rank, world, skip=remote_dirs)
+    if listing is not None:
+        listing.update(remote_files)
     marker = {
         "rollout_id": int(rollout_id), **parallel_layout(),
         "params_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "padded_vocab_size": int(getattr(model, "vocab_size", 0)) or None,
         "optimizer": main.optimizer_state, "sharding_metadata": main.marker()["sharding_metadata"],
-        "models": {name: part.marker() for name, part in extra_parts.items()},
+        "models": {**{name: part.marker() for name, part in extra_parts.items()}, **remote_markers},
     }
     publish(tmp, final, marker, listing, rank)
     if rank == 0:
@@ -109,6 +133,18 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], rollout_id: int, ddp_model
             logger.warning("pruning old checkpoints in %s failed: %s", final.parent, e)
     logger.info("saved checkpoint %s", final)
     return final
+
+
+class RemotePart(Protocol):
+    """A model of the checkpoint whose ranks are another world's (:class:`hpcrl.train.critic_group.
+    RemoteCritic`): every rank of this world calls both, the writing happens over there."""
+
+    def start_save(self, folder: Path) -> None:
+        """Begin writing into ``folder / dist_<name>`` (made by :func:`stage`)."""
+
+    def finish_save(self) -> tuple[dict[str, Any], dict[str, tuple]]:
+        """``(its COMPLETE entry, {file relative to folder: (size, CRC-32)})`` once written and fsynced;
+        raises RuntimeError (on every rank) when the write failed."""
 
 
 @dataclass
@@ -170,20 +206,33 @@ def stage(final: Path, extra_state: Optional[Mapping[str, Any]], rank: int,
     return Path(header["tmp"]), state_json
 
 
-def write(tmp: Path, final: Path, parts: Sequence[ModelPart], state_json: Optional[str], rank: int,
-          write_files: Sequence[Callable[[Path], None]] = ()) -> None:
-    """Phase 2 (collective): the megatron-core distributed checkpoint of each model + optimizer of ``parts``
-    into its folder (all ranks), each rank's RNG states, and on rank 0 ``state.json`` and the
-    ``write_files``. Raises OSError on every rank if any rank failed."""
+def write_part(tmp: Path, part: ModelPart) -> None:
+    """The megatron-core distributed checkpoint of one model + optimizer into ``tmp / part.dist`` (collective
+    over this world; megatron-core raises what the writers raise)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
     _write_results_in_process()
+    sharded = sharded_state_dict(part.model, part.optimizer, part.metadata, is_loading=False)
+    dist_checkpointing.save(sharded, str(tmp / part.dist), get_default_save_sharded_strategy("torch_dist"),
+                            content_metadata=_clean_metadata_for_serialization(part.metadata))
+
+
+def list_own_files(tmp: Path, names: Sequence[str], checksums: bool, rank: int, world: int
+                   ) -> dict[str, tuple]:
+    """Fsync and checksum the files ``names`` (relative to ``tmp``) this rank wrote (:func:`file_owner`):
+    ``{name: (size in bytes, CRC-32 or None)}``. Raises OSError for a file that cannot be read."""
+    return {n: size_and_crc(tmp / n, fsync=True, crc=checksums) for n in names if file_owner(n, world) == rank}
+
+
+def write(tmp: Path, final: Path, parts: Sequence[ModelPart], state_json: Optional[str], rank: int,
+          write_files: Sequence[Callable[[Path], None]] = ()) -> None:
+    """Phase 2 (collective): the megatron-core distributed checkpoint of each model + optimizer of ``parts``
+    into its folder (all ranks), each rank's RNG states, and on rank 0 ``state.json`` and the
+    ``write_files``. Raises OSError on every rank if any rank failed."""
     for part in parts:
-        sharded = sharded_state_dict(part.model, part.optimizer, part.metadata, is_loading=False)
-        dist_checkpointing.save(sharded, str(tmp / part.dist), get_default_save_sharded_strategy("torch_dist"),
-                                content_metadata=_clean_metadata_for_serialization(part.metadata))
+        write_part(tmp, part)
     try:
         write_file(tmp / RNG_DIR / f"rank_{rank:05d}.pt", _torch_bytes(rng_state()))
         if rank == 0:
@@ -196,13 +245,15 @@ def write(tmp: Path, final: Path, parts: Sequence[ModelPart], state_json: Option
     _raise_if_any(error, final)
 
 
-def verify(tmp: Path, final: Path, checksums: bool, rank: int, world: int) -> Optional[dict[str, tuple]]:
+def verify(tmp: Path, final: Path, checksums: bool, rank: int, world: int, skip: Sequence[str] = ()
+           ) -> Optional[dict[str, tuple]]:
     """Phase 3 (collective): each rank fsyncs and checksums the files it wrote (its own view of its own files
-    is current, also on NFS). Returns the listing ``{name: (size in bytes, CRC-32 or None)}`` of every file
-    on rank 0, None elsewhere. Raises OSError on every rank if a rank's files are missing or unreadable."""
+    is current, also on NFS), but those under the folders ``skip`` (another world's, which lists its own).
+    Returns the listing ``{name: (size in bytes, CRC-32 or None)}`` of every file on rank 0, None elsewhere.
+    Raises OSError on every rank if a rank's files are missing or unreadable."""
     try:
-        mine = {n: size_and_crc(tmp / n, fsync=True, crc=checksums)
-                for n in files_of(tmp) if file_owner(n, world) == rank}
+        names = [n for n in files_of(tmp) if not any(n.startswith(f"{d}/") for d in skip)]
+        mine = list_own_files(tmp, names, checksums, rank, world)
         own_rng = f"{RNG_DIR}/rank_{rank:05d}.pt"
         error = None if own_rng in mine else f"rank {rank}: {own_rng} is not in the folder"
     except OSError as e:

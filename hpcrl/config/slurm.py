@@ -17,7 +17,8 @@ from hpcrl.config.checks import get_field, non_negative, positive, require
 
 @dataclass
 class SlurmGroup:
-    """Resources of one het group (trainer or rollout) in a disaggregated job."""
+    """Resources of one het group (the rollout's in a disaggregated job, the critic's when it has ranks of its
+    own)."""
 
     nodes: int = 1
     gpus_per_node: int = 0
@@ -61,6 +62,10 @@ class SlurmSection:
     """Apptainer/Singularity image every step runs in."""
     rollout: Optional[SlurmGroup] = None
     """Het group 1 (rollout) resources when ``run.placement: disaggregate``."""
+    critic: Optional[SlurmGroup] = None
+    """The het group of PPO's critic on ranks of its own (``critic.nprocs``; after the trainer's group and
+    the rollout's, if any): one critic rank per GPU (``critic.nprocs`` is set to ``nodes x gpus_per_node``),
+    or ``critic.nprocs / nodes`` per node on CPU nodes. null: the critic shares the trainer's ranks."""
 
 
 @dataclass
@@ -157,6 +162,11 @@ def check_slurm(cfg: Config, check_files: bool) -> None:
                  "a rollout het group needs run.placement: disaggregate",
                  "set run.placement=disaggregate or slurm.rollout=null")
         _check_slurm_group(cfg, "slurm.rollout")
+    if s.critic is not None:
+        require(cfg.algorithm.advantage_estimator == "gae", "slurm.critic", dataclasses.asdict(s.critic),
+                f"has no effect: only PPO (algorithm.advantage_estimator=gae) has a critic (not "
+                f"{cfg.algorithm.advantage_estimator})", "set algorithm.advantage_estimator=gae, or slurm.critic=null")
+        _check_slurm_group(cfg, "slurm.critic")
     if s.container is not None and check_files and "://" not in s.container:
         require(Path(s.container).is_file(), "slurm.container", s.container, "no such container image",
                  "fix the path (or use a docker:// / oras:// URI)")

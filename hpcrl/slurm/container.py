@@ -99,6 +99,8 @@ def group_has_gpus(cfg: Config, role: str) -> bool:
     """Whether the step of ``role`` runs on GPUs (and so gets ``--nv``)."""
     if role == "rollout" and cfg.run.placement == "disaggregate" and cfg.slurm.rollout is not None:
         return cfg.slurm.rollout.gpus_per_node > 0
+    if role == "critic" and cfg.slurm.critic is not None:
+        return cfg.slurm.critic.gpus_per_node > 0
     return cfg.slurm.gpus_per_node > 0
 
 
@@ -110,7 +112,7 @@ def container_prefix(cfg: Config, run_dir: str | os.PathLike, role: str = "train
     Args:
         cfg: the run's config.
         run_dir: absolute run folder (bound into the container).
-        role: ``trainer`` (het group 0 / the colocated allocation) or ``rollout``.
+        role: ``trainer`` (het group 0 / the colocated allocation), ``rollout`` or ``critic`` (its het group).
         cwd: working directory of the job (default: the current one).
         environ: environment to read hpcrl's and torch-memory-saver's variables from (default ``os.environ``).
 

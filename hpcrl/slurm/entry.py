@@ -63,8 +63,9 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     model (creation, SFT warm start, GGUF conversion; cached in the run's paths) while the others wait at a
     barrier, then every rank runs the loop of ``run.mode`` (:func:`hpcrl.loop.loop_of`), whose
     controller (rank 0) starts the engines
-    as the rollout job step (:mod:`hpcrl.slurm.rollout_step`), waits for their health, runs the loop and stops
-    the step at the end. Returns 0, or :data:`EXIT_REQUEUE` when the loop stopped on the preemption signal or
+    as the rollout job step (:mod:`hpcrl.slurm.rollout_step`) and a critic with ranks of its own as the critic
+    job step (:mod:`hpcrl.slurm.critic_step`), waits for their health, runs the loop and stops the steps at
+    the end. Returns 0, or :data:`EXIT_REQUEUE` when the loop stopped on the preemption signal or
     the job's deadline after writing a checkpoint (:mod:`hpcrl.preempt`); errors propagate (the job fails).
     """
     import torch
@@ -72,6 +73,7 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
 
     from hpcrl.loop import loop_of
     from hpcrl.run_setup import prepare_model, quiet_logs
+    from hpcrl.slurm.critic_step import launch_critic_step
     from hpcrl.slurm.rollout_step import launch_engine_step
     from hpcrl.train.parallel import init_distributed
 
@@ -94,7 +96,8 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
         box = [str(model_path) if model_path is not None else None]
         dist.broadcast_object_list(box, src=0)
         model_path = Path(box[0])
-    result = loop_of(cfg)(cfg, run_dir, Path(model_path), launch_engines=launch_engine_step)
+    result = loop_of(cfg)(cfg, run_dir, Path(model_path), launch_engines=launch_engine_step,
+                          launch_critic=launch_critic_step)
     if result.get("preempted"):
         return EXIT_REQUEUE
     return 0

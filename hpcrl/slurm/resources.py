@@ -14,6 +14,9 @@ Shape of the job:
 * disaggregated (``run.placement: disaggregate``): a heterogeneous job. Het group 0 = trainer (the ``slurm.*``
   fields), het group 1 = rollout (``slurm.rollout.*``, one task per node; the engines are started with
   ``srun --het-group=1``).
+* PPO's critic on ranks of its own (``critic.nprocs > 0``): one more het group after those, ``slurm.critic.*``
+  (one task per GPU, or ``critic.nprocs / nodes`` per node on CPU nodes; started by the controller with
+  ``srun --het-group=K``, :mod:`hpcrl.slurm.critic_step`). A colocated run with it is a het job too.
 
 GPU counts come from the config; ``CUDA_VISIBLE_DEVICES`` is always Slurm's (``--gpus-per-node``), never set
 by hpcrl.
@@ -58,7 +61,7 @@ class GroupPlan:
     """Resources of one het group (or of the one allocation of a colocated run)."""
 
     role: str
-    """``trainer`` or ``rollout``."""
+    """``trainer``, ``rollout`` or ``critic``."""
     nodes: int
     ntasks_per_node: int
     gpus_per_node: int
@@ -97,11 +100,23 @@ class JobPlan:
     exclusive: bool = False
     extra_sbatch: list[str] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
+    critic: Optional[GroupPlan] = None
+    """The critic's own ranks (``critic.nprocs > 0``): the last het group (:attr:`critic_het_group`)."""
 
     @property
     def het(self) -> bool:
-        """Whether this is a heterogeneous job (disaggregated placement)."""
-        return self.rollout is not None
+        """Whether this is a heterogeneous job (disaggregated placement, or a critic with ranks of its own)."""
+        return self.rollout is not None or self.critic is not None
+
+    @property
+    def components(self) -> list[GroupPlan]:
+        """The het groups after group 0 (the trainer), in order: rollout (disaggregated), critic."""
+        return [g for g in (self.rollout, self.critic) if g is not None]
+
+    @property
+    def critic_het_group(self) -> Optional[int]:
+        """The critic's het group index (1 colocated, 2 disaggregated), None without one."""
+        return 1 + (self.rollout is not None) if self.critic is not None else None
 
     @property
     def signal(self) -> str:
@@ -168,7 +183,8 @@ def slurm_config(cfg: Config) -> Config:
 
     On GPU nodes the trainer has ``slurm.nodes * slurm.gpus_per_node`` ranks (one per GPU) whatever
     ``train.nprocs`` says, so the saved config tells the truth and Megatron's parallel sizes are checked
-    against it. On CPU nodes ``train.nprocs`` is kept and must split evenly over ``slurm.nodes``.
+    against it. On CPU nodes ``train.nprocs`` is kept and must split evenly over ``slurm.nodes``. The critic's
+    own ranks alike: ``critic.nprocs`` is ``slurm.critic.nodes * gpus_per_node`` on GPU nodes.
 
     Raises:
         ConfigError: ``slurm.gpus_per_node`` (see :func:`gpu_trainer_ranks`), ``train.nprocs`` (CPU), or any
@@ -178,9 +194,36 @@ def slurm_config(cfg: Config) -> Config:
     world = gpu_trainer_ranks(out)
     if world is not None:
         out.train.nprocs = world
+    g = out.slurm.critic
+    if g is not None and isinstance(g.gpus_per_node, int) and isinstance(g.nodes, int) and g.gpus_per_node > 0:
+        out.critic.nprocs = g.nodes * g.gpus_per_node
     validate(out, check_files=False)
     trainer_tasks_per_node(out)
+    critic_tasks_per_node(out)
     return out
+
+
+def critic_tasks_per_node(cfg: Config) -> int:
+    """Tasks per node of the critic's het group: one per GPU, or ``critic.nprocs / slurm.critic.nodes`` on
+    CPU nodes; 0 without ``slurm.critic``. Raises ConfigError when the critic has ranks of its own but no het
+    group, a het group but no ranks (CPU nodes), or CPU ranks that do not split evenly over its nodes."""
+    g, n = cfg.slurm.critic, cfg.critic.nprocs
+    if g is None:
+        if n > 0:
+            raise ConfigError("critic.nprocs", n,
+                              "on Slurm the critic's ranks of its own run in a het group of their own, and "
+                              "slurm.critic is not set",
+                              "add slurm.critic: {nodes: 1, gpus_per_node: 8}, or set critic.nprocs=0 (the "
+                              "critic on the trainer's ranks)")
+        return 0
+    if g.gpus_per_node > 0:
+        return g.gpus_per_node
+    if n <= 0 or n % g.nodes != 0:
+        raise ConfigError("critic.nprocs", n,
+                          f"slurm.critic asks for CPU nodes, which run critic.nprocs tasks split evenly over "
+                          f"slurm.critic.nodes={g.nodes}",
+                          f"set critic.nprocs to a multiple of {g.nodes}, or slurm.critic=null")
+    return n // g.nodes
 
 
 def plan_job(cfg: Config) -> JobPlan:
@@ -190,11 +233,13 @@ def plan_job(cfg: Config) -> JobPlan:
         cfg: a validated, resolved config (``load_config``'s result).
 
     Returns:
-        The :class:`JobPlan`; ``plan.rollout`` is set for ``run.placement: disaggregate``.
+        The :class:`JobPlan`; ``plan.rollout`` is set for ``run.placement: disaggregate``, ``plan.critic`` for
+        a critic on ranks of its own.
 
     Raises:
         ConfigError: a disaggregated run without ``slurm.rollout``; CPU trainer tasks not divisible by
-            ``slurm.nodes``; an ``extra_sbatch`` line re-setting an option with its own field.
+            ``slurm.nodes``; an ``extra_sbatch`` line re-setting an option with its own field; the critic's
+            problems of :func:`critic_tasks_per_node`.
     """
     s = cfg.slurm
     m = SIGNAL_RE.fullmatch(s.signal)
@@ -216,7 +261,14 @@ def plan_job(cfg: Config) -> JobPlan:
         rollout = GroupPlan("rollout", nodes=g.nodes, ntasks_per_node=1, gpus_per_node=g.gpus_per_node,
                             cpus_per_task=g.cpus_per_task, mem=g.mem,
                             partition=g.partition if g.partition is not None else s.partition)
+    critic = None
+    if critic_tasks_per_node(cfg) > 0:
+        g = cfg.slurm.critic
+        critic = GroupPlan("critic", nodes=g.nodes, ntasks_per_node=critic_tasks_per_node(cfg),
+                           gpus_per_node=g.gpus_per_node, cpus_per_task=g.cpus_per_task, mem=g.mem,
+                           partition=g.partition if g.partition is not None else s.partition)
     return JobPlan(job_name=cfg.run.name, placement=cfg.run.placement, trainer=trainer, rollout=rollout,
+                   critic=critic,
                    time=s.time, time_s=slurm_time_seconds(s.time), signal_name=m.group(1),
                    signal_lead_s=int(m.group(2)), requeue=s.requeue, account=s.account, qos=s.qos,
                    constraint=s.constraint, exclusive=s.exclusive, extra_sbatch=list(s.extra_sbatch),

@@ -147,7 +147,7 @@ def submitit_parameters(plan: JobPlan, run_dir: str | os.PathLike, cwd: str | os
             params[key] = value
     if plan.exclusive:
         params["exclusive"] = True
-    if plan.het:  # submitit's step is the trainer: het group 0 (the engines go to group 1 from inside)
+    if plan.het:  # submitit's step is the trainer: het group 0 (engines and critic go to theirs from inside)
         params["srun_args"] = ["--het-group=0"]
     extra: dict[str, Any] = {"signal": plan.signal, "chdir": str(cwd),
                              sbatch_option(plan.requeue)[2:].replace("-", "_"): True}  # submitit's spelling
@@ -168,7 +168,7 @@ def make_executor(cfg: Config, plan: JobPlan, run_dir: str | os.PathLike, cwd: s
 
     prefix = container_prefix(cfg, run_dir, "trainer", cwd=cwd, environ=environ)
     py = shell_join(prefix + ["python3"]) if prefix else (python or shlex.quote(sys.executable))
-    components = [group_flags(plan, plan.rollout)] if plan.rollout is not None else []
+    components = [group_flags(plan, g) for g in plan.components]
     ex = HetSlurmExecutor(Path(run_dir) / SUBMITIT_DIR, components=components, extra_sbatch=plan.extra_sbatch,
                           max_num_timeout=MAX_TIME_LIMIT_REQUEUES, python=py, render_only=render_only,
                           forward_signal=plan.signal_name)

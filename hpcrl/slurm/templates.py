@@ -80,7 +80,9 @@ def template_variables(cfg: Config, run_dir: str | os.PathLike, cwd: str | os.Pa
     ``signal_name``, ``run_dir``, ``workdir`` (unquoted: the templates quote them), ``launch`` (shell words),
     ``requeue`` and ``exit_requeue`` (:func:`hpcrl.slurm.requeue.template_values`), the lists
     ``sbatch_options`` (without ``#SBATCH``) and ``setup``; for a disaggregated run also ``rollout_nodes``,
-    ``rollout_cpus_per_task`` and ``rollout_sbatch_options``."""
+    ``rollout_cpus_per_task`` and ``rollout_sbatch_options``; always ``critic_nodes`` (0 without a critic
+    on ranks of its own: no critic het group), ``critic_ntasks_per_node``, ``critic_cpus_per_task`` and
+    ``critic_sbatch_options``."""
     t = plan.trainer
     values: dict[str, Any] = {
         "job_name": plan.job_name, "nodes": t.nodes, "ntasks_per_node": t.ntasks_per_node,
@@ -93,6 +95,11 @@ def template_variables(cfg: Config, run_dir: str | os.PathLike, cwd: str | os.Pa
     if plan.rollout is not None:
         values.update(rollout_nodes=plan.rollout.nodes, rollout_cpus_per_task=plan.rollout.cpus_per_task,
                       rollout_sbatch_options=_optional_options(plan, plan.rollout, first=False))
+    c = plan.critic
+    values.update(critic_nodes=c.nodes if c is not None else 0,
+                  critic_ntasks_per_node=c.ntasks_per_node if c is not None else 0,
+                  critic_cpus_per_task=c.cpus_per_task if c is not None else 0,
+                  critic_sbatch_options=_optional_options(plan, c, first=False) if c is not None else [])
     return values
 
 

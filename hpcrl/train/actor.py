@@ -20,8 +20,9 @@ loop do for one rollout:
    :func:`~hpcrl.train.algorithms.compute_loss` reduced with ``algorithm.loss_reduction`` (default slime's
    per-rollout token mean) over the step's *global* batch (so neither micro-batching nor data parallelism changes the loss or its gradient);
 6. metrics summed over micro-batches and data-parallel ranks, and slime's ``--ci-test`` gates;
-7. with a critic, its optimizer steps over the same micro-batches (only these in the ``critic.warmup_steps``
-   first rollouts).
+7. with a critic, its optimizer steps over the same split into steps (only these in the
+   ``critic.warmup_steps`` first rollouts): on these ranks after the actor's, or on the critic's own ranks
+   (``critic.nprocs > 0``) beside them, its values forward beside 3-4 (:mod:`hpcrl.train.critic_group`).
 
 Sizes: ``N`` samples per rollout (every rank gets all of them), ``dp`` data-parallel ranks, ``S`` =
 ``train.num_steps_per_rollout``. ``N`` must be a multiple of ``dp * S``; it need not be ``rollout.batch_size x
@@ -44,7 +45,7 @@ import dataclasses
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -52,8 +53,9 @@ from hpcrl.train import algorithms, parallel, ppo
 from hpcrl.train.critic import Critic
 
 if TYPE_CHECKING:
-    from hpcrl.config import Config
+    from hpcrl.config import Config, TrainSection
     from hpcrl.data.sample import Sample
+    from hpcrl.train.critic_group import RemoteCritic
     from hpcrl.train.packing import Pack
 
 Tensor = torch.Tensor
@@ -296,6 +298,47 @@ def split_steps(num_samples: int, dp_rank: int, dp_size: int, num_steps: int,
     return local, global_
 
 
+def plan_steps(samples: Sequence["Sample"], train: "TrainSection", dp_rank: int, dp_size: int
+               ) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """``(local, global_)`` as :func:`split_steps` returns them, for ``train``'s micro-batching: fixed
+    ``train.micro_batch_size`` micro-batches of contiguous rank slices, or, with
+    ``train.max_tokens_per_microbatch``, token-budget micro-batches balanced over the ``dp_size``
+    data-parallel ranks (:func:`~hpcrl.train.packing.plan_micro_batches`). Which samples a step trains on
+    (``global_``) does not depend on ``dp_size``. Raises what :func:`split_steps` raises."""
+    n = len(samples)
+    if train.max_tokens_per_microbatch is None:
+        return split_steps(n, dp_rank, dp_size, train.num_steps_per_rollout, train.micro_batch_size)
+    from hpcrl.train.packing import plan_micro_batches
+
+    _, global_ = split_steps(n, 0, 1, train.num_steps_per_rollout, max(n // train.num_steps_per_rollout, 1))
+    local = [plan_micro_batches(samples, g, dp_rank, dp_size, train.max_tokens_per_microbatch,
+                                train.share_group_prompt) for g in global_]
+    return local, global_
+
+
+def build_steps(samples: Sequence["Sample"], masks: Sequence[Tensor], advantages: Sequence[Tensor],
+                train: "TrainSection", model_config: Any, dp_rank: int, dp_size: int,
+                device: Union[str, torch.device], with_rollout_log_probs: bool = True,
+                with_teacher_log_probs: bool = False, routing: Optional[tuple[int, int]] = None
+                ) -> tuple[list[list[MicroBatch]], list[dict[int, float]]]:
+    """This data-parallel rank's micro-batches of each optimizer step of a rollout and each step's rollout
+    mask sums (the reducers' step-wide denominators), for the actor and for a critic on ranks of its own.
+
+    ``masks``: every sample's ``[response_length]`` loss mask; ``advantages`` as :func:`build_micro_batch`;
+    ``train``: micro-batching (:func:`plan_steps`), packing (``max_tokens_per_microbatch``,
+    ``share_group_prompt``); ``model_config``: the megatron model's (a packed layout is padded to the
+    tensor-parallel size under sequence parallelism). Raises what :func:`plan_steps` and
+    :func:`build_micro_batch` raise."""
+    local, global_ = plan_steps(samples, train, dp_rank, dp_size)
+    packed = train.max_tokens_per_microbatch is not None
+    pad = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
+    steps = [[build_micro_batch(samples, mb, advantages, device, with_rollout_log_probs, packed=packed,
+                                share_prompt=train.share_group_prompt, pad_to_multiple=pad,
+                                with_teacher_log_probs=with_teacher_log_probs, routing=routing)
+              for mb in step] for step in local]
+    return steps, [algorithms.compute_rollout_mask_sums([masks[p] for p in g], g) for g in global_]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Actor
 # ------------------------------------------------------------------------------------------------------------
@@ -322,13 +365,19 @@ class Actor:
             when off-policy).
         ci_logprob_abs_diff_threshold: with ``ci_checks``, also require ``train_rollout_logprob_abs_diff``
             at most this (slime's ``--ci-train-rollout-logprob-abs-diff-threshold``); None: no check.
+        critic: makes a PPO run's critic on ranks of its own (``critic.nprocs > 0``:
+            :class:`~hpcrl.train.critic_group.RemoteCritic`), called once the actor's model is built (the
+            critic's ranks load meanwhile); None: with ``algorithm.advantage_estimator: gae`` a
+            :class:`~hpcrl.train.critic.Critic` is built on these ranks.
 
     Attributes:
         ddp_model: the megatron-core ``DistributedDataParallel`` model (for checkpointing).
         optimizer: the megatron-core optimizer (for checkpointing).
         model: the bare GPTModel (``hf_config`` attached).
         weights: the :class:`WeightBackup` (tag ``"ref"`` with ``use_kl_loss`` or ``kl_coef > 0``).
-        critic: the :class:`~hpcrl.train.critic.Critic` (``advantage_estimator: gae``), else None.
+        critic: the value model (``advantage_estimator: gae``): a :class:`~hpcrl.train.critic.Critic` on
+            these ranks or the ``critic`` given (ranks of its own); None without one. :meth:`train` drives
+            either through ``begin``, ``sample_values``, ``begin_train`` and ``end_train``.
         step_metrics: per optimizer step of the last :meth:`train` call, that step's global metrics (the keys
             of :meth:`train` without the ``train/`` prefix; ``grad_norm`` None when not computed).
 
@@ -339,7 +388,8 @@ class Actor:
 
     def __init__(self, cfg: "Config", hf_path: Union[str, os.PathLike], *, ci_checks: bool = False,
                  recompute_log_probs: Optional[bool] = None,
-                 ci_logprob_abs_diff_threshold: Optional[float] = None) -> None:
+                 ci_logprob_abs_diff_threshold: Optional[float] = None,
+                 critic: Optional[Callable[[], "RemoteCritic"]] = None) -> None:
         from megatron.core import parallel_state
 
         from hpcrl.train import bridge, model as tmodel
@@ -391,7 +441,10 @@ class Actor:
         self.step_metrics: list[dict[str, Optional[float]]] = []
         if self.uses_ref:
             self.weights.backup("ref")
-        self.critic = Critic(cfg, hf_path) if cfg.algorithm.advantage_estimator == "gae" else None
+        if cfg.algorithm.advantage_estimator != "gae":
+            self.critic: Optional[Union[Critic, "RemoteCritic"]] = None
+        else:
+            self.critic = critic() if critic is not None else Critic(cfg, hf_path)
 
     # -- forward passes ------------------------------------------------------------------------------------
 
@@ -481,16 +534,14 @@ class Actor:
             cfg=alg)
 
         # 2. this rank's micro-batches per step; step-wide (global) denominators of the reduction.
-        local, global_ = self._plan(samples)
-        packed = cfg.train.max_tokens_per_microbatch is not None
-        pad = self.model.config.tensor_model_parallel_size if self.model.config.sequence_parallel else 1
         opd = bool(alg.opd.teachers)
-        steps = [[build_micro_batch(samples, mb, advantages, self.device, with_rollout_lp, packed=packed,
-                                    share_prompt=cfg.train.share_group_prompt, pad_to_multiple=pad,
-                                    with_teacher_log_probs=opd, routing=self.routing)
-                  for mb in step] for step in local]
-        step_sums = [algorithms.compute_rollout_mask_sums([masks[p] for p in g], g) for g in global_]
+        steps, step_sums = build_steps(samples, masks, advantages, cfg.train, self.model.config, self.dp_rank,
+                                       self.dp_size, self.device, with_rollout_lp, with_teacher_log_probs=opd,
+                                       routing=self.routing)
         flat = [mb for step in steps for mb in step]
+        critic = self.critic
+        if critic is not None:  # on ranks of its own, the critic's values forward starts now, beside 3-4
+            critic.begin(rollout_id, samples, steps, step_sums)
 
         # 3. old log-probs with the current weights, unless reused from the training forward.
         if self.recompute:
@@ -505,9 +556,12 @@ class Actor:
         metrics: dict[str, float] = {}
         # 4b. advantages from the KL-in-reward penalty and the critic's values (hpcrl.train.ppo)
         if shaped:
-            more, targets = ppo.shaped_advantages(cfg, flat, sample_rewards(samples), masks, self.critic,
+            values = critic.sample_values(n) if critic is not None else None
+            more, returns = ppo.shaped_advantages(cfg, flat, sample_rewards(samples), masks, values,
                                                   self._dp_group, self.dp_size)
             metrics.update(more)
+            if critic is not None:  # on ranks of its own, the critic trains beside the actor's steps (5)
+                critic.begin_train(returns)
         # 4c. on-policy distillation (slime --use-opd): advantage += coef * (teacher - student) per token
         if opd:
             metrics["train/opd_reverse_kl"] = self._add_opd_advantage(flat, masks, alg.opd.coef)
@@ -520,7 +574,7 @@ class Actor:
         # 5. the optimizer steps, each at the scheduled learning rate of its global step number (a pure
         # function of rollout_id, so a resumed run continues the schedule exactly); none in the critic-only
         # rollouts (critic.warmup_steps); then the critic's steps over the same split.
-        per_step, first = [], rollout_id * cfg.train.num_steps_per_rollout
+        per_step = []
         warmup = rollout_id < self.critic_only
         actor_first = (rollout_id - self.critic_only) * cfg.train.num_steps_per_rollout
         for k, (step, sums) in enumerate(zip(steps, step_sums, strict=True) if not warmup else ()):
@@ -528,9 +582,8 @@ class Actor:
             per_step.append(self._optimizer_step(step, sums))
             per_step[-1]["lr"] = lr
         self.step_metrics = per_step
-        if self.critic is not None:
-            metrics.update(ppo.critic_steps(self.critic, steps, targets, [
-                lambda mb, s=s: self._reducers(mb, s) for s in step_sums], first, metrics["critic/seconds"]))
+        if critic is not None:
+            metrics.update(critic.end_train())
         if per_step:
             metrics["train/first_step_ppo_kl"] = per_step[0]["ppo_kl"]
         if self.ci_checks and per_step:
@@ -554,21 +607,6 @@ class Actor:
         metrics["train/seconds"] = seconds
         metrics["train/tokens_per_s"] = sum(len(s.tokens) for s in samples) / max(seconds, 1e-9)
         return metrics
-
-    def _plan(self, samples: Sequence["Sample"]) -> tuple[list[list[list[int]]], list[list[int]]]:
-        """``(local, global_)`` as :func:`split_steps` returns them: fixed ``train.micro_batch_size`` micro-batches
-        of contiguous rank slices, or, with ``train.max_tokens_per_microbatch``, token-budget micro-batches
-        balanced over data-parallel ranks (:func:`~hpcrl.train.packing.plan_micro_batches`)."""
-        t = self.cfg.train
-        n = len(samples)
-        if t.max_tokens_per_microbatch is None:
-            return split_steps(n, self.dp_rank, self.dp_size, t.num_steps_per_rollout, t.micro_batch_size)
-        from hpcrl.train.packing import plan_micro_batches
-
-        _, global_ = split_steps(n, 0, 1, t.num_steps_per_rollout, max(n // t.num_steps_per_rollout, 1))
-        local = [plan_micro_batches(samples, g, self.dp_rank, self.dp_size, t.max_tokens_per_microbatch,
-                                    t.share_group_prompt) for g in global_]
-        return local, global_
 
     def _add_opd_advantage(self, flat: Sequence[MicroBatch], masks: Sequence[Tensor], coef: float) -> float:
         """On-policy distillation's advantage, GLM-5's ``A_t = sg[log pi_teacher - log pi_train]`` (slime

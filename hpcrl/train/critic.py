@@ -10,8 +10,12 @@ of response token ``j`` is read at the position that predicts it (the position o
 
 :class:`Critic` lives on every trainer rank beside the :class:`~hpcrl.train.actor.Actor` (which owns it as
 ``actor.critic``), with the actor's tensor- and data-parallel layout and the same micro-batches, and its own
-megatron DDP, Adam and learning-rate schedule. :class:`ValueHead` is the head; :func:`load_value_model` builds
-the model from an HF folder.
+megatron DDP, Adam and learning-rate schedule (``critic.nprocs: 0``); or on ranks of its own, a world of its
+own with its own layout (``critic.nprocs > 0``: :mod:`hpcrl.train.critic_worker`, driven by the actor through
+:class:`hpcrl.train.critic_group.RemoteCritic`). Either way the actor drives it per rollout with the same four
+calls: :meth:`Critic.begin`, :meth:`~Critic.sample_values`, :meth:`~Critic.begin_train`,
+:meth:`~Critic.end_train`. :class:`ValueHead` is the head; :func:`load_value_model` builds the model from an HF
+folder.
 
 Value head initialisation: zeros (``critic.path`` a causal LM), so every value starts at 0 and the first
 rollout's GAE advantages are the plain (discounted) returns, as REINFORCE with no baseline would give: no
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -177,6 +182,7 @@ class Critic:
         self.device = next(self.model.parameters()).device
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self._dp_group = parallel_state.get_data_parallel_group()
+        self._rollout: Optional[_Rollout] = None
 
     # -- forward -------------------------------------------------------------------------------------------
 
@@ -275,3 +281,110 @@ class Critic:
         """Sum each scalar over the data-parallel ranks (:func:`hpcrl.train.parallel.sum_over_ranks`)."""
         return parallel.sum_over_ranks(values, self.device, self._dp_group if self.dp_size > 1 else None)
 
+    # -- one rollout: what Actor.train asks of its critic (RemoteCritic serves the same from its own ranks) --
+
+    def begin(self, rollout_id: int, samples: Sequence[Any], steps: Sequence[Sequence[Any]],
+              step_sums: Sequence[dict[int, float]]) -> None:
+        """Start rollout ``rollout_id``: ``steps[k]`` this rank's micro-batches of optimizer step ``k`` (the
+        values forward and the critic's steps use them), ``step_sums[k]`` that step's rollout mask sums (the
+        reducers' step-wide denominators, :func:`hpcrl.train.algorithms.compute_rollout_mask_sums`).
+        ``samples`` (the rollout's ``N`` samples) are in the micro-batches already; a critic on ranks of its own
+        (:class:`hpcrl.train.critic_group.RemoteCritic`) sends them."""
+        self._rollout = _Rollout(rollout_id, [list(s) for s in steps], list(step_sums))
+
+    def sample_values(self, num_samples: int) -> list[Tensor]:
+        """Every sample's values before this rollout's critic steps, on every rank: ``[response_length]``
+        float32 CPU tensors for positions ``0 .. num_samples-1`` (:meth:`values` of this rank's micro-batches,
+        gathered over the data-parallel ranks). Collective over the data-parallel group. Raises RuntimeError
+        before :meth:`begin`, or when a position is in no rank's micro-batches."""
+        r = self._current()
+        t0 = time.perf_counter()
+        flat = [mb for step in r.steps for mb in step]
+        r.old_values = self.values(flat)
+        out = parallel.gather_per_sample(flat, r.old_values, num_samples, self._dp_group, self.dp_size)
+        r.seconds += time.perf_counter() - t0
+        return out
+
+    def begin_train(self, returns: Sequence[Tensor]) -> None:
+        """The critic's regression targets: every sample's ``[response_length]`` GAE returns (positions ``0 ..
+        N-1``), from :func:`hpcrl.train.ppo.shaped_advantages`. Training runs in :meth:`end_train`. Raises
+        RuntimeError before :meth:`sample_values`."""
+        r = self._current()
+        if r.old_values is None:
+            raise RuntimeError("begin_train before sample_values: the value clip needs the old values")
+        r.returns = list(returns)
+
+    def end_train(self) -> dict[str, float]:
+        """The critic's optimizer steps of this rollout (:meth:`train_steps` over the split of :meth:`begin`,
+        at global steps ``rollout_id * train.num_steps_per_rollout + k``); returns their metrics, with
+        ``critic/seconds`` the time of the values forward and the steps. Collective over the data-parallel
+        group. Raises RuntimeError before :meth:`begin_train`, and what :meth:`train_step` raises."""
+        r = self._current()
+        if r.returns is None:
+            raise RuntimeError("end_train before begin_train: no returns to regress on")
+        self._rollout = None
+        targets = []
+        for mb, old in zip((mb for step in r.steps for mb in step), r.old_values, strict=True):
+            rows = torch.zeros_like(old)
+            for i, (p, k) in enumerate(zip(mb.positions, mb.response_lengths.tolist(), strict=True)):
+                rows[i, :k] = r.returns[p][:k].to(rows)
+            targets.append(ValueTargets(old_values=old, returns=rows))
+        return self.train_steps(r.steps, targets, r.step_sums, r.rollout_id * self.cfg.train.num_steps_per_rollout,
+                                r.seconds)
+
+    def _current(self) -> "_Rollout":
+        if self._rollout is None:
+            raise RuntimeError("no rollout begun: call Critic.begin first")
+        return self._rollout
+
+    def train_steps(self, steps: Sequence[Sequence[Any]], targets: Sequence[ValueTargets],
+                    step_sums: Sequence[dict[int, float]], first_step: int, seconds: float = 0.0
+                    ) -> dict[str, float]:
+        """The critic's optimizer steps over a rollout's split: step ``k`` trains on ``steps[k]`` (this rank's
+        micro-batches) with the reducers of ``step_sums[k]`` (:func:`hpcrl.train.algorithms.step_reducers`:
+        ``algorithm.loss_reduction`` for the loss, per-sample token means for the metrics; the actor's) at
+        global optimizer step ``first_step + k`` (:meth:`train_step`). ``targets``: one per micro-batch, in
+        the order of ``steps`` flattened.
+
+        Returns ``critic/{value_loss, value_clipfrac, grad_norm}`` (means over the steps, each the step's
+        global value), ``critic/lr`` (of the last step) and ``critic/seconds`` (wall time plus ``seconds``,
+        the time already spent on the critic in this rollout: its values forward). Collective over the
+        data-parallel group; raises ValueError when ``targets`` do not match the micro-batches, and what
+        :meth:`train_step` raises.
+        """
+        from hpcrl.train import algorithms
+
+        t0 = time.perf_counter()
+        per_step, i = [], 0
+        for k, (step, sums) in enumerate(zip(steps, step_sums, strict=True)):
+            def reducers(mb: Any, sums: dict[int, float] = sums) -> tuple[Reducer, Reducer]:
+                return algorithms.step_reducers(self.cfg, mb.mask, mb.positions, sums)
+
+            per_step.append(self.train_step(step, targets[i: i + len(step)], reducers, first_step + k))
+            i += len(step)
+        if i != len(targets):
+            raise ValueError(f"{len(targets)} value targets for {i} micro-batches")
+        out: dict[str, float] = {}
+        for key in ("value_loss", "value_clipfrac", "grad_norm"):
+            vals = [m[key] for m in per_step if m.get(key) is not None]
+            if vals:
+                out[f"critic/{key}"] = sum(vals) / len(vals)
+        out["critic/lr"] = float(per_step[-1]["lr"])
+        out["critic/seconds"] = seconds + time.perf_counter() - t0
+        return out
+
+
+@dataclasses.dataclass
+class _Rollout:
+    """What :class:`Critic` keeps of the rollout in progress, from :meth:`~Critic.begin` to
+    :meth:`~Critic.end_train`."""
+
+    rollout_id: int
+    steps: list[list[Any]]
+    step_sums: list[dict[int, float]]
+    old_values: Optional[list[Tensor]] = None
+    """``[b, R]`` per micro-batch of ``steps`` flattened (:meth:`Critic.sample_values`)."""
+    returns: Optional[list[Tensor]] = None
+    """``[len_i]`` per sample (:meth:`Critic.begin_train`)."""
+    seconds: float = 0.0
+    """Time spent on this rollout so far (the values forward)."""

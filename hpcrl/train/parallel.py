@@ -19,7 +19,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,7 @@ def module_hidden(name: str):
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
-                     megatron: bool = True) -> DistEnv:
+                     megatron: bool = True, store: Any = None) -> DistEnv:
     """Initialise the default process group from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``.
 
     ``backend`` defaults to ``nccl`` with CUDA (the device is set to ``LOCAL_RANK``) and ``gloo`` without.
@@ -108,7 +108,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
     step before the trainer imports megatron-core (:func:`setup_parallel` prepares it then). Without the
     variables a single process (rank 0 of 1) starts on a loopback port its store binds at once (port 0).
     With :data:`INIT_METHOD_ENV` set (``hpcrl run``'s workers: a ``file://`` rendezvous on this machine) that
-    init method is used instead of the address and port. Returns the existing setup if already initialised.
+    init method is used instead of the address and port; with a ``store`` (a ``torch.distributed.Store``: the
+    critic world's, which the actor's controller hosts, :mod:`hpcrl.train.critic_group`) that store is the
+    rendezvous. Returns the existing setup if already initialised.
     Raises KeyError if ``WORLD_SIZE`` > 1 and ``MASTER_ADDR`` or ``MASTER_PORT`` is missing.
     """
     if megatron:
@@ -119,7 +121,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
     rank = env_rank()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if os.environ.get(INIT_METHOD_ENV):  # hpcrl run's workers: a file on this machine, no port to race for
+    if store is not None:
+        init_method = None
+    elif os.environ.get(INIT_METHOD_ENV):  # hpcrl run's workers: a file on this machine, no port to race for
         init_method = os.environ[INIT_METHOD_ENV]
     elif world_size > 1:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -133,7 +137,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+    dist.init_process_group(backend=backend, init_method=init_method, store=store, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(rank, world_size, local_rank, backend)
 
@@ -174,6 +178,30 @@ def sum_over_ranks(values: dict[str, Any], device: torch.device, group: Any = No
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return dict(zip(keys, t.tolist(), strict=True))
+
+
+def gather_per_sample(flat: Sequence[Any], per_mb: Sequence[torch.Tensor], num_samples: int, group: Any,
+                      dp_size: int) -> list[torch.Tensor]:
+    """Every sample's row of per-micro-batch tensors, on every data-parallel rank.
+
+    ``flat``: this rank's micro-batches (their ``positions`` and ``response_lengths``); ``per_mb``: one
+    ``[b, R]`` tensor per micro-batch. Returns ``[response_length]`` float32 CPU tensors for positions ``0 ..
+    num_samples-1`` (``all_gather_object`` over ``group`` when ``dp_size > 1``; the data-parallel ranks'
+    micro-batches together hold every sample once). Raises RuntimeError when a position is missing.
+    """
+    local: dict[int, torch.Tensor] = {}
+    for mb, t in zip(flat, per_mb, strict=True):
+        for i, (p, n) in enumerate(zip(mb.positions, mb.response_lengths.tolist(), strict=True)):
+            local[p] = t[i, :n].detach().float().cpu()
+    if dp_size > 1:
+        parts: list[Optional[dict[int, torch.Tensor]]] = [None] * dp_size
+        torch.distributed.all_gather_object(parts, local, group=group)
+        for part in parts:
+            local.update(part or {})
+    missing = [p for p in range(num_samples) if p not in local]
+    if missing:
+        raise RuntimeError(f"samples {missing[:8]} are in no data-parallel rank's micro-batches")
+    return [local[p] for p in range(num_samples)]
 
 
 def destroy() -> None:
