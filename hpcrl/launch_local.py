@@ -45,8 +45,10 @@ def main(cfg: Config) -> int:
     with local_run_record(run_dir, stopped_codes=(EXIT_RETRY,)) as record:  # for hpcrl status
         model_path = prepare_model(cfg)
         if cfg.train.nprocs == 1:
-            # with a critic on processes of its own, each process gets its share of the CPUs
-            threads = local_threads(cfg) if cfg.critic.nprocs > 0 else None
+            # with a critic on processes of its own, each process gets its share of the CPUs (unless
+            # OMP_NUM_THREADS says how many)
+            threads = (local_threads(cfg) if cfg.critic.nprocs > 0 and "OMP_NUM_THREADS" not in os.environ
+                       else None)
             before = (pin(cpus.train, threads) if cpus is not None else
                       pin(os.sched_getaffinity(0), threads) if threads is not None else None)
             try:

@@ -31,10 +31,10 @@ import socket
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from hpcrl.train.critic_group import (Setup, connect, pack_rows, receive, send, unpack_rows,
-                                      unpack_samples)
+if TYPE_CHECKING:  # (imported in main(), after the preemption signal is blocked: see there)
+    from hpcrl.train.critic_group import Setup
 
 
 def _env_int(*names: str, default: int = 0) -> int:
@@ -98,6 +98,7 @@ class CriticServer:
         import torch
 
         from hpcrl.train.actor import build_steps
+        from hpcrl.train.critic_group import pack_rows, unpack_samples
 
         rows = unpack_samples(samples)
         masks = [torch.as_tensor(s.loss_mask, dtype=torch.float32) for s in rows]
@@ -108,6 +109,8 @@ class CriticServer:
         return {"values": pack_rows(self.critic.sample_values(len(rows)))}
 
     def train(self, returns: dict) -> dict[str, Any]:
+        from hpcrl.train.critic_group import unpack_rows
+
         self.critic.begin_train(unpack_rows(returns))
         return {"metrics": self.critic.end_train()}
 
@@ -149,6 +152,8 @@ def serve(conn: Any, server: CriticServer, rank: int, store: Any) -> int:
 
     import torch.distributed as dist
 
+    from hpcrl.train.critic_group import receive, send
+
     handlers = {"values": server.values, "train": server.train, "save": server.save, "load": server.load}
     for n in itertools.count():
         key = f"request/{n}"
@@ -180,9 +185,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--block-signal", default="USR2", help="the preemption signal, blocked here")
     args = p.parse_args(argv)
     from hpcrl.preempt import signal_by_name
-    from hpcrl.rollout.secret import read_secret
 
+    # Blocked before anything starts a thread (numpy's import starts OpenBLAS's pool; torch and gloo start
+    # more): a thread that does not block it would take the signal Slurm sends every step, and die of it.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal_by_name(args.block_signal)})
+    from hpcrl.rollout.secret import read_secret
+    from hpcrl.train.critic_group import connect, receive, send
     rank = _env_int("RANK", "SLURM_PROCID")
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID")
     conn = connect(args.link, read_secret(args.secret).encode())

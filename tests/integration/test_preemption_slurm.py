@@ -194,6 +194,29 @@ def test_sigkill_of_trainer_step_then_requeue_resumes_exactly(work, reference):
     finish_and_check(work, job_id, run_dir, reference)
 
 
+def test_ppo_critic_in_its_own_het_group_survives_usr2(work):
+    """PPO with the critic on a rank of its own in het group 1 (``slurm.critic``; the colocated run becomes a
+    het job): the controller starts it as a job step there, USR2 checkpoints actor and critic (the critic's
+    step outlives the signal until then) and the requeued job starts a new critic step that resumes from
+    ``dist_critic/``; every step is trained and logged once, with the critic's metrics."""
+    from hpcrl.checkpoint import find_latest_checkpoint, read_marker
+
+    job_id, run_dir = submit(work, "critic", "algorithm.advantage_estimator=gae", "run.num_rollout=5",
+                             f"slurm.critic={{nodes: 1, cpus_per_task: {THREADS}}}", "critic.nprocs=1")
+    wait_steps(job_id, run_dir, 2)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+    assert wait_final(job_id, run_dir) == "COMPLETED", job_log(run_dir)
+    assert len(attempts(run_dir)) >= 2 and "(signal)" in job_log(run_dir, tail=10**6)
+    assert metric_steps(run_dir) == list(range(5))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("critic/value_loss" in r and "critic/wait_seconds" in r for r in rows if r["step"] >= 0)
+    assert read_marker(find_latest_checkpoint(run_dir))["models"]["critic"]["optimizer"] == "saved"
+    for attempt in attempts(run_dir):  # each attempt's critic step ran (in its own group) and resumed
+        log = (run_dir / "logs" / attempt / "critic-0.log").read_text()
+        assert "Traceback" not in log, log[-3000:]
+    assert "resumed from" in job_log(run_dir, tail=10**6)
+
+
 def test_time_limit_requeues_and_completes(work):
     """A 2-minute limit with ``USR2@40`` (Slurm may send it up to 60 s early) on a run that needs more than
     one such allocation (no filter, so late steps, all correct, still train): each attempt checkpoints before

@@ -49,3 +49,28 @@ def test_critic_folder_refusals(tmp_path, tiny_model_dir):
     assert err.field == "critic.path" and "tokenizer" in str(err)
     err = _refusal([f"model.path={tiny_model_dir}", f"critic.path={other}"])  # without gae: no critic at all
     assert err.field == "critic.path" and "has no effect" in str(err)
+
+
+def test_critic_ranks_of_its_own_refusals(tmp_path, tiny_model_dir):
+    """``critic.nprocs`` / ``critic.tensor_parallel_size``: a TP of its own needs ranks of its own, the ranks
+    must split into its TP x the actor's EP, and its TP must divide the heads of the folder it starts from
+    (``critic.path``, or the actor's when null); each in one line naming the field."""
+    base = [f"model.path={tiny_model_dir}"] + GAE
+    assert load_and_check(None, base + ["critic.nprocs=2", "critic.tensor_parallel_size=2"]).critic.nprocs == 2
+    err = _refusal(base + ["critic.tensor_parallel_size=2"])
+    assert err.field == "critic.tensor_parallel_size" and "critic.nprocs" in str(err)
+    err = _refusal(base + ["critic.nprocs=3", "critic.tensor_parallel_size=2"])
+    assert err.field == "critic.nprocs" and "multiple of 2" in str(err)
+    assert _refusal(base + ["critic.nprocs=-1"]).field == "critic.nprocs"
+    err = _refusal([f"model.path={tiny_model_dir}", "critic.nprocs=1"])  # without gae: no critic at all
+    assert err.field == "critic.nprocs" and "has no effect" in str(err)
+    odd = shutil.copytree(tiny_model_dir, tmp_path / "odd")
+    hf = json.loads((odd / "config.json").read_text())
+    hf["num_attention_heads"], hf["num_key_value_heads"] = 4, 1
+    (odd / "config.json").write_text(json.dumps(hf))
+    own_tp2 = ["critic.nprocs=2", "critic.tensor_parallel_size=2"]
+    err = _refusal(base + [f"critic.path={odd}"] + own_tp2)  # the critic's own TP, not the actor's (1)
+    assert err.field == "critic.path" and "num_key_value_heads=1" in str(err) and "size 2" in str(err)
+    err = _refusal([f"model.path={odd}"] + GAE + own_tp2)  # null: the actor's folder, at the critic's TP
+    assert err.field == "critic.tensor_parallel_size" and "num_key_value_heads=1" in str(err)
+    assert load_and_check(None, [f"model.path={odd}"] + GAE + ["critic.nprocs=2"]).critic.nprocs == 2

@@ -9,6 +9,7 @@ PATH (``sbatch``, ``srun``, ``squeue``, ``sacct``, ``scancel``) where a test nee
 from __future__ import annotations
 
 import json
+import itertools
 import os
 import signal
 import stat
@@ -242,6 +243,48 @@ def test_het_job_text_structure(work):
     assert "srun --unbuffered" in script and "--het-group=0" in script  # submitit's step is the trainer
 
 
+def test_critic_het_group(work):
+    """PPO's critic on ranks of its own is the last het group: after the rollout's when disaggregated, group 1
+    of a colocated run (which becomes a het job, its trainer step in group 0); on GPU nodes ``critic.nprocs``
+    is its GPUs (nodes x gpus_per_node); the plain template gets the same group."""
+    critic = ["algorithm.advantage_estimator=gae", "slurm.critic={nodes: 2, gpus_per_node: 4, cpus_per_task: 6}"]
+    cfg, plan = prepare_config(write(work / "run.yaml", DISAGGREGATE), critic)
+    assert cfg.critic.nprocs == 8 and plan.critic_het_group == 2 and plan.het
+    assert [g.role for g in plan.components] == ["rollout", "critic"]
+    assert (plan.critic.nodes, plan.critic.ntasks_per_node, plan.critic.partition) == (2, 4, "gpu")
+    for text, group in ((DISAGGREGATE, 2), (COLOCATE, 1)):
+        for plain in (False, True):
+            lines = dry(work, text, *critic, plain=plain).script.splitlines()
+            assert lines.count(HETJOB_LINE) == group
+            after = lines[max(i for i, line in enumerate(lines) if line == HETJOB_LINE) + 1:]
+            flags = set(itertools.takewhile(lambda line: line.startswith("#SBATCH"), after))
+            assert {"#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=6",
+                    "#SBATCH --gpus-per-node=4"} <= flags, flags
+            assert "--het-group=0" in "\n".join(lines)  # the trainer step is group 0's
+    cfg, plan = prepare_config(write(work / "run.yaml", CPU),
+                               ["algorithm.advantage_estimator=gae", "slurm.critic={nodes: 2}", "critic.nprocs=4"])
+    assert (plan.critic_het_group, plan.critic.ntasks_per_node, plan.critic.gpus_per_node) == (1, 2, 0)
+    assert prepare_config(write(work / "run.yaml", CPU), [])[1].critic is None
+
+
+def test_critic_step_command(work, tmp_path):
+    """The controller starts the critic's ranks in their het group, one task per GPU, in the container."""
+    from hpcrl.slurm.critic_step import srun_command
+
+    cfg, _ = prepare_config(write(work / "run.yaml", DISAGGREGATE),
+                            ["algorithm.advantage_estimator=gae",
+                             "slurm.critic={nodes: 2, gpus_per_node: 4, cpus_per_task: 6}",
+                             "slurm.container=docker://hpcrl"])
+    cmd = srun_command(cfg, tmp_path / "attempt-0", tmp_path, ["--link", "h:1"], environ={"SLURM_JOB_ID": "7"},
+                       python="python3")
+    assert cmd[:2] == ["srun", "--mem=0"]
+    for flag in ("--het-group=2", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--cpus-per-task=6",
+                 "--kill-on-bad-exit=1", "--jobid=7", "--gres=gpu:4", f"--output={tmp_path}/attempt-0/critic-%t.log"):
+        assert flag in cmd, flag
+    assert cmd[cmd.index("exec") + 1] == "--nv"  # its group has GPUs
+    assert cmd[-5:] == ["python3", "-m", "hpcrl.train.critic_worker", "--link", "h:1"]
+
+
 def test_without_components_the_script_is_submitits(tmp_path):
     from submitit.slurm.slurm import _make_sbatch_string
 
@@ -366,6 +409,10 @@ BAD = [
     (CPU, ["slurm.signal=USR2@7200"], "slurm.signal"),
     (CPU, ["slurm.container=/nonexistent/hpcrl.sif"], "slurm.container"),
     (CPU, ["slurm.rollout={nodes: 1}"], "slurm.rollout"),
+    (CPU, ["algorithm.advantage_estimator=gae", "critic.nprocs=2"], "critic.nprocs"),
+    (CPU, ["algorithm.advantage_estimator=gae", "slurm.critic={nodes: 1}"], "critic.nprocs"),
+    (CPU, ["algorithm.advantage_estimator=gae", "slurm.critic={nodes: 2}", "critic.nprocs=3"], "critic.nprocs"),
+    (CPU, ["slurm.critic={nodes: 1, gpus_per_node: 2}"], "slurm.critic"),
 ]
 
 
