@@ -29,7 +29,11 @@ With a critic (``algorithm.advantage_estimator: gae``, PPO's value model) the tr
 with the actor's layout in the same processes: the same weights, gradients and Adam states again, less the
 output layer (the critic's is a ``hidden_size -> 1`` value head, not counted). Its parameters are counted from
 ``critic.path``'s ``config.json`` when it is set (a critic may be smaller or larger than the actor), else they
-are the actor's (:func:`critic_parameters`).
+are the actor's (:func:`critic_parameters`). A critic on ranks of its own (``critic.nprocs > 0``,
+``slurm.critic`` on GPU nodes) is not in the trainer's processes: it is estimated on its own GPUs instead, at
+its own layout (``critic.tensor_parallel_size`` over ``slurm.critic.nodes x gpus_per_node``, the actor's
+precision and optimizer settings), against ``slurm.critic.gpu_memory_gb`` (default ``slurm.gpu_memory_gb``)
+(:func:`critic_memory`).
 
 Megatron's own ``theoretical_memory_usage`` gives the same ``6 + 12/DP`` bytes per parameter for bf16 with the
 distributed optimizer. Activations are not estimated: :data:`RESERVED_GB` per GPU is kept back for them, the
@@ -174,7 +178,7 @@ def trainer_memory(cfg: Config, p: ParamCount, offload: Optional[bool] = None,
     (``critic``: its GPU bytes).
     """
     actor = _model_memory(cfg, p, offload)
-    if cfg.algorithm.advantage_estimator != "gae":
+    if cfg.algorithm.advantage_estimator != "gae" or cfg.critic.nprocs > 0:  # (its own ranks: critic_memory)
         return actor
     c = _model_memory(cfg, replace(critic or p, output=0), offload)
     return TrainerMemory(params=actor.params, weights=actor.weights + c.weights, grads=actor.grads + c.grads,
@@ -182,11 +186,25 @@ def trainer_memory(cfg: Config, p: ParamCount, offload: Optional[bool] = None,
                          adam_host=actor.adam_host + c.adam_host, layout=actor.layout, critic=c.total)
 
 
-def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool]) -> TrainerMemory:
+def critic_memory(cfg: Config, critic: ParamCount, offload: Optional[bool] = None) -> Optional[TrainerMemory]:
+    """Per-GPU memory of a critic on ranks of its own (``critic.nprocs > 0`` with ``slurm.critic`` on GPU
+    nodes): ``critic``'s parameters less the output layer, at ``critic.tensor_parallel_size`` over its het
+    group's GPUs, with the actor's precision and optimizer settings; None for any other run."""
+    g = cfg.slurm.critic
+    if cfg.algorithm.advantage_estimator != "gae" or cfg.critic.nprocs <= 0 or g is None or g.gpus_per_node <= 0:
+        return None
+    from hpcrl.config.critic import critic_tensor_parallel_size
+
+    return _model_memory(cfg, replace(critic, output=0), offload, tp=critic_tensor_parallel_size(cfg),
+                         world=g.nodes * g.gpus_per_node)
+
+
+def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optional[int] = None,
+                  world: Optional[int] = None) -> TrainerMemory:
     t, meg = cfg.train, dict(cfg.megatron or {})
-    tp, pp = t.tensor_parallel_size, t.pipeline_parallel_size
+    tp, pp = tp or t.tensor_parallel_size, t.pipeline_parallel_size
     cp, ep = t.context_parallel_size, t.expert_parallel_size
-    world = _trainer_world(cfg)
+    world = world or _trainer_world(cfg)
     dp, edp = max(world // (tp * pp * cp), 1), max(world // (tp * ep * pp), 1)
     bf16 = bool(meg.get("bf16", t.bf16))
     w_bytes = 2 if bf16 else 4
@@ -344,6 +362,15 @@ def check_memory(cfg: Config, check_files: bool, env: Optional[Environment] = No
             f"the trainer needs {_gb(tm.total)} per GPU at {tm.layout} (weights {_gb(tm.weights)}, gradients "
             f"{_gb(tm.grads)}, Adam {_gb(tm.adam)}) plus {RESERVED_GB:g} GB reserved, more than the GPU has",
             _trainer_fix(cfg, p, budget, experts, critic))
+    cm = critic_memory(cfg, critic)
+    if cm is not None:
+        critic_gb = cfg.slurm.critic.gpu_memory_gb or s.gpu_memory_gb
+        require(cm.total <= (critic_gb - RESERVED_GB) * GB, "slurm.critic.gpu_memory_gb", critic_gb,
+                f"the critic on its own ranks needs {_gb(cm.total)} per GPU at {cm.layout} (weights "
+                f"{_gb(cm.weights)}, gradients {_gb(cm.grads)}, Adam {_gb(cm.adam)}) plus {RESERVED_GB:g} GB "
+                "reserved, more than its GPUs have",
+                "give slurm.critic more GPUs (nodes, gpus_per_node) with a larger critic.tensor_parallel_size, "
+                "set train.use_distributed_optimizer=true, or use a smaller critic.path")
     if not _sglang_engines(cfg):
         return
     _, engine_gb, _ = _engine_gpus(cfg)
@@ -398,6 +425,12 @@ def memory_lines(cfg: Config, env: Environment) -> list[str]:
              f"             Adam without CPU offload {_gb(off.adam)} (total {_gb(off.total)}), with "
              f"optimizer_offload_fraction 1.0 {_gb(on.adam)} (total {_gb(on.total)}, "
              f"{_gb(on.adam_host * s.gpus_per_node)} host memory per node)"]
+    cm = critic_memory(cfg, cp)
+    if cm is not None:
+        critic_gb = cfg.slurm.critic.gpu_memory_gb or gpu
+        lines.append(f"  critic:    its own ranks, {cm.layout}: weights {_gb(cm.weights)} + gradients "
+                     f"{_gb(cm.grads)} + Adam {_gb(cm.adam)} = {_gb(cm.total)}"
+                     + (f" of {critic_gb:g} GB" if critic_gb is not None else ""))
     if _sglang_engines(cfg):
         _, engine_gb, _ = _engine_gpus(cfg)
         em = engine_memory(cfg, p, (engine_gb or 0) * GB, hf, env)

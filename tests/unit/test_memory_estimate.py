@@ -207,6 +207,40 @@ def test_a_critic_adds_the_actors_states_less_its_output_layer():
     assert both.weights - actor.weights == pytest.approx(2 * critic_params)
 
 
+def test_a_critic_on_its_own_ranks_is_counted_on_its_own_gpus(tmp_path):
+    """A critic with ranks of its own (``critic.nprocs``, het group ``slurm.critic``) leaves the trainer's
+    GPUs alone and is estimated at its own layout on its own GPUs, refused in one line when it cannot fit."""
+    from hpcrl.config import Config, SlurmGroup
+    from hpcrl.config.memory import critic_memory
+
+    hf = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+              tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    p = count_parameters(hf)
+    cfg = Config()
+    cfg.model.path = str(tmp_path)
+    cfg.slurm.nodes, cfg.slurm.gpus_per_node = 1, 8
+    cfg.train.tensor_parallel_size, cfg.train.bf16, cfg.train.use_distributed_optimizer = 2, True, True
+    actor = trainer_memory(cfg, p)
+    cfg.algorithm.advantage_estimator = "gae"
+    assert critic_memory(cfg, p) is None  # on the trainer's ranks: counted there
+    cfg.slurm.critic, cfg.critic.nprocs, cfg.critic.tensor_parallel_size = SlurmGroup(gpus_per_node=4), 4, 4
+    assert trainer_memory(cfg, p).total == pytest.approx(actor.total)
+    own = critic_memory(cfg, p)
+    critic_params = (p.embedding + p.dense) / 4 + p.replicated  # TP 4 over 4 GPUs: DP 1
+    assert own.params == pytest.approx(critic_params) and own.layout.startswith("tp4 ")
+    assert own.total == pytest.approx(critic_params * (6 + 12)) and "over 4 GPUs" in own.layout
+    cfg.sglang = {"tp_size": 8}  # (an engine takes every GPU of a node)
+    cfg.slurm.gpu_memory_gb, cfg.slurm.critic.gpu_memory_gb = 141, 24  # the critic's GPUs are too small
+    with pytest.raises(ConfigError) as e:
+        check_memory(cfg, True, ENVIRONMENT)
+    assert e.value.field == "slurm.critic.gpu_memory_gb" and "critic on its own ranks" in str(e.value)
+    cfg.slurm.critic.gpu_memory_gb = 80
+    check_memory(cfg, True, ENVIRONMENT)
+    assert any(line.startswith("  critic:    its own ranks, tp4") for line in memory_lines(cfg))
+
+
 def test_a_smaller_critic_is_counted_from_its_own_config(tmp_path):
     """A critic.path of another size (a 1.7B-like critic for an 8B-like actor) is counted from its own
     config.json, not as a copy of the actor."""
