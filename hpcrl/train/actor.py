@@ -590,10 +590,7 @@ class Actor:
             _gate("train/first_step_ppo_kl", per_step[0]["ppo_kl"], CI_TOLERANCE)
             if rollout_id == 0 and alg.use_kl_loss:
                 _gate("train/kl_loss (first step of rollout 0)", per_step[0]["kl_loss"], CI_TOLERANCE)
-        for key in per_step[0] if per_step else ():
-            vals = [m[key] for m in per_step if m.get(key) is not None]
-            if vals:
-                metrics[f"train/{key}"] = sum(vals) / len(vals)
+        metrics.update(tmodel.mean_over_steps(per_step, per_step[0] if per_step else (), "train/"))
         if self.ci_checks and self.ci_logprob_abs_diff_threshold is not None and with_rollout_lp and per_step:
             diff = metrics["train/train_rollout_logprob_abs_diff"]
             if not diff <= self.ci_logprob_abs_diff_threshold:

@@ -352,7 +352,7 @@ class Critic:
         data-parallel group; raises ValueError when ``targets`` do not match the micro-batches, and what
         :meth:`train_step` raises.
         """
-        from hpcrl.train import algorithms
+        from hpcrl.train import algorithms, model as tmodel
 
         t0 = time.perf_counter()
         per_step, i = [], 0
@@ -364,11 +364,7 @@ class Critic:
             i += len(step)
         if i != len(targets):
             raise ValueError(f"{len(targets)} value targets for {i} micro-batches")
-        out: dict[str, float] = {}
-        for key in ("value_loss", "value_clipfrac", "grad_norm"):
-            vals = [m[key] for m in per_step if m.get(key) is not None]
-            if vals:
-                out[f"critic/{key}"] = sum(vals) / len(vals)
+        out = tmodel.mean_over_steps(per_step, ("value_loss", "value_clipfrac", "grad_norm"), "critic/")
         out["critic/lr"] = float(per_step[-1]["lr"])
         out["critic/seconds"] = seconds + time.perf_counter() - t0
         return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -152,6 +152,19 @@ def set_lr_step(scheduler: Any, step: int) -> float:
     a resumed run (step from its rollout id) gets exactly the learning rates of an uninterrupted one."""
     scheduler.step(increment=step - scheduler.num_steps)
     return float(scheduler.get_lr(scheduler.optimizer.param_groups[0]))
+
+
+def mean_over_steps(per_step: Sequence[Mapping[str, Optional[float]]], keys: Iterable[str], prefix: str
+                    ) -> dict[str, float]:
+    """``{prefix + key: mean}`` of each of ``keys`` over a rollout's optimizer steps' metrics ``per_step``,
+    skipping the steps where it is None (e.g. a grad norm not computed); a key None in every step is left out.
+    The actor's ``train/*`` and the critic's ``critic/*`` rollout metrics."""
+    out: dict[str, float] = {}
+    for key in keys:
+        vals = [m[key] for m in per_step if m.get(key) is not None]
+        if vals:
+            out[f"{prefix}{key}"] = sum(vals) / len(vals)
+    return out
 
 
 def train_step(ddp_model: torch.nn.Module, optimizer: Any,
