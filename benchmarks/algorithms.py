@@ -13,6 +13,8 @@ same number of rollout steps, 64 samples per step:
   sample (no group, so no dynamic filter), GAE with ``gamma = lam = 1`` on the outcome reward, advantages
   whitened, critic lr 1e-3 (a fresh value head learns faster than the policy may move), 5 critic-only warm-up
   steps, value clip 0.2;
+- ``ppo-own``: ``ppo`` with the critic on a process of its own (``critic.nprocs=1``): the same run, the critic's
+  values and steps beside the actor's instead of after them (the machine's CPUs shared by both processes);
 - ``opd``: on-policy distillation only: 64 prompts x 1 sample, no dynamic filter, advantage
   ``log pi_teacher - log pi_student`` from a teacher made by the same SFT run on to ``--teacher-accuracy``
   (0.6), with ``configs/opd-quickstart.yaml``'s learning rate (4e-4 cosine to 4e-5, 20 warmup steps).
@@ -52,6 +54,10 @@ from machine import machine_header  # noqa: E402
 TEACHER = ".cache/models/tiny-qwen2-addition-teacher"
 
 
+PPO = ["algorithm.advantage_estimator=gae", "rollout.batch_size=64", "rollout.n_samples_per_prompt=1",
+       "rollout.dynamic_filter=null", "critic.lr=1e-3", "critic.warmup_steps=5"]
+
+
 def algorithms(teacher_accuracy: float) -> dict[str, list[str]]:
     """Overrides of ``configs/quickstart.yaml`` per algorithm (see the module doc)."""
     return {
@@ -60,8 +66,8 @@ def algorithms(teacher_accuracy: float) -> dict[str, list[str]]:
         "reinforce++": ["algorithm.advantage_estimator=reinforce_plus_plus"],
         "cispo": ["algorithm.policy_loss=cispo", "algorithm.eps_clip=1.0", "algorithm.eps_clip_high=4.0"],
         "rloo": ["algorithm.advantage_estimator=rloo"],
-        "ppo": ["algorithm.advantage_estimator=gae", "rollout.batch_size=64", "rollout.n_samples_per_prompt=1",
-                "rollout.dynamic_filter=null", "critic.lr=1e-3", "critic.warmup_steps=5"],
+        "ppo": PPO,
+        "ppo-own": [*PPO, "critic.nprocs=1"],
         "opd": ["rollout.batch_size=64", "rollout.n_samples_per_prompt=1", "rollout.dynamic_filter=null",
                 "train.lr=4e-4", "train.min_lr=4e-5", "train.lr_warmup_steps=20",  # configs/opd-quickstart.yaml's
                 f"algorithm.opd.teachers=[{{name: strong, path: {TEACHER}, "
@@ -115,7 +121,7 @@ def run_one(folder: Path, name: str, overrides: list[str], steps: int, config: s
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=300, help="rollout steps per algorithm (default 300)")
-    p.add_argument("--only", nargs="+", default=None, help="a subset of: grpo gspo reinforce++ cispo rloo ppo opd")
+    p.add_argument("--only", nargs="+", default=None, help="a subset of: grpo gspo reinforce++ cispo rloo ppo ppo-own opd")
     p.add_argument("--eval-every", type=int, default=25, help="greedy eval every this many steps (25): acc@T's grain")
     p.add_argument("--teacher-accuracy", type=float, default=0.6, help="OPD teacher's SFT target (0.6)")
     p.add_argument("--folder", default=None, help="work folder (default: a new temporary one, deleted after)")
