@@ -290,6 +290,7 @@ class CriticGroup:
         self._accept_error: Optional[BaseException] = None
         self._conn: Optional[Connection] = None
         self._pending: Optional[str] = None
+        self._unsent: Optional[str] = None
         self.info: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._accept_all, name="critic-link", daemon=True)
         self._thread.start()
@@ -360,23 +361,29 @@ class CriticGroup:
         return self.info
 
     def request(self, op: str, **payload: Any) -> None:
-        """Send operation ``op`` to the critic's rank 0 (its answer: :meth:`reply`). Raises
-        :class:`CriticError` when an answer is still owed (one operation at a time) or the link failed."""
+        """Send operation ``op`` to the critic's rank 0; its answer, or why it could not be sent (not ready,
+        an answer still owed: one operation at a time, a failed link), comes from :meth:`reply`. Raises
+        nothing: the controller must not fail alone where the other actor ranks go on to a collective."""
+        problem = None
         if self._conn is None:
-            raise CriticError("the critic's ranks are not ready")
-        if self._pending is not None:
-            raise CriticError(f"request {op!r} while the answer to {self._pending!r} is owed")
-        try:
-            send(self._conn, {"op": op, **payload})
-        except OSError as e:
-            raise CriticError(f"cannot send {op!r} to the critic's ranks: {e}"
-                              + (f" ({self.procs.failure()})" if self.procs.failure() else "")) from None
-        self._pending = op
+            problem = "the critic's ranks are not ready (or stopped)"
+        elif self._pending is not None:
+            problem = f"request {op!r} while the answer to {self._pending!r} is owed"
+        else:
+            try:
+                send(self._conn, {"op": op, **payload})
+            except OSError as e:
+                failure = self.procs.failure()
+                problem = f"cannot send {op!r} to the critic's ranks: {e}" + (f": {failure}" if failure else "")
+        self._pending, self._unsent = op, problem
 
     def reply(self) -> dict[str, Any]:
         """The answer to the last :meth:`request` (a dict). Raises :class:`CriticError` with the critic's own
-        error line (and traceback) when the operation failed there, when a rank exits, or the link closes."""
+        error line (and traceback) when the operation failed there, when it could not be sent, when a rank
+        exits, or the link closes."""
         op, self._pending = self._pending, None
+        if self._unsent is not None:
+            raise CriticError(self._unsent)
         if op is None or self._conn is None:
             raise CriticError("no request is waiting for an answer")
         return self._answer(receive(self._conn, self.procs.failure, f"the critic's {op!r}"))
@@ -394,7 +401,7 @@ class CriticGroup:
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
-                if self._pending is None:
+                if self._pending is None or self._unsent is not None:
                     send(conn, {"op": "stop"})
                     receive(conn, self.procs.failure, "the critic to stop", timeout_s=grace_s)
             except (CriticError, OSError):
