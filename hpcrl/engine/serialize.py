@@ -116,6 +116,78 @@ def serialize_flattened_bucket(named_tensors: list[tuple[str, torch.Tensor]]) ->
     return _dumps({"flattened_tensor": flattened, "metadata": metadata})
 
 
+ALIGN_BYTES = 64
+"""Each tensor of a :class:`StagingArena` starts at a multiple of this many bytes (any dtype's view fits, and
+no two tensors share a cache line)."""
+
+
+class StagingArena:
+    """A sender's reusable shared-memory buffer for CPU tensor payloads: each bucket's tensors are copied into
+    it (one copy, cast to a dtype on the way if asked) and sent as views of it, whose pickles carry the
+    buffer's shared-memory name and an offset, not data.
+
+    The buffer is allocated once (grown when a bucket needs more), shared with torch's ``file_system``
+    strategy and touched at allocation, so a sync neither allocates nor takes page faults on the sender, and
+    every receiver maps the same pages: one payload per receiving rank is one more pickle of a handle, not
+    one more copy (:func:`serialize_named_tensors` and :func:`serialize_flattened_bucket` copy each bucket
+    into fresh shared memory per receiver instead). The views are valid until the next :meth:`pack`; the
+    sender must not pack again before every receiver has copied the last bucket out (the tensor path waits for
+    every engine's answer). Not for CUDA tensors (those travel as IPC handles).
+    """
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def _reserve(self, nbytes: int) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            import torch.multiprocessing as tmp
+
+            self.buffer = None  # the old one's pages go before the new one's come
+            buf = torch.zeros(nbytes, dtype=torch.uint8)  # zeroed: its pages are touched here, not per sync
+            with _STRATEGY_LOCK:
+                old = tmp.get_sharing_strategy()
+                tmp.set_sharing_strategy("file_system")
+                try:
+                    buf.share_memory_()
+                finally:
+                    tmp.set_sharing_strategy(old)
+            self.buffer = buf
+        return self.buffer
+
+    def pack(self, named_tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+             ) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor, list[FlattenedTensorMetadata]]:
+        """Copy ``named_tensors`` (CPU, any strides) into the buffer, cast to ``dtype`` when given, each at a
+        multiple of :data:`ALIGN_BYTES`. Returns ``(views, flat, metadata)``: the ``(name, tensor)`` views in
+        the buffer, the ``uint8`` span holding them all and its ``flattened_bucket`` metadata (byte offsets).
+        Raises ValueError for a CUDA tensor."""
+        sizes = []
+        for name, t in named_tensors:
+            if t.device.type != "cpu":
+                raise ValueError(f"{name}: a staging arena holds CPU tensors, got {t.device}")
+            sizes.append(int(t.numel()) * (dtype or t.dtype).itemsize)
+        offsets, end = [], 0
+        for n in sizes:
+            offsets.append(end)
+            end += -(-n // ALIGN_BYTES) * ALIGN_BYTES
+        buf = self._reserve(max(end, ALIGN_BYTES))
+        views, metadata = [], []
+        for (name, t), off, n in zip(named_tensors, offsets, sizes, strict=True):
+            view = buf[off: off + n].view(dtype or t.dtype).view(t.shape)
+            view.copy_(t.detach())
+            views.append((name, view))
+            metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=view.dtype, start_idx=off,
+                                                    end_idx=off + n, numel=n))
+        return views, buf[:end], metadata
+
+
+def serialize_views(obj: Any) -> str:
+    """Serialize a payload whose CPU tensors are views of a :class:`StagingArena` (``[(name, view), ...]``,
+    or ``{"flattened_tensor": span, "metadata": [...]}``) without copying them: base64 text of their handles.
+    Each call takes one reference on the shared memory that the receiver's deserialisation drops, so each
+    receiving rank needs a call of its own (as for :func:`serialize_named_tensors`)."""
+    return _dumps(obj)
+
+
 _ALLOWED_TORCH_NAMES = {"Tensor", "Size", "device", "UntypedStorage", "TypedStorage"}
 _METADATA_MODULES = {
     "hpcrl.engine.serialize",

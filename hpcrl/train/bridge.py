@@ -324,10 +324,15 @@ def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor
     raise AssertionError(layout)
 
 
-def _from_shards(layout: str, shards: list[torch.Tensor], g: _Geometry) -> list[torch.Tensor]:
-    """The full HF tensor(s) from every rank's megatron-core tensor (rank order)."""
+def _from_shards(layout: str, shards: list[torch.Tensor], g: _Geometry, copy: bool = True) -> list[torch.Tensor]:
+    """The full HF tensor(s) from every rank's megatron-core tensor (rank order). ``copy=False``: from one
+    shard, views of it where the HF tensor is a contiguous part of it (all layouts but ``qkv``)."""
     if layout.startswith("expert_"):
-        return _from_shards(layout.removeprefix("expert_"), shards, g.for_experts())
+        return _from_shards(layout.removeprefix("expert_"), shards, g.for_experts(), copy)
+    if not copy and len(shards) == 1 and layout != "qkv":
+        s = shards[0]
+        return {"replicated": [s], "vocab": [s[: g.vocab_size]], "row": [s], "column": [s],
+                "fc1": list(s.chunk(2, dim=0))}[layout]
     if layout == "replicated":
         return [shards[0].clone()]
     if layout == "vocab":
@@ -340,12 +345,14 @@ def _from_shards(layout: str, shards: list[torch.Tensor], g: _Geometry) -> list[
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
     if layout == "qkv":
-        full = torch.cat(shards)
+        full = shards[0] if len(shards) == 1 and not copy else torch.cat(shards)
         rest = full.shape[1:]
         per_group = g.num_heads // g.num_groups * g.head_dim
         q, k, v = full.reshape(g.num_groups, per_group + 2 * g.head_dim, *rest).split(
             [per_group, g.head_dim, g.head_dim], dim=1)
-        return [t.reshape(-1, *rest).clone() for t in (q, k, v)]
+        out = [t.reshape(-1, *rest) for t in (q, k, v)]  # a copy unless the part is contiguous (one group)
+        base = full.untyped_storage().data_ptr()
+        return [t.clone() if copy and t.untyped_storage().data_ptr() == base else t for t in out]
     raise AssertionError(layout)
 
 
@@ -426,7 +433,7 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Union[str, os.PathLike, 
 
 
 @torch.no_grad()
-def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = None
+def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = None, copy: bool = True
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every HF tensor of the model, in megatron-core parameter order.
 
@@ -435,7 +442,10 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     ``r * local_experts + j``; the EP ranks' copies of j are yielded in rank order), so every rank yields the
     same full tensors (all ranks of the model-parallel group must iterate together: each tensor is a
     collective). Vocab padding is stripped; a tied model yields no ``lm_head.weight`` (as HF saves it).
-    Tensors are fresh copies, on the parameters' device, cast to ``dtype`` if given.
+    Tensors are fresh copies, on the parameters' device, cast to ``dtype`` if given; with ``copy=False`` a
+    tensor that needs no gather nor reshuffle (without tensor parallelism: all but the fused q/k/v) is a view
+    of the parameter instead, valid until the parameter changes (a weight sync, which copies each tensor
+    once before the next optimizer step).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -448,7 +458,7 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
         hf_names, layout = _hf_names(name, 0, g.mla)
         local = param.detach()
         if not layout.startswith("expert_"):
-            yield from _gathered(tuple(map(rename, hf_names)), layout, local, g.tp, group, g, dtype)
+            yield from _gathered(tuple(map(rename, hf_names)), layout, local, g.tp, group, g, dtype, copy)
             continue
         etp_group = parallel_state.get_expert_tensor_parallel_group() if g.etp > 1 else None
         copies = [local]
@@ -457,11 +467,11 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
             dist.all_gather(copies, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
         for r, tensor in enumerate(copies):
             names = tuple(map(rename, _hf_names(name, r * g.local_experts, g.mla)[0]))
-            yield from _gathered(names, layout, tensor, g.etp, etp_group, g, dtype)
+            yield from _gathered(names, layout, tensor, g.etp, etp_group, g, dtype, copy)
 
 
 def _gathered(hf_names: tuple[str, ...], layout: str, local: torch.Tensor, size: int, group: Any, g: _Geometry,
-              dtype: Optional[torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+              dtype: Optional[torch.dtype], copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` of one parameter from its shards all-gathered over ``group`` (``size`` ranks;
     none gathered for a replicated layout or size 1)."""
     import torch.distributed as dist
@@ -471,5 +481,5 @@ def _gathered(hf_names: tuple[str, ...], layout: str, local: torch.Tensor, size:
         dist.all_gather(shards, local.contiguous(), group=group)
     else:
         shards = [local]
-    for hf_name, tensor in zip(hf_names, _from_shards(layout, shards, g)):
+    for hf_name, tensor in zip(hf_names, _from_shards(layout, shards, g, copy)):
         yield hf_name, tensor if dtype is None else tensor.to(dtype)

@@ -77,7 +77,9 @@ def iterate_for_sync(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]
     """The ``(hf_name, full_tensor)`` stream of ``model`` for :meth:`WeightSyncer.sync` on this rank.
 
     ``model``: the trainer's megatron-core GPTModel (possibly wrapped). ``dtype``: cast each tensor (None:
-    keep the parameters' dtype; the engine casts to its own). On ranks of rank 0's TP group (data-parallel
+    keep the parameters' dtype; the engine casts to its own). Tensors that need no gather or reshuffle are
+    views of the parameters (``export_hf_weights(copy=False)``): every consumer of a sync copies each tensor
+    once (into the staging arena, a broadcast, a file, the snapshot) before the parameters change. On ranks of rank 0's TP group (data-parallel
     and context-parallel rank 0) this is :func:`hpcrl.train.bridge.export_hf_weights`, whose every tensor is
     an all-gather over the TP group, so all of them must consume it; other ranks get an empty iterator (they
     hold replicas and take no part). With expert parallelism every rank exports (a routed expert is gathered
@@ -89,10 +91,10 @@ def iterate_for_sync(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]
     from hpcrl.train.bridge import export_hf_weights
 
     if parallel_state.get_expert_model_parallel_world_size() > 1:
-        return export_hf_weights(model, dtype)  # every rank: expert gathers span data-parallel ranks
+        return export_hf_weights(model, dtype, copy=False)  # every rank: expert gathers span DP ranks
     if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
         return iter(())
-    return export_hf_weights(model, dtype)
+    return export_hf_weights(model, dtype, copy=False)
 
 
 def _drain(stream: Iterator) -> None:
@@ -147,6 +149,7 @@ class WeightSyncer:
     pause_mode: str = "abort"
     verify: bool = True
     num_syncs: int = field(default=0, init=False)
+    _arena: Any = field(default=None, init=False, repr=False)
     _group: Any = field(default=None, init=False, repr=False)
     _groups_created: int = field(default=0, init=False, repr=False)
     _group_urls: list = field(default_factory=list, init=False, repr=False)
@@ -284,11 +287,14 @@ class WeightSyncer:
     async def _transfer(self, calls: EngineCalls, named_tensors: Iterable, weight_version: str,
                         tp_sizes: list[int] | None) -> dict:
         if self.method == "tensor":
+            from hpcrl.engine.serialize import StagingArena
             from hpcrl.weights.tensor import send_tensor_buckets
 
+            if self._arena is None:
+                self._arena = StagingArena()  # kept for the run: its shared memory is reused by every sync
             return await send_tensor_buckets(calls, named_tensors, weight_version,
                                              bucket_bytes=int(self.bucket_bytes), engine_tp_sizes=tp_sizes,
-                                             fmt=self.tensor_format, flush=self.flushes)
+                                             fmt=self.tensor_format, flush=self.flushes, arena=self._arena)
         if self.method == "distributed":
             from hpcrl.weights.distributed import send_distributed
 

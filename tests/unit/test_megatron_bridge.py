@@ -212,6 +212,13 @@ def test_load_then_export_is_bitwise_identical(tp1, hf_dirs, kind):
     exported = dict(bridge.export_hf_weights(model))
     assert {t.device for t in exported.values()} == {device_of(model)}  # on the parameters' device
     assert_exports_checkpoint(exported, hf)
+    # the weight sync's export (copy=False): the same tensors, most of them views of the parameters
+    views = dict(bridge.export_hf_weights(model, copy=False))
+    assert_exports_checkpoint(views, hf)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    aliased = [n for n, t in views.items() if t.untyped_storage().data_ptr() in params]
+    assert len(aliased) >= len(views) // 2, aliased
+    assert all(t.untyped_storage().data_ptr() not in params for t in exported.values())  # copies
     names = bridge.mcore_to_hf_names(model)
     if kind == "qwen3_moe":
         assert names["decoder.layers.1.mlp.router.weight"] == ("model.layers.1.mlp.gate.weight",)

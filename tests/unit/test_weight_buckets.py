@@ -147,3 +147,31 @@ def test_package_import_is_light():
                          check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_staging_arena_stages_buckets_in_reused_shared_memory():
+    """:class:`hpcrl.engine.serialize.StagingArena`: mixed dtypes, odd sizes and non-contiguous tensors come
+    back bitwise in both payload formats (and cast when asked); each tensor starts on a 64-byte boundary; the
+    same shared memory serves every bucket that fits and grows for one that does not."""
+    import torch
+
+    from hpcrl.engine.serialize import (ALIGN_BYTES, StagingArena, deserialize_flattened_bucket,
+                                        deserialize_named_tensors, serialize_views)
+
+    tensors = [("a", torch.randn(3, 5).to(torch.bfloat16)), ("b", torch.randn(7, 4).t()),  # non-contiguous
+               ("c", torch.arange(5)), ("d", torch.randn(1))]
+    arena = StagingArena()
+    views, flat, metadata = arena.pack(tensors)
+    assert arena.buffer.is_shared() and all(m.start_idx % ALIGN_BYTES == 0 for m in metadata)
+    for got in (deserialize_named_tensors(serialize_views(views)),
+                deserialize_flattened_bucket(serialize_views({"flattened_tensor": flat, "metadata": metadata}))):
+        assert [n for n, _ in got] == [n for n, _ in tensors]
+        for (_, g), (_, t) in zip(got, tensors, strict=True):
+            assert g.dtype == t.dtype and g.shape == t.shape and torch.equal(g, t)
+    first = arena.buffer.data_ptr()
+    arena.pack(tensors[:2])
+    assert arena.buffer.data_ptr() == first  # reused
+    cast, _, _ = arena.pack([("b", tensors[1][1])], dtype=torch.bfloat16)
+    assert cast[0][1].dtype == torch.bfloat16 and torch.equal(cast[0][1], tensors[1][1].to(torch.bfloat16))
+    arena.pack([("big", torch.zeros(arena.buffer.numel()))])  # 4x the bytes: a larger buffer
+    assert arena.buffer.numel() >= 4 * flat.numel()
