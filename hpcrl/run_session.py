@@ -171,6 +171,7 @@ class RunSession:
 
         self._destroy = destroy
         try:
+            from hpcrl.rollout.engines import engine_dtype
             from hpcrl.weights.sync import WeightSyncer
 
             if controller and own_critic_ranks(cfg):  # the critic's own ranks load beside the actor
@@ -191,7 +192,8 @@ class RunSession:
                                                    is_sender=controller,
                                                    engine_tp_sizes=rollout.engine_tp_sizes,
                                                    hf_checkpoint=str(model_path),
-                                                   disk_dir=str(run_dir / "weights"))
+                                                   disk_dir=str(run_dir / "weights"),
+                                                   engine_dtype=engine_dtype(cfg))
             # after a resume the engines hold older weights
             sync_weights(t.actor, self.syncer, rollout, version=t.start)
             if t.start == 0:

@@ -21,8 +21,8 @@ from hpcrl.config.checks import non_negative, positive, require
 from hpcrl.config.run import check_data, check_model, check_run, check_sft
 from hpcrl.config.rollout import check_rollout
 from hpcrl.config.critic import check_critic, check_critic_model
-from hpcrl.config.train import (check_algorithm, check_checkpoint, check_heads, check_moe, check_train,
-                                check_weights)
+from hpcrl.config.train import check_algorithm, check_checkpoint, check_heads, check_moe, check_train
+from hpcrl.config.weights import check_weights
 from hpcrl.config.slurm import check_slurm
 from hpcrl.config.memory import check_memory
 from hpcrl.config.evaluation import check_eval

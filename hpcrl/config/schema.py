@@ -8,7 +8,8 @@ from typing import Any
 from hpcrl.config.run import DataSection, ModelSection, RunSection, SFTSection
 from hpcrl.config.rollout import RolloutSection
 from hpcrl.config.critic import CriticSection
-from hpcrl.config.train import AlgorithmSection, CheckpointSection, TrainSection, WeightsSection
+from hpcrl.config.train import AlgorithmSection, CheckpointSection, TrainSection
+from hpcrl.config.weights import WeightsSection
 from hpcrl.config.slurm import SlurmSection, SweepSection
 from hpcrl.config.evaluation import EvalSection
 from hpcrl.config.tracking import WandbSection

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from hpcrl.config.environment import Environment
-from hpcrl.config.errors import MIB
 from hpcrl.config.checks import get_field, non_negative, positive, require
 from hpcrl.names import Estimator, KLKind, LossReduction, MISLevel, PolicyLoss
 
@@ -152,27 +151,6 @@ class AlgorithmSection:
     the experts each token was routed to (``return_routed_experts``) and the trainer's forwards of those
     samples (old, reference and training log-probs) route the same way (megatron-core's router replay)."""
     opd: OPDSection = field(default_factory=OPDSection)
-
-
-@dataclass
-class WeightsSection:
-    """Weight sync from trainer to engines."""
-
-    method: Literal["auto", "tensor", "distributed", "disk"] = "auto"
-    """``auto``: ``tensor`` when colocated, ``distributed`` when disaggregated (resolved by :func:`resolve`).
-    ``tensor`` needs colocation (CUDA IPC shares device memory)."""
-    bucket_bytes: int = 512 * 1024 * 1024
-    """Bytes per ``/update_weights_from_tensor`` bucket (slime ``--update-weight-buffer-size``); >= 1 MiB.
-    With CPU trainers a bucket is held about three times while it is sent (the exported tensors, the flat
-    bucket, its shared-memory copy): lower it (``configs/smollm2-arith.yaml``: 64 MiB) to keep the trainer's
-    peak down."""
-    timeout_s: float = 300.0
-    pause_mode: Optional[Literal["abort", "retract", "in_place"]] = None
-    """How the engines pause for a weight update (SGLang's ``/pause_generation`` modes): ``abort`` running
-    requests (they return what they have; the rollout continues them), ``retract`` them (kept, re-prefilled
-    under the new weights) or keep them ``in_place`` (their KV cache stays; no cache flush). null:
-    ``in_place`` in ``run.mode: fully_async`` (miles' in-flight updates), ``abort`` otherwise (the engines are
-    idle at a sync there)."""
 
 
 @dataclass
@@ -492,18 +470,6 @@ def check_teacher_tokenizers(cfg: Config, env: Environment) -> None:
             require(why is None, f"algorithm.opd.teachers[{i}].path", t.path,
                     f"has another tokenizer than the student's model.path ({why}), so its log-probs would be "
                     "of other tokens", "use a teacher of the student's model family (same tokenizer)")
-
-
-def check_weights(cfg: Config) -> None:
-    w = cfg.weights
-    require(not (w.method == "tensor" and cfg.run.placement == "disaggregate"), "weights.method", w.method,
-             "tensor (CUDA IPC) needs trainer and engines on the same devices, but run.placement is "
-             "disaggregate",
-             "use weights.method=distributed (or disk, or auto)")
-    require(w.bucket_bytes >= MIB, "weights.bucket_bytes", w.bucket_bytes,
-             "must be at least 1 MiB (1048576)",
-             f"the default is {512 * MIB} (512 MiB)")
-    positive(cfg, "weights.timeout_s")
 
 
 def check_checkpoint(cfg: Config) -> None:

@@ -43,6 +43,9 @@ class EngineArgs:
     device: str = "cpu"
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    custom_weight_loader: list[str] = dataclasses.field(default_factory=list)
+    """The ``load_format`` values weight updates may name besides SGLang's own (SGLang's
+    ``--custom-weight-loader``): this engine knows one, :data:`hpcrl.weights.delta.DELTA_LOADER`."""
 
     def public_dict(self) -> dict:
         """The arguments as a JSON-able dict with the API keys replaced by ``"<redacted>"`` (or None if
@@ -109,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jinja chat template file for /v1/chat/completions (default: the tokenizer's)")
     p.add_argument("--health-check-timeout", type=float, default=20.0,
                    help="seconds /health_generate waits for its 1-token generation")
+    p.add_argument("--custom-weight-loader", nargs="*", default=None,
+                   help="load_format values weight updates may name (SGLang's flag); this engine knows "
+                        "hpcrl.weights.delta.load_delta (delta weight sync, on every update endpoint)")
     return p
 
 
@@ -129,6 +135,12 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
     model_path = str(ns.model_path)
     if ns.chat_template and not Path(ns.chat_template).is_file():
         raise ValueError(f"--chat-template {ns.chat_template}: no such file (give a jinja template file)")
+    from hpcrl.weights.delta import DELTA_LOADER
+
+    loaders = list(ns.custom_weight_loader or [])
+    unknown = [name for name in loaders if name != DELTA_LOADER]
+    if unknown:
+        raise ValueError(f"--custom-weight-loader {' '.join(unknown)}: this engine has only {DELTA_LOADER}")
     return EngineArgs(
         model_path=model_path, tokenizer_path=ns.tokenizer_path or model_path, host=ns.host, port=ns.port,
         api_key=api_key or None, admin_api_key=admin_key or None, dtype=ns.dtype,
@@ -137,5 +149,5 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
         random_seed=ns.random_seed, served_model_name=ns.served_model_name or model_path,
         weight_version=ns.weight_version, log_level=ns.log_level, dist_timeout=ns.dist_timeout,
         health_check_timeout=ns.health_check_timeout, allow_auto_truncate=ns.allow_auto_truncate,
-        chat_template=ns.chat_template,
+        chat_template=ns.chat_template, custom_weight_loader=loaders,
     )

@@ -18,7 +18,7 @@ ADMIN_PATHS = frozenset({
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
     "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
     "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/flush_cache",
-    "/update_weight_version", "/abort_request", "/begin_weight_update", "/end_weight_update",
+    "/update_weight_version", "/abort_request", "/begin_weight_update", "/end_weight_update", "/weights_checker",
 })
 """Endpoints that need the admin key when ``--admin-api-key`` is set (else the API key)."""
 

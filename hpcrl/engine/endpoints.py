@@ -44,7 +44,6 @@ NOT_SERVED: dict[str, str] = {
     "/remote_instance_transfer_engine_info": _REMOTE,
     "/get_weights_by_name": ("reading one weight back; hpcrl checks a sync by the weight version and "
                              "log-probs"),
-    "/weights_checker": "weight checksums of SGLang's runners; hpcrl checks a sync by the weight version",
     "/hicache/storage-backend": _GPU_CACHE, "/hicache/storage-backend/clear": _GPU_CACHE,
     "/get_hicache_l3_cache_layout": _GPU_CACHE,
     "/add_external_corpus": _CORPUS, "/remove_external_corpus": _CORPUS, "/list_external_corpora": _CORPUS,

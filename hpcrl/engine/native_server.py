@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
@@ -24,6 +24,7 @@ from hpcrl.engine.generation import Generation, read_body
 from hpcrl.engine.memory import normalize_tags
 from hpcrl.engine.scheduler import EngineUnavailable, Job, Scheduler
 from hpcrl.engine.serialize import deserialize_flattened_bucket, deserialize_named_tensors
+from hpcrl.engine.weights import overall_checksum
 from hpcrl.engine.weights import WeightLoader, WeightUpdateError, WeightUpdateGroups
 
 logger = logging.getLogger("hpcrl.engine")
@@ -88,7 +89,8 @@ class NativeServer:
             out.append(("GET", path, h))
         for path, h in [("/flush_cache", self.flush_cache),
                         ("/release_memory_occupation", self.release_memory),
-                        ("/resume_memory_occupation", self.resume_memory)]:
+                        ("/resume_memory_occupation", self.resume_memory),
+                        ("/weights_checker", self.weights_checker)]:
             out.append(("GET", path, h))
             out.append(("POST", path, h))
         for path, h in [("/abort_request", self.abort_request), ("/pause_generation", self.pause_generation),
@@ -384,8 +386,10 @@ class NativeServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         """``/update_weights_from_disk``: load safetensors from ``model_path`` (same architecture)."""
         def work(body: dict) -> str:
-            n = self.loader.load_from_disk(body["model_path"])
-            self.args.model_path = str(body["model_path"])
+            delta = self._delta_format(body.get("load_format"), allow=(None, "auto", "safetensors"))
+            n = self.loader.load_from_disk(body["model_path"], delta=delta)
+            if not delta:  # (a delta folder is no model folder to restart from)
+                self.args.model_path = str(body["model_path"])
             return f"Succeeded to update model weights from {body['model_path']} ({n} tensors)."
 
         return await self._weight_update(request, ("model_path",), work, 600.0,
@@ -399,18 +403,54 @@ class NativeServer:
             if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
                 raise WeightUpdateError("serialized_named_tensors must be a non-empty list of base64 strings")
             fmt = body.get("load_format")
-            if fmt in (None, "auto", "direct"):
-                named = deserialize_named_tensors(payloads[0])
-            elif fmt == "flattened_bucket":
+            delta = self._delta_format(fmt, allow=(None, "auto", "direct", "flattened_bucket"))
+            if fmt == "flattened_bucket":
                 named = deserialize_flattened_bucket(payloads[0])
             else:
-                raise WeightUpdateError(f"load_format {fmt!r} is not supported "
-                                        "(use null or 'flattened_bucket')")
-            n = self.loader.load(named)
+                named = deserialize_named_tensors(payloads[0])
+            n = self.loader.load_delta(named) if delta else self.loader.load(named)
             del named
             return f"Succeeded to update {n} tensors from serialized tensors."
 
         return await self._weight_update(request, ("serialized_named_tensors",), work, 600.0)
+
+    def _delta_format(self, fmt: Optional[str], allow: tuple) -> bool:
+        """Whether an update's ``load_format`` is the delta loader (:data:`hpcrl.weights.delta.DELTA_LOADER`,
+        accepted only when the engine was started with it in ``--custom-weight-loader``, as SGLang accepts
+        custom loaders; hpcrl's extension: on every update endpoint, SGLang's tensor one only). Raises
+        WeightUpdateError for a format that is neither one of ``allow`` nor a registered loader."""
+        from hpcrl.weights.delta import DELTA_LOADER
+
+        if fmt in allow:
+            return False
+        if fmt == DELTA_LOADER and fmt in self.args.custom_weight_loader:
+            return True
+        raise WeightUpdateError(f"Unknown load_format={fmt} (this engine takes {[a for a in allow if a]} and the "
+                                f"custom weight loaders it was started with: {self.args.custom_weight_loader})")
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        """``/weights_checker`` (SGLang's, GET or POST ``{"action": "checksum", "skip_tensor_list": [...]}``):
+        a hash of every parameter and buffer (:meth:`hpcrl.engine.weights.WeightLoader.checksums`), their
+        ``per_engine_checksum`` (SGLang's ``overall_checksum``: SHA-256 over sorted names and hashes) and one
+        rank's ``ChecksumInfo``; two engines hold bitwise the same weights exactly when those agree. The other
+        actions (snapshot, compare, reset_tensors) are SGLang's debugging aids: 400."""
+        try:
+            body = await read_body(request)
+            action = body.get("action", "checksum")
+            if action != "checksum":
+                raise protocol.RequestError(f"Unsupported action={action!r} (this engine computes checksums "
+                                            "only)")
+            skip = list(body.get("skip_tensor_list") or [])
+            checksums = await self._command(lambda: self.loader.checksums(skip), 120.0)
+        except (protocol.RequestError, ValueError) as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        overall = overall_checksum(checksums)
+        info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                "pp_size": 1, "rank": 0, "size": 1}
+        return web.json_response({"success": True, "message": f"checksum of {len(checksums)} tensors",
+                                  "ranks": [{"checksums": checksums, "per_gpu_checksum": overall,
+                                             "parallelism_info": [info]}],
+                                  "per_engine_checksum": overall})
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """``/init_weights_update_group``: join a torch.distributed group as rank ``rank_offset``."""
@@ -428,9 +468,10 @@ class NativeServer:
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """``/update_weights_from_distributed``: receive ``names/dtypes/shapes`` by broadcast from rank 0."""
         def work(body: dict) -> str:
+            delta = self._delta_format(body.get("load_format"), allow=(None, "direct"))
             n = self.groups.receive(list(body["names"]), list(body["dtypes"]),
                                     [list(s) for s in body["shapes"]],
-                                    body.get("group_name") or "weight_update_group", self.loader)
+                                    body.get("group_name") or "weight_update_group", self.loader, delta=delta)
             return f"Succeeded to update {n} tensors from distributed."
 
         return await self._weight_update(request, ("names", "dtypes", "shapes"), work,

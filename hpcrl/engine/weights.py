@@ -114,8 +114,41 @@ class WeightLoader:
             count += 1
         return count
 
-    def load_from_disk(self, model_path: str | Path) -> int:
+    def checksums(self, skip: list[str] | None = None) -> dict[str, str]:
+        """``{name: 16 hex digits}``: a BLAKE2b hash of the bytes of every parameter and persistent buffer
+        (names with a substring in ``skip`` left out); equal exactly when the tensors are bitwise equal."""
+        import hashlib
+
+        out = {}
+        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+            if any(s in name for s in skip or ()) or name.endswith(_IGNORED_SUFFIXES):
+                continue
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[name] = hashlib.blake2b(data, digest_size=8).hexdigest()
+        return out
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """:meth:`load` under the name SGLang's models give it (what :func:`hpcrl.weights.delta.load_delta`
+        calls)."""
+        return self.load(named_tensors)
+
+    def load_delta(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Apply a delta sync's payload (:mod:`hpcrl.weights.delta`: full tensors, index or mask + values)
+        with the loader SGLang runs for it (:func:`hpcrl.weights.delta.load_delta`, its base kept on this
+        loader). Returns how many tensors were loaded. Raises WeightUpdateError (and changes nothing) on a
+        delta without a base, a piece that does not fit it, an unknown name or a shape mismatch."""
+        from hpcrl.weights.delta import DeltaError, load_delta, split_pieces
+
+        try:
+            n = len(split_pieces(named_tensors))
+            load_delta(self, named_tensors)
+        except DeltaError as e:
+            raise WeightUpdateError(str(e)) from e
+        return n
+
+    def load_from_disk(self, model_path: str | Path, delta: bool = False) -> int:
         """Load all safetensors weights of an HF folder of the same architecture. Returns tensors copied.
+        ``delta``: the folder holds a delta sync's pieces (:meth:`load_delta`).
 
         Raises WeightUpdateError if the folder is missing, has no ``*.safetensors`` files, declares other
         ``architectures`` in its config.json, or has unknown names or wrong shapes.
@@ -140,7 +173,18 @@ class WeightLoader:
                 tensors.extend(load_file(str(f)).items())
             except Exception as e:  # noqa: BLE001 - report as a failed update
                 raise WeightUpdateError(f"cannot read {f}: {e}") from e
-        return self.load(tensors)
+        return self.load_delta(tensors) if delta else self.load(tensors)
+
+
+def overall_checksum(checksums: dict[str, str]) -> str:
+    """SGLang's ``overall_checksum``: SHA-256 over the sorted names and their hashes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -205,9 +249,9 @@ class WeightUpdateGroups:
         return used
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                loader: WeightLoader) -> int:
-        """Receive each tensor by ``broadcast(src=0)`` on the group, then load them all. Returns tensors
-        copied.
+                loader: WeightLoader, delta: bool = False) -> int:
+        """Receive each tensor by ``broadcast(src=0)`` on the group, then load them all (``delta``: a delta
+        sync's pieces, :meth:`WeightLoader.load_delta`). Returns tensors copied.
 
         All broadcasts are received even when a name or shape is wrong (so the sender does not hang); the
         update is then refused as a whole. Raises WeightUpdateError on an unknown group, mismatched list
@@ -230,7 +274,7 @@ class WeightUpdateGroups:
                 received.append((name, t))
         except Exception as e:  # noqa: BLE001 - timeout or peer failure
             raise WeightUpdateError(f"broadcast on {group_name!r} failed: {e}") from e
-        return loader.load(received)
+        return loader.load_delta(received) if delta else loader.load(received)
 
     def destroy(self, group_name: str) -> None:
         """Destroy group ``group_name``. Raises WeightUpdateError if it does not exist."""

@@ -94,7 +94,8 @@ def resolve_engine(kind: str) -> str:
 def engine_sglang_args(cfg: Any) -> dict:
     """The engine flags of a run: the ``sglang:`` section plus ``enable_memory_saver`` when colocated,
     ``enable_deterministic_inference`` with ``run.deterministic``, ``enable_return_routed_experts`` with
-    ``algorithm.routing_replay`` (SGLang returns no experts without it) and ``dtype`` when ``model.dtype`` is
+    ``algorithm.routing_replay`` (SGLang returns no experts without it), ``custom_weight_loader`` with
+    :data:`hpcrl.weights.delta.DELTA_LOADER` when ``weights.delta`` and ``dtype`` when ``model.dtype`` is
     not float32 (the CPU engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``;
     every one parses with SGLang 0.5.23's own parser: ``tests/unit/test_sglang_conformance.py``)."""
     args = dict(cfg.sglang)
@@ -106,7 +107,18 @@ def engine_sglang_args(cfg: Any) -> dict:
         args.setdefault("enable_deterministic_inference", True)
     if cfg.algorithm.routing_replay:
         args.setdefault("enable_return_routed_experts", True)
+    if cfg.weights.delta:  # the engines must accept the delta's load_format (hpcrl.weights.delta)
+        from hpcrl.weights.delta import DELTA_LOADER
+
+        loaders = list(args.get("custom_weight_loader") or [])
+        args["custom_weight_loader"] = loaders + [DELTA_LOADER] * (DELTA_LOADER not in loaders)
     return args
+
+
+def engine_dtype(cfg: Any) -> str:
+    """The dtype the engines hold their parameters in: ``sglang.dtype`` or ``model.dtype``
+    (:func:`engine_sglang_args`'s ``dtype``; the CPU engine's default is float32)."""
+    return str(engine_sglang_args(cfg).get("dtype") or "float32")
 
 
 def engine_command(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], model_path: str | os.PathLike,

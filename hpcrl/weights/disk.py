@@ -118,10 +118,11 @@ def remove_old_folders(disk_dir: str | os.PathLike, keep: str) -> list[str]:
 async def send_disk(calls: EngineCalls, named_tensors: Iterable, weight_version: str, *,
                     disk_dir: str | os.PathLike,
                     index: int, bucket_bytes: int, hf_checkpoint: str | os.PathLike | None = None,
-                    flush: bool = True) -> dict:
+                    flush: bool = True, load_format: str | None = None) -> dict:
     """Write ``disk_dir/weight_v{index:06d}/`` and POST ``/update_weights_from_disk`` (``model_path``,
-    ``weight_version``, ``flush_cache``: ``flush``) to every engine; then remove older folders. SGLang runs
-    this update outside a weight-update session too.
+    ``weight_version``, ``flush_cache``: ``flush``, and ``load_format`` when given: hpcrl's CPU engine takes
+    :data:`hpcrl.weights.delta.DELTA_LOADER`, a folder of a delta's pieces) to every engine; then remove older
+    folders. SGLang runs this update outside a weight-update session too.
 
     ``disk_dir`` must be readable by every engine at the same path (a shared file system). Each call is
     bounded by ``calls.timeout_s`` seconds. Returns ``{"bytes", "buckets", "tensors", "write_seconds",
@@ -134,8 +135,10 @@ async def send_disk(calls: EngineCalls, named_tensors: Iterable, weight_version:
     stats: dict = await asyncio.to_thread(write_hf_folder, named_tensors, dest, bucket_bytes=bucket_bytes,
                                           hf_checkpoint=hf_checkpoint)
     t0 = time.perf_counter()
-    await calls.each(ENDPOINT, {"model_path": str(dest.resolve()), "weight_version": str(weight_version),
-                                "flush_cache": bool(flush)})
+    body = {"model_path": str(dest.resolve()), "weight_version": str(weight_version), "flush_cache": bool(flush)}
+    if load_format is not None:
+        body["load_format"] = load_format
+    await calls.each(ENDPOINT, body)
     stats["post_seconds"] = time.perf_counter() - t0
     stats["path"] = str(dest)
     remove_old_folders(disk_dir, dest.name)

@@ -162,12 +162,13 @@ class DistributedGroup:
             dist.broadcast(t, src=0, group=self.pg)
 
     async def send_bucket(self, tensors: list[tuple[str, Any]], weight_version: str | None,
-                          is_last: bool, flush: bool = True) -> None:
+                          is_last: bool, flush: bool = True, load_format: str | None = None) -> None:
         """POST the bucket's names/dtypes/shapes to every engine and broadcast its tensors from rank 0.
 
         ``weight_version`` is sent when ``is_last``, and ``flush_cache`` then too unless ``flush`` is False.
-        The calls must run inside a weight-update session (SGLang refuses them otherwise, without receiving
-        the broadcast). Raises WeightSyncError if an engine
+        ``load_format``: sent along (hpcrl's CPU engine takes :data:`hpcrl.weights.delta.DELTA_LOADER`
+        there). The calls must run inside a weight-update session (SGLang refuses them otherwise, without
+        receiving the broadcast). Raises WeightSyncError if an engine
         refuses (after receiving all broadcasts, the engine names the bad tensor) or a call or broadcast does
         not finish within the group's timeout.
         """
@@ -181,6 +182,8 @@ class DistributedGroup:
                                 "group_name": self.group_name, "flush_cache": bool(is_last and flush)}
         if is_last and weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
         posts = asyncio.ensure_future(self.calls.each(UPDATE, body))
         cast = asyncio.ensure_future(asyncio.to_thread(self._broadcast_all, data))
         results = await asyncio.gather(posts, cast, return_exceptions=True)
@@ -218,9 +221,9 @@ def _destroy_local(pg: Any) -> None:
 
 
 async def send_distributed(group: DistributedGroup, named_tensors: Iterable, weight_version: str, *,
-                           bucket_bytes: int, flush: bool = True) -> dict:
+                           bucket_bytes: int, flush: bool = True, load_format: str | None = None) -> dict:
     """Send every tensor of ``named_tensors`` over ``group`` in buckets of at most ``bucket_bytes`` bytes
-    (``flush``: :meth:`DistributedGroup.send_bucket`).
+    (``flush``, ``load_format``: :meth:`DistributedGroup.send_bucket`).
 
     Returns ``{"bytes", "buckets", "tensors", "post_seconds"}``. Raises WeightSyncError (see
     :meth:`DistributedGroup.send_bucket`), ValueError for an empty stream.
@@ -228,7 +231,7 @@ async def send_distributed(group: DistributedGroup, named_tensors: Iterable, wei
     stats = {"bytes": 0, "buckets": 0, "tensors": 0, "post_seconds": 0.0}
     for bucket in iter_buckets(named_tensors, bucket_bytes):
         t0 = time.perf_counter()
-        await group.send_bucket(bucket.tensors, weight_version, bucket.is_last, flush)
+        await group.send_bucket(bucket.tensors, weight_version, bucket.is_last, flush, load_format)
         stats["post_seconds"] += time.perf_counter() - t0
         stats["bytes"] += bucket.nbytes
         stats["buckets"] += 1

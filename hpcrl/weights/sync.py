@@ -97,6 +97,15 @@ def iterate_for_sync(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]
     return export_hf_weights(model, dtype, copy=False)
 
 
+def _torch_dtype(name: str | None) -> Any:
+    """``"bfloat16"`` -> ``torch.bfloat16``; None -> None."""
+    if name is None:
+        return None
+    import torch
+
+    return getattr(torch, str(name).removeprefix("torch."))
+
+
 def _drain(stream: Iterator) -> None:
     """Consume what is left of ``stream`` (keeps TP peers' collectives matched); errors are ignored."""
     try:
@@ -129,6 +138,13 @@ class WeightSyncer:
         tensor_format: ``flattened_bucket`` (slime's) or ``direct`` for ``tensor``.
         pause_mode: mode of ``/pause_generation``: ``abort`` (SGLang's default), ``retract`` or ``in_place``.
         verify: check every engine's ``weight_version`` after the transfer.
+        delta: send only the changed words of each tensor (:mod:`hpcrl.weights.delta`, ``load_format``
+            :data:`~hpcrl.weights.delta.DELTA_LOADER` on every update); a full sync is sent the first time,
+            after a failed sync, when the engines' URLs changed (an engine replaced or restarted) or one
+            reports another weight version than the last sync's, and every ``full_every`` syncs.
+        full_every: see ``delta`` (0: never on a count).
+        engine_dtype: the engines' parameter dtype (``float32``, ``bfloat16``): a delta compares words in
+            it; None: the trainer's.
 
     Raises ValueError on an unknown method, format or pause mode, ``bucket_bytes`` < 1, ``timeout_s`` <= 0,
     or ``disk`` without ``disk_dir``.
@@ -148,7 +164,15 @@ class WeightSyncer:
     tensor_format: str = "flattened_bucket"
     pause_mode: str = "abort"
     verify: bool = True
+    delta: bool = False
+    full_every: int = 20
+    engine_dtype: str | None = None
     num_syncs: int = field(default=0, init=False)
+    _delta: Any = field(default=None, init=False, repr=False)
+    _delta_engines: tuple = field(default=(), init=False, repr=False)
+    """``(engine URLs, weight version)`` of the last successful sync of a delta run."""
+    _delta_count: int = field(default=0, init=False, repr=False)
+    """Delta syncs since the last full one."""
     _arena: Any = field(default=None, init=False, repr=False)
     _group: Any = field(default=None, init=False, repr=False)
     _groups_created: int = field(default=0, init=False, repr=False)
@@ -176,7 +200,7 @@ class WeightSyncer:
         ``kwargs`` are the other fields (``is_sender``, ``disk_dir``...). Raises ValueError as the class."""
         return cls(client, method=weights.method, bucket_bytes=weights.bucket_bytes,
                    timeout_s=weights.timeout_s, pause_mode=resolve_pause_mode(weights.pause_mode, run_mode),
-                   **kwargs)
+                   delta=weights.delta, full_every=weights.full_every, **kwargs)
 
     @property
     def flushes(self) -> bool:
@@ -204,8 +228,11 @@ class WeightSyncer:
 
         Call on every trainer rank with :func:`iterate_for_sync`; non-senders only consume the stream.
         Returns metrics: ``seconds`` (whole sync), ``pause_seconds`` (pause + flush), ``transfer_seconds``,
-        ``bytes``, ``gb_per_s`` (bytes / transfer seconds / 1e9), ``buckets``, ``tensors``,
-        ``weight_version``, ``method`` (non-senders: ``bytes``/``tensors`` they consumed, zero seconds).
+        ``bytes`` (sent), ``gb_per_s`` (bytes / transfer seconds / 1e9), ``buckets``, ``tensors``,
+        ``weight_version``, ``method`` (non-senders: ``bytes``/``tensors`` they consumed, zero seconds); with
+        ``delta`` also ``full`` (1 for a full sync, 0 for a delta), ``model_bytes`` (the whole model in the
+        engines' dtype), ``delta_density`` (share of its words that changed; 1 for a full sync) and
+        ``model_gb_per_s`` (model bytes / transfer seconds / 1e9).
         Raises WeightSyncError (engine URL, endpoint, message) when an engine refuses, does not answer within
         ``timeout_s``, or reports another version afterwards; ValueError for an empty stream. Engines stay
         paused on failure.
@@ -229,6 +256,8 @@ class WeightSyncer:
         try:
             return await self._sync(stream, weight_version)
         except BaseException:
+            if self._delta is not None:  # the engines may hold part of it: the next sync is full
+                self._delta.reset()
             _drain(stream)
             raise
 
@@ -245,6 +274,10 @@ class WeightSyncer:
         if self.method == "distributed" and self._group is None:  # before the pause: engines keep serving
             await self._create_group(calls, tp_sizes)
             self._group_urls = list(calls.urls)
+        full = None
+        if self.delta:
+            full = await self._needs_full(calls)
+            stream = self._delta.encode(stream, full)
         t0 = time.perf_counter()
         await calls.pause(self.pause_mode)
         if self.flushes:
@@ -270,11 +303,33 @@ class WeightSyncer:
         await calls.resume()
         self.num_syncs += 1
         transfer = t2 - t1
-        return {"method": self.method, "weight_version": weight_version,
-                "seconds": time.perf_counter() - start, "pause_seconds": t1 - t0,
-                "transfer_seconds": transfer,
-                "bytes": stats["bytes"], "gb_per_s": stats["bytes"] / transfer / 1e9 if transfer > 0 else 0.0,
-                "buckets": stats["buckets"], "tensors": stats["tensors"]}
+        out = {"method": self.method, "weight_version": weight_version,
+               "seconds": time.perf_counter() - start, "pause_seconds": t1 - t0,
+               "transfer_seconds": transfer,
+               "bytes": stats["bytes"], "gb_per_s": stats["bytes"] / transfer / 1e9 if transfer > 0 else 0.0,
+               "buckets": stats["buckets"], "tensors": stats["tensors"]}
+        if full is not None:
+            d = self._delta.stats
+            self._delta_engines = (list(calls.urls), weight_version)
+            self._delta_count = 0 if full else self._delta_count + 1
+            out.update(full=int(full), model_bytes=d.full_bytes, delta_density=1.0 if full else d.density,
+                       model_gb_per_s=d.full_bytes / transfer / 1e9 if transfer > 0 else 0.0)
+        return out
+
+    async def _needs_full(self, calls: EngineCalls) -> bool:
+        """Whether this delta run's sync must be full: no base yet (first sync, or one failed), other
+        engines than at the last sync (one replaced or restarted: it holds no base), the ``full_every``-th
+        sync, or an engine reporting another weight version than the last sync set."""
+        from hpcrl.weights.delta import DeltaSender
+
+        if self._delta is None:
+            self._delta = DeltaSender(_torch_dtype(self.engine_dtype))
+        urls, version = self._delta_engines or ([], None)
+        if (not self._delta.ready or list(calls.urls) != urls
+                or (self.full_every and self._delta_count + 1 >= self.full_every)):
+            return True
+        infos = await calls.each("/get_model_info", None, method="GET")
+        return any(str(i.get("weight_version")) != str(version) for i in infos)
 
     async def _create_group(self, calls: EngineCalls, tp_sizes: list[int]) -> None:
         from hpcrl.weights.distributed import DistributedGroup
@@ -286,6 +341,9 @@ class WeightSyncer:
 
     async def _transfer(self, calls: EngineCalls, named_tensors: Iterable, weight_version: str,
                         tp_sizes: list[int] | None) -> dict:
+        from hpcrl.weights.delta import DELTA_LOADER
+
+        load_format = DELTA_LOADER if self.delta else None
         if self.method == "tensor":
             from hpcrl.engine.serialize import StagingArena
             from hpcrl.weights.tensor import send_tensor_buckets
@@ -294,13 +352,15 @@ class WeightSyncer:
                 self._arena = StagingArena()  # kept for the run: its shared memory is reused by every sync
             return await send_tensor_buckets(calls, named_tensors, weight_version,
                                              bucket_bytes=int(self.bucket_bytes), engine_tp_sizes=tp_sizes,
-                                             fmt=self.tensor_format, flush=self.flushes, arena=self._arena)
+                                             fmt="direct" if self.delta else self.tensor_format,
+                                             flush=self.flushes, arena=self._arena, load_format=load_format)
         if self.method == "distributed":
             from hpcrl.weights.distributed import send_distributed
 
             try:
                 return await send_distributed(self._group, named_tensors, weight_version,
-                                              bucket_bytes=int(self.bucket_bytes), flush=self.flushes)
+                                              bucket_bytes=int(self.bucket_bytes), flush=self.flushes,
+                                              load_format=load_format)
             except WeightSyncError:
                 await self._drop_group()
                 raise
@@ -309,7 +369,7 @@ class WeightSyncer:
         index = int(weight_version) if weight_version.isdigit() else self.num_syncs + 1
         return await send_disk(calls, named_tensors, weight_version, disk_dir=self.disk_dir, index=index,
                                bucket_bytes=int(self.bucket_bytes), hf_checkpoint=self.hf_checkpoint,
-                               flush=self.flushes)
+                               flush=self.flushes, load_format=load_format)
 
     async def _drop_group(self) -> None:
         """After a failed distributed transfer the group's state is unknown: destroy it locally, ask the
