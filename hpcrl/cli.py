@@ -165,7 +165,7 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
         from hpcrl.convert import convert_run_checkpoint
 
         try:
-            print(convert_run_checkpoint(ns.src, ns.dst, hf_base=ns.hf_base, dtype=ns.dtype))
+            print(convert_run_checkpoint(ns.src, ns.dst, hf_base=ns.hf_base, dtype=ns.dtype, fp8=ns.fp8))
         except (FileNotFoundError, ValueError) as e:
             _err(f"hpcrl convert mcore-to-hf: {e}")
             return EXIT_ERROR
@@ -521,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--hf-base", default=None,
                    help="HF folder with the base config + tokenizer (default: the run's model, from its config)")
     c.add_argument("--dtype", default=None, help="dtype of the written tensors (default: as trained)")
+    c.add_argument("--fp8", action="store_true",
+                   help="linear weights in block-fp8 (128x128, float32 scales: what weights.rollout_dtype=fp8 "
+                        "engines serve); embeddings, norms and routers stay in --dtype")
     p.set_defaults(handler=_cmd_convert)
 
     sub.add_parser("serve", add_help=False,

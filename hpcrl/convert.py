@@ -104,14 +104,16 @@ class _ShardWriter:
 def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str, os.PathLike],
                 out_dir: Union[str, os.PathLike], dtype: Optional[Union[str, torch.dtype]] = None,
                 megatron: Optional[Mapping[str, Any]] = None,
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, fp8: bool = False) -> Path:
     """Write the model of an hpcrl checkpoint as an HF safetensors folder at ``out_dir``; returns ``out_dir``.
 
     ``checkpoint_dir``: an ``iter_XXXXXXX`` folder (:mod:`hpcrl.checkpoint`). ``hf_base_path``: the run's base
     HF folder (config + tokenizer; its weights are not read). ``dtype``: of the written tensors, default the
     dtype the model was trained in (the checkpoint marker's ``params_dtype``). ``megatron``: the run config's
     free ``megatron:`` dict, for TransformerConfig overrides that change the model (rarely needed).
-    ``max_shard_bytes``: largest safetensors file; bigger models get several files and an index.
+    ``max_shard_bytes``: largest safetensors file; bigger models get several files and an index. ``fp8``: the
+    linear weights in block-fp8 with their ``_scale_inv`` (:mod:`hpcrl.weights.fp8`, what the engines of a
+    ``weights.rollout_dtype: fp8`` run serve; the rest in ``dtype``) and ``quantization_config`` in the config.
 
     Without ``torch.distributed`` a world of 1 at TP=1 is started and torn down afterwards; inside a job
     every rank must call (each tensor is gathered over the TP group) and rank 0 writes. The model is built
@@ -172,14 +174,19 @@ def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str
         if rank == 0:
             tmp.mkdir(parents=True)
             writer = _ShardWriter(tmp, max_shard_bytes)
-        for name, tensor in bridge.export_hf_weights(model, dtype=out_dtype):  # a collective per tensor
+        stream = bridge.export_hf_weights(model, dtype=out_dtype)  # a collective per tensor
+        if fp8:
+            from hpcrl.weights.fp8 import quantize_stream
+
+            stream = quantize_stream(stream)
+        for name, tensor in stream:
             if writer is not None:
                 writer.add(name, tensor)
         del model
         if rank == 0:
             try:
                 writer.close()
-                _write_metadata_files(hf_base_path, tmp, out_dtype, checkpoint_dir, marker)
+                _write_metadata_files(hf_base_path, tmp, out_dtype, checkpoint_dir, marker, fp8)
                 for f in tmp.iterdir():
                     fsync_path(f)
                 fsync_path(tmp)
@@ -200,7 +207,7 @@ def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str
 
 
 def _write_metadata_files(base: Path, out: Path, dtype: torch.dtype, checkpoint_dir: Path,
-                          marker: Mapping[str, Any]) -> None:
+                          marker: Mapping[str, Any], fp8: bool = False) -> None:
     """Copy the base folder's non-weight files (tokenizer, generation config); write config, provenance."""
     for f in sorted(base.iterdir()):
         weights = f.name in WEIGHT_INDEXES or f.name.endswith(WEIGHT_SUFFIXES)
@@ -212,6 +219,10 @@ def _write_metadata_files(base: Path, out: Path, dtype: torch.dtype, checkpoint_
     config["dtype"] = dtype_name
     if "torch_dtype" in config:
         config["torch_dtype"] = dtype_name
+    if fp8:
+        from hpcrl.weights.fp8 import QUANTIZATION_CONFIG
+
+        config["quantization_config"] = dict(QUANTIZATION_CONFIG)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     provenance = {"checkpoint": str(checkpoint_dir.resolve()), "rollout_id": marker.get("rollout_id"),
                   "dtype": dtype_name, "saved_tp_size": marker.get("tp_size")}
@@ -219,12 +230,14 @@ def _write_metadata_files(base: Path, out: Path, dtype: torch.dtype, checkpoint_
 
 
 def convert_run_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike],
-                           hf_base: Optional[Union[str, os.PathLike]] = None, dtype: Optional[str] = None) -> Path:
+                           hf_base: Optional[Union[str, os.PathLike]] = None, dtype: Optional[str] = None,
+                           fp8: bool = False) -> Path:
     """``hpcrl convert mcore-to-hf``: export a checkpoint folder, or a run folder's newest complete one.
 
     ``hf_base`` defaults to the HF folder the run trained from, read from the checkpoint's ``state.json``
     (``sft.output`` when SFT was enabled, else ``model.path``; a relative one is taken from the folder the run
-    started in, :func:`_launch_relative`). Raises FileNotFoundError when ``src`` holds no
+    started in, :func:`_launch_relative`). ``fp8``: block-fp8 linear weights (:func:`mcore_to_hf`). Raises
+    FileNotFoundError when ``src`` holds no
     complete checkpoint, ValueError when the base cannot be derived.
     """
     from hpcrl import checkpoint
@@ -243,7 +256,7 @@ def convert_run_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.Path
         if not hf_base:
             raise ValueError(f"{path}: cannot tell the base HF folder from state.json; pass --hf-base")
         hf_base = _launch_relative(Path(hf_base), path, (cfg.get("run") or {}).get("output_dir"))
-    return mcore_to_hf(path, hf_base, dst, dtype=dtype)
+    return mcore_to_hf(path, hf_base, dst, dtype=dtype, fp8=fp8)
 
 
 def _launch_relative(base: Path, checkpoint_dir: Path, output_dir: Optional[str]) -> Path:

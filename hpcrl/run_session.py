@@ -164,7 +164,12 @@ class RunSession:
         watch = self.watch = PreemptionWatch.from_config(cfg, controller)
         watch.install()  # before any child process: the signal sets a flag, blocked for them; hpcrl.preempt
         launcher = self.launch_engines or launch_local_engines
-        rollout = self.rollout = rollout_manager(controller, cfg, run_dir, model_path, launcher,
+        engine_model = model_path
+        if controller and cfg.weights.rollout_dtype == "fp8":  # the engines start from a block-fp8 copy
+            from hpcrl.weights.fp8 import rollout_model_path
+
+            engine_model = rollout_model_path(model_path)
+        rollout = self.rollout = rollout_manager(controller, cfg, run_dir, engine_model, launcher,
                                                  watch.job_ending)
         rollout.launch(early=True)  # they load while the trainer imports Megatron and builds its model
         from hpcrl.train.parallel import destroy  # imports torch: after the engines started loading
@@ -193,7 +198,9 @@ class RunSession:
                                                    engine_tp_sizes=rollout.engine_tp_sizes,
                                                    hf_checkpoint=str(model_path),
                                                    disk_dir=str(run_dir / "weights"),
-                                                   engine_dtype=engine_dtype(cfg))
+                                                   # (with fp8 rollout weights the stream arrives cast)
+                                                   engine_dtype=(engine_dtype(cfg) if cfg.weights.rollout_dtype
+                                                                 is None else None))
             # after a resume the engines hold older weights
             sync_weights(t.actor, self.syncer, rollout, version=t.start)
             if t.start == 0:

@@ -46,7 +46,8 @@ are whole on every rank; routed experts are divided by TP x EP.
 attn_dp_size``: with DP attention they are replicated over the DP groups), embedding, output, dense MLPs and
 shared experts over ``tp_size``, routed experts over ``tp_size`` (EP ranks hold ``1/ep_size`` of the experts,
 each split over ``tp_size / ep_size``), norms, routers and MLA's down-projections whole; in ``model.dtype``
-(``sglang.dtype`` wins), 1 byte for the attention/MLP/expert matrices with ``sglang.quantization: fp8``. They
+(``sglang.dtype`` wins), 1 byte for the attention/MLP/expert matrices with ``sglang.quantization: fp8`` or
+``weights.rollout_dtype: fp8`` (their block scales, 1/16384 of it, are not counted). They
 must fit in the static pool, ``mem_fraction_static`` x GPU memory (SGLang's key,
 ``sglang.mem_fraction_static``; unset, SGLang sizes it itself and :data:`SGLANG_DEFAULT_FRACTION` is assumed);
 what is left of the pool is the KV cache, which must hold at least one response of ``rollout.max_new_tokens``
@@ -246,7 +247,7 @@ def engine_memory(cfg: Config, p: ParamCount, gpu_bytes: float, hf: Optional[dic
     a = engine_args(cfg)
     tp, pp, attn_tp = a["tp_size"], a["pp_size"], max(a["tp_size"] // a["attn_dp_size"], 1)
     w = 2 if a["dtype"] in ("bfloat16", "float16", "half", "auto") else 4
-    m = 1 if str(a["quantization"] or "").startswith("fp8") else w
+    m = 1 if str(a["quantization"] or "").startswith("fp8") or cfg.weights.rollout_dtype == "fp8" else w
     weights = (w * (p.embedding + p.output) / tp + m * p.attention / attn_tp
                + m * (p.dense - p.attention) / tp + w * p.replicated + m * p.expert / tp) / pp
     fraction = a["mem_fraction_static"]

@@ -35,6 +35,12 @@ class WeightsSection:
     full_every: int = 20
     """With ``delta``: every this many syncs one is full (besides the first, the first after a failed sync and
     the first after an engine was replaced or restarted); 0: only those."""
+    rollout_dtype: Optional[Literal["fp8"]] = None
+    """``fp8``: the engines serve block-fp8 weights (128 x 128 blocks with float32 scales, DeepSeek-V3's
+    format; :mod:`hpcrl.weights.fp8`): they start from a block-fp8 copy of the model (``<model>-fp8``) and
+    every sync quantises the trainer's weights the same way. The trainer keeps its precision; the wider
+    rollout/train log-prob gap is what ``algorithm.use_tis`` / ``mis_level`` correct. null: the engines hold
+    ``model.dtype``."""
 
 
 def check_weights(cfg) -> None:
@@ -53,6 +59,11 @@ def check_weights(cfg) -> None:
             "has no effect without weights.delta (every sync is full)", "set weights.delta=true, or remove it")
     sglang = cfg.rollout.engine == "sglang" or (cfg.rollout.engine == "auto" and cfg.slurm.gpus_per_node > 0)
     method = w.method if w.method != "auto" else ("tensor" if cfg.run.placement == "colocate" else "distributed")
+    quant = str((cfg.sglang or {}).get("quantization") or "")
+    require(w.rollout_dtype is None or quant in ("", "fp8"), "sglang.quantization", quant,
+            "weights.rollout_dtype=fp8 starts the engines from a block-fp8 checkpoint, which SGLang reads as "
+            "fp8 (another quantization would not take its block scales)",
+            "remove sglang.quantization (or set it to fp8), or weights.rollout_dtype=null")
     require(not (w.delta and sglang and method != "tensor"), "weights.delta", w.delta,
             f"SGLang 0.5.23 takes a delta (a custom weight loader) only on /update_weights_from_tensor; its "
             f"{method} path loads full tensors",

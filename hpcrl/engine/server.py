@@ -54,6 +54,18 @@ from hpcrl.procs import release_freed_memory_eagerly, skip_final_collection
 logger = logging.getLogger("hpcrl.engine")
 
 
+def load_fp8_model(path: str, dtype):
+    """The model of a block-fp8 HF folder (:mod:`hpcrl.weights.fp8`) built from its config without the
+    quantisation (transformers' fp8 quantiser needs a GPU): its weights are loaded by the engine's
+    :class:`~hpcrl.engine.weights.WeightLoader`, which dequantises them (``fp8=True``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 class EngineServer:
     """The engine process: loads the model, tokenizer, scheduler thread and weight-update parts, assembles the
     aiohttp app from both front ends (:mod:`hpcrl.engine.native_server`, :mod:`hpcrl.engine.openai_server`,
@@ -74,9 +86,13 @@ class EngineServer:
         torch.manual_seed(args.random_seed)
         self.memory = create_memory_saver(args.enable_memory_saver, args.device)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        from hpcrl.weights.fp8 import is_fp8_folder
+
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        fp8 = is_fp8_folder(args.model_path)
         with self.memory.region("weights"):
-            self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+            self.model = (load_fp8_model(args.model_path, dtype) if fp8 else
+                          AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype))
         self.model.eval()
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -97,7 +113,9 @@ class EngineServer:
                                      chat_template, args.allow_auto_truncate)
         """What both front ends generate with (:mod:`hpcrl.engine.generation`); its ``chat_template`` renders
         ``/v1/chat/completions`` (``--chat-template`` file, else the tokenizer's)."""
-        self.loader = WeightLoader(self.model)
+        self.loader = WeightLoader(self.model, fp8=fp8)
+        if fp8:  # block-fp8 weights, emulated: dequantised at load (hpcrl.weights.fp8)
+            self.loader.load_from_disk(args.model_path)
         self.groups = WeightUpdateGroups(args.dist_timeout)
         self.session = state.WeightUpdateSession()
         """The weight-update session (:mod:`hpcrl.engine.state`), read and changed in the scheduler thread."""

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from hpcrl.weights.distributed import wire_view
+
 logger = logging.getLogger(__name__)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -51,9 +53,14 @@ class WeightLoader:
     ``gate_up_proj`` / ``down_proj``, :mod:`hpcrl.models.moe`), which is what the trainer sends and SGLang
     loads; a Mixtral's also by its checkpoint names (``block_sparse_moe.gate.weight``,
     ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``), which the trainer sends for it.
+
+    ``fp8``: the engine serves block-fp8 weights (:mod:`hpcrl.weights.fp8`) and emulates them: an
+    ``float8_e4m3fn`` weight and its ``<name>_scale_inv`` (which may come in different calls, as SGLang loads
+    them into two parameters) are kept as sent, and the parameter is their dequantisation whenever one of
+    them changes; any other tensor loads as usual.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, fp8: bool = False):
         from hpcrl.models.moe import unfuse_experts
 
         self.model = model
@@ -68,6 +75,9 @@ class WeightLoader:
             for name, target in list(self._targets.items()):
                 self._targets.setdefault(to_mixtral_name(name), target)
         self._tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.fp8 = fp8
+        self._fp8: dict[str, list] = {}
+        """``{weight name: [fp8 tensor or None, scale_inv or None]}`` as last sent (``fp8`` engines)."""
 
     def names(self) -> list[str]:
         """HF names of the parameters and buffers that updates can target."""
@@ -80,11 +90,18 @@ class WeightLoader:
 
     def check(self, names_shapes: list[tuple[str, tuple[int, ...]]]) -> None:
         """Validate names and shapes against the model. Raises WeightUpdateError listing every problem."""
+        from hpcrl.weights.fp8 import SCALE_SUFFIX, scale_shape
+
         problems = []
         for name, shape in names_shapes:
             if self._skip(name):
                 continue
-            target = self._targets.get(name)
+            if self.fp8 and name.endswith(SCALE_SUFFIX):
+                target = self._targets.get(name.removesuffix(SCALE_SUFFIX))
+                if target is not None and target.dim() == 2:  # the scales of that weight's blocks
+                    target = torch.empty(scale_shape(tuple(target.shape)), device="meta")
+            else:
+                target = self._targets.get(name)
             if target is None:
                 problems.append(f"unknown parameter {name!r}")
             elif tuple(target.shape) != tuple(shape):
@@ -105,14 +122,46 @@ class WeightLoader:
             if not isinstance(t, torch.Tensor):
                 raise WeightUpdateError(f"value for {name!r} is not a tensor")
         self.check([(name, tuple(t.shape)) for name, t in named_tensors])
-        count = 0
+        count, touched = 0, []
         for name, t in named_tensors:
             if self._skip(name):
                 continue
-            target = self._targets[name]
-            target.copy_(t.to(device=target.device, dtype=target.dtype))
+            fp8 = self._fp8_part(name, t)
+            if fp8 is not None:
+                touched.append(fp8)
+            else:
+                target = self._targets[name]
+                target.copy_(t.to(device=target.device, dtype=target.dtype))
             count += 1
+        for name in dict.fromkeys(touched):
+            self._dequantize(name)
         return count
+
+    def _fp8_part(self, name: str, t: torch.Tensor) -> str | None:
+        """On an ``fp8`` engine, keep a block-fp8 weight or its scales and return the weight's name; None for
+        any other tensor."""
+        from hpcrl.weights.fp8 import FP8, SCALE_SUFFIX
+
+        if not self.fp8:
+            return None
+        if name.endswith(SCALE_SUFFIX):
+            weight, i = name.removesuffix(SCALE_SUFFIX), 1
+        elif t.dtype == FP8:
+            weight, i = name, 0
+        else:
+            self._fp8.pop(name, None)  # a weight sent in full precision: no longer an fp8 pair
+            return None
+        self._fp8.setdefault(weight, [None, None])[i] = t.detach().to("cpu", copy=True)
+        return weight
+
+    def _dequantize(self, name: str) -> None:
+        """The parameter ``name`` from its kept fp8 weight and scales (once both have come)."""
+        from hpcrl.weights.fp8 import dequantize
+
+        q, scale = self._fp8[name]
+        if q is not None and scale is not None:
+            target = self._targets[name]
+            target.copy_(dequantize(q, scale, target.dtype).to(target.device))
 
     def checksums(self, skip: list[str] | None = None) -> dict[str, str]:
         """``{name: 16 hex digits}``: a BLAKE2b hash of the bytes of every parameter and persistent buffer
@@ -270,7 +319,7 @@ class WeightUpdateGroups:
         try:
             for name, dtype, shape in zip(names, parsed, shapes):
                 t = torch.empty(tuple(shape), dtype=dtype, device=device)
-                torch.distributed.broadcast(t, src=0, group=pg)
+                torch.distributed.broadcast(wire_view(t), src=0, group=pg)
                 received.append((name, t))
         except Exception as e:  # noqa: BLE001 - timeout or peer failure
             raise WeightUpdateError(f"broadcast on {group_name!r} failed: {e}") from e

@@ -304,6 +304,13 @@ class RolloutManager:
 
     async def _sync_weights(self, syncer, named, version: int) -> dict[str, Any]:
         fleet = self.fleet
+        if self.cfg.weights.rollout_dtype == "fp8":  # what the engines hold (hpcrl.weights.fp8)
+            from hpcrl.rollout.engines import engine_dtype
+            from hpcrl.weights.fp8 import quantize_stream
+
+            import torch
+
+            named = quantize_stream(named, getattr(torch, engine_dtype(self.cfg)))
         if fleet.snapshot is not None:  # a restarted engine loads this version (hpcrl.weights.snapshot)
             named = fleet.snapshot.tee(named, version)
         if fleet.monitor is None:

@@ -39,6 +39,15 @@ UPDATE = "/update_weights_from_distributed"
 DESTROY = "/destroy_weights_update_group"
 
 
+def wire_view(t: Any) -> Any:
+    """The tensor a broadcast moves: a float8 tensor as its ``uint8`` bytes (gloo has no float8 type; NCCL
+    moves torch's float8 as bytes too), anything else as it is. Both ends use it, so the bytes are the
+    tensor's either way."""
+    import torch
+
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 def sender_address(engine_url: str) -> str:
     """The sender's IP address on the interface that routes to ``engine_url``'s host (no packet is sent)."""
     host = urlsplit(engine_url).hostname or "127.0.0.1"
@@ -159,7 +168,7 @@ class DistributedGroup:
         if tensors and tensors[0].is_cuda:  # a worker thread starts on device 0
             torch.cuda.set_device(tensors[0].device)
         for t in tensors:
-            dist.broadcast(t, src=0, group=self.pg)
+            dist.broadcast(wire_view(t), src=0, group=self.pg)
 
     async def send_bucket(self, tensors: list[tuple[str, Any]], weight_version: str | None,
                           is_last: bool, flush: bool = True, load_format: str | None = None) -> None:

@@ -139,3 +139,36 @@ def test_replaced_engine_failed_sync_and_new_sender_get_full_syncs(engines, trai
 
     with EngineProcess(tiny_model_dir, common + DELTA_ARGS, log_path=tmp_path / "fresh.log") as fresh:
         assert asyncio.run(run(fresh.url)) == [1, 0, 1, 0, 1, 1]
+
+
+# --- fp8 rollout weights (issue #39 point 2) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["tensor", "distributed"])  # (disk: the engine's start loads one)
+def test_fp8_weights_sync_as_an_fp8_checkpoint_loads(trainer, tiny_model_dir, key_file, tmp_path,  # noqa: F811
+                                                     method):
+    """An engine started from a block-fp8 checkpoint (the tiny Qwen2's, hpcrl.weights.fp8) and synced with the
+    trainer's weights quantised on the way (weights + scales, split over small buckets; delta on top) holds
+    bitwise what an engine started from an fp8 checkpoint of those same weights holds: both dequantise."""
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.weights import WeightSyncer, iterate_for_sync
+    from hpcrl.weights.fp8 import quantize_stream, write_fp8_checkpoint
+
+    common = ["--api-key-file", str(key_file), "--dist-timeout", "60"]
+    start = write_fp8_checkpoint(tiny_model_dir, tmp_path / "start-fp8")
+    sparse_step(trainer, seed=99)
+    expected = write_fp8_checkpoint(tiny_model_dir, tmp_path / "expected-fp8", iterate_for_sync(trainer))
+
+    async def sync(url):
+        async with RolloutClient(engine_urls=[url], api_key=KEY) as client:
+            syncer = WeightSyncer(client, method, delta=True, bucket_bytes=64 * 1024, timeout_s=60,
+                                  disk_dir=str(tmp_path / "disk"), hf_checkpoint=str(start))
+            try:
+                return await syncer.sync(quantize_stream(iterate_for_sync(trainer)), "fp8")
+            finally:
+                await syncer.close()
+
+    with EngineProcess(start, common + DELTA_ARGS, log_path=tmp_path / "e.log") as e, \
+            EngineProcess(expected, common, log_path=tmp_path / "x.log") as x:
+        before = checksum(e.url)
+        m = asyncio.run(sync(e.url))
+        assert m["buckets"] > 1 and checksum(e.url) == checksum(x.url) != before
