@@ -108,15 +108,15 @@ def is_fp8_folder(path: Union[str, os.PathLike]) -> bool:
 
 
 def write_fp8_checkpoint(src: Union[str, os.PathLike], dest: Union[str, os.PathLike],
-                         named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> Path:
+                         named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
+                         shard_bytes: int = 2 * 1024 ** 3) -> Path:
     """Write ``dest``: the HF folder ``src`` (its config, tokenizer and other files) with block-fp8 weights
-    (:func:`quantize_stream` of ``named_tensors``, default ``src``'s own safetensors) and
-    ``quantization_config`` in ``config.json``; atomically (a temporary folder renamed). Returns ``dest``.
-    Raises OSError on a write error, ValueError when ``src`` has no ``config.json``."""
-    from safetensors.torch import save_file
-
-    from hpcrl.convert import WEIGHT_INDEXES, WEIGHT_SUFFIXES
+    (:func:`quantize_stream` of ``named_tensors``, default ``src``'s own safetensors) in shards of at most
+    ``shard_bytes``, and ``quantization_config`` in ``config.json``; atomically (written as a temporary
+    folder, then renamed). Returns ``dest``. Raises OSError on a write error, ValueError when ``src`` has no
+    ``config.json``."""
     from hpcrl.fsutil import fsync_path
+    from hpcrl.weights.disk import write_hf_folder
 
     src, dest = Path(src), Path(dest)
     if not (src / "config.json").is_file():
@@ -125,21 +125,13 @@ def write_fp8_checkpoint(src: Union[str, os.PathLike], dest: Union[str, os.PathL
         from hpcrl.train.bridge import read_hf_state_dict
 
         named_tensors = read_hf_state_dict(src).items()
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = dest.with_name(f".{dest.name}.fp8-{os.getpid()}")
     try:
-        save_file({n: t.contiguous() for n, t in quantize_stream(named_tensors)}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        for f in sorted(src.iterdir()):
-            if f.is_file() and f.name != "config.json" and not (f.name in WEIGHT_INDEXES
-                                                               or f.name.endswith(WEIGHT_SUFFIXES)):
-                shutil.copy2(f, tmp / f.name)
+        write_hf_folder(quantize_stream(named_tensors), tmp, bucket_bytes=shard_bytes, hf_checkpoint=src)
         config = json.loads((src / "config.json").read_text())
         config["quantization_config"] = dict(QUANTIZATION_CONFIG)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for f in tmp.iterdir():
-            fsync_path(f)
+        fsync_path(tmp / "config.json")
         shutil.rmtree(dest, ignore_errors=True)
         os.rename(tmp, dest)
         fsync_path(dest.parent)
