@@ -163,3 +163,17 @@ def test_same_seed_gives_bitwise_identical_weights(gates_run):
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a), "two runs with the same seed diverged"
     assert any(not a[k].equal(base[k]) for k in a), "training did not change the weights"
+    # the same checkpoint as the block-fp8 folder fp8-rollout engines serve (hpcrl.weights.fp8)
+    import torch
+
+    from hpcrl.weights.fp8 import QUANTIZATION_CONFIG, quantize_stream
+
+    fp8 = tmp_path / "gates-fp8"
+    conv = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-hf", str(tmp_path / "runs" / "gates"),
+                           str(fp8), "--fp8"], capture_output=True, text=True, timeout=300, check=False)
+    assert conv.returncode == 0, conv.stderr[-2000:]
+    got, want = load_file(fp8 / "model.safetensors"), dict(quantize_stream(a.items()))
+    assert got.keys() == want.keys() and any(k.endswith("_scale_inv") for k in got)
+    assert all(got[k].dtype == want[k].dtype and got[k].view(torch.uint8).equal(want[k].view(torch.uint8))
+               for k in want)
+    assert json.loads((fp8 / "config.json").read_text())["quantization_config"] == QUANTIZATION_CONFIG

@@ -220,6 +220,8 @@ BAD = [
     ("delta-sglang-distributed", M + "run: {placement: disaggregate}\nrollout: {engine: sglang}\n",
      ["weights.delta=true"], "weights.delta", True, ["only on /update_weights_from_tensor", "weights.method=tensor"]),
     ("full-every-without-delta", M, ["weights.full_every=5"], "weights.full_every", 5, ["without weights.delta"]),
+    ("fp8-rollout-other-quantization", M, ["weights.rollout_dtype=fp8", "sglang.quantization=awq"],
+     "sglang.quantization", "awq", ["block scales", "weights.rollout_dtype=null"]),
     ("full-every-negative", M, ["weights.delta=true", "weights.full_every=-1"], "weights.full_every", -1, [">= 0"]),
     ("sft-without-output", M + "sft: {enabled: true}\n", [], "sft.output", "", ["sft.enabled"]),
     ("sft-near-target-interval-zero", M + "sft: {eval_interval_near_target: 0}\n", [],
