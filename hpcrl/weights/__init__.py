@@ -13,6 +13,10 @@ Three transports (``weights.method`` in the run config):
 - ``disk`` (slime's ``--update-weight-transport disk``): an HF safetensors folder ``weight_v{N:06d}/`` in a
   shared folder, loaded with ``/update_weights_from_disk`` (:mod:`.disk`).
 
+On any of them, ``weights.delta`` sends only the changed words of each tensor (:mod:`.delta`) and
+``weights.rollout_dtype: fp8`` block-fp8 weights with their scales (:mod:`.fp8`). docs/weight-sync.md says
+what each costs.
+
 Entry point: :class:`~hpcrl.weights.sync.WeightSyncer` and :func:`~hpcrl.weights.sync.iterate_for_sync`::
 
     syncer = WeightSyncer.from_config(client, cfg.weights, cfg.run.mode, is_sender=dist.get_rank() == 0)

@@ -60,16 +60,18 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-fp8 of a 2-D weight: ``(fp8 [out, in], scale_inv float32 [ceil(out/128), ceil(in/128)])`` with
     ``scale_inv`` the block's absolute maximum / 448 (1 for an all-zero block) and ``fp8 = round(weight /
-    scale_inv)`` (round to nearest even, as torch casts). Computed in float32 on the weight's device."""
+    scale_inv)`` (round to nearest even, as torch casts). Computed in float32 on the weight's device, on one
+    padded copy of it."""
     out, inp = weight.shape
     ob, ib = scale_shape((out, inp))
-    w = torch.zeros(ob * BLOCK, ib * BLOCK, dtype=torch.float32, device=weight.device)
-    w[:out, :inp] = weight.float()
+    w = torch.nn.functional.pad(weight.to(torch.float32), (0, ib * BLOCK - inp, 0, ob * BLOCK - out))
+    if w.data_ptr() == weight.data_ptr():
+        w = w.clone()  # (no padding and already float32: keep the caller's tensor)
     blocks = w.view(ob, BLOCK, ib, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_())
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(ob * BLOCK, ib * BLOCK)[:out, :inp].contiguous(), scale
+    blocks.mul_(scale.reciprocal()[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return w[:out, :inp].to(FP8), scale
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

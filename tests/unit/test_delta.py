@@ -46,9 +46,12 @@ def test_each_form_round_trips_bitwise(loader, dtype, frac, form):
     new = changed(base, frac)
     new.view(-1)[0] = float("nan") if frac else base.view(-1)[0]
     new.view(-1)[-1] = -0.0 if frac else base.view(-1)[-1]
+    word = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    expected = int((new.view(word) != base.view(word)).sum())
+    old = base.clone()
     pieces, k = encode_tensor("w", new, base)
-    assert k == int((new.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
-                     != base.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)).sum())
+    assert k == expected and torch.equal(base.view(word), new.view(word))  # the base moved to the new words
+    base = old
     if form is None:
         assert pieces == [] and k == 0
         return
