@@ -70,14 +70,17 @@ def words(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(_WORD[t.element_size()])
 
 
-def encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], int]:
+def encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor, scratch: Optional[torch.Tensor] = None
+                  ) -> tuple[list[tuple[str, torch.Tensor]], int]:
     """The pieces that turn ``base`` into ``new`` (both contiguous CPU tensors of one shape and dtype) and the
     count of changed words: ``[]`` when none changed, else the smallest of the full tensor, indices + values,
-    or bitmask + values (module doc). ``base`` is moved to ``new`` (its changed words written). Raises
-    ValueError for another shape or dtype."""
+    or bitmask + values (module doc). ``base`` is moved to ``new`` (its changed words written). ``scratch``: a
+    bool buffer of at least ``new.numel()`` elements to compare into (the sender reuses one: no fresh memory
+    per tensor). Raises ValueError for another shape or dtype."""
     if new.shape != base.shape or new.dtype != base.dtype:
         raise ValueError(f"{name}: {new.dtype}{list(new.shape)} against a base of {base.dtype}{list(base.shape)}")
-    changed = (words(new) != words(base)).numpy()
+    out = scratch[: new.numel()] if scratch is not None and scratch.numel() >= new.numel() else None
+    changed = torch.ne(words(new), words(base), out=out).numpy()
     index = np.flatnonzero(changed)  # (numpy: torch's sum and nonzero of a bool tensor are 20-90x slower)
     k = int(index.size)
     if k == 0:
@@ -122,6 +125,7 @@ class DeltaSender:
         self.dtype = dtype
         self.base: Optional[dict[str, torch.Tensor]] = None
         self.stats = DeltaStats()
+        self._scratch = torch.zeros(0, dtype=torch.bool)
 
     @property
     def ready(self) -> bool:
@@ -152,7 +156,9 @@ class DeltaSender:
                 pieces = [(name, base[name])]
                 self.stats.changed += new.numel()
             else:
-                pieces, k = encode_tensor(name, new, old)  # (moves the base)
+                if self._scratch.numel() < new.numel():
+                    self._scratch = torch.zeros(new.numel(), dtype=torch.bool)
+                pieces, k = encode_tensor(name, new, old, self._scratch)  # (moves the base)
                 self.stats.changed += k
             self.stats.words += new.numel()
             self.stats.sent_bytes += sum(p.numel() * p.element_size() for _, p in pieces)
@@ -237,11 +243,14 @@ def load_delta(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> Non
     (:meth:`hpcrl.engine.weights.WeightLoader.load_delta`).
 
     Keeps on ``model`` (attribute ``_hpcrl_delta_base``) the full HF tensors it was last given, on their
-    device and in the sync's dtype: a full piece replaces its base, a delta is applied to it bitwise; the
-    rebuilt tensors then go to ``model.load_weights`` (SGLang's own, which fuses and shards them; the CPU
+    device and in the sync's dtype: a full piece is copied over its base, a delta is applied to it in place,
+    bitwise; the bases then go to ``model.load_weights`` (SGLang's own, which fuses and shards them; the CPU
     engine's, which casts them to its parameters' dtype), so the parameters end as a full sync of the same
-    tensors would leave them. Raises DeltaError (nothing loaded) for a delta without a base (an engine the
-    sender did not sync in full first) or one that does not fit it, and what ``model.load_weights`` raises.
+    tensors would leave them. Raises DeltaError (nothing changed) for a delta without a base (an engine the
+    sender did not sync in full first) or one that does not fit it; a model with a ``check(names_shapes)``
+    (the CPU engine's loader) refuses unknown names and shapes before anything changes too. A
+    ``load_weights`` that fails halfway leaves the bases ahead of the model: the sync fails, and the sender's
+    next one is full, which rewrites them.
     """
     bases: dict[str, torch.Tensor] = getattr(model, "_hpcrl_delta_base", None) or {}
     pieces = split_pieces(named_tensors)
@@ -250,12 +259,17 @@ def load_delta(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> Non
             if name not in bases:
                 raise DeltaError(f"{name}: a delta but no full tensor before it (sync this engine in full)")
             check_piece(name, parts, bases[name])
-    rebuilt = {}
-    with torch.no_grad():
+    check = getattr(model, "check", None)
+    if check is not None:
+        check([(n, tuple((p.get("full") if "full" in p else bases[n]).shape)) for n, p in pieces.items()])
+    with torch.no_grad():  # in place: a copy per tensor would cost fresh memory, and page faults, every sync
         for name, parts in pieces.items():
-            rebuilt[name] = parts["full"].clone() if "full" in parts else bases[name].clone()
-            if "full" not in parts:
-                apply_piece(parts, rebuilt[name])
-    model.load_weights(list(rebuilt.items()))  # (raises before changing anything: the bases stay too)
-    bases.update(rebuilt)
+            full, base = parts.get("full"), bases.get(name)
+            if full is None:
+                apply_piece(parts, base)
+            elif base is not None and base.shape == full.shape and base.dtype == full.dtype:
+                base.copy_(full)
+            else:
+                bases[name] = full.clone()
     model._hpcrl_delta_base = bases
+    model.load_weights([(name, bases[name]) for name in pieces])

@@ -78,11 +78,13 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = to
     """``q * scale_inv`` per 128 x 128 block, cast to ``dtype``. Raises ValueError when the scales do not fit
     the weight's blocks."""
     out, inp = q.shape
-    if tuple(scale_inv.shape) != scale_shape((out, inp)):
+    ob, ib = scale_shape((out, inp))
+    if tuple(scale_inv.shape) != (ob, ib):
         raise ValueError(f"scales of shape {list(scale_inv.shape)} for a weight of {[out, inp]} (want "
-                         f"{list(scale_shape((out, inp)))})")
-    full = scale_inv.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:out, :inp]
-    return (q.float() * full).to(dtype)
+                         f"{[ob, ib]})")
+    w = torch.nn.functional.pad(q.to(torch.float32), (0, ib * BLOCK - inp, 0, ob * BLOCK - out))
+    w.view(ob, BLOCK, ib, BLOCK).mul_(scale_inv.float()[:, None, :, None])
+    return w[:out, :inp].to(dtype)
 
 
 def quantize_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None

@@ -110,9 +110,9 @@ def test_a_delta_that_does_not_fit_changes_nothing(loader):
             load_delta(loader, pieces)
     from hpcrl.engine.weights import WeightUpdateError
 
-    with pytest.raises(WeightUpdateError, match="unknown parameter"):  # the engine refused one tensor ...
+    with pytest.raises(WeightUpdateError, match="unknown parameter"):  # the engine's loader refuses a name ...
         load_delta(loader, [*one, ("model.nope.weight", torch.ones(3))])
-    assert torch.equal(loader._hpcrl_delta_base[W], base + 1)  # ... so neither its base nor the model moved
+    assert torch.equal(loader._hpcrl_delta_base[W], base + 1)  # ... first, so neither the base nor the model moved
     assert torch.equal(param(loader), base + 1)
     load_delta(loader, one)
     assert param(loader).view(-1)[1] == 1.0 and split_pieces([("x", base)]) == {"x": {"full": base}}
