@@ -168,7 +168,7 @@ class RunSession:
         if controller and cfg.weights.rollout_dtype == "fp8":  # the engines start from a block-fp8 copy
             from hpcrl.weights.fp8 import rollout_model_path
 
-            engine_model = rollout_model_path(model_path)
+            engine_model = rollout_model_path(model_path, run_dir)
         rollout = self.rollout = rollout_manager(controller, cfg, run_dir, engine_model, launcher,
                                                  watch.job_ending)
         rollout.launch(early=True)  # they load while the trainer imports Megatron and builds its model

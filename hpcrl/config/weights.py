@@ -37,10 +37,10 @@ class WeightsSection:
     the first after an engine was replaced or restarted); 0: only those."""
     rollout_dtype: Optional[Literal["fp8"]] = None
     """``fp8``: the engines serve block-fp8 weights (128 x 128 blocks with float32 scales, DeepSeek-V3's
-    format; :mod:`hpcrl.weights.fp8`): they start from a block-fp8 copy of the model (``<model>-fp8``) and
-    every sync quantises the trainer's weights the same way. The trainer keeps its precision; the wider
-    rollout/train log-prob gap is what ``algorithm.use_tis`` / ``mis_level`` correct. null: the engines hold
-    ``model.dtype``."""
+    format; :mod:`hpcrl.weights.fp8`): they start from a block-fp8 copy of the model
+    (``RUN/rollout-model-fp8``) and every sync quantises the trainer's weights the same way. The trainer keeps
+    its precision; the wider rollout/train log-prob gap is what ``algorithm.use_tis`` / ``mis_level``
+    correct. null: the engines hold ``model.dtype``."""
 
 
 def check_weights(cfg) -> None:

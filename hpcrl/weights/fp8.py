@@ -10,9 +10,8 @@ head, every norm and the MoE router gate (``mlp.gate.weight``) stay in the model
 ``quantization_config`` is ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
 "weight_block_size": [128, 128]}``.
 
-**Where**: the engines start from such a checkpoint (:func:`write_fp8_checkpoint`: a folder beside the model's,
-made once per model folder and reused; ``hpcrl convert mcore-to-hf --fp8`` writes one from a run's
-checkpoint) and every weight sync quantises the trainer's weights the same way on the trainer's rank 0
+**Where**: the engines start from such a checkpoint (:func:`rollout_model_path`: ``rollout-model-fp8`` in the
+run folder, made once and reused; ``hpcrl convert mcore-to-hf --fp8`` writes one from a run's checkpoint) and every weight sync quantises the trainer's weights the same way on the trainer's rank 0
 (:func:`quantize_stream`), sending each quantised weight with its scales (SGLang's ``--quantization fp8`` on a
 bf16 checkpoint would quantise per tensor at load and cannot take block scales). hpcrl's CPU engine emulates
 it: it dequantises at load and on every update (:class:`hpcrl.engine.weights.WeightLoader`), so it samples
@@ -145,12 +144,14 @@ def write_fp8_checkpoint(src: Union[str, os.PathLike], dest: Union[str, os.PathL
     return dest
 
 
-def rollout_model_path(model_path: Union[str, os.PathLike]) -> Path:
+def rollout_model_path(model_path: Union[str, os.PathLike], run_dir: Union[str, os.PathLike]) -> Path:
     """The block-fp8 copy of ``model_path`` the engines of an fp8-rollout run start from:
-    ``<model_path>-fp8`` beside it, written once (:func:`write_fp8_checkpoint`) and reused while it is newer
-    than the model's config. Raises what :func:`write_fp8_checkpoint` raises."""
+    ``run_dir/rollout-model-fp8`` (the run folder is writable and shared with the engines' nodes; a model
+    folder may be neither), written once (:func:`write_fp8_checkpoint`) and again when the model's
+    ``config.json`` is newer than it (another SFT warm start). Raises what :func:`write_fp8_checkpoint`
+    raises."""
     src = Path(model_path)
-    dest = src.with_name(src.name + "-fp8")
+    dest = Path(run_dir) / "rollout-model-fp8"
     if not (dest / "config.json").is_file() or (dest / "config.json").stat().st_mtime < (
             src / "config.json").stat().st_mtime:
         write_fp8_checkpoint(src, dest)
