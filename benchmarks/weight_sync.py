@@ -9,12 +9,12 @@ block-fp8 copy, which the engine dequantises: hpcrl.weights.fp8) with the delta 
 broadcast on loopback; ``disk``: a safetensors folder in a temporary directory) and mode:
 
 - ``full``: every tensor, after two warm-up syncs (the first allocates the arena, the engine's first load
-  touches its pages);
+  touches its pages), ``--full-repeats`` times;
 - ``delta`` (``weights.delta``): after a full sync, one Adam step at ``--delta-lr`` (default 1e-6) on a random
   token batch, then the timed delta sync; ``--repeats`` times.
 
 Columns: model, precision, method, mode, the model's bytes in the engines' format (MB), bytes sent (MB), share
-of words changed, transfer seconds (export, quantisation, encoding and transport; median of ``--repeats``),
+of words changed, transfer seconds (export, quantisation, encoding and transport; the median),
 model GB/s (the model's bytes / transfer seconds: what a delta saves shows here) and sent GB/s. The machine's
 single-thread ``memcpy`` bandwidth (a warm 256 MiB ``torch`` copy, median of 5) is measured in the same run and
 printed above the table with the tensor path's bound: half of it (each byte is copied twice: into the arena,
@@ -203,7 +203,7 @@ def bench_model(name: str, path: Path, args, tmp: Path) -> tuple[list[dict], lis
                 for mode in ("full", "delta"):
                     runs = asyncio.run(timed_syncs(url, model, optimizer, method, mode, precision, args,
                                                    str(tmp / f"disk-{name}"), str(serve), args.delta_lr,
-                                                   args.repeats))
+                                                   args.repeats if mode == "delta" else args.full_repeats))
                     rows.append(row_of(runs, name, precision, method, mode))
                     print(f"[{name} {precision}] {method} {mode}: {rows[-1]['transfer']:.3f} s", file=sys.stderr)
             if args.density and precision != "fp8":
@@ -223,7 +223,8 @@ def bench_model(name: str, path: Path, args, tmp: Path) -> tuple[list[dict], lis
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of this process")
-    p.add_argument("--repeats", type=int, default=2, help="timed syncs per row (after two warm-ups)")
+    p.add_argument("--repeats", type=int, default=2, help="timed syncs per delta row (each after an Adam step)")
+    p.add_argument("--full-repeats", type=int, default=5, help="timed syncs per full row (after two warm-ups)")
     p.add_argument("--bucket-mb", type=int, default=512, help="bucket size, MiB (weights.bucket_bytes)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
@@ -257,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         parallel.destroy()
     print(machine_header(threads=args.threads, precision="fp32 / bf16 / fp8 (block 128x128)"))
     print(f"# weight sync, megatron-core trainer (TP=1) -> hpcrl CPU engine, {args.threads} thread(s) each side, "
-          f"bucket {args.bucket_mb} MiB, median of {args.repeats}; delta rows after an Adam step at lr "
-          f"{args.delta_lr:g}; total {time.perf_counter() - start:.0f} s")
+          f"bucket {args.bucket_mb} MiB, median of {args.full_repeats} (full) / {args.repeats} (delta, each after an "
+          f"Adam step at lr "
+          f"{args.delta_lr:g}); total {time.perf_counter() - start:.0f} s")
     print(f"# memcpy {copy:.2f} GB/s (this process, one thread, warm 256 MiB); the tensor path copies each byte "
           f"twice, so its bound is {copy / 2:.2f} GB/s and the target (50% of it) {copy / 4:.2f} GB/s")
     print("| model | precision | method | mode | model MB | sent MB | changed | transfer s | model GB/s | "
