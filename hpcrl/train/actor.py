@@ -339,6 +339,28 @@ def build_steps(samples: Sequence["Sample"], masks: Sequence[Tensor], advantages
     return steps, [algorithms.compute_rollout_mask_sums([masks[p] for p in g], g) for g in global_]
 
 
+def micro_batch_log_probs(ddp_model: torch.nn.Module, model: torch.nn.Module, mb: MicroBatch, temperature: float,
+                          with_entropy: bool, vocab_size: int):
+    """Response log-probs (and entropy) ``[b, R]`` of a micro-batch under ``ddp_model`` (the bare ``model``
+    beside it): over its pack when it has one (:func:`~hpcrl.train.packing.packed_response_log_probs`), over
+    the logits window of its responses when the padded layout allows one
+    (:func:`~hpcrl.train.logprobs.windowed_response_log_probs`), else over every position
+    (:func:`~hpcrl.train.logprobs.response_log_probs`). The one forward of the actor and of SFT."""
+    from hpcrl.train.logprobs import logits_window_start, response_log_probs, windowed_response_log_probs
+
+    if mb.pack is not None:
+        from hpcrl.train.packing import packed_response_log_probs
+
+        return packed_response_log_probs(ddp_model, mb.pack, mb.response_lengths, temperature, with_entropy,
+                                         vocab_size)
+    start = logits_window_start(model, mb)
+    if start > 0:
+        return windowed_response_log_probs(ddp_model, model.output_layer, mb, start, temperature, with_entropy,
+                                           vocab_size)
+    return response_log_probs(ddp_model, mb.tokens, mb.total_lengths, mb.response_lengths, temperature=temperature,
+                              with_entropy=with_entropy, vocab_size=vocab_size)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Actor
 # ------------------------------------------------------------------------------------------------------------
@@ -457,20 +479,8 @@ class Actor:
 
     def _forward_routed(self, mb: MicroBatch, with_entropy: bool):
         """:meth:`_forward` under whatever routing is in force."""
-        from hpcrl.train.logprobs import logits_window_start, response_log_probs, windowed_response_log_probs
-
-        if mb.pack is not None:
-            from hpcrl.train.packing import packed_response_log_probs
-
-            return packed_response_log_probs(self.ddp_model, mb.pack, mb.response_lengths,
-                                             self.cfg.rollout.temperature, with_entropy, self.vocab_size)
-        start = logits_window_start(self.model, mb)
-        if start > 0:
-            return windowed_response_log_probs(self.ddp_model, self.model.output_layer, mb, start,
-                                               self.cfg.rollout.temperature, with_entropy, self.vocab_size)
-        return response_log_probs(self.ddp_model, mb.tokens, mb.total_lengths, mb.response_lengths,
-                                  temperature=self.cfg.rollout.temperature, with_entropy=with_entropy,
-                                  vocab_size=self.vocab_size)
+        return micro_batch_log_probs(self.ddp_model, self.model, mb, self.cfg.rollout.temperature, with_entropy,
+                                     self.vocab_size)
 
     @torch.no_grad()
     def _forward_only(self, micro_batches: Sequence[MicroBatch]) -> list[Tensor]:
