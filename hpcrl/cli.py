@@ -68,12 +68,14 @@ def summarize(cfg: Config) -> list[str]:
                      f"{t.num_engines} engine(s), opd coef {a.opd.coef}")
     if cfg.sft.enabled:
         s = cfg.sft
-        from hpcrl.sft import NEAR_TARGET_FRACTION
+        from hpcrl.sft import NEAR_TARGET_FRACTION, STORE_SUFFIX
+
         near = (f", every {s.eval_interval_near_target} from {NEAR_TARGET_FRACTION * s.target_accuracy:g}"
                 if s.eval_interval_near_target and s.target_accuracy is not None else "")
         until = (f"until greedy accuracy >= {s.target_accuracy} (eval every {s.eval_interval} steps{near}), "
                  "at most " if s.target_accuracy is not None else "")
-        lines.append(f"  sft:       {until}{s.steps} steps, batch {s.batch_size}, lr {s.lr} -> {s.output}")
+        lines.append(f"  sft:       {until}{s.steps} steps, batch {s.batch_size}, lr {s.lr} -> {s.output} "
+                     f"(Megatron trainer; cached by key in {s.output}{STORE_SUFFIX})")
     e = cfg.eval
     default = (f"{cfg.data.eval_source}" if cfg.data.eval_source else f"{cfg.data.num_eval} held out"
                if cfg.data.num_eval else "")
@@ -148,16 +150,25 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 def _cmd_sft(ns: argparse.Namespace) -> int:
     from hpcrl.validate import load_and_check
 
-    cfg = load_and_check(ns.config, ns.overrides)
+    cfg = load_and_check(ns.config, [*ns.overrides, "sft.enabled=true"])
     if not cfg.sft.output:
         raise ConfigError("sft.output", cfg.sft.output, "hpcrl sft needs a folder to save the SFT model to",
                           "set sft.output, e.g. sft.output=.cache/models/my-sft")
-    from hpcrl import sft
+    if cfg.run.mode == "sft":
+        raise ConfigError("run.mode", cfg.run.mode, "is an SFT run of its own, not a warm start",
+                          "start it with hpcrl run (or hpcrl submit), or set run.mode=sync")
+    from pathlib import Path
 
-    result = sft.run_sft(cfg)
-    if result is not None and not isinstance(result, int):
-        print(result)
-    return _exit_code(result)
+    from hpcrl import launch_local
+    from hpcrl.errors import report_known
+    from hpcrl.sft import WarmStartStore
+
+    def run() -> int:
+        print(launch_local.starting_model(cfg))
+        return EXIT_OK
+
+    # the warm start on this machine: an SFT run of the Megatron trainer in <sft.output>.d (hpcrl.sft)
+    return report_known("hpcrl sft", WarmStartStore(Path(cfg.sft.output)).root, run)
 
 
 def _cmd_convert(ns: argparse.Namespace) -> int:
@@ -437,7 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for eval.json and the engine logs (default RUN/eval/<checkpoint>)")
     p.set_defaults(handler=_cmd_eval)
 
-    p = sub.add_parser("sft", help="supervised warm start into sft.output")
+    p = sub.add_parser("sft", help="the supervised warm start alone (an SFT run of the Megatron trainer on "
+                                   "this machine, cached in <sft.output>.d, sft.output linked to it); prints "
+                                   "its folder")
     _add_config_args(p)
     p.set_defaults(handler=_cmd_sft)
 

@@ -18,48 +18,70 @@ from pathlib import Path
 
 from hpcrl.config import Config
 from hpcrl.errors import EXIT_RETRY
-from hpcrl.loop import loop_of
 from hpcrl.validate import save_resolved
-from hpcrl.run_setup import prepare_model, quiet_logs, run_dir_of
+from hpcrl.run_setup import prepare_base, quiet_logs, run_dir_of, run_stages
 
 __all__ = ["main", "resolve_cpu_sets", "check_local_engine", "run_local_workers"]
 
 
-def main(cfg: Config) -> int:
-    """``hpcrl run``: write the run folder, prepare the model, run the trainer; 0 on success. The run's
-    state for ``hpcrl status`` goes to ``local_run.json`` (:func:`hpcrl.slurm.state.local_run_record`).
+def main(cfg: Config, warm_start_only: bool = False) -> int:
+    """``hpcrl run``: write the run folder, prepare the base model, run the trainer (the warm start when
+    enabled, then the loop: :func:`hpcrl.run_setup.run_stages`); 0 on success. The run's state for
+    ``hpcrl status`` goes to ``local_run.json`` (:func:`hpcrl.slurm.state.local_run_record`).
+    ``warm_start_only`` (``hpcrl sft``): the warm start alone, no run folder.
 
     With ``train.nprocs == 1`` the trainer runs in this process (the CPU quickstart); more trainer processes
     are started as local torch.distributed workers on this machine. Returns :data:`hpcrl.errors.EXIT_RETRY`
     (75) when the run stopped early on the preemption signal (``kill -USR2``) with a checkpoint.
     """
-    from hpcrl.placement import pin, unpin
     from hpcrl.slurm.state import local_run_record
-    from hpcrl.train.critic_group import local_threads
 
     quiet_logs()
     cpus = resolve_cpu_sets(cfg)
     run_dir = run_dir_of(cfg)
+    if warm_start_only:
+        return _run_trainer(cfg, run_dir, prepare_base(cfg), cpus, warm_start_only=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
     with local_run_record(run_dir, stopped_codes=(EXIT_RETRY,)) as record:  # for hpcrl status
-        model_path = prepare_model(cfg)
-        if cfg.train.nprocs == 1:
-            # with a critic on processes of its own, each process gets its share of the CPUs (unless
-            # OMP_NUM_THREADS says how many)
-            threads = (local_threads(cfg) if cfg.critic.nprocs > 0 and "OMP_NUM_THREADS" not in os.environ
-                       else None)
-            before = (pin(cpus.train, threads) if cpus is not None else
-                      pin(os.sched_getaffinity(0), threads) if threads is not None else None)
-            try:
-                result = loop_of(cfg)(cfg, run_dir, model_path)
-            finally:
-                if before is not None:
-                    unpin(before)
-            record.exit_code = EXIT_RETRY if result.get("preempted") else 0
-        else:
-            record.exit_code = run_local_workers(cfg, run_dir, model_path)
+        record.exit_code = _run_trainer(cfg, run_dir, prepare_base(cfg), cpus)
         return record.exit_code
+
+
+def starting_model(cfg: Config) -> Path:
+    """``hpcrl sft`` and ``hpcrl eval``: the HF folder the run starts from, made on this machine first when
+    it is a warm start that is not cached (:func:`main` with ``warm_start_only``; on ``train.nprocs``
+    processes). Raises RuntimeError when the warm start stopped early (preempted) or a worker failed, and what
+    the warm start raises."""
+    from hpcrl.sft import warm_start_folder
+
+    code = main(cfg, warm_start_only=True)
+    if code != 0:
+        raise RuntimeError(f"the warm start stopped early (exit status {code}); run it again to resume it")
+    base = prepare_base(cfg)
+    return warm_start_folder(cfg, base) if cfg.sft.enabled and cfg.run.mode != "sft" else base
+
+
+def _run_trainer(cfg: Config, run_dir: Path, base: Path, cpus, warm_start_only: bool = False) -> int:
+    """The trainer's stages in this process (``train.nprocs == 1``) or in worker processes; 0, or
+    :data:`EXIT_RETRY` when stopped early with a checkpoint, or a failed worker's exit status."""
+    from hpcrl.placement import pin, unpin
+    from hpcrl.train.critic_group import local_threads
+
+    if cfg.train.nprocs > 1:
+        return run_local_workers(cfg, run_dir, base, warm_start_only)
+    # with a critic on processes of its own, each process gets its share of the CPUs (unless
+    # OMP_NUM_THREADS says how many)
+    threads = (local_threads(cfg) if cfg.critic.nprocs > 0 and "OMP_NUM_THREADS" not in os.environ
+               else None)
+    before = (pin(cpus.train, threads) if cpus is not None else
+              pin(os.sched_getaffinity(0), threads) if threads is not None else None)
+    try:
+        result = run_stages(cfg, run_dir, base, warm_start_only=warm_start_only)
+    finally:
+        if before is not None:
+            unpin(before)
+    return EXIT_RETRY if result.get("preempted") else 0
 
 
 def resolve_cpu_sets(cfg: Config):
@@ -91,7 +113,8 @@ def check_local_engine(cfg: Config) -> None:
                           "pip install sglang (the gpu extra), or set rollout.engine=cpu")
 
 
-def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, model_path: Path) -> None:
+def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, base: Path,
+            warm_start_only: bool = False) -> None:
     from hpcrl.train.parallel import INIT_METHOD_ENV
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -109,11 +132,18 @@ def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, mo
     from hpcrl.errors import run_worker
 
     # a known error is handed to the parent (one line there), not printed here as a traceback
-    run_worker(run_dir, rank, lambda: loop_of(cfg)(cfg, run_dir, model_path))
+    def stages() -> None:
+        result = run_stages(cfg, run_dir, base, warm_start_only=warm_start_only)
+        if result.get("preempted"):
+            raise SystemExit(EXIT_RETRY)
+
+    run_worker(run_dir, rank, stages)
 
 
-def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:
-    """Start ``cfg.train.nprocs`` trainer processes, wait for all; 0 when every one exited 0.
+def run_local_workers(cfg, run_dir: Path, base: Path, warm_start_only: bool = False) -> int:
+    """Start ``cfg.train.nprocs`` trainer processes running :func:`hpcrl.run_setup.run_stages` from
+    ``base``, wait for all; 0 when every one exited 0 (:data:`EXIT_RETRY` when they stopped early with a
+    checkpoint).
 
     If one worker fails the others are terminated (they would block in a collective), and its exit code is
     returned; when it failed on a known error (:mod:`hpcrl.errors`) that error is raised here instead, as a
@@ -126,7 +156,7 @@ def run_local_workers(cfg, run_dir: Path, model_path: Path) -> int:
     rendezvous = Path(tempfile.mkdtemp(prefix="hpcrl-rendezvous-"))  # a new file each launch (torch's rule)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker,
-                         args=(r, n, f"file://{rendezvous / 'store'}", cfg, run_dir, model_path),
+                         args=(r, n, f"file://{rendezvous / 'store'}", cfg, run_dir, base, warm_start_only),
                          name=f"trainer-{r}") for r in range(n)]
     try:
         return _join_workers(procs, run_dir)
@@ -141,7 +171,7 @@ def _join_workers(procs: list, run_dir: Path) -> int:
     n = len(procs)
     for p in procs:
         p.start()
-    failed, failed_rank = 0, None
+    failed, failed_rank, stopped = 0, None, False
     alive = list(procs)
     while alive:
         for p in list(alive):
@@ -149,7 +179,9 @@ def _join_workers(procs: list, run_dir: Path) -> int:
             if p.exitcode is None:
                 continue
             alive.remove(p)
-            if p.exitcode != 0 and not failed:
+            if p.exitcode == EXIT_RETRY:  # stopped early with a checkpoint: the others stop at the same step
+                stopped = True
+            elif p.exitcode != 0 and not failed:
                 failed, failed_rank = p.exitcode, procs.index(p)
                 for q in alive:
                     q.terminate()
@@ -158,4 +190,4 @@ def _join_workers(procs: list, run_dir: Path) -> int:
         known = errors[failed_rank] or next((e for e in errors if e is not None), None)
         if known is not None:
             raise known
-    return failed
+    return failed or (EXIT_RETRY if stopped else 0)

@@ -89,7 +89,8 @@ def loop_of(cfg: Config) -> Callable[..., dict[str, Any]]:
     """The loop function of ``run.mode``, for both launchers (``hpcrl run``: :mod:`hpcrl.launch_local`; the
     Slurm job: :mod:`hpcrl.slurm.entry`): :func:`train_main` (sync),
     :func:`hpcrl.loop_async.train_async_main` (async, beside this file like slime's ``train_async.py``) or
-    :func:`hpcrl.loop_fully_async.train_fully_async_main` (fully_async); all
+    :func:`hpcrl.loop_fully_async.train_fully_async_main` (fully_async) or :func:`hpcrl.loop_sft.train_sft_main`
+    (sft); all
     take ``(cfg, run_dir, model_path, ...)`` and return the last step's metrics (``"preempted"`` when stopped
     early with a checkpoint)."""
     if cfg.run.mode == "async":
@@ -100,4 +101,8 @@ def loop_of(cfg: Config) -> Callable[..., dict[str, Any]]:
         from hpcrl.loop_fully_async import train_fully_async_main
 
         return train_fully_async_main
+    if cfg.run.mode == "sft":
+        from hpcrl.loop_sft import train_sft_main
+
+        return train_sft_main
     return train_main

@@ -21,6 +21,7 @@ curves drawn), the rollout manager stopped, the watch uninstalled, the process g
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -55,8 +56,8 @@ class Trainer:
     """Train items, eval items, the task."""
     data_source: "DataSource"
     """The rollout's data source (``rollout.data_source``), resumed."""
-    trained: "TrainedRows"
-    """Every sample trained so far, resumed."""
+    trained: Optional["TrainedRows"]
+    """Every sample trained so far, resumed (None for SFT, whose position is its data source's)."""
     ckpt: "CheckpointManager"
     """The checkpoint manager holding all of the above."""
     start: int
@@ -124,7 +125,8 @@ class RunSession:
     tearing down what was built.
 
     ``ci_checks``, ``launch_engines`` and ``launch_critic`` as :func:`hpcrl.loop.train_main`; ``states``:
-    extra stateful objects for the checkpoint manager (the async loop's ``pending``);
+    extra stateful objects for the checkpoint manager (the async loop's ``pending``); ``build``: what builds
+    the trainer side (default :func:`build_trainer`);
     ``offload_engines_first``: the engines give their memory back before the first sync (the sync loop, which
     trains right after; the async loop keeps them generating)."""
 
@@ -136,6 +138,9 @@ class RunSession:
     states: Mapping[str, "Stateful"] = field(default_factory=dict)
     offload_engines_first: bool = False
     launch_critic: Optional["CriticLauncher"] = None
+    build: Optional[Callable[..., Trainer]] = None
+    """What builds the trainer side (:func:`build_trainer`'s signature; default it: RL; the SFT loop's
+    :func:`hpcrl.loop_sft.build_sft_trainer`)."""
     controller: bool = field(init=False, default=False)
     """Whether this rank is the controller (global rank 0)."""
     watch: "PreemptionWatch" = field(init=False)
@@ -173,8 +178,11 @@ class RunSession:
                                                  watch.job_ending)
         rollout.launch(early=True)  # they load while the trainer imports Megatron and builds its model
         from hpcrl.train.parallel import destroy  # imports torch: after the engines started loading
+        import torch.distributed as dist
 
-        self._destroy = destroy
+        # a default group formed before the session (the warm start's stages, the Slurm bootstrap) outlives
+        # it; one the session forms is destroyed with it
+        self._destroy = functools.partial(destroy, default_group=not dist.is_initialized())
         try:
             from hpcrl.rollout.engines import engine_dtype
             from hpcrl.weights.sync import WeightSyncer
@@ -185,9 +193,9 @@ class RunSession:
                 self.critic_group = CriticGroup.launch(cfg, run_dir, rollout.attempt_dir, self.launch_critic)
             # --- processes, model, optimizer, data, resume state -------------------------------------
             # colocated on GPUs: saves run with the trainer onloaded (rollout.trainer_onloaded)
-            t = self.trainer = build_trainer(cfg, run_dir, model_path, watch, controller, self.ci_checks,
-                                             on_device=rollout.trainer_onloaded, critic_group=self.critic_group,
-                                             **self.states)
+            t = self.trainer = (self.build or build_trainer)(cfg, run_dir, model_path, watch, controller,
+                                                             self.ci_checks, on_device=rollout.trainer_onloaded,
+                                                             critic_group=self.critic_group, **self.states)
             # --- engines up, router, client (a twin that does nothing on the other ranks); weights -----
             rollout.start(t.datasets)
             self.metrics = RunLog(run_dir, cfg.run.num_rollout, t.start, controller, cfg=cfg)
@@ -232,7 +240,8 @@ class RunSession:
 
     def close(self) -> None:
         """Tear down in order: run log (a run stopped by an error: its bar ends and its curves are drawn
-        too), the critic's own ranks, rollout manager, preemption watch, process groups."""
+        too), the critic's own ranks, rollout manager, preemption watch, model-parallel groups and the
+        default process group when the session formed it."""
         if self.metrics is not None:
             self.metrics.close()
         if self.critic_group is not None:

@@ -1,13 +1,20 @@
-"""Supervised warm start (``hpcrl sft``): teach the base model the task's answer format before RL.
+"""Supervised warm start (``sft.enabled``, ``hpcrl sft``): teach the base model the task's answer format
+before RL, on the Megatron trainer, as an SFT run of its own (:func:`hpcrl.loop_sft.train_sft_main`).
 
 RL from a random-init model gets no reward signal, so the CI model (and any model that does not yet answer in
-the task's format) first learns from demonstrations: each train item becomes ``prompt + label + eos``, with the
-loss on the label and eos tokens only. This is a *warm start* trained with plain PyTorch AdamW on the HF model
-in this process (no parallelism, no Megatron); the Megatron trainer (``hpcrl/train/``) is for RL and comes in a
-later issue. The result is an ordinary HF folder at ``sft.output`` that RL then starts from, and it is a cache:
-when the folder exists and was made from the same inputs (its ``sft_key.json``: the base model's files, the data,
-the seed and the recipe, see :func:`cache_key`), :func:`run_sft` returns it without training; otherwise it trains
-again and replaces it.
+the task's format) first learns from demonstrations (:mod:`hpcrl.data.demonstrations`: prompt + label, or chat
+conversations with the loss on the assistant's tokens). The warm start is an ``run.mode: sft`` run
+(:func:`warm_start_config`) on the same trainer ranks, devices, parallel layout, engines (its evals) and Slurm
+job step as the RL run after it, so it checkpoints, survives preemption (a requeued job resumes it bitwise)
+and logs like any run. Its result is an ordinary HF folder that RL then starts from, and it is a cache.
+
+**The cache is content-addressed** (:class:`WarmStartStore`): the key (:func:`cache_key`: the base model's
+files, the demonstrations, the seed, the recipe, the eval limits, the trainer's layout and precision) names a
+folder of its own, ``<sft.output>.d/<digest>/`` (the SFT run that made it beside it as ``<digest>.run/``), so
+different seeds and recipes never share one; the RL run starts from that folder. ``sft.output`` itself is a
+symbolic link to the newest one, a stable name that other configs can point at (``configs/smollm2-agent.yaml``).
+Concurrent runs with the same key (a sweep's array tasks) train it once: each takes the key's lock
+(``<digest>.lock``, ``fcntl.lockf``) before training and the others wait for it, then find the folder made.
 
 The warm start ends on accuracy, not on a step count: learning 3-digit addition from scratch is a sharp phase
 transition (greedy accuracy goes from ~1% to ~40% within 50-100 steps) whose step moves with the seed *and*
@@ -19,10 +26,11 @@ near its peak when the target is reached. The rise near the target is steep (see
 ``sft.eval_interval_near_target`` the eval runs that often once it has reached a quarter of the target
 (:data:`NEAR_TARGET_FRACTION`).
 
-Measured (AMD EPYC, AVX2 only, 1 thread, 3-digit addition, the tiny Qwen2 (hidden 128, 4 layers, tied
-embeddings), lr 3e-3, batch 256, eval every 20 steps): seed 1 went 0.067, 0.134, 0.340 at steps 180-220 and then
-hovered at 0.33-0.43; seed 2 went 0.143, 0.338, 0.444 at steps 360-400. The recipe below (AdamW betas 0.9/0.999, no weight decay, clip 1.0, warmup then cosine to 10%) beat betas
-0.9/0.95 (27%), weight decay 0.1 (5%) and a constant lr (40%) at seed 1234.
+Measured with the earlier HF + AdamW loop (AMD EPYC, AVX2 only, 1 thread, 3-digit addition, the tiny Qwen2
+(hidden 128, 4 layers, tied embeddings), lr 3e-3, batch 256, eval every 20 steps): seed 1 went 0.067, 0.134,
+0.340 at steps 180-220 and then hovered at 0.33-0.43; seed 2 went 0.143, 0.338, 0.444 at steps 360-400. The recipe
+below (AdamW betas 0.9/0.999, no weight decay, clip 1.0, warmup then cosine to 10%) beat betas 0.9/0.95 (27%),
+weight decay 0.1 (5%) and a constant lr (40%) at seed 1234.
 
 What RL can do from the warm start depends on more than its greedy accuracy: GRPO only sharpens answers the
 model already samples (a group whose samples are all wrong carries no signal), so the fraction of problems with
@@ -34,7 +42,9 @@ covered; GRPO reached 0.75), after about as many steps. The quickstart uses 1e-3
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import copy
+import errno
 import hashlib
 import json
 import logging
@@ -42,22 +52,24 @@ import math
 import os
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 if TYPE_CHECKING:
     from hpcrl.config import Config
+    from hpcrl.rollout.manager import EngineLauncher
 
 log = logging.getLogger(__name__)
 
 METRICS_FILENAME = "sft_metrics.jsonl"
-"""Per-step metrics, written inside the ``sft.output`` folder (so they are cached with the model)."""
+"""The warm start's curve, in its cached folder: one JSON object per line, ``step`` (optimizer steps done),
+then ``loss`` (nats per trained token), ``lr``, ``grad_norm``, ``elapsed_s`` (seconds since the SFT run
+started), or ``eval_accuracy`` (greedy, the eval before the first step is step 0)."""
 KEY_FILENAME = "sft_key.json"
-"""The cache key (:func:`cache_key`) of the model in ``sft.output``."""
-LOG_INTERVAL = 10
-"""A training-metrics line every this many steps."""
+"""The cache key (:func:`cache_key`) of a cached warm start, in its folder."""
+STORE_SUFFIX = ".d"
+"""The store of ``sft.output`` is the folder ``<sft.output>.d`` beside it."""
 NEAR_TARGET_FRACTION = 0.25
 """Once an eval reaches this fraction of ``sft.target_accuracy``, evals run every
 ``sft.eval_interval_near_target`` steps (3-digit addition: 10% of a 40% target, ~15 steps before it)."""
@@ -68,7 +80,8 @@ MIN_LR_RATIO = 0.1
 GRAD_CLIP = 1.0
 ADAM_BETAS = (0.9, 0.999)
 WEIGHT_DECAY = 0.0
-IGNORE_INDEX = -100
+LOCK_POLL_SECONDS = 5.0
+"""How often a run waiting for another run's warm start of the same key tries its lock (seconds)."""
 
 
 def lr_at(step: int, total_steps: int, lr: float) -> float:
@@ -80,88 +93,6 @@ def lr_at(step: int, total_steps: int, lr: float) -> float:
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return lr * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-@dataclass
-class Demonstrations:
-    """Tokenized SFT examples, right-padded to a common width.
-
-    ``input_ids``: [N, L] int64 (pad id after the sequence); ``labels``: [N, L] int64, the token ids of the
-    label + eos positions and :data:`IGNORE_INDEX` elsewhere (prompt and padding); ``attention_mask``: [N, L].
-    """
-
-    input_ids: Any
-    labels: Any
-    attention_mask: Any
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
-def prompt_text(tokenizer: Any, prompt: Any, apply_chat_template: bool = False) -> str:
-    """The text the model sees for an item's ``prompt``: the string itself, or the chat template applied to a
-    message list (or to a string when ``apply_chat_template``), with the generation prompt added."""
-    if isinstance(prompt, str) and not apply_chat_template:
-        return prompt
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def build_demonstrations(tokenizer: Any, items: Sequence[dict[str, Any]],
-                         apply_chat_template: bool = False) -> Demonstrations:
-    """Tokenize ``items`` (``{"prompt", "label"}``) as ``prompt + str(label) + eos`` demonstrations.
-
-    The prompt is tokenized with the tokenizer's defaults (as in :mod:`hpcrl.eval`), the label separately
-    without special tokens, so the label tokens are exactly what the model would generate after the prompt.
-    Raises ValueError when an item has no label or the tokenizer has no eos token.
-    """
-    import torch
-
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("the tokenizer has no eos token; SFT demonstrations end with eos")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    rows = []
-    for i, it in enumerate(items):
-        if it.get("label") is None:
-            raise ValueError(f"SFT needs labels: train item {i} (prompt {str(it.get('prompt'))[:60]!r}) has none")
-        p = tokenizer(prompt_text(tokenizer, it["prompt"], apply_chat_template))["input_ids"]
-        a = tokenizer(str(it["label"]), add_special_tokens=False)["input_ids"] + [eos]
-        rows.append((p, a))
-    width = max(len(p) + len(a) for p, a in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, (p, a) in enumerate(rows):
-        seq = torch.tensor(p + a, dtype=torch.long)
-        input_ids[r, :len(seq)] = seq
-        labels[r, len(p):len(seq)] = seq[len(p):]
-        mask[r, :len(seq)] = 1
-    return Demonstrations(input_ids=input_ids, labels=labels, attention_mask=mask)
-
-
-def sft_loss(model: Any, input_ids: Any, attention_mask: Any, labels: Any):
-    """Mean next-token cross entropy over the label positions (``labels != IGNORE_INDEX``) of a batch.
-
-    Shapes: all [B, L]. Returns a scalar tensor (nats per label token).
-    """
-    import torch.nn.functional as F
-
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE_INDEX)
-
-
-def _batches(n: int, batch_size: int, generator: Any):
-    """Endless index batches: a fresh seeded permutation each epoch, batches may span epochs."""
-    import torch
-
-    buf = torch.empty(0, dtype=torch.long)
-    while True:
-        while len(buf) < batch_size:
-            buf = torch.cat([buf, torch.randperm(n, generator=generator)])
-        yield buf[:batch_size]
-        buf = buf[batch_size:]
 
 
 def _sha256_files(paths: Sequence[Path], root: Optional[Path] = None) -> str:
@@ -176,177 +107,248 @@ def _sha256_files(paths: Sequence[Path], root: Optional[Path] = None) -> str:
 
 
 def cache_key(cfg: "Config", base: Path) -> dict[str, Any]:
-    """What determines the SFT result, as a JSON-able dict: the sha256 of the base model folder's files, the
-    data (source, sizes, task arguments, and the sha256 of file sources), ``run.seed``, the recipe
-    (``sft.*`` but ``enabled``/``output``), the eval's response limits (they decide where a target stops
-    training) and ``model.dtype``. Two configs with equal keys train bitwise-equal models on one machine."""
-    d = cfg.data
+    """What determines the warm start, as a JSON-able dict: the sha256 of the base model folder's files, the
+    demonstrations (``sft.data`` or ``data``: source, sizes, keys, task arguments, and the sha256 of file
+    sources), ``run.seed``, the recipe (``sft.*`` but ``enabled``/``output``/``data``), the eval's response
+    limits (they decide where a target stops training), ``model.dtype`` and the trainer's layout and precision
+    (parallel sizes, ranks, micro-batching, ``train.bf16``, the ``megatron:`` overrides: they change the
+    rounding). Two configs with equal keys train bitwise-equal models on one machine."""
+    d = cfg.sft.data if cfg.sft.data is not None else cfg.data
+    t = cfg.train
     files = [Path(p) for p in (d.source, d.eval_source or "") if p and Path(p).is_file()]
     return {
+        "trainer": "megatron",
         "base_model_sha256": _sha256_files(sorted(f for f in base.rglob("*") if f.is_file()), root=base),
         "data": {"source": d.source, "eval_source": d.eval_source, "num_train": d.num_train,
                  "num_eval": d.num_eval, "task_kwargs": d.task_kwargs, "prompt_key": d.prompt_key,
                  "label_key": d.label_key, "apply_chat_template": d.apply_chat_template,
+                 "system_key": d.system_key, "tools_key": d.tools_key,
                  "files_sha256": _sha256_files(files) if files else None},
         "seed": cfg.run.seed,
         "sft": {k: getattr(cfg.sft, k) for k in ("steps", "batch_size", "lr", "target_accuracy",
                                                   "eval_interval", "eval_interval_near_target")},
-        "eval": {"max_new_tokens": cfg.rollout.max_new_tokens, "stop": list(cfg.rollout.stop)},
+        "eval": {"max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                 "stop": list(cfg.rollout.stop), "temperature": cfg.eval.temperature},
         "dtype": cfg.model.dtype,
+        "train": {"nprocs": t.nprocs, "tensor_parallel_size": t.tensor_parallel_size,
+                  "expert_parallel_size": t.expert_parallel_size, "micro_batch_size": t.micro_batch_size,
+                  "max_tokens_per_microbatch": t.max_tokens_per_microbatch, "bf16": t.bf16,
+                  "megatron": dict(cfg.megatron or {})},
     }
 
 
-def _cached(out: Path, key: dict[str, Any]) -> bool:
-    """True when ``out`` holds a finished SFT model made with ``key``."""
-    try:
-        return json.loads((out / KEY_FILENAME).read_text()) == json.loads(json.dumps(key))
-    except (OSError, ValueError):
-        return False
+def key_digest(key: dict[str, Any]) -> str:
+    """The 16 hex digits naming a key's folder in the store (sha256 of its canonical JSON)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_sft(cfg: "Config") -> Path:
-    """Supervised warm start of ``cfg.model`` on the task's demonstrations; returns the ``cfg.sft.output`` folder.
+@dataclass
+class WarmStartStore:
+    """The content-addressed cache behind one ``sft.output`` name (module doc).
 
-    :func:`~hpcrl.models.hf.ensure_model` creates the base model if needed. The demonstrations are
-    ``sft.data`` when set (a data section of their own: an agent run warm-starts on tool-use demonstrations,
-    then trains on the task's prompts), else the run's ``data``; everything below that says ``data`` means
-    that section. When ``sft.output`` exists with the same :func:`cache_key` it is returned at once (the
-    cache). Otherwise: train/eval items come from :func:`hpcrl.data.datasets.load_datasets`; the model is
-    trained in float32 with AdamW (betas :data:`ADAM_BETAS`, weight decay :data:`WEIGHT_DECAY`, grad-norm clip
-    :data:`GRAD_CLIP`, linear warmup then cosine decay, see :func:`lr_at`) for at most ``sft.steps`` optimizer
-    steps of ``sft.batch_size`` demonstrations at peak lr ``sft.lr``. Greedy accuracy on the eval items
-    (responses of at most ``rollout.max_new_tokens`` tokens, cut at eos and ``rollout.stop``) is measured
-    before the first step, every ``sft.eval_interval`` steps (every ``sft.eval_interval_near_target`` steps
-    once an eval reached :data:`NEAR_TARGET_FRACTION` of the target) and after the last; training stops at the
-    first eval that reaches ``sft.target_accuracy``. The model (in ``model.dtype``), tokenizer and
-    ``sft_metrics.jsonl`` (one JSON object per line: ``step``, ``loss`` in nats per label token, ``lr``,
-    ``grad_norm``, ``elapsed_s`` in seconds since the start; eval lines have ``eval_accuracy`` instead) are
-    written to a temp folder and renamed to ``sft.output`` (atomic), so the metrics are cached with the model;
-    ``sft_key.json`` holds the key. A cached folder with another key is replaced (the old one is moved aside,
-    the new one renamed into place, the old one deleted).
+    ``output``: the ``sft.output`` path (a link to the newest entry). Layout of :attr:`root`
+    (``<output>.d``): ``<digest>/`` a finished warm start (HF folder, ``sft_key.json``,
+    ``sft_metrics.jsonl``), ``<digest>.run/`` the SFT run that makes or made it (its checkpoints resume an
+    interrupted warm start), ``<digest>.lock`` the lock its trainer holds."""
 
-    Deterministic given ``run.seed`` (bitwise-equal weights across runs; measured equal with 1 and 2 torch
-    threads). Uses the threads torch is set to (``torch.set_num_threads``).
+    output: Path
 
-    Raises ValueError when ``sft.output`` is empty, ``sft.steps``/``sft.batch_size`` < 1 or an item has no
-    label; the errors of ``ensure_model`` and ``load_datasets``.
-    """
-    import torch
+    @property
+    def root(self) -> Path:
+        return self.output.with_name(self.output.name + STORE_SUFFIX)
 
-    from hpcrl.data.datasets import load_datasets
-    from hpcrl.eval import greedy_accuracy
-    from hpcrl.models.hf import ensure_model, load_hf_model
+    def folder(self, digest: str) -> Path:
+        """The HF folder of key ``digest``."""
+        return self.root / digest
 
-    sft = cfg.sft
-    if sft.data is not None:
-        cfg = dataclasses.replace(cfg, data=sft.data)
-    if not sft.output:
-        raise ValueError("sft.output is empty; set it to the folder the SFT model is saved to")
-    out = Path(sft.output)
-    if sft.steps < 1 or sft.batch_size < 1:
-        raise ValueError(f"sft.steps ({sft.steps}) and sft.batch_size ({sft.batch_size}) must be >= 1")
+    def run_dir(self, digest: str) -> Path:
+        """The SFT run folder of key ``digest``."""
+        return self.root / f"{digest}.run"
 
-    t_start = time.perf_counter()
-    base = ensure_model(cfg.model, seed=cfg.run.seed)
-    key = cache_key(cfg, Path(base))
-    if _cached(out, key):
-        log.info("sft: %s was made from the same base model, data, seed and recipe: using it", out)
-        return out
-    if out.exists():
-        log.info("sft: %s was made from other inputs (%s differs from this run's): training again", out,
-                 KEY_FILENAME)
-    data = load_datasets(cfg)
-    model, tokenizer = load_hf_model(base, dtype="float32")
-    demos = build_demonstrations(tokenizer, data.train, cfg.data.apply_chat_template)
-    eval_items = [dict(it, prompt=prompt_text(tokenizer, it["prompt"], cfg.data.apply_chat_template))
-                  for it in data.eval]
-    stop = list(cfg.rollout.stop) or None
-
-    def evaluate() -> float:
-        return greedy_accuracy(model, tokenizer, eval_items, data.task.score, cfg.rollout.max_new_tokens,
-                               stop=stop)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        with open(tmp / METRICS_FILENAME, "w", encoding="utf-8") as metrics:
-            def record(row: dict[str, Any]) -> None:
-                row["elapsed_s"] = round(time.perf_counter() - t_start, 3)
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-
-            with torch.random.fork_rng():
-                torch.manual_seed(cfg.run.seed)
-                _train(model, demos, sft, evaluate, record, seed=cfg.run.seed)
-        if cfg.model.dtype != "float32":
-            model.to(getattr(torch, cfg.model.dtype))
-        model.eval()
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / KEY_FILENAME).write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
-        if out.exists():
-            os.replace(out, old)  # a stale cache (another key) goes aside, then the new one takes its name
+    def cached(self, digest: str, key: dict[str, Any]) -> bool:
+        """True when the folder of ``digest`` holds a finished warm start made with ``key``."""
         try:
-            os.replace(tmp, out)
-        except OSError:
-            if not out.exists():
-                raise
-            log.warning("sft: %s appeared while training (another run?); keeping it, discarding this one", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-    log.info("sft: saved %s (%.1f s)", out, time.perf_counter() - t_start)
-    return out
+            return json.loads((self.folder(digest) / KEY_FILENAME).read_text()) == json.loads(json.dumps(key))
+        except (OSError, ValueError):
+            return False
+
+    def link(self, digest: str) -> None:
+        """Point ``output`` at the folder of ``digest`` (a relative symbolic link, replaced atomically). A
+        real folder at ``output`` (a cache written before the store) is moved into the store as
+        ``legacy-<its key's digest>`` first, not deleted. Raises OSError."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        out = self.output
+        if out.is_dir() and not out.is_symlink():
+            try:
+                old = key_digest(json.loads((out / KEY_FILENAME).read_text()))
+            except (OSError, ValueError):
+                old = f"{os.getpid()}-{time.time_ns()}"
+            os.replace(out, self.root / f"legacy-{old}")
+            log.info("sft: moved the earlier cache %s to %s", out, self.root / f"legacy-{old}")
+        tmp = out.with_name(f".{out.name}.link-{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        os.symlink(os.path.relpath(self.folder(digest), out.parent), tmp)
+        os.replace(tmp, out)
+
+    @contextlib.contextmanager
+    def lock(self, digest: str, controller: bool, poll_s: float = LOCK_POLL_SECONDS) -> Iterator[None]:
+        """Hold the lock of ``digest`` (``fcntl.lockf`` on ``<digest>.lock``) for the block. The controller
+        tries it every ``poll_s`` seconds and tells the other trainer ranks each time (a broadcast: they wait
+        with it, not in one collective that could time out). Raises OSError other than "held elsewhere"."""
+        import fcntl
+
+        from hpcrl.run_session import broadcast
+
+        fd = None
+        if controller:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            waited = False
+            while True:
+                got = None
+                if fd is not None:
+                    try:
+                        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        got = True
+                    except OSError as e:
+                        if e.errno not in (errno.EAGAIN, errno.EACCES):
+                            raise
+                        got = False
+                if broadcast(got):
+                    break
+                if not waited and controller:
+                    log.info("sft: another run is training the warm start %s: waiting for it", self.folder(digest))
+                waited = True
+                time.sleep(poll_s)
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
 
 
-def _train(model: Any, demos: Demonstrations, sft: Any, evaluate: Any, record: Any, seed: int) -> None:
-    """The SFT loop: AdamW steps over seeded batches, metrics via ``record``, evals via ``evaluate`` (every
-    ``sft.eval_interval`` steps, every ``sft.eval_interval_near_target`` once near the target)."""
-    import torch
+def warm_start_folder(cfg: "Config", base: Path) -> Path:
+    """The store folder of ``cfg``'s warm start from ``base`` (made or not): ``<sft.output>.d/<digest>``."""
+    return WarmStartStore(Path(cfg.sft.output)).folder(key_digest(cache_key(cfg, Path(base))))
 
-    generator = torch.Generator().manual_seed(seed)
-    batches = _batches(len(demos), sft.batch_size, generator)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=sft.lr, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY)
-    target = sft.target_accuracy
-    near = sft.eval_interval_near_target if target is not None else None
-    interval, last_eval = sft.eval_interval, 0
 
-    def eval_and_record(step: int) -> bool:
-        nonlocal interval, last_eval
-        acc = evaluate()
-        record({"step": step, "eval_accuracy": acc})
-        log.info("sft: step %d eval accuracy %.3f", step, acc)
-        last_eval = step
-        if near and interval != near and acc >= NEAR_TARGET_FRACTION * target:
-            interval = near
-            log.info("sft: near the target: eval every %d steps", interval)
-        return target is not None and acc >= target
+def warm_start_config(cfg: "Config", run_dir: Path) -> "Config":
+    """The config of the SFT run of ``cfg``'s warm start, in ``run_dir``: ``run.mode: sft`` with
+    ``sft.steps`` steps, ``sft.data`` (when set) as ``data``, no critic and no extra eval sets (the target is
+    the demonstrations' eval accuracy), W&B (when on) in the RL run's project and group; everything else
+    (model, layout, engines, Slurm, checkpoints) is the run's. Does not modify ``cfg``."""
+    c = copy.deepcopy(cfg)
+    c.run.mode = "sft"
+    c.run.output_dir, c.run.name = str(run_dir.parent), run_dir.name
+    c.run.num_rollout = c.sft.steps
+    if c.sft.data is not None:
+        c.data, c.sft.data = c.sft.data, None
+    c.sft.enabled = False
+    c.critic.nprocs = 0
+    c.eval.sets = []
+    c.algorithm.opd.teachers = []
+    c.wandb.project = c.wandb.project or cfg.run.name
+    c.wandb.group = c.wandb.group or cfg.run.name
+    c.wandb.tags = [*c.wandb.tags, "sft-warm-start"]
+    return c
 
-    if eval_and_record(0):
-        return
-    model.train()
-    for step in range(1, sft.steps + 1):
-        idx = next(batches)
-        mask = demos.attention_mask[idx]
-        width = int(mask.sum(1).max())
-        lr = lr_at(step - 1, sft.steps, sft.lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = sft_loss(model, demos.input_ids[idx, :width], mask[:, :width], demos.labels[idx, :width])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        loss = loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
-        optimizer.step()
-        if step % LOG_INTERVAL == 0 or step == 1:
-            record({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item()})
-        if step - last_eval >= interval or step == sft.steps:
-            model.eval()
-            done = eval_and_record(step)
-            model.train()
-            if done:
-                log.info("sft: target accuracy %.3f reached at step %d", target, step)
-                return
+
+def _write_curve(run_dir: Path, dest: Path) -> None:
+    """The SFT run's ``metrics.jsonl`` as :data:`METRICS_FILENAME` in ``dest`` (steps counted as optimizer
+    steps done)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    t0 = rows[0]["time"] if rows else 0.0
+    out = []
+    for r in rows:
+        step = r["step"] + 1
+        if "train/loss" in r:
+            out.append({"step": step, "loss": r["train/loss"], "lr": r["train/lr"],
+                        "grad_norm": r.get("train/grad_norm"), "elapsed_s": round(r["time"] - t0, 3)})
+        if "eval/accuracy" in r:
+            out.append({"step": step, "eval_accuracy": r["eval/accuracy"]})
+    (dest / METRICS_FILENAME).write_text("".join(json.dumps(o) + "\n" for o in out))
+
+
+def warm_start(cfg: "Config", base: Path, launch_engines: Optional["EngineLauncher"] = None,
+               ci_checks: Optional[bool] = None) -> Optional[Path]:
+    """The warm start of ``cfg`` (``sft.output``'s recipe) from the HF folder ``base``, on every trainer
+    rank (collective; rank 0 the controller): returns the cached folder (module doc) after linking
+    ``sft.output`` to it, training it first when the store has none for the key; None when the SFT run
+    stopped early with a checkpoint (preemption: the caller exits for requeue, and the next attempt resumes
+    it). ``launch_engines``: the engines' launcher (the Slurm job step's; default local processes).
+
+    Raises ValueError when ``sft.output`` is empty, and what the SFT run raises."""
+    from hpcrl.loop_sft import train_sft_main
+    from hpcrl.procs import env_rank
+    from hpcrl.run_session import broadcast
+
+    if not cfg.sft.output:
+        raise ValueError("sft.output is empty; set it to the folder the SFT model is saved to")
+    store = WarmStartStore(Path(cfg.sft.output))
+    controller = env_rank() == 0
+    key = cache_key(cfg, Path(base)) if controller else None
+    digest = broadcast(key_digest(key) if key is not None else None)
+    folder = store.folder(digest)
+
+    def cached() -> bool:
+        return bool(broadcast(store.cached(digest, key) if controller else None))
+
+    if not cached():
+        with store.lock(digest, controller):
+            if not cached():  # (another run may have made it while this one waited for the lock)
+                t0 = time.perf_counter()
+                run_dir = store.run_dir(digest)
+                sub = warm_start_config(cfg, run_dir)
+                if controller:
+                    from hpcrl.validate import save_resolved
+
+                    log.info("sft: training the warm start %s (run folder %s)", folder, run_dir)
+                    save_resolved(sub, run_dir)
+                result = train_sft_main(sub, run_dir, Path(base), ci_checks, launch_engines, export=folder)
+                if result.get("preempted"):
+                    return None
+                if controller:
+                    _write_curve(run_dir, folder)
+                    tmp = folder / f".{KEY_FILENAME}.tmp"
+                    tmp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
+                    os.replace(tmp, folder / KEY_FILENAME)  # the key last: the folder is whole
+                    log.info("sft: saved %s (%.1f s)", folder, time.perf_counter() - t0)
+    elif controller:
+        log.info("sft: %s was made from the same base model, data, seed, recipe and layout: using it", folder)
+    if controller:
+        store.link(digest)
+    return folder
+
+
+def warm_starts(cfg: "Config", base: Path, launch_engines: Optional["EngineLauncher"] = None,
+                ci_checks: Optional[bool] = None) -> Optional[Path]:
+    """Every warm start a run needs before RL, on every trainer rank: its own (``sft.enabled``; not in
+    ``run.mode: sft``, where the run itself is the SFT) and each on-policy distillation teacher's with
+    ``sft_target_accuracy`` (the run's recipe to that accuracy, cached behind the teacher's ``path``, which is
+    pointed at the made folder in ``cfg``). Returns the folder RL starts from (``base`` without a warm
+    start), or None when one stopped early with a checkpoint (preempted). Raises what :func:`warm_start`
+    raises and ConfigError from the teachers' checks."""
+    import dataclasses
+
+    from hpcrl.config import ConfigError
+    from hpcrl.validate import check_teacher_tokenizers
+
+    model = Path(base)
+    if cfg.sft.enabled and cfg.run.mode != "sft":
+        made = warm_start(cfg, model, launch_engines, ci_checks)
+        if made is None:
+            return None
+        model = made
+    for i, t in enumerate(cfg.algorithm.opd.teachers):
+        if t.sft_target_accuracy is not None:
+            sft = dataclasses.replace(cfg.sft, enabled=True, output=t.path, target_accuracy=t.sft_target_accuracy)
+            made = warm_start(dataclasses.replace(cfg, sft=sft), Path(base), launch_engines, ci_checks)
+            if made is None:
+                return None
+            t.path = str(made)
+        elif not (Path(t.path) / "config.json").is_file():
+            raise ConfigError(f"algorithm.opd.teachers[{i}].path", t.path, "is not an HF model folder",
+                              "fix the path, or set sft_target_accuracy to make it by SFT")
+    check_teacher_tokenizers(cfg)
+    return model

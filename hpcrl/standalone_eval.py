@@ -38,7 +38,7 @@ class EvalTarget:
     cfg: Config
     model: Optional[Path]
     """An HF folder to evaluate as is; None: the run's starting model
-    (:func:`hpcrl.run_setup.prepare_model`)."""
+    (:func:`hpcrl.launch_local.starting_model`: the warm start when enabled)."""
     checkpoint: Optional[Path]
     """A checkpoint folder (or a run folder: its newest) to export to HF first; None for an HF model."""
     output: Path
@@ -95,19 +95,21 @@ def evaluate_target(t: EvalTarget) -> dict[str, Any]:
     from hpcrl.data.datasets import load_datasets
     from hpcrl.rollout.engines import launch_local_engines
     from hpcrl.rollout.manager import RolloutManager
-    from hpcrl.run_setup import new_attempt_dir, prepare_model
+    from hpcrl.run_setup import new_attempt_dir
 
     t.output.mkdir(parents=True, exist_ok=True)
+    # the engines only: no teachers, no restarts from a weight snapshot
+    cfg = dataclasses.replace(t.cfg, algorithm=dataclasses.replace(
+        t.cfg.algorithm, opd=dataclasses.replace(t.cfg.algorithm.opd, teachers=[])),
+        rollout=dataclasses.replace(t.cfg.rollout, max_engine_restarts=0))
     if t.checkpoint is not None:
         from hpcrl.convert import convert_run_checkpoint
 
         model = convert_run_checkpoint(t.checkpoint, t.output / "model")
     else:
-        model = t.model if t.model is not None else prepare_model(t.cfg)
-    # the engines only: no teachers, no restarts from a weight snapshot
-    cfg = dataclasses.replace(t.cfg, algorithm=dataclasses.replace(
-        t.cfg.algorithm, opd=dataclasses.replace(t.cfg.algorithm.opd, teachers=[])),
-        rollout=dataclasses.replace(t.cfg.rollout, max_engine_restarts=0))
+        from hpcrl.launch_local import starting_model
+
+        model = t.model if t.model is not None else starting_model(cfg)
     datasets = load_datasets(cfg)
     manager = RolloutManager(cfg, t.output, new_attempt_dir(t.output), Path(model), launch_local_engines)
     try:

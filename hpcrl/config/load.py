@@ -126,11 +126,14 @@ def resolve(cfg: Config) -> Config:
     * ``train.global_batch_size``: ``batch_size * n_samples_per_prompt // num_steps_per_rollout``;
     * ``train.lr_decay_steps``: ``run.num_rollout * train.num_steps_per_rollout``;
     * ``algorithm.eps_clip_high``: ``eps_clip``;
-    * ``weights.method: auto``: ``tensor`` when colocated, ``distributed`` when disaggregated.
+    * ``weights.method: auto``: ``tensor`` when colocated, ``distributed`` when disaggregated;
+    * ``run.num_rollout``: ``sft.steps`` in ``run.mode: sft``.
 
     Idempotent. Expects a config that passed :func:`validate`; ``cfg`` itself is not modified.
     """
     out = copy.deepcopy(cfg)
+    if out.run.mode == "sft":  # an SFT run's steps are the recipe's
+        out.run.num_rollout = out.sft.steps
     m = out.model
     if not m.path and m.create in ("tiny-qwen2", "tiny-qwen3-moe", "tiny-glm4-moe", "tiny-deepseek-v3"):
         m.path = f".cache/models/{m.create}"

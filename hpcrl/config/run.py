@@ -26,14 +26,17 @@ class RunSection:
     """Seed for data shuffling, sampling seeds and model init."""
     num_rollout: int = 100
     """Number of rollout -> train steps (slime ``--num-rollout``)."""
-    mode: Literal["sync", "async", "fully_async"] = "sync"
+    mode: Literal["sync", "async", "fully_async", "sft"] = "sync"
     """``sync``: rollout, train, sync in order (:func:`hpcrl.loop.train_main`). ``async``: one step
     off-policy, rollout k+1 generated while step k trains (:func:`hpcrl.loop_async.train_async_main`;
     ``run.placement: disaggregate`` only). ``fully_async``: the engines generate all the time (up to
     ``rollout.max_inflight_groups`` groups), the trainer takes the next ``rollout.batch_size`` finished groups
     when it is ready, and weight updates land on in-flight responses (``weights.pause_mode``); staleness is
     bounded by ``rollout.max_staleness`` (:func:`hpcrl.loop_fully_async.train_fully_async_main`;
-    ``run.placement: disaggregate`` only, not ``run.deterministic``)."""
+    ``run.placement: disaggregate`` only, not ``run.deterministic``).
+    ``sft``: supervised fine-tuning on the Megatron trainer (:func:`hpcrl.loop_sft.train_sft_main`): the
+    ``sft`` recipe on the demonstrations of ``sft.data`` (else ``data``), ``sft.steps`` steps (``run.num_rollout``
+    is set to it), evaluated through the engines like an RL run."""
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """``colocate``: trainer and engines share devices; ``disaggregate``: separate devices / het groups."""
     deterministic: bool = False
@@ -229,6 +232,13 @@ def check_data(cfg: Config, check_files: bool) -> None:
                     "data.apply_chat_template is false", f"set data.apply_chat_template=true or {f}=null")
 
 
+def uses_sft(cfg: Config) -> bool:
+    """Whether the run trains with the ``sft`` recipe: ``run.mode: sft``, a warm start (``sft.enabled``) or
+    an on-policy distillation teacher made by SFT."""
+    return (cfg.run.mode == "sft" or cfg.sft.enabled
+            or any(t.sft_target_accuracy is not None for t in cfg.algorithm.opd.teachers))
+
+
 def check_sft(cfg: Config, check_files: bool = False) -> None:
     """The ``sft`` section; ``sft.data`` with :func:`check_data`'s checks, its errors naming ``sft.data.*``.
     Raises ConfigError at the first problem."""
@@ -245,6 +255,14 @@ def check_sft(cfg: Config, check_files: bool = False) -> None:
     if s.target_accuracy is not None:
         require(0 < s.target_accuracy <= 1, "sft.target_accuracy", s.target_accuracy, "must be in (0, 1]",
                  "e.g. sft.target_accuracy=0.9, or null to always run all steps")
+    if uses_sft(cfg):  # the SFT run's batch splits over the trainer's data-parallel ranks like RL's
+        t = cfg.train
+        model_par = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
+        dp = max(t.nprocs // model_par, 1)
+        require(s.batch_size % dp == 0, "sft.batch_size", s.batch_size,
+                 f"must be a multiple of the trainer's {dp} data-parallel ranks (train.nprocs / model parallel "
+                 "size): each rank trains an equal share of a batch",
+                 f"use sft.batch_size={dp * max(s.batch_size // dp, 1)}")
     if s.data is not None:
         import dataclasses
 

@@ -201,9 +201,10 @@ def check_train(cfg: Config) -> None:
         positive(cfg, "train.lr_decay_steps")
     decay_steps = (t.lr_decay_steps if t.lr_decay_steps is not None
                    else cfg.run.num_rollout * t.num_steps_per_rollout)
-    require(t.lr_warmup_steps < max(decay_steps, 1) or t.lr_warmup_steps == 0, "train.lr_warmup_steps",
-             t.lr_warmup_steps, f"must be smaller than train.lr_decay_steps={decay_steps} (default: "
-             "run.num_rollout x train.num_steps_per_rollout)", "lower lr_warmup_steps or raise lr_decay_steps")
+    require(t.lr_warmup_steps < max(decay_steps, 1) or t.lr_warmup_steps == 0 or cfg.run.mode == "sft",
+            "train.lr_warmup_steps", t.lr_warmup_steps,
+            f"must be smaller than train.lr_decay_steps={decay_steps} (default: run.num_rollout x "
+            "train.num_steps_per_rollout)", "lower lr_warmup_steps or raise lr_decay_steps")
     model_par = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
     require(t.nprocs % model_par == 0, "train.nprocs", t.nprocs,
              f"must be a multiple of tensor x pipeline x context parallel size = {model_par}",
@@ -460,7 +461,7 @@ def check_opd(cfg: Config, check_files: bool, env: Optional[Environment] = None)
 def check_teacher_tokenizers(cfg: Config, env: Environment) -> None:
     """Every existing teacher folder has the student's tokenizer (same vocabulary and special tokens,
     ``env.tokenizer_difference``), when the student's folder exists too (else
-    :func:`hpcrl.run_setup.prepare_model` checks at start). Raises ConfigError naming the teacher."""
+    :func:`hpcrl.sft.warm_starts` checks at start). Raises ConfigError naming the teacher."""
     student = Path(cfg.model.path)
     if not (student / "config.json").is_file():
         return

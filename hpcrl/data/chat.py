@@ -7,8 +7,8 @@ login-node prompt-length check (:class:`hpcrl.data.datasets.PromptLengthCheck`),
 tokens.
 
 With ``data.apply_chat_template`` a prompt is rendered with ``tokenizer.apply_chat_template(messages,
-tools=..., add_generation_prompt=True)``: a message list as it is, a string as one user message (as the SFT
-warm start renders it, :func:`hpcrl.sft.prompt_text`). Without it a prompt must be a string, tokenised with
+tools=..., add_generation_prompt=True)``: a message list as it is, a string as one user message (as SFT
+renders a demonstration's prompt, :func:`hpcrl.data.demonstrations.demonstration`). Without it a prompt must be a string, tokenised with
 the tokenizer's defaults (``add_special_tokens=True``). Tools (slime ``--tool-key``) ride in the item's
 ``metadata[TOOLS_KEY]``: a list of JSON tool schemas handed to the template.
 """

@@ -591,7 +591,8 @@ def _file_stamp(path: str) -> tuple:
 def check_data(cfg: "Config", report: Optional[Callable[[str], None]] = None) -> list[str]:
     """Read every row of the run's data files (``data.source``, ``data.eval_source``,
     ``eval.sets[i].source``) with the reader the run uses at start (:func:`load_datasets`), on the login node
-    before anything is queued.
+    before anything is queued; and, when the run trains with the SFT recipe, its demonstrations' rows
+    (:func:`hpcrl.data.demonstrations.check_demonstrations`).
 
     Returns notes, each also passed to ``report`` (default: printed on stderr): with
     ``data.on_bad_row: skip``, ``data.source: skipped 3 bad rows of FILE (first: FILE:2: ...)``; when
@@ -603,6 +604,9 @@ def check_data(cfg: "Config", report: Optional[Callable[[str], None]] = None) ->
         ConfigError: ``config error: data.source: FILE:LINE: <problem>; <fix>`` (or ``data.eval_source``;
             ``FILE`` alone for whole-file problems) at the first bad row with ``data.on_bad_row: error``.
     """
+    from hpcrl.data.demonstrations import check_demonstrations
+
+    check_demonstrations(cfg)  # the SFT recipe's rows (sft.data or data): a label or assistant turns each
     d = cfg.data
     files = [(f, p) for f, p in _sources(cfg).items() if p and is_file_source(p)]
     if not files:

@@ -60,8 +60,9 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
 
     Every task: torch.distributed from Slurm's environment (:func:`export_torch_env`; gloo with hpcrl's CPU
     compat module on CPU nodes, NCCL on GPUs), ``SLURM_CPUS_PER_TASK`` torch threads. Rank 0 prepares the
-    model (creation, SFT warm start, GGUF conversion; cached in the run's paths) while the others wait at a
-    barrier, then every rank runs the loop of ``run.mode`` (:func:`hpcrl.loop.loop_of`), whose
+    base model (creation, GGUF conversion; cached in the run's paths) while the others wait at a
+    barrier, then every rank runs the warm start when enabled (an SFT run of the Megatron trainer, cached:
+    :mod:`hpcrl.sft`) and the loop of ``run.mode`` (:func:`hpcrl.run_setup.run_stages`), whose
     controller (rank 0) starts the engines
     as the rollout job step (:mod:`hpcrl.slurm.rollout_step`) and a critic with ranks of its own as the critic
     job step (:mod:`hpcrl.slurm.critic_step`), waits for their health, runs the loop and stops the steps at
@@ -71,8 +72,7 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from hpcrl.loop import loop_of
-    from hpcrl.run_setup import prepare_model, quiet_logs
+    from hpcrl.run_setup import prepare_base, quiet_logs, run_stages
     from hpcrl.slurm.critic_step import launch_critic_step
     from hpcrl.slurm.rollout_step import launch_engine_step
     from hpcrl.train.parallel import init_distributed
@@ -91,13 +91,14 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
         log.warning("train.cpus / rollout.cpus are for local runs; on Slurm the het groups place trainer and "
                     "engines (ignored)")
         cfg.train.cpus = cfg.rollout.cpus = None
-    model_path = prepare_model(cfg) if env.rank == 0 else None
+    base = prepare_base(cfg) if env.rank == 0 else None
     if env.world_size > 1:
-        box = [str(model_path) if model_path is not None else None]
+        box = [str(base) if base is not None else None]
         dist.broadcast_object_list(box, src=0)
-        model_path = Path(box[0])
-    result = loop_of(cfg)(cfg, run_dir, Path(model_path), launch_engines=launch_engine_step,
-                          launch_critic=launch_critic_step)
+        base = Path(box[0])
+    # the warm start (an SFT run of its own, cached) on every rank, then the loop
+    result = run_stages(cfg, run_dir, Path(base), launch_engines=launch_engine_step,
+                        launch_critic=launch_critic_step)
     if result.get("preempted"):
         return EXIT_REQUEUE
     return 0

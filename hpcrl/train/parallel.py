@@ -204,10 +204,11 @@ def gather_per_sample(flat: Sequence[Any], per_mb: Sequence[torch.Tensor], num_s
     return [local[p] for p in range(num_samples)]
 
 
-def destroy() -> None:
-    """Destroy megatron-core's model-parallel groups and the default process group (safe to call twice)."""
+def destroy(default_group: bool = True) -> None:
+    """Destroy megatron-core's model-parallel groups and, with ``default_group``, the default process group
+    (safe to call twice)."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if default_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -130,7 +130,7 @@ def test_the_calculator_example_runs_in_one_command(tmp_path):
     """Issue #34 point 6: ``hpcrl run configs/smollm2-agent.yaml`` as the example is, with no PYTHONPATH (the
     agent is named by its file, examples/agent_calculator/agent.py:solve): the SFT warm start on the
     example's tool-use demonstrations from the config's ``sft:`` section (``sft.data``, not the RL prompts),
-    cached in ``sft.output``, then the agent run from the warm-started model; a second run reuses the cache.
+    cached behind ``sft.output``, then the agent run from the warm-started model; a second run reuses the cache.
     Kept short (~20 s): the tiny model (its character tokenizer keeps the demonstrations within its context)
     instead of SmolLM2, 2 SFT steps, 1 RL step of 2 prompts x 2 episodes."""
     overrides = [f"run.output_dir={tmp_path / 'runs'}", "run.num_rollout=1",
@@ -162,14 +162,14 @@ def test_the_calculator_example_runs_in_one_command(tmp_path):
     # ... then the agent run on the RL prompts (data: reasoning-gym), its engine serving the warm-started
     # model; one call per episode (the random tiny model writes no tool call), trained on policy
     engine_log = (tmp_path / "runs" / "agent-first" / "logs" / "attempt-0" / "engine-0.log").read_text()
-    assert f"model {sft}\n" in engine_log
+    assert f"model {sft.resolve()}\n" in engine_log  # the warm start's folder in the store, sft links to it
     steps = [r for r in rows(tmp_path, "agent-first") if r["step"] >= 0]
     assert len(steps) == 1 and steps[0]["rollout/agent_calls"] == 1 and steps[0]["rollout/agent_failed"] == 0
     assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
     # a second run finds the warm start in its cache and trains none
     made = (sft / "model.safetensors").stat().st_mtime_ns
     text = hpcrl_run("agent-second")
-    assert "was made from the same base model, data, seed and recipe: using it" in text
+    assert "was made from the same base model, data, seed, recipe and layout: using it" in text
     assert "sft: saved" not in text
     assert (sft / "model.safetensors").stat().st_mtime_ns == made
     assert len([r for r in rows(tmp_path, "agent-second") if r["step"] >= 0]) == 1

@@ -304,3 +304,49 @@ def test_cancelled_sweep_with_pending_tasks_is_resubmitted_whole(work, tiny_mode
     for name in POINTS4:
         rows = [json.loads(line) for line in (sdir / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if r["step"] >= 0] == [0, 1, 2], name
+
+
+WARM = """\
+run: {{name: warm, num_rollout: 1}}
+model: {{path: {model}}}
+sft: {{enabled: true, output: {sft}, steps: 4, batch_size: 16, lr: 3.0e-3, eval_interval: 2}}
+data: {{source: addition, num_train: 200, num_eval: 8}}
+rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 6, eval_interval: 0, router: false,
+          dynamic_filter: null}}
+train: {{lr_warmup_steps: 0, micro_batch_size: 8}}
+slurm: {{cpus_per_task: 2, time: "00:05:00"}}
+sweep:
+  seeds: [1, 2]
+  array_parallelism: 2
+"""
+
+
+def test_sweep_seeds_warm_start_from_their_own_folders_and_keep_the_cache(work, tiny_model_dir):
+    """Issue #40 point 5 on the cluster: a sweep over two seeds whose points warm-start (an SFT run on the
+    Megatron trainer inside each array task, engines as its rollout job step, then RL) ends with each point's
+    RL started from the warm start of its own seed. The seed-1 warm start made on the login node before
+    (``hpcrl sft``: the quickstart's cache) has the seed-1 points' key and is used, not trained again; a
+    warm start of another recipe behind the same ``sft.output`` survives the sweep."""
+    sft = work / ".cache" / "sft"
+    (work / "warm.yaml").write_text(WARM.format(model=tiny_model_dir, sft=sft))
+    made = {}
+    for name, extra in (("quick", []), ("older", ["sft.lr=1e-3"])):
+        out = hpcrl("sft", "warm.yaml", "run.seed=1", *extra, timeout=400)
+        assert out.returncode == 0, out.stderr[-3000:]
+        made[name] = Path(out.stdout.split()[-1])
+    assert made["quick"] != made["older"]
+    out = hpcrl("sweep", "warm.yaml")
+    assert out.returncode == 0, out.stderr
+    array_id, sdir = out.stdout.split()[5], work / "runs" / "warm"
+    tasks = [f"{array_id}_0", f"{array_id}_1"]
+    assert wait_states(tasks) == {t: "COMPLETED" for t in tasks}, job_log(sdir)
+    starts = {p: Path(json.loads((sdir / p / "warm_start.json").read_text())["model"]) for p in ("seed=1", "seed=2")}
+    assert starts["seed=1"] == made["quick"].resolve()
+    assert starts["seed=2"] != starts["seed=1"] and starts["seed=2"].parent == made["quick"].resolve().parent
+    assert json.loads((starts["seed=2"] / "sft_key.json").read_text())["seed"] == 2
+    for folder in made.values():  # both earlier warm starts still there, the seed-1 one not trained again
+        assert json.loads((folder / "sft_key.json").read_text())["seed"] == 1
+    assert [p.name for p in (made["quick"].parent / f"{made['quick'].name}.run" / "logs").iterdir()] == ["attempt-0"]
+    for p in ("seed=1", "seed=2"):
+        rows = [json.loads(x) for x in (sdir / p / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows if r["step"] >= 0] == [0]

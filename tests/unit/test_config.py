@@ -230,6 +230,8 @@ BAD = [
      "/nonexistent/demos.jsonl", ["no such data file"]),
     ("sft-data-empty-key", M + "sft: {data: {source: addition}}\n", ["sft.data.label_key="],
      "sft.data.label_key", "", ["set sft.data.label_key to a column name"]),
+    ("sft-batch-not-over-dp", M + "run: {mode: sft}\ntrain: {nprocs: 4, tensor_parallel_size: 2}\n",
+     ["sft.batch_size=33"], "sft.batch_size", 33, ["2 data-parallel ranks", "sft.batch_size=32"]),
     ("missing-data-file", M + "data: {source: /nonexistent/train.jsonl}\n", [], "data.source",
      "/nonexistent/train.jsonl", ["no such data file"]),
     ("unknown-data-source", M + "data: {source: additon}\n", [], "data.source", "additon",
@@ -366,6 +368,23 @@ def test_shipped_configs_load(name):
     cfg = load_and_check(REPO / "configs" / name)
     assert cfg.model.create is not None and cfg.model.path.startswith(".cache/models/")
     assert cfg.train.global_batch_size == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+
+
+def test_sweep_quickstart_warm_starts_like_the_quickstart(tmp_path):
+    """Issue #40 point 5: the sweep's points warm-start with the quickstart's recipe, so its seed-1 warm start
+    has the quickstart's cache key (one folder for both) and the other seeds keys of their own."""
+    from hpcrl.sft import cache_key, key_digest
+
+    quick = load_and_check(REPO / "configs" / "quickstart.yaml")
+    sweep = load_and_check(REPO / "configs" / "sweep-quickstart.yaml")
+    assert sweep.sft == quick.sft and sweep.data == quick.data and sweep.sweep.seeds == [1, 2]
+    sweep.run.seed = 1  # the seed=1 points
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    assert key_digest(cache_key(sweep, base)) == key_digest(cache_key(quick, base))
+    sweep.run.seed = 2
+    assert key_digest(cache_key(sweep, base)) != key_digest(cache_key(quick, base))
 
 
 def test_quickstart_values():

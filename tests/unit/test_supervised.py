@@ -58,6 +58,16 @@ def hf_step(model_dir, samples, lr: float) -> tuple[float, float, dict[str, torc
     return float(loss), float(norm), {n: p.detach() for n, p in model.named_parameters()}
 
 
+def sft_config(batch_size: int, lr: float = 1.0, tp: int = 1, nprocs: int = 1, **layout):
+    """The config of the step compared with :func:`hf_step`: the SFT recipe at peak lr ``lr`` over 100 steps,
+    ``batch_size`` demonstrations a step, Adam eps :data:`EPS`, the trainer at TP ``tp`` over ``nprocs``
+    ranks (tests/integration/test_megatron_tp2.py takes it to two ranks)."""
+    cfg = make_config(**{"sft.lr": lr, "sft.steps": 100, "sft.batch_size": batch_size,
+                         "train.tensor_parallel_size": tp, "train.nprocs": nprocs, **layout})
+    cfg.megatron = {"adam_eps": EPS}
+    return cfg
+
+
 @pytest.mark.parametrize("layout", [{"train.micro_batch_size": 5}, {"train.max_tokens_per_microbatch": 64}],
                          ids=["padded", "packed"])
 def test_one_sft_step_equals_hf_adamw(tp1, tiny_model_dir, layout):
@@ -66,8 +76,7 @@ def test_one_sft_step_equals_hf_adamw(tp1, tiny_model_dir, layout):
     from hpcrl.train.supervised import SupervisedTrainer
 
     samples = demos(tiny_model_dir)
-    cfg = make_config(**{"sft.lr": 1.0, "sft.steps": 100, "sft.batch_size": len(samples), **layout})
-    cfg.megatron = {"adam_eps": EPS}
+    cfg = sft_config(len(samples), **layout)
     trainer = SupervisedTrainer(cfg, tiny_model_dir)
     m = trainer.train(7, samples)
     lr = sft.lr_at(7, 100, 1.0)
