@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 METRICS_FILENAME = "sft_metrics.jsonl"
 """The warm start's curve, in its cached folder: one JSON object per line, ``step`` (optimizer steps done),
 then ``loss`` (nats per trained token), ``lr``, ``grad_norm``, ``elapsed_s`` (seconds since the SFT run
-started), or ``eval_accuracy`` (greedy, the eval before the first step is step 0)."""
+started), or ``eval_accuracy`` (greedy, the eval before the first step is step 0) and ``elapsed_s``."""
 KEY_FILENAME = "sft_key.json"
 """The cache key (:func:`cache_key`) of a cached warm start, in its folder."""
 STORE_SUFFIX = ".d"
@@ -266,7 +266,7 @@ def _write_curve(run_dir: Path, dest: Path) -> None:
             out.append({"step": step, "loss": r["train/loss"], "lr": r["train/lr"],
                         "grad_norm": r.get("train/grad_norm"), "elapsed_s": round(r["time"] - t0, 3)})
         if "eval/accuracy" in r:
-            out.append({"step": step, "eval_accuracy": r["eval/accuracy"]})
+            out.append({"step": step, "eval_accuracy": r["eval/accuracy"], "elapsed_s": round(r["time"] - t0, 3)})
     (dest / METRICS_FILENAME).write_text("".join(json.dumps(o) + "\n" for o in out))
 
 
