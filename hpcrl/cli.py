@@ -40,47 +40,54 @@ def summarize(cfg: Config) -> list[str]:
     r, t, a, m = cfg.rollout, cfg.train, cfg.algorithm, cfg.model
     model = m.path + (f" (created with {m.create} if missing)" if m.create else "")
     kl = f"kl {a.kl_loss_type} x {a.kl_loss_coef}" if a.use_kl_loss else "no kl"
+    sft_run = cfg.run.mode == "sft"
+    layout = (f"tp{t.tensor_parallel_size} pp{t.pipeline_parallel_size} cp{t.context_parallel_size} "
+              f"ep{t.expert_parallel_size}, nprocs {t.nprocs}")
+    micro = (f"micro batch {t.micro_batch_size}" if t.max_tokens_per_microbatch is None else
+             f"packed <= {t.max_tokens_per_microbatch} tokens per micro-batch"
+             + (", shared prompts" if t.share_group_prompt and not sft_run else ""))
     lines = [
         (f"  run:       {cfg.run.name} ({cfg.run.mode}, {cfg.run.placement}), {cfg.run.num_rollout} "
-         f"rollouts -> {cfg.run.output_dir}/{cfg.run.name}"),
+         f"{'SFT steps' if sft_run else 'rollouts'} -> {cfg.run.output_dir}/{cfg.run.name}"),
         f"  model:     {model}, {m.dtype}",
-        f"  data:      {cfg.data.source}",
-        (f"  rollout:   {r.batch_size} prompts x {r.n_samples_per_prompt} samples, max_new_tokens "
-         f"{r.max_new_tokens}, temperature {r.temperature}, engine {r.engine}"
-         + (f", filter {r.dynamic_filter}" if r.dynamic_filter else "")),
-        (f"  train:     global batch {t.global_batch_size}, "
-         + (f"micro batch {t.micro_batch_size}" if t.max_tokens_per_microbatch is None else
-            f"packed <= {t.max_tokens_per_microbatch} tokens per micro-batch"
-            + (", shared prompts" if t.share_group_prompt else ""))
-         + (f", activation recompute {cfg.megatron['recompute_granularity']}"
-            if cfg.megatron.get("recompute_granularity") else "")
-         + f", lr {t.lr}, "
-         f"tp{t.tensor_parallel_size} pp{t.pipeline_parallel_size} cp{t.context_parallel_size} "
-         f"ep{t.expert_parallel_size}, nprocs {t.nprocs}"),
-        (f"  algorithm: {a.advantage_estimator}, {a.policy_loss} loss, eps_clip {a.eps_clip}/{a.eps_clip_high}, "
-         f"{kl}" + (", tis" if a.use_tis else "")
-         + (f", mis {a.mis_level} [{a.mis_low:g}, {a.mis_high:g}]" if a.mis_level else "")),
-        f"  weights:   {cfg.weights.method}",
+        f"  data:      {(cfg.sft.data or cfg.data).source if sft_run else cfg.data.source}",
     ]
+    if not sft_run:
+        lines += [
+            (f"  rollout:   {r.batch_size} prompts x {r.n_samples_per_prompt} samples, max_new_tokens "
+             f"{r.max_new_tokens}, temperature {r.temperature}, engine {r.engine}"
+             + (f", filter {r.dynamic_filter}" if r.dynamic_filter else "")),
+            (f"  train:     global batch {t.global_batch_size}, {micro}"
+             + (f", activation recompute {cfg.megatron['recompute_granularity']}"
+                if cfg.megatron.get("recompute_granularity") else "")
+             + f", lr {t.lr}, {layout}"),
+            (f"  algorithm: {a.advantage_estimator}, {a.policy_loss} loss, eps_clip {a.eps_clip}/"
+             f"{a.eps_clip_high}, {kl}" + (", tis" if a.use_tis else "")
+             + (f", mis {a.mis_level} [{a.mis_low:g}, {a.mis_high:g}]" if a.mis_level else "")),
+        ]
+    else:
+        lines.append(f"  train:     {micro}, {'bf16' if t.bf16 else 'fp32'}, {layout}")
+    lines.append(f"  weights:   {cfg.weights.method}")
     for i, t in enumerate(a.opd.teachers):
         made = f" (made by SFT to {t.sft_target_accuracy} if missing)" if t.sft_target_accuracy is not None else ""
         lines.append(f"  teacher:   {t.name or f't{i}'}: {t.path}{made}, "
                      f"{t.num_engines} engine(s), opd coef {a.opd.coef}")
-    if cfg.sft.enabled:
+    if cfg.sft.enabled or sft_run:
         s = cfg.sft
         from hpcrl.sft import NEAR_TARGET_FRACTION, STORE_SUFFIX
 
         near = (f", every {s.eval_interval_near_target} from {NEAR_TARGET_FRACTION * s.target_accuracy:g}"
                 if s.eval_interval_near_target and s.target_accuracy is not None else "")
         until = (f"until greedy accuracy >= {s.target_accuracy} (eval every {s.eval_interval} steps{near}), "
-                 "at most " if s.target_accuracy is not None else "")
-        lines.append(f"  sft:       {until}{s.steps} steps, batch {s.batch_size}, lr {s.lr} -> {s.output} "
-                     f"(Megatron trainer; cached by key in {s.output}{STORE_SUFFIX})")
+                 "at most " if s.target_accuracy is not None else f"eval every {s.eval_interval} steps, ")
+        where = ("this run (Megatron trainer)" if sft_run else
+                 f"warm start on the Megatron trainer -> {s.output} (cached by key in {s.output}{STORE_SUFFIX})")
+        lines.append(f"  sft:       {until}{s.steps} steps, batch {s.batch_size}, lr {s.lr}: {where}")
     e = cfg.eval
     default = (f"{cfg.data.eval_source}" if cfg.data.eval_source else f"{cfg.data.num_eval} held out"
                if cfg.data.num_eval else "")
     sets = ([f"default ({default})"] if default else []) + [f"{s.name} ({s.source})" for s in e.sets]
-    lines.append(f"  eval:      every {r.eval_interval or 'last'} step(s): "
+    lines.append(f"  eval:      every {(cfg.sft.eval_interval if sft_run else r.eval_interval) or 'last'} step(s): "
                  + (", ".join(sets) or "no eval set")
                  + f"; {e.n_samples} sample(s) per prompt at temperature {e.temperature}")
     if cfg.sweep.grid or cfg.sweep.num_random:

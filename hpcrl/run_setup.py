@@ -1,11 +1,12 @@
-"""What every launcher does before the loop: the run folder and its attempt folders (their numbering), the
-model RL starts from, quiet logs; and the step schedule both loops and the checkpoint manager follow
-(:func:`due`). Used by :mod:`hpcrl.launch_local` (``hpcrl run``), :mod:`hpcrl.slurm.entry` (the job) and
-:mod:`hpcrl.loop`.
+"""What every launcher does around the loop: the run folder and its attempt folders (their numbering), the
+base model, the stages every trainer rank runs (:func:`run_stages`: the warm start, then the loop of
+``run.mode``), quiet logs; and the step schedule the loops and the checkpoint manager follow (:func:`due`).
+Used by :mod:`hpcrl.launch_local` (``hpcrl run``), :mod:`hpcrl.slurm.entry` (the job) and :mod:`hpcrl.loop`.
 
 Run folder (``run.output_dir/run.name``): ``config.yaml`` (resolved), ``secret`` (0600, the engines' key),
 ``logs/attempt-N/`` (engine, router and phase logs of each attempt), ``checkpoints/iter_XXXXXXX/``,
-``metrics.jsonl``, ``tensorboard/``, ``curves.png``.
+``metrics.jsonl``, ``tensorboard/``, ``curves.png``, ``warm_start.json`` (the warm start the loop started
+from, when there is one).
 """
 
 from __future__ import annotations

@@ -114,12 +114,22 @@ def test_validate_ok_with_overrides(tmp_path, capsys):
 
 @pytest.mark.parametrize("target, line", [
     ("0.4", "sft:       until greedy accuracy >= 0.4 (eval every 10 steps, every 2 from 0.1), at most 3000 steps"),
-    ("null", "sft:       3000 steps, batch 256"),  # the near-target interval only matters with a target
+    ("null", "sft:       eval every 10 steps, 3000 steps, batch 256"),  # the near-target interval needs a target
 ])
 def test_validate_summarizes_the_sft_stop(capsys, target, line):
     argv = ["validate", str(REPO / "configs" / "quickstart.yaml"), f"sft.target_accuracy={target}"]
     assert cli.main(argv) == 0
-    assert line in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert line in out and "warm start on the Megatron trainer" in out
+
+
+def test_validate_summarizes_an_sft_run(capsys):
+    """``run.mode: sft``: the run is the SFT recipe (its steps, data and layout), no rollout or algorithm."""
+    argv = ["validate", str(REPO / "configs" / "quickstart.yaml"), "run.mode=sft", "sft.steps=40"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "(sft, colocate), 40 SFT steps" in out and "train:     micro batch 64, fp32, tp1" in out
+    assert "rollout:" not in out and "algorithm:" not in out and ": this run (Megatron trainer)" in out
 
 
 def test_validate_print_config_is_loadable(tmp_path, capsys):
