@@ -5,9 +5,9 @@ the warm start of an RL run, with the real CPU engine serving the evals.
   ``hpcrl convert``; stopped by USR2, run again, SIGKILLed inside a later step and run again, it ends with
   weights and every step's loss bitwise equal to the uninterrupted run's.
 - The warm start's cache is content-addressed: another seed trains a folder of its own beside the first
-  (``sft.output`` links to the newest), the first seed again is a cache hit, two runs with the same key
-  started together train it once (the other waits for the lock), and an RL run preempted inside its warm
-  start resumes the SFT run and ends with the warm start an uninterrupted one makes, bitwise.
+  (``sft.output`` links to the newest), once for two runs with its key started together (the other waits for
+  the lock), the first seed again is a cache hit; an RL run preempted inside its warm start resumes the SFT
+  run and ends with the warm start an uninterrupted one makes, bitwise.
 """
 
 from __future__ import annotations
@@ -171,6 +171,9 @@ def warm(tmp_path_factory):
 
 
 def test_warm_start_cache_is_content_addressed(warm):
+    """Another seed trains a folder of its own beside the first, once for two runs started together (the
+    other waits for the key's lock and uses what it made, as a sweep's array tasks of one seed do); the first
+    seed again is a cache hit; ``sft.output`` links to the newest each time."""
     tmp, first = warm
     store = tmp / "sft.d"
     assert first.parent == store and key_of(first)["seed"] == 7 and key_of(first)["trainer"] == "megatron"
@@ -178,11 +181,14 @@ def test_warm_start_cache_is_content_addressed(warm):
     curve = [json.loads(x) for x in (first / "sft_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in curve if "eval_accuracy" in r] == [0, 4, 8]
     assert [r["step"] for r in curve if "loss" in r] == list(range(1, STEPS + 1))
-    # another seed: a folder of its own; the first one stays
-    proc = start(tmp, "sft", "b", *WARM, "run.seed=8")
-    assert finish(proc) == 0, (tmp / "b.log").read_text()[-3000:]
-    second = sft_folder(tmp, "b")
-    assert second != first and second.parent == store and key_of(second)["seed"] == 8
+    # another seed, two runs at once: one folder of its own, trained once; the first one stays
+    procs = [start(tmp, "sft", n, *WARM, "run.seed=8") for n in ("p", "q")]
+    assert [finish(p) for p in procs] == [0, 0], (tmp / "q.log").read_text()[-3000:]
+    second = sft_folder(tmp, "p")
+    assert sft_folder(tmp, "q") == second != first and second.parent == store and key_of(second)["seed"] == 8
+    logs = [(tmp / f"{n}.log").read_text() for n in ("p", "q")]
+    assert sum("sft: training the warm start" in x for x in logs) == 1, logs
+    assert sum("waiting for it" in x for x in logs) == 1
     assert os.readlink(tmp / "sft") == f"sft.d/{second.name}"
     assert not hf_weights(first)["model.norm.weight"].equal(hf_weights(second)["model.norm.weight"])
     # the first seed again: a cache hit (no new attempt of its SFT run), the link back on it
@@ -190,19 +196,9 @@ def test_warm_start_cache_is_content_addressed(warm):
     assert finish(proc) == 0, (tmp / "c.log").read_text()[-3000:]
     assert sft_folder(tmp, "c") == first and "using it" in (tmp / "c.log").read_text()
     assert sorted(p.name for p in (store / f"{first.name}.run" / "logs").iterdir()) == ["attempt-0"]
+    assert sorted(p.name for p in store.iterdir() if p.suffix == ".run") == sorted(
+        [f"{first.name}.run", f"{second.name}.run"])
     assert os.readlink(tmp / "sft") == f"sft.d/{first.name}"
-
-
-def test_warm_start_of_one_key_trains_once_for_concurrent_runs(tmp_path):
-    """Two ``hpcrl sft`` with the same key started together (a sweep's array tasks): one trains, the other
-    waits for its lock and uses what it made."""
-    procs = [start(tmp_path, "sft", n, *WARM) for n in ("p", "q")]
-    assert [finish(p) for p in procs] == [0, 0], (tmp_path / "q.log").read_text()[-3000:]
-    logs = [(tmp_path / f"{n}.log").read_text() for n in ("p", "q")]
-    assert sft_folder(tmp_path, "p") == sft_folder(tmp_path, "q")
-    assert sum("sft: training the warm start" in x for x in logs) == 1, logs
-    assert sum("waiting for it" in x for x in logs) == 1
-    assert len(list((tmp_path / "sft.d").glob("*.run"))) == 1
 
 
 def test_rl_run_preempted_in_its_warm_start_resumes_it(tmp_path, warm):
