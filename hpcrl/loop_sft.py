@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from hpcrl.config import Config
-from hpcrl.run_session import RunSession, Trainer, sync_weights
+from hpcrl.run_session import RunSession, Trainer, broadcast, sync_weights
 from hpcrl.sft import NEAR_TARGET_FRACTION
 
 if TYPE_CHECKING:
@@ -55,7 +55,9 @@ class EvalSchedule:
         return step - self.last_eval >= self.interval or step == num_steps - 1
 
     def observe(self, step: int, metrics: dict[str, Any]) -> None:
-        """Record the eval after ``step`` (-1: before the first) from its metrics (``eval/accuracy``)."""
+        """Record the eval after ``step`` (-1: before the first) from its metrics (``eval/accuracy``). Every
+        trainer rank must observe the same accuracy (the controller's, broadcast), or they disagree on the
+        next eval, a collective."""
         acc = metrics.get(ACCURACY_KEY)
         if acc is None:
             return
@@ -156,8 +158,12 @@ def train_sft_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Opti
         t, rollout, syncer = s.trainer, s.rollout, s.syncer
         trainer, demos, ckpt = t.actor, t.data_source, t.ckpt
         stopped: Optional[str] = None
+        def observe(step: int, metrics: dict[str, Any]) -> None:
+            # the controller's accuracy on every rank: each one decides the next eval and the stop the same way
+            schedule.observe(step, {ACCURACY_KEY: broadcast(metrics.get(ACCURACY_KEY))})
+
         if t.start == 0:
-            schedule.observe(-1, s.last)  # the eval before the first step (RunSession's)
+            observe(-1, s.last)  # the eval before the first step (RunSession's)
         rollout.offload()  # colocated: the engines give the devices back to the trainer
         rollout.onload_trainer()
         for step in range(t.start, num_steps):
@@ -168,7 +174,7 @@ def train_sft_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Opti
             if schedule.due(step, num_steps):
                 metrics.update(sync_weights(trainer, syncer, rollout, version=step + 1))
                 metrics.update(rollout.evaluate(step))
-                schedule.observe(step, metrics)
+                observe(step, metrics)
                 rollout.offload()
                 rollout.onload_trainer()
             metrics["timing/step_seconds"] = time.perf_counter() - t_step

@@ -227,12 +227,14 @@ def test_rl_run_preempted_in_its_warm_start_resumes_it(tmp_path, warm):
 
 def test_warm_start_on_two_trainer_ranks_then_rl(tmp_path):
     """The warm start on every rank of a 2-process trainer (the lock taken by rank 0 for both, the default
-    process group formed before it and kept for RL; the Slurm job's multi-rank path), then RL on the same
+    process group formed before it and kept for RL, the eval schedule agreed by all ranks from the
+    controller's accuracy; the Slurm job's multi-rank path), then RL on the same
     ranks: its key holds the layout (DP=2 splits each batch), RL starts from what it made."""
-    proc = start(tmp_path, "run", "dp2", *WARM, "train.nprocs=2", "sft.steps=4")
+    proc = start(tmp_path, "run", "dp2", *WARM, "train.nprocs=2")
     assert finish(proc) == 0, (tmp_path / "dp2.log").read_text()[-3000:]
     made = Path(json.loads((tmp_path / "runs" / "dp2" / "warm_start.json").read_text())["model"])
     assert key_of(made)["train"]["nprocs"] == 2 and (made / "config.json").is_file()
     curve = [json.loads(x) for x in (made / "sft_metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in curve if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in curve if "loss" in r] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in curve if "eval_accuracy" in r] == [0, 4, 8]  # every rank evaluates together
     assert steps_done(tmp_path / "runs" / "dp2") == 2
