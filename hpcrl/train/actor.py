@@ -51,6 +51,7 @@ import torch
 
 from hpcrl.train import algorithms, parallel, ppo
 from hpcrl.train.critic import Critic
+from hpcrl.train.model import ModelOnRank
 
 if TYPE_CHECKING:
     from hpcrl.config import Config, TrainSection
@@ -366,7 +367,7 @@ def micro_batch_log_probs(ddp_model: torch.nn.Module, model: torch.nn.Module, mb
 # ------------------------------------------------------------------------------------------------------------
 
 
-class Actor:
+class Actor(ModelOnRank):
     """The policy trainer on one rank: megatron-core model + optimizer, reference weights, :meth:`train`.
 
     Create on every trainer rank after :func:`~hpcrl.train.parallel.init_distributed`,
@@ -414,7 +415,7 @@ class Actor:
                  critic: Optional[Callable[[], "RemoteCritic"]] = None) -> None:
         from megatron.core import parallel_state
 
-        from hpcrl.train import bridge, model as tmodel
+        from hpcrl.train import model as tmodel
 
         parallel.deterministic_mode(cfg.run.deterministic)
         self.cfg = cfg
@@ -438,18 +439,12 @@ class Actor:
         megatron = dict(cfg.megatron or {})
         if cfg.algorithm.routing_replay:
             megatron["moe_enable_routing_replay"] = True
-        self.ddp_model, self.optimizer = tmodel.setup_model_and_optimizer(hf_path, cfg.train, megatron)
+        self.bind_model(*tmodel.setup_model_and_optimizer(hf_path, cfg.train, megatron))
         # the actor's schedule starts at its first step, after PPO's critic-only rollouts (slime's scheduler
         # advances only on the actor's steps)
         self.critic_only = cfg.critic.warmup_steps if cfg.algorithm.advantage_estimator == "gae" else 0
         self.lr_scheduler = tmodel.lr_scheduler(self.optimizer, cfg.train,
                                                 cfg.run.num_rollout - self.critic_only)
-        self.model = bridge.unwrap_model(self.ddp_model)
-        self.vocab_size: int = self.model.hf_config.vocab_size
-        self.device = next(self.model.parameters()).device
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self._dp_group = parallel_state.get_data_parallel_group()
         self.weights = WeightBackup(self.model)
         self.routing: Optional[tuple[int, int]] = None
         if cfg.algorithm.routing_replay:

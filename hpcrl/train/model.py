@@ -128,6 +128,28 @@ def setup_model_and_optimizer(hf_path: Union[str, os.PathLike], train: Any,
     return wrap_model_and_optimizer(model, train, megatron)
 
 
+class ModelOnRank:
+    """What a trainer of a megatron-core model holds on its rank once :meth:`bind_model` ran (the actor's
+    and SFT's): ``ddp_model`` (DDP-wrapped), ``optimizer``, ``model`` (the bare GPTModel, ``hf_config``
+    attached), ``vocab_size`` (the HF vocabulary, not the padded one), ``device``, and its data-parallel
+    place (``dp_rank``, ``dp_size``, ``_dp_group``)."""
+
+    def bind_model(self, ddp_model: torch.nn.Module, optimizer: Any) -> None:
+        """Hold ``ddp_model`` and ``optimizer`` (:func:`setup_model_and_optimizer`'s) and what follows from
+        them and from megatron-core's parallel state (initialised first)."""
+        from megatron.core import parallel_state
+
+        from hpcrl.train import bridge
+
+        self.ddp_model, self.optimizer = ddp_model, optimizer
+        self.model = bridge.unwrap_model(ddp_model)
+        self.vocab_size: int = self.model.hf_config.vocab_size
+        self.device = next(self.model.parameters()).device
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self._dp_group = parallel_state.get_data_parallel_group()
+
+
 def lr_scheduler(optimizer: Any, train: Any, num_rollout: int) -> Any:
     """megatron-core's ``OptimizerParamScheduler`` for ``train``'s learning-rate schedule, counted in optimizer
     steps: linear warmup from 0 over ``train.lr_warmup_steps`` (slime ``--lr-warmup-iters``), then

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 import torch
 
 from hpcrl.train import parallel
+from hpcrl.train.model import ModelOnRank
 
 if TYPE_CHECKING:
     from hpcrl.config import Config, TrainSection
@@ -45,7 +46,7 @@ def sft_train_section(cfg: "Config") -> "TrainSection":
                                clip_grad=sft.GRAD_CLIP, num_steps_per_rollout=1)
 
 
-class SupervisedTrainer:
+class SupervisedTrainer(ModelOnRank):
     """SFT on one trainer rank: megatron-core model + DDP + Adam, :meth:`train` per batch.
 
     Create on every trainer rank after :func:`~hpcrl.train.parallel.setup_parallel`. ``hf_path``: the HF
@@ -61,21 +62,12 @@ class SupervisedTrainer:
     """(no value model: the checkpoint manager and the weight sync treat it as an actor without one)"""
 
     def __init__(self, cfg: "Config", hf_path: Union[str, os.PathLike]) -> None:
-        from megatron.core import parallel_state
-
-        from hpcrl.train import bridge, model as tmodel
+        from hpcrl.train import model as tmodel
 
         parallel.deterministic_mode(cfg.run.deterministic)
         self.cfg = cfg
         self.train_section = sft_train_section(cfg)
-        self.ddp_model, self.optimizer = tmodel.setup_model_and_optimizer(hf_path, self.train_section,
-                                                                          dict(cfg.megatron or {}))
-        self.model = bridge.unwrap_model(self.ddp_model)
-        self.vocab_size: int = self.model.hf_config.vocab_size
-        self.device = next(self.model.parameters()).device
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self._dp_group = parallel_state.get_data_parallel_group()
+        self.bind_model(*tmodel.setup_model_and_optimizer(hf_path, self.train_section, dict(cfg.megatron or {})))
 
     def train(self, step: int, samples: Sequence["Sample"]) -> dict[str, float]:
         """One optimizer step on ``samples`` (the global batch; every rank passes all of them) at SFT step

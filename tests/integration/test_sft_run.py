@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_preemption_local import finish, steps_done, weights
+from tests.integration.test_preemption_local import finish, steps_done, wait_steps, weights
 
 pytestmark = pytest.mark.integration
 
@@ -64,14 +64,6 @@ def rows(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["train/loss"]) for r in rows(run_dir) if "train/loss" in r]
-
-
-def wait_rows(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while steps_done(run_dir) < n:
-        assert proc.poll() is None, f"run ended early with {proc.returncode}"
-        assert time.monotonic() < deadline, f"no {n} steps in {timeout} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +110,13 @@ def test_sft_usr2_then_sigkill_resume_bitwise(tmp_path, reference):
     _, ref_weights, ref_rows = reference
     run_dir = tmp_path / "runs" / "sft"
     proc = start(tmp_path, "run", "sft", "checkpoint.save_interval=1")
-    wait_rows(proc, run_dir, 2)
+    wait_steps(proc, run_dir, 2)
     os.kill(proc.pid, signal.SIGUSR2)
     assert finish(proc) == 75, (tmp_path / "sft.log").read_text()[-3000:]
     done = steps_done(run_dir)
     assert 2 <= done < STEPS
     proc = start(tmp_path, "run", "sft", "checkpoint.save_interval=1")
-    wait_rows(proc, run_dir, done + 1)
+    wait_steps(proc, run_dir, done + 1)
     time.sleep(0.1)
     proc.kill()
     proc.wait()
