@@ -115,8 +115,13 @@ def check_local_engine(cfg: Config) -> None:
 
 def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, base: Path,
             warm_start_only: bool = False) -> None:
+    from hpcrl.procs import die_with_parent
     from hpcrl.train.parallel import INIT_METHOD_ENV
 
+    # a launcher killed outright (SIGKILL, or SIGTERM outside Slurm) takes its trainer processes with it, and
+    # they their engines: left alone they held the cores, ports and the run folder (seen after `kill` of a
+    # two-rank run)
+    die_with_parent()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", **{INIT_METHOD_ENV: init_method})
     os.environ.pop("MASTER_PORT", None)

@@ -247,3 +247,23 @@ def test_resume_at_an_epoch_boundary_neither_skips_nor_repeats(tmp_path):
     for epoch in range(STEPS // 2):
         groups = by_step[2 * epoch] | by_step[2 * epoch + 1]
         assert sorted(groups) == list(range(8 * epoch, 8 * epoch + 8)), (epoch, sorted(groups))
+
+
+def test_a_killed_launcher_takes_its_trainer_ranks_and_engine_with_it(tmp_path):
+    """Two trainer ranks (``train.nprocs=2``, data parallel): their processes are the launcher's children, and
+    rank 0's engine is theirs. SIGKILL of the launcher (as ``kill -9``, or an OOM kill) leaves none of them:
+    the ranks die with the launcher (``PR_SET_PDEATHSIG``), the engine with rank 0. Before, the ranks ran on
+    as orphans, holding the cores, the engine's port and the run folder."""
+    run_dir = tmp_path / "runs" / "orphans"
+    proc = start(tmp_path, "orphans", "train.nprocs=2", "run.num_rollout=50")
+    wait_steps(proc, run_dir, 1)
+    children = descendants(proc.pid)
+    ranks = [p for p in children if "spawn_main" in full_cmdline(p)]
+    assert len(ranks) == 2 and any("hpcrl.engine.server" in full_cmdline(p) for p in children), \
+        [full_cmdline(p) for p in children]
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes of the killed launcher outlived it: {[full_cmdline(p) for p in left]}"
