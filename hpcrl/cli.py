@@ -74,7 +74,8 @@ def summarize(cfg: Config) -> list[str]:
                      f"{t.num_engines} engine(s), opd coef {a.opd.coef}")
     if cfg.sft.enabled or sft_run:
         s = cfg.sft
-        from hpcrl.sft import NEAR_TARGET_FRACTION, STORE_SUFFIX
+        from hpcrl.sft import STORE_SUFFIX
+        from hpcrl.sft_recipe import NEAR_TARGET_FRACTION
 
         near = (f", every {s.eval_interval_near_target} from {NEAR_TARGET_FRACTION * s.target_accuracy:g}"
                 if s.eval_interval_near_target and s.target_accuracy is not None else "")

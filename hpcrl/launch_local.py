@@ -19,14 +19,15 @@ from pathlib import Path
 from hpcrl.config import Config
 from hpcrl.errors import EXIT_RETRY
 from hpcrl.validate import save_resolved
-from hpcrl.run_setup import prepare_base, quiet_logs, run_dir_of, run_stages
+from hpcrl.run_setup import quiet_logs, run_dir_of
+from hpcrl.stages import prepare_base, run_stages
 
 __all__ = ["main", "resolve_cpu_sets", "check_local_engine", "run_local_workers"]
 
 
 def main(cfg: Config, warm_start_only: bool = False) -> int:
     """``hpcrl run``: write the run folder, prepare the base model, run the trainer (the warm start when
-    enabled, then the loop: :func:`hpcrl.run_setup.run_stages`); 0 on success. The run's state for
+    enabled, then the loop: :func:`hpcrl.stages.run_stages`); 0 on success. The run's state for
     ``hpcrl status`` goes to ``local_run.json`` (:func:`hpcrl.slurm.state.local_run_record`).
     ``warm_start_only`` (``hpcrl sft``): the warm start alone, no run folder.
 
@@ -146,7 +147,7 @@ def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, ba
 
 
 def run_local_workers(cfg, run_dir: Path, base: Path, warm_start_only: bool = False) -> int:
-    """Start ``cfg.train.nprocs`` trainer processes running :func:`hpcrl.run_setup.run_stages` from
+    """Start ``cfg.train.nprocs`` trainer processes running :func:`hpcrl.stages.run_stages` from
     ``base``, wait for all; 0 when every one exited 0 (:data:`EXIT_RETRY` when they stopped early with a
     checkpoint).
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from hpcrl.config import Config
 from hpcrl.run_session import RunSession, Trainer, broadcast, sync_weights
-from hpcrl.sft import NEAR_TARGET_FRACTION
+from hpcrl.sft_recipe import NEAR_TARGET_FRACTION
 
 if TYPE_CHECKING:
     from hpcrl.preempt import PreemptionWatch

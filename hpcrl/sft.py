@@ -24,7 +24,7 @@ eval at or above the target; ``sft.steps`` is only a cap, and the lr (warmup, th
 near its peak when the target is reached. The rise near the target is steep (seed 1 on an Intel Xeon: 6.5%,
 14.9%, 31.4%, 50.6% at steps 270-300), so every 10 steps can overshoot a 35% target by 15 points; with
 ``sft.eval_interval_near_target`` the eval runs that often once it has reached a quarter of the target
-(:data:`NEAR_TARGET_FRACTION`).
+(:data:`hpcrl.sft_recipe.NEAR_TARGET_FRACTION`).
 
 Measured with the earlier HF + AdamW loop (AMD EPYC, AVX2 only, 1 thread, 3-digit addition, the tiny Qwen2
 (hidden 128, 4 layers, tied embeddings), lr 3e-3, batch 256, eval every 20 steps): seed 1 went 0.067, 0.134,
@@ -48,7 +48,6 @@ import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -70,29 +69,8 @@ KEY_FILENAME = "sft_key.json"
 """The cache key (:func:`cache_key`) of a cached warm start, in its folder."""
 STORE_SUFFIX = ".d"
 """The store of ``sft.output`` is the folder ``<sft.output>.d`` beside it."""
-NEAR_TARGET_FRACTION = 0.25
-"""Once an eval reaches this fraction of ``sft.target_accuracy``, evals run every
-``sft.eval_interval_near_target`` steps (3-digit addition: 10% of a 40% target, ~15 steps before it)."""
-WARMUP_FRACTION = 0.05
-MAX_WARMUP_STEPS = 50
-MIN_LR_RATIO = 0.1
-"""Cosine decay from ``sft.lr`` to ``MIN_LR_RATIO * sft.lr`` at ``sft.steps``."""
-GRAD_CLIP = 1.0
-ADAM_BETAS = (0.9, 0.999)
-WEIGHT_DECAY = 0.0
 LOCK_POLL_SECONDS = 5.0
 """How often a run waiting for another run's warm start of the same key tries its lock (seconds)."""
-
-
-def lr_at(step: int, total_steps: int, lr: float) -> float:
-    """Learning rate for optimizer step ``step`` (0-based) of ``total_steps``: linear warmup over
-    ``min(MAX_WARMUP_STEPS, WARMUP_FRACTION * total_steps)`` steps (at least 1), then cosine to
-    ``MIN_LR_RATIO * lr``."""
-    warmup = max(1, min(MAX_WARMUP_STEPS, int(WARMUP_FRACTION * total_steps)))
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    return lr * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def _sha256_files(paths: Sequence[Path], root: Optional[Path] = None) -> str:

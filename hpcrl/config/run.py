@@ -132,7 +132,7 @@ class SFTSection:
     """Greedy eval of the held-out items every this many steps (plus before the first and after the last)."""
     eval_interval_near_target: Optional[int] = None
     """With ``target_accuracy``: once an eval reaches a quarter of the target
-    (``hpcrl.sft.NEAR_TARGET_FRACTION``), eval every this many steps instead of ``eval_interval``, so a sharp
+    (``hpcrl.sft_recipe.NEAR_TARGET_FRACTION``), eval every this many steps instead of ``eval_interval``, so a sharp
     rise stops near the target rather than up to ``eval_interval`` steps past it (3-digit addition gains ~2
     points a step there). None: ``eval_interval``."""
     data: Optional[DataSection] = None

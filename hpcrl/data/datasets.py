@@ -592,7 +592,7 @@ def check_data(cfg: "Config", report: Optional[Callable[[str], None]] = None) ->
     """Read every row of the run's data files (``data.source``, ``data.eval_source``,
     ``eval.sets[i].source``) with the reader the run uses at start (:func:`load_datasets`), on the login node
     before anything is queued; and, when the run trains with the SFT recipe, its demonstrations' rows
-    (:func:`hpcrl.data.demonstrations.check_demonstrations`).
+    (:func:`check_demonstrations`).
 
     Returns notes, each also passed to ``report`` (default: printed on stderr): with
     ``data.on_bad_row: skip``, ``data.source: skipped 3 bad rows of FILE (first: FILE:2: ...)``; when
@@ -604,8 +604,6 @@ def check_data(cfg: "Config", report: Optional[Callable[[str], None]] = None) ->
         ConfigError: ``config error: data.source: FILE:LINE: <problem>; <fix>`` (or ``data.eval_source``;
             ``FILE`` alone for whole-file problems) at the first bad row with ``data.on_bad_row: error``.
     """
-    from hpcrl.data.demonstrations import check_demonstrations
-
     check_demonstrations(cfg)  # the SFT recipe's rows (sft.data or data): a label or assistant turns each
     d = cfg.data
     files = [(f, p) for f, p in _sources(cfg).items() if p and is_file_source(p)]
@@ -637,3 +635,30 @@ def check_data(cfg: "Config", report: Optional[Callable[[str], None]] = None) ->
     for line in notes:
         say(line)
     return list(notes)
+
+
+def check_demonstrations(cfg: Any) -> None:
+    """On the login node, when the run trains with the ``sft`` recipe (``run.mode: sft``, a warm start, an
+    SFT teacher): every train row of the demonstrations' data file (``sft.data.source``, else
+    ``data.source``) is read with the run's reader and must be a demonstration
+    (:func:`hpcrl.data.demonstrations.demonstration_problem`). Generated sources (``addition``, reasoning-gym) carry labels and are not read. Raises ConfigError naming
+    the field, the file and the row."""
+    from hpcrl.config.run import uses_sft
+    from hpcrl.data.demonstrations import demonstration_problem
+
+    if not uses_sft(cfg):
+        return
+    d = cfg.sft.data if cfg.sft.data is not None else cfg.data
+    field = "sft.data.source" if cfg.sft.data is not None else "data.source"
+    if not is_file_source(d.source):
+        return
+    try:
+        items = read_items(d.source, d.prompt_key, d.label_key, d.on_bad_row)
+    except DataError as e:
+        raise _data_error_as_config_error(field, e) from None
+    for i, it in enumerate(items):
+        problem = demonstration_problem(it)
+        if problem is not None:
+            raise ConfigError(field, d.source, f"train row {i + 1} {problem} (the SFT recipe trains on it)",
+                              f"give every row a {d.label_key!r} column, or assistant turns in its "
+                              f"{d.prompt_key!r} messages")

@@ -141,31 +141,3 @@ def demonstration_problem(item: dict[str, Any]) -> Optional[str]:
     if isinstance(prompt, list) and any(isinstance(m, dict) and m.get("role") == "assistant" for m in prompt):
         return None
     return "has no label and its prompt is no conversation with an assistant turn: nothing to train on"
-
-
-def check_demonstrations(cfg: Any) -> None:
-    """On the login node, when the run trains with the ``sft`` recipe (``run.mode: sft``, a warm start, an
-    SFT teacher): every train row of the demonstrations' data file (``sft.data.source``, else
-    ``data.source``) is read with the run's reader and must be a demonstration (:func:`demonstration_problem`).
-    Generated sources (``addition``, reasoning-gym) carry labels and are not read. Raises ConfigError naming
-    the field, the file and the row."""
-    from hpcrl.config import ConfigError
-    from hpcrl.config.run import uses_sft
-    from hpcrl.data.datasets import DataError, _data_error_as_config_error, is_file_source, read_items
-
-    if not uses_sft(cfg):
-        return
-    d = cfg.sft.data if cfg.sft.data is not None else cfg.data
-    field = "sft.data.source" if cfg.sft.data is not None else "data.source"
-    if not is_file_source(d.source):
-        return
-    try:
-        items = read_items(d.source, d.prompt_key, d.label_key, d.on_bad_row)
-    except DataError as e:
-        raise _data_error_as_config_error(field, e) from None
-    for i, it in enumerate(items):
-        problem = demonstration_problem(it)
-        if problem is not None:
-            raise ConfigError(field, d.source, f"train row {i + 1} {problem} (the SFT recipe trains on it)",
-                              f"give every row a {d.label_key!r} column, or assistant turns in its "
-                              f"{d.prompt_key!r} messages")

@@ -62,7 +62,7 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     compat module on CPU nodes, NCCL on GPUs), ``SLURM_CPUS_PER_TASK`` torch threads. Rank 0 prepares the
     base model (creation, GGUF conversion; cached in the run's paths) while the others wait at a
     barrier, then every rank runs the warm start when enabled (an SFT run of the Megatron trainer, cached:
-    :mod:`hpcrl.sft`) and the loop of ``run.mode`` (:func:`hpcrl.run_setup.run_stages`), whose
+    :mod:`hpcrl.sft`) and the loop of ``run.mode`` (:func:`hpcrl.stages.run_stages`), whose
     controller (rank 0) starts the engines
     as the rollout job step (:mod:`hpcrl.slurm.rollout_step`) and a critic with ranks of its own as the critic
     job step (:mod:`hpcrl.slurm.critic_step`), waits for their health, runs the loop and stops the steps at
@@ -72,7 +72,8 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from hpcrl.run_setup import prepare_base, quiet_logs, run_stages
+    from hpcrl.run_setup import quiet_logs
+    from hpcrl.stages import prepare_base, run_stages
     from hpcrl.slurm.critic_step import launch_critic_step
     from hpcrl.slurm.rollout_step import launch_engine_step
     from hpcrl.train.parallel import init_distributed

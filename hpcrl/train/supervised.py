@@ -14,7 +14,7 @@ Loss: the mean negative log-likelihood over every trained token of the global ba
 batch's token count, times the data-parallel size (megatron-core averages gradients over DP), so neither the
 micro-batching nor the data-parallel split changes the gradient. Optimizer: megatron-core's Adam with the
 SFT recipe of :mod:`hpcrl.sft` (betas 0.9 / 0.999, eps 1e-8, no weight decay, gradient norm clipped to 1.0,
-``sft.lr`` warmed up then cosine-decayed to a tenth over ``sft.steps``, :func:`hpcrl.sft.lr_at`); precision
+``sft.lr`` warmed up then cosine-decayed to a tenth over ``sft.steps``, :func:`hpcrl.sft_recipe.lr_at`); precision
 ``train.bf16``. One step equals Hugging Face's model with ``torch.optim.AdamW`` on the same batch
 (tests/unit/test_supervised.py at TP=1, tests/integration/test_megatron_tp2.py at TP=2).
 """
@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 
 
 def sft_train_section(cfg: "Config") -> "TrainSection":
-    """``cfg.train`` with the SFT recipe's optimizer (:mod:`hpcrl.sft`'s constants: no weight decay, clip 1.0,
+    """``cfg.train`` with the SFT recipe's optimizer (:mod:`hpcrl.sft_recipe`: no weight decay, clip 1.0,
     ``sft.lr``) and one optimizer step per batch; the layout, micro-batching and precision stay ``train``'s."""
-    from hpcrl import sft
+    from hpcrl import sft_recipe as sft
 
     return dataclasses.replace(cfg.train, lr=cfg.sft.lr, min_lr=0.0, lr_warmup_steps=0,
                                lr_decay_style="constant", lr_decay_steps=None, weight_decay=sft.WEIGHT_DECAY,
@@ -71,7 +71,7 @@ class SupervisedTrainer(ModelOnRank):
 
     def train(self, step: int, samples: Sequence["Sample"]) -> dict[str, float]:
         """One optimizer step on ``samples`` (the global batch; every rank passes all of them) at SFT step
-        ``step`` (0-based; the learning rate is :func:`hpcrl.sft.lr_at` of it). Collective over the trainer's
+        ``step`` (0-based; the learning rate is :func:`hpcrl.sft_recipe.lr_at` of it). Collective over the trainer's
         ranks.
 
         Returns ``train/{loss (nats per trained token, the batch's mean), grad_norm, lr, tokens (trained
@@ -79,7 +79,7 @@ class SupervisedTrainer(ModelOnRank):
         Raises ValueError for a batch that does not split over the data-parallel ranks or a sample with
         inconsistent lengths, RuntimeError when the optimizer skips the step (non-finite gradients).
         """
-        from hpcrl import sft
+        from hpcrl import sft_recipe as sft
         from hpcrl.train import model as tmodel
         from hpcrl.train.actor import build_steps, micro_batch_log_probs
 

@@ -35,7 +35,7 @@ def test_quickstart_learns_from_a_fresh_folder(quickstart_run):
 
     # SFT ends on accuracy: every eval before the last is below the target, the last meets it; evals come
     # every `interval` steps, then every `near` steps from the first eval at a quarter of the target on.
-    from hpcrl.sft import NEAR_TARGET_FRACTION
+    from hpcrl.sft_recipe import NEAR_TARGET_FRACTION
 
     gaps = [b - a for (a, _), (b, _) in zip(sft_evals, sft_evals[1:])]
     assert sft_evals[0][0] == 0

@@ -198,7 +198,7 @@ def test_one_sft_step_at_tp2_and_dp2_equals_hf_adamw(dirs, ranks, name):
     """The SFT step of tests/unit/test_supervised.py across two ranks: the weights are split over TP (each
     rank holds half of every layer and its gradient) or the batch over DP (each rank half of the
     demonstrations; the loss is the batch's mean over every trained token either way)."""
-    from hpcrl import sft
+    from hpcrl import sft_recipe as sft
     from tests.unit import test_supervised as sup
 
     samples = sup.demos(dirs["qwen2"])

@@ -71,7 +71,7 @@ def sft_config(batch_size: int, lr: float = 1.0, tp: int = 1, nprocs: int = 1, *
 @pytest.mark.parametrize("layout", [{"train.micro_batch_size": 5}, {"train.max_tokens_per_microbatch": 64}],
                          ids=["padded", "packed"])
 def test_one_sft_step_equals_hf_adamw(tp1, tiny_model_dir, layout):
-    from hpcrl import sft
+    from hpcrl import sft_recipe as sft
     from hpcrl.train.bridge import export_hf_weights
     from hpcrl.train.supervised import SupervisedTrainer
 

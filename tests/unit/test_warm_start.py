@@ -13,8 +13,8 @@ import pytest
 
 from hpcrl.config import Config
 from hpcrl.loop_sft import EvalSchedule
-from hpcrl.sft import (KEY_FILENAME, NEAR_TARGET_FRACTION, WarmStartStore, cache_key, key_digest, lr_at,
-                       warm_start, warm_start_config)
+from hpcrl.sft import KEY_FILENAME, WarmStartStore, cache_key, key_digest, warm_start, warm_start_config
+from hpcrl.sft_recipe import NEAR_TARGET_FRACTION, lr_at
 
 
 def test_lr_schedule_warms_up_then_decays():
