@@ -146,7 +146,8 @@ class RunSession:
     watch: "PreemptionWatch" = field(init=False)
     rollout: "RolloutManager | FollowerRollout" = field(init=False)
     trainer: Trainer = field(init=False)
-    syncer: "WeightSyncer" = field(init=False)
+    syncer: Optional["WeightSyncer"] = field(init=False, default=None)
+    """The weight syncer, once built."""
     critic_group: Optional["CriticGroup"] = field(init=False, default=None)
     """The critic's own ranks (PPO with ``critic.nprocs > 0``), on the controller; None elsewhere."""
     metrics: Optional["RunLog"] = field(init=False, default=None)
@@ -240,12 +241,14 @@ class RunSession:
 
     def close(self) -> None:
         """Tear down in order: run log (a run stopped by an error: its bar ends and its curves are drawn
-        too), the critic's own ranks, rollout manager, preemption watch, model-parallel groups and the
+        too), the critic's own ranks, the weight syncer's group, rollout manager, preemption watch, model-parallel groups and the
         default process group when the session formed it."""
         if self.metrics is not None:
             self.metrics.close()
         if self.critic_group is not None:
             self.critic_group.stop()
+        if self.syncer is not None:  # while the engines are up: they drop their side of the group too
+            self.rollout.release_weight_sync(self.syncer)
         self.rollout.stop()
         self.watch.uninstall()
         self._destroy()

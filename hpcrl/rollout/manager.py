@@ -354,6 +354,15 @@ class RolloutManager:
         self.phases.onload_kv()
 
     # ------------------------------------------------------------------------------------------------------
+    def release_weight_sync(self, syncer) -> None:
+        """The end of the run's weight syncs (:meth:`hpcrl.weights.sync.WeightSyncer.release`), before
+        :meth:`stop`: the engines drop their side of a distributed group. Never raises: the run's outcome
+        stands."""
+        try:
+            self.call(syncer.release())
+        except Exception as e:  # noqa: BLE001 - teardown must not mask the run's outcome
+            logging.getLogger("hpcrl.weights").warning("releasing the weight-update group: %s", e)
+
     def stop(self) -> None:
         """Write the colocated phase order of this attempt to ``phases.jsonl``
         (:meth:`hpcrl.rollout.phases.ColocatedPhases.write`), then stop the fleet (only what this run started:
@@ -426,6 +435,9 @@ class FollowerRollout:
 
     def stop_stream(self) -> None:
         """Nothing: the controller's producer generates."""
+
+    def release_weight_sync(self, syncer) -> None:
+        """Nothing: only the controller sends, so only it holds a weight-update group."""
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """No metrics: the controller evaluates."""

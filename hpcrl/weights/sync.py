@@ -384,6 +384,14 @@ class WeightSyncer:
         except (TimeoutError, WeightSyncError):
             pass
 
+    async def release(self) -> None:
+        """At the end of a run, or of a stage of one such as the warm start: the distributed group, if any,
+        destroyed locally and on the engines (best effort, at most 10 s; :meth:`_drop_group`). Without it the
+        group's name stayed taken in this process, so the next stage's syncer could not create its own group
+        of that name (torch: "group name has already been created") and its engines waited for it until their
+        timeout (seen in a Slurm job: a warm start, then RL with ``weights.method: distributed``)."""
+        await self._drop_group()
+
     async def close(self) -> None:
         """Destroy the distributed group, if any, on the engines (``/destroy_weights_update_group``) and
         locally. Idempotent. Raises WeightSyncError if an engine refuses (the local group is gone anyway)."""

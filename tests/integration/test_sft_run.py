@@ -221,8 +221,12 @@ def test_warm_start_on_two_trainer_ranks_then_rl(tmp_path):
     """The warm start on every rank of a 2-process trainer (the lock taken by rank 0 for both, the default
     process group formed before it and kept for RL, the eval schedule agreed by all ranks from the
     controller's accuracy; the Slurm job's multi-rank path), then RL on the same
-    ranks: its key holds the layout (DP=2 splits each batch), RL starts from what it made."""
-    proc = start(tmp_path, "run", "dp2", *WARM, "train.nprocs=2")
+    ranks: its key holds the layout (DP=2 splits each batch), RL starts from what it made. The weights go by
+    ``distributed`` (a gloo weight-update group with the engine), as in the Slurm quickstart's het job: each
+    stage creates its group, so the warm start must release its own (before, RL's group of the same name
+    could not be created and the engine waited for it until ``weights.timeout_s``; seen in CI)."""
+    proc = start(tmp_path, "run", "dp2", *WARM, "train.nprocs=2", "weights.method=distributed",
+                 "weights.timeout_s=60")
     assert finish(proc) == 0, (tmp_path / "dp2.log").read_text()[-3000:]
     made = Path(json.loads((tmp_path / "runs" / "dp2" / "warm_start.json").read_text())["model"])
     assert key_of(made)["train"]["nprocs"] == 2 and (made / "config.json").is_file()
