@@ -213,9 +213,11 @@ def warm_start_folder(cfg: "Config", base: Path) -> Path:
 
 def warm_start_config(cfg: "Config", run_dir: Path) -> "Config":
     """The config of the SFT run of ``cfg``'s warm start, in ``run_dir``: ``run.mode: sft`` with
-    ``sft.steps`` steps, ``sft.data`` (when set) as ``data``, no critic and no extra eval sets (the target is
-    the demonstrations' eval accuracy), W&B (when on) in the RL run's project and group; everything else
+    ``sft.steps`` steps, ``sft.data`` (when set) as ``data``, no critic, no agent (``rollout.agent``) and no
+    extra eval sets (the target is the demonstrations' eval accuracy), W&B (when on) in the RL run's project and group; everything else
     (model, layout, engines, Slurm, checkpoints) is the run's. Does not modify ``cfg``."""
+    from hpcrl.config.rollout import AgentSection
+
     c = copy.deepcopy(cfg)
     c.run.mode = "sft"
     c.run.output_dir, c.run.name = str(run_dir.parent), run_dir.name
@@ -226,6 +228,8 @@ def warm_start_config(cfg: "Config", run_dir: Path) -> "Config":
     c.critic.nprocs = 0
     c.eval.sets = []
     c.algorithm.opd.teachers = []
+    c.rollout.agent = AgentSection()  # SFT trains on demonstrations: no agent episodes, so no gateway
+    c.rollout.agent_step = False
     c.wandb.project = c.wandb.project or cfg.run.name
     c.wandb.group = c.wandb.group or cfg.run.name
     c.wandb.tags = [*c.wandb.tags, "sft-warm-start"]
