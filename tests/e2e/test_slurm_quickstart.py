@@ -34,10 +34,15 @@ def sft_model(quickstart_run):
     return quickstart_run.base_model, quickstart_run.sft_model
 
 
-def submit(work: Path, sft_model, *overrides: str) -> tuple[str, Path]:
+def submit(work: Path, sft_model, *overrides: str, warm_start: bool = True) -> tuple[str, Path]:
+    """``hpcrl submit`` of the quickstart from its base model with the session's warm start as its cache
+    (``warm_start``: the job finds it under its key), or (``warm_start=False``) from the warm-started model
+    itself with ``sft.enabled=false``."""
     base, sft = sft_model
     shutil.copy(REPO / "configs" / "quickstart.yaml", work / "quickstart.yaml")
-    args = ["submit", "quickstart.yaml", f"model.path={base}", f"sft.output={sft}", f"run.num_rollout={STEPS}",
+    start = ([f"model.path={base}", f"sft.output={sft}"] if warm_start
+             else [f"model.path={Path(sft).resolve()}", "sft.enabled=false"])
+    args = ["submit", "quickstart.yaml", *start, f"run.num_rollout={STEPS}",
             f"rollout.eval_interval={STEPS}", "rollout.dynamic_filter=null", "train.lr_warmup_steps=20",
             "slurm.time=00:30:00", "slurm.signal=USR2@60", *overrides]
     out = subprocess.run([str(HPCRL), *args], cwd=work, capture_output=True, text=True, timeout=120,
@@ -93,9 +98,12 @@ def test_quickstart_colocated_on_one_node(tmp_path, slurm_cluster, sft_model):
 
 
 def test_quickstart_disaggregated_het_job_over_two_nodes(tmp_path, slurm_cluster, sft_model):
+    # from the warm-started model itself: with 2 trainer ranks the warm start's key (it holds the trainer's
+    # layout) is not the session's, and training it again inside the job cost ~270 s of CI; the warm start
+    # on two ranks is tests/integration/test_sft_run.py's, in a Slurm job test_sweep_cluster.py's
     job_id, run_dir = submit(tmp_path, sft_model, "run.name=het", "run.placement=disaggregate",
                              "train.nprocs=2", "train.micro_batch_size=32", "slurm.cpus_per_task=1",
-                             "slurm.rollout={nodes: 1, cpus_per_task: 2}")
+                             "slurm.rollout={nodes: 1, cpus_per_task: 2}", warm_start=False)
     state = wait_final(job_id, run_dir)
     assert state == "COMPLETED", job_log(run_dir)
     check_learned(run_dir)
