@@ -29,6 +29,7 @@ Usage::
     bash .ci/install --bench                 # trl, accelerate, datasets
     python benchmarks/sft.py                 # fp32, every core
     python benchmarks/sft.py --threads 1 --steps 4
+    python benchmarks/sft.py --model tiny-qwen2 --batch 256 --sides hpcrl-padded,hf-loop   # the quickstart's
 """
 
 from __future__ import annotations
@@ -183,6 +184,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (every side)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--sides", default="hpcrl-padded,hpcrl-packed,hf-loop,trl")
+    p.add_argument("--model", choices=("smollm2", "tiny-qwen2"), default="smollm2",
+                   help="tiny-qwen2: the quickstart's model (hidden 128, 4 layers) on 3-digit addition, the "
+                        "quickstart's warm start (use --batch 256)")
     args = p.parse_args(argv)
 
     import torch
@@ -191,8 +195,18 @@ def main(argv=None) -> int:
     from hpcrl.data.demonstrations import demonstration
 
     torch.set_num_threads(args.threads)
-    model = smollm2()
-    items = load_items()
+    if args.model == "smollm2":
+        model, items = smollm2(), load_items()
+        what = f"SmolLM2-135M-Instruct, {{n}} demonstrations of {DEMOS.relative_to(ROOT)}"
+    else:
+        from hpcrl.data.tasks import AdditionTask
+        from hpcrl.models.tiny import create_tiny_qwen2
+
+        model = ROOT / ".cache/models/tiny-qwen2-bench"
+        if not (model / "config.json").exists():
+            create_tiny_qwen2(model)
+        items = AdditionTask().generate(4096, seed=1)
+        what = "tiny Qwen2 (the quickstart's), {n} addition problems"
     tok = AutoTokenizer.from_pretrained(str(model))
     samples = [demonstration(tok, {"prompt": it["prompt"], "label": it["label"], "metadata": {}}, False, index=i)
                for i, it in enumerate(items)]
@@ -215,8 +229,8 @@ def main(argv=None) -> int:
              "hf-loop": "HF loop (hpcrl/sft.py before #40)", "trl": "TRL SFTTrainer"}
     rate = {s: sum(n for _, n in r) / sum(t for t, _ in r) for s, r in results.items()}
     print(machine_header(threads=args.threads, precision=args.dtype))
-    print(f"# SmolLM2-135M-Instruct, {len(samples)} demonstrations of {DEMOS.relative_to(ROOT)} "
-          f"({mean_tokens:.0f} tokens mean), batch {args.batch}, micro-batch {args.micro or args.batch}, "
+    print(f"# {what.format(n=len(samples))} ({mean_tokens:.0f} tokens mean), batch {args.batch}, "
+          f"micro-batch {args.micro or args.batch}, "
           f"{args.steps} timed steps after {args.warmup}, AdamW lr {LR}, clip 1.0, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}")
     print("| side | step s (median) | tokens/s | vs HF loop |")
