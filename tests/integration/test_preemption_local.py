@@ -94,6 +94,17 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def kill_and_expect_gone(proc: subprocess.Popen, children: list[int], within_s: float) -> None:
+    """SIGKILL ``proc`` (the ``hpcrl run`` launcher) and assert that none of ``children`` (its descendants)
+    is alive ``within_s`` seconds later."""
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + within_s
+    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes of the killed run outlived it: {[full_cmdline(p) for p in left]}"
+
+
 def steps_done(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -208,12 +219,7 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, reference):
     time.sleep(random.Random(0).uniform(0.0, 0.5))  # somewhere inside a later step
     children = descendants(proc.pid)
     assert children, "the run has no child processes (engine)?"
-    proc.kill()
-    proc.wait()
-    deadline = time.monotonic() + 15
-    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"processes of the SIGKILLed run outlived it: {[_cmdline(p) for p in left]}"
+    kill_and_expect_gone(proc, children, 15)
     assert run_state(run_dir) == "FAILED"  # died without recording an outcome
     proc = start(tmp_path, "kill", "checkpoint.save_interval=1")
     assert finish(proc) == 0, (tmp_path / "kill.log").read_text()[-3000:]
@@ -261,9 +267,4 @@ def test_a_killed_launcher_takes_its_trainer_ranks_and_engine_with_it(tmp_path):
     ranks = [p for p in children if "spawn_main" in full_cmdline(p)]
     assert len(ranks) == 2 and any("hpcrl.engine.server" in full_cmdline(p) for p in children), \
         [full_cmdline(p) for p in children]
-    proc.kill()
-    proc.wait()
-    deadline = time.monotonic() + 30
-    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"processes of the killed launcher outlived it: {[full_cmdline(p) for p in left]}"
+    kill_and_expect_gone(proc, children, 30)
