@@ -241,8 +241,8 @@ class RunSession:
 
     def close(self) -> None:
         """Tear down in order: run log (a run stopped by an error: its bar ends and its curves are drawn
-        too), the critic's own ranks, the weight syncer's group, rollout manager, preemption watch, model-parallel groups and the
-        default process group when the session formed it."""
+        too), the critic's own ranks, the weight syncer's group, rollout manager, preemption watch,
+        model-parallel groups and the default process group when the session formed it."""
         if self.metrics is not None:
             self.metrics.close()
         if self.critic_group is not None:
