@@ -641,8 +641,8 @@ def check_demonstrations(cfg: Any) -> None:
     """On the login node, when the run trains with the ``sft`` recipe (``run.mode: sft``, a warm start, an
     SFT teacher): every train row of the demonstrations' data file (``sft.data.source``, else
     ``data.source``) is read with the run's reader and must be a demonstration
-    (:func:`hpcrl.data.demonstrations.demonstration_problem`). Generated sources (``addition``, reasoning-gym) carry labels and are not read. Raises ConfigError naming
-    the field, the file and the row."""
+    (:func:`hpcrl.data.demonstrations.demonstration_problem`). Generated sources (``addition``,
+    reasoning-gym) carry labels and are not read. Raises ConfigError naming the field, the file and the row."""
     from hpcrl.config.run import uses_sft
     from hpcrl.data.demonstrations import demonstration_problem
 
