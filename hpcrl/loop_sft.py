@@ -15,7 +15,8 @@ killed run resumes bitwise) and the preemption watch. The trainer side is :func:
 The recipe ends on accuracy when ``sft.target_accuracy`` is set (the warm start's rule, :mod:`hpcrl.sft`):
 evals every ``sft.eval_interval`` steps, every ``sft.eval_interval_near_target`` once an eval reached a
 quarter of the target (:class:`EvalSchedule`), and the run stops, checkpointed, at the first eval at or above
-it (``"target"`` in the result); ``sft.steps`` is a cap.
+it, or whose mean with the evals before it (``sft.target_window`` of them) is (``"target"`` in the result);
+``sft.steps`` is a cap.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ class EvalSchedule:
     """When the SFT loop evaluates and whether it reached ``sft.target_accuracy``: a stateful object of the
     checkpoint (``state.json`` ``sft_eval``), so a resumed run keeps its interval.
 
-    ``sft``: the recipe (``eval_interval``, ``eval_interval_near_target``, ``target_accuracy``)."""
+    ``sft``: the recipe (``eval_interval``, ``eval_interval_near_target``, ``target_accuracy``,
+    ``target_window``: the target is reached when the mean of the last ``target_window`` evals meets it)."""
 
     def __init__(self, sft: Any) -> None:
         self.sft = sft
         self.interval = sft.eval_interval
         self.last_eval = -1
         self.accuracy: Optional[float] = None
+        self.recent: list[float] = []  # the last ``target_window`` eval accuracies, oldest first
         self.reached = False
 
     def due(self, step: int, num_steps: int) -> bool:
@@ -62,20 +65,23 @@ class EvalSchedule:
         if acc is None:
             return
         self.last_eval, self.accuracy = step, float(acc)
+        window = self.sft.target_window
+        self.recent = [*self.recent, float(acc)][-window:]
         target, near = self.sft.target_accuracy, self.sft.eval_interval_near_target
         if target is None:
             return
         if near and self.interval != near and acc >= NEAR_TARGET_FRACTION * target:
             self.interval = near
-        self.reached = acc >= target
+        self.reached = len(self.recent) == window and sum(self.recent) / window >= target
 
     def state_dict(self) -> dict[str, Any]:
         return {"interval": self.interval, "last_eval": self.last_eval, "accuracy": self.accuracy,
-                "reached": self.reached}
+                "recent": list(self.recent), "reached": self.reached}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.interval, self.last_eval = int(state["interval"]), int(state["last_eval"])
         self.accuracy, self.reached = state.get("accuracy"), bool(state.get("reached"))
+        self.recent = [float(a) for a in state.get("recent", [] if self.accuracy is None else [self.accuracy])]
 
 
 def sft_data_config(cfg: Config) -> Config:

@@ -104,7 +104,8 @@ def cache_key(cfg: "Config", base: Path) -> dict[str, Any]:
                  "files_sha256": _sha256_files(files) if files else None},
         "seed": cfg.run.seed,
         "sft": {k: getattr(cfg.sft, k) for k in ("steps", "batch_size", "lr", "target_accuracy",
-                                                  "eval_interval", "eval_interval_near_target")},
+                                                  "eval_interval", "eval_interval_near_target")}
+        | ({"target_window": cfg.sft.target_window} if cfg.sft.target_window != 1 else {}),  # 1: earlier keys
         "eval": {"max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                  "stop": list(cfg.rollout.stop), "temperature": cfg.eval.temperature},
         "dtype": cfg.model.dtype,

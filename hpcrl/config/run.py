@@ -135,6 +135,12 @@ class SFTSection:
     (``hpcrl.sft_recipe.NEAR_TARGET_FRACTION``), eval every this many steps instead of ``eval_interval``, so a sharp
     rise stops near the target rather than up to ``eval_interval`` steps past it (3-digit addition gains ~2
     points a step there). None: ``eval_interval``."""
+    target_window: int = 1
+    """With ``target_accuracy``: stop when the mean of the last this many evals reaches the target (1: the
+    first eval at or above it). Near the target greedy accuracy jumps between evals (seed 5 of the quickstart:
+    0.32, 0.35, 0.36, 0.34, then 0.44 two steps later), so one eval stops on its upward jumps and RL then starts
+    from a model whose accuracy falls back to its level (a 10-point dip in RL's first 100 steps); a mean of
+    several stops on the level instead."""
     data: Optional[DataSection] = None
     """The demonstrations, when they are not the RL prompts: a data section of its own (the fields of
     ``data:``; e.g. ``{source: demos.jsonl, num_eval: 16}``), used by the warm start in place of ``data``.
@@ -251,7 +257,10 @@ def check_sft(cfg: Config, check_files: bool = False) -> None:
         require(s.output != cfg.model.path, "sft.output", s.output, "must differ from model.path",
                  "save the SFT model to its own folder")
     positive(cfg, "sft.steps", "sft.batch_size", "sft.lr", "sft.eval_interval",
-             "sft.eval_interval_near_target")
+             "sft.eval_interval_near_target", "sft.target_window")
+    require(s.target_window == 1 or s.target_accuracy is not None, "sft.target_window", s.target_window,
+            "averages the evals that stop training at sft.target_accuracy, which is not set",
+            "set sft.target_accuracy, or sft.target_window=1")
     if s.target_accuracy is not None:
         require(0 < s.target_accuracy <= 1, "sft.target_accuracy", s.target_accuracy, "must be in (0, 1]",
                  "e.g. sft.target_accuracy=0.9, or null to always run all steps")

@@ -112,12 +112,15 @@ def test_validate_ok_with_overrides(tmp_path, capsys):
     assert out.startswith(f"OK: {cfg}\n") and "16 prompts x 8 samples" in out and "global batch 128" in out
 
 
-@pytest.mark.parametrize("target, line", [
-    ("0.4", "sft:       until greedy accuracy >= 0.4 (eval every 10 steps, every 2 from 0.1), at most 3000 steps"),
-    ("null", "sft:       eval every 10 steps, 3000 steps, batch 256"),  # the near-target interval needs a target
+@pytest.mark.parametrize("target, window, line", [
+    ("0.4", 3, "sft:       until greedy accuracy (mean of the last 3 evals) >= 0.4 (eval every 10 steps, every 2 "
+     "from 0.1), at most 3000 steps"),
+    ("0.4", 1, "sft:       until greedy accuracy >= 0.4 (eval every 10 steps, every 2 from 0.1), at most 3000 steps"),
+    ("null", 1, "sft:       eval every 10 steps, 3000 steps, batch 256"),  # the near-target interval needs a target
 ])
-def test_validate_summarizes_the_sft_stop(capsys, target, line):
-    argv = ["validate", str(REPO / "configs" / "quickstart.yaml"), f"sft.target_accuracy={target}"]
+def test_validate_summarizes_the_sft_stop(capsys, target, window, line):
+    argv = ["validate", str(REPO / "configs" / "quickstart.yaml"), f"sft.target_accuracy={target}",
+            f"sft.target_window={window}"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert line in out and "warm start on the Megatron trainer" in out

@@ -226,6 +226,10 @@ BAD = [
     ("sft-without-output", M + "sft: {enabled: true}\n", [], "sft.output", "", ["sft.enabled"]),
     ("sft-near-target-interval-zero", M + "sft: {eval_interval_near_target: 0}\n", [],
      "sft.eval_interval_near_target", 0, ["must be > 0"]),
+    ("sft-target-window-zero", M + "sft: {target_accuracy: 0.4, target_window: 0}\n", [],
+     "sft.target_window", 0, ["must be > 0"]),
+    ("sft-target-window-without-target", M + "sft: {target_window: 3}\n", [], "sft.target_window", 3,
+     ["sft.target_accuracy, which is not set", "sft.target_window=1"]),
     ("missing-sft-data-file", M + "sft: {data: {source: /nonexistent/demos.jsonl}}\n", [], "sft.data.source",
      "/nonexistent/demos.jsonl", ["no such data file"]),
     ("sft-data-empty-key", M + "sft: {data: {source: addition}}\n", ["sft.data.label_key="],
@@ -392,8 +396,9 @@ def test_quickstart_values():
     assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 700, "addition")
     assert (cfg.sft.enabled, cfg.sft.output, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr) == (
         True, ".cache/models/tiny-qwen2-addition-sft", 3000, 256, 1e-3)
-    # SFT ends on accuracy (issue #9), checked every 2 steps near the target
-    assert (cfg.sft.target_accuracy, cfg.sft.eval_interval, cfg.sft.eval_interval_near_target) == (0.4, 10, 2)
+    # SFT ends on accuracy (issue #9), checked every 2 steps near the target, the mean of the last 3 evals
+    assert (cfg.sft.target_accuracy, cfg.sft.target_window, cfg.sft.eval_interval,
+            cfg.sft.eval_interval_near_target) == (0.38, 3, 10, 2)
     assert (cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens) == (8, 8, 8)
     assert cfg.rollout.dynamic_filter == "nonzero_std" and cfg.train.lr == 1.5e-4
     assert (cfg.train.lr_warmup_steps, cfg.train.lr_decay_style, cfg.train.lr_decay_steps) == (50, "cosine", 700)
