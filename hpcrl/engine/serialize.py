@@ -19,6 +19,12 @@ torch's shared-memory manager exits with the last process that used it. Payloads
 
 The engine unpickles with an allow-list (torch's rebuild functions, storages, dtypes, sizes and the
 flattened-bucket metadata), never arbitrary globals.
+
+**Busy machines.** Opening a ``file_system`` block (the receiver) and sharing one (the sender's arena) ask the
+sender's ``torch_shm_manager`` daemon, and torch gives its answer one second (libshm's ``poll``). On cores
+loaded by other work the daemon can miss that ("Shared memory manager connection has timed out": a quickstart
+warm start died so at a load average of 12), so both are retried (:data:`SHM_RETRY_SECONDS`). A retried open
+is the same call again: the failed one neither cached the block nor dropped its reference.
 """
 
 from __future__ import annotations
@@ -28,11 +34,40 @@ import dataclasses
 import io
 import pickle
 import threading
-from typing import Any
+import time
+from typing import Any, Callable, TypeVar
 
 import torch
 
 _STRATEGY_LOCK = threading.Lock()
+_T = TypeVar("_T")
+
+SHM_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""The waits (seconds) before each retry of a shared-memory open or share that torch's shared-memory manager
+did not answer within its one second (module doc): six tries over ~13 s."""
+SHM_TIMEOUT_MESSAGE = "Shared memory manager connection has timed out"
+
+
+def retry_shm_timeouts(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)``, called again after each wait of :data:`SHM_RETRY_SECONDS` while it raises
+    torch's shared-memory manager timeout (a RuntimeError with :data:`SHM_TIMEOUT_MESSAGE`); raises the last
+    one, and any other error at once."""
+    for wait in (*SHM_RETRY_SECONDS, None):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if wait is None or SHM_TIMEOUT_MESSAGE not in str(e):
+                raise
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _rebuild_storage_filename(*args: Any, **kwargs: Any) -> Any:
+    """torch's ``rebuild_storage_filename`` (the receiver's open of a ``file_system`` block), retried on the
+    manager's timeout."""
+    from torch.multiprocessing.reductions import rebuild_storage_filename
+
+    return retry_shm_timeouts(rebuild_storage_filename, *args, **kwargs)
 
 
 @dataclasses.dataclass
@@ -52,10 +87,25 @@ class FlattenedTensorMetadata:
     numel: int
 
 
+def _share(t: torch.Tensor) -> torch.Tensor:
+    """Move CPU tensor ``t``'s storage into ``file_system`` shared memory (retried on the manager's timeout),
+    so pickling it later only names the block."""
+    import torch.multiprocessing as tmp
+
+    with _STRATEGY_LOCK:
+        old = tmp.get_sharing_strategy()
+        tmp.set_sharing_strategy("file_system")
+        try:
+            retry_shm_timeouts(t.share_memory_)
+        finally:
+            tmp.set_sharing_strategy(old)
+    return t
+
+
 def _prepare(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach()
     if t.device.type == "cpu":
-        t = t.clone(memory_format=torch.contiguous_format)
+        t = _share(t.clone(memory_format=torch.contiguous_format))
     return t
 
 
@@ -113,6 +163,8 @@ def serialize_flattened_bucket(named_tensors: list[tuple[str, torch.Tensor]]) ->
                                                 numel=flat.numel()))
         offset += flat.numel()
     flattened = torch.cat(parts)
+    if flattened.device.type == "cpu":
+        _share(flattened)
     return _dumps({"flattened_tensor": flattened, "metadata": metadata})
 
 
@@ -140,18 +192,9 @@ class StagingArena:
 
     def _reserve(self, nbytes: int) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < nbytes:
-            import torch.multiprocessing as tmp
-
             self.buffer = None  # the old one's pages go before the new one's come
-            buf = torch.zeros(nbytes, dtype=torch.uint8)  # zeroed: its pages are touched here, not per sync
-            with _STRATEGY_LOCK:
-                old = tmp.get_sharing_strategy()
-                tmp.set_sharing_strategy("file_system")
-                try:
-                    buf.share_memory_()
-                finally:
-                    tmp.set_sharing_strategy(old)
-            self.buffer = buf
+            # zeroed: its pages are touched here, not per sync
+            self.buffer = _share(torch.zeros(nbytes, dtype=torch.uint8))
         return self.buffer
 
     def pack(self, named_tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
@@ -202,6 +245,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     """Unpickler that resolves only the globals a tensor payload needs."""
 
     def find_class(self, module: str, name: str):  # noqa: D401 - pickle API
+        if module == "torch.multiprocessing.reductions" and name == "rebuild_storage_filename":
+            return _rebuild_storage_filename
         if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"):
             import torch.multiprocessing.reductions as red
 
