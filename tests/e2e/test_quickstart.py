@@ -33,9 +33,9 @@ def test_quickstart_learns_from_a_fresh_folder(quickstart_run):
     curve = [(r["step"], round(r["eval/accuracy"], 3)) for r in rows if "eval/accuracy" in r]
     print(f"quickstart: {seconds:.0f} s from a fresh folder; SFT evals {sft_evals}; GRPO eval curve {curve}")
 
-    # SFT ends on accuracy: the mean of the last `window` evals is below the target until the last eval, where it
-    # meets it; evals come
-    # every `interval` steps, then every `near` steps from the first eval at a quarter of the target on.
+    # SFT ends on accuracy: the mean of the last `window` evals (`sft.target_window`) is below the target until
+    # the last eval, where it meets it; evals come every `interval` steps, then every `near` steps from the first
+    # eval at a quarter of the target on.
     from hpcrl.sft_recipe import NEAR_TARGET_FRACTION
 
     gaps = [b - a for (a, _), (b, _) in zip(sft_evals, sft_evals[1:])]
