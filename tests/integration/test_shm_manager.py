@@ -28,10 +28,8 @@ STOPPED_S = 2.5
 """How long the manager is stopped (seconds): more than torch's one-second wait, less than hpcrl's retries."""
 
 RECEIVER = r"""
-import base64, io, sys
+import base64, pickle, sys
 import torch
-from multiprocessing.reduction import ForkingPickler
-import pickle
 from hpcrl.engine.serialize import deserialize_flattened_bucket
 mode = sys.argv[1]
 print("ready", flush=True)
