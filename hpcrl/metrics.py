@@ -91,11 +91,12 @@ class MetricsLogger:
     """Writes step metrics to JSONL and TensorBoard and drives a progress bar with reward and ETA.
 
     ``start_step`` is the first rollout id of this attempt (non-zero after a resume); ``total_steps`` the
-    run's ``num_rollout``. Only the controller (rank 0) creates one.
+    run's ``num_rollout``; ``desc`` the progress bar's label (``"sft"`` for a run of ``run.mode: sft``, whose
+    steps are optimizer steps on demonstrations, not rollouts). Only the controller (rank 0) creates one.
     """
 
     def __init__(self, run_dir: str | os.PathLike, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True):
+                 tensorboard: bool = True, progress: bool = True, desc: str = "rollout"):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -109,7 +110,7 @@ class MetricsLogger:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="rollout", unit="step",
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
                              dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, Any], advance: bool = True) -> dict[str, Any]:

@@ -285,7 +285,8 @@ class RunLog:
         from hpcrl.tracking import WandbTracker
 
         self.run_dir = run_dir
-        self.logger = MetricsLogger(run_dir, total_steps, start_step) if controller else None
+        desc = "sft" if cfg is not None and cfg.run.mode == "sft" else "rollout"
+        self.logger = MetricsLogger(run_dir, total_steps, start_step, desc=desc) if controller else None
         with_wandb = controller and cfg is not None
         self.tracker = WandbTracker.start(cfg, run_dir, start_step) if with_wandb else None
         self.stopped: Optional[str] = None

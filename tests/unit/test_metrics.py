@@ -103,3 +103,16 @@ def test_timed_accumulates_seconds():
     with timed(m, "t"):
         pass
     assert m["t"] > 0
+
+
+def test_progress_bar_is_labelled_by_the_run_mode(tmp_path, capsys):
+    from hpcrl.config import Config
+    from hpcrl.run_session import RunLog
+
+    cfg = Config()
+    for mode, label in (("sync", "rollout"), ("sft", "sft")):
+        cfg.run.mode = mode
+        log = RunLog(tmp_path / mode, total_steps=2, start_step=0, controller=True, cfg=cfg)
+        log.log(0, {"rollout/reward_mean": 0.5})
+        log.logger.close()
+        assert capsys.readouterr().err.lstrip("\r").startswith(f"{label}:"), mode
