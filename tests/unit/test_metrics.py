@@ -114,5 +114,5 @@ def test_progress_bar_is_labelled_by_the_run_mode(tmp_path, capsys):
         cfg.run.mode = mode
         log = RunLog(tmp_path / mode, total_steps=2, start_step=0, controller=True, cfg=cfg)
         log.log(0, {"rollout/reward_mean": 0.5})
-        log.logger.close()
+        log.close()
         assert capsys.readouterr().err.lstrip("\r").startswith(f"{label}:"), mode
