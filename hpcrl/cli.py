@@ -80,7 +80,9 @@ def summarize(cfg: Config) -> list[str]:
         near = (f", every {s.eval_interval_near_target} from {NEAR_TARGET_FRACTION * s.target_accuracy:g}"
                 if s.eval_interval_near_target and s.target_accuracy is not None else "")
         mean = f" (mean of the last {s.target_window} evals)" if s.target_window > 1 else ""
-        until = (f"until greedy accuracy{mean} >= {s.target_accuracy} (eval every {s.eval_interval} steps{near}), "
+        anneal = f" then {s.anneal_steps} steps of lr decay to 0," if s.anneal_steps else ""
+        until = (f"until greedy accuracy{mean} >= {s.target_accuracy} (eval every {s.eval_interval} steps{near}),"
+                 f"{anneal} "
                  "at most " if s.target_accuracy is not None else f"eval every {s.eval_interval} steps, ")
         where = ("this run (Megatron trainer)" if sft_run else
                  f"warm start on the Megatron trainer -> {s.output} (cached by key in {s.output}{STORE_SUFFIX})")

@@ -16,7 +16,8 @@ The recipe ends on accuracy when ``sft.target_accuracy`` is set (the warm start'
 evals every ``sft.eval_interval`` steps, every ``sft.eval_interval_near_target`` once an eval reached a
 quarter of the target (:class:`EvalSchedule`), and the run stops, checkpointed, at the first eval at or above
 it, or whose mean with the evals before it (``sft.target_window`` of them) is (``"target"`` in the result);
-``sft.steps`` is a cap.
+with ``sft.anneal_steps`` it trains that many more steps with the lr decayed linearly towards 0 first and
+stops after their eval; ``sft.steps`` is a cap.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class EvalSchedule:
     checkpoint (``state.json`` ``sft_eval``), so a resumed run keeps its interval.
 
     ``sft``: the recipe (``eval_interval``, ``eval_interval_near_target``, ``target_accuracy``,
-    ``target_window``: the target is reached when the mean of the last ``target_window`` evals meets it)."""
+    ``target_window``: the target is met when the mean of the last ``target_window`` evals meets it;
+    ``anneal_steps``: then that many steps of lr decay and one eval end the recipe, ``reached``)."""
 
     def __init__(self, sft: Any) -> None:
         self.sft = sft
@@ -50,12 +52,28 @@ class EvalSchedule:
         self.last_eval = -1
         self.accuracy: Optional[float] = None
         self.recent: list[float] = []  # the last ``target_window`` eval accuracies, oldest first
+        self.anneal_from: Optional[int] = None  # the first step of the lr decay (``sft.anneal_steps``)
         self.reached = False
+
+    @property
+    def anneal_end(self) -> Optional[int]:
+        """The last step of the lr decay (None before the target is met or without ``sft.anneal_steps``)."""
+        return None if self.anneal_from is None else self.anneal_from + self.sft.anneal_steps - 1
 
     def due(self, step: int, num_steps: int) -> bool:
         """Whether to evaluate after step ``step`` (0-based): ``interval`` steps after the last eval, and the
-        last step."""
+        last step; during the lr decay only after its last step."""
+        if self.anneal_end is not None:
+            return step == self.anneal_end or step == num_steps - 1
         return step - self.last_eval >= self.interval or step == num_steps - 1
+
+    def lr_scale(self, step: int) -> float:
+        """The factor on the recipe's lr at ``step``: 1, and during the lr decay ``(K - i) / (K + 1)`` at its
+        ``i``-th step of ``K`` (``sft.anneal_steps``): linear from just under 1 to ``1 / (K + 1)``."""
+        if self.anneal_from is None or step < self.anneal_from:
+            return 1.0
+        k = self.sft.anneal_steps
+        return max(k - (step - self.anneal_from), 0) / (k + 1)
 
     def observe(self, step: int, metrics: dict[str, Any]) -> None:
         """Record the eval after ``step`` (-1: before the first) from its metrics (``eval/accuracy``). Every
@@ -72,15 +90,23 @@ class EvalSchedule:
             return
         if near and self.interval != near and acc >= NEAR_TARGET_FRACTION * target:
             self.interval = near
-        self.reached = len(self.recent) == window and sum(self.recent) / window >= target
+        if self.anneal_end is not None:  # the eval after the lr decay ends the recipe, whatever its accuracy
+            self.reached = step >= self.anneal_end
+            return
+        met = len(self.recent) == window and sum(self.recent) / window >= target
+        if met and self.sft.anneal_steps:
+            self.anneal_from = step + 1
+        else:
+            self.reached = met
 
     def state_dict(self) -> dict[str, Any]:
         return {"interval": self.interval, "last_eval": self.last_eval, "accuracy": self.accuracy,
-                "recent": list(self.recent), "reached": self.reached}
+                "recent": list(self.recent), "reached": self.reached, "anneal_from": self.anneal_from}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.interval, self.last_eval = int(state["interval"]), int(state["last_eval"])
         self.accuracy, self.reached = state.get("accuracy"), bool(state.get("reached"))
+        self.anneal_from = state.get("anneal_from")
         self.recent = [float(a) for a in state.get("recent", [] if self.accuracy is None else [self.accuracy])]
 
 
@@ -176,7 +202,7 @@ def train_sft_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Opti
             if schedule.reached:
                 break
             t_step = time.perf_counter()
-            metrics = trainer.train(step, demos.next_batch())
+            metrics = trainer.train(step, demos.next_batch(), lr_scale=schedule.lr_scale(step))
             if schedule.due(step, num_steps):
                 metrics.update(sync_weights(trainer, syncer, rollout, version=step + 1))
                 metrics.update(rollout.evaluate(step))

@@ -105,7 +105,8 @@ def cache_key(cfg: "Config", base: Path) -> dict[str, Any]:
         "seed": cfg.run.seed,
         "sft": {k: getattr(cfg.sft, k) for k in ("steps", "batch_size", "lr", "target_accuracy",
                                                   "eval_interval", "eval_interval_near_target")}
-        | ({"target_window": cfg.sft.target_window} if cfg.sft.target_window != 1 else {}),  # 1: earlier keys
+        | ({"target_window": cfg.sft.target_window} if cfg.sft.target_window != 1 else {})  # 1: earlier keys
+        | ({"anneal_steps": cfg.sft.anneal_steps} if cfg.sft.anneal_steps else {}),  # 0: earlier keys
         "eval": {"max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                  "stop": list(cfg.rollout.stop), "temperature": cfg.eval.temperature},
         "dtype": cfg.model.dtype,

@@ -141,6 +141,12 @@ class SFTSection:
     0.32, 0.35, 0.36, 0.34, then 0.44 two steps later), so one eval stops on its upward jumps and RL then starts
     from a model whose accuracy falls back to its level (a 10-point dip in RL's first 100 steps); a mean of
     several stops on the level instead."""
+    anneal_steps: int = 0
+    """With ``target_accuracy``: when the target is met, train this many more steps with the learning rate
+    decayed linearly towards 0 (the decay phase of a warmup-stable-decay schedule: MiniCPM, Hu et al. 2024;
+    Megatron's ``--lr-decay-style WSD``), then eval once and stop. At lr 1e-3 the model's greedy accuracy
+    swings several points from step to step, so the step that meets the target may be a lucky one; the decay
+    settles it. 0: stop at the eval that meets the target."""
     data: Optional[DataSection] = None
     """The demonstrations, when they are not the RL prompts: a data section of its own (the fields of
     ``data:``; e.g. ``{source: demos.jsonl, num_eval: 16}``), used by the warm start in place of ``data``.
@@ -258,6 +264,10 @@ def check_sft(cfg: Config, check_files: bool = False) -> None:
                  "save the SFT model to its own folder")
     positive(cfg, "sft.steps", "sft.batch_size", "sft.lr", "sft.eval_interval",
              "sft.eval_interval_near_target", "sft.target_window")
+    non_negative(cfg, "sft.anneal_steps")
+    require(s.anneal_steps == 0 or s.target_accuracy is not None, "sft.anneal_steps", s.anneal_steps,
+            "decays the learning rate once sft.target_accuracy is met, which is not set",
+            "set sft.target_accuracy, or sft.anneal_steps=0")
     require(s.target_window == 1 or s.target_accuracy is not None, "sft.target_window", s.target_window,
             "averages the evals that stop training at sft.target_accuracy, which is not set",
             "set sft.target_accuracy, or sft.target_window=1")

@@ -69,10 +69,10 @@ class SupervisedTrainer(ModelOnRank):
         self.train_section = sft_train_section(cfg)
         self.bind_model(*tmodel.setup_model_and_optimizer(hf_path, self.train_section, dict(cfg.megatron or {})))
 
-    def train(self, step: int, samples: Sequence["Sample"]) -> dict[str, float]:
+    def train(self, step: int, samples: Sequence["Sample"], lr_scale: float = 1.0) -> dict[str, float]:
         """One optimizer step on ``samples`` (the global batch; every rank passes all of them) at SFT step
-        ``step`` (0-based; the learning rate is :func:`hpcrl.sft_recipe.lr_at` of it). Collective over the trainer's
-        ranks.
+        ``step`` (0-based; the learning rate is :func:`hpcrl.sft_recipe.lr_at` of it times ``lr_scale``, the
+        SFT loop's decay after the target, ``sft.anneal_steps``). Collective over the trainer's ranks.
 
         Returns ``train/{loss (nats per trained token, the batch's mean), grad_norm, lr, tokens (trained
         tokens of the batch), tokens_per_s (all tokens of the batch per second), forward_tokens, seconds}``.
@@ -84,7 +84,7 @@ class SupervisedTrainer(ModelOnRank):
         from hpcrl.train.actor import build_steps, micro_batch_log_probs
 
         t0 = time.perf_counter()
-        lr = sft.lr_at(step, self.cfg.sft.steps, self.cfg.sft.lr)
+        lr = sft.lr_at(step, self.cfg.sft.steps, self.cfg.sft.lr) * lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         masks = [torch.as_tensor(s.loss_mask, dtype=torch.float32) for s in samples]

@@ -38,12 +38,18 @@ def test_quickstart_learns_from_a_fresh_folder(quickstart_run):
     # eval at a quarter of the target on.
     from hpcrl.sft_recipe import NEAR_TARGET_FRACTION
 
-    gaps = [b - a for (a, _), (b, _) in zip(sft_evals, sft_evals[1:])]
+    # With `sft.anneal_steps: K` the eval that met the target is followed by K steps of lr decay and one more
+    # eval, which ends SFT.
+    anneal = cfg["sft"].get("anneal_steps", 0)
+    met = sft_evals[:-1] if anneal else sft_evals
+    if anneal:
+        assert sft_evals[-1][0] - sft_evals[-2][0] == anneal, sft_evals
+    gaps = [b - a for (a, _), (b, _) in zip(met, met[1:])]
     assert sft_evals[0][0] == 0
-    near_from = next(i for i, (_, acc) in enumerate(sft_evals) if acc >= NEAR_TARGET_FRACTION * target)
+    near_from = next(i for i, (_, acc) in enumerate(met) if acc >= NEAR_TARGET_FRACTION * target)
     assert gaps == [interval if i < near_from else near for i in range(len(gaps))], sft_evals
     window = cfg["sft"].get("target_window", 1)
-    means = [sum(a for _, a in sft_evals[i + 1 - window:i + 1]) / window for i in range(window - 1, len(sft_evals))]
+    means = [sum(a for _, a in met[i + 1 - window:i + 1]) / window for i in range(window - 1, len(met))]
     assert all(m < target for m in means[:-1]) and means[-1] >= target, (means, sft_evals)
     assert sft_evals[-1][0] < cfg["sft"]["steps"], "SFT hit its step cap instead of the target"
 

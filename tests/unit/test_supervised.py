@@ -68,9 +68,12 @@ def sft_config(batch_size: int, lr: float = 1.0, tp: int = 1, nprocs: int = 1, *
     return cfg
 
 
-@pytest.mark.parametrize("layout", [{"train.micro_batch_size": 5}, {"train.max_tokens_per_microbatch": 64}],
-                         ids=["padded", "packed"])
-def test_one_sft_step_equals_hf_adamw(tp1, tiny_model_dir, layout):
+@pytest.mark.parametrize("layout,lr_scale", [({"train.micro_batch_size": 5}, 1.0),
+                                             ({"train.max_tokens_per_microbatch": 64}, 0.25)],
+                         ids=["padded", "packed-lr-decay"])
+def test_one_sft_step_equals_hf_adamw(tp1, tiny_model_dir, layout, lr_scale):
+    """One step equals HF + AdamW at the recipe's lr (times ``lr_scale``: a step of ``sft.anneal_steps``'
+    decay, which the SFT loop passes) to 1e-6, padded and packed."""
     from hpcrl import sft_recipe as sft
     from hpcrl.train.bridge import export_hf_weights
     from hpcrl.train.supervised import SupervisedTrainer
@@ -78,8 +81,8 @@ def test_one_sft_step_equals_hf_adamw(tp1, tiny_model_dir, layout):
     samples = demos(tiny_model_dir)
     cfg = sft_config(len(samples), **layout)
     trainer = SupervisedTrainer(cfg, tiny_model_dir)
-    m = trainer.train(7, samples)
-    lr = sft.lr_at(7, 100, 1.0)
+    m = trainer.train(7, samples, lr_scale=lr_scale)
+    lr = sft.lr_at(7, 100, 1.0) * lr_scale
     assert m["train/lr"] == lr and m["train/tokens"] == sum(sum(s.loss_mask) for s in samples)
     loss, norm, want = hf_step(tiny_model_dir, samples, lr)
     assert m["train/loss"] == pytest.approx(loss, rel=1e-5) and m["train/grad_norm"] == pytest.approx(norm, rel=1e-5)

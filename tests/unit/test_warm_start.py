@@ -107,6 +107,30 @@ def test_schedule_stops_on_the_mean_of_the_last_evals():
     assert not s.reached
 
 
+def test_schedule_decays_the_lr_after_the_target_then_stops():
+    """``sft.anneal_steps``: the eval that meets the target starts K steps whose lr falls linearly towards 0
+    (``lr_scale``: K/(K+1) down to 1/(K+1)), with no eval until their last, whose eval ends SFT whatever its
+    accuracy; the decay's start is checkpointed with the schedule (a run resumed inside it keeps it)."""
+    sft = Config().sft
+    sft.target_accuracy, sft.eval_interval, sft.anneal_steps = 0.35, 2, 4
+    values = iter([0.0, 0.2, 0.36, 0.31, 0.9])
+    evals = run_schedule(sft, lambda k: next(values))
+    assert evals == [(0, 0.0), (2, 0.2), (4, 0.36), (8, 0.31)]  # met after step 3; steps 4-7 decay; stop at 8
+    s = EvalSchedule(sft)
+    s.observe(3, {"eval/accuracy": 0.36})
+    assert not s.reached and s.anneal_from == 4 and s.anneal_end == 7
+    assert [s.lr_scale(step) for step in range(3, 8)] == pytest.approx([1, 4 / 5, 3 / 5, 2 / 5, 1 / 5])
+    assert [s.due(step, 1000) for step in range(4, 8)] == [False, False, False, True]
+    t = EvalSchedule(sft)
+    t.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert t.state_dict() == s.state_dict() and t.lr_scale(5) == pytest.approx(3 / 5)
+    t.observe(7, {"eval/accuracy": 0.2})
+    assert t.reached
+    sft.anneal_steps = 0
+    values = iter([0.0, 0.2, 0.36, 0.9])
+    assert run_schedule(sft, lambda k: next(values))[-1] == (4, 0.36)  # 0: the eval that meets it stops
+
+
 def _cfg(tmp_path: Path, seed: int = 1) -> Config:
     cfg = Config()
     cfg.run.seed = seed
