@@ -4,7 +4,8 @@ Every algorithm trains the quickstart's model (``configs/quickstart.yaml``: tiny
 the same SFT warm start (made once in the work folder and reused: same base model, seed and recipe) for the
 same number of rollout steps, 64 samples per step:
 
-- ``grpo``: the quickstart as it is (8 prompts x 8 samples, group advantage, PPO clip);
+- ``grpo``: the quickstart at 8 prompts x 8 samples (``rollout.batch_size=8``: the quickstart itself takes 16
+  since issue #40), group advantage, PPO clip;
 - ``gspo``: ``algorithm.advantage_estimator=gspo`` (sequence-level ratio, GSPO's small clip range);
 - ``reinforce++``: ``advantage_estimator=reinforce_plus_plus`` (batch-whitened returns);
 - ``cispo``: ``algorithm.policy_loss=cispo`` (eps_low 1.0, eps_high 4.0: no lower bound, as in the paper);
@@ -54,13 +55,16 @@ from machine import machine_header  # noqa: E402
 TEACHER = ".cache/models/tiny-qwen2-addition-teacher"
 
 
+BASE = ["rollout.batch_size=8"]
+"""Before every algorithm's overrides: 8 prompts of 8 samples, 64 samples a step (the quickstart's own rollout
+takes 16 prompts since issue #40; the tables in docs/performance.md were measured at 8)."""
 PPO = ["algorithm.advantage_estimator=gae", "rollout.batch_size=64", "rollout.n_samples_per_prompt=1",
        "rollout.dynamic_filter=null", "critic.lr=1e-3", "critic.warmup_steps=5"]
 
 
 def algorithms(teacher_accuracy: float) -> dict[str, list[str]]:
-    """Overrides of ``configs/quickstart.yaml`` per algorithm (see the module doc)."""
-    return {
+    """Overrides of ``configs/quickstart.yaml`` per algorithm (see the module doc), each after :data:`BASE`."""
+    return {name: [*BASE, *overrides] for name, overrides in {
         "grpo": [],
         "gspo": ["algorithm.advantage_estimator=gspo", "algorithm.eps_clip=0.0003", "algorithm.eps_clip_high=0.0004"],
         "reinforce++": ["algorithm.advantage_estimator=reinforce_plus_plus"],
@@ -72,7 +76,7 @@ def algorithms(teacher_accuracy: float) -> dict[str, list[str]]:
                 "train.lr=4e-4", "train.min_lr=4e-5", "train.lr_warmup_steps=20",  # configs/opd-quickstart.yaml's
                 f"algorithm.opd.teachers=[{{name: strong, path: {TEACHER}, "
                 f"sft_target_accuracy: {teacher_accuracy}}}]"],
-    }
+    }.items()}
 
 
 PEAK_RSS = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "

@@ -3,8 +3,8 @@ colocated on one fake node and disaggregated as a het job over n1 + n2, with the
 from Slurm's variables, the engines as the rollout job step started by trainer rank 0, the GRPO loop, weight sync.
 
 Both runs start from the quickstart's SFT model (made once per session) and take a shorter budget than the
-quickstart: 150 steps without the nonzero-std filter, so the mean training reward is the policy's sampled
-accuracy, and "learns" is that it rises (first 50 steps vs last 50 steps).
+quickstart: 150 steps of 8 prompts (the quickstart's 16 halved) without the nonzero-std filter, so the mean
+training reward is the policy's sampled accuracy, and "learns" is that it rises (first 50 steps vs last 50 steps).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def submit(work: Path, sft_model, *overrides: str, warm_start: bool = True) -> t
     shutil.copy(REPO / "configs" / "quickstart.yaml", work / "quickstart.yaml")
     start = ([f"model.path={base}", f"sft.output={sft}"] if warm_start
              else [f"model.path={Path(sft).resolve()}", "sft.enabled=false"])
-    args = ["submit", "quickstart.yaml", *start, f"run.num_rollout={STEPS}",
+    args = ["submit", "quickstart.yaml", *start, f"run.num_rollout={STEPS}", "rollout.batch_size=8",
             f"rollout.eval_interval={STEPS}", "rollout.dynamic_filter=null", "train.lr_warmup_steps=20",
             "slurm.time=00:30:00", "slurm.signal=USR2@60", *overrides]
     out = subprocess.run([str(HPCRL), *args], cwd=work, capture_output=True, text=True, timeout=120,

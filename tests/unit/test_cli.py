@@ -49,7 +49,8 @@ def test_validate_shipped_configs_subprocess(name):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == f"OK: configs/{name}"
-    assert any(line.strip().startswith("rollout:") and "8 prompts x 8 samples" in line for line in lines)
+    prompts = {"quickstart.yaml": 16, "smollm2-arith.yaml": 8}[name]
+    assert any(line.strip().startswith("rollout:") and f" {prompts} prompts x 8 samples" in line for line in lines)
 
 
 CLI_BAD = [

@@ -397,15 +397,15 @@ def test_sweep_quickstart_warm_starts_like_the_quickstart(tmp_path):
 
 def test_quickstart_values():
     cfg = load_and_check(REPO / "configs" / "quickstart.yaml")
-    assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 700, "addition")
+    assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 600, "addition")
     assert (cfg.sft.enabled, cfg.sft.output, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr) == (
         True, ".cache/models/tiny-qwen2-addition-sft", 3000, 256, 1e-3)
     # SFT ends on accuracy (issue #9), checked every 2 steps near the target, on one eval
     assert (cfg.sft.target_accuracy, cfg.sft.target_window, cfg.sft.eval_interval,
             cfg.sft.eval_interval_near_target) == (0.4, 1, 10, 2)
-    assert (cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens) == (8, 8, 8)
+    assert (cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens) == (16, 8, 8)
     assert cfg.rollout.dynamic_filter == "nonzero_std" and cfg.train.lr == 1.5e-4
-    assert (cfg.train.lr_warmup_steps, cfg.train.lr_decay_style, cfg.train.lr_decay_steps) == (50, "cosine", 700)
+    assert (cfg.train.lr_warmup_steps, cfg.train.lr_decay_style, cfg.train.lr_decay_steps) == (50, "cosine", 600)
     assert cfg.algorithm.advantage_estimator == "grpo" and not cfg.algorithm.use_kl_loss
 
 
@@ -620,7 +620,7 @@ def test_resolved_round_trip(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["config.yaml"]  # no temp file left behind
     back = load_and_check(path)
     assert back == cfg
-    assert yaml.safe_load(path.read_text())["rollout"]["batch_size"] == 8
+    assert yaml.safe_load(path.read_text())["rollout"]["batch_size"] == 16
     assert config_to_dict(back) == config_to_dict(cfg)
 
 
