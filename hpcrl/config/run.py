@@ -138,9 +138,9 @@ class SFTSection:
     target_window: int = 1
     """With ``target_accuracy``: stop when the mean of the last this many evals reaches the target (1: the
     first eval at or above it). Near the target greedy accuracy jumps between evals (seed 5 of the quickstart:
-    0.32, 0.35, 0.36, 0.34, then 0.44 two steps later), so one eval stops on its upward jumps and RL then starts
-    from a model whose accuracy falls back to its level (a 10-point dip in RL's first 100 steps); a mean of
-    several stops on the level instead."""
+    0.32, 0.35, 0.36, 0.34, then 0.44 two steps later), so one eval stops on its upward jumps; a mean of
+    several stops on the level instead. (The 10-point dip in the quickstart's first 100 RL steps is GRPO's, not
+    the jump's: a settled 0.59 model dipped too, docs/performance.md.)"""
     anneal_steps: int = 0
     """With ``target_accuracy``: when the target is met, train this many more steps with the learning rate
     decayed linearly towards 0 (the decay phase of a warmup-stable-decay schedule: MiniCPM, Hu et al. 2024;
