@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["tests.timing"]  # per-test wall/CPU records with HPCRL_TEST_TIMING=DIR (tests/timing.py)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
