@@ -306,33 +306,45 @@ def warm_start(cfg: "Config", base: Path, launch_engines: Optional["EngineLaunch
     return folder
 
 
-def warm_starts(cfg: "Config", base: Path, launch_engines: Optional["EngineLauncher"] = None,
-                ci_checks: Optional[bool] = None) -> Optional[Path]:
-    """Every warm start a run needs before RL, on every trainer rank: its own (``sft.enabled``; not in
-    ``run.mode: sft``, where the run itself is the SFT) and each on-policy distillation teacher's with
-    ``sft_target_accuracy`` (the run's recipe to that accuracy, cached behind the teacher's ``path``, which is
-    pointed at the made folder in ``cfg``). Returns the folder RL starts from (``base`` without a warm
-    start), or None when one stopped early with a checkpoint (preempted). Raises what :func:`warm_start`
-    raises and ConfigError from the teachers' checks."""
+def warm_start_plan(cfg: "Config") -> list[tuple[Optional[int], "Config"]]:
+    """Every warm start ``cfg`` needs before RL, in the order they are made, as ``(teacher, config)`` pairs
+    whose ``config.sft`` is the recipe that makes it and ``config.sft.output`` its store: the policy's own
+    (``teacher`` None; ``sft.enabled``, not in ``run.mode: sft``, where the run itself is the SFT), then each
+    on-policy distillation teacher with ``sft_target_accuracy`` (``teacher`` its index: the run's recipe to that
+    accuracy, stored behind the teacher's ``path``). Its cache key is ``cache_key(config, base)``. Does not
+    modify ``cfg``."""
     import dataclasses
 
+    plan: list[tuple[Optional[int], "Config"]] = []
+    if cfg.sft.enabled and cfg.run.mode != "sft":
+        plan.append((None, cfg))
+    for i, t in enumerate(cfg.algorithm.opd.teachers):
+        if t.sft_target_accuracy is not None:
+            sft = dataclasses.replace(cfg.sft, enabled=True, output=t.path, target_accuracy=t.sft_target_accuracy)
+            plan.append((i, dataclasses.replace(cfg, sft=sft)))
+    return plan
+
+
+def warm_starts(cfg: "Config", base: Path, launch_engines: Optional["EngineLauncher"] = None,
+                ci_checks: Optional[bool] = None) -> Optional[Path]:
+    """Every warm start a run needs before RL (:func:`warm_start_plan`), on every trainer rank; a teacher's
+    ``path`` in ``cfg`` is pointed at the folder made for it. Returns the folder RL starts from (``base``
+    without a warm start of its own), or None when one stopped early with a checkpoint (preempted). Raises what
+    :func:`warm_start` raises and ConfigError from the teachers' checks."""
     from hpcrl.config import ConfigError
     from hpcrl.validate import check_teacher_tokenizers
 
     model = Path(base)
-    if cfg.sft.enabled and cfg.run.mode != "sft":
-        made = warm_start(cfg, model, launch_engines, ci_checks)
+    for teacher, c in warm_start_plan(cfg):
+        made = warm_start(c, Path(base), launch_engines, ci_checks)
         if made is None:
             return None
-        model = made
+        if teacher is None:
+            model = made
+        else:
+            cfg.algorithm.opd.teachers[teacher].path = str(made)
     for i, t in enumerate(cfg.algorithm.opd.teachers):
-        if t.sft_target_accuracy is not None:
-            sft = dataclasses.replace(cfg.sft, enabled=True, output=t.path, target_accuracy=t.sft_target_accuracy)
-            made = warm_start(dataclasses.replace(cfg, sft=sft), Path(base), launch_engines, ci_checks)
-            if made is None:
-                return None
-            t.path = str(made)
-        elif not (Path(t.path) / "config.json").is_file():
+        if t.sft_target_accuracy is None and not (Path(t.path) / "config.json").is_file():
             raise ConfigError(f"algorithm.opd.teachers[{i}].path", t.path, "is not an HF model folder",
                               "fix the path, or set sft_target_accuracy to make it by SFT")
     check_teacher_tokenizers(cfg)
