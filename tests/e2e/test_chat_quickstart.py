@@ -2,7 +2,7 @@
 quickstart's own run.
 
 * Chat data: 3-digit additions as JSONL rows whose prompt is a message list (with a system message), the
-  quickstart's SFT model with a chat template added (it renders the user's text as the SFT saw it), trained by
+  quickstart's SFT model (shipped: ``tests/warm_starts/quickstart``) with a chat template added (it renders the user's text as the SFT saw it), trained by
   GRPO for a few steps and evaluated on a chat eval file, greedy and as a sampled named set with pass@k. The
   same model evaluated by ``hpcrl eval`` on the same items as plain strings scores what the chat run's first
   eval scored: the chat template reaches the engine as the prompt the model knows.
@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.warm_starts import WARM_STARTS
 
 ROOT = Path(__file__).resolve().parents[2]
 HPCRL = Path(sys.executable).with_name("hpcrl")
@@ -39,12 +41,11 @@ def rows(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_quickstart_task_as_chat_data(quickstart_run, tmp_path):
-    assert quickstart_run.returncode == 0, quickstart_run.output[-3000:]
+def test_quickstart_task_as_chat_data(tmp_path):
     from hpcrl.data.tasks import make_task
 
     model = tmp_path / "sft-chat"
-    shutil.copytree(quickstart_run.sft_model, model)
+    shutil.copytree(WARM_STARTS["quickstart"].folder / "tiny-qwen2-addition-sft", model)
     (model / "chat_template.jinja").write_text(TEMPLATE)
     task = make_task("addition")
 

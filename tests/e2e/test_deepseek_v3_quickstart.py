@@ -1,9 +1,11 @@
-"""The DeepSeek-V3 quickstart (issue #35 point 5): ``hpcrl run configs/deepseek-v3-quickstart.yaml`` from a
-fresh folder. The tiny DeepSeek-V3-style model (multi-latent attention with YaRN, grouped sigmoid router with
-expert bias, shared expert, dense first layer) is created, warm-started by SFT to 30% greedy, then trained by
-GSPO with its experts over 2 trainer processes (EP=2) beside the CPU engine.
+"""The DeepSeek-V3 quickstart (issue #35 point 5): ``hpcrl run configs/deepseek-v3-quickstart.yaml`` in a
+folder holding the config's shipped warm start (``tests/warm_starts/deepseek-v3``: the tiny DeepSeek-V3-style
+model - multi-latent attention with YaRN, grouped sigmoid router with expert bias, shared expert, dense first
+layer - and its SFT to 30% greedy, made by ``hpcrl sft`` of this config; the run finds it in its cache as it
+finds its own), then GSPO with its experts over 2 trainer processes (EP=2) beside the CPU engine. The SFT at
+EP=2 itself is tests/integration/test_sft_run.py's.
 
-Asserted: SFT met its target, the engine's first eval measures the SFT model, the greedy accuracy rises by
+Asserted: the run trained no SFT of its own, the warm start had met its target, the engine's first eval measures the SFT model, the greedy accuracy rises by
 at least 10 points (measured 2026-11-28 with the config's seed 3 and the SFT on the Megatron trainer:
 0.382 -> 0.547, +16.5), and the trainer's log-probs match the engine's at every step (fp32; measured at most
 5.9e-7).
@@ -20,17 +22,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.warm_starts import install
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_deepseek_v3_quickstart_learns_at_ep2(tmp_path: Path):
     shutil.copy(ROOT / "configs" / "deepseek-v3-quickstart.yaml", tmp_path / "run.yaml")
+    shipped = install("deepseek-v3", tmp_path)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     with open(tmp_path / "out.log", "wb") as log:  # a file, not a pipe: torch's shm manager keeps pipes open
         rc = subprocess.run([sys.executable, "-m", "hpcrl", "run", "run.yaml"], cwd=tmp_path, env=env,
                             stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
     assert rc == 0, (tmp_path / "out.log").read_text(errors="replace")[-3000:]
+    assert not list(shipped["tiny-deepseek-v3-addition-sft"].parent.glob("*.run")), "the run trained its own SFT"
     sft = tmp_path / ".cache/models/tiny-deepseek-v3-addition-sft" / "sft_metrics.jsonl"
     sft_evals = [r["eval_accuracy"] for r in map(json.loads, sft.read_text().splitlines())
                  if "eval_accuracy" in r]

@@ -1,8 +1,9 @@
 """The GLM-4.5 quickstart end to end (issue #35 point 5): ``configs/glm4-moe-quickstart.yaml`` as a
-user runs it from a fresh folder (no cached model): the tiny GLM-4.5-style MoE (first layer dense, shared
-expert, sigmoid router with expert bias and 2 groups, partial RoPE, q/k/v bias) is created, warm-started by
-SFT until :data:`SFT_TARGET` greedy accuracy, then trained by GSPO for the config's 200 steps with its experts
-over 2 trainer processes (EP=2). Measured 2026-11-27 on the dev machine (2 shared cores): this test 428 s (SFT
+user runs it, in a folder holding the config's shipped warm start (``tests/warm_starts/glm4-moe``: the tiny
+GLM-4.5-style MoE - first layer dense, shared expert, sigmoid router with expert bias and 2 groups, partial
+RoPE, q/k/v bias - and its SFT until :data:`SFT_TARGET` greedy accuracy, made by ``hpcrl sft`` of this config;
+the run finds it in its cache), then GSPO for the config's 200 steps with its experts over 2 trainer processes
+(EP=2). The SFT at EP=2 itself is tests/integration/test_sft_run.py's. Measured 2026-11-27 on the dev machine (2 shared cores): this test 428 s (SFT
 320 steps to 0.305), greedy 0.305 -> 0.341, 0.388, 0.392, 0.398, 0.418 at steps 99..499 (+11.3), train/rollout
 |logprob diff| <= 6.2e-7; the same curve as a run of the config by hand (847 s on busier cores). Shorter runs
 were tried and are less sure of the +10: lr 3e-4 for 300 steps +10.5 (a dip to 0.289 at step 99), lr 3e-4 for
@@ -11,7 +12,7 @@ were tried and are less sure of the +10: lr 3e-4 for 300 steps +10.5 (a dip to 0
 228 s on quiet cores; the config now runs 200 steps (CI time): 0.312 -> 0.407, 0.464 (+15.2), measured
 2026-11-27 from the same SFT model (docs/performance.md).
 
-Asserted: SFT stopped on its target, the engine measures the model SFT left, the trainer's log-probs equal the
+Asserted: the run trained no SFT of its own, the warm start stopped on its target, the engine measures the model SFT left, the trainer's log-probs equal the
 engine's at every step (fp32: every tensor, the expert bias included, synced across the EP ranks), and the
 greedy accuracy on 500 held-out additions rises by at least :data:`MIN_GAIN`.
 """
@@ -29,6 +30,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.warm_starts import install
+
 ROOT = Path(__file__).resolve().parents[2]
 HPCRL = Path(sys.executable).with_name("hpcrl")
 STEPS = 200
@@ -43,6 +46,7 @@ def test_glm4_moe_quickstart_learns_addition_at_ep2(tmp_path):
     cfg = yaml.safe_load((tmp_path / "glm.yaml").read_text())
     assert (cfg["model"]["create"], cfg["train"]["expert_parallel_size"], cfg["sft"]["target_accuracy"],
             cfg["run"]["num_rollout"]) == ("tiny-glm4-moe", 2, SFT_TARGET, STEPS)
+    shipped = install("glm4-moe", tmp_path)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
     with open(tmp_path / "out.log", "wb") as log:  # a file, not a pipe: torch's shm manager keeps pipes open
@@ -52,6 +56,8 @@ def test_glm4_moe_quickstart_learns_addition_at_ep2(tmp_path):
     assert rc == 0, (tmp_path / "out.log").read_text(errors="replace")[-3000:]
 
     sft_dir = tmp_path / cfg["sft"]["output"]
+    assert not list(sft_dir.with_name(sft_dir.name + ".d").glob("*.run")), "the run trained its own SFT"
+    assert sft_dir.resolve() == shipped[sft_dir.name].resolve()
     sft = [json.loads(x) for x in (sft_dir / "sft_metrics.jsonl").read_text().splitlines()]
     sft_evals = [(r["step"], r["eval_accuracy"]) for r in sft if "eval_accuracy" in r]
     rows = [json.loads(x) for x in (tmp_path / "runs" / cfg["run"]["name"] / "metrics.jsonl").read_text()
@@ -59,7 +65,7 @@ def test_glm4_moe_quickstart_learns_addition_at_ep2(tmp_path):
     curve = [(r["step"], round(r["eval/accuracy"], 3)) for r in rows if "eval/accuracy" in r]
     steps = [r for r in rows if r["step"] >= 0]
     diff = max(r["train/train_rollout_logprob_abs_diff"] for r in steps)
-    print(f"glm4-moe quickstart: {seconds:.0f} s from a fresh folder; SFT {len(sft_evals)} evals, last "
+    print(f"glm4-moe quickstart: {seconds:.0f} s from the shipped warm start; SFT {len(sft_evals)} evals, last "
           f"{sft_evals[-1]}; GSPO eval curve {curve}; max train/rollout |logprob diff| {diff:.2e}")
 
     assert all(a < SFT_TARGET for _, a in sft_evals[:-1]) and sft_evals[-1][1] >= SFT_TARGET, sft_evals

@@ -2,7 +2,7 @@
 colocated on one fake node and disaggregated as a het job over n1 + n2, with the real bootstrap: torch.distributed
 from Slurm's variables, the engines as the rollout job step started by trainer rank 0, the GRPO loop, weight sync.
 
-Both runs start from the quickstart's SFT model (made once per session) and take a shorter budget than the
+Both runs start from the quickstart's SFT model (shipped: ``tests/warm_starts/quickstart``) and take a shorter budget than the
 quickstart: 150 steps of 8 prompts (the quickstart's 16 halved) without the nonzero-std filter, so the mean
 training reward is the policy's sampled accuracy, and "learns" is that it rises (first 50 steps vs last 50 steps).
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.slurm.state import FINAL_STATES, query_states
+from tests.warm_starts import WARM_STARTS, install, load
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -28,10 +29,12 @@ STEPS = 150
 
 
 @pytest.fixture(scope="module")
-def sft_model(quickstart_run):
-    """The quickstart's base model and its SFT warm start (~39% greedy), from the session's quickstart run."""
-    assert quickstart_run.returncode == 0, quickstart_run.output[-3000:]
-    return quickstart_run.base_model, quickstart_run.sft_model
+def sft_model(tmp_path_factory):
+    """The quickstart's base model and the link to its SFT warm start (~40% greedy) in its store, installed from
+    the shipped one (tests/warm_starts)."""
+    folder = tmp_path_factory.mktemp("quickstart-warm-start")
+    got = install("quickstart", folder)
+    return got["base"], folder / load(WARM_STARTS["quickstart"]).sft.output
 
 
 def submit(work: Path, sft_model, *overrides: str, warm_start: bool = True) -> tuple[str, Path]:
