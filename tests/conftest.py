@@ -4,14 +4,23 @@ Slurm cluster (tests/cluster/local_slurm.py) and real Lmod (tests/cluster/lmod.p
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
-pytest_plugins = ["tests.timing"]  # per-test wall/CPU records with HPCRL_TEST_TIMING=DIR (tests/timing.py)
+# per-test wall/CPU records with HPCRL_TEST_TIMING=DIR (tests/timing.py); two lanes under xdist (tests/lanes.py)
+pytest_plugins = ["tests.timing", "tests.lanes"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch/OpenMP thread in every process the tests start (engines, trainers, Slurm job steps inherit it): the
+# suite runs in two lanes on two cores (tests/lanes.py), and a process with two OpenMP threads beside a busy
+# lane thrashes (measured 2026-12-06: the quickstart's engine 0.38 -> 1.78 s a rollout step with 2 threads).
+# Tests that need other counts set them; the README quickstart's fixture runs as users run it, without it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (by a plugin): its thread pool may not have read it
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,8 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     """The trainer step's task inside the allocation (issue #4 point 4).
 
     Every task: torch.distributed from Slurm's environment (:func:`export_torch_env`; gloo with hpcrl's CPU
-    compat module on CPU nodes, NCCL on GPUs), ``SLURM_CPUS_PER_TASK`` torch threads. Rank 0 prepares the
+    compat module on CPU nodes, NCCL on GPUs), ``SLURM_CPUS_PER_TASK`` torch threads on CPU nodes unless
+    ``OMP_NUM_THREADS`` says how many (as the critic's ranks and the engines read it). Rank 0 prepares the
     base model (creation, GGUF conversion; cached in the run's paths) while the others wait at a
     barrier, then every rank runs the warm start when enabled (an SFT run of the Megatron trainer, cached:
     :mod:`hpcrl.sft`) and the loop of ``run.mode`` (:func:`hpcrl.stages.run_stages`), whose
@@ -79,7 +80,9 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     from hpcrl.train.parallel import init_distributed
 
     export_torch_env()
-    threads = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
+    # OMP_NUM_THREADS, when the job has it, is the user's choice (torch reads it itself): the test suite's two
+    # lanes run every process on one thread, and a 2-thread trainer beside a busy lane thrashed
+    threads = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0) if "OMP_NUM_THREADS" not in os.environ else 0
     if threads > 0 and not torch.cuda.is_available():
         torch.set_num_threads(threads)
     quiet_logs()

@@ -37,9 +37,13 @@ from tests.integration.test_preemption_local import (STEPS, _cmdline, descendant
 pytestmark = [pytest.mark.integration, pytest.mark.slurm, pytest.mark.timeout(900)]
 
 HPCRL = Path(sys.executable).with_name("hpcrl")
-THREADS = 2
-"""Torch threads of the job's trainer (``SLURM_CPUS_PER_TASK``) and engine (``OMP_NUM_THREADS``), and of the
-local reference run: bitwise comparisons need the same thread counts on both sides."""
+THREADS = 1
+"""Torch threads of the job's trainer and engine (``OMP_NUM_THREADS``, with ``SLURM_CPUS_PER_TASK`` of as many
+CPUs), and of the local reference run: bitwise comparisons need the same thread counts on both sides. One: the
+suite runs in two lanes on two cores (tests/lanes.py), where a 2-thread process beside a busy lane thrashes."""
+NODE_CPUS = 2
+"""CPUs of a fake node (tests/cluster/local_slurm.py): an ``urgent`` job asking for all of them must preempt the
+run's job on that node."""
 SLURM = [f"slurm.cpus_per_task={THREADS}", "slurm.time=00:10:00", "slurm.signal=USR2@60", "slurm.requeue=true"]
 
 
@@ -164,7 +168,7 @@ def test_preempted_by_urgent_partition_resumes_exactly(work, reference):
     job_id, run_dir = submit(work, "preempted")
     wait_steps(job_id, run_dir, 2)
     node = node_of(job_id)
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "-c", "2", "-t", "1",
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "-c", str(NODE_CPUS), "-t", "1",
                              "-o", str(work / "urgent.out"), "--wrap", "sleep 5"],
                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     finish_and_check(work, job_id, run_dir, reference)
@@ -326,7 +330,7 @@ def test_own_sbatch_with_batch_signal_preempted_resumes_exactly(work, reference)
     wait_steps(job_id, run_dir, 2)
     check_no_process_dies_of_usr2(job_id)
     node = node_of(job_id)
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "-c", str(THREADS), "-t", "1",
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "-c", str(NODE_CPUS), "-t", "1",
                              "-o", str(work / "urgent.out"), "--wrap", "sleep 5"],
                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     finish_and_check(work, job_id, run_dir, reference)

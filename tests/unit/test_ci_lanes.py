@@ -1,0 +1,104 @@
+"""The suite's two lanes and its time report (issue #52 points 2-3): ``tests/lanes.py`` gives an exclusive test
+the machine only when no other test holds it, and keeps new tests out while it waits; ``.ci/timing_report.py``
+prints the time per tier and the slowest tests from ``tests/timing.py``'s records and flags a tier over its
+budget; the budgets in ``.ci/budgets.json`` are the ones docs/performance.md states.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import multiprocessing as mp
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import lanes
+from tests.timing import tier_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _report_module():
+    spec = importlib.util.spec_from_file_location("timing_report", ROOT / ".ci" / "timing_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _hold(uid: str, exclusive: bool, seconds: float, events, name: str) -> None:
+    lanes._worker_uid = uid
+    with lanes.machine(exclusive=exclusive):
+        events.put((name, "in", time.monotonic()))
+        time.sleep(seconds)
+        events.put((name, "out", time.monotonic()))
+
+
+def test_an_exclusive_test_waits_for_the_shared_holder_and_holds_off_the_next(tmp_path):
+    uid = f"unit-{tmp_path.name}"
+    ctx = mp.get_context("fork")
+    events = ctx.Queue()
+    shared = ctx.Process(target=_hold, args=(uid, False, 0.6, events, "shared"))
+    shared.start()
+    assert events.get(timeout=10)[:2] == ("shared", "in")
+    exclusive = ctx.Process(target=_hold, args=(uid, True, 0.6, events, "exclusive"))
+    exclusive.start()
+    time.sleep(0.2)  # the exclusive one now waits for the shared holder, holding the turnstile
+    later = ctx.Process(target=_hold, args=(uid, False, 0.1, events, "later"))
+    later.start()
+    for p in (shared, exclusive, later):
+        p.join(timeout=20)
+    got = [events.get(timeout=5) for _ in range(4)]
+    order = [(n, what) for n, what, _ in got]
+    assert order == [("shared", "out"), ("exclusive", "in"), ("exclusive", "out"), ("later", "in")], order
+
+
+def test_outside_xdist_nothing_is_locked():
+    assert lanes._worker_uid is None or lanes._lock_paths() is not None
+    saved, lanes._worker_uid = lanes._worker_uid, None
+    try:
+        with lanes.machine(exclusive=True), lanes.machine(exclusive=True):  # would deadlock if it locked
+            pass
+    finally:
+        lanes._worker_uid = saved
+
+
+def test_tier_of_a_node_id():
+    assert tier_of("tests/e2e/test_quickstart.py::test_x@quickstart") == "e2e"
+    assert tier_of("tests/unit/test_a.py::test_b[x]") == "unit"
+
+
+def test_timing_report_prints_tiers_slowest_and_what_is_over_budget(tmp_path, capsys):
+    report = _report_module()
+    records = [
+        {"nodeid": "tests/e2e/test_a.py::test_slow", "tier": "e2e", "wall": 300.0, "cpu": 250.0,
+         "machine_busy_cores": 1.8, "outcome": "passed", "worker": "gw0", "group": None, "start": 1000.0},
+        {"nodeid": "tests/unit/test_b.py::test_fast", "tier": "unit", "wall": 2.0, "cpu": 1.9,
+         "machine_busy_cores": 1.0, "outcome": "failed", "worker": "gw1", "group": None, "start": 1001.0},
+    ]
+    (tmp_path / "gw0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    budgets = tmp_path / "budgets.json"
+    budgets.write_text(json.dumps({"tiers": {"e2e": 200, "unit": 100}}))
+    assert report.main([str(tmp_path), "--budgets", str(budgets), "--slowest", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"e2e\s+1\s+300\s+250\s+300\s+200", out), out
+    assert "OVER BUDGET: tier e2e took 300" in out and "tier unit" not in out.split("OVER BUDGET")[-1]
+    slow = out.split("slowest tests")[1]
+    assert "tests/e2e/test_a.py::test_slow" in slow and "test_fast" not in slow
+    assert report.main([str(tmp_path / "none")]) == 2
+
+
+def test_the_budgets_are_the_ones_the_docs_state():
+    budgets = json.loads((ROOT / ".ci" / "budgets.json").read_text())["tiers"]
+    docs = (ROOT / "docs" / "performance.md").read_text()
+    table = docs.split("<!-- tier budgets -->")[1]  # the rows after the marker: | tier | seconds | ...
+    stated = {m.group(1): float(m.group(2).replace(",", ""))
+              for m in re.finditer(r"^\| (\w+) \| ([\d,]+) \|", table.split("\n\n")[0], re.M)}
+    assert stated == {k: float(v) for k, v in budgets.items()}, (stated, budgets)
+
+
+@pytest.mark.parametrize("path", [".ci/run", "README.md"])
+def test_ci_runs_the_readme_test_command_in_two_lanes(path):
+    assert "pytest tests -n 2 --dist loadgroup" in (ROOT / path).read_text()
