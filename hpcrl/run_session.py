@@ -17,13 +17,20 @@ controller is global rank 0):
 
 Leaving it, also on an error (in entering too, once step 2 is done): the run log closed (its bar ended, its
 curves drawn), the rollout manager stopped, the watch uninstalled, the process groups destroyed.
+
+The controller writes when each of these happened to ``timeline.json`` in the attempt's log folder
+(:data:`TIMELINE_FILENAME`, :class:`Timeline`): where a run's start-up and end go
+(``benchmarks/startup.py`` prints the split).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -44,6 +51,38 @@ if TYPE_CHECKING:
     from hpcrl.weights.sync import WeightSyncer
 
 log = logging.getLogger("hpcrl.loop")
+
+TIMELINE_FILENAME = "timeline.json"
+"""In an attempt's log folder: ``{event: wall-clock seconds}`` of the controller's session (:class:`Timeline`)."""
+
+
+class Timeline:
+    """When the controller's session reached each stage, as wall-clock seconds (``time.time()``): ``process``
+    (this process started), ``session`` (entered), ``engines_launched``, ``trainer_built``, ``engines_up``,
+    ``first_sync``, ``first_eval`` (the eval before the first step, a new run only), then ``loop_end`` (the
+    loop finished or stopped), ``log_closed`` (files closed, curves drawn), ``rollout_stopped`` (engines and
+    router down) and ``closed``. Written to :data:`TIMELINE_FILENAME` by :meth:`write`."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, float] = {}
+        try:
+            import psutil
+
+            self.events["process"] = psutil.Process(os.getpid()).create_time()
+        except Exception:  # noqa: BLE001 - the start of the process is only informative
+            pass
+        self.mark("session")
+
+    def mark(self, event: str) -> None:
+        self.events[event] = time.time()
+
+    def write(self, folder: Optional[Path]) -> None:
+        """Write the events to ``folder/timeline.json`` (atomically); nothing without a folder."""
+        if folder is None:
+            return
+        tmp = folder / f".{TIMELINE_FILENAME}.tmp"
+        tmp.write_text(json.dumps(self.events, indent=1) + "\n")
+        os.replace(tmp, folder / TIMELINE_FILENAME)
 
 
 @dataclass
@@ -156,6 +195,8 @@ class RunSession:
     """The newest step's metrics (the eval before the first step until a step finished)."""
     stopped: Optional[str] = field(init=False, default=None)
     """Why the run stopped early with a checkpoint (``"signal"``, ``"deadline"``), None otherwise."""
+    timeline: Timeline = field(init=False, default_factory=Timeline)
+    """When each stage of the set-up and tear-down happened (written by the controller)."""
 
     def __enter__(self) -> "RunSession":
         from hpcrl.preempt import PreemptionWatch
@@ -178,6 +219,7 @@ class RunSession:
         rollout = self.rollout = rollout_manager(controller, cfg, run_dir, engine_model, launcher,
                                                  watch.job_ending)
         rollout.launch(early=True)  # they load while the trainer imports Megatron and builds its model
+        self.timeline.mark("engines_launched")
         from hpcrl.train.parallel import destroy  # imports torch: after the engines started loading
         import torch.distributed as dist
 
@@ -197,8 +239,10 @@ class RunSession:
             t = self.trainer = (self.build or build_trainer)(cfg, run_dir, model_path, watch, controller,
                                                              self.ci_checks, on_device=rollout.trainer_onloaded,
                                                              critic_group=self.critic_group, **self.states)
+            self.timeline.mark("trainer_built")
             # --- engines up, router, client (a twin that does nothing on the other ranks); weights -----
             rollout.start(t.datasets)
+            self.timeline.mark("engines_up")
             self.metrics = RunLog(run_dir, cfg.run.num_rollout, t.start, controller, cfg=cfg)
             if self.offload_engines_first:
                 rollout.offload()  # colocated: the engines give their memory back before the first sync
@@ -212,9 +256,11 @@ class RunSession:
                                                                  is None else None))
             # after a resume the engines hold older weights
             sync_weights(t.actor, self.syncer, rollout, version=t.start)
+            self.timeline.mark("first_sync")
             if t.start == 0:
                 self.last = rollout.evaluate(-1)
                 self.metrics.log(-1, self.last, advance=False)
+                self.timeline.mark("first_eval")
         except BaseException:
             self.close()
             raise
@@ -232,6 +278,7 @@ class RunSession:
     def finish(self, stopped: Optional[str]) -> None:
         """The loop ended (``stopped``: why early, or None): the run log says how, and closes."""
         self.stopped = stopped
+        self.timeline.mark("loop_end")
         self.metrics.finish(stopped)
 
     def result(self) -> dict[str, Any]:
@@ -245,13 +292,21 @@ class RunSession:
         model-parallel groups and the default process group when the session formed it."""
         if self.metrics is not None:
             self.metrics.close()
+        self.timeline.mark("log_closed")
         if self.critic_group is not None:
             self.critic_group.stop()
         if self.syncer is not None:  # while the engines are up: they drop their side of the group too
             self.rollout.release_weight_sync(self.syncer)
         self.rollout.stop()
+        self.timeline.mark("rollout_stopped")
         self.watch.uninstall()
         self._destroy()
+        self.timeline.mark("closed")
+        if self.controller:
+            try:
+                self.timeline.write(getattr(self.rollout, "attempt_dir", None))
+            except OSError as e:  # informative only: never fails a run
+                log.warning("could not write %s: %s", TIMELINE_FILENAME, e)
 
 
 def sync_weights(actor: "Actor", syncer: "WeightSyncer", rollout: "RolloutManager | FollowerRollout",
