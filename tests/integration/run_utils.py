@@ -1,5 +1,5 @@
 """Run ``hpcrl run`` as a subprocess in a test folder and read its metrics (the loop tests: test_moe_loop,
-test_glm4_moe_loop, test_deepseek_v3_loop).
+test_moe_family_loops).
 
 Usage::
 

@@ -579,7 +579,7 @@ def test_flush_rule_under_in_place_pause(engine, hf_models, tiny_model_dir):
         t0 = time.monotonic()
         assert post(engine, "/flush_cache?timeout=0.3",
                     headers=auth("/flush_cache")) == (400, state.FLUSH_TIMED_OUT)
-        assert time.monotonic() - t0 >= 0.3
+        assert time.monotonic() - t0 >= 0.3  # a lower bound: it did wait its timeout, on any machine
         assert session(engine, "begin")[0] == 200
         body = {"serialized_named_tensors": [serialize_named_tensors(new)], "weight_version": "flush-1"}
         assert post(engine, "/update_weights_from_tensor", body) == (

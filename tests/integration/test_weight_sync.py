@@ -482,6 +482,8 @@ def test_unresponsive_engine_times_out(hang_engine, trainer, hf_size):
         with pytest.raises(WeightSyncError) as info:
             asyncio.run(_syncs(url, "tensor", [(lambda: stream, "never")], key=None,
                                timeout_s=2, engine_tp_sizes=[1]))
+        # the pause times out after timeout_s=2: 15 s is 7x that, for a slower or loaded machine, and far
+        # below the hang this guards against (none of these calls returns on its own)
         assert time.monotonic() - t0 < 15 and stream.taken == hf_size[0]
         assert info.value.url == url and info.value.endpoint == "/pause_generation"
         assert "timed out" in info.value.message
@@ -512,6 +514,8 @@ def test_unresponsive_engine_times_out(hang_engine, trainer, hf_size):
                 _destroy_local(group.pg)
 
     err, elapsed, note = asyncio.run(go())
+    # the POST times out after 3 s and the broadcast after gloo's timeout (seconds): 20 s holds on a loaded
+    # machine and is far below the hang this guards against
     assert elapsed < 20, elapsed
     assert err.url == url and err.endpoint == "/update_weights_from_distributed"
     assert "timed out" in err.message
