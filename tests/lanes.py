@@ -5,13 +5,14 @@ apart.
 * **Groups** (``xdist_group``, one worker each, in order): ``slurm`` - every test of the local Slurm cluster,
   so one cluster serves the session (a session fixture is made once per worker); ``quickstart`` - the tests of
   the README's quickstart run, made once by its session fixture.
-* **Exclusive tests** (``@pytest.mark.exclusive``, and the quickstart's fixture through :func:`machine`): the
-  machine to themselves. Every other test holds a shared lock on the machine while it runs, an exclusive one
-  waits for the other lane's test to end and keeps the other lane from starting its next one until it is done.
-  For runs that use every core by default (the README's quickstart: torch's threads are the machine's cores in
-  each phase) and tests that time something against a bound. Lock order: a turnstile (``fcntl.flock``
-  exclusive, held only while taking the main lock) then the main lock, so a waiting exclusive test is not
-  starved by the other lane's stream of shared holders.
+* **One thread a process**: ``tests/conftest.py`` sets ``OMP_NUM_THREADS=1`` for everything the tests start
+  (a 2-thread process beside a busy lane thrashes).
+* **Exclusive tests** (``@pytest.mark.exclusive``, or :func:`machine` around a block): the machine to
+  themselves, for a test that must time something against a tight bound or use every core. Every other test
+  holds a shared lock on the machine while it runs; an exclusive one waits for the other lane's test to end
+  and keeps the other lane from starting its next one until it is done. Lock order: a turnstile
+  (``fcntl.flock`` exclusive, held only while taking the main lock) then the main lock, so a waiting exclusive
+  test is not starved by the other lane's stream of shared holders.
 
 Without xdist (one process) there is one lane and nothing is locked.
 """
