@@ -11,6 +11,13 @@ Issue #9 point 9: the signal sent to the whole job (``scancel --signal=USR2 --fu
 checkpoint, requeue and resume exactly; before the signal, no process of the job (batch shell, srun, trainer,
 router, engine, checkpoint-writer children) would die of it, and after it no step of the job ended by it.
 
+**Batched** (issue #52): the variants that need no other job on their node (USR2, ``scontrol requeue``, SIGKILL
+of the trainer step, PPO's critic, the time limit, USR2 to the whole job and to the batch shell) are submitted
+at once by the module's ``batch`` fixture, each driven by its own thread in a folder of its own, and each test
+reports its variant; most of their time is waiting (for steps, signals, requeues and Slurm's scheduler), which
+they now do together. The two preemptions by the ``urgent`` partition, which take a whole node, run after
+them one at a time.
+
 The run is the deterministic over-sampling config of ``test_preemption_local.py`` (12 groups submitted for 4,
 nonzero-std filter: the data buffer holds finished and aborted groups across the restart). The reference runs
 with the job's torch threads (``THREADS``): on some CPUs (AVX2-only) 1 and 2 threads give different floats.
@@ -24,7 +31,9 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -57,24 +66,72 @@ def reference(tmp_path_factory):
     return weights(tmp, "ref"), trained(tmp, "ref")
 
 
+def cancel_jobs_of(*folders: Path) -> None:
+    """Cancel every job still queued or running from one of ``folders`` (a failed test leaves none behind)."""
+    queued = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True, timeout=30).stdout
+    left = [line.split()[0] for line in queued.splitlines() if line.split()[1:2] in [[str(f)] for f in folders]]
+    if left:
+        subprocess.run(["scancel", *left], timeout=30)
+
+
 @pytest.fixture
 def work(tmp_path, monkeypatch, slurm_cluster):
-    """Submit directory with the run config and the reward module; the job inherits PYTHONPATH and
-    OMP_NUM_THREADS=THREADS (the same threads as the reference run)."""
+    """Submit directory with the run config and the reward module (jobs get :func:`job_env`)."""
     write_config(tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("OMP_NUM_THREADS", str(THREADS))
     yield tmp_path
-    queued = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True, timeout=30).stdout
-    left = [line.split()[0] for line in queued.splitlines() if line.split()[1:] == [str(tmp_path)]]
-    if left:  # a failed test leaves no job behind
-        subprocess.run(["scancel", *left], timeout=30)
+    cancel_jobs_of(tmp_path)
+
+
+Variant = Callable[[Path, tuple], None]
+BATCH: dict[str, Variant] = {}
+"""The variants the ``batch`` fixture runs together: name -> ``drive(work, reference)``, which submits the run
+from ``work``, interrupts it and checks the result (raising on a failed check)."""
+
+
+def batched(drive: Variant) -> Variant:
+    """Register ``drive`` as a variant of the batch, under its name."""
+    BATCH[drive.__name__] = drive
+    return drive
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory, slurm_cluster, reference) -> dict[str, Optional[BaseException]]:
+    """Every variant of :data:`BATCH` at once, each in a thread and a folder of its own (the cluster queues
+    what does not fit its CPUs); name -> what its drive raised (None: it passed)."""
+    folders = {name: write_config(tmp_path_factory.mktemp(f"slurm-{name}")).parent for name in BATCH}
+
+    def drive(name: str) -> Optional[BaseException]:
+        try:
+            BATCH[name](folders[name], reference)
+            return None
+        except BaseException as e:  # noqa: BLE001 - pytest's failures too: the variant's test raises it
+            return e
+
+    try:
+        with ThreadPoolExecutor(len(BATCH)) as pool:
+            return dict(zip(BATCH, pool.map(drive, BATCH)))
+    finally:
+        cancel_jobs_of(*folders.values())
+
+
+def report(batch: dict[str, Optional[BaseException]], name: str) -> None:
+    """The variant's own outcome: what its drive raised, raised here."""
+    if batch[name] is not None:
+        raise batch[name]
+
+
+def job_env(work: Path) -> dict[str, str]:
+    """What a job of ``work`` inherits from ``hpcrl submit``: ``work`` on PYTHONPATH (its reward module) and
+    :data:`THREADS` threads (the reference run's)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")]),
+                OMP_NUM_THREADS=str(THREADS))
 
 
 def submit(work: Path, name: str, *overrides: str) -> tuple[str, Path]:
     out = subprocess.run([str(HPCRL), "submit", "run.yaml", f"run.name={name}", *SLURM, *overrides], cwd=work,
-                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                         env=job_env(work))
     assert out.returncode == 0, out.stderr
     words = out.stdout.split()  # "submitted job ID (launcher): RUN_DIR"
     return words[words.index("job") + 1], Path(words[words.index("job") + 3])
@@ -154,7 +211,8 @@ def finish_and_check(work: Path, job_id: str, run_dir: Path, reference, min_atte
     check_exact(work, run_dir.name, reference)
 
 
-def test_scancel_usr2_checkpoints_requeues_and_resumes_exactly(work, reference):
+@batched
+def usr2(work: Path, reference) -> None:
     job_id, run_dir = submit(work, "usr2")
     wait_steps(job_id, run_dir, 2)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
@@ -179,7 +237,8 @@ def test_preempted_by_urgent_partition_resumes_exactly(work, reference):
     assert "(signal)" in job_log(run_dir, tail=10**6)  # preempt_send_user_signal: USR2 came first, we checkpointed
 
 
-def test_scontrol_requeue_without_signal_resumes_from_last_checkpoint(work, reference):
+@batched
+def requeued(work: Path, reference) -> None:
     """``scontrol requeue`` sends no USR2 (SIGTERM, then SIGKILL after KillWait): the steps since the last
     checkpoint are lost and redone exactly."""
     job_id, run_dir = submit(work, "requeued", "checkpoint.save_interval=2")
@@ -188,7 +247,8 @@ def test_scontrol_requeue_without_signal_resumes_from_last_checkpoint(work, refe
     finish_and_check(work, job_id, run_dir, reference)
 
 
-def test_sigkill_of_trainer_step_then_requeue_resumes_exactly(work, reference):
+@batched
+def killed(work: Path, reference) -> None:
     job_id, run_dir = submit(work, "killed", "checkpoint.save_interval=1")
     wait_steps(job_id, run_dir, 3)
     subprocess.run(["scancel", "--signal=KILL", f"{job_id}.0"], check=True, timeout=30)  # step 0: the trainer
@@ -198,7 +258,8 @@ def test_sigkill_of_trainer_step_then_requeue_resumes_exactly(work, reference):
     finish_and_check(work, job_id, run_dir, reference)
 
 
-def test_ppo_critic_in_its_own_het_group_survives_usr2(work):
+@batched
+def critic(work: Path, reference) -> None:
     """PPO with the critic on a rank of its own in het group 1 (``slurm.critic``; the colocated run becomes a
     het job): the controller starts it as a job step there, USR2 checkpoints actor and critic (the critic's
     step outlives the signal until then) and the requeued job starts a new critic step that resumes from
@@ -221,7 +282,8 @@ def test_ppo_critic_in_its_own_het_group_survives_usr2(work):
     assert "resumed from" in job_log(run_dir, tail=10**6)
 
 
-def test_time_limit_requeues_and_completes(work):
+@batched
+def timelimit(work: Path, reference) -> None:
     """A 2-minute limit with ``USR2@40`` (Slurm may send it up to 60 s early) on a run that needs more than
     one such allocation (no filter, so late steps, all correct, still train): each attempt checkpoints before
     its limit (signal, or our own deadline) and is requeued."""
@@ -300,8 +362,7 @@ def check_no_step_ended_by_usr2(job_id: str) -> None:
     assert not [r for r in rows if r.split("|")[2].split(":")[1] == str(int(signal.SIGUSR2))], rows
 
 
-@pytest.mark.parametrize("scope", ["full", "batch"])
-def test_usr2_to_the_batch_shell_too_checkpoints_requeues_and_resumes_exactly(work, reference, scope):
+def usr2_to_the_shell(work: Path, reference, scope: str) -> None:
     """``scancel --signal=USR2 --full`` (batch shell, srun and every step) and ``--batch`` (the batch shell
     only): the shell's trap passes it on to the trainer step; nothing of the job dies of it."""
     job_id, run_dir = submit(work, f"usr2-{scope}", "checkpoint.save_interval=1")  # writer children exist
@@ -314,19 +375,35 @@ def test_usr2_to_the_batch_shell_too_checkpoints_requeues_and_resumes_exactly(wo
     check_no_step_ended_by_usr2(job_id)
 
 
+@batched
+def usr2_full(work: Path, reference) -> None:
+    usr2_to_the_shell(work, reference, "full")
+
+
+@batched
+def usr2_batch(work: Path, reference) -> None:
+    usr2_to_the_shell(work, reference, "batch")
+
+
+@pytest.mark.parametrize("scope", ["full", "batch"])
+def test_usr2_to_the_batch_shell_too_checkpoints_requeues_and_resumes_exactly(batch, scope):
+    report(batch, f"usr2_{scope}")
+
+
 def test_own_sbatch_with_batch_signal_preempted_resumes_exactly(work, reference):
     """A user's own sbatch script (the plain template, ``--signal=B:USR2@60``: Slurm signals the batch shell
     only) preempted by the ``urgent`` partition (``preempt_send_user_signal``: the signal comes at once)."""
     slow_steps(work)
     out = subprocess.run([str(HPCRL), "submit", "run.yaml", "run.name=bsig", *SLURM, "--plain", "--dry-run"],
-                         cwd=work, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+                         cwd=work, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                         env=job_env(work))
     assert out.returncode == 0, out.stderr
     run_dir = work / "runs" / "bsig"
     script = (run_dir / "submission.sbatch").read_text()
     assert "#SBATCH --signal=USR2@60\n" in script
     (run_dir / "own.sbatch").write_text(script.replace("--signal=USR2@60", "--signal=B:USR2@60"))
     job_id = subprocess.run(["sbatch", "--parsable", str(run_dir / "own.sbatch")], cwd=work, capture_output=True,
-                            text=True, timeout=60, check=True).stdout.strip()
+                            text=True, timeout=60, check=True, env=job_env(work)).stdout.strip()
     wait_steps(job_id, run_dir, 2)
     check_no_process_dies_of_usr2(job_id)
     node = node_of(job_id)
@@ -338,3 +415,24 @@ def test_own_sbatch_with_batch_signal_preempted_resumes_exactly(work, reference)
     log = job_log(run_dir, tail=10**6)
     assert "the batch shell got SIGUSR2" in log and "(signal)" in log, log
     check_no_step_ended_by_usr2(job_id)
+
+
+# ------------------------------------------------------------------ the batched variants' tests
+def test_scancel_usr2_checkpoints_requeues_and_resumes_exactly(batch):
+    report(batch, "usr2")
+
+
+def test_scontrol_requeue_without_signal_resumes_from_last_checkpoint(batch):
+    report(batch, "requeued")
+
+
+def test_sigkill_of_trainer_step_then_requeue_resumes_exactly(batch):
+    report(batch, "killed")
+
+
+def test_ppo_critic_in_its_own_het_group_survives_usr2(batch):
+    report(batch, "critic")
+
+
+def test_time_limit_requeues_and_completes(batch):
+    report(batch, "timelimit")
