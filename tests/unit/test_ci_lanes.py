@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import multiprocessing as mp
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -97,6 +100,24 @@ def test_the_budgets_are_the_ones_the_docs_state():
     stated = {m.group(1): float(m.group(2).replace(",", ""))
               for m in re.finditer(r"^\| (\w+) \| ([\d,]+) \|", table.split("\n\n")[0], re.M)}
     assert stated == {k: float(v) for k, v in budgets.items()}, (stated, budgets)
+
+
+def test_the_groups_take_effect_under_xdist(tmp_path):
+    """tests/lanes.py's groups reach xdist's scheduler: a pytest of two lanes over a suite whose two tests share
+    a group fixture runs them on one worker (with pytest 9.2 and pytest-xdist 3.8 no test was grouped)."""
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\npytest_plugins = ['tests.lanes']\n"
+        "@pytest.fixture(scope='session')\ndef quickstart_run():\n    return 1\n")
+    (tmp_path / "test_g.py").write_text(
+        "import os\n" + "".join(f"def test_{n}({'quickstart_run' if n in 'ab' else ''}):\n"
+                                 f"    open(os.path.join({str(tmp_path)!r}, '{n}'), 'w').write("
+                                 f"os.environ['PYTEST_XDIST_WORKER'])\n" for n in "abcd"))
+    out = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path), "-n", "2", "--dist", "loadgroup", "-v",
+                          "-p", "no:cacheprovider", "--rootdir", str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "test_a@quickstart" in out.stdout, out.stdout[-3000:]
+    assert (tmp_path / "a").read_text() == (tmp_path / "b").read_text()
 
 
 @pytest.mark.parametrize("path", [".ci/run", "README.md"])
