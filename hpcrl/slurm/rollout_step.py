@@ -32,7 +32,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Optional
 
-from hpcrl.config import Config
+PREEMPT_SIGNAL_FLAG = "--preempt-signal"
+"""The task's argument naming the preemption signal (``USR2``), blocked before anything else it does."""
+
+
+def block_preemption_signal_early(argv: list[str]) -> None:
+    """Block the signal ``--preempt-signal NAME`` in ``argv`` names, before the task imports anything slow.
+
+    Slurm sends the preemption signal to every step of the job (USR2 by default, which terminates); the task
+    blocks it once it has read the config, and the blocked mask is inherited by its engine. In the seconds
+    before that (imports, config checks) it killed the task: seen in CI on loaded cores (2026-12-06), a time
+    limit's USR2 during the step's start-up failed the job with RolloutStepError instead of requeueing it."""
+    if PREEMPT_SIGNAL_FLAG in argv[:-1]:
+        name = argv[argv.index(PREEMPT_SIGNAL_FLAG) + 1].upper()
+        sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+        if isinstance(sig, signal.Signals):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+
+
+if __name__ == "__main__":
+    block_preemption_signal_early(sys.argv)
+
+from hpcrl.config import Config  # noqa: E402 - after the signal is blocked (above)
 
 log = logging.getLogger("hpcrl.slurm")
 
@@ -85,8 +106,11 @@ def srun_command(cfg: Config, run_dir: Path, attempt_dir: Path, model_path: Path
     if gpus:
         cmd.append(f"--gres=gpu:{gpus}")
     cmd += container_prefix(cfg, run_dir, "rollout")
+    from hpcrl.preempt import signal_from_config
+
     cmd += [python, "-m", "hpcrl.slurm.rollout_step", "--config", str(run_dir / "config.yaml"),
-            "--model-path", str(model_path), "--attempt-dir", str(attempt_dir), "--secret", str(secret_path)]
+            "--model-path", str(model_path), "--attempt-dir", str(attempt_dir), "--secret", str(secret_path),
+            PREEMPT_SIGNAL_FLAG, signal_from_config(cfg.slurm.signal).name]
     if restart is not None:
         cmd += ["--address-file", f"engine-{restart[0]}.restart-{restart[1]}.json"]
         if restart[3] is not None:
@@ -301,6 +325,8 @@ def task_main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--weight-version", default=None, help="the engine's weight version (a replacement's)")
     p.add_argument("--port", type=int, default=None,
                    help="the first port to try (default: a free one below the ephemeral range)")
+    p.add_argument(PREEMPT_SIGNAL_FLAG, default=None,
+                   help="the preemption signal, blocked first thing (block_preemption_signal_early)")
     args = p.parse_args(argv)
     cfg = load_and_check(args.config)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()

@@ -851,7 +851,7 @@ def test_rollout_step_srun_command_colocated_and_het(tmp_path):
     assert cmd[cmd.index("py"):] == ["py", "-m", "hpcrl.slurm.rollout_step", "--config",
                                      str(tmp_path / "config.yaml"), "--model-path", str(tmp_path / "m"),
                                      "--attempt-dir", str(tmp_path / "logs/attempt-0"), "--secret",
-                                     str(tmp_path / "secret")]
+                                     str(tmp_path / "secret"), "--preempt-signal", "SIGUSR2"]
     het = load_and_check(None, ["model.create=tiny-qwen2", "run.placement=disaggregate",
                                 "slurm.rollout={nodes: 3, gpus_per_node: 8}"])
     cmd = srun_command(het, tmp_path, tmp_path, tmp_path / "m", tmp_path / "secret", env, python="py")
@@ -862,6 +862,25 @@ def test_rollout_step_srun_command_colocated_and_het(tmp_path):
     boxed = load_and_check(None, ["model.create=tiny-qwen2", f"slurm.container={image}"])
     cmd = srun_command(boxed, tmp_path, tmp_path, tmp_path / "m", tmp_path / "secret", env, python="py")
     assert cmd[cmd.index("apptainer"):cmd.index("py")][-1] == str(image)
+
+
+def test_the_rollout_task_blocks_the_preemption_signal_before_its_imports(tmp_path):
+    """The task blocks ``--preempt-signal`` as the module's first act, before ``hpcrl.config`` is imported (a
+    USR2 during a loaded step's start-up killed it: 2026-12-06); a real ``python -m`` of the module, stopped at
+    that import, reports its blocked mask."""
+    stub = tmp_path / "stub" / "hpcrl"
+    (stub / "slurm").mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "slurm" / "__init__.py").write_text("")
+    (stub / "slurm" / "rollout_step.py").write_text((REPO / "hpcrl/slurm/rollout_step.py").read_text())
+    (stub / "config.py").write_text(  # the first hpcrl import of the module: report the mask and stop
+        "import signal, sys\nprint(sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))\n"
+        "sys.exit(0)\n")
+    out = subprocess.run([sys.executable, "-m", "hpcrl.slurm.rollout_step", "--config", "x",
+                          "--preempt-signal", "SIGUSR2"], cwd=tmp_path / "stub", capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path / "stub")})
+    assert out.returncode == 0, out.stderr
+    assert "SIGUSR2" in out.stdout, out.stdout
 
 
 def test_rollout_step_srun_command_of_a_replacement_engine(tmp_path):
