@@ -4,7 +4,9 @@ apart.
 
 * **Groups** (``xdist_group``, one worker each, in order): ``slurm`` - every test of the local Slurm cluster,
   so one cluster serves the session (a session fixture is made once per worker); ``quickstart`` - the tests of
-  the README's quickstart run, made once by its session fixture.
+  the README's quickstart run, made once by its session fixture; every other test in the group of its module,
+  so a module's fixtures (engines, trainers, reference runs) are made once: ``--dist loadgroup`` sends ungrouped
+  tests one by one, and the first two-lane run built many module fixtures on both workers.
 * **One thread a process**: ``tests/conftest.py`` sets ``OMP_NUM_THREADS=1`` for everything the tests start
   (a 2-thread process beside a busy lane thrashes).
 * **Exclusive tests** (``@pytest.mark.exclusive``, or :func:`machine` around a block): the machine to
@@ -13,6 +15,10 @@ apart.
   and keeps the other lane from starting its next one until it is done. Lock order: a turnstile
   (``fcntl.flock`` exclusive, held only while taking the main lock) then the main lock, so a waiting exclusive
   test is not starved by the other lane's stream of shared holders.
+
+The order is the collection order (``--no-loadscope-reorder``): the slow tiers (e2e, then integration, whose
+groups hold the Slurm tests and the quickstart) start first and the unit tests fill the lanes' ends; xdist's
+default order (most tests first) started the long groups late.
 
 Without xdist (one process) there is one lane and nothing is locked.
 """
@@ -75,10 +81,11 @@ GROUP_OF_FIXTURE = {"slurm_cluster": "slurm", "quickstart_run": "quickstart"}
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
         names = getattr(item, "fixturenames", ())
-        for fixture, group in GROUP_OF_FIXTURE.items():
-            if fixture in names and item.get_closest_marker("xdist_group") is None:
-                item.add_marker(pytest.mark.xdist_group(group))
+        group = next((g for fixture, g in GROUP_OF_FIXTURE.items() if fixture in names), None)
+        item.add_marker(pytest.mark.xdist_group(group or item.nodeid.split("::", 1)[0]))
 
 
 @pytest.fixture(autouse=True)

@@ -118,8 +118,9 @@ def test_the_groups_take_effect_under_xdist(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "test_a@quickstart" in out.stdout, out.stdout[-3000:]
     assert (tmp_path / "a").read_text() == (tmp_path / "b").read_text()
+    assert "test_c@test_g.py" in out.stdout  # the others in their module's group
 
 
 @pytest.mark.parametrize("path", [".ci/run", "README.md"])
 def test_ci_runs_the_readme_test_command_in_two_lanes(path):
-    assert "pytest tests -n 2 --dist loadgroup" in (ROOT / path).read_text()
+    assert "pytest tests -n 2 --dist loadgroup --no-loadscope-reorder" in (ROOT / path).read_text()
