@@ -154,9 +154,18 @@ def run_local_workers(cfg, run_dir: Path, base: Path, warm_start_only: bool = Fa
     If one worker fails the others are terminated (they would block in a collective), and its exit code is
     returned; when it failed on a known error (:mod:`hpcrl.errors`) that error is raised here instead, as a
     :class:`~hpcrl.errors.WorkerError` carrying its one line, exit status and traceback.
+
+    The preemption signal (``slurm.signal``, USR2) sent to this launcher (``kill -USR2 PID``) is passed on to
+    every worker, which checkpoints and stops at the same step as on Slurm. It is blocked here before the
+    workers start, so they inherit it blocked and one that comes while they import is held pending until
+    their watch reads it (:class:`hpcrl.preempt.PreemptionWatch`), never killing a worker half started.
     """
     import shutil
+    import signal
     import tempfile
+    import threading
+
+    from hpcrl.preempt import signal_from_config
 
     n = cfg.train.nprocs
     rendezvous = Path(tempfile.mkdtemp(prefix="hpcrl-rendezvous-"))  # a new file each launch (torch's rule)
@@ -164,14 +173,24 @@ def run_local_workers(cfg, run_dir: Path, base: Path, warm_start_only: bool = Fa
     procs = [ctx.Process(target=_worker,
                          args=(r, n, f"file://{rendezvous / 'store'}", cfg, run_dir, base, warm_start_only),
                          name=f"trainer-{r}") for r in range(n)]
+    signum = signal_from_config(cfg.slurm.signal)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signum}) if main_thread else None
     try:
-        return _join_workers(procs, run_dir)
+        return _join_workers(procs, run_dir, signum if main_thread else None)
     finally:
+        if old_mask is not None:
+            if signum in signal.sigpending():  # came after the workers ended: nothing is left to stop
+                signal.sigtimedwait({signum}, 0)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         shutil.rmtree(rendezvous, ignore_errors=True)
 
 
-def _join_workers(procs: list, run_dir: Path) -> int:
-    """Start ``procs`` and wait for all (see :func:`run_local_workers`)."""
+def _join_workers(procs: list, run_dir: Path, forward_signal=None) -> int:
+    """Start ``procs`` and wait for all (see :func:`run_local_workers`); ``forward_signal``, blocked in this
+    thread, is passed on to the workers still running whenever it is pending."""
+    import signal
+
     from hpcrl.errors import worker_error
 
     n = len(procs)
@@ -180,6 +199,11 @@ def _join_workers(procs: list, run_dir: Path) -> int:
     failed, failed_rank, stopped = 0, None, False
     alive = list(procs)
     while alive:
+        if forward_signal is not None and forward_signal in signal.sigpending():
+            signal.sigtimedwait({forward_signal}, 0)
+            for p in alive:
+                if p.pid is not None:
+                    os.kill(p.pid, forward_signal)
         for p in list(alive):
             p.join(timeout=0.5)
             if p.exitcode is None:

@@ -142,7 +142,7 @@ def test_latent_norms_use_hfs_fixed_eps_and_yarn_scales_match_hf(tp1, mla_dirs):
     """GLM-lite: decoder norms with rms_norm_eps 1e-5, latent norms with 1e-6 as HF builds them; the softmax
     scale and cos/sin scale are HF's (DeepSeek-V3: both mscales; GLM-lite: mscale_all_dim 0)."""
     from transformers import AutoConfig
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_get_mscale
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
     glm = build_loaded(mla_dirs["glm4_moe_lite"])
     attention = glm.decoder.layers[0].self_attention
@@ -151,10 +151,12 @@ def test_latent_norms_use_hfs_fixed_eps_and_yarn_scales_match_hf(tp1, mla_dirs):
     ds = build_loaded(mla_dirs["deepseek_v3"])
     cfg = AutoConfig.from_pretrained(str(mla_dirs["deepseek_v3"]))
     attention = ds.decoder.layers[0].self_attention
-    hf_scale = (16 + 8) ** -0.5 * yarn_get_mscale(4.0, 0.9) ** 2
+    # HF's own numbers, read from the modules it builds (its helper functions move between releases)
+    hf_scale = DeepseekV3Attention(cfg, layer_idx=0).scaling
+    assert hf_scale != pytest.approx((16 + 8) ** -0.5)  # YaRN's mscale_all_dim is in it
     assert attention.core_attention.softmax_scale == pytest.approx(hf_scale, rel=1e-12)
     assert attention.rotary_pos_emb(8)[1] == pytest.approx(
-        yarn_get_mscale(4.0, 0.707) / yarn_get_mscale(4.0, 0.9), rel=1e-12)
+        DeepseekV3RotaryEmbedding(cfg).attention_scaling, rel=1e-12)
     original = cfg.rope_parameters["original_max_position_embeddings"]
     assert ds.config.original_max_position_embeddings == original == 16
 
