@@ -133,6 +133,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     launch_local.resolve_cpu_sets(cfg)  # this machine's CPUs (disaggregated): a config error before anything runs
     launch_local.check_local_engine(cfg)  # SGLang importable here when the engines are SGLang
+    launch_local.check_local_trainer(cfg)  # the CPU optimizer offload needs a GPU here
     from hpcrl.offload import restart_with_hook
 
     restart_with_hook(cfg.run.placement == "colocate")  # colocated on CUDA: torch-memory-saver's hook preloaded

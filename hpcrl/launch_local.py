@@ -22,7 +22,7 @@ from hpcrl.validate import save_resolved
 from hpcrl.run_setup import quiet_logs, run_dir_of
 from hpcrl.stages import prepare_base, run_stages
 
-__all__ = ["main", "resolve_cpu_sets", "check_local_engine", "run_local_workers"]
+__all__ = ["main", "resolve_cpu_sets", "check_local_trainer", "check_local_engine", "run_local_workers"]
 
 
 def main(cfg: Config, warm_start_only: bool = False) -> int:
@@ -96,6 +96,22 @@ def resolve_cpu_sets(cfg: Config):
     if cpus is not None:
         cfg.train.cpus, cfg.rollout.cpus = format_cpu_list(cpus.train), format_cpu_list(cpus.rollout)
     return cpus
+
+
+def check_local_trainer(cfg: Config) -> None:
+    """A local run's trainer can be built on this machine: megatron-core's CPU optimizer offload
+    (``megatron.optimizer_cpu_offload``, its HybridDeviceOptimizer) moves the Adam update to the host from a
+    GPU and opens CUDA streams at build, so it needs one. Raises ConfigError (one line, before anything starts)
+    on a machine with no GPU device node (:func:`hpcrl.procs.cuda_possible`; torch is not imported); before,
+    such a run failed at its trainer's build with "Torch not compiled with CUDA enabled"."""
+    from hpcrl.config import ConfigError
+    from hpcrl.procs import cuda_possible
+
+    if (cfg.megatron or {}).get("optimizer_cpu_offload") and not cuda_possible():
+        raise ConfigError("megatron.optimizer_cpu_offload", True, "it moves Adam to the host from a GPU "
+                          "(megatron-core's HybridDeviceOptimizer opens CUDA streams) and this machine has none",
+                          "set megatron.optimizer_cpu_offload=false for a run on CPUs (Adam is on the host "
+                          "there already)")
 
 
 def check_local_engine(cfg: Config) -> None:

@@ -187,6 +187,12 @@ def check_train(cfg: Config) -> None:
             "megatron-core 0.16.1 cannot load (its HybridDeviceOptimizer's load hook fails: seen on an H200, "
             "2026-11-27), so the run could not resume", "set train.use_distributed_optimizer=true as well "
             "(as configs/cluster/*.yaml do), or megatron.optimizer_cpu_offload=false")
+    require(not (meg.get("optimizer_cpu_offload") and not meg.get("bf16", t.bf16)),
+            "megatron.optimizer_cpu_offload", True, "with fp32 parameters (train.bf16=false) megatron-core "
+            "0.16.1's distributed optimizer hands its HybridDeviceOptimizer views of the parameters, which torch "
+            "refuses at build (\"can't optimize a non-leaf Tensor\": seen on an H100, 2026-12-06; with bf16 it "
+            "builds)", "set train.bf16=true as well (as configs/cluster/*.yaml do), or "
+            "megatron.optimizer_cpu_offload=false")
     rate = (cfg.megatron or {}).get("moe_router_bias_update_rate")
     number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
     require(rate is None or (number and 0 <= rate < math.inf),

@@ -229,6 +229,26 @@ def test_run_refuses_sglang_engines_where_sglang_does_not_import(monkeypatch):
     assert "sglang is not installed" in str(e.value) and "rollout.engine=cpu" in str(e.value)
 
 
+def test_run_refuses_the_cpu_optimizer_offload_on_a_machine_without_a_gpu(monkeypatch):
+    """megatron-core's CPU optimizer offload opens CUDA streams when the trainer is built: a local run with it
+    on a CPU machine is one config line before anything starts (it failed at the trainer's build with "Torch
+    not compiled with CUDA enabled"); where a GPU device node exists nothing is said."""
+    from hpcrl import procs
+    from hpcrl.config import Config, ConfigError
+    from hpcrl.launch_local import check_local_trainer
+
+    cfg = Config()
+    check_local_trainer(cfg)  # no offload: nothing to say
+    cfg.megatron = {"optimizer_cpu_offload": True}
+    monkeypatch.setattr(procs, "cuda_possible", lambda *a: False)
+    with pytest.raises(ConfigError) as e:
+        check_local_trainer(cfg)
+    assert e.value.field == "megatron.optimizer_cpu_offload" and "\n" not in str(e.value)
+    assert "megatron.optimizer_cpu_offload=false" in str(e.value)
+    monkeypatch.setattr(procs, "cuda_possible", lambda *a: True)
+    check_local_trainer(cfg)
+
+
 def test_the_hpcrl_process_exits_without_a_last_full_collection():
     """``hpcrl`` (``python -m hpcrl`` and the console script) freezes the heap once its command returned
     (:func:`hpcrl.procs.skip_final_collection`), its exit status unchanged; ``cli.main`` called in a process

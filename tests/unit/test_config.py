@@ -129,6 +129,9 @@ BAD = [
      [], "run.deterministic", True, ["timing decides"]),
     ("offload-without-distributed-optimizer", M + "megatron: {optimizer_cpu_offload: true}\n", [],
      "megatron.optimizer_cpu_offload", True, ["cannot load", "use_distributed_optimizer=true"]),
+    ("offload-with-fp32-parameters", M + "train: {use_distributed_optimizer: true}\n"
+     "megatron: {optimizer_cpu_offload: true}\n", [], "megatron.optimizer_cpu_offload", True,
+     ["non-leaf", "train.bf16=true"]),
     ("fully-async-uncorrected", M + "run: {mode: fully_async, placement: disaggregate}\n", [],
      "algorithm.use_tis", False, ["uncorrected"]),
     ("fully-async-agent", M + "run: {mode: fully_async, placement: disaggregate}\n"
