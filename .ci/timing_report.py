@@ -3,6 +3,9 @@
 
 * the time per tier: tests, test-seconds (the sum of their wall times over both lanes), CPU seconds of the
   lanes' process trees, and the tier's span (first start to last end) against its budget (``.ci/budgets.json``);
+* each lane's total and the machine's busy cores over the run (weighted by wall time: near the core count,
+  the suite is bound by CPU work and more lanes cannot help; well under it, the lanes wait);
+* the groups that hold the most (a group runs in one lane: ``tests/lanes.py``), with CPU / wall;
 * the slowest tests (wall, CPU of the process tree, the machine's busy cores meanwhile, lane);
 * one ``OVER BUDGET`` line per tier whose test-seconds exceed its budget.
 
@@ -64,6 +67,33 @@ def tier_table(records: list[dict], budgets: dict[str, float]) -> tuple[list[str
     return lines, over
 
 
+def lanes(records: list[dict]) -> list[str]:
+    """One line: each lane's (worker's) summed wall seconds, and the machine's busy cores over all tests,
+    weighted by their wall time."""
+    per: dict[str, float] = defaultdict(float)
+    for r in records:
+        per[r["worker"]] += r["wall"]
+    wall = sum(per.values())
+    busy = sum(r["wall"] * r["machine_busy_cores"] for r in records) / wall if wall else 0.0
+    return [", ".join(f"lane {w.replace('gw', '')} {s:.0f} s" for w, s in sorted(per.items()))
+            + f"; the machine's busy cores {busy:.2f} on average"]
+
+
+def groups(records: list[dict], n: int) -> list[str]:
+    """The ``n`` groups with the most wall time (a record's ``group``, else its module): tests, wall, CPU of
+    the tests' process trees and their ratio (a Slurm job's processes are slurmd's, not in it)."""
+    by: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for r in records:
+        g = by[r.get("group") or r["nodeid"].split("::")[0]]
+        g[0] += 1
+        g[1] += r["wall"]
+        g[2] += r["cpu"]
+    out = [f"{'tests':>6} {'wall-s':>8} {'cpu-s':>8} {'cpu/wall':>8}  group"]
+    for name, (k, wall, cpu) in sorted(by.items(), key=lambda kv: -kv[1][1])[:n]:
+        out.append(f"{k:>6} {wall:>8.0f} {cpu:>8.0f} {cpu / wall if wall else 0.0:>8.2f}  {name}")
+    return out
+
+
 def slowest(records: list[dict], n: int) -> list[str]:
     """The ``n`` slowest tests, one line each."""
     rows = sorted(records, key=lambda r: -r["wall"])[:n]
@@ -90,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n== time per tier ({len(records)} tests, {span:.0f} s from the first test's start to the last's end;"
           f" test-s sums both lanes) ==")
     print("\n".join(tiers))
+    print("\n".join(lanes(records)))
+    print("\n== the groups that hold the most (each runs in one lane) ==")
+    print("\n".join(groups(records, 12)))
     print(f"\n== the {a.slowest} slowest tests (busy: the machine's busy cores meanwhile) ==")
     print("\n".join(slowest(records, a.slowest)))
     for line in over:

@@ -88,6 +88,8 @@ def test_timing_report_prints_tiers_slowest_and_what_is_over_budget(tmp_path, ca
     out = capsys.readouterr().out
     assert re.search(r"e2e\s+1\s+300\s+250\s+300\s+200", out), out
     assert "OVER BUDGET: tier e2e took 300" in out and "tier unit" not in out.split("OVER BUDGET")[-1]
+    assert "lane 0 300 s, lane 1 2 s; the machine's busy cores 1.79 on average" in out, out
+    assert re.search(r"1\s+300\s+250\s+0.83\s+tests/e2e/test_a.py", out), out
     slow = out.split("slowest tests")[1]
     assert "tests/e2e/test_a.py::test_slow" in slow and "test_fast" not in slow
     assert report.main([str(tmp_path / "none")]) == 2
