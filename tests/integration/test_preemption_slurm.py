@@ -266,13 +266,19 @@ def critic(work: Path, reference) -> None:
     ``dist_critic/``; every step is trained and logged once, with the critic's metrics."""
     from hpcrl.checkpoint import find_latest_checkpoint, read_marker
 
-    job_id, run_dir = submit(work, "critic", "algorithm.advantage_estimator=gae", "run.num_rollout=5",
+    # The signal must land before the run ends: at full speed the 5 steps left after the second took ~4 s
+    # (CI of 38d7799: the run finished in one attempt before scancel's USR2 reached it). A floor of ~1.5 s a
+    # step in the first attempt (slow_steps) leaves >= 7 s after step 2, whatever the CPU, for the 0.2 s poll,
+    # squeue and scancel; the second attempt runs at full speed.
+    steps = 7
+    slow_steps(work, attempts=1)
+    job_id, run_dir = submit(work, "critic", "algorithm.advantage_estimator=gae", f"run.num_rollout={steps}",
                              f"slurm.critic={{nodes: 1, cpus_per_task: {THREADS}}}", "critic.nprocs=1")
     wait_steps(job_id, run_dir, 2)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
     assert wait_final(job_id, run_dir) == "COMPLETED", job_log(run_dir)
     assert len(attempts(run_dir)) >= 2 and "(signal)" in job_log(run_dir, tail=10**6)
-    assert metric_steps(run_dir) == list(range(5))
+    assert metric_steps(run_dir) == list(range(steps))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all("critic/value_loss" in r and "critic/wait_seconds" in r for r in rows if r["step"] >= 0)
     assert read_marker(find_latest_checkpoint(run_dir))["models"]["critic"]["optimizer"] == "saved"
