@@ -181,7 +181,7 @@ def run_local_workers(cfg, run_dir: Path, base: Path, warm_start_only: bool = Fa
     import tempfile
     import threading
 
-    from hpcrl.preempt import signal_from_config
+    from hpcrl.preempt import signal_from_config, take_pending
 
     n = cfg.train.nprocs
     rendezvous = Path(tempfile.mkdtemp(prefix="hpcrl-rendezvous-"))  # a new file each launch (torch's rule)
@@ -196,8 +196,7 @@ def run_local_workers(cfg, run_dir: Path, base: Path, warm_start_only: bool = Fa
         return _join_workers(procs, run_dir, signum if main_thread else None)
     finally:
         if old_mask is not None:
-            if signum in signal.sigpending():  # came after the workers ended: nothing is left to stop
-                signal.sigtimedwait({signum}, 0)
+            take_pending(signum)  # came after the workers ended: nothing is left to stop
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         shutil.rmtree(rendezvous, ignore_errors=True)
 
@@ -205,9 +204,8 @@ def run_local_workers(cfg, run_dir: Path, base: Path, warm_start_only: bool = Fa
 def _join_workers(procs: list, run_dir: Path, forward_signal=None) -> int:
     """Start ``procs`` and wait for all (see :func:`run_local_workers`); ``forward_signal``, blocked in this
     thread, is passed on to the workers still running whenever it is pending."""
-    import signal
-
     from hpcrl.errors import worker_error
+    from hpcrl.preempt import take_pending
 
     n = len(procs)
     for p in procs:
@@ -215,11 +213,9 @@ def _join_workers(procs: list, run_dir: Path, forward_signal=None) -> int:
     failed, failed_rank, stopped = 0, None, False
     alive = list(procs)
     while alive:
-        if forward_signal is not None and forward_signal in signal.sigpending():
-            signal.sigtimedwait({forward_signal}, 0)
-            for p in alive:
-                if p.pid is not None:
-                    os.kill(p.pid, forward_signal)
+        if forward_signal is not None and take_pending(forward_signal):
+            for p in alive:  # every one was started above
+                os.kill(p.pid, forward_signal)
         for p in list(alive):
             p.join(timeout=0.5)
             if p.exitcode is None:

@@ -62,6 +62,15 @@ def signal_by_name(name: str) -> signal.Signals:
         raise ValueError(f"unknown preemption signal {name!r} (slurm.signal or ${SIGNAL_ENV})") from None
 
 
+def take_pending(signum: signal.Signals) -> bool:
+    """Whether ``signum``, blocked in this thread, was pending; a pending one is consumed (``sigtimedwait``),
+    so it neither fires when unblocked nor is seen twice. Raises nothing."""
+    if signum not in signal.sigpending():
+        return False
+    signal.sigtimedwait({signum}, 0)
+    return True
+
+
 def job_end_time(job_id: Optional[str] = None) -> Optional[float]:
     """Unix seconds at which the Slurm job ends (its time limit), from ``squeue -h -j ID -o %e``; None outside
     a job, for an unlimited job, or when squeue does not answer in 10 s."""
@@ -128,8 +137,7 @@ class PreemptionWatch:
         """Restore the previous handler and mask; a signal still pending is consumed first (it was seen)."""
         if self._old_mask is None:
             return
-        if self.signum in signal.sigpending():
-            signal.sigtimedwait({self.signum}, 0)
+        take_pending(self.signum)
         signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
         signal.signal(self.signum, self._old_handler)
         if self._old_term is not None:
@@ -145,8 +153,7 @@ class PreemptionWatch:
 
     def local_reason(self, now: Optional[float] = None) -> Optional[str]:
         """Why this rank wants to stop now: ``"signal"``, ``"deadline"`` or None."""
-        if not self.requested and self._old_mask is not None and self.signum in signal.sigpending():
-            signal.sigtimedwait({self.signum}, 0)
+        if not self.requested and self._old_mask is not None and take_pending(self.signum):
             self._handler(self.signum, None)
         if self.requested:
             return "signal"
