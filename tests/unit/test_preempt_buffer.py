@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import h5py
@@ -42,7 +43,10 @@ def test_signal_sets_the_flag_and_children_are_immune():
         child.kill()
         child.wait()
         assert watch.local_reason() is None
-        os.kill(os.getpid(), signal.SIGUSR2)  # blocked here: pending until the step boundary looks
+        # sent to the main thread, where it is blocked: pending until the step boundary looks (a signal sent to
+        # the process may go to another thread, e.g. pytest-xdist's I/O thread, and run the handler later)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+        assert signal.SIGUSR2 in signal.sigpending()
         assert watch.local_reason() == "signal" and watch.requested
         assert signal.SIGUSR2 not in signal.sigpending()
     finally:
@@ -72,7 +76,9 @@ def test_sigterm_in_a_slurm_job_means_the_job_is_ending(monkeypatch):
         child.terminate()
         assert child.wait(timeout=10) == -signal.SIGTERM  # not blocked, not handled in the child
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)  # the handler runs in the main thread at the next bytecode
+        deadline = time.monotonic() + 10  # the handler runs in the main thread soon after (any thread may take it)
+        while not watch.job_ending() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert watch.job_ending() and watch.local_reason() == "signal"
     finally:
         watch.uninstall()
