@@ -116,18 +116,22 @@ def check_local_trainer(cfg: Config) -> None:
 
 def check_local_engine(cfg: Config) -> None:
     """A local run's engines start on this machine: with ``rollout.engine`` ``sglang`` (or ``auto`` where torch
-    sees CUDA) SGLang must import here. Raises ConfigError (one line, before anything starts) when it does not;
+    sees CUDA) SGLang's server must import here, in the engines' environment (``rollout.engine_env``;
+    :func:`hpcrl.rollout.engines.sglang_missing`). Raises ConfigError (one line, before anything starts) when it does not;
     seen on an H200 without SGLang, where the run stopped with "engine exited with code 1" and the reason sat
     in the engine's log."""
-    import importlib.util
-
     from hpcrl.config import ConfigError
-    from hpcrl.rollout.engines import resolve_engine
+    from hpcrl.rollout.engines import engine_env, resolve_engine, sglang_missing
 
-    if resolve_engine(cfg.rollout.engine) == "sglang" and importlib.util.find_spec("sglang") is None:
+    if resolve_engine(cfg.rollout.engine) != "sglang":
+        return
+    missing = sglang_missing(dict(os.environ, **engine_env(cfg.rollout)))
+    if missing:
         why = "auto picks SGLang where torch sees CUDA, and " if cfg.rollout.engine == "auto" else ""
-        raise ConfigError("rollout.engine", cfg.rollout.engine, f"{why}sglang is not installed here",
-                          "pip install sglang (the gpu extra), or set rollout.engine=cpu")
+        raise ConfigError("rollout.engine", cfg.rollout.engine,
+                          f"{why}SGLang's server cannot import {', '.join(missing)} here (with "
+                          "rollout.engine_env)", "pip install sglang (the gpu extra; on a CPU: tests/sglang_cpu), "
+                          "or set rollout.engine=cpu")
 
 
 def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, base: Path,

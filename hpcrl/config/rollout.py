@@ -81,7 +81,13 @@ class RolloutSection:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     engine: Literal["auto", "cpu", "sglang"] = "auto"
-    """``auto``: SGLang when CUDA is present, else hpcrl's CPU engine."""
+    """``auto``: SGLang when CUDA is present, else hpcrl's CPU engine. ``sglang`` on a machine without CUDA
+    runs SGLang's CPU path (``--device cpu``, one thread, a bounded KV pool: :func:`hpcrl.rollout.engines.
+    engine_command`); SGLang's CPU runtime must be importable there (tests/sglang_cpu says how it is
+    installed)."""
+    engine_env: dict[str, str] = field(default_factory=dict)
+    """Environment variables added to every engine process's (e.g. ``SGLANG_*`` settings, or the
+    ``PYTHONPATH`` of an SGLang runtime installed beside hpcrl's: tests/sglang_cpu)."""
     num_engines: int = 1
     cpus: Optional[Union[int, str]] = None
     """Local runs with ``run.placement: disaggregate``: the CPUs of the engines and the router (``"2-3"``;

@@ -12,7 +12,10 @@ Two engines speak the same HTTP protocol (SGLang's):
   file flag for its API key, so by default **the key is on SGLang's command line, readable by every user of
   the node through ``ps``/``/proc``**. ``key_via="config"`` avoids that by writing the key into a 0600 YAML
   file next to the secret and passing ``--config FILE`` (SGLang's ``server_args_config_parser``, present in
-  the 0.5 series); this path could not be exercised here (SGLang does not run on CPU), so it is opt-in.
+  the 0.5 series); opt-in.
+
+Without a GPU, ``sglang`` runs SGLang's CPU path: :func:`sglang_cpu_args` and :func:`engine_env` add what it
+needs (tests/sglang_cpu installs its runtime and says why each setting is there).
 
 SGLang's API-key middleware leaves ``/health*`` and ``/metrics`` open; every other endpoint needs
 ``Authorization: Bearer KEY``. The router relies on that (see :mod:`hpcrl.rollout.router`).
@@ -162,6 +165,8 @@ def engine_command(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], m
             read_secret(api_key_file)  # fail here, not in the child, if the file is unsafe
             cmd += ["--api-key-file", str(api_key_file)]
         return cmd + sglang_flags(passed)
+    if not on_gpu():
+        args = sglang_cpu_args(args)
     cmd = [python, "-m", "sglang.launch_server", *base]
     if api_key_file is not None:
         key = read_secret(api_key_file)
@@ -174,6 +179,75 @@ def engine_command(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], m
         else:
             raise ValueError(f"key_via must be 'argv' or 'config', got {key_via!r}")
     return cmd + sglang_flags(args)
+
+
+SGLANG_CPU_KV_TOKENS = 4096
+"""``--max-total-tokens`` of an SGLang server on a CPU when ``sglang.max_total_tokens`` is not set: without a
+bound SGLang's KV pool takes ~0.72 of the machine's free memory (~15 GB on a 24 GB machine)."""
+SGLANG_CPU_DROPPED = ("enable_memory_saver",)
+"""``sglang:`` keys an SGLang server on a CPU cannot take: ``--enable-memory-saver`` needs ``libcuda.so.1``
+(the server exits with status 127); without it ``/release_memory_occupation`` answers 200 and frees nothing."""
+
+
+def on_gpu() -> bool:
+    """Whether the engines started here get a GPU (torch sees CUDA; :func:`hpcrl.procs.cuda_available`)."""
+    from hpcrl.procs import cuda_available
+
+    return cuda_available()
+
+
+def sglang_cpu_args(args: Mapping[str, Any]) -> dict:
+    """SGLang's flags for its CPU path (``--device cpu``), given the run's: ``device: cpu``; ``dtype`` float32
+    unless set (SGLang's ``auto`` loads an fp32 checkpoint as fp16: log-probs 1.5e-4 off the trainer's);
+    ``max_total_tokens`` :data:`SGLANG_CPU_KV_TOKENS` unless set; :data:`SGLANG_CPU_DROPPED` left out with a
+    log line. The environment it needs is :func:`engine_env`'s."""
+    out = {k: v for k, v in args.items() if k not in SGLANG_CPU_DROPPED}
+    dropped = sorted(k for k in args if k in SGLANG_CPU_DROPPED and args[k])
+    if dropped:
+        logger.info("sglang on a CPU: leaving out %s (needs a GPU)", ", ".join(dropped))
+    out.setdefault("device", "cpu")
+    out.setdefault("dtype", "float32")
+    out.setdefault("max_total_tokens", SGLANG_CPU_KV_TOKENS)
+    return out
+
+
+def engine_env(cfg_rollout: Any, engine: Optional[str] = None) -> dict[str, str]:
+    """Environment variables an engine process gets on top of this process's: ``rollout.engine_env``, and for
+    SGLang without a GPU ``SGLANG_USE_CPU_ENGINE=1`` (its ``--device cpu`` fails with ``No module named
+    'vllm'`` otherwise) and ``OMP_NUM_THREADS=1`` unless set (two torch threads on shared cores served
+    10-35x fewer tokens/s). Raises ValueError for an unknown engine."""
+    kind = resolve_engine(engine if engine is not None else getattr(cfg_rollout, "engine", "auto"))
+    env = {str(k): str(v) for k, v in (getattr(cfg_rollout, "engine_env", None) or {}).items()}
+    if kind == "sglang" and not on_gpu():
+        env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        if "OMP_NUM_THREADS" not in os.environ:
+            env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+SGLANG_SERVER_MODULES = ("sglang", "sglang.srt", "zmq", "uvloop", "triton", "sgl_kernel")
+"""Modules SGLang's server imports first (the package, ZeroMQ between its processes, its event loop, Triton
+and its kernels, which it imports at module level also on a CPU): what :func:`sglang_missing` looks for."""
+
+
+def sglang_missing(env: Optional[Mapping[str, str]] = None, python: str = sys.executable) -> list[str]:
+    """Which of :data:`SGLANG_SERVER_MODULES` an engine process started with ``env`` (default this
+    process's) could not import: found by ``importlib.util.find_spec`` in a child interpreter (~0.1 s; an
+    import of SGLang's server takes 9-20 s). Empty when SGLang looks servable. Raises nothing (an interpreter
+    that cannot start reports every module missing)."""
+    code = ("import importlib.util, sys\n"
+            "def found(m):\n"
+            "    try:\n"
+            "        return importlib.util.find_spec(m) is not None\n"
+            "    except (ImportError, ValueError):\n"
+            "        return False\n"
+            "print(' '.join(m for m in sys.argv[1:] if not found(m)))")
+    try:
+        out = subprocess.run([python, "-c", code, *SGLANG_SERVER_MODULES], capture_output=True, text=True,
+                             timeout=60, env=dict(env) if env is not None else None)
+    except (OSError, subprocess.SubprocessError):
+        return list(SGLANG_SERVER_MODULES)
+    return out.stdout.split() if out.returncode == 0 else list(SGLANG_SERVER_MODULES)
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -226,6 +300,7 @@ def spawn_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
                          key_via=key_via)
     path, log_file = open_log(log_path, "hpcrl-engine-")
     child_env = dict(os.environ)
+    child_env.update(engine_env(cfg_rollout, engine))
     if cpus is not None:
         child_env["OMP_NUM_THREADS"] = str(len(cpus))
     child_env.update(env or {})

@@ -314,7 +314,7 @@ def task_main(argv: Optional[list[str]] = None) -> int:
 
     from hpcrl.validate import load_and_check
     from hpcrl.procs import find_free_service_port
-    from hpcrl.rollout.engines import engine_command, engine_sglang_args
+    from hpcrl.rollout.engines import engine_command, engine_env, engine_sglang_args
 
     p = argparse.ArgumentParser(prog="python -m hpcrl.slurm.rollout_step")
     p.add_argument("--config", required=True)
@@ -349,12 +349,13 @@ def task_main(argv: Optional[list[str]] = None) -> int:
 
     # below the ephemeral range: the engine binds it seconds later
     port = args.port or find_free_service_port("")
-    return supervise_engine(command, port, out, node, f"rollout task {procid}", skip_signals={preempt})
+    return supervise_engine(command, port, out, node, f"rollout task {procid}", skip_signals={preempt},
+                            env=dict(os.environ, **engine_env(cfg.rollout)))
 
 
 def supervise_engine(command, port: int, address_file: Path, node: str, what: str,
-                     skip_signals: frozenset | set = frozenset()) -> int:
-    """Run the engine ``command(port)`` as a child of this task, its output passed through, and write its
+                     skip_signals: frozenset | set = frozenset(), env: Optional[dict] = None) -> int:
+    """Run the engine ``command(port)`` as a child of this task (environment ``env``, default this task's), its output passed through, and write its
     address (``{"url", "node", "pid"}``) to ``address_file`` atomically; return its exit status (128 + N for
     signal N).
 
@@ -386,7 +387,7 @@ def supervise_engine(command, port: int, address_file: Path, node: str, what: st
                           json.dumps({"url": url_for(node, port), "node": node, "pid": os.getpid()}))
         print(f"[hpcrl] {what} on {node}: engine at {url_for(node, port)}", flush=True)
         child = subprocess.Popen(command(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+                                 stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
         current.append(child)
         tail: collections.deque[str] = collections.deque(maxlen=400)
         pump = threading.Thread(target=_pass_through, args=(child.stdout, tail), daemon=True)

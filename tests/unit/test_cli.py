@@ -207,26 +207,26 @@ def test_convert_finds_a_relative_base_from_the_folder_the_run_started_in(tmp_pa
     assert _launch_relative(base, ckpt, "out/runs") == base  # exists from here: kept as given
 
 
-def test_run_refuses_sglang_engines_where_sglang_does_not_import(monkeypatch):
-    """`hpcrl run` starts its engines on this machine: SGLang engines without SGLang are one config line
-    before anything starts (seen on an H200: "engine exited with code 1", the reason in the engine's log)."""
-    import importlib.util
-
+def test_run_refuses_sglang_engines_where_sglang_does_not_import():
+    """`hpcrl run` starts its engines on this machine: SGLang engines whose server cannot import (in the
+    engines' environment, ``rollout.engine_env``) are one config line before anything starts (seen on an
+    H200: "engine exited with code 1", the reason in the engine's log)."""
     from hpcrl.config import Config, ConfigError
     from hpcrl.launch_local import check_local_engine
+    from tests import sglang_cpu
 
     cfg = Config()
     cfg.rollout.engine = "cpu"
     check_local_engine(cfg)
     cfg.rollout.engine = "sglang"
-    if importlib.util.find_spec("sglang") is not None:
-        check_local_engine(cfg)  # installed here: nothing to say
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    cfg.rollout.engine_env = {"PYTHONPATH": "/nonexistent"}  # .venv has SGLang's wheel, not its CPU runtime
     with pytest.raises(ConfigError) as e:
         check_local_engine(cfg)
     assert e.value.field == "rollout.engine" and "\n" not in str(e.value)
-    assert "sglang is not installed" in str(e.value) and "rollout.engine=cpu" in str(e.value)
+    assert "cannot import" in str(e.value) and "sglang.srt" in str(e.value) and "rollout.engine=cpu" in str(e.value)
+    if sglang_cpu.available():  # with the runtime tests/sglang_cpu installs: nothing to say
+        cfg.rollout.engine_env = sglang_cpu.engine_env()
+        check_local_engine(cfg)
 
 
 def test_run_refuses_the_cpu_optimizer_offload_on_a_machine_without_a_gpu(monkeypatch):

@@ -7,6 +7,7 @@ import os
 import stat
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,7 @@ from hpcrl.rollout.generate import finish_status, generate, get_generate_functio
 from hpcrl.rollout.router import KEY_STDIN_FLAG, router_command, start_router
 from hpcrl.rollout.secret import SecretError, create_run_secret, read_secret
 from hpcrl.procs import ProcessStartError, cuda_possible, find_free_port, url_for
+from hpcrl.rollout import engines
 from hpcrl.rollout.engines import engine_command, redact, sglang_flags
 
 
@@ -72,7 +74,8 @@ def test_engine_command_cpu(tmp_path):
     assert read_secret(secret) not in " ".join(cmd)
 
 
-def test_engine_command_sglang(tmp_path):
+def test_engine_command_sglang(tmp_path, monkeypatch):
+    monkeypatch.setattr(engines, "on_gpu", lambda: True)  # the GPU line; the CPU one: the test below
     secret = create_run_secret(tmp_path)
     key = read_secret(secret)
     cmd = engine_command(None, {"enable_memory_saver": True, "moe_a2a_backend": "deepep",
@@ -90,7 +93,47 @@ def test_engine_command_sglang(tmp_path):
                                                                       engine="sglang"))
 
 
-def test_engine_command_sglang_key_via_config(tmp_path):
+def test_engine_command_sglang_on_a_cpu(tmp_path, monkeypatch):
+    """Without a GPU the SGLang line takes SGLang's CPU path (tests/sglang_cpu, issue #53): ``--device cpu``,
+    fp32, a bounded KV pool, no memory saver (it needs libcuda); the run's own values win; and the engine's
+    environment says CPU engine, one thread."""
+    monkeypatch.setattr(engines, "on_gpu", lambda: False)
+    cmd = engine_command(None, {"enable_memory_saver": True, "random_seed": 3}, "/m", "127.0.0.1", 30000, None,
+                         engine="sglang", python="python")
+    assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
+                   "--port", "30000", "--random-seed", "3", "--device", "cpu", "--dtype", "float32",
+                   "--max-total-tokens", str(engines.SGLANG_CPU_KV_TOKENS)]
+    cmd = engine_command(None, {"dtype": "bfloat16", "max_total_tokens": 512}, "/m", "127.0.0.1", 1, None,
+                         engine="sglang", python="python")
+    assert cmd[-6:] == ["--dtype", "bfloat16", "--max-total-tokens", "512", "--device", "cpu"]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    rollout = SimpleNamespace(engine="sglang", engine_env={"SGLANG_X": 1})
+    assert engines.engine_env(rollout) == {"SGLANG_X": "1", "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's (and the tests') thread count stands
+    assert engines.engine_env(rollout) == {"SGLANG_X": "1", "SGLANG_USE_CPU_ENGINE": "1"}
+    assert engines.engine_env(SimpleNamespace(engine="cpu", engine_env={})) == {}
+    monkeypatch.setattr(engines, "on_gpu", lambda: True)
+    assert engines.engine_env(rollout) == {"SGLANG_X": "1"}
+
+
+def test_sglang_missing_names_what_the_server_cannot_import(tmp_path, monkeypatch):
+    """The login-node check of ``rollout.engine: sglang`` (:func:`hpcrl.launch_local.check_local_engine`) asks
+    a child interpreter with the engines' environment."""
+    assert engines.sglang_missing(python=str(tmp_path / "no-python")) == list(engines.SGLANG_SERVER_MODULES)
+    modules = ("hpcrl_fake_a", "hpcrl_fake_a.srt", "hpcrl_fake_b")
+    monkeypatch.setattr(engines, "SGLANG_SERVER_MODULES", modules)
+    fake = tmp_path / "site"
+    for name in modules:
+        (fake / name.replace(".", "/")).mkdir(parents=True)
+        (fake / name.replace(".", "/") / "__init__.py").write_text("")
+    assert engines.sglang_missing(dict(os.environ, PYTHONPATH=str(fake))) == []
+    (fake / "hpcrl_fake_a" / "__init__.py").write_text("raise ImportError('a dependency is missing')")
+    assert engines.sglang_missing(dict(os.environ, PYTHONPATH=str(fake))) == ["hpcrl_fake_a.srt"]
+    assert engines.sglang_missing() == list(modules)  # without the folder on the path
+
+
+def test_engine_command_sglang_key_via_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(engines, "on_gpu", lambda: True)
     secret = create_run_secret(tmp_path)
     cmd = engine_command(None, {}, "/m", "127.0.0.1", 30000, secret, engine="sglang", key_via="config")
     cfg = tmp_path / "secret.sglang.yaml"

@@ -414,7 +414,10 @@ def _launch_commands(tmp_path: Path) -> dict[str, list[str]]:
     command line and in a ``--config`` file, and a restarted engine's ``--weight-version``."""
     import dataclasses
 
+    from unittest import mock
+
     from hpcrl.config import load_config
+    from hpcrl.rollout import engines
     from hpcrl.rollout.engines import engine_command, engine_sglang_args
 
     secret = tmp_path / "secret"
@@ -433,14 +436,18 @@ def _launch_commands(tmp_path: Path) -> dict[str, list[str]]:
     out = {}
     for name, cfg in cfgs.items():
         args = engine_sglang_args(cfg)
-        for via in ("argv", "config"):
-            cmd = engine_command(cfg.rollout, args, "/models/policy", "0.0.0.0", 31000, secret,
-                                 engine="sglang", key_via=via)
-            assert cmd[1:3] == ["-m", "sglang.launch_server"], cmd
-            out[f"{name} (key via {via})"] = cmd[3:]
-        out[f"{name} (restarted engine)"] = engine_command(cfg.rollout, {**args, "weight_version": "7"},
-                                                           "/snap/weight_v000007", "0.0.0.0", 31001, secret,
-                                                           engine="sglang")[3:]
+        with mock.patch.object(engines, "on_gpu", lambda: True):  # the GPU nodes' lines
+            for via in ("argv", "config"):
+                cmd = engine_command(cfg.rollout, args, "/models/policy", "0.0.0.0", 31000, secret,
+                                     engine="sglang", key_via=via)
+                assert cmd[1:3] == ["-m", "sglang.launch_server"], cmd
+                out[f"{name} (key via {via})"] = cmd[3:]
+            out[f"{name} (restarted engine)"] = engine_command(cfg.rollout, {**args, "weight_version": "7"},
+                                                               "/snap/weight_v000007", "0.0.0.0", 31001, secret,
+                                                               engine="sglang")[3:]
+        with mock.patch.object(engines, "on_gpu", lambda: False):  # SGLang's CPU path (issue #53)
+            out[f"{name} (CPU)"] = engine_command(cfg.rollout, args, "/models/policy", "0.0.0.0", 31000, secret,
+                                                  engine="sglang")[3:]
     return out
 
 
@@ -472,3 +479,7 @@ def test_every_launch_server_flag_parses_with_sglangs_parser(tmp_path):
         assert documented[added] is True, added
     assert documented["dtype"] == "bfloat16"
     assert results["documented sglang: keys (restarted engine)"]["values"]["weight_version"] == "7"
+    for what, res in results.items():  # without a GPU: SGLang's CPU path, a bounded KV pool, no memory saver
+        if what.endswith("(CPU)"):
+            assert res["values"]["device"] == "cpu" and "enable_memory_saver" not in res["values"], what
+            assert int(res["values"]["max_total_tokens"]) > 0, what
