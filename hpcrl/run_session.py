@@ -227,7 +227,7 @@ class RunSession:
         # it; one the session forms is destroyed with it
         self._destroy = functools.partial(destroy, default_group=not dist.is_initialized())
         try:
-            from hpcrl.rollout.engines import engine_dtype
+            from hpcrl.rollout.engines import engine_dtype, sglang_engines
             from hpcrl.weights.sync import WeightSyncer
 
             if controller and own_critic_ranks(cfg):  # the critic's own ranks load beside the actor
@@ -247,6 +247,7 @@ class RunSession:
             if self.offload_engines_first:
                 rollout.offload()  # colocated: the engines give their memory back before the first sync
             self.syncer = WeightSyncer.from_config(rollout.client, cfg.weights, cfg.run.mode,
+                                                   sglang_engines=sglang_engines(cfg),
                                                    is_sender=controller,
                                                    engine_tp_sizes=rollout.engine_tp_sizes,
                                                    hf_checkpoint=str(model_path),

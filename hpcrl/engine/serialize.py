@@ -33,6 +33,7 @@ import base64
 import dataclasses
 import io
 import pickle
+import sys
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -85,6 +86,19 @@ class FlattenedTensorMetadata:
     start_idx: int
     end_idx: int
     numel: int
+
+
+SGLANG_METADATA_MODULE = "sglang.srt.weight_sync.tensor_bucket"
+
+
+def metadata_class() -> type:
+    """The class a flattened bucket's metadata is pickled as: SGLang's own ``FlattenedTensorMetadata`` once
+    :data:`SGLANG_METADATA_MODULE` is imported in this process (real SGLang unpickles no other class: its
+    scheduler exits with ``Blocked unsafe global``; hpcrl's CPU engine takes both), else hpcrl's
+    (:class:`FlattenedTensorMetadata`, the same fields). :func:`hpcrl.weights.sync.tensor_format_for` imports
+    SGLang's module where the engines are SGLang."""
+    module = sys.modules.get(SGLANG_METADATA_MODULE)
+    return getattr(module, "FlattenedTensorMetadata", None) or FlattenedTensorMetadata
 
 
 def _share(t: torch.Tensor) -> torch.Tensor:
@@ -158,7 +172,7 @@ def serialize_flattened_bucket(named_tensors: list[tuple[str, torch.Tensor]]) ->
     for name, tensor in named_tensors:
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         parts.append(flat)
-        metadata.append(FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype,
+        metadata.append(metadata_class()(name=name, shape=tensor.shape, dtype=tensor.dtype,
                                                 start_idx=offset, end_idx=offset + flat.numel(),
                                                 numel=flat.numel()))
         offset += flat.numel()
@@ -218,7 +232,7 @@ class StagingArena:
             view = buf[off: off + n].view(dtype or t.dtype).view(t.shape)
             view.copy_(t.detach())
             views.append((name, view))
-            metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=view.dtype, start_idx=off,
+            metadata.append(metadata_class()(name=name, shape=t.shape, dtype=view.dtype, start_idx=off,
                                                     end_idx=off + n, numel=n))
         return views, buf[:end], metadata
 

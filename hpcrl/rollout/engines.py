@@ -118,6 +118,13 @@ def engine_sglang_args(cfg: Any) -> dict:
     return args
 
 
+def sglang_engines(cfg: Any) -> bool:
+    """Whether the run's engines are real SGLang: ``rollout.engine: sglang``, or ``auto`` where they get GPUs
+    (a Slurm job with ``slurm.gpus_per_node``, or this machine's CUDA)."""
+    engine = cfg.rollout.engine
+    return engine == "sglang" or (engine == "auto" and (cfg.slurm.gpus_per_node > 0 or on_gpu()))
+
+
 def engine_dtype(cfg: Any) -> str:
     """The dtype the engines hold their parameters in: ``sglang.dtype`` or ``model.dtype``
     (:func:`engine_sglang_args`'s ``dtype``; the CPU engine's default is float32)."""

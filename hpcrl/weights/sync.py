@@ -33,12 +33,15 @@ memory occupation.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hpcrl.weights.common import EngineCalls, WeightSyncError
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("tensor", "distributed", "disk")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -113,6 +116,27 @@ def _drain(stream: Iterator) -> None:
             pass
     except Exception:  # noqa: BLE001 - the original failure is what gets raised
         pass
+
+
+def tensor_format_for(sglang_engines: bool) -> str:
+    """The payload format of ``weights.method: tensor``: ``flattened_bucket`` (slime's: one shared buffer per
+    bucket) for hpcrl's CPU engine, and for real SGLang when its own ``FlattenedTensorMetadata`` imports in this
+    process (:func:`hpcrl.engine.serialize.metadata_class` then pickles that class, the only one SGLang
+    unpickles: any other makes its scheduler exit); otherwise ``direct`` (named tensors, which SGLang takes
+    from any trainer), with a log line. Raises nothing."""
+    if not sglang_engines:
+        return "flattened_bucket"
+    import importlib
+
+    from hpcrl.engine.serialize import SGLANG_METADATA_MODULE
+
+    try:
+        importlib.import_module(SGLANG_METADATA_MODULE)
+        return "flattened_bucket"
+    except Exception as e:  # noqa: BLE001 - any failure of SGLang's import means: not here
+        logger.info("SGLang engines: tensor payloads as named tensors ('direct'): %s does not import in the "
+                    "trainer (%s: %s)", SGLANG_METADATA_MODULE, type(e).__name__, e)
+        return "direct"
 
 
 @dataclass
@@ -194,10 +218,15 @@ class WeightSyncer:
             raise ValueError("the sender needs a RolloutClient")
 
     @classmethod
-    def from_config(cls, client: Any, weights: Any, run_mode: str = "sync", **kwargs: Any) -> WeightSyncer:
+    def from_config(cls, client: Any, weights: Any, run_mode: str = "sync", sglang_engines: bool = False,
+                    **kwargs: Any) -> WeightSyncer:
         """Build from a :class:`hpcrl.config.WeightsSection` (``method`` already resolved from ``auto``) and
         the run's ``run.mode`` (which decides a null ``weights.pause_mode``, :func:`resolve_pause_mode`);
-        ``kwargs`` are the other fields (``is_sender``, ``disk_dir``...). Raises ValueError as the class."""
+        ``kwargs`` are the other fields (``is_sender``, ``disk_dir``...); ``sglang_engines``: the engines are
+        real SGLang, which decides the tensor payload's format (:func:`tensor_format_for`). Raises ValueError
+        as the class."""
+        if weights.method == "tensor" and "tensor_format" not in kwargs:
+            kwargs["tensor_format"] = tensor_format_for(sglang_engines)
         return cls(client, method=weights.method, bucket_bytes=weights.bucket_bytes,
                    timeout_s=weights.timeout_s, pause_mode=resolve_pause_mode(weights.pause_mode, run_mode),
                    delta=weights.delta, full_every=weights.full_every, **kwargs)

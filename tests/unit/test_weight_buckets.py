@@ -175,3 +175,27 @@ def test_staging_arena_stages_buckets_in_reused_shared_memory():
     assert cast[0][1].dtype == torch.bfloat16 and torch.equal(cast[0][1], tensors[1][1].to(torch.bfloat16))
     arena.pack([("big", torch.zeros(arena.buffer.numel()))])  # 4x the bytes: a larger buffer
     assert arena.buffer.numel() >= 4 * flat.numel()
+
+
+def test_the_tensor_payload_format_follows_the_engines(monkeypatch):
+    """Real SGLang unpickles only its own ``FlattenedTensorMetadata`` (its scheduler exits on any other class,
+    issue #53): against SGLang engines a flattened bucket is sent only where SGLang's class imports in the
+    trainer, and then pickled as that class, which hpcrl's CPU engine reads too; elsewhere named tensors
+    (``direct``). Against the CPU engine nothing changes."""
+    import sys
+    import types
+
+    from hpcrl.engine import serialize
+    from hpcrl.weights.sync import tensor_format_for
+
+    assert tensor_format_for(False) == "flattened_bucket"
+    assert serialize.metadata_class() is serialize.FlattenedTensorMetadata
+    monkeypatch.setitem(sys.modules, serialize.SGLANG_METADATA_MODULE, None)  # as where SGLang cannot import
+    assert tensor_format_for(True) == "direct"
+
+    # where it imports, its class is the one the metadata is made of
+    fake = types.ModuleType(serialize.SGLANG_METADATA_MODULE)
+    fake.FlattenedTensorMetadata = type("FlattenedTensorMetadata", (serialize.FlattenedTensorMetadata,), {})
+    monkeypatch.setitem(sys.modules, serialize.SGLANG_METADATA_MODULE, fake)
+    assert tensor_format_for(True) == "flattened_bucket"
+    assert serialize.metadata_class() is fake.FlattenedTensorMetadata
