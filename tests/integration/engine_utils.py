@@ -215,19 +215,21 @@ def perturb(model, seed: int, scale: float = 0.05) -> None:
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
 
 
-def prefill_logprobs(url: str, seqs: list[list[int]], key: str | None) -> tuple[list[list[float]], str]:
+def prefill_logprobs(url: str, seqs: list[list[int]], key: str | None, reported=None,
+                     timeout: float = 60) -> tuple[list[list[float]], str]:
     """The engine's ``input_token_logprobs`` (entries 1..n-1, temperature 1, nothing generated) of each token
     sequence of ``seqs`` and its weight_version; ``key``: the API key (None: no Authorization header). Checks
-    that the engine scored exactly ``seq`` (the first entry has no log-prob)."""
+    that the engine scored exactly ``seq`` (the first entry has no log-prob): the ids it reports are ``seq``,
+    or ``reported(seq)`` where an engine reports some ids otherwise (real SGLang: tests/sglang)."""
     headers = {"Authorization": f"Bearer {key}"} if key else None
     out, version = [], None
     for seq in seqs:
         status, body = http_json("POST", url + "/generate", {
             "input_ids": seq, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True, "logprob_start_len": 0}, headers=headers, timeout=60)
+            "return_logprob": True, "logprob_start_len": 0}, headers=headers, timeout=timeout)
         assert status == 200, body
         triples = body["meta_info"]["input_token_logprobs"]
-        assert triples[0][0] is None and [t[1] for t in triples] == seq
+        assert triples[0][0] is None and [t[1] for t in triples] == (seq if reported is None else reported(seq))
         out.append([t[0] for t in triples[1:]])
         version = body["meta_info"]["weight_version"]
     return out, version

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests import sglang_cpu
-from tests.integration.engine_utils import full_logprobs, http_json, max_diff, perturb
+from tests.integration.engine_utils import full_logprobs, http_json, max_diff, perturb, prefill_logprobs
 from tests.integration.test_weight_sync import (KEY, SEQS, _syncs, hf_size,  # noqa: F401 - fixtures
                                                 trainer, trainer_logprobs)
 
@@ -72,19 +72,8 @@ def engine_logprobs(url: str) -> tuple[list[list[float]], str]:
     ``input_token_logprobs`` (``logprob_result_processor.py``: ``x if x < vocab_size - 1 else 0``, meant to
     clip image-token hashes); the log-prob itself is that of the real token (checked against the trainer's).
     hpcrl reads no input-token id from it (docs/engine-and-security.md)."""
-    headers = {"Authorization": f"Bearer {KEY}"}
-    out, version = [], None
-    for seq in SEQS:
-        status, body = http_json("POST", url + "/generate", {
-            "input_ids": seq, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True, "logprob_start_len": 0}, headers=headers, timeout=120)
-        assert status == 200, body
-        triples = body["meta_info"]["input_token_logprobs"]
-        assert triples[0][0] is None
-        assert [t[1] for t in triples] == [t if t < VOCAB - 1 else 0 for t in seq]
-        out.append([t[0] for t in triples[1:]])
-        version = body["meta_info"]["weight_version"]
-    return out, version
+    return prefill_logprobs(url, SEQS, KEY, timeout=120,
+                            reported=lambda seq: [t if t < VOCAB - 1 else 0 for t in seq])
 
 
 def test_cpu_launch_line(sglang):
