@@ -60,7 +60,7 @@ RUNTIME_PACKAGES = (
     "partial-json-parser==0.2.1.1.post7", "interegular==0.3.3", "python-multipart==0.0.34", "scipy==1.17.1",
     "compressed-tensors==0.20.1", "loguru==0.7.3", "xgrammar==0.2.9", "apache-tvm-ffi==0.1.15.post2",
     "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
-    "soundfile==0.14.0", "cffi==2.1.1", "pycparser==3.12",
+    "soundfile==0.14.0", "cffi==2.1.1", "pycparser==3.12", "dill==0.4.1",
     # IPython (imported by SGLang's utilities) and what it imports
     "ipython==9.19.1", "traitlets==5.16.1", "pygments==2.21.0", "prompt-toolkit==3.0.53", "jedi==0.20.1",
     "parso==0.8.7", "decorator==5.3.2", "matplotlib-inline==0.2.2", "stack-data==0.6.3", "executing==2.3.0",
@@ -106,8 +106,12 @@ def install(prefix: Path = PREFIX, python: str = sys.executable) -> None:
 def check(python: str = sys.executable) -> None:
     """Import SGLang's HTTP server module as a server process would (:func:`engine_env`). Raises
     CalledProcessError with its output when it fails."""
-    subprocess.run([python, "-c", "import sglang.srt.entrypoints.http_server"], check=True,
-                   env=dict(os.environ, **engine_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = subprocess.run([python, "-c", "import sglang.srt.entrypoints.http_server"],
+                         env=dict(os.environ, **engine_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    if out.returncode != 0:
+        sys.stderr.write(out.stdout[-3000:])  # the import error: a package RUNTIME_PACKAGES lacks, most often
+        out.check_returncode()
 
 
 def available() -> bool:
