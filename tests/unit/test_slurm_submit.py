@@ -904,11 +904,14 @@ def test_rollout_step_srun_command_of_a_replacement_engine(tmp_path):
     assert {"--ntasks=1", "--nodes=1", "--nodelist=n1"} <= set(cmd) and "--weight-version" not in cmd
 
 
-def test_rollout_step_engine_command_passes_gpu_sglang_flags(tmp_path):
+def test_rollout_step_engine_command_passes_gpu_sglang_flags(tmp_path, monkeypatch):
     """Point 4: GPU-only SGLang flags of the ``sglang:`` section reach the real ``sglang.launch_server`` command
-    line the rollout step execs; colocated adds ``--enable-memory-saver``, deterministic runs SGLang's
-    deterministic inference."""
+    line the rollout step execs on a GPU node; colocated adds ``--enable-memory-saver``, deterministic runs
+    SGLang's deterministic inference. (Without a GPU the CPU line is built: test_rollout_unit.py.)"""
+    from hpcrl.rollout import engines
     from hpcrl.rollout.engines import engine_command
+
+    monkeypatch.setattr(engines, "on_gpu", lambda: True)
     from hpcrl.rollout.secret import create_run_secret
     from hpcrl.rollout.engines import engine_sglang_args
 
