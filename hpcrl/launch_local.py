@@ -117,9 +117,9 @@ def check_local_trainer(cfg: Config) -> None:
 def check_local_engine(cfg: Config) -> None:
     """A local run's engines start on this machine: with ``rollout.engine`` ``sglang`` (or ``auto`` where torch
     sees CUDA) SGLang's server must import here, in the engines' environment (``rollout.engine_env``;
-    :func:`hpcrl.rollout.engines.sglang_missing`). Raises ConfigError (one line, before anything starts) when it does not;
-    seen on an H200 without SGLang, where the run stopped with "engine exited with code 1" and the reason sat
-    in the engine's log."""
+    :func:`hpcrl.rollout.engines.sglang_missing`). Raises ConfigError (one line, before anything starts) when
+    it does not; seen on an H200 without SGLang, where the run stopped with "engine exited with code 1" and
+    the reason sat in the engine's log."""
     from hpcrl.config import ConfigError
     from hpcrl.rollout.engines import engine_env, resolve_engine, sglang_missing
 

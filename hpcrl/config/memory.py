@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from hpcrl.config.checks import require
 from hpcrl.config.environment import Environment
 from hpcrl.config.errors import ConfigError
+from hpcrl.config.rollout import sglang_engines_by_config
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import Config
@@ -263,11 +264,6 @@ def _gb(n: float) -> str:
     return f"{n / GB:.1f} GB"
 
 
-def _sglang_engines(cfg: Config) -> bool:
-    """Whether the engines are SGLang on GPUs (``rollout.engine`` sglang, or auto on GPU nodes)."""
-    return cfg.rollout.engine == "sglang" or (cfg.rollout.engine == "auto" and cfg.slurm.gpus_per_node > 0)
-
-
 def _engine_gpus(cfg: Config) -> tuple[int, Optional[float], str]:
     """``(GPUs per engine node, GPU memory in GB or None, the field naming that node's GPUs)``."""
     s = cfg.slurm
@@ -349,7 +345,7 @@ def check_memory(cfg: Config, check_files: bool, env: Optional[Environment] = No
     if s.gpu_memory_gb is None or s.gpus_per_node <= 0:  # check_slurm refuses gpu_memory_gb on CPU nodes
         return
     hf = read_model_config(cfg) if check_files and env is not None else None
-    if _sglang_engines(cfg):
+    if sglang_engines_by_config(cfg):
         check_engine_layout(cfg, env.routed_experts(hf) if hf is not None else None)
     if hf is None or hf.get("model_type") not in env.counted_model_types:
         return  # no config.json yet, or a family without a count (check_model refuses what cannot be built)
@@ -372,7 +368,7 @@ def check_memory(cfg: Config, check_files: bool, env: Optional[Environment] = No
                 "reserved, more than its GPUs have",
                 "give slurm.critic more GPUs (nodes, gpus_per_node) with a larger critic.tensor_parallel_size, "
                 "set train.use_distributed_optimizer=true, or use a smaller critic.path")
-    if not _sglang_engines(cfg):
+    if not sglang_engines_by_config(cfg):
         return
     _, engine_gb, _ = _engine_gpus(cfg)
     if engine_gb is None:
@@ -432,7 +428,7 @@ def memory_lines(cfg: Config, env: Environment) -> list[str]:
         lines.append(f"  critic:    its own ranks, {cm.layout}: weights {_gb(cm.weights)} + gradients "
                      f"{_gb(cm.grads)} + Adam {_gb(cm.adam)} = {_gb(cm.total)}"
                      + (f" of {critic_gb:g} GB" if critic_gb is not None else ""))
-    if _sglang_engines(cfg):
+    if sglang_engines_by_config(cfg):
         _, engine_gb, _ = _engine_gpus(cfg)
         em = engine_memory(cfg, p, (engine_gb or 0) * GB, hf, env)
         frac = f"{em.fraction:g}" + ("" if em.fraction_set else " (unset: SGLang's default assumed)")

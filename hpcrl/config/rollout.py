@@ -129,6 +129,13 @@ class RolloutSection:
     """Greedy eval every this many rollout steps (0: only at start and end)."""
 
 
+def sglang_engines_by_config(cfg: "Config") -> bool:
+    """Whether the config alone makes the engines SGLang: ``rollout.engine: sglang``, or ``auto`` in a Slurm job
+    with ``slurm.gpus_per_node`` (login-node checks; a local ``auto`` run also picks SGLang where torch sees
+    CUDA: :func:`hpcrl.rollout.engines.sglang_engines`)."""
+    return cfg.rollout.engine == "sglang" or (cfg.rollout.engine == "auto" and cfg.slurm.gpus_per_node > 0)
+
+
 BUILTIN_REWARD_FUNCTIONS = names.REWARDS
 """Reward names :func:`hpcrl.rewards.resolve.get_reward_function` knows, besides ``remote_rm:<url>``."""
 

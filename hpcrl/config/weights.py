@@ -7,6 +7,7 @@ from typing import Literal, Optional
 
 from hpcrl.config.checks import non_negative, positive, require
 from hpcrl.config.errors import MIB
+from hpcrl.config.rollout import sglang_engines_by_config
 
 
 @dataclass
@@ -57,7 +58,7 @@ def check_weights(cfg) -> None:
     non_negative(cfg, "weights.full_every")
     require(w.full_every == WeightsSection.full_every or w.delta, "weights.full_every", w.full_every,
             "has no effect without weights.delta (every sync is full)", "set weights.delta=true, or remove it")
-    sglang = cfg.rollout.engine == "sglang" or (cfg.rollout.engine == "auto" and cfg.slurm.gpus_per_node > 0)
+    sglang = sglang_engines_by_config(cfg)
     method = w.method if w.method != "auto" else ("tensor" if cfg.run.placement == "colocate" else "distributed")
     quant = str((cfg.sglang or {}).get("quantization") or "")
     require(w.rollout_dtype is None or quant in ("", "fp8"), "sglang.quantization", quant,

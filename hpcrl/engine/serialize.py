@@ -168,13 +168,12 @@ def serialize_flattened_bucket(named_tensors: list[tuple[str, torch.Tensor]]) ->
     devices = {t.device for _, t in named_tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors of a bucket must be on one device, got {sorted(map(str, devices))}")
-    parts, metadata, offset = [], [], 0
+    parts, metadata, offset, meta_cls = [], [], 0, metadata_class()
     for name, tensor in named_tensors:
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         parts.append(flat)
-        metadata.append(metadata_class()(name=name, shape=tensor.shape, dtype=tensor.dtype,
-                                                start_idx=offset, end_idx=offset + flat.numel(),
-                                                numel=flat.numel()))
+        metadata.append(meta_cls(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=offset,
+                                 end_idx=offset + flat.numel(), numel=flat.numel()))
         offset += flat.numel()
     flattened = torch.cat(parts)
     if flattened.device.type == "cpu":
@@ -227,13 +226,13 @@ class StagingArena:
             offsets.append(end)
             end += -(-n // ALIGN_BYTES) * ALIGN_BYTES
         buf = self._reserve(max(end, ALIGN_BYTES))
-        views, metadata = [], []
+        views, metadata, meta_cls = [], [], metadata_class()
         for (name, t), off, n in zip(named_tensors, offsets, sizes, strict=True):
             view = buf[off: off + n].view(dtype or t.dtype).view(t.shape)
             view.copy_(t.detach())
             views.append((name, view))
-            metadata.append(metadata_class()(name=name, shape=t.shape, dtype=view.dtype, start_idx=off,
-                                                    end_idx=off + n, numel=n))
+            metadata.append(meta_cls(name=name, shape=t.shape, dtype=view.dtype, start_idx=off, end_idx=off + n,
+                                     numel=n))
         return views, buf[:end], metadata
 
 

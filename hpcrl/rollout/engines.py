@@ -86,9 +86,7 @@ def resolve_engine(kind: str) -> str:
 
     Raises ValueError for any other value."""
     if kind == "auto":
-        from hpcrl.procs import cuda_available
-
-        return "sglang" if cuda_available() else "cpu"
+        return "sglang" if on_gpu() else "cpu"
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; expected one of {ENGINE_KINDS} or 'auto'")
     return kind
@@ -119,10 +117,11 @@ def engine_sglang_args(cfg: Any) -> dict:
 
 
 def sglang_engines(cfg: Any) -> bool:
-    """Whether the run's engines are real SGLang: ``rollout.engine: sglang``, or ``auto`` where they get GPUs
-    (a Slurm job with ``slurm.gpus_per_node``, or this machine's CUDA)."""
-    engine = cfg.rollout.engine
-    return engine == "sglang" or (engine == "auto" and (cfg.slurm.gpus_per_node > 0 or on_gpu()))
+    """Whether the run's engines are real SGLang: by the config (:func:`hpcrl.config.rollout.
+    sglang_engines_by_config`), or ``auto`` resolved here (:func:`resolve_engine`: this machine's CUDA)."""
+    from hpcrl.config.rollout import sglang_engines_by_config
+
+    return sglang_engines_by_config(cfg) or resolve_engine(cfg.rollout.engine) == "sglang"
 
 
 def engine_dtype(cfg: Any) -> str:

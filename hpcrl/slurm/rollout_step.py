@@ -355,9 +355,9 @@ def task_main(argv: Optional[list[str]] = None) -> int:
 
 def supervise_engine(command, port: int, address_file: Path, node: str, what: str,
                      skip_signals: frozenset | set = frozenset(), env: Optional[dict] = None) -> int:
-    """Run the engine ``command(port)`` as a child of this task (environment ``env``, default this task's), its output passed through, and write its
-    address (``{"url", "node", "pid"}``) to ``address_file`` atomically; return its exit status (128 + N for
-    signal N).
+    """Run the engine ``command(port)`` as a child of this task (environment ``env``, default this task's), its
+    output passed through, and write its address (``{"url", "node", "pid"}``) to ``address_file`` atomically;
+    return its exit status (128 + N for signal N).
 
     The engine binds its port only once its model is loaded, seconds after the port was picked; another
     process on the node (a sweep's other array task, a trainer's connections) may take it in between. Until

@@ -6,9 +6,9 @@ engine_command`'s CPU line and :func:`hpcrl.rollout.engines.engine_env`), with S
 Checked against it, with the tiny Qwen2 and a megatron-core trainer built in this process (the fixtures of
 ``tests/integration/test_weight_sync.py``): the launch line; prefill log-probs equal to the trainer's in fp32
 (the trainer-engine gap, of the order of 1e-7 here); sampled generation's log-probs equal to HF's for the tokens
-it chose; weight sync from disk, over a gloo group (``distributed``) and by tensor (``direct`` format), each proven by the log-probs of the
-synced weights and the served ``weight_version``; and, last, that SGLang never called an op of the
-``sgl_kernel`` stand-in.
+it chose; weight sync from disk, over a gloo group (``distributed``) and by tensor (``direct`` format), each
+proven by the log-probs of the synced weights and the served ``weight_version``; the sync and one-step-off
+loops of ``hpcrl run``; and that SGLang never called an op of the ``sgl_kernel`` stand-in.
 
 Without SGLang's CPU runtime installed the module fails (CI installs it); ``HPCRL_SKIP_SGLANG_TESTS=1`` skips it.
 """
