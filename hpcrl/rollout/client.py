@@ -130,6 +130,9 @@ class RolloutClient:
             keep the tokens it sent and continue from them elsewhere (``rollout.partial_rollout``).
         generate_fields: fields added to every ``/generate`` payload of :meth:`generate` and
             :meth:`generate_batch` (``{"return_routed_experts": True}`` for routing replay).
+        span_lag: tokens at the start of each later ``weight_versions`` span of an answer that the previous
+            version sampled (:func:`hpcrl.rollout.token_versions.span_lag`: 1 for SGLang paused ``in_place``
+            under its overlap scheduler).
 
     Use as ``async with RolloutClient(...) as client`` (or call :meth:`open` / :meth:`close`).
     Raises ValueError if neither a router nor any engine is given.
@@ -139,7 +142,7 @@ class RolloutClient:
                  api_key: Optional[str] = None, timeout_s: float = 600.0, max_retries: int = 3,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0, max_connections: int = 0,
                  connect_timeout_s: float = 10.0, on_failure=None, keep_partial: bool = False,
-                 generate_fields: Optional[dict[str, Any]] = None):
+                 generate_fields: Optional[dict[str, Any]] = None, span_lag: int = 0):
         if not router_url and not engine_urls:
             raise ValueError("RolloutClient needs a router_url or at least one engine URL")
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
@@ -167,6 +170,7 @@ class RolloutClient:
         self.generate_fields: dict[str, Any] = dict(generate_fields or {})
         self.kept_partial_tokens = 0
         """Tokens received from an engine that then died, kept and continued from on another one."""
+        self.span_lag = int(span_lag)
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> "RolloutClient":
@@ -440,7 +444,7 @@ class RolloutClient:
         if not isinstance(out, dict):
             raise RolloutError(f"/generate returned {type(out).__name__}, expected a JSON object",
                                self.router_url or "engines")
-        _label_tokens(out)
+        _label_tokens(out, self.span_lag)
         version = (out.get("meta_info") or {}).get("weight_version")
         if version is not None:
             self._weight_version = str(version)
@@ -496,7 +500,7 @@ class RolloutClient:
         final = await self._with_retries(send, "POST", "/generate", base_url=None, retry=True)
         ids, lp, text = split(final)
         meta = dict(final.get("meta_info") or {})
-        exact = labels_from_spans(meta.get("weight_versions"), len(ids))
+        exact = labels_from_spans(meta.get("weight_versions"), len(ids), self.span_lag)
         meta["output_token_weight_versions"] = kept_versions + (current["labels"].labels if exact is None
                                                                 else exact)
         if not kept_ids:
@@ -530,7 +534,7 @@ class RolloutClient:
                                f"{type(out).__name__} {len(out) if isinstance(out, list) else ''}, expected a "
                                f"list of {len(input_ids)} JSON objects", self.router_url or "engines")
         for o in out:
-            _label_tokens(o)
+            _label_tokens(o, self.span_lag)
             version = (o.get("meta_info") or {}).get("weight_version")
             if version is not None:
                 self._weight_version = str(version)
@@ -634,13 +638,14 @@ class RolloutClient:
             await asyncio.sleep(poll_s)
 
 
-def _label_tokens(out: dict) -> None:
+def _label_tokens(out: dict, lag: int = 0) -> None:
     """Add ``meta_info["output_token_weight_versions"]`` to a ``/generate`` answer from its
-    ``weight_versions`` spans when it has none yet and the spans cover its output tokens."""
+    ``weight_versions`` spans (``lag``: :func:`hpcrl.rollout.token_versions.labels_from_spans`) when it has
+    none yet and the spans cover its output tokens."""
     meta = out.get("meta_info")
     if not isinstance(meta, dict) or "output_token_weight_versions" in meta:
         return
     tokens = meta.get("output_token_logprobs") or out.get("output_ids") or []
-    labels = labels_from_spans(meta.get("weight_versions"), len(tokens))
+    labels = labels_from_spans(meta.get("weight_versions"), len(tokens), lag)
     if labels is not None:
         meta["output_token_weight_versions"] = labels

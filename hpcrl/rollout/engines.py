@@ -231,22 +231,31 @@ def engine_env(cfg_rollout: Any, engine: Optional[str] = None) -> dict[str, str]
     return env
 
 
-SGLANG_SERVER_MODULES = ("sglang", "sglang.srt", "zmq", "uvloop", "triton", "sgl_kernel")
-"""Modules SGLang's server imports first (the package, ZeroMQ between its processes, its event loop, Triton
-and its kernels, which it imports at module level also on a CPU): what :func:`sglang_missing` looks for."""
+SGLANG_SERVER_MODULES = ("sglang", "sglang.srt.entrypoints.http_server", "pybase64", "zmq", "uvloop", "triton",
+                         "sgl_kernel")
+"""Modules SGLang's server imports first (the package and its HTTP server, its first pure-Python dependency,
+ZeroMQ between its processes, its event loop, Triton and its kernels, which it imports at module level also on
+a CPU): what :func:`sglang_missing` looks for."""
 
 
 def sglang_missing(env: Optional[Mapping[str, str]] = None, python: str = sys.executable) -> list[str]:
     """Which of :data:`SGLANG_SERVER_MODULES` an engine process started with ``env`` (default this
-    process's) could not import: found by ``importlib.util.find_spec`` in a child interpreter (~0.1 s; an
-    import of SGLang's server takes 9-20 s). Empty when SGLang looks servable. Raises nothing (an interpreter
-    that cannot start reports every module missing)."""
-    code = ("import importlib.util, sys\n"
+    process's) could not import: found in a child interpreter by ``importlib.util.find_spec`` of the top-level
+    package and a dotted name's file in that package's folders, so no package's ``__init__`` runs (~0.1 s; importing ``sglang`` alone takes
+    ~9 s, its server 9-20 s). Empty when SGLang looks servable. Raises nothing (an interpreter that cannot
+    start reports every module missing)."""
+    code = ("import importlib.util, os, sys\n"
             "def found(m):\n"
+            "    head, *rest = m.split('.')\n"
             "    try:\n"
-            "        return importlib.util.find_spec(m) is not None\n"
+            "        spec = importlib.util.find_spec(head)\n"
             "    except (ImportError, ValueError):\n"
             "        return False\n"
+            "    if spec is None or not rest:\n"
+            "        return spec is not None\n"
+            "    sub = os.path.join(*rest)\n"
+            "    return any(os.path.isfile(os.path.join(d, sub + '.py')) or os.path.isdir(os.path.join(d, sub))\n"
+            "               for d in spec.submodule_search_locations or [])\n"
             "print(' '.join(m for m in sys.argv[1:] if not found(m)))")
     try:
         out = subprocess.run([python, "-c", code, *SGLANG_SERVER_MODULES], capture_output=True, text=True,

@@ -29,6 +29,17 @@ waits until they are healthy (raising with their log tail when one died); ``pend
 (raises with its log tail when it died) and ``.stop()``."""
 
 
+def run_span_lag(cfg) -> int:
+    """The client's ``span_lag`` for the run's engines (:func:`hpcrl.rollout.token_versions.span_lag`): by
+    whether they are SGLang, its flags and the run's resolved ``weights.pause_mode``."""
+    from hpcrl.rollout.engines import sglang_engines
+    from hpcrl.rollout.token_versions import span_lag
+    from hpcrl.weights.sync import resolve_pause_mode
+
+    return span_lag(sglang_engines(cfg), engine_sglang_args(cfg),
+                    resolve_pause_mode(cfg.weights.pause_mode, cfg.run.mode))
+
+
 class RolloutFleet:
     """The controller's rollout servers and the event loop their client runs on (its thread starts here).
 
@@ -147,7 +158,8 @@ class RolloutFleet:
                                     # faster on a busy engine
                                     keep_partial=rc.partial_rollout,
                                     generate_fields={"return_routed_experts": True}
-                                    if cfg.algorithm.routing_replay else None)
+                                    if cfg.algorithm.routing_replay else None,
+                                    span_lag=run_span_lag(cfg))
         self.call(self.client.open())
         self.call(self.client.wait_healthy(timeout_s=600))
         self.call(self._start_monitor(pending, key))

@@ -24,7 +24,7 @@ token (``output_token_logprobs``), whatever version produced it (see ``docs/algo
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 UNKNOWN_VERSION = -1
 """The integer label of a token whose weight version is unknown (or not an integer)."""
@@ -42,11 +42,15 @@ def version_number(version: Any) -> int:
     return int(text) if digits.isdigit() else UNKNOWN_VERSION
 
 
-def labels_from_spans(spans: Any, num_output: int) -> Optional[list]:
+def labels_from_spans(spans: Any, num_output: int, lag: int = 0) -> Optional[list]:
     """One version per output token from a finished answer's ``meta_info.weight_versions`` (SGLang 0.5.23 and
     the CPU engine: ``[{"version", "start", "end"}, ...]``, recorded by the engine's scheduler at each update
-    while the request lived, so exact, streamed or not). None when absent or not a contiguous cover of the
-    ``num_output`` tokens (older SGLang, or a router that dropped the field)."""
+    while the request lived). None when absent or not a contiguous cover of the ``num_output`` tokens (older
+    SGLang, or a router that dropped the field).
+
+    ``lag``: tokens at the start of each later span that the previous version sampled (:func:`span_lag`):
+    they are labelled with it. 0 where the spans are exact (the CPU engine; SGLang but for ``in_place``
+    updates under its overlap scheduler)."""
     if not isinstance(spans, list) or not spans:
         return None
     labels: list = []
@@ -57,8 +61,24 @@ def labels_from_spans(spans: Any, num_output: int) -> Optional[list]:
             return None
         if start != len(labels) or end < start:
             return None
-        labels += [version] * (end - start)
+        late = min(lag, end - start) if labels else 0
+        labels += [labels[-1] if late else version] * late + [version] * (end - start - late)
     return labels if len(labels) == num_output else None
+
+
+def span_lag(sglang_engines: bool, sglang_args: Mapping[str, Any], pause_mode: str) -> int:
+    """How many tokens each ``weight_versions`` span of the run's engines starts too early
+    (:func:`labels_from_spans`' ``lag``): 1 for real SGLang paused ``in_place`` with its overlap scheduler on
+    (SGLang's default, ``disable_overlap_schedule`` unset), else 0.
+
+    Why (measured on SGLang 0.5.23, tests/sglang): the overlap scheduler has the next decode step launched
+    before the last one's token is appended, so when an ``in_place`` update records each running request's
+    output length, one token sampled by the old weights is still in flight and is counted in the new
+    version's span (its log-prob is the old policy's to 2e-7). ``retract`` and ``abort`` spans were exact.
+    Labelling that token with the older version keeps hpcrl's rule: staleness over-, never under-estimated."""
+    if not sglang_engines or pause_mode != "in_place":
+        return 0
+    return 0 if sglang_args.get("disable_overlap_schedule") else 1
 
 
 class ChunkLabeller:

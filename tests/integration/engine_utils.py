@@ -398,7 +398,8 @@ async def stream_labels(url: str, key: str | None) -> tuple[list, list]:
 
 
 async def generate_across_update(clients: list, mode: str, new_tensors: list, version: str,
-                                 also_running: int = 0):
+                                 also_running: int = 0, tensor_format: str = "flattened_bucket",
+                                 freeze: bool = True):
     """One :func:`hpcrl.rollout.generate.generate` of ACROSS_PROMPT per client of ``clients`` (engines or
     router; streamed with ``keep_partial``, else not) in flight across a weight sync of ``new_tensors`` as
     ``version`` with pause mode ``mode``: once the engines run them all, every engine is frozen
@@ -407,7 +408,11 @@ async def generate_across_update(clients: list, mode: str, new_tensors: list, ve
     continues. Under ``abort`` each aborted sample is continued by a second call. Returns ``(results,
     metrics)``: per client ``(first, sample)`` (the first call's ``(status, response_length, token
     versions)``, the sample), and the sync's metrics. ``also_running``: more requests started by the caller
-    that must be running too before the freeze."""
+    that must be running too before the freeze. ``tensor_format``: the sync's payload
+    format (real SGLang takes ``direct`` from a process where its own metadata class does not import).
+    ``freeze=False``: no in-place freeze before the sync (real SGLang's ``/pause_generation`` in ``abort`` mode
+    never returns on an engine frozen in place: the aborts it sends wait for the frozen scheduler), so the
+    sync's own pause must come within the response's ~1 s of decoding."""
     import asyncio
 
     from hpcrl.data.sample import Sample
@@ -424,8 +429,10 @@ async def generate_across_update(clients: list, mode: str, new_tensors: list, ve
         assert not any(t.done() for t in tasks) and time.monotonic() < deadline, \
             "the responses did not start, or one ended at once"
         await asyncio.sleep(0.01)
-    await clients[0].pause("in_place")
-    syncer = WeightSyncer(clients[0], "tensor", bucket_bytes=1 << 20, timeout_s=60, pause_mode=mode)
+    if freeze:
+        await clients[0].pause("in_place")
+    syncer = WeightSyncer(clients[0], "tensor", bucket_bytes=1 << 20, timeout_s=60, pause_mode=mode,
+                          tensor_format=tensor_format)
     metrics = await syncer.sync(iter(new_tensors), version)
     await asyncio.wait_for(asyncio.gather(*tasks), 60)
     firsts = [(s.status, s.response_length, list(s.rollout_token_versions)) for s in samples]

@@ -41,15 +41,22 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def _auth(engine) -> dict:
+    key = getattr(engine, "api_key", None)  # real SGLang (tests/sglang) is started with one
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def _with_gateway(engine, body, tool_parser=None):
-    """Run ``body(gateway, client)`` with a gateway in front of the engine through a RolloutClient."""
+    """Run ``body(gateway, client)`` with a gateway in front of the engine through a RolloutClient
+    (``engine``: ``url``, ``model_path`` and, where it has one, ``api_key``)."""
     from transformers import AutoTokenizer
 
     from hpcrl.agent.gateway import AgentGateway
     from hpcrl.rollout.client import RolloutClient
 
     tok = AutoTokenizer.from_pretrained(engine.model_path)
-    async with RolloutClient(None, [engine.url], timeout_s=60) as client:
+    async with RolloutClient(None, [engine.url], api_key=getattr(engine, "api_key", None),
+                             timeout_s=60) as client:
         async def generate(ids, sp):
             return await client.generate(ids, sp, return_logprob=True)
 
@@ -79,7 +86,7 @@ async def chat_agent(item, *, base_url, api_key, session_id):
 def _prefill_log_probs(engine, tokens, start):
     status, out = http_json("POST", engine.url + "/generate", {
         "input_ids": tokens, "return_logprob": True, "logprob_start_len": start,
-        "sampling_params": {"max_new_tokens": 0}})
+        "sampling_params": {"max_new_tokens": 0}}, headers=_auth(engine), timeout=120)
     assert status == 200, out
     return [t[0] for t in out["meta_info"]["input_token_logprobs"]]
 
@@ -106,7 +113,8 @@ def test_an_episode_is_one_token_exact_sample(engine):
     for i in trained:
         assert abs(recomputed[i] - s.rollout_log_probs[i]) < 1e-4, i
     assert all(s.rollout_log_probs[i] == 0.0 for i in masked)
-    assert s.weight_versions == ["default"] * 3
+    status, info = http_json("GET", engine.url + "/get_model_info", headers=_auth(engine))
+    assert status == 200 and s.weight_versions == [info["weight_version"]] * 3  # "default" if never synced
 
 
 def test_sessions_are_isolated_and_closed_keys_refused(engine):

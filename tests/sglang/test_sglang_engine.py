@@ -23,7 +23,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests import sglang_cpu
-from tests.integration.engine_utils import full_logprobs, http_json, max_diff, perturb, prefill_logprobs
+from tests.integration.engine_utils import (ACROSS_PARAMS, ACROSS_PROMPT, check_across_update, full_logprobs,
+                                            generate_across_update, hf_tensors, http_json, max_diff, perturb,
+                                            prefill_logprobs, two_policies)
 from tests.integration.test_weight_sync import (KEY, SEQS, _syncs, hf_size,  # noqa: F401 - fixtures
                                                 trainer, trainer_logprobs)
 
@@ -39,12 +41,14 @@ STARTUP_S = 400.0
 @pytest.fixture(scope="module")
 def sglang(tiny_model_dir, tmp_path_factory):
     """A real SGLang server of the tiny model, started as ``hpcrl run`` starts an engine (colocated: the run's
-    ``enable_memory_saver`` is asked for, and left out on a CPU); yields ``(EngineProcess, calls_file)``."""
+    ``enable_memory_saver`` is asked for, and left out on a CPU; hpcrl's delta loader is allowed, as a run
+    with ``weights.delta`` starts it); yields ``(EngineProcess, calls_file)``."""
     if os.environ.get("HPCRL_SKIP_SGLANG_TESTS") == "1":
         pytest.skip("HPCRL_SKIP_SGLANG_TESTS=1")
     if not sglang_cpu.available():
         pytest.fail("SGLang's CPU runtime is not installed: bash .ci/install --sglang (tests/sglang_cpu)")
     from hpcrl.rollout.engines import spawn_engine, wait_engine
+    from hpcrl.weights.delta import DELTA_LOADER
 
     work = tmp_path_factory.mktemp("sglang")
     key_file = work / "secret"
@@ -52,7 +56,8 @@ def sglang(tiny_model_dir, tmp_path_factory):
     key_file.chmod(0o600)
     calls = work / "sgl_kernel_calls.txt"
     cfg_rollout = SimpleNamespace(engine="sglang", engine_env=sglang_cpu.engine_env(calls))
-    eng = spawn_engine(cfg_rollout, {"enable_memory_saver": True, "random_seed": 1}, tiny_model_dir,
+    args = {"enable_memory_saver": True, "random_seed": 1, "custom_weight_loader": [DELTA_LOADER]}
+    eng = spawn_engine(cfg_rollout, args, tiny_model_dir,
                        api_key_file=key_file, engine="sglang", log_path=work / "sglang.log")
     try:
         wait_engine(eng, key_file, startup_timeout_s=STARTUP_S)
@@ -162,6 +167,203 @@ def test_tensor_sync_direct(sglang, trainer, hf_size):  # noqa: F811 - the impor
     _assert_synced(eng, trainer, "tensor-1")
 
 
+FLATTENED_SCRIPT = """
+import asyncio, json, sys
+from safetensors.torch import load_file
+from hpcrl.engine.serialize import metadata_class
+from hpcrl.rollout.client import RolloutClient
+from hpcrl.weights import WeightSyncer
+from hpcrl.weights.sync import tensor_format_for
+
+url, key, path, version = sys.argv[1:5]
+fmt = tensor_format_for(True)  # imports SGLang's tensor_bucket module when it can
+
+
+async def go():
+    async with RolloutClient(engine_urls=[url], api_key=key) as client:
+        syncer = WeightSyncer(client, "tensor", tensor_format=fmt, bucket_bytes=256 * 1024, timeout_s=120)
+        try:
+            return await syncer.sync(iter(load_file(path).items()), version)
+        finally:
+            await syncer.close()
+
+
+metrics = asyncio.run(go())
+cls = metadata_class()
+print(json.dumps({"format": fmt, "class": cls.__module__ + "." + cls.__qualname__, "metrics": metrics}))
+"""
+
+
+def test_tensor_sync_flattened_bucket_with_sglangs_metadata(sglang, trainer, tmp_path):
+    """``tensor_format: flattened_bucket`` (slime's, hpcrl's default) from a sender where SGLang imports, as a
+    trainer beside SGLang on a GPU node: the bucket's metadata is pickled as SGLang's own
+    ``FlattenedTensorMetadata`` (hpcrl's class would make SGLang's scheduler exit: ``Blocked unsafe
+    global``), and SGLang loads it. The sender is a process with SGLang's CPU runtime on its path (this test
+    process has not), sending the perturbed trainer's export."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from hpcrl.weights import iterate_for_sync
+
+    eng, calls = sglang
+    perturb(trainer, seed=14)
+    path = tmp_path / "export.safetensors"
+    save_file({name: t.detach().clone().contiguous() for name, t in iterate_for_sync(trainer)}, str(path))
+    env = dict(os.environ, PYTHONPATH=sglang_cpu.engine_env(calls)["PYTHONPATH"])
+    log = tmp_path / "sender.log"
+    with open(log, "w") as sink:  # not a pipe: the torch_shm_manager the payload starts inherits it, outlives
+        code = subprocess.run([sys.executable, "-c", FLATTENED_SCRIPT, eng.url, KEY, str(path), "flat-1"],
+                              env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=300).returncode
+    assert code == 0, log.read_text()[-3000:]
+    result = json.loads(log.read_text().strip().splitlines()[-1])
+    assert result["format"] == "flattened_bucket"
+    assert result["class"] == "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata"
+    assert result["metrics"]["buckets"] >= 10
+    _assert_synced(eng, trainer, "flat-1")
+
+
+def test_delta_sync_through_hpcrls_custom_loader(sglang, trainer):
+    """``weights.delta``: SGLang started with ``--custom-weight-loader hpcrl.weights.delta.load_delta`` loads
+    every update of a delta run through hpcrl's loader (in SGLang's own scheduler process). The first sync is
+    full (the loader keeps it as its base); after a change of a few words of one tensor the second sends only
+    those words, and SGLang serves exactly the trainer's weights after each."""
+    import torch
+
+    from hpcrl.train.bridge import unwrap_model
+    from hpcrl.weights import iterate_for_sync
+
+    eng, _ = sglang
+    perturb(trainer, seed=15)
+
+    def few_words():
+        param = next(p for p in unwrap_model(trainer).parameters() if p.dim() == 2)
+        with torch.no_grad():
+            param.view(-1)[:7] += 0.25
+        return iterate_for_sync(trainer)
+
+    (full, delta), _ = asyncio.run(_syncs(eng.url, "tensor", [(lambda: iterate_for_sync(trainer), "delta-1"),
+                                                              (few_words, "delta-2")],
+                                          bucket_bytes=256 * 1024, timeout_s=120, tensor_format="direct",
+                                          delta=True, engine_dtype="float32"))
+    assert (full["full"], delta["full"]) == (1, 0)
+    assert 0 < delta["delta_density"] < 1e-3 and delta["bytes"] < 1024, delta
+    _assert_synced(eng, trainer, "delta-2")
+
+
+@pytest.fixture(scope="module")
+def policies(tiny_model_dir):
+    """``(old, new)`` HF models: the weight versions 10 and 11 of the pause-mode test."""
+    return two_policies(tiny_model_dir)
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_streamed_response_across_a_weight_update(sglang, policies, mode):
+    """The CPU engine's test of the same name (tests/integration/test_weight_sync.py), on SGLang: a response
+    in flight, streamed and not, while a sync moves the weights from version 10 to 11 with each pause mode.
+    ``abort``: the call ends aborted with its tokens so far, all of version 10, and a second call finishes it
+    on 11; ``retract`` and ``in_place``: the same request finishes, its tokens' versions (from SGLang's own
+    ``meta_info.weight_versions`` spans) switch once, aligned with the log-probs SGLang recorded (each the
+    distribution the token was drawn from; ``in_place``: the new weights over the old KV cache). Under
+    ``abort`` the responses are not frozen in place first (SGLang's abort-mode pause would never return):
+    the sync's pause comes within milliseconds of both running, well inside their ~1 s of decoding. Under
+    ``in_place`` SGLang's overlap scheduler counts one token of version 10 in version 11's span: hpcrl's client
+    labels it 10 (``span_lag``), and the check below holds only with that (the token's log-prob is version
+    10's to ~2e-7)."""
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.rollout.token_versions import span_lag
+    from hpcrl.weights import WeightSyncer
+
+    eng, _ = sglang
+    old, new = policies
+
+    lag = span_lag(True, {}, mode)  # 1 for in_place: SGLang's spans count one old token as new
+
+    async def go():
+        async with RolloutClient(engine_urls=[eng.url], api_key=KEY, keep_partial=True, span_lag=lag) as streamed, \
+                RolloutClient(engine_urls=[eng.url], api_key=KEY, span_lag=lag) as plain:
+            await WeightSyncer(plain, "tensor", bucket_bytes=1 << 20, timeout_s=120, tensor_format="direct").sync(
+                iter(hf_tensors(old)), "10")
+            return await generate_across_update([streamed, plain], mode, hf_tensors(new), "11",
+                                                tensor_format="direct", freeze=mode != "abort")
+
+    results, metrics = asyncio.run(go())
+    for first, sample in results:
+        check_across_update(mode, first, sample, old, new, 10, 11)
+    assert metrics["weight_version"] == "11"
+
+
+def test_abort_one_request_then_all(sglang):
+    """``RolloutClient.abort(rid)`` ends that response early (finish reason ``abort``, its tokens so far) and
+    leaves the other running; ``abort_all`` then ends that one."""
+    from hpcrl.rollout.client import RolloutClient
+
+    eng, _ = sglang
+
+    async def go():
+        async with RolloutClient(engine_urls=[eng.url], api_key=KEY) as client:
+            async def one(rid):
+                out = await client.generate(ACROSS_PROMPT, dict(ACROSS_PARAMS), rid=rid)
+                return out["meta_info"]["finish_reason"]["type"], len(out["output_ids"])
+
+            tasks = {rid: asyncio.create_task(one(rid)) for rid in ("first", "second")}
+            await running(client, 2)
+            await client.pause("in_place")  # frozen mid-response whatever the machine's speed
+            await client.abort("first")
+            await client.resume()
+            first = await asyncio.wait_for(tasks["first"], 60)
+            assert not tasks["second"].done()
+            await client.abort_all()
+            return first, await asyncio.wait_for(tasks["second"], 60)
+
+    (reason1, n1), (reason2, n2) = asyncio.run(go())
+    assert reason1 == reason2 == "abort" and 0 < n1 < ACROSS_PARAMS["max_new_tokens"]
+    assert 0 < n2 < ACROSS_PARAMS["max_new_tokens"]
+
+
+async def running(client, n: int, timeout_s: float = 60.0) -> None:
+    """Wait until the client's engines run ``n`` requests (SGLang's ``/v1/loads``)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = [await client.request("GET", "/v1/loads", base_url=u) for u in client.engine_urls]
+        if sum(x["loads"][0]["num_running_reqs"] for x in loads) >= n:
+            return
+        assert time.monotonic() < deadline, f"{n} requests did not start running"
+        await asyncio.sleep(0.01)
+
+
+def test_a_session_left_open_is_closed_by_the_next_sync(sglang, trainer, caplog):
+    """SGLang refuses ``/begin_weight_update`` while a session is open; a sync finding one left open (by a
+    sync that failed to close it) closes it, with a warning, and goes on."""
+    from hpcrl.weights import iterate_for_sync
+
+    eng, _ = sglang
+    key = {"Authorization": f"Bearer {KEY}"}
+    assert http_json("POST", eng.url + "/begin_weight_update", {}, headers=key, timeout=60)[0] == 200
+    perturb(trainer, seed=16)
+    with caplog.at_level("WARNING", logger="hpcrl.weights.common"):
+        asyncio.run(_syncs(eng.url, "tensor", [(lambda: iterate_for_sync(trainer), "reopened")],
+                           bucket_bytes=1024 * 1024, timeout_s=120, tensor_format="direct"))
+    _assert_synced(eng, trainer, "reopened")
+    assert any("still had a weight-update session open" in r.getMessage() for r in caplog.records)
+
+
+def test_agent_episode_through_the_gateway(sglang, tiny_model_dir):
+    """The agent gateway over SGLang: an agent using the real ``openai`` package holds a three-turn chat
+    session through hpcrl's OpenAI-style gateway, and the episode is one token-exact sample (SGLang, fed the
+    sample's tokens in one prefill, gives the recorded log-probs of every trained token): the CPU engine's
+    test (tests/integration/test_agent_gateway.py) with SGLang behind the gateway."""
+    from tests.integration import test_agent_gateway
+
+    eng, _ = sglang
+    test_agent_gateway.test_an_episode_is_one_token_exact_sample(
+        SimpleNamespace(url=eng.url, model_path=str(tiny_model_dir), api_key=KEY))
+
+
 def test_no_sgl_kernel_op_was_called(sglang):
     """Last in the module: SGLang's CPU path took plain-PyTorch code everywhere the tests above went (the
     stand-in records every call of one of its ops before raising)."""
@@ -174,28 +376,40 @@ LOOP_CONFIG = """\
 run: {{name: {mode}, num_rollout: 3, seed: 1, mode: {mode}, placement: {placement}}}
 model: {{path: {model}}}
 data: {{source: addition, num_train: 64, num_eval: 8}}
-rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 8, eval_interval: 0, router: false,
+rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 8, eval_interval: 0, router: {router},
   engine: sglang, engine_env: {env}}}
 train: {{lr_warmup_steps: 0, micro_batch_size: 16}}
+algorithm: {{use_tis: {tis}}}
 """
 
+LOOPS = {  # mode: (placement, router, lag of the samples' weight version behind the step)
+    "sync": ("colocate", True, 0),
+    "async": ("disaggregate", False, 1),
+    "fully_async": ("disaggregate", False, None),
+}
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+
+@pytest.mark.parametrize("mode", list(LOOPS))
 def test_the_loop_runs_on_sglang(mode, tiny_model_dir, tmp_path):
     """``hpcrl run`` of 3 GRPO steps with ``rollout.engine: sglang``: hpcrl starts SGLang itself and trains on
-    what it sampled. ``sync`` colocated: weights by tensor every step (``direct``: SGLang's metadata class does
-    not import in this trainer), SGLang's memory release/resume around each phase. ``async`` (one step off)
-    disaggregated: weights over a gloo group (``distributed``) while the next rollout runs. At every step the
-    trainer's and SGLang's log-probs of the sampled tokens agree (< 1e-5 in fp32) and the samples carry the
-    weight version the mode promises."""
+    what it sampled. ``sync`` colocated, through sglang-router (generation through it, every weight and
+    pause call to the worker behind it): weights by tensor every step (``direct``: SGLang's metadata class
+    does not import in this trainer), SGLang's memory release/resume around each phase. ``async`` (one step
+    off) disaggregated: weights over a gloo group (``distributed``) while the next rollout runs.
+    ``fully_async`` disaggregated: SGLang generates without stopping for the updates (``in_place``; in 3
+    steps it has sampled most of what they train before the first one: the update landing mid-response is
+    ``test_streamed_response_across_a_weight_update``), and no step trains on a version after its own. At
+    every step the trainer's and SGLang's log-probs of the sampled tokens agree
+    (< 1e-5 in fp32) where the samples are on-policy, and carry the weight versions the mode promises."""
     import json
     import subprocess
     import sys
 
+    placement, router, lag = LOOPS[mode]
     calls = tmp_path / "sgl_kernel_calls.txt"
-    placement = "colocate" if mode == "sync" else "disaggregate"  # async: engines beside the trainer
-    (tmp_path / "run.yaml").write_text(LOOP_CONFIG.format(mode=mode, placement=placement, model=tiny_model_dir,
-                                                          env=json.dumps(sglang_cpu.engine_env(calls))))
+    (tmp_path / "run.yaml").write_text(LOOP_CONFIG.format(
+        mode=mode, placement=placement, model=tiny_model_dir, router=str(router).lower(),
+        tis=str(mode == "fully_async").lower(), env=json.dumps(sglang_cpu.engine_env(calls))))
     hpcrl = Path(sys.executable).with_name("hpcrl")
     out = subprocess.run([str(hpcrl), "run", "run.yaml"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=STARTUP_S + 300)
@@ -203,11 +417,71 @@ def test_the_loop_runs_on_sglang(mode, tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "runs" / mode / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1, 2]
-    for r in steps:
-        assert r["train/train_rollout_logprob_abs_diff"] < TOL, r
-    lag = 0 if mode == "sync" else 1
-    assert [r["rollout/weight_version"] for r in steps] == [str(max(0, s - lag)) for s in (0, 1, 2)]
-    assert [r["rollout/lag_max"] for r in steps] == [0, lag, lag]
-    log = (tmp_path / "runs" / mode / "logs" / "attempt-0" / "engine-0.log").read_text(errors="replace")
+    if lag is not None:
+        for r in steps:
+            assert r["train/train_rollout_logprob_abs_diff"] < TOL, r
+        assert [r["rollout/weight_version"] for r in steps] == [str(max(0, s - lag)) for s in (0, 1, 2)]
+        assert [r["rollout/lag_max"] for r in steps] == [0, lag, lag]
+    else:  # fully async: a step trains on tokens of the versions before it, never of a later one
+        for r in steps:
+            assert 0 <= r["rollout/staleness_max"] <= r["step"], r
+        assert steps[0]["train/train_rollout_logprob_abs_diff"] < TOL  # version 0 everywhere at step 0
+    attempt = tmp_path / "runs" / mode / "logs" / "attempt-0"
+    log = (attempt / "engine-0.log").read_text(errors="replace")
     assert "The server is fired up and ready to roll" in log  # SGLang's own line: it served the run
+    if router:
+        assert "/update_weights_from_tensor" in log and any(attempt.glob("router*.log"))
+    assert not calls.exists() or calls.read_text() == ""
+
+
+KILL_CONFIG = """\
+run: {{name: kill, num_rollout: 5, seed: 1, mode: async, placement: disaggregate}}
+model: {{path: {model}}}
+data: {{source: addition, num_train: 64, num_eval: 8}}
+rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 8, eval_interval: 0, router: false,
+  engine: sglang, engine_env: {env}, partial_rollout: true, heartbeat_interval_s: 1, heartbeat_timeout_s: 10}}
+train: {{lr_warmup_steps: 0, micro_batch_size: 16}}
+checkpoint: {{save_interval: 0, keep_last: 1}}
+"""
+
+
+def test_a_killed_sglang_is_replaced_and_resynced(tiny_model_dir, tmp_path):
+    """Fault tolerance on the real engine: SGLang SIGKILLed while a one-step-off run trains; hpcrl's health
+    monitor sees it gone, starts a new SGLang (the same launch line), loads it with the current weights and
+    the run goes on: every step done, every group trained once, one restart counted, and after the
+    replacement the trainer's and SGLang's log-probs of the sampled tokens agree as before (< 1e-5): the new
+    engine serves the trained weights, not the checkpoint it started from."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from tests.integration.test_fault_tolerance import assert_each_group_once, metrics, procs, wait_for
+    from tests.integration.test_preemption_local import steps_done
+
+    calls = tmp_path / "sgl_kernel_calls.txt"
+    (tmp_path / "run.yaml").write_text(KILL_CONFIG.format(model=tiny_model_dir,
+                                                          env=json.dumps(sglang_cpu.engine_env(calls))))
+    log = open(tmp_path / "kill.log", "ab")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("hpcrl")), "run", "run.yaml"], cwd=tmp_path,
+                            stdout=log, stderr=subprocess.STDOUT)
+    run_dir = tmp_path / "runs" / "kill"
+    try:
+        wait_for(lambda: steps_done(run_dir) >= 2, proc, timeout=STARTUP_S + 120, what="step 1")
+        victim = procs(proc, "sglang.launch_server")[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: [p for p in procs(proc, "sglang.launch_server") if p != victim], proc,
+                 timeout=120, what="a new SGLang")
+        assert proc.wait(timeout=STARTUP_S + 300) == 0, (tmp_path / "kill.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = metrics(tmp_path, "kill")
+    assert [r["step"] for r in rows] == list(range(5))
+    assert sum(r["rollout/engine_restarts"] for r in rows) == 1
+    for r in rows:
+        assert r["train/train_rollout_logprob_abs_diff"] < TOL, r
+    assert_each_group_once(tmp_path, "kill", steps=5)
+    restarted = list((run_dir / "logs" / "attempt-0").glob("engine-0.restart-*.log"))
+    assert len(restarted) == 1 and "The server is fired up" in restarted[0].read_text(errors="replace")
     assert not calls.exists() or calls.read_text() == ""

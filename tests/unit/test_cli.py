@@ -223,7 +223,7 @@ def test_run_refuses_sglang_engines_where_sglang_does_not_import():
     with pytest.raises(ConfigError) as e:
         check_local_engine(cfg)
     assert e.value.field == "rollout.engine" and "\n" not in str(e.value)
-    assert "cannot import" in str(e.value) and "sglang.srt" in str(e.value) and "rollout.engine=cpu" in str(e.value)
+    assert "cannot import" in str(e.value) and "pybase64" in str(e.value) and "rollout.engine=cpu" in str(e.value)
     if sglang_cpu.available():  # with the runtime tests/sglang_cpu installs: nothing to say
         cfg.rollout.engine_env = sglang_cpu.engine_env()
         check_local_engine(cfg)

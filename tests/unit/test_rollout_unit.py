@@ -127,7 +127,11 @@ def test_sglang_missing_names_what_the_server_cannot_import(tmp_path, monkeypatc
         (fake / name.replace(".", "/")).mkdir(parents=True)
         (fake / name.replace(".", "/") / "__init__.py").write_text("")
     assert engines.sglang_missing(dict(os.environ, PYTHONPATH=str(fake))) == []
+    # no package's __init__ runs (SGLang's takes ~9 s): this one would raise
     (fake / "hpcrl_fake_a" / "__init__.py").write_text("raise ImportError('a dependency is missing')")
+    assert engines.sglang_missing(dict(os.environ, PYTHONPATH=str(fake))) == []
+    (fake / "hpcrl_fake_a" / "srt" / "__init__.py").unlink()
+    (fake / "hpcrl_fake_a" / "srt").rmdir()
     assert engines.sglang_missing(dict(os.environ, PYTHONPATH=str(fake))) == ["hpcrl_fake_a.srt"]
     assert engines.sglang_missing() == list(modules)  # without the folder on the path
 

@@ -12,7 +12,8 @@ import pytest
 
 from hpcrl.config import WeightsSection
 from hpcrl.engine.protocol import weight_version_spans
-from hpcrl.rollout.token_versions import UNKNOWN_VERSION, ChunkLabeller, labels_from_spans, version_number
+from hpcrl.rollout.token_versions import (UNKNOWN_VERSION, ChunkLabeller, labels_from_spans, span_lag,
+                                          version_number)
 from hpcrl.weights.sync import WeightSyncer, resolve_pause_mode
 
 
@@ -116,6 +117,37 @@ def test_labels_from_spans():
     assert labels_from_spans([spans[1]], 3) is None  # not from token 0
     assert labels_from_spans(None, 0) is None and labels_from_spans([], 0) is None
     assert labels_from_spans([{"version": "3"}], 0) is None
+
+
+def test_labels_from_spans_with_a_lag():
+    """SGLang's overlap scheduler counts one old-version token in the new span of an in-place update: with
+    ``lag=1`` it keeps the older label (tests/sglang measures the lag)."""
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5},
+             {"version": "5", "start": 5, "end": 6}]
+    assert labels_from_spans(spans, 6, lag=1) == ["3", "3", "3", "4", "4", "4"]
+    assert labels_from_spans(spans[:1], 2, lag=1) == ["3", "3"]  # the first span has no older version
+
+
+@pytest.mark.parametrize("sglang, args, mode, lag", [
+    (True, {}, "in_place", 1), (True, {"disable_overlap_schedule": True}, "in_place", 0),
+    (True, {}, "retract", 0), (True, {}, "abort", 0), (False, {}, "in_place", 0)])
+def test_span_lag(sglang, args, mode, lag):
+    assert span_lag(sglang, args, mode) == lag
+
+
+def test_run_span_lag_follows_the_config():
+    from hpcrl.config import load_config
+    from hpcrl.rollout.fleet import run_span_lag
+
+    def cfg(*overrides):
+        return load_config("configs/quickstart.yaml",
+                           ["run.placement=disaggregate", "algorithm.use_tis=true", *overrides])
+
+    assert run_span_lag(cfg("rollout.engine=sglang", "run.mode=fully_async")) == 1
+    assert run_span_lag(cfg("rollout.engine=sglang", "run.mode=fully_async", "weights.pause_mode=retract")) == 0
+    assert run_span_lag(cfg("rollout.engine=sglang", "run.mode=fully_async",
+                            "sglang.disable_overlap_schedule=true")) == 0
+    assert run_span_lag(cfg("rollout.engine=cpu", "run.mode=fully_async")) == 0
 
 
 def test_pause_mode_resolution():
