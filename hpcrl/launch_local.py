@@ -119,12 +119,24 @@ def check_local_engine(cfg: Config) -> None:
     sees CUDA) SGLang's server must import here, in the engines' environment (``rollout.engine_env``;
     :func:`hpcrl.rollout.engines.sglang_missing`). Raises ConfigError (one line, before anything starts) when
     it does not; seen on an H200 without SGLang, where the run stopped with "engine exited with code 1" and
-    the reason sat in the engine's log."""
+    the reason sat in the engine's log. On a CPU, fp8 rollout weights need AMX (SGLang's fp8 method there)."""
     from hpcrl.config import ConfigError
-    from hpcrl.rollout.engines import engine_env, resolve_engine, sglang_missing
+    from hpcrl.rollout.engines import (amx_tile_supported, engine_env, engine_sglang_args, on_gpu,
+                                       resolve_engine, sglang_cpu_args, sglang_missing)
 
     if resolve_engine(cfg.rollout.engine) != "sglang":
         return
+    if cfg.weights.rollout_dtype == "fp8" and not on_gpu():
+        if not amx_tile_supported():
+            raise ConfigError("weights.rollout_dtype", "fp8", "SGLang on a CPU serves fp8 weights only with AMX and "
+                              "its CPU kernels ('Fp8LinearMethod on CPU requires that CPU has AMX support'), and "
+                              "this CPU has no AMX", "set weights.rollout_dtype=null here (fp8 engines need GPUs, "
+                              "or an AMX CPU with sgl_kernel built for CPU)")
+        dtype = sglang_cpu_args(engine_sglang_args(cfg))["dtype"]
+        if dtype == "float32":
+            raise ConfigError("model.dtype", cfg.model.dtype, "SGLang serves fp8 weights with bfloat16 or float16 "
+                              "activations only, and its CPU engines here would run float32",
+                              "set sglang.dtype=bfloat16 (or model.dtype=bfloat16)")
     missing = sglang_missing(dict(os.environ, **engine_env(cfg.rollout)))
     if missing:
         why = "auto picks SGLang where torch sees CUDA, and " if cfg.rollout.engine == "auto" else ""

@@ -22,9 +22,9 @@ from hpcrl.config.run import check_data, check_model, check_run, check_sft
 from hpcrl.config.rollout import check_rollout
 from hpcrl.config.critic import check_critic, check_critic_model
 from hpcrl.config.train import check_algorithm, check_checkpoint, check_heads, check_moe, check_train
-from hpcrl.config.weights import check_weights
+from hpcrl.config.weights import check_sglang_fp8, check_weights
 from hpcrl.config.slurm import check_slurm
-from hpcrl.config.memory import check_memory
+from hpcrl.config.memory import check_memory, read_model_config
 from hpcrl.config.evaluation import check_eval
 from hpcrl.config.tracking import check_wandb
 from hpcrl.config.schema import Config
@@ -229,6 +229,8 @@ def validate(cfg: Config, check_files: bool = True, env: Optional[Environment] =
     check_critic(cfg)
     check_critic_model(cfg, check_files, env)
     check_weights(cfg)
+    hf = read_model_config(cfg) if check_files and env is not None else None
+    check_sglang_fp8(cfg, hf, env.routed_experts(hf) if hf is not None else 0)
     check_checkpoint(cfg)
     check_slurm(cfg, check_files)
     check_memory(cfg, check_files, env)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from hpcrl.config.checks import non_negative, positive, require
 from hpcrl.config.errors import MIB
@@ -69,3 +69,54 @@ def check_weights(cfg) -> None:
             f"SGLang 0.5.23 takes a delta (a custom weight loader) only on /update_weights_from_tensor; its "
             f"{method} path loads full tensors",
             "use weights.method=tensor (colocated), or weights.delta=false")
+
+
+SGLANG_FP8_BLOCK = 128
+"""Edge of the fp8 weight blocks SGLang 0.5.23 serves (``weight_block_size`` [128, 128])."""
+
+
+def sglang_fp8_shape_problem(hf: Mapping[str, Any], tp: int, experts: int = 0) -> Optional[str]:
+    """Why SGLang would refuse the block-fp8 copy of the model of ``config.json`` ``hf`` at engine tensor
+    parallelism ``tp``, or None. Mirrors SGLang 0.5.23's ``validate_fp8_block_shape``: a fused projection's
+    parts but the last (q and k of q/k/v, gate of gate/up) and, at ``tp > 1``, every column shard and every
+    row shard's input must be whole 128-wide blocks (seen: the tiny Qwen2's 64-wide k/v projection, "Weight
+    output_partition_size = 64 is not divisible by weight quantization block_n = 128"). Checks the attention
+    of non-MLA models and the MLP of dense ones (``experts``: routed experts per layer, 0 for dense)."""
+    block, tp = SGLANG_FP8_BLOCK, max(1, int(tp))
+    widths: list[tuple[str, int]] = []
+    heads = int(hf.get("num_attention_heads") or 0)
+    hidden = int(hf.get("hidden_size") or 0)
+    if heads and hidden and "kv_lora_rank" not in hf:
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        q, kv = heads // tp * head_dim, max(1, kv_heads // tp) * head_dim
+        widths += [("q projection", q), ("k/v projection", kv)] + ([("o projection input", q)] if tp > 1 else [])
+    inter = int(hf.get("intermediate_size") or 0)
+    if inter and not experts:
+        widths += [("MLP gate/up projection", inter // tp)] + ([("MLP down projection input", inter // tp)]
+                                                              if tp > 1 else [])
+    for what, width in widths:
+        if width % block:
+            return (f"the fp8 copy's {what} is {width} wide per engine shard (sglang tp_size={tp}), not a "
+                    f"multiple of SGLang's {block}-wide fp8 blocks")
+    return None
+
+
+def check_sglang_fp8(cfg, hf: Optional[Mapping[str, Any]], experts: int) -> None:
+    """``weights.rollout_dtype: fp8`` on SGLang engines: what SGLang 0.5.23 refuses at start, before anything
+    is queued (one-line ConfigError): ``sglang.dtype: float32`` (its fp8 method takes bf16/fp16 only; a
+    local run on a CPU, where float32 is hpcrl's default, is checked by
+    :func:`hpcrl.launch_local.check_local_engine`) and a model
+    whose projections are not whole 128-wide blocks per shard (:func:`sglang_fp8_shape_problem`; ``hf``: the
+    model's ``config.json``, None to skip)."""
+    if cfg.weights.rollout_dtype != "fp8" or not sglang_engines_by_config(cfg):
+        return
+    sglang = cfg.sglang or {}
+    require(str(sglang.get("dtype")) != "float32", "sglang.dtype", sglang.get("dtype"),
+            "SGLang serves fp8 weights with bfloat16 or float16 activations only ('torch.float32 is not supported "
+            "for quantization method fp8')", "set sglang.dtype=bfloat16, or weights.rollout_dtype=null")
+    if hf is not None:
+        problem = sglang_fp8_shape_problem(hf, int(sglang.get("tp_size") or 1), experts)
+        require(problem is None, "weights.rollout_dtype", "fp8", f"{problem}: SGLang would refuse it at start",
+                "set weights.rollout_dtype=null for this model (SGLang's fp8 needs every projection's width per "
+                "shard a multiple of 128)")

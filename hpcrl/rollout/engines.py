@@ -195,6 +195,14 @@ SGLANG_CPU_DROPPED = ("enable_memory_saver",)
 (the server exits with status 127); without it ``/release_memory_occupation`` answers 200 and frees nothing."""
 
 
+def amx_tile_supported() -> bool:
+    """Whether this CPU has AMX tiles (torch's own probe), which SGLang's CPU fp8 method requires."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
 def on_gpu() -> bool:
     """Whether the engines started here get a GPU (torch sees CUDA; :func:`hpcrl.procs.cuda_available`)."""
     from hpcrl.procs import cuda_available
@@ -205,8 +213,10 @@ def on_gpu() -> bool:
 def sglang_cpu_args(args: Mapping[str, Any]) -> dict:
     """SGLang's flags for its CPU path (``--device cpu``), given the run's: ``device: cpu``; ``dtype`` float32
     unless set (SGLang's ``auto`` loads an fp32 checkpoint as fp16: log-probs 1.5e-4 off the trainer's);
-    ``max_total_tokens`` :data:`SGLANG_CPU_KV_TOKENS` unless set; :data:`SGLANG_CPU_DROPPED` left out with a
-    log line. The environment it needs is :func:`engine_env`'s."""
+    ``max_total_tokens`` :data:`SGLANG_CPU_KV_TOKENS` unless set; ``sleep_on_idle`` unless set (without it
+    SGLang's scheduler polls its sockets in a busy loop: measured at 90% of a core for 48 idle minutes, a core
+    taken from the trainer between rollouts; with it, no CPU while idle); :data:`SGLANG_CPU_DROPPED` left out
+    with a log line. The environment it needs is :func:`engine_env`'s."""
     out = {k: v for k, v in args.items() if k not in SGLANG_CPU_DROPPED}
     dropped = sorted(k for k in args if k in SGLANG_CPU_DROPPED and args[k])
     if dropped:
@@ -214,6 +224,7 @@ def sglang_cpu_args(args: Mapping[str, Any]) -> dict:
     out.setdefault("device", "cpu")
     out.setdefault("dtype", "float32")
     out.setdefault("max_total_tokens", SGLANG_CPU_KV_TOKENS)
+    out.setdefault("sleep_on_idle", True)
     return out
 
 

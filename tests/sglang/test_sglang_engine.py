@@ -6,9 +6,12 @@ engine_command`'s CPU line and :func:`hpcrl.rollout.engines.engine_env`), with S
 Checked against it, with the tiny Qwen2 and a megatron-core trainer built in this process (the fixtures of
 ``tests/integration/test_weight_sync.py``): the launch line; prefill log-probs equal to the trainer's in fp32
 (the trainer-engine gap, of the order of 1e-7 here); sampled generation's log-probs equal to HF's for the tokens
-it chose; weight sync from disk, over a gloo group (``distributed``) and by tensor (``direct`` format), each
-proven by the log-probs of the synced weights and the served ``weight_version``; the sync and one-step-off
-loops of ``hpcrl run``; and that SGLang never called an op of the ``sgl_kernel`` stand-in.
+it chose; weight sync from disk, over a gloo group (``distributed``), by tensor in both formats and as deltas
+through hpcrl's custom loader, each proven by the log-probs of the synced weights and the served
+``weight_version``; a response in flight across an update in each pause mode; abort; a session left open; an
+agent session through hpcrl's gateway; and that SGLang never called an op of the ``sgl_kernel`` stand-in. Then
+``hpcrl run`` starting SGLang itself: the sync (through sglang-router), one-step-off and fully async loops, and
+a run whose SGLang is SIGKILLed, replaced and re-synced mid-run.
 
 Without SGLang's CPU runtime installed the module fails (CI installs it); ``HPCRL_SKIP_SGLANG_TESTS=1`` skips it.
 """
@@ -87,6 +90,7 @@ def test_cpu_launch_line(sglang):
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     flags = dict(zip(cmd, cmd[1:]))
     assert (flags["--device"], flags["--dtype"], flags["--max-total-tokens"]) == ("cpu", "float32", "4096")
+    assert "--sleep-on-idle" in cmd  # else its scheduler polls in a busy loop: a core taken while idle
     assert "--enable-memory-saver" not in cmd  # needs libcuda: the server exits 127
     assert not any(KEY in part for part in cmd)
 

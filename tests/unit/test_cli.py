@@ -229,6 +229,26 @@ def test_run_refuses_sglang_engines_where_sglang_does_not_import():
         check_local_engine(cfg)
 
 
+def test_run_refuses_fp8_sglang_engines_on_a_cpu_without_amx(monkeypatch):
+    """SGLang's fp8 method on a CPU asserts AMX ('Fp8LinearMethod on CPU requires that CPU has AMX support',
+    seen at its start on this AVX2 EPYC) and takes no float32 activations: one line before anything starts."""
+    from hpcrl.config import Config, ConfigError
+    from hpcrl.launch_local import check_local_engine
+    from hpcrl.rollout import engines
+
+    cfg = Config()
+    cfg.rollout.engine, cfg.weights.rollout_dtype = "sglang", "fp8"
+    monkeypatch.setattr(engines, "on_gpu", lambda: False)
+    monkeypatch.setattr(engines, "amx_tile_supported", lambda: False)
+    with pytest.raises(ConfigError, match="this CPU has no AMX") as e:
+        check_local_engine(cfg)
+    assert e.value.field == "weights.rollout_dtype"
+    monkeypatch.setattr(engines, "amx_tile_supported", lambda: True)
+    with pytest.raises(ConfigError, match="would run float32") as e:
+        check_local_engine(cfg)
+    assert e.value.field == "model.dtype"
+
+
 def test_run_refuses_the_cpu_optimizer_offload_on_a_machine_without_a_gpu(monkeypatch):
     """megatron-core's CPU optimizer offload opens CUDA streams when the trainer is built: a local run with it
     on a CPU machine is one config line before anything starts (it failed at the trainer's build with "Torch

@@ -226,6 +226,8 @@ BAD = [
     ("fp8-rollout-other-quantization", M, ["weights.rollout_dtype=fp8", "sglang.quantization=awq"],
      "sglang.quantization", "awq", ["block scales", "weights.rollout_dtype=null"]),
     ("full-every-negative", M, ["weights.delta=true", "weights.full_every=-1"], "weights.full_every", -1, [">= 0"]),
+    ("fp8-sglang-float32", M + "rollout: {engine: sglang}\n", ["weights.rollout_dtype=fp8", "sglang.dtype=float32"],
+     "sglang.dtype", "float32", ["bfloat16 or float16", "sglang.dtype=bfloat16"]),
     ("sft-without-output", M + "sft: {enabled: true}\n", [], "sft.output", "", ["sft.enabled"]),
     ("sft-near-target-interval-zero", M + "sft: {eval_interval_near_target: 0}\n", [],
      "sft.eval_interval_near_target", 0, ["must be > 0"]),

@@ -91,3 +91,33 @@ def test_the_checkpoint_and_the_engines_loader(tmp_path, tiny_model_dir):
 
     with pytest.raises(WeightUpdateError, match="shape mismatch"):
         loader.load([(w + SCALE_SUFFIX, torch.ones(2, 2))])
+
+
+def test_sglang_fp8_block_shapes():
+    """SGLang 0.5.23 refuses a block-fp8 projection that is not whole 128-wide blocks per shard (its
+    ``validate_fp8_block_shape``; seen with the tiny Qwen2's 64-wide k/v projection)."""
+    from hpcrl.config.weights import sglang_fp8_shape_problem
+
+    tiny = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512}
+    assert "k/v projection is 64 wide" in sglang_fp8_shape_problem(tiny, 1)
+    wider = dict(tiny, hidden_size=256)  # head_dim 64: k/v 128 wide
+    assert sglang_fp8_shape_problem(wider, 1) is None
+    assert "(sglang tp_size=2)" in sglang_fp8_shape_problem(wider, 2)  # 64 per shard
+    qwen25_7b = {"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+                 "intermediate_size": 18944}
+    assert all(sglang_fp8_shape_problem(qwen25_7b, tp) is None for tp in (1, 2, 4))
+    assert sglang_fp8_shape_problem(dict(tiny, intermediate_size=500, num_key_value_heads=4), 1) is not None
+    assert sglang_fp8_shape_problem(dict(tiny, intermediate_size=500, num_key_value_heads=4), 1, experts=8) is None
+
+
+def test_validate_refuses_fp8_sglang_for_the_tiny_model(tiny_model_dir):
+    """``hpcrl validate`` reads the model's ``config.json``: fp8 on SGLang engines for a model SGLang cannot
+    block-quantise is one line before anything is queued; the CPU engine (which emulates fp8) takes it."""
+    from hpcrl.config import ConfigError, load_config
+    from hpcrl.validate import ENVIRONMENT
+
+    base = [f"model.path={tiny_model_dir}", "model.create=null", "weights.rollout_dtype=fp8"]
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/quickstart.yaml", base + ["rollout.engine=sglang"], env=ENVIRONMENT)
+    assert e.value.field == "weights.rollout_dtype" and "64 wide" in str(e.value) and "\n" not in str(e.value)
+    load_config("configs/quickstart.yaml", base + ["rollout.engine=cpu"], env=ENVIRONMENT)

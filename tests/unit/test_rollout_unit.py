@@ -95,16 +95,17 @@ def test_engine_command_sglang(tmp_path, monkeypatch):
 
 def test_engine_command_sglang_on_a_cpu(tmp_path, monkeypatch):
     """Without a GPU the SGLang line takes SGLang's CPU path (tests/sglang_cpu, issue #53): ``--device cpu``,
-    fp32, a bounded KV pool, no memory saver (it needs libcuda); the run's own values win; and the engine's
+    fp32, a bounded KV pool, a scheduler that sleeps when idle, no memory saver (it needs libcuda); the run's
+    own values win; and the engine's
     environment says CPU engine, one thread."""
     monkeypatch.setattr(engines, "on_gpu", lambda: False)
     cmd = engine_command(None, {"enable_memory_saver": True, "random_seed": 3}, "/m", "127.0.0.1", 30000, None,
                          engine="sglang", python="python")
     assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
                    "--port", "30000", "--random-seed", "3", "--device", "cpu", "--dtype", "float32",
-                   "--max-total-tokens", str(engines.SGLANG_CPU_KV_TOKENS)]
-    cmd = engine_command(None, {"dtype": "bfloat16", "max_total_tokens": 512}, "/m", "127.0.0.1", 1, None,
-                         engine="sglang", python="python")
+                   "--max-total-tokens", str(engines.SGLANG_CPU_KV_TOKENS), "--sleep-on-idle"]
+    cmd = engine_command(None, {"dtype": "bfloat16", "max_total_tokens": 512, "sleep_on_idle": False}, "/m",
+                         "127.0.0.1", 1, None, engine="sglang", python="python")
     assert cmd[-6:] == ["--dtype", "bfloat16", "--max-total-tokens", "512", "--device", "cpu"]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     rollout = SimpleNamespace(engine="sglang", engine_env={"SGLANG_X": 1})

@@ -483,3 +483,4 @@ def test_every_launch_server_flag_parses_with_sglangs_parser(tmp_path):
         if what.endswith("(CPU)"):
             assert res["values"]["device"] == "cpu" and "enable_memory_saver" not in res["values"], what
             assert int(res["values"]["max_total_tokens"]) > 0, what
+            assert res["values"]["sleep_on_idle"] is True, what
