@@ -131,7 +131,12 @@ def engine_env(calls_file: str | os.PathLike | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["env"]:  # for `hpcrl run ... rollout.engine=sglang "rollout.engine_env=$(...)"`
+        import json
+
+        print(json.dumps(engine_env(), separators=(",", ":")))
+        sys.exit(0)
     if sys.argv[1:] != ["install"]:
-        sys.exit("usage: python tests/sglang_cpu/__init__.py install")
+        sys.exit("usage: python tests/sglang_cpu/__init__.py install | env")
     install()
     print(f"SGLang {SGLANG_VERSION}'s CPU runtime installed in {PREFIX}")
