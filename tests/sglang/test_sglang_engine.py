@@ -28,9 +28,9 @@ import pytest
 from tests import sglang_cpu
 from tests.integration.engine_utils import (ACROSS_PARAMS, ACROSS_PROMPT, check_across_update, full_logprobs,
                                             generate_across_update, hf_tensors, http_json, max_diff, perturb,
-                                            prefill_logprobs, two_policies)
+                                            prefill_logprobs)
 from tests.integration.test_weight_sync import (KEY, SEQS, _syncs, hf_size,  # noqa: F401 - fixtures
-                                                trainer, trainer_logprobs)
+                                                policies, trainer, trainer_logprobs)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -255,12 +255,6 @@ def test_delta_sync_through_hpcrls_custom_loader(sglang, trainer):
     assert (full["full"], delta["full"]) == (1, 0)
     assert 0 < delta["delta_density"] < 1e-3 and delta["bytes"] < 1024, delta
     _assert_synced(eng, trainer, "delta-2")
-
-
-@pytest.fixture(scope="module")
-def policies(tiny_model_dir):
-    """``(old, new)`` HF models: the weight versions 10 and 11 of the pause-mode test."""
-    return two_policies(tiny_model_dir)
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
