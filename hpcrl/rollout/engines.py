@@ -232,9 +232,19 @@ def engine_env(cfg_rollout: Any, engine: Optional[str] = None) -> dict[str, str]
     """Environment variables an engine process gets on top of this process's: ``rollout.engine_env``, and for
     SGLang without a GPU ``SGLANG_USE_CPU_ENGINE=1`` (its ``--device cpu`` fails with ``No module named
     'vllm'`` otherwise) and ``OMP_NUM_THREADS=1`` unless set (two torch threads on shared cores served
-    10-35x fewer tokens/s). Raises ValueError for an unknown engine."""
+    10-35x fewer tokens/s); for every SGLang engine ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` unless set.
+
+    Why the last: SGLang 0.5.23's ``/health`` runs a one-token generation by default, like
+    ``/health_generate``. hpcrl's health monitor probes ``/health`` while it has the engines paused or
+    released (:mod:`hpcrl.rollout.health`): such a probe waits for the pause, SGLang marks itself unhealthy
+    after 20 s, and in the quickstart on SGLang on a CPU a probe interleaved with a weight sync's
+    ``/pause_generation`` left the sync's ``/flush_cache`` unanswered (three times in ~250 steps, issue #53).
+    With it ``/health`` answers whether the server is up, and ``/health_generate`` stays the generating probe.
+    Raises ValueError for an unknown engine."""
     kind = resolve_engine(engine if engine is not None else getattr(cfg_rollout, "engine", "auto"))
     env = {str(k): str(v) for k, v in (getattr(cfg_rollout, "engine_env", None) or {}).items()}
+    if kind == "sglang":
+        env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
     if kind == "sglang" and not on_gpu():
         env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         if "OMP_NUM_THREADS" not in os.environ:

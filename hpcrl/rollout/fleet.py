@@ -248,6 +248,12 @@ class RolloutFleet:
         if self.monitor is not None:
             self.monitor.generating = on
 
+    async def quiesce(self) -> None:
+        """After ``generating(False)``: wait for the monitor's ``/health_generate`` probes still in flight
+        (:meth:`hpcrl.rollout.health.HealthMonitor.quiesce`); nothing without a monitor."""
+        if self.monitor is not None:
+            await self.monitor.quiesce()
+
     def served(self) -> dict[str, float]:
         """A rollout step finished: the monitor clears the engines' crash counts and hands over its
         ``rollout/*`` fault metrics since the last call (:mod:`hpcrl.rollout.health`); {} without a

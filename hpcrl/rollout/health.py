@@ -106,6 +106,9 @@ class HealthMonitor:
         weights or released (probe ``/health``). Set by the manager's verbs."""
         self.sync_lock = asyncio.Lock()
         """Held by a weight sync; a restarted engine joins the rotation only outside one."""
+        self._generate_probes = 0
+        """``/health_generate`` probes in flight (:meth:`quiesce` waits for them)."""
+        self._no_generate_probe: Optional[asyncio.Event] = None
         self._tasks: list[asyncio.Task] = []
         self._session = None
         self._router_wake: Optional[asyncio.Event] = None
@@ -212,6 +215,11 @@ class HealthMonitor:
         import aiohttp
 
         path = "/health_generate" if self.generating else "/health"
+        if path == "/health_generate":
+            self._generate_probes += 1
+            if self._no_generate_probe is None:
+                self._no_generate_probe = asyncio.Event()
+            self._no_generate_probe.clear()
         try:
             async with self._session.get(url + path,
                                          timeout=aiohttp.ClientTimeout(total=min(self.interval_s,
@@ -224,6 +232,24 @@ class HealthMonitor:
             return False, f"refused: {e}"
         except aiohttp.ClientError as e:
             return False, f"{type(e).__name__}: {e}"
+        finally:
+            if path == "/health_generate":
+                self._generate_probes -= 1
+                if not self._generate_probes:
+                    self._no_generate_probe.set()
+
+    async def quiesce(self) -> None:
+        """Wait (at most one probe's bound) until no ``/health_generate`` probe is in flight: called when the
+        engines stop generating, before the manager releases their memory or pauses them. Why: SGLang's probe
+        is a one-token generation, and one still in flight across the end of a rollout was answered between
+        ``/release_memory_occupation`` and ``/resume_memory_occupation``; the weight sync's ``/flush_cache``
+        after the next ``/pause_generation`` was then never answered (twice in the quickstart on SGLang on a
+        CPU, issue #53; the scheduler sat idle, and SGLang's own health checks failed from then on)."""
+        if self._generate_probes and self._no_generate_probe is not None:
+            try:
+                await asyncio.wait_for(self._no_generate_probe.wait(), min(self.interval_s, self.timeout_s))
+            except asyncio.TimeoutError:
+                pass
 
     async def _sleep(self, event: Optional[asyncio.Event], seconds: float) -> None:
         if event is None:

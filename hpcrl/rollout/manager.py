@@ -147,6 +147,7 @@ class RolloutManager:
             out = await self.rollout_fn(self.cfg, rollout_id, data_source, self.ctx)
         finally:
             self.fleet.generating(False)
+            await self.fleet.quiesce()  # no one-token probe left in the engines when they are released
         out.metrics.update(self.fleet.served())
         groups, hold = split_trainable(out.groups, multiple)
         if not groups:
@@ -241,6 +242,7 @@ class RolloutManager:
         finally:
             await producer.stop()
             self.fleet.generating(False)
+            await self.fleet.quiesce()
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Every eval set through the rollout's path (:mod:`hpcrl.rollout.evaluate`: the same prompt
@@ -264,6 +266,8 @@ class RolloutManager:
             return {}
         finally:
             self.fleet.generating(self.producer is not None)  # a fully-async stream still generates
+            if self.producer is None:
+                await self.fleet.quiesce()
 
     # ---------------------------------------------------------------------------------- colocated memory
     def offload(self) -> None:

@@ -137,6 +137,54 @@ def test_no_engine_is_restarted_while_the_job_is_ending():
     assert asyncio.run(run()) == LOST and restarts == []
 
 
+def test_quiesce_waits_for_the_generate_probe_in_flight():
+    """When the engines stop generating, the manager waits for a ``/health_generate`` probe still in flight
+    (SGLang's is a one-token generation: one answered while the engine's memory was released preceded a sync
+    whose ``/flush_cache`` SGLang never answered), so no probe runs into the release and the pause."""
+    from hpcrl.rollout.health import HealthMonitor
+
+    async def run():
+        answered = []
+
+        async def slow(request: web.Request) -> web.Response:
+            await asyncio.sleep(0.5)  # a probe the engine answers late
+            answered.append(asyncio.get_running_loop().time())
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/health_generate", slow)
+        app.router.add_get("/health", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        client = RolloutClient(None, [url], timeout_s=30)
+
+        class Engine:
+            def __init__(self, u):
+                self.url = u
+
+        async with client:
+            monitor = HealthMonitor(client, [Engine(url)], None, snapshot=None, interval_s=2.0, timeout_s=5.0,
+                                    max_restarts=0)
+            monitor.generating = True
+            await monitor.start()
+            try:
+                await asyncio.sleep(0.1)  # the first probe is on its way
+                monitor.generating = False
+                await monitor.quiesce()
+                done = asyncio.get_running_loop().time()
+                in_flight = monitor._generate_probes
+            finally:
+                await monitor.stop()
+        await runner.cleanup()
+        return answered, done, in_flight
+
+    answered, done, in_flight = asyncio.run(run())
+    assert answered and answered[0] <= done and in_flight == 0
+
+
 def test_weight_snapshot_is_the_model_folder_until_a_whole_sync_then_its_version(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file
 

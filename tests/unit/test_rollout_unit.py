@@ -109,12 +109,14 @@ def test_engine_command_sglang_on_a_cpu(tmp_path, monkeypatch):
     assert cmd[-6:] == ["--dtype", "bfloat16", "--max-total-tokens", "512", "--device", "cpu"]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     rollout = SimpleNamespace(engine="sglang", engine_env={"SGLANG_X": 1})
-    assert engines.engine_env(rollout) == {"SGLANG_X": "1", "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+    health = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}  # /health must not generate (a paused engine)
+    assert engines.engine_env(rollout) == {"SGLANG_X": "1", **health, "SGLANG_USE_CPU_ENGINE": "1",
+                                           "OMP_NUM_THREADS": "1"}
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's (and the tests') thread count stands
-    assert engines.engine_env(rollout) == {"SGLANG_X": "1", "SGLANG_USE_CPU_ENGINE": "1"}
+    assert engines.engine_env(rollout) == {"SGLANG_X": "1", **health, "SGLANG_USE_CPU_ENGINE": "1"}
     assert engines.engine_env(SimpleNamespace(engine="cpu", engine_env={})) == {}
     monkeypatch.setattr(engines, "on_gpu", lambda: True)
-    assert engines.engine_env(rollout) == {"SGLANG_X": "1"}
+    assert engines.engine_env(rollout) == {"SGLANG_X": "1", **health}
 
 
 def test_sglang_missing_names_what_the_server_cannot_import(tmp_path, monkeypatch):
