@@ -238,7 +238,7 @@ def engine_env(cfg_rollout: Any, engine: Optional[str] = None) -> dict[str, str]
     ``/health_generate``. hpcrl's health monitor probes ``/health`` while it has the engines paused or
     released (:mod:`hpcrl.rollout.health`): such a probe waits for the pause, SGLang marks itself unhealthy
     after 20 s, and in the quickstart on SGLang on a CPU a probe interleaved with a weight sync's
-    ``/pause_generation`` left the sync's ``/flush_cache`` unanswered (three times in ~250 steps, issue #53).
+    ``/pause_generation`` left the sync's ``/flush_cache`` unanswered (four times in ~200 steps, issue #53).
     With it ``/health`` answers whether the server is up, and ``/health_generate`` stays the generating probe.
     Raises ValueError for an unknown engine."""
     kind = resolve_engine(engine if engine is not None else getattr(cfg_rollout, "engine", "auto"))
