@@ -229,8 +229,7 @@ def validate(cfg: Config, check_files: bool = True, env: Optional[Environment] =
     check_critic(cfg)
     check_critic_model(cfg, check_files, env)
     check_weights(cfg)
-    hf = read_model_config(cfg) if check_files and env is not None else None
-    check_sglang_fp8(cfg, hf, env.routed_experts(hf) if hf is not None else 0)
+    check_sglang_fp8(cfg, lambda: read_model_config(cfg) if check_files and env is not None else None, env)
     check_checkpoint(cfg)
     check_slurm(cfg, check_files)
     check_memory(cfg, check_files, env)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 from hpcrl.config.checks import non_negative, positive, require
 from hpcrl.config.errors import MIB
@@ -102,21 +102,22 @@ def sglang_fp8_shape_problem(hf: Mapping[str, Any], tp: int, experts: int = 0) -
     return None
 
 
-def check_sglang_fp8(cfg, hf: Optional[Mapping[str, Any]], experts: int) -> None:
+def check_sglang_fp8(cfg, read_hf: Callable[[], Optional[Mapping[str, Any]]], env=None) -> None:
     """``weights.rollout_dtype: fp8`` on SGLang engines: what SGLang 0.5.23 refuses at start, before anything
     is queued (one-line ConfigError): ``sglang.dtype: float32`` (its fp8 method takes bf16/fp16 only; a
     local run on a CPU, where float32 is hpcrl's default, is checked by
-    :func:`hpcrl.launch_local.check_local_engine`) and a model
-    whose projections are not whole 128-wide blocks per shard (:func:`sglang_fp8_shape_problem`; ``hf``: the
-    model's ``config.json``, None to skip)."""
+    :func:`hpcrl.launch_local.check_local_engine`) and a model whose projections are not whole 128-wide
+    blocks per shard (:func:`sglang_fp8_shape_problem`): ``read_hf()`` gives the model's ``config.json`` (None
+    to skip), called only for such a run; ``env`` counts its routed experts."""
     if cfg.weights.rollout_dtype != "fp8" or not sglang_engines_by_config(cfg):
         return
     sglang = cfg.sglang or {}
     require(str(sglang.get("dtype")) != "float32", "sglang.dtype", sglang.get("dtype"),
             "SGLang serves fp8 weights with bfloat16 or float16 activations only ('torch.float32 is not supported "
             "for quantization method fp8')", "set sglang.dtype=bfloat16, or weights.rollout_dtype=null")
+    hf = read_hf()
     if hf is not None:
-        problem = sglang_fp8_shape_problem(hf, int(sglang.get("tp_size") or 1), experts)
+        problem = sglang_fp8_shape_problem(hf, int(sglang.get("tp_size") or 1), env.routed_experts(hf))
         require(problem is None, "weights.rollout_dtype", "fp8", f"{problem}: SGLang would refuse it at start",
                 "set weights.rollout_dtype=null for this model (SGLang's fp8 needs every projection's width per "
                 "shard a multiple of 128)")

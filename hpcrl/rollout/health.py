@@ -108,7 +108,9 @@ class HealthMonitor:
         """Held by a weight sync; a restarted engine joins the rotation only outside one."""
         self._generate_probes = 0
         """``/health_generate`` probes in flight (:meth:`quiesce` waits for them)."""
-        self._no_generate_probe: Optional[asyncio.Event] = None
+        self._no_generate_probe = asyncio.Event()
+        """Set while no ``/health_generate`` probe is in flight."""
+        self._no_generate_probe.set()
         self._tasks: list[asyncio.Task] = []
         self._session = None
         self._router_wake: Optional[asyncio.Event] = None
@@ -217,8 +219,6 @@ class HealthMonitor:
         path = "/health_generate" if self.generating else "/health"
         if path == "/health_generate":
             self._generate_probes += 1
-            if self._no_generate_probe is None:
-                self._no_generate_probe = asyncio.Event()
             self._no_generate_probe.clear()
         try:
             async with self._session.get(url + path,
@@ -241,11 +241,12 @@ class HealthMonitor:
     async def quiesce(self) -> None:
         """Wait (at most one probe's bound) until no ``/health_generate`` probe is in flight: called when the
         engines stop generating, before the manager releases their memory or pauses them. Why: SGLang's probe
-        is a one-token generation, and one still in flight across the end of a rollout was answered between
-        ``/release_memory_occupation`` and ``/resume_memory_occupation``; the weight sync's ``/flush_cache``
-        after the next ``/pause_generation`` was then never answered (twice in the quickstart on SGLang on a
-        CPU, issue #53; the scheduler sat idle, and SGLang's own health checks failed from then on)."""
-        if self._generate_probes and self._no_generate_probe is not None:
+        is a one-token generation; in the quickstart on SGLang on a CPU (issue #53) one still in flight at the
+        end of a rollout was answered between ``/release_memory_occupation`` and ``/resume_memory_occupation``,
+        and the sync's ``/flush_cache`` after the next ``/pause_generation`` was never answered. This alone did
+        not end those hangs (SGLang's ``/health`` generated too, until
+        :func:`hpcrl.rollout.engines.engine_env` turned that off): it keeps the generating probe out of them."""
+        if self._generate_probes:
             try:
                 await asyncio.wait_for(self._no_generate_probe.wait(), min(self.interval_s, self.timeout_s))
             except asyncio.TimeoutError:
