@@ -143,11 +143,20 @@ def job_log(run_dir: Path, tail: int = 3000) -> str:
     return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-tail:]}" for p in logs)
 
 
-def wait_steps(job_id: str, run_dir: Path, n: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
+def wait_steps(job_id: str, run_dir: Path, n: int, timeout: float = 300, queued_s: float = 1800) -> None:
+    """Wait until the job's run logged ``n`` steps: ``timeout`` seconds from when the job last left the queue
+    (PENDING), and at most ``queued_s`` in the queue. The batch's variants share the cluster's CPUs, so Slurm
+    runs some after others: a variant's job was seen pending 300 s behind the others before it started (CI of
+    e7bdf9a), and the run's own start and 2 steps then take ~30-60 s on a loaded 2-core machine."""
+    start = time.monotonic()
+    deadline = start + timeout
     while steps_done(run_dir) < n:
-        assert query_states([job_id])[job_id] not in FINAL_STATES, job_log(run_dir)
-        assert time.monotonic() < deadline, f"no {n} steps in {timeout} s\n{job_log(run_dir)}"
+        state = query_states([job_id])[job_id]
+        assert state not in FINAL_STATES, job_log(run_dir)
+        if state == "PENDING":
+            deadline = time.monotonic() + timeout
+            assert time.monotonic() - start < queued_s, f"job {job_id} still pending after {queued_s} s"
+        assert time.monotonic() < deadline, f"no {n} steps in {timeout} s of running\n{job_log(run_dir)}"
         time.sleep(0.2)
 
 
@@ -175,20 +184,39 @@ import os
 import time
 _fast = digit_fraction
 def digit_fraction(args, sample):
-    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ATTEMPTS:
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ATTEMPTS and not os.path.exists(UNTIL):
         time.sleep(SECONDS)  # a floor under each step's time, whatever the CPU
     return _fast(args, sample)
 '''
+SENT = "signal-sent"
+"""The file (in the test's folder) a test writes once its signal or requeue was sent: :func:`slow_steps` with
+``until_sent`` ends the floor there."""
 
 
-def slow_steps(work: Path, seconds_per_sample: float = 0.03, attempts: int = 1000) -> None:
+def slow_steps(work: Path, seconds_per_sample: float = 0.03, attempts: int = 1000,
+               until_sent: bool = False) -> None:
     """Put a floor under each step's time (a reward that sleeps ``seconds_per_sample`` per sample, ~1.5 s a
     step at the default; the values are the same, so the reference still holds) in the job's first
     ``attempts`` attempts (``SLURM_RESTART_COUNT``): preemption by the ``urgent`` partition waits for Slurm's
     scheduler, and at full speed the 8-step run could finish before the signal came; a time-limit run must
-    outlast its first allocation on a fast CPU too, and may finish at full speed."""
+    outlast its first allocation on a fast CPU too, and may finish at full speed. ``until_sent``: the floor
+    ends once :func:`signal_sent` wrote ``work/signal-sent`` (the steps after the signal run at full speed)."""
+    until = str(work / SENT) if until_sent else "/nonexistent/hpcrl-never"
     (work / "loop_rewards.py").write_text(SLOW_REWARD_MODULE.replace("SECONDS", repr(seconds_per_sample))
-                                          .replace("ATTEMPTS", str(int(attempts))))
+                                          .replace("ATTEMPTS", str(int(attempts))).replace("UNTIL", repr(until)))
+
+
+def signal_sent(work: Path) -> None:
+    """Tell the job's reward (:func:`slow_steps` with ``until_sent``) that the test's signal or requeue went out."""
+    (work / SENT).write_text("")
+
+
+SIGNAL_FLOOR_S = 0.1
+"""Seconds per sample of the first attempt's floor until the signal is sent (~4.8 s a step of 48 samples): a
+variant that acts after step 2 or 3 must find the job still running. Without a floor the 8-step run did its
+last 6 steps in 13 s while the test, one of eight threads on a loaded machine, polled, read the job's processes
+and called scancel after the run had ended (CI of e7bdf9a: ``usr2_batch`` finished in one attempt). With it
+the test has 6 x 4.8 s, and the run goes at full speed once the signal is out."""
 
 
 def check_exact(work: Path, name: str, reference) -> None:
@@ -213,9 +241,11 @@ def finish_and_check(work: Path, job_id: str, run_dir: Path, reference, min_atte
 
 @batched
 def usr2(work: Path, reference) -> None:
+    slow_steps(work, SIGNAL_FLOOR_S, attempts=1, until_sent=True)
     job_id, run_dir = submit(work, "usr2")
     wait_steps(job_id, run_dir, 2)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+    signal_sent(work)
     finish_and_check(work, job_id, run_dir, reference)
     log = job_log(run_dir, tail=10**6)
     assert "(signal)" in log and "requeueing job" in log
@@ -241,17 +271,21 @@ def test_preempted_by_urgent_partition_resumes_exactly(work, reference):
 def requeued(work: Path, reference) -> None:
     """``scontrol requeue`` sends no USR2 (SIGTERM, then SIGKILL after KillWait): the steps since the last
     checkpoint are lost and redone exactly."""
+    slow_steps(work, SIGNAL_FLOOR_S, attempts=1, until_sent=True)
     job_id, run_dir = submit(work, "requeued", "checkpoint.save_interval=2")
     wait_steps(job_id, run_dir, 3)
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+    signal_sent(work)
     finish_and_check(work, job_id, run_dir, reference)
 
 
 @batched
 def killed(work: Path, reference) -> None:
+    slow_steps(work, SIGNAL_FLOOR_S, attempts=1, until_sent=True)
     job_id, run_dir = submit(work, "killed", "checkpoint.save_interval=1")
     wait_steps(job_id, run_dir, 3)
     subprocess.run(["scancel", "--signal=KILL", f"{job_id}.0"], check=True, timeout=30)  # step 0: the trainer
+    signal_sent(work)
     assert wait_final(job_id, run_dir, timeout=120) == "FAILED"
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)  # what the user (or a site) does
     time.sleep(1)
@@ -371,10 +405,12 @@ def check_no_step_ended_by_usr2(job_id: str) -> None:
 def usr2_to_the_shell(work: Path, reference, scope: str) -> None:
     """``scancel --signal=USR2 --full`` (batch shell, srun and every step) and ``--batch`` (the batch shell
     only): the shell's trap passes it on to the trainer step; nothing of the job dies of it."""
+    slow_steps(work, SIGNAL_FLOOR_S, attempts=1, until_sent=True)
     job_id, run_dir = submit(work, f"usr2-{scope}", "checkpoint.save_interval=1")  # writer children exist
     wait_steps(job_id, run_dir, 2)
     check_no_process_dies_of_usr2(job_id)
     subprocess.run(["scancel", "--signal=USR2", f"--{scope}", job_id], check=True, timeout=30)
+    signal_sent(work)
     finish_and_check(work, job_id, run_dir, reference)
     log = job_log(run_dir, tail=10**6)
     assert "the batch shell got SIGUSR2" in log and "(signal)" in log and "requeueing job" in log
