@@ -44,6 +44,16 @@ import aiohttp
 
 from hpcrl.rollout.token_versions import ChunkLabeller, labels_from_spans
 
+KEEPALIVE_S = 4.0
+"""Seconds an idle pooled connection to an engine or router may be reused (aiohttp's default is 15): below the
+keep-alive of SGLang's server (uvicorn's ``timeout_keep_alive``, ``SGLANG_TIMEOUT_KEEP_ALIVE``, 5 s), which
+closes a connection idle that long. aiohttp hands out the oldest idle connection first, and after a rollout's
+hundreds of requests the pool holds many: a weight update sent on one the server was closing failed with
+``ClientOSError: Can not write request body`` (the quickstart on SGLang with one trainer thread, at step 2,
+twice in two runs; SGLang never saw the request). hpcrl's CPU engine keeps connections 75 s (aiohttp's server
+default)."""
+
+
 class RolloutError(RuntimeError):
     """A request to an engine or the router failed for good.
 
@@ -178,8 +188,8 @@ class RolloutClient:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             self._session = aiohttp.ClientSession(
-                headers=headers, connector=aiohttp.TCPConnector(limit=self.max_connections),
-                timeout=self._timeout(self.timeout_s))
+                headers=headers, timeout=self._timeout(self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_S))
         return self
 
     async def close(self) -> None:

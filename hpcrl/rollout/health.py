@@ -125,8 +125,11 @@ class HealthMonitor:
         """Start the watchers (call on the rollout's event loop) and hook into the client."""
         import aiohttp
 
+        from hpcrl.rollout.client import KEEPALIVE_S
+
         self._session = aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {},
+            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))  # below SGLang's 5 s keep-alive
         self.client.on_failure = self.report
         for slot in self.slots:
             slot.wake = asyncio.Event()
