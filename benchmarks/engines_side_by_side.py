@@ -26,7 +26,6 @@ import asyncio
 import datetime
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also under `python -m`
 sys.path.insert(0, str(ROOT))  # tests.sglang_cpu, tests.warm_starts
+from engine_throughput import run_level  # noqa: E402 - the same /generate load as the CPU engine's benchmark
 from machine import machine_header  # noqa: E402
 
 HPCRL = Path(sys.executable).with_name("hpcrl")
@@ -85,32 +85,6 @@ class PeakRss:
         self._thread.join()
 
 
-async def generate_level(url: str, concurrency: int, requests: int, prompt_len: int, new_tokens: int,
-                         vocab: int, seed: int) -> tuple[int, float]:
-    """Send ``requests`` ``/generate`` requests, ``concurrency`` in flight at a time. Returns (generated tokens,
-    seconds). Raises ``aiohttp.ClientResponseError`` on a non-2xx answer."""
-    import aiohttp
-
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
-    sem = asyncio.Semaphore(concurrency)
-    tokens = 0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        async def one(prompt: list[int]) -> None:
-            nonlocal tokens
-            body = {"input_ids": prompt, "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens,
-                                                             "ignore_eos": True}}
-            async with sem:
-                async with session.post(url + "/generate", json=body) as r:
-                    r.raise_for_status()
-                    out = await r.json()
-            tokens += len(out["output_ids"])
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(p) for p in prompts))
-        return tokens, time.perf_counter() - t0
-
-
 def engine_rollout_cfg(engine: str) -> SimpleNamespace:
     """What :func:`hpcrl.rollout.engines.spawn_engine` reads of ``cfg.rollout`` for ``engine``."""
     env = {}
@@ -132,13 +106,13 @@ def serve_and_measure(engine: str, model_path: Path, args: argparse.Namespace, l
     try:
         wait_engine(eng, startup_timeout_s=600)
         out: dict = {"start_s": time.perf_counter() - t0}
-        asyncio.run(generate_level(eng.url, 4, 4, args.prompt_len, 2, vocab, seed=0))  # warm-up
+        asyncio.run(run_level(eng.url, 4, 4, args.prompt_len, 2, vocab, seed=0))  # warm-up
         out["rss_ready_mib"] = tree_rss_mib(eng.process.pid)
         with PeakRss(eng.process.pid) as peak:
             for batch in args.batches:
                 n = max(args.min_requests, batch * args.rounds)
-                tokens, secs = asyncio.run(generate_level(eng.url, batch, n, args.prompt_len, args.new_tokens,
-                                                          vocab, seed=batch))
+                _, tokens, secs = asyncio.run(run_level(eng.url, batch, n, args.prompt_len, args.new_tokens,
+                                                        vocab, seed=batch))
                 out[f"tps_{batch}"] = tokens / secs
         out["rss_peak_mib"] = peak.peak
         return out

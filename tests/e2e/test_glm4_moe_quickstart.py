@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.warm_starts import install
+from tests.warm_starts import install, used_as_shipped
 
 ROOT = Path(__file__).resolve().parents[2]
 HPCRL = Path(sys.executable).with_name("hpcrl")
@@ -55,11 +55,7 @@ def test_glm4_moe_quickstart_learns_addition_at_ep2(tmp_path):
     seconds = time.perf_counter() - t0
     assert rc == 0, (tmp_path / "out.log").read_text(errors="replace")[-3000:]
 
-    sft_dir = tmp_path / cfg["sft"]["output"]
-    assert not list(sft_dir.with_name(sft_dir.name + ".d").glob("*.run")), "the run trained its own SFT"
-    assert sft_dir.resolve() == shipped[sft_dir.name].resolve()
-    sft = [json.loads(x) for x in (sft_dir / "sft_metrics.jsonl").read_text().splitlines()]
-    sft_evals = [(r["step"], r["eval_accuracy"]) for r in sft if "eval_accuracy" in r]
+    sft_evals = used_as_shipped(tmp_path, cfg["sft"]["output"], shipped)
     rows = [json.loads(x) for x in (tmp_path / "runs" / cfg["run"]["name"] / "metrics.jsonl").read_text()
             .splitlines()]
     curve = [(r["step"], round(r["eval/accuracy"], 3)) for r in rows if "eval/accuracy" in r]

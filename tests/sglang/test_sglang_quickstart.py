@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from tests import sglang_cpu
-from tests.warm_starts import install
+from tests.warm_starts import install, used_as_shipped
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -72,11 +72,7 @@ def test_the_quickstart_learns_on_sglang(tmp_path):
     seconds = time.perf_counter() - t0
     assert rc == 0, (tmp_path / "out.log").read_text(errors="replace")[-3000:]
 
-    sft_dir = tmp_path / cfg["sft"]["output"]
-    assert not list(sft_dir.with_name(sft_dir.name + ".d").glob("*.run")), "the run trained its own SFT"
-    assert sft_dir.resolve() == shipped[sft_dir.name].resolve()
-    sft = [json.loads(x) for x in (sft_dir / "sft_metrics.jsonl").read_text().splitlines()]
-    sft_last = [r["eval_accuracy"] for r in sft if "eval_accuracy" in r][-1]
+    sft_last = used_as_shipped(tmp_path, cfg["sft"]["output"], shipped)[-1][1]
     run_dir = tmp_path / "runs" / "quickstart-sglang"
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], round(r["eval/accuracy"], 3)) for r in rows if "eval/accuracy" in r]
