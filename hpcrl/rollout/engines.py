@@ -263,8 +263,8 @@ def sglang_missing(env: Optional[Mapping[str, str]] = None, python: str = sys.ex
     """Which of :data:`SGLANG_SERVER_MODULES` an engine process started with ``env`` (default this
     process's) could not import: found in a child interpreter by ``importlib.util.find_spec`` of the top-level
     package and a dotted name's file in that package's folders, so no package's ``__init__`` runs (~0.1 s;
-    importing ``sglang`` alone takes ~9 s, its server 9-20 s). Empty when SGLang looks servable. Raises nothing (an interpreter that cannot
-    start reports every module missing)."""
+    importing ``sglang`` alone takes ~9 s, its server 9-20 s). Empty when SGLang looks servable. Raises nothing
+    (an interpreter that cannot start reports every module missing)."""
     code = ("import importlib.util, os, sys\n"
             "def found(m):\n"
             "    head, *rest = m.split('.')\n"

@@ -184,7 +184,7 @@ import os
 import time
 _fast = digit_fraction
 def digit_fraction(args, sample):
-    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ATTEMPTS and not os.path.exists(UNTIL):
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ATTEMPTS and not (UNTIL and os.path.exists(UNTIL)):
         time.sleep(SECONDS)  # a floor under each step's time, whatever the CPU
     return _fast(args, sample)
 '''
@@ -201,7 +201,7 @@ def slow_steps(work: Path, seconds_per_sample: float = 0.03, attempts: int = 100
     scheduler, and at full speed the 8-step run could finish before the signal came; a time-limit run must
     outlast its first allocation on a fast CPU too, and may finish at full speed. ``until_sent``: the floor
     ends once :func:`signal_sent` wrote ``work/signal-sent`` (the steps after the signal run at full speed)."""
-    until = str(work / SENT) if until_sent else "/nonexistent/hpcrl-never"
+    until = str(work / SENT) if until_sent else None
     (work / "loop_rewards.py").write_text(SLOW_REWARD_MODULE.replace("SECONDS", repr(seconds_per_sample))
                                           .replace("ATTEMPTS", str(int(attempts))).replace("UNTIL", repr(until)))
 
@@ -213,10 +213,10 @@ def signal_sent(work: Path) -> None:
 
 SIGNAL_FLOOR_S = 0.1
 """Seconds per sample of the first attempt's floor until the signal is sent (~4.8 s a step of 48 samples): a
-variant that acts after step 2 or 3 must find the job still running. Without a floor the 8-step run did its
-last 6 steps in 13 s while the test, one of eight threads on a loaded machine, polled, read the job's processes
-and called scancel after the run had ended (CI of e7bdf9a: ``usr2_batch`` finished in one attempt). With it
-the test has 6 x 4.8 s, and the run goes at full speed once the signal is out."""
+variant that acts after step 2 or 3 must find the job still running. At full speed the 8-step run did its last
+6 steps in 13 s on a loaded machine (CI of e7bdf9a), while the test, one of eight threads, polls, reads the
+job's processes and calls scancel; the critic variant's run once ended before its USR2 came (CI of 38d7799).
+With the floor the test has ~6 x 4.8 s, and the run goes at full speed once the signal is out."""
 
 
 def check_exact(work: Path, name: str, reference) -> None:

@@ -79,10 +79,11 @@ def test_the_quickstart_learns_on_sglang(tmp_path):
     steps = [r for r in rows if r["step"] >= 0]
     diff = max(r["train/train_rollout_logprob_abs_diff"] for r in steps)
     step_s = sorted(r["timing/step_seconds"] for r in steps)[len(steps) // 2]
+    sampled = [r["rollout/accuracy"] for r in steps]
+    first, last = sum(sampled[:WINDOW]) / WINDOW, sum(sampled[-WINDOW:]) / WINDOW
     print(f"quickstart on SGLang {sglang_cpu.SGLANG_VERSION}: {seconds:.0f} s from the shipped warm start, "
           f"median step {step_s:.2f} s; eval curve {curve}; max train/rollout |logprob diff| {diff:.2e}; "
-          f"sampled accuracy {sum(r['rollout/accuracy'] for r in steps[:WINDOW]) / WINDOW:.3f} -> "
-          f"{sum(r['rollout/accuracy'] for r in steps[-WINDOW:]) / WINDOW:.3f}")
+          f"sampled accuracy {first:.3f} -> {last:.3f}")
 
     log = (run_dir / "logs" / "attempt-0" / "engine-0.log").read_text(errors="replace")
     assert "The server is fired up and ready to roll" in log  # SGLang's own line: it served the run
@@ -90,7 +91,5 @@ def test_the_quickstart_learns_on_sglang(tmp_path):
     assert [r["step"] for r in steps] == list(range(STEPS))
     assert curve[0][0] == -1 and curve[0][1] == pytest.approx(sft_last, abs=0.02)
     assert diff < TOL
-    sampled = [r["rollout/accuracy"] for r in steps]
-    first, last = sum(sampled[:WINDOW]) / WINDOW, sum(sampled[-WINDOW:]) / WINDOW
     assert last >= first + MIN_GAIN, f"sampled accuracy went {first:.3f} -> {last:.3f} ({WINDOW}-step means)"
     assert curve[-1][1] > curve[0][1], f"greedy accuracy on SGLang went down: {curve}"

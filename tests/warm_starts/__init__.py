@@ -159,7 +159,6 @@ def install(name: str, folder: Path) -> dict[str, Path]:
     return out
 
 
-
 def used_as_shipped(folder: Path, sft_output: str, shipped: dict[str, Path]) -> list[tuple[int, float]]:
     """After a run in ``folder`` of a config whose ``sft.output`` is ``sft_output``: assert that it trained no
     SFT of its own (no ``*.run`` folder in the store) and that its cache still names the folder :func:`install`
@@ -170,6 +169,7 @@ def used_as_shipped(folder: Path, sft_output: str, shipped: dict[str, Path]) -> 
     assert sft_dir.resolve() == shipped[sft_dir.name].resolve()
     rows = [json.loads(x) for x in (sft_dir / "sft_metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
+
 
 def check(name: str) -> list[str]:
     """What no longer matches for entry ``name``: a store not shipped, a shipped file whose sha256 is not the one
