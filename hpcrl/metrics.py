@@ -20,6 +20,16 @@ from typing import Any, Iterator, Optional, Sequence
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
+CURVES_ENV = "HPCRL_CURVES"
+"""``HPCRL_CURVES=0`` in a run's environment: no ``curves.png`` at the end of each attempt (``metrics.jsonl`` and
+TensorBoard are written as always). matplotlib's import and the drawing take ~1.3-1.5 s of CPU a run on the
+developers' 2-core machines; the test suite sets it for its few hundred short runs (``tests/conftest.py``) and
+the tests of the curves set it back to ``1``. Any other value, or none, draws them."""
+
+
+def curves_wanted(environ=os.environ) -> bool:
+    """Whether a run draws ``curves.png`` (:data:`CURVES_ENV` is not ``0``)."""
+    return environ.get(CURVES_ENV, "1").strip() != "0"
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -141,13 +151,14 @@ class MetricsLogger:
         return row
 
     def close(self) -> Optional[Path]:
-        """Close files and write ``curves.png``; returns its path (None when there is nothing to plot)."""
+        """Close files and write ``curves.png``; returns its path (None when there is nothing to plot, or
+        :data:`CURVES_ENV` is ``0``)."""
         self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
-        return plot_curves(self.run_dir)
+        return plot_curves(self.run_dir) if curves_wanted() else None
 
 
 @dataclass(frozen=True)

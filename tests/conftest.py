@@ -19,6 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # lane thrashes (measured 2026-12-06: the quickstart's engine 0.38 -> 1.78 s a rollout step with 2 threads).
 # Tests that need other counts set them; the README quickstart's fixture runs as users run it, without it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No curves.png at the end of the suite's runs (hpcrl.metrics.CURVES_ENV: matplotlib's import and the drawing,
+# ~1.3-1.5 s of CPU a run, a few hundred runs); the tests of the curves set HPCRL_CURVES=1 for their runs.
+os.environ.setdefault("HPCRL_CURVES", "0")
 if "torch" in sys.modules:  # imported before this file (by a plugin): its thread pool may not have read it
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

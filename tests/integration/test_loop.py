@@ -27,8 +27,10 @@ def digit_fraction(args, sample):
 '''
 
 
-def run_hpcrl(tmp_path: Path, name: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`hpcrl run` as a user runs it; output to a file (shared-memory helpers keep pipes open)."""
+def run_hpcrl(tmp_path: Path, name: str, *overrides: str, timeout: int = 600,
+              curves: bool = False) -> subprocess.CompletedProcess:
+    """`hpcrl run` as a user runs it (``curves``: with its curves.png); output to a file (shared-memory helpers
+    keep pipes open)."""
     (tmp_path / "loop_rewards.py").write_text(REWARD_MODULE)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(textwrap.dedent(f"""
@@ -40,15 +42,16 @@ def run_hpcrl(tmp_path: Path, name: str, *overrides: str, timeout: int = 600) ->
         train: {{lr: 1.0e-3, micro_batch_size: 8}}
         checkpoint: {{save_interval: 2, keep_last: 2}}
     """))
-    return run_config(tmp_path, cfg, name, *overrides, timeout=timeout)
+    return run_config(tmp_path, cfg, name, *overrides, timeout=timeout, curves=curves)
 
 
-def run_config(tmp_path: Path, cfg: Path, name: str, *overrides: str, timeout: int = 600):
-    """`hpcrl run CFG OVERRIDES` in ``tmp_path`` (on PYTHONPATH, one thread), output appended to
-    ``tmp_path/NAME.log``; the CompletedProcess with ``.log`` (the whole log text)."""
+def run_config(tmp_path: Path, cfg: Path, name: str, *overrides: str, timeout: int = 600, curves: bool = False):
+    """`hpcrl run CFG OVERRIDES` in ``tmp_path`` (on PYTHONPATH, one thread; ``curves``: drawing curves.png,
+    which the suite's runs skip), output appended to ``tmp_path/NAME.log``; the CompletedProcess with ``.log``
+    (the whole log text)."""
     log = tmp_path / f"{name}.log"
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", HPCRL_CURVES="1" if curves else "0")
     with open(log, "ab") as f:
         out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path,
                              stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
@@ -69,7 +72,7 @@ def gates_run(tmp_path_factory):
     """One deterministic run (CI gates on, with a KL loss): checked by the gates test, and the first of the two
     same-seed runs of the bitwise test (the second runs in the same folder, on the same tiny model)."""
     tmp = tmp_path_factory.mktemp("loop-gates")
-    out = run_hpcrl(tmp, "gates", *DETERMINISTIC)
+    out = run_hpcrl(tmp, "gates", *DETERMINISTIC, curves=True)
     assert out.returncode == 0, out.log[-3000:]
     return tmp
 

@@ -43,13 +43,13 @@ checkpoint: {{save_interval: 0, keep_last: 2}}
     return cfg
 
 
-def start(tmp_path: Path, name: str, *overrides: str, threads: int = 1) -> subprocess.Popen:
+def start(tmp_path: Path, name: str, *overrides: str, threads: int = 1, curves: bool = False) -> subprocess.Popen:
     """``hpcrl run`` of :func:`write_config`'s run as ``run.name=name`` with ``threads`` torch threads in the
-    trainer and the engine (``OMP_NUM_THREADS``; the float result depends on it on some CPUs); output in
-    ``tmp_path/<name>.log``."""
+    trainer and the engine (``OMP_NUM_THREADS``; the float result depends on it on some CPUs) and, with
+    ``curves``, its curves.png (the suite's runs skip it); output in ``tmp_path/<name>.log``."""
     cfg = write_config(tmp_path)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS=str(threads))
+               OMP_NUM_THREADS=str(threads), HPCRL_CURVES="1" if curves else "0")
     log = open(tmp_path / f"{name}.log", "ab")  # a file: torch's shm manager keeps pipes open
     return subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), f"run.name={name}", *overrides],
                             cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -48,11 +48,11 @@ def write_config(folder: Path, steps: int = STEPS) -> Path:
     return cfg
 
 
-def start(folder: Path, command: str, name: str, *overrides: str) -> subprocess.Popen:
-    """``hpcrl COMMAND run.yaml run.name=NAME OVERRIDES`` in ``folder`` with one torch thread; output appended
-    to ``folder/<name>.log``."""
+def start(folder: Path, command: str, name: str, *overrides: str, curves: bool = False) -> subprocess.Popen:
+    """``hpcrl COMMAND run.yaml run.name=NAME OVERRIDES`` in ``folder`` with one torch thread (``curves``: and
+    its curves.png, which the suite's runs skip); output appended to ``folder/<name>.log``."""
     cfg = write_config(folder)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPCRL_CURVES="1" if curves else "0")
     log = open(folder / f"{name}.log", "ab")
     return subprocess.Popen([sys.executable, "-m", "hpcrl", command, str(cfg), f"run.name={name}", *overrides],
                             cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -70,7 +70,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 def reference(tmp_path_factory):
     """The uninterrupted SFT run: its folder, exported weights and metric rows."""
     tmp = tmp_path_factory.mktemp("sft-ref")
-    proc = start(tmp, "run", "ref")
+    proc = start(tmp, "run", "ref", curves=True)
     assert finish(proc) == 0, (tmp / "ref.log").read_text()[-3000:]
     return tmp, weights(tmp, "ref"), rows(tmp / "runs" / "ref")
 

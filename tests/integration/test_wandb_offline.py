@@ -29,13 +29,13 @@ def test_offline_wandb_across_preemption_and_resume_holds_metrics_jsonl(tmp_path
     monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: nothing may go to a server
     args = (f"run.num_rollout={STEPS}", "wandb.mode=offline", "wandb.tags=[ci]")
     run_dir = tmp_path / "runs" / "wb"
-    proc = start(tmp_path, "wb", *args)
+    proc = start(tmp_path, "wb", *args, curves=True)
     wait_steps(proc, run_dir, 1)
     os.kill(proc.pid, signal.SIGUSR2)
     assert finish(proc) == 75, (tmp_path / "wb.log").read_text()[-3000:]  # stopped with a checkpoint
     stopped_at = steps_done(run_dir)
     assert 1 <= stopped_at < STEPS
-    proc = start(tmp_path, "wb", *args)
+    proc = start(tmp_path, "wb", *args, curves=True)
     assert finish(proc) == 0, (tmp_path / "wb.log").read_text()[-3000:]
     log = (tmp_path / "wb.log").read_text()
     assert "resumed from" in log and "wandb:" not in log  # W&B says nothing on the terminal

@@ -3,9 +3,10 @@
 import json
 
 import matplotlib.pyplot as plt
+import pytest
 
-from hpcrl.metrics import (CURVE_SERIES, MetricsLogger, draw_curves, plot_curves, read_metrics, smoothed,
-                           timed, truncate_metrics)
+from hpcrl.metrics import (CURVE_SERIES, CURVES_ENV, MetricsLogger, draw_curves, plot_curves, read_metrics,
+                           smoothed, timed, truncate_metrics)
 
 
 def drawn(fig) -> dict[str, list[str]]:
@@ -13,7 +14,8 @@ def drawn(fig) -> dict[str, list[str]]:
     return {ax.get_title(): [line.get_label() for line in ax.get_lines()] for ax in fig.axes}
 
 
-def test_logger_writes_jsonl_tensorboard_and_png(tmp_path):
+def test_logger_writes_jsonl_tensorboard_and_png(tmp_path, monkeypatch):
+    monkeypatch.setenv(CURVES_ENV, "1")  # the suite's default is 0 (tests/conftest.py)
     log = MetricsLogger(tmp_path, total_steps=5, progress=False)
     for step in range(5):
         log.log(step, {"rollout/reward_mean": step / 10, "eval/accuracy": 0.3 + step / 100,
@@ -26,6 +28,21 @@ def test_logger_writes_jsonl_tensorboard_and_png(tmp_path):
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize("value, drawn", [("0", False), ("1", True), ("", True), (None, True)])
+def test_hpcrl_curves_0_skips_the_png_and_nothing_else(tmp_path, monkeypatch, value, drawn):
+    if value is None:
+        monkeypatch.delenv(CURVES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CURVES_ENV, value)
+    log = MetricsLogger(tmp_path, total_steps=2, progress=False)
+    for step in range(2):
+        log.log(step, {"rollout/reward_mean": step / 10})
+    png = log.close()
+    assert (png is not None) is drawn and (tmp_path / "curves.png").exists() is drawn
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_curves_plot_reward_eval_length_entropy_kl_and_step_phases(tmp_path):

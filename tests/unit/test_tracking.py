@@ -28,7 +28,9 @@ pytest.importorskip("wandb")
 
 
 def wandb_env(monkeypatch: pytest.MonkeyPatch, home: Path) -> dict[str, str]:
-    """W&B's folders inside ``home``, no API key, no W&B output; returns the environment for subprocesses."""
+    """W&B's folders inside ``home``, no API key, no W&B output, and curves.png drawn (W&B is sent it; the suite's
+    runs skip it otherwise); returns the environment for subprocesses."""
+    monkeypatch.setenv("HPCRL_CURVES", "1")
     for k in list(os.environ):
         if k.startswith("WANDB_"):
             monkeypatch.delenv(k)
