@@ -368,10 +368,22 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
                  log_path: Optional[str | os.PathLike] = None, startup_timeout_s: float = 600.0,
                  env: Optional[Mapping[str, str]] = None, key_via: str = "argv") -> EngineProcess:
     """Start one engine and wait until ``GET /health`` answers 200: :func:`spawn_engine` then
-    :func:`wait_engine` (arguments and errors as theirs)."""
-    eng = spawn_engine(cfg_rollout, sglang_args, model_path, host, port, api_key_file, engine, log_path, env,
-                       key_via)
-    return wait_engine(eng, api_key_file, startup_timeout_s)
+    :func:`wait_engine` (arguments and errors as theirs). With ``port`` None the port is picked free, but the
+    engine binds it only once its model is loaded and another process may take it in between: an engine that
+    exits saying ``address already in use`` is started again on a new port (its log ``<log_path>.port-retry-<k>``),
+    up to :data:`hpcrl.procs.PORT_ATTEMPTS` starts, as :class:`LocalEngineLaunch` does for a run's engines."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        log = log_path if attempt == 1 or log_path is None else f"{log_path}.port-retry-{attempt - 1}"
+        eng = spawn_engine(cfg_rollout, sglang_args, model_path, host, port, api_key_file, engine, log, env,
+                           key_via)
+        try:
+            return wait_engine(eng, api_key_file, startup_timeout_s)
+        except ProcessStartError as err:
+            if port is not None or not port_taken(err.log_tail) or attempt == PORT_ATTEMPTS:
+                raise
+            logger.warning("engine at %s: its port was taken before it could bind it; starting it again on "
+                           "another (attempt %d of %d)", eng.url, attempt + 1, PORT_ATTEMPTS)
+    raise AssertionError("unreachable")
 
 
 @dataclass

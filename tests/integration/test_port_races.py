@@ -72,6 +72,26 @@ def test_engine_whose_port_is_taken_starts_again_on_another(tmp_path, tiny_model
             launch.stop()
 
 
+def test_start_engine_whose_picked_port_is_taken_starts_again(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """``start_engine`` (one engine, the tests' and tools' helper) picks a port and retries like a run's launch:
+    seen in CI (2026-12-07, ``test_partial_response_kept_when_the_engine_dies``): ``address already in use``."""
+    from hpcrl.rollout import engines as engines_mod
+
+    real = engines_mod.find_free_port
+    with taken_ports() as (port,):
+        picks = iter([port])
+        monkeypatch.setattr(engines_mod, "find_free_port", lambda *a, **k: next(picks, None) or real(*a, **k))
+        eng = engines_mod.start_engine(Config().rollout, {}, tiny_model_dir, api_key_file=secret_file(tmp_path),
+                                       log_path=tmp_path / "engine.log", startup_timeout_s=120)
+        try:
+            assert "address already in use" in (tmp_path / "engine.log").read_text()
+            assert eng.url != f"http://127.0.0.1:{port}" and eng.process.poll() is None
+            assert (tmp_path / "engine.log.port-retry-1").exists()
+            assert "port was taken before it could bind it" in caplog.text
+        finally:
+            eng.stop()
+
+
 def test_router_whose_ports_are_taken_starts_again(tmp_path, monkeypatch, caplog):
     """Both of the router's ports: the Prometheus port (the CI failure) and its main port, each taken after
     the pick; it serves on new ones. A main port the caller pinned is the caller's to handle: not retried."""
