@@ -18,7 +18,8 @@ with megatron-core's ``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens`` o
 through ``GPTModel``; rotary positions come from :attr:`Pack.positions` (:func:`packed_response_log_probs`).
 
 :func:`plan_micro_batches` splits each optimizer step's samples into micro-batches of at most
-``train.max_tokens_per_microbatch`` tokens (slime ``--max-tokens-per-gpu``), balanced over data-parallel ranks.
+``train.max_tokens_per_microbatch`` tokens (slime ``--max-tokens-per-gpu``), the same number on every
+data-parallel rank and balanced over them.
 """
 
 from __future__ import annotations
@@ -171,16 +172,39 @@ def unit_tokens(rows: Sequence["Sample"], share_prompt: bool) -> int:
 def plan_micro_batches(samples: Sequence["Sample"], positions: Sequence[int], dp_rank: int, dp_size: int,
                        max_tokens: int, share_prompt: bool = True) -> list[list[int]]:
     """This data-parallel rank's micro-batches (lists of positions into ``samples``) of one optimizer step
-    whose samples are ``positions``: each at most ``max_tokens`` tokens as :func:`build_pack` lays them out.
-
-    Units: with ``share_prompt``, each run of adjacent samples with identical prompts (a group), split into
-    chunks that fit ``max_tokens``; otherwise single samples. Units go to ranks longest first, each to the
-    least-loaded rank (ties: the lowest rank), so ranks get about equal tokens; on a rank they fill
-    micro-batches first-fit, longest first. Every rank gets at least one micro-batch. The plan depends only on
-    the samples' lengths and prompts, so every rank computes the same one.
+    whose samples are ``positions``: each at most ``max_tokens`` tokens as :func:`build_pack` lays them out,
+    and **the same number on every rank** (:func:`plan_step_micro_batches` is the whole step's plan).
 
     Raises ValueError when a sample alone exceeds ``max_tokens`` (names the sample, its length and the
     budget) or when the step has fewer samples than ``dp_size``.
+    """
+    return plan_step_micro_batches(samples, positions, dp_size, max_tokens, share_prompt)[dp_rank]
+
+
+def plan_step_micro_batches(samples: Sequence["Sample"], positions: Sequence[int], dp_size: int, max_tokens: int,
+                            share_prompt: bool = True) -> list[list[list[int]]]:
+    """Every data-parallel rank's micro-batches of one optimizer step (``plan[rank][k]``: positions into
+    ``samples``), each at most ``max_tokens`` tokens as :func:`build_pack` lays them out, with **the same
+    number of micro-batches on every rank**: a rank with one micro-batch more than another would wait forever
+    in the collectives of its extra forward and backward (with expert parallelism every MoE layer is an
+    all-to-all over ranks that are data-parallel to each other; megatron-core's schedule needs equal counts
+    too).
+
+    Pack first, distribute second, as slime's ``build_dp_schedule`` (``slime/utils/dp_schedule.py``):
+
+    1. Units: with ``share_prompt``, each run of adjacent samples with identical prompts (a group), split into
+       chunks that fit ``max_tokens``; otherwise single samples.
+    2. The step's units fill micro-batches first-fit, longest first (one rank: the plan it always had).
+    3. While the count is not a multiple of ``dp_size``, the micro-batch with the most tokens that holds more
+       than one sample is split in two (its units between the halves, longest first to the lighter; a single
+       group chunk by its samples). This always ends: a step's sample count is a multiple of ``dp_size``
+       (:func:`hpcrl.train.actor.split_steps` checks it), and single samples are a multiple.
+    4. Micro-batches go to ranks longest first, each to the least-loaded rank that has fewer than its share
+       (ties: the lowest rank), so ranks get about equal tokens (within one micro-batch).
+
+    The plan depends only on the samples' lengths and prompts, so every rank computes the same one. The
+    step-wide loss reductions do not depend on it (their denominators are the step's, not a micro-batch's).
+    Raises ValueError as :func:`plan_micro_batches`.
     """
     if len(positions) < dp_size:
         raise ValueError(f"{len(positions)} samples per optimizer step cannot feed {dp_size} data-parallel ranks")
@@ -196,32 +220,46 @@ def plan_micro_batches(samples: Sequence["Sample"], positions: Sequence[int], dp
             last.append(p)
         else:
             units.append([p])
-    if len(units) < dp_size:
-        units = [[p] for p in positions]
 
     def cost(unit: list[int]) -> int:
         return unit_tokens([samples[q] for q in unit], share_prompt)
 
-    order = sorted(range(len(units)), key=lambda u: (-cost(units[u]), units[u][0]))
-    loads, mine = [0] * dp_size, []
-    for u in order:
-        r = min(range(dp_size), key=lambda k: (loads[k], k))
-        loads[r] += cost(units[u])
-        if r == dp_rank:
-            mine.append(units[u])
-    bins: list[list[int]] = []
+    # 2. first-fit, longest unit first
+    bins: list[list[list[int]]] = []  # each micro-batch as its units
     fill: list[int] = []
-    for unit in mine:  # already longest first
+    for unit in sorted(units, key=lambda u: (-cost(u), u[0])):
         c = cost(unit)
         for b in range(len(bins)):
             if fill[b] + c <= max_tokens:
-                bins[b].extend(unit)
+                bins[b].append(unit)
                 fill[b] += c
                 break
         else:
-            bins.append(list(unit))
+            bins.append([unit])
             fill.append(c)
-    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+    # 3. split the fullest splittable micro-batch until every rank can have the same count
+    while len(bins) % dp_size:
+        splittable = [b for b in range(len(bins)) if sum(len(u) for u in bins[b]) > 1]
+        b = max(splittable, key=lambda k: (fill[k], -min(u[0] for u in bins[k])))
+        parts = bins[b] if len(bins[b]) > 1 else [bins[b][0][:len(bins[b][0]) // 2],
+                                                    bins[b][0][len(bins[b][0]) // 2:]]
+        halves: list[list[list[int]]] = [[], []]
+        loads = [0, 0]
+        for unit in sorted(parts, key=lambda u: (-cost(u), u[0])):
+            h = 0 if loads[0] <= loads[1] else 1
+            halves[h].append(unit)
+            loads[h] += cost(unit)
+        bins[b:b + 1] = halves
+        fill[b:b + 1] = loads
+    # 4. equal counts, balanced tokens
+    share = len(bins) // dp_size
+    plan: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    rank_load = [0] * dp_size
+    for b in sorted(range(len(bins)), key=lambda k: (-fill[k], min(u[0] for u in bins[k]))):
+        r = min((k for k in range(dp_size) if len(plan[k]) < share), key=lambda k: (rank_load[k], k))
+        plan[r].append(sorted(p for unit in bins[b] for p in unit))
+        rank_load[r] += fill[b]
+    return [sorted(mbs, key=lambda mb: mb[0]) for mbs in plan]
 
 
 @contextlib.contextmanager

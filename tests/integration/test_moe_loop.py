@@ -99,3 +99,47 @@ def test_routing_replay_brings_the_trainer_to_the_bf16_engines_log_probs(tmp_pat
     assert free["rollout/reward_mean"] == padded["rollout/reward_mean"] == packed["rollout/reward_mean"]
     assert diffs[1] < diffs[0] and diffs[2] < diffs[0], diffs
     assert diffs[2] == pytest.approx(diffs[1], rel=0.2, abs=1e-4)  # the same routing in either layout
+
+
+CRAFTED = '''
+from hpcrl.rollout.generate import generate
+
+TOTALS = (49, 39, 39, 34, 11, 11, 11, 11)
+"""Prompt + response tokens of the samples of a step, by position (the step's 8 samples are drawn in order)."""
+
+
+async def crafted_lengths(client, sample, sampling_params):
+    """The built-in generate, with every response exactly as long as makes its sample TOTALS[index % 8]."""
+    want = TOTALS[sample.index % len(TOTALS)] - len(sample.tokens)
+    return await generate(client, sample, dict(sampling_params, max_new_tokens=want, ignore_eos=True))
+'''
+
+
+@pytest.mark.timeout(600)
+def test_ep2_token_budget_micro_batches_are_equal_on_both_ranks(tmp_path):
+    """Issue #54 point 1: with ``train.max_tokens_per_microbatch`` each data-parallel rank must run the same
+    number of micro-batches, since with expert parallelism every MoE layer is an all-to-all over both ranks.
+    The samples of each step are crafted (a generate function that makes them 49, 39, 39, 34 and 4 x 11 tokens,
+    one unit each with ``share_group_prompt: false``); with a budget of 100 the plan made rank by rank gave
+    rank 0 two micro-batches and rank 1 one, and the run waited at its first training step until gloo's
+    30-minute timeout (measured 2026-12-07 with the planner before this test: no step logged in 120 s; the
+    run completes in ~18 s with it).
+    Planned for the whole step, both ranks run two, and the run completes with the trainer's log-probs
+    equal to the engine's. The subprocess timeout turns a regression into a failure, not a hung CI."""
+    (tmp_path / "crafted.py").write_text(CRAFTED)
+    hpcrl_run(tmp_path, f"""
+        run: {{name: budget, output_dir: {tmp_path / 'runs'}, num_rollout: 2, seed: 7}}
+        model: {{path: {tmp_path / 'moe'}, create: tiny-qwen3-moe, tiny_hidden_size: 64, tiny_num_layers: 2,
+                tiny_num_experts: 4, tiny_moe_intermediate_size: 64}}
+        data: {{source: addition, num_train: 200, num_eval: 0}}
+        rollout: {{batch_size: 4, n_samples_per_prompt: 2, max_new_tokens: 48, dynamic_filter: null,
+                  generate_function: crafted.crafted_lengths, reward_function: moe_rewards.digit_fraction,
+                  eval_interval: 0}}
+        train: {{lr: 3.0e-3, expert_parallel_size: 2, nprocs: 2, max_tokens_per_microbatch: 100,
+                share_group_prompt: false}}
+        algorithm: {{advantage_estimator: gspo, eps_clip: 3.0e-4, eps_clip_high: 4.0e-4}}
+    """, rewards="moe_rewards", log="budget", timeout=300)
+    steps = step_rows(tmp_path / "runs", "budget")
+    assert [r["step"] for r in steps] == [0, 1]
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in steps), steps
+    assert all(r["rollout/truncated"] == 1.0 for r in steps), steps  # every response ended at its crafted length

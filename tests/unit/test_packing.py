@@ -113,13 +113,45 @@ def test_plan_fits_budget_covers_each_sample_once_and_balances_ranks(share, dp):
     loads = []
     for plan in plans:
         assert plan, "every rank gets a micro-batch"
+        assert len(plan) == len(plans[0]), "every rank runs the same number of micro-batches"
         for mb in plan:
             assert build_pack([samples[p] for p in mb], share).num_tokens <= budget
         loads.append(sum(build_pack([samples[p] for p in mb], share).num_tokens for mb in plan))
-    biggest_unit = max(len(s.tokens) for s in samples) if not share else budget
-    assert max(loads) - min(loads) <= biggest_unit
+    assert max(loads) - min(loads) <= budget  # within one micro-batch
     if share:  # fewer tokens than one sample per segment
         assert sum(loads) < sum(len(s.tokens) for s in samples)
+
+
+def test_plan_gives_every_rank_the_same_number_of_micro_batches():
+    """Issue #54's case: four single-sample groups of 60, 50, 50 and 45 tokens, 100 a micro-batch, 2 ranks. Planned
+    rank by rank they went [[0], [3]] and [[1, 2]]: rank 1 then waited forever in rank 0's second forward."""
+    samples = [sample([i + 1] * 10, [7] * (n - 10), index=i) for i, n in enumerate([60, 50, 50, 45])]
+    plans = [plan_micro_batches(samples, [0, 1, 2, 3], r, 2, 100) for r in range(2)]
+    assert [len(p) for p in plans] == [2, 2]
+    assert sorted(q for p in plans for mb in p for q in mb) == [0, 1, 2, 3]
+    assert all(sum(len(samples[q].tokens) for q in mb) <= 100 for p in plans for mb in p)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_plan_counts_are_equal_for_any_lengths(share):
+    """Random steps (groups of 1-8 samples, 2-60 tokens, budgets from the longest sample up), 1-4 ranks: equal
+    counts, each sample once, every micro-batch within the budget. A step's sample count is a multiple of the
+    ranks (hpcrl.train.actor.split_steps), which is what makes equal counts always possible."""
+    rng = random.Random(54)
+    for _ in range(300):
+        dp = rng.randint(1, 4)
+        out: list[Sample] = []
+        while len(out) < dp or len(out) % dp:
+            prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))]
+            for _ in range(rng.randint(1, 8)):
+                out.append(sample(prompt, [7] * rng.randrange(1, 40), index=len(out)))
+        trimmed = len(out) - len(out) % dp
+        positions = list(range(trimmed))
+        budget = max(len(out[p].tokens) for p in positions) + rng.randrange(0, 80)
+        plans = [plan_micro_batches(out, positions, r, dp, budget, share) for r in range(dp)]
+        assert len({len(p) for p in plans}) == 1, (dp, budget, [len(p) for p in plans])
+        assert sorted(q for p in plans for mb in p for q in mb) == positions
+        assert all(mb and build_pack([out[q] for q in mb], share).num_tokens <= budget for p in plans for mb in p)
 
 
 def test_plan_rejects_a_sample_longer_than_the_budget():
