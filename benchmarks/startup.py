@@ -5,9 +5,11 @@ creation is not timed; one engine, no router, no SFT) ``--repeats`` times and pr
 stretch, from the launcher's clock, the run's ``logs/attempt-0/timeline.json`` (:class:`hpcrl.run_session.Timeline`),
 its ``metrics.jsonl`` and its engine's log::
 
-    python benchmarks/startup.py [--repeats 3] [--threads 1] [--router]
+    python benchmarks/startup.py [--repeats 3] [--threads 1] [--router] [--no-curves]
 
-Every test of the suite that starts a run pays these stretches, so they are what "start-up" cuts cut.
+Every test of the suite that starts a run pays these stretches, so they are what "start-up" cuts cut. The last
+line is the CPU of the whole command (trainer, engine and the rest, core-seconds): the suite is bound by CPU work
+on its 2 cores, so that, not the wall time, is what each of its runs costs it.
 """
 
 from __future__ import annotations
@@ -63,15 +65,19 @@ def engine_ready(log: Path) -> float | None:
 
 
 def one_run(work: Path, i: int, model: Path, threads: int, router: bool) -> dict[str, float]:
-    """One whole ``hpcrl run``; its events as seconds since launch."""
+    """One whole ``hpcrl run``; its events as seconds since launch, and ``cpu_s``: the CPU seconds of the command
+    and every process it started and reaped (the trainer, the engine, the router), user + system."""
     cfg = work / f"r{i}.yaml"
     cfg.write_text(CONFIG.format(i=i, steps=STEPS, model=model, router=str(router).lower()))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    before = os.times()
     launch = time.time()
     with open(work / f"r{i}.log", "wb") as out:
         rc = subprocess.run([str(HPCRL), "run", str(cfg)], cwd=work, stdout=out, stderr=subprocess.STDOUT,
                             env=env).returncode
     end = time.time()
+    after = os.times()
+    cpu_s = (after.children_user + after.children_system) - (before.children_user + before.children_system)
     if rc != 0:
         raise SystemExit(f"run {i} failed ({rc}): {(work / f'r{i}.log').read_text(errors='replace')[-2000:]}")
     attempt = work / "runs" / f"r{i}" / "logs" / "attempt-0"
@@ -83,7 +89,7 @@ def one_run(work: Path, i: int, model: Path, threads: int, router: bool) -> dict
     ready = engine_ready(attempt / "engine-0.log")
     if ready is not None:
         ev["engine_ready"] = ready
-    return {k: v - launch for k, v in ev.items()}
+    return dict({k: v - launch for k, v in ev.items()}, cpu_s=cpu_s)
 
 
 def main() -> int:
@@ -91,6 +97,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer and the engine")
     p.add_argument("--router", action="store_true", help="with sglang-router in front of the engine")
+    p.add_argument("--no-curves", action="store_true",
+                   help="HPCRL_CURVES=0, as the test suite runs: no curves.png at the end")
     a = p.parse_args()
     print(machine_header(threads=a.threads, precision="float32"))
     with tempfile.TemporaryDirectory(prefix="hpcrl-startup-") as tmp:
@@ -99,9 +107,11 @@ def main() -> int:
         from hpcrl.models.tiny import create_tiny_qwen2
 
         create_tiny_qwen2(model, seed=1)
+        if a.no_curves:
+            os.environ["HPCRL_CURVES"] = "0"
         runs = [one_run(work, i, model, a.threads, a.router) for i in range(a.repeats)]
     print(f"# hpcrl run of a tiny {STEPS}-step GRPO config (4 prompts x 4 samples, one engine, router "
-          f"{'on' if a.router else 'off'}), median of {a.repeats} runs, "
+          f"{'on' if a.router else 'off'}{', HPCRL_CURVES=0' if a.no_curves else ''}), median of {a.repeats} runs, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
           f"{os.getloadavg()[0]:.1f}\n")
     print(f"| {'stretch':<28} | {'seconds':>7} | what happens in it")
@@ -115,6 +125,9 @@ def main() -> int:
     before = statistics.median(r["first_step"] for r in runs)
     print(f"| {'whole command':<28} | {total:>7.2f} | before the first step {before:.2f} s, steps {steps:.2f} s, "
           f"after the last {total - before - steps:.2f} s")
+    cpu = statistics.median(r["cpu_s"] for r in runs)
+    print(f"| {'CPU of the whole command':<28} | {cpu:>7.2f} | core-seconds of the trainer, the engine and the "
+          f"rest ({cpu / total:.2f} cores busy on average): what a CPU-bound test suite pays a run")
     ready = [r["engine_ready"] for r in runs if "engine_ready" in r]
     if ready:
         print(f"\nthe engine answered /health {statistics.median(ready):.2f} s after launch (its own import and "
