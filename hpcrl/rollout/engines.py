@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpcrl.procs import (PORT_ATTEMPTS, ManagedProcess, ProcessStartError, child_preexec, find_free_port,
-                         open_log, port_taken, url_for, wait_for_http_ok)
+                         log_since, log_size, open_log, port_taken, url_for, wait_for_http_ok)
 from hpcrl.rollout.secret import read_secret
 
 logger = logging.getLogger(__name__)
@@ -369,20 +369,23 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
                  env: Optional[Mapping[str, str]] = None, key_via: str = "argv") -> EngineProcess:
     """Start one engine and wait until ``GET /health`` answers 200: :func:`spawn_engine` then
     :func:`wait_engine` (arguments and errors as theirs). With ``port`` None the port is picked free, but the
-    engine binds it only once its model is loaded and another process may take it in between: an engine that
-    exits saying ``address already in use`` is started again on a new port (its log ``<log_path>.port-retry-<k>``),
-    up to :data:`hpcrl.procs.PORT_ATTEMPTS` starts, as :class:`LocalEngineLaunch` does for a run's engines."""
+    engine binds it only once its model is loaded and another process may take it in between: an engine whose
+    own lines say ``address already in use`` is started again on a new port (its log
+    ``<stem>.port-retry-<k><suffix>`` beside ``log_path``, as :class:`LocalEngineLaunch` names a run's), up to
+    :data:`hpcrl.procs.PORT_ATTEMPTS` starts; ``startup_timeout_s`` is each start's."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        log = log_path if attempt == 1 or log_path is None else f"{log_path}.port-retry-{attempt - 1}"
+        log = (Path(log_path) if attempt == 1 or log_path is None else
+               Path(log_path).with_name(f"{Path(log_path).stem}.port-retry-{attempt - 1}{Path(log_path).suffix}"))
+        offset = log_size(log)  # a log appended to by an earlier start: only this start's lines count
         eng = spawn_engine(cfg_rollout, sglang_args, model_path, host, port, api_key_file, engine, log, env,
                            key_via)
         try:
             return wait_engine(eng, api_key_file, startup_timeout_s)
-        except ProcessStartError as err:
-            if port is not None or not port_taken(err.log_tail) or attempt == PORT_ATTEMPTS:
+        except ProcessStartError:
+            if port is not None or not port_taken(log_since(log, offset)) or attempt == PORT_ATTEMPTS:
                 raise
-            logger.warning("engine at %s: its port was taken before it could bind it; starting it again on "
-                           "another (attempt %d of %d)", eng.url, attempt + 1, PORT_ATTEMPTS)
+            logger.warning("engine: the port of %s was taken before it could bind it; starting it again on "
+                           "another (attempt %d of %d, log %s)", eng.url, attempt + 1, PORT_ATTEMPTS, log)
     raise AssertionError("unreachable")
 
 

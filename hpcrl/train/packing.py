@@ -197,14 +197,16 @@ def plan_step_micro_batches(samples: Sequence["Sample"], positions: Sequence[int
     2. The step's units fill micro-batches first-fit, longest first (one rank: the plan it always had).
     3. While the count is not a multiple of ``dp_size``, the micro-batch with the most tokens that holds more
        than one sample is split in two (its units between the halves, longest first to the lighter; a single
-       group chunk by its samples). This always ends: a step's sample count is a multiple of ``dp_size``
-       (:func:`hpcrl.train.actor.split_steps` checks it), and single samples are a multiple.
+       group chunk by its samples). This always succeeds when the step's sample count is a multiple of
+       ``dp_size`` (an RL step's is: ``rollout.batch_size`` groups of ``n_samples_per_prompt``, checked against
+       the ranks; SFT's ``sft.batch_size`` too): single samples are a multiple. Otherwise it may, or it raises.
     4. Micro-batches go to ranks longest first, each to the least-loaded rank that has fewer than its share
        (ties: the lowest rank), so ranks get about equal tokens (within one micro-batch).
 
     The plan depends only on the samples' lengths and prompts, so every rank computes the same one. The
     step-wide loss reductions do not depend on it (their denominators are the step's, not a micro-batch's).
-    Raises ValueError as :func:`plan_micro_batches`.
+    Raises ValueError as :func:`plan_micro_batches`, and when no split is left and the count is still not a
+    multiple of ``dp_size`` (names the samples, the budget and the fix).
     """
     if len(positions) < dp_size:
         raise ValueError(f"{len(positions)} samples per optimizer step cannot feed {dp_size} data-parallel ranks")
@@ -240,6 +242,10 @@ def plan_step_micro_batches(samples: Sequence["Sample"], positions: Sequence[int
     # 3. split the fullest splittable micro-batch until every rank can have the same count
     while len(bins) % dp_size:
         splittable = [b for b in range(len(bins)) if sum(len(u) for u in bins[b]) > 1]
+        if not splittable:  # one sample a micro-batch and still no multiple: the step's count is not one
+            raise ValueError(f"{len(positions)} samples in {len(bins)} micro-batches of at most {max_tokens} "
+                             f"tokens cannot be shared equally by {dp_size} data-parallel ranks; make the "
+                             f"samples per optimizer step a multiple of {dp_size}")
         b = max(splittable, key=lambda k: (fill[k], -min(u[0] for u in bins[k])))
         parts = bins[b] if len(bins[b]) > 1 else [bins[b][0][:len(bins[b][0]) // 2],
                                                     bins[b][0][len(bins[b][0]) // 2:]]

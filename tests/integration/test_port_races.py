@@ -86,10 +86,17 @@ def test_start_engine_whose_picked_port_is_taken_starts_again(tmp_path, tiny_mod
         try:
             assert "address already in use" in (tmp_path / "engine.log").read_text()
             assert eng.url != f"http://127.0.0.1:{port}" and eng.process.poll() is None
-            assert (tmp_path / "engine.log.port-retry-1").exists()
-            assert "port was taken before it could bind it" in caplog.text
+            assert listens_on(eng.pid, int(eng.url.rsplit(":", 1)[1]))
+            assert (tmp_path / "engine.port-retry-1.log").exists()
+            assert "was taken before it could bind it" in caplog.text
         finally:
             eng.stop()
+        # a port the caller chose is the caller's: no second start on another
+        with pytest.raises(ProcessStartError, match="address already in use"):
+            engines_mod.start_engine(Config().rollout, {}, tiny_model_dir, port=port,
+                                     api_key_file=secret_file(tmp_path), log_path=tmp_path / "fixed.log",
+                                     startup_timeout_s=120)
+        assert not list(tmp_path.glob("fixed.port-retry-*"))
 
 
 def test_router_whose_ports_are_taken_starts_again(tmp_path, monkeypatch, caplog):

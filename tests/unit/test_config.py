@@ -587,6 +587,20 @@ def test_cispo_takes_eps_low_one_which_ppo_clip_refuses():
         load_and_check(None, ["model.create=tiny-qwen2", "algorithm.eps_clip=1.0"])
 
 
+def test_token_budget_micro_batches_need_a_step_that_the_data_parallel_ranks_share():
+    """Issue #54 point 1: every rank runs the same number of token-budget micro-batches, which a step of
+    samples not a multiple of the data-parallel ranks cannot always give: refused before anything starts."""
+    base = ["model.create=tiny-qwen2", "train.max_tokens_per_microbatch=256", "rollout.n_samples_per_prompt=2"]
+    with pytest.raises(ConfigError, match=r"rollout.batch_size.*6 samples an optimizer step.*4 data-parallel"):
+        load_and_check(None, [*base, "rollout.batch_size=3", "train.nprocs=4"])
+    with pytest.raises(ConfigError, match=r"train.global_batch_size.*4 samples.*3 data-parallel"):
+        load_and_check(None, [*base, "rollout.batch_size=4", "train.global_batch_size=4",
+                              "train.num_steps_per_rollout=2", "train.nprocs=3"])
+    assert load_and_check(None, [*base, "rollout.batch_size=4", "train.nprocs=4"]).train.nprocs == 4
+    # two TP ranks of 4 processes: 2 data-parallel ranks, 6 samples a step
+    load_and_check(None, [*base, "rollout.batch_size=3", "train.nprocs=4", "train.tensor_parallel_size=2"])
+
+
 def test_resolve_fills_derived_defaults_without_mutating():
     cfg = Config()
     cfg.model.create = "gguf"

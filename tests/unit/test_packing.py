@@ -145,13 +145,21 @@ def test_plan_counts_are_equal_for_any_lengths(share):
             prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))]
             for _ in range(rng.randint(1, 8)):
                 out.append(sample(prompt, [7] * rng.randrange(1, 40), index=len(out)))
-        trimmed = len(out) - len(out) % dp
-        positions = list(range(trimmed))
+        positions = list(range(len(out)))
         budget = max(len(out[p].tokens) for p in positions) + rng.randrange(0, 80)
         plans = [plan_micro_batches(out, positions, r, dp, budget, share) for r in range(dp)]
+        assert plans == [plan_micro_batches(out, positions, r, dp, budget, share) for r in range(dp)]
         assert len({len(p) for p in plans}) == 1, (dp, budget, [len(p) for p in plans])
         assert sorted(q for p in plans for mb in p for q in mb) == positions
         assert all(mb and build_pack([out[q] for q in mb], share).num_tokens <= budget for p in plans for mb in p)
+
+
+def test_plan_that_cannot_be_shared_equally_names_the_fix():
+    """Three samples that each fill a micro-batch cannot give 2 ranks the same count: one line, not a hang (a
+    step's count is a multiple of the ranks in a run: hpcrl validate refuses other batches)."""
+    samples = [sample([i + 1] * 10, [7] * 40, index=i) for i in range(3)]
+    with pytest.raises(ValueError, match=r"3 samples in 3 micro-batches of at most 60 tokens .* multiple of 2"):
+        plan_micro_batches(samples, [0, 1, 2], 0, 2, 60)
 
 
 def test_plan_rejects_a_sample_longer_than_the_budget():
