@@ -17,7 +17,8 @@ and the process exits non-zero (:func:`exit_code_of`). Known errors (matched by 
   update), ``ModelFolderError`` (a missing model folder),
   ``CheckpointError`` and megatron-core's ``CheckpointingException`` (a checkpoint that cannot be read),
   ``PluginError`` (a plug-in that does not import), ``FilterStarved`` (the dynamic filter kept too few
-  groups), ``CriticError`` (PPO's critic on ranks of its own failed or exited).
+  groups), ``CriticError`` (PPO's critic on ranks of its own failed or exited), ``CollectiveTimeout`` (a
+  trainer rank waited past ``train.collective_timeout_s`` for the others).
 
 Anything else is unexpected and keeps its full traceback on stderr.
 
@@ -54,7 +55,7 @@ _RUN_ERRORS = {
     "hpcrl.rollout.router.RouterError", "hpcrl.slurm.rollout_step.RolloutStepError",
     "hpcrl.models.hf.ModelFolderError", "hpcrl.checkpoint.layout.CheckpointError", "hpcrl.plugin_loader.PluginError",
     "hpcrl.weights.common.WeightSyncError", "hpcrl.rollout.rollout.FilterStarved",
-    "hpcrl.train.critic_group.CriticError",
+    "hpcrl.train.critic_group.CriticError", "hpcrl.train.parallel.CollectiveTimeout",
     "megatron.core.dist_checkpointing.core.CheckpointingException",
 }
 _MAX_LINE = 600

@@ -157,6 +157,26 @@ def own_critic_ranks(cfg: "Config") -> bool:
     return cfg.algorithm.advantage_estimator == "gae" and cfg.critic.nprocs > 0
 
 
+LOOP_FUNCTIONS = ("train_main", "train_async_main", "train_fully_async_main", "train_sft_main")
+"""The loops that run inside a :class:`RunSession` (:func:`hpcrl.loop.loop_of`)."""
+LOOP_PHASES = {"broadcast": "the rollout's samples sent to every rank", "train": "training",
+               "sync_weights": "weight sync", "evaluate": "eval", "end_step": "checkpoint",
+               "save_before_failing": "checkpoint", "generate": "rollout"}
+"""Names for what a loop calls, as a :class:`~hpcrl.train.parallel.CollectiveTimeout` says where it waited."""
+
+
+def loop_phase(tb: Any) -> str:
+    """The phase of the loop a traceback ``tb`` went through: what the loop function (:data:`LOOP_FUNCTIONS`)
+    called, named by :data:`LOOP_PHASES` (else the callee's own name); ``"the loop"`` when none is in it."""
+    import traceback
+
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    for here, callee in zip(frames, frames[1:]):
+        if here.name in LOOP_FUNCTIONS:
+            return LOOP_PHASES.get(callee.name, callee.name)
+    return "the loop"
+
+
 @dataclass
 class RunSession:
     """Set-up and tear-down of one trainer rank's run around a loop (the order is in the module doc); use as
@@ -197,6 +217,8 @@ class RunSession:
     """Why the run stopped early with a checkpoint (``"signal"``, ``"deadline"``), None otherwise."""
     timeline: Timeline = field(init=False, default_factory=Timeline)
     """When each stage of the set-up and tear-down happened (written by the controller)."""
+    logged_step: Optional[int] = field(init=False, default=None)
+    """The newest step the loop logged (every rank), None before the first."""
 
     def __enter__(self) -> "RunSession":
         from hpcrl.preempt import PreemptionWatch
@@ -267,14 +289,30 @@ class RunSession:
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        """Tear down (:meth:`close`). A loop that stopped because a collective waited past
+        ``train.collective_timeout_s`` raises :class:`hpcrl.train.parallel.CollectiveTimeout` instead (one line:
+        this rank, the step it was in, the loop's phase, the last checkpoint)."""
+        timeout = None
+        if exc is not None:
+            from hpcrl.checkpoint.layout import find_latest_checkpoint
+            from hpcrl.train.parallel import collective_timeout
+
+            step = (self.logged_step + 1 if self.logged_step is not None
+                    else getattr(getattr(self, "trainer", None), "start", 0))
+            latest = find_latest_checkpoint(self.run_dir)
+            timeout = collective_timeout(exc, env_rank(), step, loop_phase(tb), self.cfg.train.collective_timeout_s,
+                                         latest.name if latest is not None else None)
         self.close()
+        if timeout is not None and timeout is not exc:
+            raise timeout from exc
 
     def log(self, rollout_id: int, step: dict[str, Any]) -> None:
         """Log step ``rollout_id``'s metrics (before its checkpoint: a resume truncates the lines after its
         step) and make them :attr:`last`."""
         self.metrics.log(rollout_id, step)
         self.last = step
+        self.logged_step = rollout_id
 
     def finish(self, stopped: Optional[str]) -> None:
         """The loop ended (``stopped``: why early, or None): the run log says how, and closes."""

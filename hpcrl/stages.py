@@ -71,7 +71,8 @@ def run_stages(cfg: Config, run_dir: Path, base: Path, ci_checks: Optional[bool]
         from hpcrl.train.parallel import init_distributed
 
         formed = not dist.is_initialized()
-        init_distributed(megatron=False)  # the warm start's lock is held by rank 0 for all ranks
+        # the warm start's lock is held by rank 0 for all ranks; this forms the group the run keeps
+        init_distributed(megatron=False, timeout_s=cfg.train.collective_timeout_s)
     try:
         model = Path(base)
         if needs_warm_start(cfg):

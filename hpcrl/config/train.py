@@ -23,6 +23,11 @@ class TrainSection:
     expert_parallel_size: int = 1
     nprocs: int = 1
     """Trainer processes for local runs (Slurm runs take it from the allocation)."""
+    collective_timeout_s: float = 600.0
+    """Seconds a trainer rank waits in a collective for the other ranks before the run stops with one line
+    naming the rank, the step and the phase (a rank that died or stalls would otherwise hold the others for
+    torch's 30 minutes, or for ever). slime ``--distributed-timeout-minutes`` (10 there too); megatron-core's
+    own groups take it in whole minutes, rounded up."""
     cpus: Optional[Union[int, str]] = None
     """Local runs with ``run.placement: disaggregate``: the trainer's CPUs (``"0-1"``; default: the first
     half of this machine's CPUs); torch uses one thread per CPU (shared by ``nprocs`` processes). Ignored on
@@ -220,6 +225,8 @@ def check_train(cfg: Config) -> None:
              f"tensor x pipeline x expert parallel size = {expert_par} must divide train.nprocs={t.nprocs}",
              "lower expert_parallel_size or raise nprocs")
     require(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}", "lower min_lr")
+    require(t.collective_timeout_s > 0, "train.collective_timeout_s", t.collective_timeout_s, "must be > 0",
+            "set it to the longest a rank may wait for the others, e.g. 600")
     for f in ("train.adam_beta1", "train.adam_beta2"):
         v = get_field(cfg, f)
         require(0 <= v < 1, f, v, "must be in [0, 1)", "e.g. 0.9 / 0.98")

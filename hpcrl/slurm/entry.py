@@ -86,7 +86,8 @@ def slurm_bootstrap(cfg: Config, run_dir: Path) -> int:
     if threads > 0 and not torch.cuda.is_available():
         torch.set_num_threads(threads)
     quiet_logs()
-    env = init_distributed(megatron=False)  # megatron-core is imported after the rollout step started
+    # megatron-core is imported after the rollout step started
+    env = init_distributed(megatron=False, timeout_s=cfg.train.collective_timeout_s)
     if env.world_size != cfg.train.nprocs:
         log.warning("the trainer step has %d tasks, train.nprocs is %d: using the step's", env.world_size,
                     cfg.train.nprocs)

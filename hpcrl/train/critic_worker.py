@@ -59,9 +59,10 @@ def join_world(setup: Setup, rank: int, local_rank: int) -> Any:
     host, port = setup.store
     store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=600))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(setup.world_size), LOCAL_RANK=str(local_rank))
-    parallel.init_distributed(store=PrefixStore("critic", store))
     cfg = setup.cfg
-    parallel.initialize_model_parallel(critic_tp(cfg), 1, 1, cfg.train.expert_parallel_size)
+    parallel.init_distributed(store=PrefixStore("critic", store), timeout_s=cfg.train.collective_timeout_s)
+    parallel.initialize_model_parallel(critic_tp(cfg), 1, 1, cfg.train.expert_parallel_size,
+                                       timeout_s=cfg.train.collective_timeout_s)
     parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
     parallel.deterministic_mode(cfg.run.deterministic)
     return store

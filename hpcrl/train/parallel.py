@@ -9,14 +9,18 @@
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): NCCL on GPUs, gloo on CPUs (where it first
   applies :mod:`hpcrl.train.cpu_compat`). :func:`initialize_model_parallel` and
   :func:`model_parallel_cuda_manual_seed` wrap megatron-core's; :func:`destroy` undoes all three.
+- :class:`CollectiveTimeout` is what a rank raises when a collective waited past ``train.collective_timeout_s``
+  (:func:`collective_timeout`, called by :class:`hpcrl.run_session.RunSession`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import random
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -47,10 +51,10 @@ def setup_parallel(cfg: Any) -> DistEnv:
     from ``train.*_parallel_size`` and the seeded RNG states (``run.seed``); ``run.deterministic`` is switched
     on by the :class:`~hpcrl.train.actor.Actor` built next (:func:`deterministic_mode`). Returns the
     :class:`DistEnv`."""
-    env = init_distributed()
     tc = cfg.train
+    env = init_distributed(timeout_s=tc.collective_timeout_s)
     initialize_model_parallel(tc.tensor_parallel_size, tc.pipeline_parallel_size, tc.context_parallel_size,
-                              tc.expert_parallel_size)
+                              tc.expert_parallel_size, timeout_s=tc.collective_timeout_s)
     model_parallel_cuda_manual_seed(cfg.run.seed)
     return env
 
@@ -142,15 +146,53 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
     return DistEnv(rank, world_size, local_rank, backend)
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
-    """megatron-core's ``parallel_state.initialize_model_parallel``; data parallel is what remains.
+def initialize_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                              timeout_s: float = 1800.0) -> None:
+    """megatron-core's ``parallel_state.initialize_model_parallel``; data parallel is what remains. Its groups'
+    collectives time out after ``timeout_s`` seconds, rounded up to whole minutes (megatron-core's unit).
 
     ``world_size`` must be divisible by ``tp * pp * cp`` (megatron-core raises RuntimeError otherwise).
     """
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp, expert_model_parallel_size=ep)
+                                             context_parallel_size=cp, expert_model_parallel_size=ep,
+                                             distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
+
+
+_TIMED_OUT = re.compile(r"timed out waiting \d+ ?ms|collective operation timeout|watchdog caught collective",
+                        re.IGNORECASE)
+"""What gloo (``Timed out waiting 5000ms for recv operation to complete``) and NCCL's watchdog (``Watchdog
+caught collective operation timeout``) say when a collective waited past the group's timeout."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A trainer rank waited past ``train.collective_timeout_s`` in a collective: another rank died or stalls.
+    One line (a known error of :mod:`hpcrl.errors`, exit status 1) naming the rank, the step and the phase."""
+
+    def __init__(self, rank: int, step: int, phase: str, timeout_s: float, last_checkpoint: Optional[str]):
+        self.rank, self.step, self.phase, self.timeout_s = rank, step, phase, timeout_s
+        resume = (f"the run resumes from its last checkpoint ({last_checkpoint}) when started again"
+                  if last_checkpoint else "no checkpoint was written yet")
+        super().__init__(f"trainer rank {rank} waited more than {timeout_s:g} s (train.collective_timeout_s) "
+                         f"for the other ranks in a collective of step {step} ({phase}): a rank died or stalls "
+                         f"there, so the run stopped; {resume}; raise train.collective_timeout_s if the ranks "
+                         "are only slow")
+
+
+def collective_timeout(exc: Optional[BaseException], rank: int, step: int, phase: str, timeout_s: float,
+                       last_checkpoint: Optional[str] = None) -> Optional[CollectiveTimeout]:
+    """:class:`CollectiveTimeout` for ``exc`` when it (or what caused it) is a collective's timeout (gloo's
+    or NCCL's message), None otherwise."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, CollectiveTimeout):
+            return exc
+        if isinstance(exc, RuntimeError) and _TIMED_OUT.search(str(exc)):
+            return CollectiveTimeout(rank, step, phase, timeout_s, last_checkpoint)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
