@@ -7,9 +7,9 @@ its ``metrics.jsonl`` and its engine's log::
 
     python benchmarks/startup.py [--repeats 3] [--threads 1] [--router] [--no-curves]
 
-Every test of the suite that starts a run pays these stretches, so they are what "start-up" cuts cut. The last
-line is the CPU of the whole command (trainer, engine and the rest, core-seconds): the suite is bound by CPU work
-on its 2 cores, so that, not the wall time, is what each of its runs costs it.
+Every test of the suite that starts a run pays these stretches, so they are what "start-up" cuts cut. The
+last line is the CPU of the whole command (trainer, engine and the rest, core-seconds): the suite is bound by
+CPU work on its 2 cores, so that, not the wall time, is what each of its runs costs it.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def engine_ready(log: Path) -> float | None:
 
 
 def one_run(work: Path, i: int, model: Path, threads: int, router: bool) -> dict[str, float]:
-    """One whole ``hpcrl run``; its events as seconds since launch, and ``cpu_s``: the CPU seconds of the command
-    and every process it started and reaped (the trainer, the engine, the router), user + system."""
+    """One whole ``hpcrl run``; its events as seconds since launch, and ``cpu_s``: the CPU seconds of the
+    command and every process it started and reaped (the trainer, the engine, the router), user + system."""
     cfg = work / f"r{i}.yaml"
     cfg.write_text(CONFIG.format(i=i, steps=STEPS, model=model, router=str(router).lower()))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -111,7 +111,8 @@ def main() -> int:
             os.environ["HPCRL_CURVES"] = "0"
         runs = [one_run(work, i, model, a.threads, a.router) for i in range(a.repeats)]
     print(f"# hpcrl run of a tiny {STEPS}-step GRPO config (4 prompts x 4 samples, one engine, router "
-          f"{'on' if a.router else 'off'}{', HPCRL_CURVES=0' if a.no_curves else ''}), median of {a.repeats} runs, "
+          f"{'on' if a.router else 'off'}{', HPCRL_CURVES=0' if a.no_curves else ''}), "
+          f"median of {a.repeats} runs, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
           f"{os.getloadavg()[0]:.1f}\n")
     print(f"| {'stretch':<28} | {'seconds':>7} | what happens in it")
@@ -126,8 +127,8 @@ def main() -> int:
     print(f"| {'whole command':<28} | {total:>7.2f} | before the first step {before:.2f} s, steps {steps:.2f} s, "
           f"after the last {total - before - steps:.2f} s")
     cpu = statistics.median(r["cpu_s"] for r in runs)
-    print(f"| {'CPU of the whole command':<28} | {cpu:>7.2f} | core-seconds of the trainer, the engine and the "
-          f"rest ({cpu / total:.2f} cores busy on average): what a CPU-bound test suite pays a run")
+    print(f"| {'CPU of the whole command':<28} | {cpu:>7.2f} | core-seconds of the trainer, the engine and "
+          f"the rest ({cpu / total:.2f} cores busy on average): what a CPU-bound test suite pays a run")
     ready = [r["engine_ready"] for r in runs if "engine_ready" in r]
     if ready:
         print(f"\nthe engine answered /health {statistics.median(ready):.2f} s after launch (its own import and "

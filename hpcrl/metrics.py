@@ -21,8 +21,8 @@ from typing import Any, Iterator, Optional, Sequence
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 CURVES_ENV = "HPCRL_CURVES"
-"""``HPCRL_CURVES=0`` in a run's environment: no ``curves.png`` at the end of each attempt (``metrics.jsonl`` and
-TensorBoard are written as always). matplotlib's import and the drawing take ~1.3-1.5 s of CPU a run on the
+"""``HPCRL_CURVES=0`` in a run's environment: no ``curves.png`` at the end of each attempt (``metrics.jsonl``
+and TensorBoard are written as always). matplotlib's import and the drawing take ~1.3-1.5 s of CPU a run on the
 developers' 2-core machines; the test suite sets it for its few hundred short runs (``tests/conftest.py``) and
 the tests of the curves set it back to ``1``. Any other value, or none, draws them."""
 

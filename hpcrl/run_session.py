@@ -301,7 +301,8 @@ class RunSession:
             step = (self.logged_step + 1 if self.logged_step is not None
                     else getattr(getattr(self, "trainer", None), "start", 0))
             latest = find_latest_checkpoint(self.run_dir)
-            timeout = collective_timeout(exc, env_rank(), step, loop_phase(tb), self.cfg.train.collective_timeout_s,
+            timeout = collective_timeout(exc, env_rank(), step, loop_phase(tb),
+                                         self.cfg.train.collective_timeout_s,
                                          latest.name if latest is not None else None)
         self.close()
         if timeout is not None and timeout is not exc:

@@ -251,9 +251,9 @@ def check_train(cfg: Config) -> None:
         dp = max(t.nprocs // (t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size), 1)
         batch_field = gbs_field if gbs_field == "train.global_batch_size" else "rollout.batch_size"
         require(gbs % dp == 0, batch_field, get_field(cfg, batch_field),
-                 f"gives {gbs} samples an optimizer step, not a multiple of the {dp} data-parallel ranks: with "
-                 "train.max_tokens_per_microbatch every rank runs the same number of micro-batches, which needs "
-                 "it (hpcrl.train.packing.plan_step_micro_batches)",
+                 f"gives {gbs} samples an optimizer step, not a multiple of the {dp} data-parallel ranks: "
+                 "with train.max_tokens_per_microbatch every rank runs the same number of micro-batches, "
+                 "which needs it (hpcrl.train.packing.plan_step_micro_batches)",
                  f"make batch_size x n_samples_per_prompt / num_steps_per_rollout a multiple of {dp}")
         return
     if gbs_field == "train.micro_batch_size":

@@ -374,8 +374,9 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
     ``<stem>.port-retry-<k><suffix>`` beside ``log_path``, as :class:`LocalEngineLaunch` names a run's), up to
     :data:`hpcrl.procs.PORT_ATTEMPTS` starts; ``startup_timeout_s`` is each start's."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        log = (Path(log_path) if attempt == 1 or log_path is None else
-               Path(log_path).with_name(f"{Path(log_path).stem}.port-retry-{attempt - 1}{Path(log_path).suffix}"))
+        first = Path(log_path) if log_path is not None else None
+        log = (first if attempt == 1 or first is None else
+               first.with_name(f"{first.stem}.port-retry-{attempt - 1}{first.suffix}"))
         offset = log_size(log)  # a log appended to by an earlier start: only this start's lines count
         eng = spawn_engine(cfg_rollout, sglang_args, model_path, host, port, api_key_file, engine, log, env,
                            key_via)

@@ -181,8 +181,8 @@ def plan_micro_batches(samples: Sequence["Sample"], positions: Sequence[int], dp
     return plan_step_micro_batches(samples, positions, dp_size, max_tokens, share_prompt)[dp_rank]
 
 
-def plan_step_micro_batches(samples: Sequence["Sample"], positions: Sequence[int], dp_size: int, max_tokens: int,
-                            share_prompt: bool = True) -> list[list[list[int]]]:
+def plan_step_micro_batches(samples: Sequence["Sample"], positions: Sequence[int], dp_size: int,
+                            max_tokens: int, share_prompt: bool = True) -> list[list[list[int]]]:
     """Every data-parallel rank's micro-batches of one optimizer step (``plan[rank][k]``: positions into
     ``samples``), each at most ``max_tokens`` tokens as :func:`build_pack` lays them out, with **the same
     number of micro-batches on every rank**: a rank with one micro-batch more than another would wait forever
