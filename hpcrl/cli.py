@@ -107,7 +107,7 @@ def summarize(cfg: Config) -> list[str]:
 def _cmd_validate(ns: argparse.Namespace) -> int:
     from hpcrl.validate import load_and_check, memory_lines
 
-    cfg = load_and_check(ns.config, ns.overrides, check_files=not ns.no_check_files)
+    cfg = load_and_check(ns.config, ns.overrides, check_files=not ns.no_check_files, plan=ns.plan)
     if not ns.no_check_files:
         from hpcrl.data.datasets import check_data
 
@@ -117,7 +117,8 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
 
         print(config_to_yaml(cfg), end="")
         return EXIT_OK
-    print(f"OK: {ns.config}")
+    print(f"OK: {ns.config}" + (" (plan: the model's weights not checked; the run checks them where it starts)"
+                                if ns.plan else ""))
     for line in summarize(cfg) + memory_lines(cfg):
         print(line)
     return EXIT_OK
@@ -438,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check-files", action="store_true",
                    help="skip environment checks (files exist, plug-ins import, reasoning-gym tasks)")
     p.add_argument("--print-config", action="store_true", help="print the whole resolved config as YAML")
+    p.add_argument("--plan", action="store_true",
+                   help="plan a layout before downloading the model: its folder needs only config.json (the "
+                        "weights are not checked); prints the per-GPU memory estimate")
     p.set_defaults(handler=_cmd_validate)
 
     p = sub.add_parser("run", help="run RL locally (no Slurm)")

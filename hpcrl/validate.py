@@ -10,6 +10,8 @@ the Slurm steps, the standalone evaluation), so ``hpcrl validate`` refuses every
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -42,13 +44,20 @@ ENVIRONMENT = Environment(model_folder_problem=check_model_folder, routed_expert
 """hpcrl's model and plug-in readers, for the config checks that need them."""
 
 
-def load_and_check(path: str | os.PathLike | None, overrides: Iterable[str] = (), check_files: bool = True
-                   ) -> Config:
+PLAN_ENVIRONMENT = dataclasses.replace(ENVIRONMENT,
+                                       model_folder_problem=functools.partial(check_model_folder, weights=False))
+""":data:`ENVIRONMENT` for a layout planned before the weights are downloaded (``hpcrl validate --plan``): the
+model folder needs only its ``config.json`` (parsed, and its architecture supported)."""
+
+
+def load_and_check(path: str | os.PathLike | None, overrides: Iterable[str] = (), check_files: bool = True,
+                   plan: bool = False) -> Config:
     """:func:`hpcrl.config.load_config` with :data:`ENVIRONMENT`: the validated, resolved config of the YAML
     file ``path`` (None: the defaults) and the ``key=value`` ``overrides``, checked as the run checks it
     (with ``check_files``: files, plug-in imports, the model folder, teachers' tokenizers, the memory
-    estimate). Raises ConfigError at the first problem, in :func:`hpcrl.config.validate`'s order."""
-    return load_config(path, overrides, check_files=check_files, env=ENVIRONMENT)
+    estimate); ``plan``: with :data:`PLAN_ENVIRONMENT` (the model's weights are not checked). Raises
+    ConfigError at the first problem, in :func:`hpcrl.config.validate`'s order."""
+    return load_config(path, overrides, check_files=check_files, env=PLAN_ENVIRONMENT if plan else ENVIRONMENT)
 
 
 def load_raw_and_check(raw: Mapping[str, Any], check_files: bool = True) -> Config:

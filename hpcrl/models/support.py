@@ -202,12 +202,13 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
-def check_model_folder(path: str | os.PathLike) -> Optional[tuple[str, str]]:
+def check_model_folder(path: str | os.PathLike, weights: bool = True) -> Optional[tuple[str, str]]:
     """What keeps the HF folder ``path`` from being trained: ``(problem, fix)``, or None when it can.
 
-    Checks that ``config.json`` parses, :func:`unsupported_feature`, and the weights: ``model.safetensors`` or
-    the shards of ``model.safetensors.index.json`` exist and each file's header and size cover its tensors.
-    Reads headers only (bytes, not tensors).
+    Checks that ``config.json`` parses, :func:`unsupported_feature`, and (with ``weights``) the weights:
+    ``model.safetensors`` or the shards of ``model.safetensors.index.json`` exist and each file's header and
+    size cover its tensors. Reads headers only (bytes, not tensors). ``weights=False``: a layout planned
+    before the weights are downloaded (``hpcrl validate --plan``).
     """
     path = Path(path)
     try:
@@ -223,6 +224,8 @@ def check_model_folder(path: str | os.PathLike) -> Optional[tuple[str, str]]:
     if bad is not None:
         field, value, what = bad
         return f"config.json {field}={value!r} {what}", "train a supported model (docs/architecture.md)"
+    if not weights:
+        return None
     try:
         shards = weight_files(path)
     except NoWeightsError:

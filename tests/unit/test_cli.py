@@ -284,3 +284,18 @@ def test_the_hpcrl_process_exits_without_a_last_full_collection():
     assert cli.main(["--version"]) == 0 and gc.get_freeze_count() == 0
     console = Path(sys.executable).with_name("hpcrl").read_text()
     assert "console_main" in console  # the installed script goes through it too
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air", "deepseek-v3"])
+def test_validate_plan_estimates_a_layout_from_config_json_alone(name, capsys):
+    """Issue #54 point 6: with only the model's published ``config.json`` (``configs/cluster/models/``, no
+    weights), ``hpcrl validate`` stops at "no weights"; ``--plan`` checks the rest and prints the layout's
+    per-GPU estimate, so a layout can be planned before hundreds of GB are fetched."""
+    cluster = Path(__file__).resolve().parents[2] / "configs" / "cluster"
+    args = ["validate", str(cluster / f"{name}.yaml"), f"model.path={cluster / 'models' / name}"]
+    assert cli.main(args) == 2
+    assert "no weights (no *.safetensors file)" in capsys.readouterr().err
+    assert cli.main([*args, "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"OK: {cluster / name}.yaml (plan: the model's weights not checked")
+    assert "  trainer:   tp1" in out and "parameters per GPU" in out and "  engine:    " in out
