@@ -39,6 +39,20 @@ def _hold(uid: str, exclusive: bool, seconds: float, events, name: str) -> None:
         events.put((name, "out", time.monotonic()))
 
 
+def _locked(path: Path) -> bool:
+    """Whether another process holds an exclusive ``flock`` on ``path``."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock it took
+    return False
+
+
 def test_an_exclusive_test_waits_for_the_shared_holder_and_holds_off_the_next(tmp_path):
     uid = f"unit-{tmp_path.name}"
     ctx = mp.get_context("fork")
@@ -48,7 +62,17 @@ def test_an_exclusive_test_waits_for_the_shared_holder_and_holds_off_the_next(tm
     assert events.get(timeout=10)[:2] == ("shared", "in")
     exclusive = ctx.Process(target=_hold, args=(uid, True, 0.6, events, "exclusive"))
     exclusive.start()
-    time.sleep(0.2)  # the exclusive one now waits for the shared holder, holding the turnstile
+    # until the exclusive one holds the turnstile (waiting for the shared holder): polled, not a fixed sleep,
+    # which a loaded machine outran (a 0.2 s sleep failed beside a CI run, 2026-12-07); 10 s is ample
+    lanes._worker_uid, saved = uid, lanes._worker_uid
+    try:
+        turnstile_path = lanes._lock_paths()[0]
+    finally:
+        lanes._worker_uid = saved
+    deadline = time.monotonic() + 10
+    while not _locked(turnstile_path):
+        assert time.monotonic() < deadline, "the exclusive test never took the turnstile"
+        time.sleep(0.01)
     later = ctx.Process(target=_hold, args=(uid, False, 0.1, events, "later"))
     later.start()
     for p in (shared, exclusive, later):
