@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from hpcrl.rollout.manager import EngineLauncher, FollowerRollout, RolloutManager
     from hpcrl.train.actor import Actor
     from hpcrl.train.critic_group import CriticGroup, CriticLauncher
+    from hpcrl.train.parallel import CollectiveTimeout
     from hpcrl.weights.sync import WeightSyncer
 
 log = logging.getLogger("hpcrl.loop")
@@ -293,20 +294,33 @@ class RunSession:
         """Tear down (:meth:`close`). A loop that stopped because a collective waited past
         ``train.collective_timeout_s`` raises :class:`hpcrl.train.parallel.CollectiveTimeout` instead (one line:
         this rank, the step it was in, the loop's phase, the last checkpoint)."""
-        timeout = None
-        if exc is not None:
-            from hpcrl.checkpoint.layout import find_latest_checkpoint
-            from hpcrl.train.parallel import collective_timeout
-
-            step = (self.logged_step + 1 if self.logged_step is not None
-                    else getattr(getattr(self, "trainer", None), "start", 0))
-            latest = find_latest_checkpoint(self.run_dir)
-            timeout = collective_timeout(exc, env_rank(), step, loop_phase(tb),
-                                         self.cfg.train.collective_timeout_s,
-                                         latest.name if latest is not None else None)
-        self.close()
-        if timeout is not None and timeout is not exc:
+        try:
+            timeout = self._collective_timeout(exc, tb) if exc is not None else None
+        finally:
+            self.close()
+        if timeout is not None:
             raise timeout from exc
+
+    def _collective_timeout(self, exc: BaseException, tb: Any) -> Optional["CollectiveTimeout"]:
+        """The :class:`~hpcrl.train.parallel.CollectiveTimeout` to raise for ``exc``, None when ``exc`` is not a
+        collective's timeout (or is one already). The step is the one after the last logged (that one when it
+        timed out in its checkpoint)."""
+        from hpcrl.checkpoint.layout import find_latest_checkpoint
+        from hpcrl.train.parallel import CollectiveTimeout, is_collective_timeout
+
+        if isinstance(exc, CollectiveTimeout) or not is_collective_timeout(exc):
+            return None
+        phase = loop_phase(tb)
+        if self.logged_step is None:
+            step = getattr(getattr(self, "trainer", None), "start", 0)
+        else:
+            step = self.logged_step if phase == "checkpoint" else self.logged_step + 1
+        try:
+            latest = find_latest_checkpoint(self.run_dir)
+        except OSError:  # the message is still worth more than the file system's error
+            latest = None
+        return CollectiveTimeout(env_rank(), step, phase, self.cfg.train.collective_timeout_s,
+                                 latest.name if latest is not None else None)
 
     def log(self, rollout_id: int, step: dict[str, Any]) -> None:
         """Log step ``rollout_id``'s metrics (before its checkpoint: a resume truncates the lines after its

@@ -44,10 +44,18 @@ ENVIRONMENT = Environment(model_folder_problem=check_model_folder, routed_expert
 """hpcrl's model and plug-in readers, for the config checks that need them."""
 
 
+def _same_tokenizer_where_present(a: str | os.PathLike, b: str | os.PathLike) -> Optional[str]:
+    """:func:`hpcrl.models.hf.same_tokenizer` when both folders hold a tokenizer, else None (not yet fetched)."""
+    have = [any((Path(p) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) for p in (a, b)]
+    return same_tokenizer(a, b) if all(have) else None
+
+
 PLAN_ENVIRONMENT = dataclasses.replace(ENVIRONMENT,
-                                       model_folder_problem=functools.partial(check_model_folder, weights=False))
+                                       model_folder_problem=functools.partial(check_model_folder, weights=False),
+                                       tokenizer_difference=_same_tokenizer_where_present)
 """:data:`ENVIRONMENT` for a layout planned before the weights are downloaded (``hpcrl validate --plan``): the
-model folder needs only its ``config.json`` (parsed, and its architecture supported)."""
+model folder needs only its ``config.json`` (parsed, and its architecture supported), and a critic's or teacher's
+tokenizer is compared with the policy's only where both are there."""
 
 
 def load_and_check(path: str | os.PathLike | None, overrides: Iterable[str] = (), check_files: bool = True,

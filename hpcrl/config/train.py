@@ -23,11 +23,14 @@ class TrainSection:
     expert_parallel_size: int = 1
     nprocs: int = 1
     """Trainer processes for local runs (Slurm runs take it from the allocation)."""
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = 1800.0
     """Seconds a trainer rank waits in a collective for the other ranks before the run stops with one line
-    naming the rank, the step and the phase (a rank that died or stalls would otherwise hold the others for
-    torch's 30 minutes, or for ever). slime ``--distributed-timeout-minutes`` (10 there too); megatron-core's
-    own groups take it in whole minutes, rounded up."""
+    naming the rank, the step and the phase (gloo; on GPUs NCCL's watchdog ends the process at the same bound
+    with its own message). It must cover the longest wait a healthy run has: the ranks other than the controller
+    wait for the whole rollout, eval and weight send of a step in the collective that hands them its samples,
+    which takes minutes at scale; hence 30 minutes, not slime's ``--distributed-timeout-minutes`` 10 (slime's
+    trainers wait for rollouts outside torch's collectives). megatron-core's groups take it in whole minutes,
+    rounded up."""
     cpus: Optional[Union[int, str]] = None
     """Local runs with ``run.placement: disaggregate``: the trainer's CPUs (``"0-1"``; default: the first
     half of this machine's CPUs); torch uses one thread per CPU (shared by ``nprocs`` processes). Ignored on

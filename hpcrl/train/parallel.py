@@ -180,19 +180,23 @@ class CollectiveTimeout(RuntimeError):
                          "are only slow")
 
 
-def collective_timeout(exc: Optional[BaseException], rank: int, step: int, phase: str, timeout_s: float,
-                       last_checkpoint: Optional[str] = None) -> Optional[CollectiveTimeout]:
-    """:class:`CollectiveTimeout` for ``exc`` when it (or what caused it) is a collective's timeout (gloo's
-    or NCCL's message), None otherwise."""
+def is_collective_timeout(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` (or what caused it) is a collective's timeout: gloo's message, or NCCL's watchdog's where
+    the process survives it (torch's default on GPUs ends the process instead, with that message)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, CollectiveTimeout):
-            return exc
-        if isinstance(exc, RuntimeError) and _TIMED_OUT.search(str(exc)):
-            return CollectiveTimeout(rank, step, phase, timeout_s, last_checkpoint)
+        if isinstance(exc, CollectiveTimeout) or (isinstance(exc, RuntimeError) and _TIMED_OUT.search(str(exc))):
+            return True
         exc = exc.__cause__ or exc.__context__
-    return None
+    return False
+
+
+def collective_timeout(exc: Optional[BaseException], rank: int, step: int, phase: str, timeout_s: float,
+                       last_checkpoint: Optional[str] = None) -> Optional[CollectiveTimeout]:
+    """:class:`CollectiveTimeout` for ``exc`` when it (or what caused it) is a collective's timeout
+    (:func:`is_collective_timeout`), None otherwise."""
+    return CollectiveTimeout(rank, step, phase, timeout_s, last_checkpoint) if is_collective_timeout(exc) else None
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
