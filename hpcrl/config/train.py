@@ -251,7 +251,7 @@ def check_train(cfg: Config) -> None:
                  "samples per rollout (rollout.batch_size x n_samples_per_prompt)",
                  "leave train.global_batch_size unset to derive it")
     if t.max_tokens_per_microbatch is not None:  # micro-batches by tokens: micro_batch_size is not used
-        dp = max(t.nprocs // (t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size), 1)
+        dp = max(t.nprocs // model_par, 1)
         batch_field = gbs_field if gbs_field == "train.global_batch_size" else "rollout.batch_size"
         require(gbs % dp == 0, batch_field, get_field(cfg, batch_field),
                  f"gives {gbs} samples an optimizer step, not a multiple of the {dp} data-parallel ranks: "

@@ -373,8 +373,8 @@ def start_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], mod
     own lines say ``address already in use`` is started again on a new port (its log
     ``<stem>.port-retry-<k><suffix>`` beside ``log_path``, as :class:`LocalEngineLaunch` names a run's), up to
     :data:`hpcrl.procs.PORT_ATTEMPTS` starts; ``startup_timeout_s`` is each start's."""
+    first = Path(log_path) if log_path is not None else None
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        first = Path(log_path) if log_path is not None else None
         log = (first if attempt == 1 or first is None else
                first.with_name(f"{first.stem}.port-retry-{attempt - 1}{first.suffix}"))
         offset = log_size(log)  # a log appended to by an earlier start: only this start's lines count

@@ -10,7 +10,7 @@
   applies :mod:`hpcrl.train.cpu_compat`). :func:`initialize_model_parallel` and
   :func:`model_parallel_cuda_manual_seed` wrap megatron-core's; :func:`destroy` undoes all three.
 - :class:`CollectiveTimeout` is what a rank raises when a collective waited past ``train.collective_timeout_s``
-  (:func:`collective_timeout`, called by :class:`hpcrl.run_session.RunSession`).
+  (:func:`is_collective_timeout` tells one, :class:`hpcrl.run_session.RunSession` raises it).
 """
 
 from __future__ import annotations
@@ -190,13 +190,6 @@ def is_collective_timeout(exc: Optional[BaseException]) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def collective_timeout(exc: Optional[BaseException], rank: int, step: int, phase: str, timeout_s: float,
-                       last_checkpoint: Optional[str] = None) -> Optional[CollectiveTimeout]:
-    """:class:`CollectiveTimeout` for ``exc`` when it (or what caused it) is a collective's timeout
-    (:func:`is_collective_timeout`), None otherwise."""
-    return CollectiveTimeout(rank, step, phase, timeout_s, last_checkpoint) if is_collective_timeout(exc) else None
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:

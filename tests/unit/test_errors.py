@@ -91,24 +91,25 @@ def test_a_collective_timeout_is_known_by_gloos_and_nccls_words_and_through_its_
     """gloo's and NCCL's timeout messages (NCCL cannot run here: its watchdog's words) become one known line
     (exit 1); another RuntimeError stays unexpected; a timeout that caused the error raised is found too."""
     from hpcrl.errors import EXIT_FAILED, exit_code_of, one_line
-    from hpcrl.train.parallel import CollectiveTimeout, collective_timeout
+    from hpcrl.train.parallel import CollectiveTimeout, is_collective_timeout
 
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms "
                         "for recv operation to complete")
     nccl = RuntimeError("[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
                         "OpType=ALLTOALL_BASE, Timeout(ms)=600000) ran for 600041 milliseconds before timing out.")
     for exc in (gloo, nccl):
-        t = collective_timeout(exc, 3, 7, "training", 600.0, "iter_0000006")
-        assert isinstance(t, CollectiveTimeout) and exit_code_of(t) == EXIT_FAILED
+        assert is_collective_timeout(exc)
+        t = CollectiveTimeout(3, 7, "training", 600.0, "iter_0000006")
+        assert exit_code_of(t) == EXIT_FAILED and is_collective_timeout(t)
         assert one_line(t).startswith("CollectiveTimeout: trainer rank 3 waited more than 600 s "
                                       "(train.collective_timeout_s) for the other ranks in a collective of step 7 "
                                       "(training)") and "(iter_0000006)" in one_line(t)
-    assert collective_timeout(RuntimeError("CUDA out of memory"), 0, 0, "training", 600.0) is None
+    assert not is_collective_timeout(RuntimeError("CUDA out of memory"))
     try:
         try:
             raise gloo
         except RuntimeError as e:
             raise ValueError("the step failed") from e
     except ValueError as outer:
-        assert collective_timeout(outer, 1, 2, "eval", 5.0) is not None
-    assert "no checkpoint was written yet" in str(collective_timeout(gloo, 1, 0, "rollout", 5.0))
+        assert is_collective_timeout(outer)
+    assert "no checkpoint was written yet" in str(CollectiveTimeout(1, 0, "rollout", 5.0, None))
