@@ -150,9 +150,11 @@ class EngineServer:
         site = web.TCPSite(runner, self.args.host, self.args.port)
         try:
             await site.start()
+            import torch
+
             logger.info("hpcrl engine (CPU reference engine, not a fast server) ready at "
-                        "http://%s:%d, model %s",
-                        self.args.host, self.args.port, self.args.model_path)
+                        "http://%s:%d, model %s, %d torch thread(s)",
+                        self.args.host, self.args.port, self.args.model_path, torch.get_num_threads())
             if on_ready is not None:
                 res = on_ready()
                 if asyncio.iscoroutine(res):

@@ -319,6 +319,25 @@ class EngineProcess(ManagedProcess):
     """The command line, API key redacted."""
 
 
+def shared_engine_env(cfg_rollout: Any, num_engines: int, engine: Optional[str] = None,
+                      available: Optional[int] = None) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for each of ``num_engines`` CPU engines that share this machine's CPUs unpinned
+    (a colocated local run: the engines generate while the trainer waits, so they split the machine between
+    them): ``available // num_engines`` threads, at least 1 (``available``: this process's CPUs). Empty when
+    ``OMP_NUM_THREADS`` is already set here (the user's choice, or the test suite's) or the engine is SGLang
+    (its CPU path gets 1 thread: :func:`engine_env`).
+
+    Why: the CPU engine takes one torch thread per CPU it may run on, so two engines on 2 CPUs ran 4 threads on
+    2 cores and thrashed (the quickstart's rollout step at ``train.nprocs=2 rollout.num_engines=2``: 1.56 s,
+    against 0.27 s with one thread each; docs/performance.md, "Both cores in each phase")."""
+    if "OMP_NUM_THREADS" in os.environ or resolve_engine(engine if engine is not None else
+                                                         getattr(cfg_rollout, "engine", "auto")) != "cpu":
+        return {}
+    if available is None:
+        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"OMP_NUM_THREADS": str(max(1, available // max(1, num_engines)))}
+
+
 def spawn_engine(cfg_rollout: Any, sglang_args: Optional[Mapping[str, Any]], model_path: str | os.PathLike,
                  host: str = "127.0.0.1", port: Optional[int] = None,
                  api_key_file: Optional[str | os.PathLike] = None, engine: Optional[str] = None,
@@ -444,9 +463,10 @@ class LocalEngineLaunch:
         sets = None
         if cfg.run.placement == "disaggregate" and cfg.rollout.cpus is not None:
             sets = CpuSets(tuple(parse_cpu_list(cfg.train.cpus or [])), tuple(parse_cpu_list(cfg.rollout.cpus)))
-        n = len(self.engines)
+        n = cfg.rollout.num_engines
         return spawn_engine(cfg.rollout, args, model_path, api_key_file=self.secret_path, log_path=log_path,
-                            cpus=sets.engine(index, n) if sets is not None else None)
+                            cpus=sets.engine(index, n) if sets is not None else None,
+                            env=shared_engine_env(cfg.rollout, n) if sets is None else None)
 
     def stop(self) -> None:
         """Stop every engine of this launch. Idempotent."""
@@ -486,7 +506,8 @@ def launch_local_engines(cfg: Any, run_dir: Path, attempt_dir: Path, model_path:
         for i in range(n):
             engines.append(spawn_engine(cfg.rollout, args, model_path, api_key_file=secret_path,
                                         log_path=Path(attempt_dir) / f"engine-{i}.log",
-                                        cpus=sets.engine(i, n) if sets is not None else None))
+                                        cpus=sets.engine(i, n) if sets is not None else None,
+                                        env=shared_engine_env(cfg.rollout, n) if sets is None else None))
     except BaseException:
         for e in engines:
             e.stop()

@@ -28,7 +28,7 @@ def digit_fraction(args, sample):
 
 
 def run_hpcrl(tmp_path: Path, name: str, *overrides: str, timeout: int = 600,
-              curves: bool = False) -> subprocess.CompletedProcess:
+              curves: bool = False, one_thread: bool = True) -> subprocess.CompletedProcess:
     """`hpcrl run` as a user runs it (``curves``: with its curves.png); output to a file (shared-memory helpers
     keep pipes open)."""
     (tmp_path / "loop_rewards.py").write_text(REWARD_MODULE)
@@ -42,16 +42,20 @@ def run_hpcrl(tmp_path: Path, name: str, *overrides: str, timeout: int = 600,
         train: {{lr: 1.0e-3, micro_batch_size: 8}}
         checkpoint: {{save_interval: 2, keep_last: 2}}
     """))
-    return run_config(tmp_path, cfg, name, *overrides, timeout=timeout, curves=curves)
+    return run_config(tmp_path, cfg, name, *overrides, timeout=timeout, curves=curves, one_thread=one_thread)
 
 
-def run_config(tmp_path: Path, cfg: Path, name: str, *overrides: str, timeout: int = 600, curves: bool = False):
-    """`hpcrl run CFG OVERRIDES` in ``tmp_path`` (on PYTHONPATH, one thread; ``curves``: drawing curves.png,
-    which the suite's runs skip), output appended to ``tmp_path/NAME.log``; the CompletedProcess with ``.log``
-    (the whole log text)."""
+def run_config(tmp_path: Path, cfg: Path, name: str, *overrides: str, timeout: int = 600, curves: bool = False,
+               one_thread: bool = True):
+    """`hpcrl run CFG OVERRIDES` in ``tmp_path`` (on PYTHONPATH, one thread a process unless ``one_thread`` is
+    False: then hpcrl picks each process's threads, as for a user who sets none; ``curves``: drawing
+    curves.png, which the suite's runs skip), output appended to ``tmp_path/NAME.log``; the CompletedProcess
+    with ``.log`` (the whole log text)."""
     log = tmp_path / f"{name}.log"
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", HPCRL_CURVES="1" if curves else "0")
+    if not one_thread:
+        del env["OMP_NUM_THREADS"]
     with open(log, "ab") as f:
         out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path,
                              stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
@@ -180,3 +184,20 @@ def test_same_seed_gives_bitwise_identical_weights(gates_run):
     assert all(got[k].dtype == want[k].dtype and got[k].view(torch.uint8).equal(want[k].view(torch.uint8))
                for k in want)
     assert json.loads((fp8 / "config.json").read_text())["quantization_config"] == QUANTIZATION_CONFIG
+
+
+def test_colocated_phases_split_the_cores_between_their_processes(tmp_path):
+    """A colocated local run with two trainer ranks and two CPU engines, and no OMP_NUM_THREADS set (as a user
+    runs it): each phase has the machine to itself, so each engine takes its half of this machine's CPUs in
+    torch threads, not all of them (two engines on 2 cores with 2 threads each made the quickstart's rollout
+    step 5.8x slower), and the run trains with data parallelism over its two ranks."""
+    out = run_hpcrl(tmp_path, "split", "train.nprocs=2", "rollout.num_engines=2", "rollout.router=false",
+                    "run.num_rollout=2", "checkpoint.save_interval=0", one_thread=False)
+    assert out.returncode == 0, out.log[-3000:]
+    per_engine = max(1, len(os.sched_getaffinity(0)) // 2)
+    attempt = tmp_path / "runs" / "split" / "logs" / "attempt-0"
+    for i in range(2):
+        ready = re.findall(r"ready at .* (\d+) torch thread\(s\)", (attempt / f"engine-{i}.log").read_text())
+        assert ready == [str(per_engine)], (i, ready)
+    rows = metrics(tmp_path / "runs" / "split")
+    assert [r["step"] for r in rows if "train/loss" in r] == [0, 1]

@@ -119,6 +119,22 @@ def test_engine_command_sglang_on_a_cpu(tmp_path, monkeypatch):
     assert engines.engine_env(rollout) == {"SGLANG_X": "1", **health}
 
 
+def test_colocated_cpu_engines_split_the_machine(monkeypatch):
+    """Unpinned CPU engines (a colocated local run) take ``CPUs // num_engines`` torch threads each, at least
+    one; the user's OMP_NUM_THREADS stands, and SGLang's CPU path keeps its one thread (:func:`engine_env`)."""
+    monkeypatch.setattr(engines, "on_gpu", lambda: False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpu = SimpleNamespace(engine="cpu")
+    assert engines.shared_engine_env(cpu, 2, available=2) == {"OMP_NUM_THREADS": "1"}
+    assert engines.shared_engine_env(cpu, 1, available=2) == {"OMP_NUM_THREADS": "2"}
+    assert engines.shared_engine_env(cpu, 3, available=16) == {"OMP_NUM_THREADS": "5"}
+    assert engines.shared_engine_env(cpu, 4, available=2) == {"OMP_NUM_THREADS": "1"}
+    assert engines.shared_engine_env(SimpleNamespace(engine="auto"), 2, available=8) == {"OMP_NUM_THREADS": "4"}
+    assert engines.shared_engine_env(SimpleNamespace(engine="sglang"), 2, available=2) == {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert engines.shared_engine_env(cpu, 2, available=2) == {}
+
+
 def test_sglang_missing_names_what_the_server_cannot_import(tmp_path, monkeypatch):
     """The login-node check of ``rollout.engine: sglang`` (:func:`hpcrl.launch_local.check_local_engine`) asks
     a child interpreter with the engines' environment."""
