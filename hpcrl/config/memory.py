@@ -18,9 +18,9 @@ per parameter a GPU holds:
 * Adam: with bf16 weights megatron keeps an fp32 main copy plus fp32 ``exp_avg`` and ``exp_avg_sq`` = 12
   bytes; with fp32 weights the weights are the main copy = 8 bytes. ``train.use_distributed_optimizer`` shards
   these over data parallel (ZeRO-1): dense parameters over ``DP = world / (TP x PP x CP)``, expert parameters
-  over the expert-data-parallel group ``EDP = world / (expert-TP x EP x PP)`` (megatron's expert-TP defaults
-  to TP, which hpcrl keeps; for a MoE model :func:`hpcrl.config.train.check_moe` requires TP = 1, so expert-TP
-  is 1 and every GPU holds all non-expert parameters). ``megatron.optimizer_cpu_offload: true`` with
+  over the expert-data-parallel group ``EDP = world / (ETP x EP x PP)`` (``train.expert_tensor_parallel_size``,
+  1 by default as in slime's scripts: each routed expert whole on its rank, attention and dense layers split by
+  TP with sequence parallelism). ``megatron.optimizer_cpu_offload: true`` with
   ``megatron.optimizer_offload_fraction: f`` (megatron-core 0.16.1's ``HybridDeviceOptimizer``; the fraction
   defaults to 0.0, i.e. nothing moves) keeps a fraction f of those states (and an fp32 copy of their
   gradients) in host memory instead.
@@ -40,7 +40,8 @@ distributed optimizer. Activations are not estimated: :data:`RESERVED_GB` per GP
 CUDA context, NCCL buffers and allocator fragmentation, and what is left is printed.
 
 Per GPU, TP divides the embedding, output layer and dense matrices; norms, routers and MLA's down-projections
-are whole on every rank; routed experts are divided by TP x EP.
+are whole on every rank; routed experts are divided by ETP x EP (``train.expert_tensor_parallel_size`` x
+``train.expert_parallel_size``). Sequence parallelism changes activations only, which are not estimated.
 
 **Engines** (SGLang): weights per GPU = attention matrices over the attention-TP size (``tp_size /
 attn_dp_size``: with DP attention they are replicated over the DP groups), embedding, output, dense MLPs and
@@ -72,6 +73,7 @@ from hpcrl.config.checks import require
 from hpcrl.config.environment import Environment
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.rollout import sglang_engines_by_config
+from hpcrl.config.train import sequence_parallel
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import Config
@@ -205,15 +207,15 @@ def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optio
                   world: Optional[int] = None) -> TrainerMemory:
     t, meg = cfg.train, dict(cfg.megatron or {})
     tp, pp = tp or t.tensor_parallel_size, t.pipeline_parallel_size
-    cp, ep = t.context_parallel_size, t.expert_parallel_size
+    cp, ep, etp = t.context_parallel_size, t.expert_parallel_size, t.expert_tensor_parallel_size
     world = world or _trainer_world(cfg)
-    dp, edp = max(world // (tp * pp * cp), 1), max(world // (tp * ep * pp), 1)
+    dp, edp = max(world // (tp * pp * cp), 1), max(world // (etp * ep * pp), 1)
     bf16 = bool(meg.get("bf16", t.bf16))
     w_bytes = 2 if bf16 else 4
     g_bytes = 4 if meg.get("grad_reduce_in_fp32", True) else w_bytes
     s_bytes = 12 if bf16 else 8
     dense = (p.embedding + p.output + p.dense) / tp / pp + p.replicated / pp
-    expert = p.expert / (tp * ep) / pp
+    expert = p.expert / (etp * ep) / pp
     params = dense + expert
     distributed = bool(meg.get("use_distributed_optimizer", t.use_distributed_optimizer))
     adam_full = s_bytes * (dense / dp + expert / edp) if distributed else s_bytes * params
@@ -225,7 +227,8 @@ def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optio
     host = fraction * adam_full * (s_bytes + 4) / s_bytes
     return TrainerMemory(params=params, weights=w_bytes * params, grads=g_bytes * params,
                          adam=adam_full * (1 - fraction), adam_no_offload=adam_full, adam_host=host,
-                         layout=f"tp{tp} pp{pp} cp{cp} ep{ep} dp{dp} edp{edp} over {world} GPUs")
+                         layout=f"tp{tp}{' sp' if sequence_parallel(t) and tp == t.tensor_parallel_size else ''} "
+                                f"pp{pp} cp{cp} ep{ep} etp{etp} dp{dp} edp{edp} over {world} GPUs")
 
 
 def engine_args(cfg: Config) -> dict:
@@ -306,7 +309,8 @@ def check_engine_layout(cfg: Config, experts: Optional[int]) -> None:
 def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0,
                  critic: Optional[ParamCount] = None) -> str:
     """What would make the trainer fit: the CPU offload, the distributed optimizer, or more GPUs; for a MoE
-    model (``experts`` routed experts per layer, trained at TP=1) more expert parallelism, or, where even one
+    model (``experts`` routed experts per layer) more tensor parallelism (sequence-parallel, up to a node's
+    GPUs) for the rest and more expert parallelism for the experts, or, where even TP at a node's GPUs and one
     expert per GPU with Adam offloaded does not fit, that no layout of hpcrl's trainer does."""
     t, meg = cfg.train, dict(cfg.megatron or {})
     fixes = []
@@ -322,16 +326,18 @@ def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0,
         return "; ".join(fixes)
     w_bytes = 2 if meg.get("bf16", t.bf16) else 4
     per_param = w_bytes + (4 if meg.get("grad_reduce_in_fp32", True) else w_bytes)
-    floor = per_param * (p.total - p.expert + p.expert / experts)  # TP=1, EP=experts, Adam on the host
+    tp_max = cfg.slurm.gpus_per_node if cfg.slurm.gpus_per_node > 0 else 8  # TP stays within a node
+    # TP = a node's GPUs (sequence-parallel), EP = experts with ETP 1, Adam on the host
+    floor = per_param * ((p.total - p.expert - p.replicated) / tp_max + p.replicated + p.expert / experts)
     if floor <= budget:
-        fixes.append(f"or raise train.expert_parallel_size (up to {experts}) with more GPUs (slurm.nodes)")
+        fixes.append(f"or raise train.tensor_parallel_size (up to {tp_max}, sequence-parallel) and "
+                     f"train.expert_parallel_size (up to {experts}) with more GPUs (slurm.nodes)")
     else:
         fixes.append(
-            f"no layout of hpcrl's trainer fits: a MoE model trains at train.tensor_parallel_size=1, so "
-            f"every GPU holds all {(p.total - p.expert) / 1e9:.1f}B non-expert parameters, {_gb(floor)} of "
-            f"weights and gradients per GPU even at train.expert_parallel_size={experts} with Adam "
-            "offloaded; use GPUs with more memory (TP with sequence parallelism, i.e. TransformerEngine's "
-            "layer spec, or pipeline parallelism would be needed, which hpcrl's trainer lacks)")
+            f"no layout of hpcrl's trainer fits: even at train.tensor_parallel_size={tp_max} and "
+            f"train.expert_parallel_size={experts} with Adam offloaded each GPU holds {_gb(floor)} of weights "
+            "and gradients; use GPUs with more memory (pipeline parallelism would be needed, which hpcrl's "
+            "trainer lacks)")
     return "; ".join(fixes)
 
 

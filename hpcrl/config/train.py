@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from hpcrl.config.environment import Environment
 from hpcrl.config.checks import get_field, non_negative, positive, require
@@ -21,6 +21,18 @@ class TrainSection:
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    """How many ranks split each routed expert's matrices (megatron-core's expert-tensor parallelism); the
+    experts' data-parallel size is what remains of the ranks after ``expert_tensor_parallel_size x
+    expert_parallel_size x pipeline_parallel_size``. 1, slime's default in every script for a large MoE
+    (TP 4-8 with sequence parallelism for attention, whole experts spread by EP); megatron-core's own default
+    would be ``tensor_parallel_size``. Only for mixture-of-experts models."""
+    sequence_parallel: Optional[bool] = None
+    """Megatron's sequence parallelism: with ``tensor_parallel_size`` > 1 the activations outside attention
+    and the MLP (norms, residuals, dropout) are split along the sequence over the tensor-parallel ranks
+    instead of repeated on each (slime ``--sequence-parallel``, in every one of its scripts with TP > 1).
+    null: on when ``tensor_parallel_size`` > 1 (a mixture-of-experts model at TP > 1 needs it: megatron-core's
+    MoE layer trains under tensor parallelism only with it); it has no effect at TP=1."""
     nprocs: int = 1
     """Trainer processes for local runs (Slurm runs take it from the allocation)."""
     collective_timeout_s: float = 1800.0
@@ -176,10 +188,19 @@ GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
 """Advantage estimators whose baseline is the group: they need ``n_samples_per_prompt >= 2``."""
 
 
+def sequence_parallel(train: Any) -> bool:
+    """Whether the trainer runs sequence-parallel: ``train.sequence_parallel`` (null: on when
+    ``tensor_parallel_size`` > 1), and never at TP=1 (there is no sequence to split over)."""
+    tp = int(getattr(train, "tensor_parallel_size", 1) or 1)
+    sp = getattr(train, "sequence_parallel", None)
+    return tp > 1 and (sp is None or bool(sp))
+
+
 def check_train(cfg: Config) -> None:
     t, r = cfg.train, cfg.rollout
     positive(cfg, "train.tensor_parallel_size", "train.pipeline_parallel_size",
-              "train.context_parallel_size", "train.expert_parallel_size", "train.nprocs",
+              "train.context_parallel_size", "train.expert_parallel_size", "train.expert_tensor_parallel_size",
+              "train.nprocs",
               "train.micro_batch_size", "train.global_batch_size", "train.num_steps_per_rollout", "train.lr",
               "train.max_tokens_per_microbatch")
     if t.max_tokens_per_microbatch is not None:
@@ -189,6 +210,14 @@ def check_train(cfg: Config) -> None:
                 "(train.max_tokens_per_microbatch) need", "leave megatron.apply_rope_fusion unset (false)")
     non_negative(cfg, "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps")
     meg = cfg.megatron or {}
+    for key, own in (("sequence_parallel", "train.sequence_parallel"),
+                     ("tensor_model_parallel_size", "train.tensor_parallel_size"),
+                     ("pipeline_model_parallel_size", "train.pipeline_parallel_size"),
+                     ("context_parallel_size", "train.context_parallel_size"),
+                     ("expert_model_parallel_size", "train.expert_parallel_size")):
+        require(key not in meg, f"megatron.{key}", meg.get(key), f"is hpcrl's own {own} (the trainer's groups, "
+                "the micro-batch padding and the memory estimate follow it; a megatron override would "
+                "contradict them)", f"set {own} instead and remove megatron.{key}")
     require(not (meg.get("optimizer_cpu_offload") and not meg.get("use_distributed_optimizer",
                                                                      t.use_distributed_optimizer)),
             "megatron.optimizer_cpu_offload", True, "without the distributed optimizer writes checkpoints that "
@@ -223,10 +252,11 @@ def check_train(cfg: Config) -> None:
     require(t.nprocs % model_par == 0, "train.nprocs", t.nprocs,
              f"must be a multiple of tensor x pipeline x context parallel size = {model_par}",
              f"use nprocs={model_par * max(t.nprocs // model_par, 1)} or smaller parallel sizes")
-    expert_par = t.tensor_parallel_size * t.pipeline_parallel_size * t.expert_parallel_size
+    expert_par = t.expert_tensor_parallel_size * t.expert_parallel_size * t.pipeline_parallel_size
     require(t.nprocs % expert_par == 0, "train.expert_parallel_size", t.expert_parallel_size,
-             f"tensor x pipeline x expert parallel size = {expert_par} must divide train.nprocs={t.nprocs}",
-             "lower expert_parallel_size or raise nprocs")
+             f"x train.expert_tensor_parallel_size={t.expert_tensor_parallel_size} x pipeline parallel size = "
+             f"{expert_par} must divide train.nprocs={t.nprocs} (megatron-core's expert groups tile the ranks)",
+             "lower expert_parallel_size or expert_tensor_parallel_size, or raise nprocs")
     require(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}", "lower min_lr")
     require(t.collective_timeout_s > 0, "train.collective_timeout_s", t.collective_timeout_s, "must be > 0",
             "set it to the longest a rank may wait for the others, e.g. 600")
@@ -341,14 +371,15 @@ def check_moe(cfg: Config, check_files: bool, env: Optional[Environment] = None)
         return  # checked when the model is built (hpcrl.train.bridge)
     experts, top_k = known
     if not experts:
-        require(t.expert_parallel_size == 1, "train.expert_parallel_size", t.expert_parallel_size,
-                f"the model at model.path={cfg.model.path!r} is dense (no experts)",
-                "set train.expert_parallel_size=1, or train a mixture-of-experts model")
+        for f in ("train.expert_parallel_size", "train.expert_tensor_parallel_size"):
+            require(get_field(cfg, f) == 1, f, get_field(cfg, f),
+                    f"the model at model.path={cfg.model.path!r} is dense (no experts)",
+                    f"set {f}=1, or train a mixture-of-experts model")
         return
-    require(t.tensor_parallel_size == 1, "train.tensor_parallel_size", t.tensor_parallel_size,
-            f"with a mixture-of-experts model ({experts} experts per layer): megatron-core trains MoE layers "
-            "under tensor parallelism only with sequence parallelism, which the local layer spec's torch norms "
-            "refuse", "set train.tensor_parallel_size=1 and split the experts with train.expert_parallel_size")
+    require(t.tensor_parallel_size == 1 or sequence_parallel(t), "train.sequence_parallel", t.sequence_parallel,
+            f"with a mixture-of-experts model ({experts} experts per layer) at train.tensor_parallel_size="
+            f"{t.tensor_parallel_size}: megatron-core trains MoE layers under tensor parallelism only with "
+            "sequence parallelism", "set train.sequence_parallel=true (the default with TP > 1)")
     require(experts % t.expert_parallel_size == 0, "train.expert_parallel_size", t.expert_parallel_size,
             f"must divide the model's {experts} experts per layer",
             f"use a divisor of {experts}")

@@ -210,7 +210,8 @@ def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], adv
     ``advantages``: per sample of the full list, ``[response_length]``. An empty response is allowed (it
     trains nothing). ``packed``: also lay the samples out as one :class:`~hpcrl.train.packing.Pack` (the
     forward then runs on it; ``share_prompt`` and ``pad_to_multiple`` as in
-    :func:`~hpcrl.train.packing.build_pack`); a micro-batch with a sample of several segments
+    :func:`~hpcrl.train.packing.build_pack`; the padded layout's width is a multiple of ``pad_to_multiple``
+    too); a micro-batch with a sample of several segments
     (``Sample.segments``) is always packed, so attention stays within each. Raises ValueError for a sample
     without prompt or whose
     ``loss_mask`` / ``rollout_log_probs`` lengths differ from ``response_length`` (``teacher_log_probs`` too,
@@ -222,7 +223,7 @@ def build_micro_batch(samples: Sequence["Sample"], positions: Sequence[int], adv
     for p, s in zip(positions, rows, strict=True):
         _check_sample(p, s, with_rollout_log_probs)
     b = len(rows)
-    width = max(len(s.tokens) for s in rows)
+    width = -(-max(len(s.tokens) for s in rows) // pad_to_multiple) * pad_to_multiple  # SP splits it over TP
     resp_width = max(s.response_length for s in rows)
     tokens = torch.zeros(b, width, dtype=torch.long)
     mask = torch.zeros(b, resp_width, dtype=torch.float32)

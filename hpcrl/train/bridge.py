@@ -155,7 +155,8 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size()
     config = mcore_config_from_hf(hf_config, tp=tp, dtype=dtype,
-                                  ep=parallel_state.get_expert_model_parallel_world_size(), **overrides)
+                                  ep=parallel_state.get_expert_model_parallel_world_size(),
+                                  etp=parallel_state.get_expert_tensor_parallel_world_size(), **overrides)
     if config.moe_enable_routing_replay:
         from hpcrl.train import routing_replay
 
@@ -177,6 +178,7 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         rope_scaling=scaling is not None,
         rope_scaling_factor=scaling or 8.0,
     )
+    mark_experts_for_expert_data_parallel(model)
     if torch.cuda.is_available():
         # Megatron's get_model does this too: the local spec's torch norms are built on the CPU even where the
         # linear layers are allocated on the GPU (seen on an H100: "weight is on cpu ... fused_rms_norm")
@@ -185,9 +187,29 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
     return model
 
 
+def mark_experts_for_expert_data_parallel(model: torch.nn.Module) -> None:
+    """Tag the routed experts' parameters ``allreduce = False`` when expert-tensor parallelism differs from
+    tensor parallelism, so megatron-core's DDP reduces their gradients over the expert-data-parallel group and
+    its optimizer counts them with the expert groups.
+
+    Why: megatron-core 0.16.1 tags expert parameters so only when ``expert_model_parallel_size > 1``
+    (``tensor_parallel/layers.py`` ~829, ``moe/experts.py`` ~89); at EP=1 with ETP 1 under TP 2 (sequence-
+    parallel, each rank routing its half of the tokens through whole experts) the experts' gradients were
+    reduced over the dense data-parallel group, which does not hold the other TP rank, so each rank kept its
+    own half (tests/integration/test_megatron_moe.py, ``tp2sp-etp1``). With EP > 1 or ETP = TP megatron's
+    tags already say this; nothing changes then."""
+    config = model.config
+    if not config.num_moe_experts or config.expert_tensor_parallel_size == config.tensor_model_parallel_size:
+        return
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False
+
+
 def _decoder_spec(config: Any) -> Any:
-    """The layer spec of :func:`hpcrl.train.packed_attention.layer_spec`; with dense layers among MoE ones
-    (``moe_layer_freq`` a list with zeros: GLM-4.5's first-k dense layers) a block spec of both kinds."""
+    """The decoder's block spec: :func:`hpcrl.train.packed_attention.layer_spec` (or multi-latent attention's)
+    for every layer, with dense layers among MoE ones where ``moe_layer_freq`` is a list with zeros (GLM-4.5's
+    first-k dense layers), and the final norm of :mod:`hpcrl.train.norms`."""
     from hpcrl.train import deepseek_moe, packed_attention
 
     def layer(experts=None):  # multi-latent attention (DeepSeek-V3, GLM-lite): hpcrl.train.mla's layer
@@ -199,8 +221,14 @@ def _decoder_spec(config: Any) -> Any:
 
     spec = layer(config.num_moe_experts)
     if config.num_moe_experts and isinstance(config.moe_layer_freq, list) and 0 in config.moe_layer_freq:
-        spec = deepseek_moe.block_spec(config, layer(), spec)
-    return spec
+        return deepseek_moe.block_spec(config, layer(), spec)
+    # a block of one layer kind, with the final norm of hpcrl.train.norms (megatron's default for a layer
+    # spec is WrappedTorchNorm, which refuses sequence parallelism)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from hpcrl.train.norms import SequenceParallelNorm
+
+    return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelNorm)
 
 
 # ---------------------------------------------------------------------------------------------------------

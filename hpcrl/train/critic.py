@@ -90,13 +90,15 @@ def _read_tensor(path: Union[str, os.PathLike], name: str) -> Optional[Tensor]:
     return None
 
 
-def load_value_model(path: Union[str, os.PathLike], dtype: torch.dtype, megatron: Optional[dict] = None):
+def load_value_model(path: Union[str, os.PathLike], dtype: torch.dtype, megatron: Optional[dict] = None,
+                     sequence_parallel: bool = False):
     """A GPTModel shaped like the HF folder ``path`` with its weights and a :class:`ValueHead`.
 
     The decoder and embeddings are loaded as the actor's (:func:`hpcrl.train.bridge.load_hf_weights`); the
     LM head (``lm_head.weight``; a tied model's output weight is the embedding, which stays with the
     embedding) is not used. The value head is ``score.weight`` when the folder has one of shape ``[1,
-    hidden]``, else zeros. Needs model parallelism initialised. Returns the bare model (``hf_config``
+    hidden]``, else zeros. Needs model parallelism initialised; ``sequence_parallel`` as the actor's (the value
+    head then gathers the sequence: :class:`ValueHead`). Returns the bare model (``hf_config``
     attached). Raises ValueError for a ``score.weight`` of another shape (a classifier with several labels),
     and what :func:`~hpcrl.train.bridge.load_hf_weights` raises.
     """
@@ -106,7 +108,8 @@ def load_value_model(path: Union[str, os.PathLike], dtype: torch.dtype, megatron
 
     extra = tmodel.split_megatron_kwargs(megatron)
     hf_config = AutoConfig.from_pretrained(str(path))
-    model = bridge.build_gpt_model(hf_config, dtype=dtype, **extra["model"], **extra["transformer"])
+    model = bridge.build_gpt_model(hf_config, dtype=dtype, sequence_parallel=sequence_parallel,
+                                   **extra["model"], **extra["transformer"])
     # no LM head: nothing of the model is the output layer, and the tied embedding is an embedding only
     model.output_layer = torch.nn.Identity()
     if model.share_embeddings_and_output_weights:
@@ -175,7 +178,10 @@ class Critic:
         train = critic_train_section(cfg)
         megatron = {k: v for k, v in (cfg.megatron or {}).items() if k != "moe_enable_routing_replay"}
         dtype = torch.bfloat16 if train.bf16 else torch.float32
-        bare = load_value_model(self.path, dtype, megatron)
+        # sequence-parallel as the actor is, at the critic's own tensor-parallel size (critic.nprocs > 0 may
+        # give it another)
+        sp = cfg.train.sequence_parallel is not False and parallel_state.get_tensor_model_parallel_world_size() > 1
+        bare = load_value_model(self.path, dtype, megatron, sequence_parallel=sp)
         self.ddp_model, self.optimizer = tmodel.wrap_model_and_optimizer(bare, train, megatron)
         self.lr_scheduler = tmodel.lr_scheduler(self.optimizer, train, cfg.run.num_rollout)
         self.model = bridge.unwrap_model(self.ddp_model)

@@ -62,7 +62,8 @@ def join_world(setup: Setup, rank: int, local_rank: int) -> Any:
     cfg = setup.cfg
     parallel.init_distributed(store=PrefixStore("critic", store), timeout_s=cfg.train.collective_timeout_s)
     parallel.initialize_model_parallel(critic_tp(cfg), 1, 1, cfg.train.expert_parallel_size,
-                                       timeout_s=cfg.train.collective_timeout_s)
+                                       timeout_s=cfg.train.collective_timeout_s,
+                                       etp=cfg.train.expert_tensor_parallel_size)
     parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
     parallel.deterministic_mode(cfg.run.deterministic)
     return store

@@ -197,13 +197,16 @@ def update_expert_bias(model: torch.nn.Module) -> bool:
 
 def block_spec(config: Any, dense_layer: Any, moe_layer: Any) -> Any:
     """megatron-core ``TransformerBlockSubmodules`` with ``dense_layer`` (a layer ``ModuleSpec``) where
-    ``config.moe_layer_freq`` is 0 and ``moe_layer`` where it is 1 (the final norm is megatron's default for a
-    single layer spec); ``moe_layer_freq`` a list of ``num_layers`` entries (:func:`moe_layer_freq`).
+    ``config.moe_layer_freq`` is 0 and ``moe_layer`` where it is 1, and the final norm
+    :class:`hpcrl.train.norms.SequenceParallelNorm`; ``moe_layer_freq`` a list of ``num_layers`` entries
+    (:func:`moe_layer_freq`).
     Raises ValueError for a list of another length."""
-    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from hpcrl.train.norms import SequenceParallelNorm
 
     pattern = list(config.moe_layer_freq)
     if len(pattern) != config.num_layers:
         raise ValueError(f"moe_layer_freq has {len(pattern)} entries for {config.num_layers} layers")
     return TransformerBlockSubmodules(layer_specs=[moe_layer if f else dense_layer for f in pattern],
-                                      layer_norm=LayerNormImpl)
+                                      layer_norm=SequenceParallelNorm)

@@ -15,14 +15,16 @@ from hpcrl.train.mla import LATENT_NORM_EPS
 
 
 class LatentRMSNorm:
-    """megatron-core's local RMSNorm (``WrappedTorchNorm``) with HF's fixed latent-norm epsilon
-    (:data:`hpcrl.train.mla.LATENT_NORM_EPS`) whatever ``eps`` megatron passes (its ``layernorm_epsilon``,
-    HF's ``rms_norm_eps``). Returns a ``torch.nn.RMSNorm`` over ``hidden_size``."""
+    """:class:`hpcrl.train.norms.SequenceParallelNorm` (a ``torch.nn.RMSNorm`` over ``hidden_size``, the
+    latent) with HF's fixed latent-norm epsilon (:data:`hpcrl.train.mla.LATENT_NORM_EPS`) whatever ``eps``
+    megatron passes (its ``layernorm_epsilon``, HF's ``rms_norm_eps``). Under sequence parallelism megatron's
+    MLA normalises the latents of this rank's tokens only (``[s / TP, b, rank]``), so the weight is tagged for
+    megatron's sum over TP like the layer norms."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = LATENT_NORM_EPS, **kwargs: Any):
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from hpcrl.train.norms import SequenceParallelNorm
 
-        return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=LATENT_NORM_EPS, **kwargs)
+        return SequenceParallelNorm(config=config, hidden_size=hidden_size, eps=LATENT_NORM_EPS)
 
 
 class AllReduceRopeKeyGrad(torch.autograd.Function):
@@ -48,12 +50,22 @@ class LatentAttention(MLASelfAttention):
     """megatron-core's ``MLASelfAttention`` whose whole (duplicated) ``linear_kv_down_proj`` gets its rope
     key's gradient all-reduced over the tensor-parallel group at TP > 1 (:mod:`hpcrl.train.mla`'s docstring:
     with megatron's local spec the shared rope key's weight gradient lost the other ranks' heads); otherwise
-    megatron's, unchanged. Shapes as megatron's: ``[s, b, hidden]`` in and out."""
+    megatron's, unchanged. Shapes as megatron's: ``[s, b, hidden]`` in and out (``[s / TP, b, hidden]`` under
+    sequence parallelism).
+
+    Under sequence parallelism megatron's MLA runs ``linear_kv_down_proj`` on this rank's tokens and gathers the
+    rope key over the sequence, whose backward (a reduce-scatter) already sums the rope key's gradient over
+    the ranks' heads: the all-reduce above would count it TP times, so it is not added; instead the whole
+    projection's weight gradient (this rank's tokens only) is tagged ``sequence_parallel`` for megatron's sum
+    over TP."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         group = self.pg_collection.tp
-        if group is not None and group.size() > 1:
+        if self.config.sequence_parallel:
+            for p in self.linear_kv_down_proj.parameters():
+                p.sequence_parallel = True
+        elif group is not None and group.size() > 1:
             rank = self.config.kv_lora_rank
 
             def reduce_rope_key_grad(module, args, output):
@@ -73,7 +85,7 @@ def layer_spec(num_experts: Optional[int] = None):
     from megatron.core.post_training.modelopt.layers import Linear  # megatron's duplicated (whole) linear
 
     from hpcrl.train import cpu_compat
-    from hpcrl.train.packed_attention import PackedDotProductAttention
+    from hpcrl.train.packed_attention import PackedDotProductAttention, use_sequence_parallel_norms
 
     cpu_compat.mark_te_absent_for_mla()  # TE's stand-ins break MLA's build without TE
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
@@ -84,4 +96,5 @@ def layer_spec(num_experts: Optional[int] = None):
     attention.core_attention = PackedDotProductAttention
     attention.q_layernorm = LatentRMSNorm
     attention.kv_layernorm = LatentRMSNorm
+    use_sequence_parallel_norms(spec)  # the input and pre-MLP norms (the latent ones above stay)
     return spec

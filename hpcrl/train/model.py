@@ -111,7 +111,8 @@ def setup_model_and_optimizer(hf_path: Union[str, os.PathLike], train: Any,
     """Build the trainer's model from an HF folder, load its weights, wrap it and build the optimizer.
 
     Needs :func:`init_distributed` and :func:`initialize_model_parallel` first (tensor-parallel size from
-    megatron-core's parallel state). The model dtype is bf16 when ``train.bf16``, else fp32. ``megatron``:
+    megatron-core's parallel state). The model dtype is bf16 when ``train.bf16``, else fp32; sequence-parallel
+    as ``train.sequence_parallel`` says (:func:`hpcrl.config.train.sequence_parallel`). ``megatron``:
     the run config's free dict (:func:`split_megatron_kwargs`). Returns ``(ddp_model, optimizer)``; the bare
     GPTModel is ``bridge.unwrap_model(ddp_model)``, with the HF config as its ``hf_config``.
     """
@@ -119,10 +120,13 @@ def setup_model_and_optimizer(hf_path: Union[str, os.PathLike], train: Any,
 
     from hpcrl.train import bridge
 
+    from hpcrl.config.train import sequence_parallel
+
     extra = split_megatron_kwargs(megatron)
     hf_config = AutoConfig.from_pretrained(str(hf_path))
     dtype = torch.bfloat16 if train.bf16 else torch.float32
-    model = bridge.build_gpt_model(hf_config, dtype=dtype, **extra["model"], **extra["transformer"])
+    model = bridge.build_gpt_model(hf_config, dtype=dtype, sequence_parallel=sequence_parallel(train),
+                                   **extra["model"], **extra["transformer"])
     if load_weights:
         bridge.load_hf_weights(model, hf_path)
     return wrap_model_and_optimizer(model, train, megatron)

@@ -22,7 +22,7 @@ one (docs/gpu-verification.md).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -238,10 +238,31 @@ def _has_flash_attn() -> bool:
 def layer_spec(qk_layernorm: bool, num_experts: Optional[int] = None):
     """megatron-core's local GPT layer spec (RMSNorm) with :class:`PackedDotProductAttention` as core
     attention: padded forwards are megatron's own, packed ones run per segment. With ``num_experts`` the MLP
-    is megatron-core's MoE layer with ``SequentialMLP`` experts (no grouped GEMM, no TransformerEngine)."""
+    is megatron-core's MoE layer with ``SequentialMLP`` experts (no grouped GEMM, no TransformerEngine). Its
+    norms are :mod:`hpcrl.train.norms`' (the same torch modules as megatron's ``WrappedTorchNorm``, which
+    refuses sequence parallelism)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
                                     normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    use_sequence_parallel_norms(spec)
     return spec
+
+
+def use_sequence_parallel_norms(spec: Any) -> None:
+    """Swap the torch norms of a megatron-core layer ``spec`` (local layer spec: ``WrappedTorchNorm``) for
+    :class:`hpcrl.train.norms.SequenceParallelNorm` (input and pre-MLP norms) and
+    :class:`hpcrl.train.norms.HeadNorm` (q/k norms), in place; ``IdentityOp`` entries stay."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from hpcrl.train.norms import HeadNorm, SequenceParallelNorm
+
+    sub = spec.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(sub, name, None) is WrappedTorchNorm:
+            setattr(sub, name, SequenceParallelNorm)
+    attention = sub.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name, None) is WrappedTorchNorm:
+            setattr(attention, name, HeadNorm)

@@ -54,7 +54,8 @@ def setup_parallel(cfg: Any) -> DistEnv:
     tc = cfg.train
     env = init_distributed(timeout_s=tc.collective_timeout_s)
     initialize_model_parallel(tc.tensor_parallel_size, tc.pipeline_parallel_size, tc.context_parallel_size,
-                              tc.expert_parallel_size, timeout_s=tc.collective_timeout_s)
+                              tc.expert_parallel_size, timeout_s=tc.collective_timeout_s,
+                              etp=tc.expert_tensor_parallel_size)
     model_parallel_cuda_manual_seed(cfg.run.seed)
     return env
 
@@ -147,16 +148,20 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                              timeout_s: float = 1800.0) -> None:
+                              timeout_s: float = 1800.0, etp: Optional[int] = None) -> None:
     """megatron-core's ``parallel_state.initialize_model_parallel``; data parallel is what remains. Its groups'
     collectives time out after ``timeout_s`` seconds, rounded up to whole minutes (megatron-core's unit).
+    ``etp``: the expert-tensor-parallel size (``train.expert_tensor_parallel_size``; None: megatron's default,
+    ``tp``).
 
-    ``world_size`` must be divisible by ``tp * pp * cp`` (megatron-core raises RuntimeError otherwise).
+    ``world_size`` must be divisible by ``tp * pp * cp`` and by ``etp * ep * pp`` (megatron-core raises
+    RuntimeError otherwise).
     """
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              context_parallel_size=cp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp,
                                              distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
 
 

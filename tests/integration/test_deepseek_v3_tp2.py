@@ -9,8 +9,11 @@ transformers in this process:
   dense DeepSeek-V3 with YaRN, dense GLM-lite, and DeepSeek-V3 with a MoE layer under both token dispatchers:
   HF -> megatron -> HF export bitwise on both ranks; gathered logits equal HF's (1e-5).
 - EP=2 (experts 0-1 on rank 0, 2-3 on rank 1) of the MoE DeepSeek-V3, both dispatchers: the same.
-- One optimizer step at TP=2 (dense, YaRN) and at EP=2 (MoE, all-to-all): loss, grad norm and the weights
-  after the step equal HF AdamW's (at TP=2 this needs the shared rope key's gradient summed over the ranks:
+- The TP=2 runs also with sequence parallelism (the latents of each rank's half of the tokens, the rope key
+  gathered over the sequence).
+- One optimizer step at TP=2 (dense, YaRN; with and without sequence parallelism), at TP=2 + SP for the MoE
+  DeepSeek-V3 and GLM-lite, and at EP=2 (MoE, all-to-all): loss, grad norm and the weights after the step
+  equal HF AdamW's (at TP=2 this needs the shared rope key's gradient summed over the ranks once:
   hpcrl.train.mla_layers.LatentAttention).
 """
 
@@ -28,13 +31,18 @@ from megatron_utils import (  # noqa: E402
     worker_main)
 
 DISPATCHERS = ("allgather", "alltoall")
-RUNS = (  # name, kind, TP, EP, dispatcher
+RUNS = (  # name, kind, TP, EP, dispatcher; sequence-parallel where the name starts with "tp2sp"
     ("tp2-deepseek_v3", "deepseek_v3", 2, 1, None),
+    ("tp2sp-deepseek_v3", "deepseek_v3", 2, 1, None),
     ("tp2-glm4_moe_lite", "glm4_moe_lite", 2, 1, None),
+    ("tp2sp-glm4_moe_lite", "glm4_moe_lite", 2, 1, None),
     *((f"tp2-deepseek_v3_moe-{d}", "deepseek_v3_moe", 2, 1, d) for d in DISPATCHERS),
+    ("tp2sp-deepseek_v3_moe-alltoall", "deepseek_v3_moe", 2, 1, "alltoall"),
     *((f"ep2-deepseek_v3_moe-{d}", "deepseek_v3_moe", 1, 2, d) for d in DISPATCHERS),
 )
-STEPS = (("tp2-step", "deepseek_v3", 2, 1, None), ("ep2-step", "deepseek_v3_moe", 1, 2, "alltoall"))
+STEPS = (("tp2-step", "deepseek_v3", 2, 1, None), ("tp2sp-step", "deepseek_v3", 2, 1, None),
+         ("tp2sp-moe-step", "deepseek_v3_moe", 2, 1, "alltoall"), ("tp2sp-lite-step", "glm4_moe_lite", 2, 1, None),
+         ("ep2-step", "deepseek_v3_moe", 1, 2, "alltoall"))
 
 
 # --- the distributed side: `torchrun --nproc_per_node=2 test_deepseek_v3_tp2.py --dirs JSON --out DIR` ---
@@ -43,6 +51,8 @@ STEPS = (("tp2-step", "deepseek_v3", 2, 1, None), ("ep2-step", "deepseek_v3_moe"
 def worker(dirs: dict[str, str], out: Path) -> None:
     """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
     torch.set_num_threads(1)
+    import dataclasses
+
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoConfig
@@ -57,7 +67,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
         parallel.model_parallel_cuda_manual_seed(1234)
         hf_config = AutoConfig.from_pretrained(dirs[kind])
         overrides = {"moe_token_dispatcher_type": dispatcher} if dispatcher else {}
-        model = bridge.build_gpt_model(hf_config, **overrides)
+        model = bridge.build_gpt_model(hf_config, sequence_parallel=name.startswith("tp2sp"), **overrides)
         bridge.load_hf_weights(model, dirs[kind])
         model.eval()
         tokens = torch.cat([h.sample_batch(hf_config.vocab_size)[0]] * 2, dim=1)  # past YaRN's 16
@@ -75,9 +85,12 @@ def worker(dirs: dict[str, str], out: Path) -> None:
         parallel.initialize_model_parallel(tp=tp, ep=ep)
         parallel.model_parallel_cuda_manual_seed(1234)
         megatron = {**h.MEGATRON, "moe_token_dispatcher_type": dispatcher} if dispatcher else h.MEGATRON
-        ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs[kind], h.TRAIN, megatron)
+        train = dataclasses.replace(h.TRAIN, tensor_parallel_size=tp, expert_parallel_size=ep,
+                                    sequence_parallel=name.startswith("tp2sp"))
+        ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs[kind], train, megatron)
         step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(h.sample_batch(37, seed=5)), [None])
-        res[name] = dict(step=step, after=dict(bridge.export_hf_weights(ddp_model)))
+        res[name] = dict(step=step, sp=bridge.unwrap_model(ddp_model).config.sequence_parallel,
+                         after=dict(bridge.export_hf_weights(ddp_model)))
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
@@ -135,6 +148,7 @@ def test_train_step_matches_hf(h, dirs, ranks, name, kind):
     ref_loss, ref_norm, ref_state = h.hf_train_step(h.load_hf(dirs[kind]).train(), *batch)
     ref_state = unfuse_experts(ref_state)
     for res in ranks:
+        assert res[name]["sp"] == name.startswith("tp2sp")
         assert_step_matches(res[name], ref_loss, ref_norm, ref_state)
 
 

@@ -9,12 +9,12 @@ computed; the tests compare it with HF transformers' ``Glm4MoeForCausalLM`` in t
 
 - HF -> megatron -> HF export bitwise on both ranks (the expert bias included); logits, log-probs and entropy
   equal HF's to 1e-5.
-- One optimizer step at EP=2 (the same batch on both ranks): loss, grad norm and the weights after the step
-  equal HF + AdamW's to 1e-6, the expert bias frozen (the default rate 0). Not at TP=2: megatron-core trains
-  MoE layers under TP only with sequence parallelism, which its local (torch) norms refuse on the CPU (as for
-  Qwen3-MoE; a GPU with TransformerEngine or Apex norms is needed).
-- One step at EP=2 with ``moe_router_bias_update_rate`` > 0: the bias moves by megatron's rule from the token
-  counts summed over the data-parallel ranks.
+- One optimizer step at EP=2 (the same batch on both ranks) and at TP=2 with sequence parallelism (megatron-core
+  trains MoE layers under TP only so; the norms are :mod:`hpcrl.train.norms`'): loss, grad norm and the weights
+  after the step equal HF + AdamW's to 1e-6, the expert bias frozen (the default rate 0). The forward is
+  checked at TP=2 without sequence parallelism too.
+- One step at EP=2 and at TP=2 + SP with ``moe_router_bias_update_rate`` > 0: the bias moves by megatron's rule
+  from the token counts summed over the data- and tensor-parallel ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is
 from megatron_utils import (  # noqa: E402
     assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers, worker_main)
 
-LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
+LAYOUTS = (("ep2", 1, 2, False), ("tp2", 2, 1, False), ("tp2sp", 2, 1, True))  # name, TP, EP, sequence parallel
 DISPATCHERS = ("allgather", "alltoall")
 RATE = 1e-2
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
@@ -41,6 +41,8 @@ BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 def worker(path: str, out: Path) -> None:
     """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
     torch.set_num_threads(1)
+    import dataclasses
+
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoConfig
@@ -53,11 +55,11 @@ def worker(path: str, out: Path) -> None:
     hf_config = AutoConfig.from_pretrained(path)
     tokens = h.sample_batch(hf_config.vocab_size)[0]
     batch = h.sample_batch(hf_config.vocab_size, seed=5)
-    for name, tp, ep in LAYOUTS:
+    for name, tp, ep, sp in LAYOUTS:
         parallel.initialize_model_parallel(tp=tp, ep=ep)
         parallel.model_parallel_cuda_manual_seed(1234)
         for dispatcher in DISPATCHERS:
-            model = h.build_loaded(path, moe_token_dispatcher_type=dispatcher)
+            model = h.build_loaded(path, moe_token_dispatcher_type=dispatcher, sequence_parallel=sp)
             logits = h.megatron_logits(model, tokens)
             res[f"{name}-{dispatcher}"] = dict(
                 ep_rank=parallel_state.get_expert_model_parallel_rank(),
@@ -66,17 +68,19 @@ def worker(path: str, out: Path) -> None:
                                       if "local_experts" in n}),
                 export=dict(bridge.export_hf_weights(model)),
                 logits=gather_from_tensor_model_parallel_region(logits)[..., :hf_config.vocab_size].clone())
-        if name != "ep2":  # megatron-core trains MoE at TP > 1 only with sequence parallelism, which its
-            parallel_state.destroy_model_parallel()  # local (torch) norms do not have: no CPU step at TP=2
+        if name == "tp2":  # megatron-core trains MoE at TP > 1 only with sequence parallelism
+            parallel_state.destroy_model_parallel()
             continue
         megatron = {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"}
-        ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, h.TRAIN, megatron)
+        train = dataclasses.replace(h.TRAIN, tensor_parallel_size=tp, expert_parallel_size=ep)
+        ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, train, megatron)
         step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
-        res[f"{name}-step"] = dict(step=step, after=dict(bridge.export_hf_weights(ddp_model)))
+        res[f"{name}-step"] = dict(step=step, sp=bridge.unwrap_model(ddp_model).config.sequence_parallel,
+                                   after=dict(bridge.export_hf_weights(ddp_model)))
         ddp_model, optimizer = tmodel.setup_model_and_optimizer(
-            path, h.TRAIN, {**megatron, "moe_router_bias_update_rate": RATE})
+            path, train, {**megatron, "moe_router_bias_update_rate": RATE})
         tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
-        res["ep2-bias"] = dict(bridge.export_hf_weights(ddp_model))[BIAS]
+        res[f"{name}-bias"] = dict(bridge.export_hf_weights(ddp_model))[BIAS]
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
@@ -102,7 +106,7 @@ def ranks(glm_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
-@pytest.mark.parametrize("layout", [name for name, _, _ in LAYOUTS])
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
 def test_export_is_bitwise_and_logits_log_probs_entropy_match_hf(h, glm_dir, ranks, layout, dispatcher):
     from hpcrl.train import bridge
 
@@ -129,7 +133,10 @@ def test_export_is_bitwise_and_logits_log_probs_entropy_match_hf(h, glm_dir, ran
             assert (-(logp.exp() * logp).sum(-1) - ref_ent).abs().max() < 1e-5
 
 
-def test_ep2_train_step_matches_hf_adamw(h, glm_dir, ranks):
+@pytest.mark.parametrize("layout", ["ep2", "tp2sp"])
+def test_train_step_matches_hf_adamw(h, glm_dir, ranks, layout):
+    """One step at EP=2 and at TP=2 with sequence parallelism (each rank routes half of the tokens through
+    half of every expert and of the shared expert)."""
     from hpcrl.models.moe import unfuse_experts
     from hpcrl.train import bridge
 
@@ -137,19 +144,23 @@ def test_ep2_train_step_matches_hf_adamw(h, glm_dir, ranks):
     ref_loss, ref_norm, ref_state = h.hf_train_step(h.load_hf(glm_dir).train(), *batch)
     ref_state = unfuse_experts(ref_state)
     for res in ranks:
-        run = res["ep2-step"]
+        run = res[f"{layout}-step"]
+        assert run["sp"] == (layout == "tp2sp")
         assert_step_matches(run, ref_loss, ref_norm, ref_state)
         assert torch.equal(run["after"][BIAS], bridge.read_hf_state_dict(glm_dir)[BIAS])
 
 
-def test_ep2_expert_bias_update_sums_the_data_parallel_ranks_counts(h, glm_dir, ranks):
+@pytest.mark.parametrize("layout", ["ep2", "tp2sp"])
+def test_expert_bias_update_sums_the_ranks_token_counts(h, glm_dir, ranks, layout):
+    """The bias step counts every token once: at EP=2 the same batch on both data-parallel ranks (twice the
+    batch's counts), at TP=2 + SP each rank's half of the sequence (the batch's counts, summed over TP)."""
     from hpcrl.train import bridge
 
     batch = h.sample_batch(h.load_hf(glm_dir).config.vocab_size, seed=5)
-    counts = 2 * h.hf_tokens_per_expert(glm_dir, batch[0], batch[1])  # the same batch on both DP ranks
+    counts = (2 if layout == "ep2" else 1) * h.hf_tokens_per_expert(glm_dir, batch[0], batch[1])
     expected = bridge.read_hf_state_dict(glm_dir)[BIAS] + torch.sign(counts.mean() - counts) * RATE
     for res in ranks:
-        assert torch.equal(res["ep2-bias"], expected)
+        assert torch.equal(res[f"{layout}-bias"], expected)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ layout, Mixtral with each of megatron-core's two CPU-capable token dispatchers (
 and saves per rank what it computed; the tests compare it with HF transformers in this process:
 
 - Mistral TP=2; Mixtral TP=2 x EP=1 (every expert split over the ranks) and EP=2 (experts 0-1 on rank 0, 2-3
-  on rank 1): HF -> megatron -> HF export bitwise on both ranks (Mixtral in its ``block_sparse_moe`` naming);
-  logits, log-probs and entropy (vocab-parallel at TP=2) equal HF's to 1e-5.
-- One optimizer step, Mistral at TP=2 and Mixtral at EP=2 (alltoall), the same batch on both ranks: loss, grad
-  norm and the weights after the step equal HF + torch AdamW's to 1e-6.
+  on rank 1); at TP=2 also with sequence parallelism: HF -> megatron -> HF export bitwise on both ranks
+  (Mixtral in its ``block_sparse_moe`` naming); logits, log-probs and entropy (vocab-parallel at TP=2) equal
+  HF's to 1e-5.
+- One optimizer step, Mistral at TP=2 (with and without sequence parallelism), Mixtral at TP=2 + SP and at
+  EP=2 (alltoall), the same batch on both ranks: loss, grad norm and the weights after the step equal HF +
+  torch AdamW's to 1e-6.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from megatron_utils import (  # noqa: E402
     assert_export_bitwise, assert_step_matches, dirs_args, helpers_fixture, run_two_ranks, unit_helpers,
     worker_main)
 
-LAYOUTS = (("mistral", "tp2", 2, 1, (None,)), ("mixtral", "tp2", 2, 1, ("allgather", "alltoall")),
+LAYOUTS = (("mistral", "tp2", 2, 1, (None,)), ("mistral", "tp2sp", 2, 1, (None,)),
+           ("mixtral", "tp2", 2, 1, ("allgather", "alltoall")), ("mixtral", "tp2sp", 2, 1, ("alltoall",)),
            ("mixtral", "ep2", 1, 2, ("allgather", "alltoall")))  # family, name, TP, EP, dispatchers
-STEPS = (("mistral", "tp2", 2, 1), ("mixtral", "ep2", 1, 2))
+STEPS = (("mistral", "tp2", 2, 1), ("mistral", "tp2sp", 2, 1), ("mixtral", "tp2sp", 2, 1),
+         ("mixtral", "ep2", 1, 2))
+"""Sequence-parallel where the name ends in ``sp`` (megatron-core trains MoE at TP > 1 only so)."""
 
 
 # --- the distributed side: `torchrun --nproc_per_node=2 test_megatron_mistral.py --dirs JSON --out DIR` -----
@@ -36,6 +41,8 @@ STEPS = (("mistral", "tp2", 2, 1), ("mixtral", "ep2", 1, 2))
 def worker(dirs: dict[str, str], out: Path) -> None:
     """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
     torch.set_num_threads(1)
+    import dataclasses
+
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -49,7 +56,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
         parallel.model_parallel_cuda_manual_seed(1234)
         for dispatcher in dispatchers:
             extra = {"moe_token_dispatcher_type": dispatcher} if dispatcher else {}
-            model = h.build_loaded(dirs[kind], **extra)
+            model = h.build_loaded(dirs[kind], sequence_parallel=name.endswith("sp"), **extra)
             vocab = model.hf_config.vocab_size
             tokens = h.sample_batch(vocab)[0]
             with torch.no_grad():
@@ -69,9 +76,12 @@ def worker(dirs: dict[str, str], out: Path) -> None:
                 continue
             batch = h.sample_batch(21, seed=5)
             megatron = {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"} if ep > 1 else h.MEGATRON
-            ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs[kind], h.TRAIN, megatron)
+            train = dataclasses.replace(h.TRAIN, tensor_parallel_size=tp, expert_parallel_size=ep,
+                                        sequence_parallel=name.endswith("sp"))
+            ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs[kind], train, megatron)
             step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
-            res[f"{kind}-{name}-step"] = dict(step=step, after=dict(bridge.export_hf_weights(ddp_model)))
+            res[f"{kind}-{name}-step"] = dict(step=step, sp=bridge.unwrap_model(ddp_model).config.sequence_parallel,
+                                              after=dict(bridge.export_hf_weights(ddp_model)))
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
@@ -132,6 +142,7 @@ def test_train_step_matches_hf(h, dirs, ranks, kind, layout):
         ref_state = dict(moe.RenamedWeights(moe.unfuse_experts(ref_state), moe.to_mixtral_name))
         ref_state.pop("lm_head.weight")  # tied: HF's checkpoint (and the export) has none
     for res in ranks:
+        assert res[f"{kind}-{layout}-step"]["sp"] == layout.endswith("sp")
         assert_step_matches(res[f"{kind}-{layout}-step"], ref_loss, ref_norm, ref_state)
 
 

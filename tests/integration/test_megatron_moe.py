@@ -6,10 +6,12 @@ CPU-capable token dispatchers (``allgather``, ``alltoall``; ``flex`` needs DeepE
 what it computed; the tests compare it with HF transformers in this process:
 
 - EP=2 (experts 0-1 on rank 0, 2-3 on rank 1; attention data-parallel) and TP=2 x EP=1 (every expert split
-  over the two ranks): HF -> megatron -> HF export bitwise equal on both ranks; logits equal HF's (1e-5).
-- One optimizer step at EP=2 on the same batch on both ranks: loss, grad norm and the weights after the step
-  equal HF AdamW's step (the experts' gradients come from both ranks' tokens, and megatron-core scales them
-  as the dense ones).
+  over the two ranks), without and with sequence parallelism: HF -> megatron -> HF export bitwise equal on
+  both ranks; logits equal HF's (1e-5).
+- One optimizer step at EP=2, and at TP=2 with sequence parallelism (megatron-core trains MoE layers at
+  TP > 1 only so), on the same batch on both ranks: loss, grad norm and the weights after the step equal HF
+  AdamW's step (the experts' gradients come from both ranks' tokens, and megatron-core scales them as the
+  dense ones).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is
 from megatron_utils import (  # noqa: E402
     assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers, worker_main)
 
-LAYOUTS = (("ep2", 1, 2), ("tp2", 2, 1))  # name, TP, EP
+LAYOUTS = (("ep2", 1, 2, False, None), ("tp2", 2, 1, False, None), ("tp2sp", 2, 1, True, 2),
+           ("tp2sp-etp1", 2, 1, True, 1))
+"""name, TP, EP, sequence parallel, expert-tensor-parallel size (None: megatron's default, TP)."""
 DISPATCHERS = ("allgather", "alltoall")
 
 
@@ -34,6 +38,8 @@ DISPATCHERS = ("allgather", "alltoall")
 def worker(path: str, out: Path) -> None:
     """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
     torch.set_num_threads(1)
+    import dataclasses
+
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoConfig
@@ -45,11 +51,11 @@ def worker(path: str, out: Path) -> None:
     res: dict = {}
     hf_config = AutoConfig.from_pretrained(path)
     tokens = h.sample_batch(hf_config.vocab_size)[0]
-    for name, tp, ep in LAYOUTS:
-        parallel.initialize_model_parallel(tp=tp, ep=ep)
+    for name, tp, ep, sp, etp in LAYOUTS:
+        parallel.initialize_model_parallel(tp=tp, ep=ep, etp=etp)
         parallel.model_parallel_cuda_manual_seed(1234)
         for dispatcher in DISPATCHERS:
-            model = bridge.build_gpt_model(hf_config, moe_token_dispatcher_type=dispatcher)
+            model = bridge.build_gpt_model(hf_config, moe_token_dispatcher_type=dispatcher, sequence_parallel=sp)
             bridge.load_hf_weights(model, path)
             model.eval()
             with torch.no_grad():
@@ -57,16 +63,20 @@ def worker(path: str, out: Path) -> None:
                                attention_mask=None)
             res[f"{name}-{dispatcher}"] = dict(
                 ep_rank=parallel_state.get_expert_model_parallel_rank(),
+                expert_rows=int(model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc2.weight.shape[1]),
                 tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                 local_experts=sorted({n.split(".")[6] for n, _ in model.named_parameters() if "local_experts" in n}),
                 export=dict(bridge.export_hf_weights(model)),
                 logits=gather_from_tensor_model_parallel_region(logits)[..., :hf_config.vocab_size].clone())
-        if name == "ep2":
+        if name != "tp2":  # megatron-core trains MoE layers at TP > 1 only sequence-parallel
             batch = h.sample_batch(hf_config.vocab_size, seed=5)
+            train = dataclasses.replace(h.TRAIN, tensor_parallel_size=tp, expert_parallel_size=ep,
+                                        expert_tensor_parallel_size=etp or tp)
             ddp_model, optimizer = tmodel.setup_model_and_optimizer(
-                path, h.TRAIN, {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"})
+                path, train, {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"})
             step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
-            res["ep2-step"] = dict(step=step, after=dict(bridge.export_hf_weights(ddp_model)))
+            res[f"{name}-step"] = dict(step=step, sp=bridge.unwrap_model(ddp_model).config.sequence_parallel,
+                                       after=dict(bridge.export_hf_weights(ddp_model)))
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
@@ -92,7 +102,7 @@ def ranks(moe_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
-@pytest.mark.parametrize("layout", [name for name, _, _ in LAYOUTS])
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
 def test_moe_export_is_bitwise_and_logits_match_hf(h, moe_dir, ranks, layout, dispatcher):
     from hpcrl.train import bridge
 
@@ -104,22 +114,30 @@ def test_moe_export_is_bitwise_and_logits_match_hf(h, moe_dir, ranks, layout, di
     if layout == "ep2":  # each rank holds two whole experts
         assert [r["ep_rank"] for r in results] == [0, 1]
         assert [r["local_experts"] for r in results] == [["0", "1"], ["0", "1"]]
-    else:  # each rank holds half of every expert
+    else:  # each rank holds every expert: half of each (ETP 2), or whole ones (ETP 1)
         assert [r["tp_rank"] for r in results] == [0, 1]
         assert results[0]["local_experts"] == ["0", "1", "2", "3"]
+        whole = int(hf_model.config.moe_intermediate_size)
+        assert {r["expert_rows"] for r in results} == {whole if layout.endswith("etp1") else whole // 2}
     for res in results:
         assert_export_bitwise(res["export"], hf)
         assert (res["logits"] - hf_logits).abs().max() < 1e-5
 
 
-def test_ep2_train_step_matches_hf(h, moe_dir, ranks):
+@pytest.mark.parametrize("layout", ["ep2", "tp2sp", "tp2sp-etp1"])
+def test_moe_train_step_matches_hf(h, moe_dir, ranks, layout):
+    """One optimizer step at EP=2, and at TP=2 with sequence parallelism (each rank routes its half of the
+    tokens through half of every expert, or with expert-tensor parallelism 1 through whole experts, whose
+    gradients are then averaged over the two expert-data-parallel ranks; the router's and the norms'
+    gradients are summed over TP)."""
     from hpcrl.models.moe import unfuse_experts
 
     batch = h.sample_batch(37, seed=5)
     ref_loss, ref_norm, ref_state = h.hf_train_step(h.load_hf(moe_dir).train(), *batch)
     ref_state = unfuse_experts(ref_state)
     for res in ranks:
-        assert_step_matches(res["ep2-step"], ref_loss, ref_norm, ref_state)
+        assert res[f"{layout}-step"]["sp"] == layout.startswith("tp2sp")
+        assert_step_matches(res[f"{layout}-step"], ref_loss, ref_norm, ref_state)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from hpcrl.config import (
     slurm_time_seconds,
     validate,
 )
+from hpcrl.config.train import sequence_parallel
 from hpcrl.validate import load_and_check, save_resolved
 
 REPO = Path(__file__).resolve().parents[2]
@@ -677,14 +678,37 @@ def test_expert_parallel_size_is_checked_against_an_existing_model_folder(tmp_pa
     assert "must divide the model's 4 experts" in assert_one_line(e.value, "train.expert_parallel_size")
     cfg = load_and_check(None, [f"model.path={folder}", "train.expert_parallel_size=2", "train.nprocs=2"])
     assert cfg.train.expert_parallel_size == 2
-    with pytest.raises(ConfigError) as e:  # megatron-core trains MoE under TP only with sequence parallelism
-        load_and_check(None, [f"model.path={folder}", "train.tensor_parallel_size=2", "train.nprocs=2"])
-    assert "sequence parallelism" in assert_one_line(e.value, "train.tensor_parallel_size")
+    # megatron-core trains MoE under TP only with sequence parallelism: on by default at TP > 1
+    cfg = load_and_check(None, [f"model.path={folder}", "train.tensor_parallel_size=2", "train.nprocs=2"])
+    assert cfg.train.sequence_parallel is None and sequence_parallel(cfg.train)
+    with pytest.raises(ConfigError) as e:
+        load_and_check(None, [f"model.path={folder}", "train.tensor_parallel_size=2", "train.nprocs=2",
+                              "train.sequence_parallel=false"])
+    assert "only with sequence parallelism" in assert_one_line(e.value, "train.sequence_parallel")
     for create in ("tiny-glm4-moe", "tiny-deepseek-v3"):  # known before the folder exists
         with pytest.raises(ConfigError) as e:
             load_and_check(None, [f"model.path={tmp_path / create}", f"model.create={create}",
-                                     "train.tensor_parallel_size=2", "train.nprocs=2"])
-        assert "mixture-of-experts" in assert_one_line(e.value, "train.tensor_parallel_size")
+                                     "train.tensor_parallel_size=2", "train.nprocs=2",
+                                     "train.sequence_parallel=false"])
+        assert "mixture-of-experts" in assert_one_line(e.value, "train.sequence_parallel")
+
+
+def test_sequence_parallel_is_on_at_tp_above_1_and_megatron_parallel_keys_are_refused():
+    """``train.sequence_parallel`` null means on at TP > 1 (slime's scripts all pass --sequence-parallel with
+    TP > 1) and never at TP=1; the ``megatron:`` section cannot set what hpcrl's own parallel keys set."""
+    from types import SimpleNamespace as NS
+
+    assert not sequence_parallel(NS(tensor_parallel_size=1, sequence_parallel=None))
+    assert not sequence_parallel(NS(tensor_parallel_size=1, sequence_parallel=True))
+    assert sequence_parallel(NS(tensor_parallel_size=2, sequence_parallel=None))
+    assert not sequence_parallel(NS(tensor_parallel_size=2, sequence_parallel=False))
+    assert sequence_parallel(NS(tensor_parallel_size=8))  # a section without the key: the default
+    for key, own in (("sequence_parallel", "train.sequence_parallel"),
+                     ("tensor_model_parallel_size", "train.tensor_parallel_size"),
+                     ("expert_model_parallel_size", "train.expert_parallel_size")):
+        with pytest.raises(ConfigError) as e:
+            load_and_check(None, ["model.create=tiny-qwen2", f"megatron.{key}=2"])
+        assert f"set {own} instead" in assert_one_line(e.value, f"megatron.{key}")
 
 
 def test_tensor_parallel_size_must_divide_the_heads(tmp_path):

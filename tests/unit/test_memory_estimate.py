@@ -366,32 +366,43 @@ def test_refusal_names_the_offload_that_would_fit(tmp_path):
     assert "megatron.optimizer_cpu_offload=true" in e.value.fix and "fits" in e.value.fix
 
 
-def test_moe_refusal_names_expert_parallelism_not_tp(tmp_path):
-    """A MoE model that does not fit is pointed at the offload and more expert parallelism, never at TP."""
+def test_moe_refusal_names_tensor_and_expert_parallelism(tmp_path):
+    """A MoE model that does not fit is pointed at the offload, and at sequence-parallel TP (up to a node's
+    GPUs) with more expert parallelism."""
     folder = model_folder(tmp_path / "m", "glm-4.5-air")
     with pytest.raises(ConfigError) as e:
         load_and_check(CLUSTER / "glm-4.5-air.yaml",
                        [f"model.path={folder}", "megatron.optimizer_cpu_offload=false"])
     assert e.value.field == "slurm.gpu_memory_gb"
-    assert "train.expert_parallel_size (up to 128)" in e.value.fix
-    assert "tensor_parallel_size" not in e.value.fix
+    assert ("train.tensor_parallel_size (up to 8, sequence-parallel) and train.expert_parallel_size (up to 128)"
+            in e.value.fix)
 
 
-def test_moe_under_tensor_parallelism_is_refused(tmp_path):
-    """The layout the DeepSeek-V3 configs had before (TP8 x EP32) is refused on the login node:
-    megatron-core 0.16.1 trains MoE layers under TP only with sequence parallelism, which hpcrl's local layer
-    spec refuses."""
+def test_moe_at_tensor_parallelism_counts_experts_by_etp_times_ep(tmp_path):
+    """DeepSeek-V3 at TP8 (sequence-parallel) x EP32 is a layout now (issue #54): attention and the dense
+    layers are split over TP, each routed expert over ``train.expert_tensor_parallel_size`` x EP. With ETP 1
+    (slime's) each GPU holds 1/32 of the experts; with ETP 2 half of that, and megatron's expert groups
+    (ETP x EP x PP) must tile the ranks."""
     folder = model_folder(tmp_path / "m", "deepseek-v3")
+    base = [f"model.path={folder}", "train.tensor_parallel_size=8", "train.expert_parallel_size=32",
+            "slurm.gpu_memory_gb=400"]  # room for both, to compare their estimates
+    p = _count("deepseek-v3")
+    etp1 = trainer_memory(load_and_check(CLUSTER / "deepseek-v3.yaml", base), p)
+    etp2 = trainer_memory(load_and_check(CLUSTER / "deepseek-v3.yaml",
+                                         [*base, "train.expert_tensor_parallel_size=2"]), p)
+    assert etp1.layout == "tp8 sp pp1 cp1 ep32 etp1 dp32 edp8 over 256 GPUs"
+    assert etp2.layout == "tp8 sp pp1 cp1 ep32 etp2 dp32 edp4 over 256 GPUs"
+    assert etp1.params - etp2.params == pytest.approx(p.expert / 64)
     with pytest.raises(ConfigError) as e:
-        load_and_check(CLUSTER / "deepseek-v3.yaml", [f"model.path={folder}", "train.tensor_parallel_size=8",
-                                                      "train.expert_parallel_size=32"])
-    assert e.value.field == "train.tensor_parallel_size"
+        load_and_check(CLUSTER / "deepseek-v3.yaml", [*base, "train.expert_tensor_parallel_size=16"])
+    assert e.value.field == "train.expert_parallel_size" and "must divide train.nprocs=256" in str(e.value)
 
 
 def test_deepseek_v3_on_h100_is_refused_in_one_line(tmp_path):
     """At TP=1 each GPU holds DeepSeek-V3's 17.1B non-expert parameters: 6 bytes each (bf16 weights +
-    fp32 gradients) is 103 GB before any expert, so no EP and no offload fits 80 GB; validate says so in one
-    line."""
+    fp32 gradients) is 103 GB before any expert, so no EP and no offload fits 80 GB at the shipped TP=1
+    layout; validate says so in one line and names TP with sequence parallelism (which fits: ~28 GB at TP8
+    x EP256)."""
     p = _count("deepseek-v3")
     assert 6 * (p.total - p.expert) > (80 - RESERVED_GB) * GB
     folder = model_folder(tmp_path / "m", "deepseek-v3")
@@ -401,11 +412,13 @@ def test_deepseek_v3_on_h100_is_refused_in_one_line(tmp_path):
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("config error: slurm.gpu_memory_gb=80.0: the trainer needs")
-    assert "no layout of hpcrl's trainer fits" in lines[0] and "17.1B non-expert parameters" in lines[0]
-    assert "train.expert_parallel_size=256" in lines[0] and "pipeline parallelism" in lines[0]
+    assert ("train.tensor_parallel_size (up to 8, sequence-parallel) and train.expert_parallel_size (up to 256)"
+            in lines[0])
+    tp8 = load_and_check(CLUSTER / "deepseek-v3.yaml", [f"model.path={folder}", "train.tensor_parallel_size=8"])
+    assert trainer_memory(tp8, p).total < (80 - RESERVED_GB) * GB  # the trainer fits an H100 (engines: fp8)
     ok = hpcrl(["validate", str(CLUSTER / "deepseek-v3.yaml"), f"model.path={folder}"], tmp_path)  # H200s
     assert ok.returncode == 0, ok.stderr
-    assert "tp1 pp1 cp1 ep256 dp256 edp1 over 256 GPUs" in ok.stdout and "of 141 GB" in ok.stdout
+    assert "tp1 pp1 cp1 ep256 etp1 dp256 edp1 over 256 GPUs" in ok.stdout and "of 141 GB" in ok.stdout
 
 
 @pytest.mark.parametrize("name,overrides,field", [
