@@ -470,7 +470,7 @@ class Actor(ModelOnRank):
         """Response log-probs (and entropy) of a micro-batch at the rollout temperature, ``[b, R]`` each."""
         from hpcrl.train import routing_replay
 
-        with routing_replay.replaying(mb.routed_experts):  # the engine's routing, when replayed
+        with routing_replay.replaying(mb.routed_experts, self.model.config):  # the engine's, when replayed
             return self._forward_routed(mb, with_entropy)
 
     def _forward_routed(self, mb: MicroBatch, with_entropy: bool):

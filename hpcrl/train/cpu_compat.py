@@ -75,6 +75,14 @@ returns at once and megatron-core runs unmodified):
    ``disable_jit_fuser()`` sets) is ``jit_fuser`` instead. ``torch.compile`` itself is the real one again as
    soon as the import returns. When megatron-core was imported before :func:`apply`, nothing changes.
 
+7. Uneven gathers over gloo (:func:`_uneven_gather_along_first_dim`, :func:`_uneven_reduce_scatter_along_first_dim`):
+   ``tensor_parallel.mappings``' gather and reduce-scatter along the first dimension with per-rank split sizes
+   (the all-to-all token dispatcher at expert-tensor parallelism > 1, whose expert-TP ranks hold different
+   numbers of routed tokens) call ``all_gather`` with tensors of different sizes and a list ``reduce_scatter``,
+   which gloo refuses ("invalid tensor size"). On the CPU they pad every rank's part to the largest and use the
+   equal-size collectives, then drop the padding: the same values (the reduce sums the same addends). Equal
+   splits go to megatron's own code unchanged.
+
 Nothing else is changed. :func:`apply` is idempotent; :func:`is_applied` tells whether it has patched.
 """
 
@@ -263,6 +271,47 @@ def _with_cuda_type_names(fn: Callable) -> Callable:
     return wrapper
 
 
+def _uneven_gather_along_first_dim(gather: Callable) -> Callable:
+    """megatron's ``_gather_along_first_dim`` (``gather``) with ``output_split_sizes`` done by padding to the
+    largest split and an equal ``all_gather_into_tensor`` (gloo has no uneven all-gather). ``[n_r, ...]`` on
+    rank r in, ``[sum(n), ...]`` out."""
+
+    @functools.wraps(gather)
+    def wrapped(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        most = max(sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((most * len(sizes), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(out.chunk(len(sizes)), sizes)], dim=0)
+
+    return wrapped
+
+
+def _uneven_reduce_scatter_along_first_dim(reduce_scatter: Callable) -> Callable:
+    """megatron's ``_reduce_scatter_along_first_dim`` (``reduce_scatter``) with ``input_split_sizes`` done by
+    padding each rank's part to the largest and an equal ``reduce_scatter_tensor`` (gloo has no list
+    reduce-scatter). ``[sum(n), ...]`` in, ``[n_r, ...]`` out on rank r."""
+
+    @functools.wraps(reduce_scatter)
+    def wrapped(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        most = max(sizes)
+        padded = input_.new_zeros((most * len(sizes), *input_.shape[1:]))
+        for part, chunk in zip(padded.chunk(len(sizes)), torch.split(input_, sizes, dim=0)):
+            part[: chunk.shape[0]] = chunk
+        out = input_.new_empty((most, *input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, padded, group=group)
+        return out[: sizes[group.rank()]]
+
+    return wrapped
+
+
 def is_applied() -> bool:
     """True once :func:`apply` has patched megatron-core in this process."""
     return _applied
@@ -366,5 +415,10 @@ def apply() -> bool:
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = _move_to_host(moe_utils.maybe_move_tensor_to_cpu)
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = _uneven_gather_along_first_dim(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter_along_first_dim(
+        mappings._reduce_scatter_along_first_dim)
     _applied = True
     return True

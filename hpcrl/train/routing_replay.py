@@ -82,15 +82,34 @@ def packed_indices(routed: Sequence[Tensor], sources: Tensor, layers: int, top_k
     return out
 
 
+def sequence_shard(indices: Tensor, rank: int, size: int) -> Tensor:
+    """The rows of a replay tensor ``[tokens, layers, top_k]`` that tensor-parallel rank ``rank`` of ``size``
+    routes under sequence parallelism: megatron scatters the decoder's ``[s, b, h]`` input along ``s`` in
+    ``size`` equal parts, so in the sequence-first token order (position-major, or the pack's order) each
+    rank's tokens are one contiguous ``tokens / size`` block. Raises ValueError when ``tokens`` is not a
+    multiple of ``size`` (micro-batches are padded to one: :func:`hpcrl.train.actor.build_steps`)."""
+    if indices.shape[0] % size:
+        raise ValueError(f"{indices.shape[0]} tokens cannot be split over {size} sequence-parallel ranks")
+    return indices.chunk(size, dim=0)[rank]
+
+
 @contextlib.contextmanager
-def replaying(indices: Optional[Tensor]) -> Iterator[None]:
+def replaying(indices: Optional[Tensor], config=None) -> Iterator[None]:
     """Within the block, every MoE router of the model (built with ``moe_enable_routing_replay``) routes the
     forward's tokens to ``indices`` int64 ``[tokens, layers, top_k]`` (layer order of the model). None: nothing
-    replayed. Raises ValueError when the model has another number of MoE layers."""
+    replayed. ``config``: the model's ``TransformerConfig``; with its ``sequence_parallel`` each rank replays
+    its own block of the tokens (:func:`sequence_shard`). Raises ValueError when the model has another number
+    of MoE layers."""
     if indices is None:
         yield
         return
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    if config is not None and getattr(config, "sequence_parallel", False):
+        from megatron.core import parallel_state
+
+        indices = sequence_shard(indices, parallel_state.get_tensor_model_parallel_rank(),
+                                 parallel_state.get_tensor_model_parallel_world_size())
 
     RouterReplay.set_replay_data([indices[:, layer].contiguous() for layer in range(indices.shape[1])])
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

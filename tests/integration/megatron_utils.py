@@ -32,17 +32,19 @@ def unit_helpers(name: str = "test_megatron_bridge") -> ModuleType:
     return load_file_module(UNIT / f"{name}.py", f"hpcrl_tests_{name}_helpers", ROOT)
 
 
-def run_two_ranks(script: str | os.PathLike, args: list[str], out: Path, timeout: float = 600) -> list[dict]:
-    """Run ``script args --out out`` under ``torchrun --nproc_per_node=2`` (gloo on a free loopback port, one
-    thread per rank) and return each rank's ``out/rank{r}.pt``, rank 0 first. Fails the test with the job's
-    output tails when it exits non-zero; raises subprocess.TimeoutExpired after ``timeout`` seconds."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+def run_two_ranks(script: str | os.PathLike, args: list[str], out: Path, timeout: float = 600,
+                  nprocs: int = 2) -> list[dict]:
+    """Run ``script args --out out`` under ``torchrun --nproc_per_node=nprocs`` (2 unless said; gloo on a free
+    loopback port, one thread per rank) and return each rank's ``out/rank{r}.pt``, rank 0 first. Fails the test
+    with the job's output tails when it exits non-zero; raises subprocess.TimeoutExpired after ``timeout``
+    seconds."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nprocs}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, \
         f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
 
 
 def assert_export_bitwise(export: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> None:

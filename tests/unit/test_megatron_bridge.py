@@ -504,3 +504,9 @@ def test_routing_replay_indices_follow_megatrons_token_order():
     assert packed[:, 0].tolist() == [[5, 6], [7, 1], [0, 1], [0, 1], [0, 1]]
     with pytest.raises(ValueError, match="routed experts of shape"):
         rr.padded_indices([a], [4], width=4, layers=1, top_k=2)
+    # sequence parallelism: TP rank r routes the r-th block of positions (positions 0-1 of 4 on rank 0)
+    four = rr.padded_indices([a, b], [3, 2], width=4, layers=1, top_k=2)
+    assert rr.sequence_shard(four, 0, 2)[:, 0].tolist() == [[5, 6], [2, 3], [7, 1], [0, 1]]
+    assert torch.equal(rr.sequence_shard(four, 1, 2), four[4:])
+    with pytest.raises(ValueError, match="6 tokens cannot be split over 4"):
+        rr.sequence_shard(out, 0, 4)
