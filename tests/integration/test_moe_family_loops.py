@@ -1,6 +1,7 @@
 """The whole loop with the tiny GLM-4.5-style (``glm4_moe``) and DeepSeek-V3-style (``deepseek_v3``:
 multi-latent attention with YaRN, the GLM-4.5 router family) policies (issue #35 point 3): ``hpcrl run`` with
-GSPO, ``train.expert_parallel_size: 2`` over 2 trainer processes and the CPU engine, rollout routing replay on
+GSPO, ``train.expert_parallel_size: 2`` over 2 trainer processes (GLM-4.5 also at ``tensor_parallel_size: 2``
+with sequence parallelism) and the CPU engine, rollout routing replay on
 (``algorithm.routing_replay``: the engine's ``return_routed_experts`` of its sigmoid grouped router, for the
 MoE layers after the dense first one, replayed by the trainer's routers). DeepSeek-V3 also packs its
 micro-batches (``train.max_tokens_per_microbatch``: MLA through hpcrl's packed attention, q/k heads wider than
@@ -30,11 +31,14 @@ FAMILIES = {
     "tiny-deepseek-v3": ", max_tokens_per_microbatch: 128",
 }
 """``model.create`` -> what its run adds to the ``train`` section."""
+LAYOUTS = {"ep2": "expert_parallel_size: 2", "tp2sp": "tensor_parallel_size: 2"}
+"""The trainer's 2 ranks: experts split by EP, or TP=2 with sequence parallelism (each rank routes, and
+replays the engine's routing of, its half of the tokens)."""
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_ep2_run_with_routing_replay_matches_the_engine(tmp_path: Path, family: str):
+@pytest.mark.parametrize("family,layout", [(f, "ep2") for f in FAMILIES] + [("tiny-glm4-moe", "tp2sp")])
+def test_run_with_routing_replay_matches_the_engine(tmp_path: Path, family: str, layout: str):
     name = family.removeprefix("tiny-").replace("-", "_")
     hpcrl_run(tmp_path, f"""
         run: {{name: {name}, output_dir: {tmp_path / 'runs'}, num_rollout: {STEPS}, seed: 7, deterministic: true}}
@@ -43,7 +47,7 @@ def test_ep2_run_with_routing_replay_matches_the_engine(tmp_path: Path, family: 
         data: {{source: addition, num_train: 200, num_eval: 16}}
         rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 6, router: false,
                   reward_function: {name}_rewards.digit_fraction, eval_interval: 0}}
-        train: {{lr: 3.0e-3, micro_batch_size: 4, expert_parallel_size: 2, nprocs: 2,
+        train: {{lr: 3.0e-3, micro_batch_size: 4, {LAYOUTS[layout]}, nprocs: 2,
                 lr_decay_steps: {STEPS}{FAMILIES[family]}}}
         algorithm: {{advantage_estimator: gspo, eps_clip: 3.0e-4, eps_clip_high: 4.0e-4,
                     routing_replay: true}}

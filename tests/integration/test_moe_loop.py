@@ -23,8 +23,15 @@ pytestmark = pytest.mark.integration
 STEPS = 4
 
 
-def run_hpcrl(tmp_path: Path, name: str, *overrides: str) -> str:
-    """``hpcrl run`` in ``tmp_path`` (output to a file: shared-memory helpers keep pipes open); returns its log."""
+LAYOUTS = {"ep2": "expert_parallel_size: 2", "tp2sp": "tensor_parallel_size: 2"}
+"""The trainer's layout over its 2 ranks: experts split by EP, or attention and MLPs by TP (sequence-parallel,
+the default at TP > 1) with every expert whole on both ranks (expert-tensor parallelism 1, the default: two
+expert-data-parallel ranks)."""
+
+
+def run_hpcrl(tmp_path: Path, name: str, *overrides: str, layout: str = "ep2") -> str:
+    """``hpcrl run`` in ``tmp_path`` (output to a file: shared-memory helpers keep pipes open) at ``layout``
+    (:data:`LAYOUTS`); returns its log."""
     return hpcrl_run(tmp_path, f"""
         run: {{name: {name}, output_dir: {tmp_path / 'runs'}, num_rollout: {STEPS}, seed: 7, deterministic: true}}
         model: {{path: {tmp_path / 'moe'}, create: tiny-qwen3-moe, tiny_hidden_size: 64, tiny_num_layers: 2,
@@ -32,7 +39,7 @@ def run_hpcrl(tmp_path: Path, name: str, *overrides: str) -> str:
         data: {{source: addition, num_train: 200, num_eval: 16}}
         rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 6,
                   reward_function: moe_rewards.digit_fraction, eval_interval: 0}}
-        train: {{lr: 3.0e-3, micro_batch_size: 4, expert_parallel_size: 2, nprocs: 2, lr_decay_steps: {STEPS}}}
+        train: {{lr: 3.0e-3, micro_batch_size: 4, {LAYOUTS[layout]}, nprocs: 2, lr_decay_steps: {STEPS}}}
         algorithm: {{advantage_estimator: gspo, eps_clip: 3.0e-4, eps_clip_high: 4.0e-4}}
         checkpoint: {{save_interval: 2, keep_last: 2}}
     """, *overrides, rewards="moe_rewards", log=name)
@@ -49,15 +56,18 @@ def exported(tmp_path: Path, name: str) -> dict:
 
 
 @pytest.mark.timeout(900)
-def test_ep2_run_matches_the_engine_and_resumes_bitwise(tmp_path):
-    run_hpcrl(tmp_path, "whole")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_run_matches_the_engine_and_resumes_bitwise(tmp_path, layout):
+    """At EP=2, and at TP=2 with sequence parallelism (issue #54 point 5: the sync loop, the weight sync, the
+    checkpoint saved and resumed at TP=2 + SP, and its export)."""
+    run_hpcrl(tmp_path, "whole", layout=layout)
     steps = step_rows(tmp_path / "runs", "whole")
     assert len(steps) == STEPS
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in steps), steps  # synced experts
     assert any(r["train/grad_norm"] > 0 for r in steps)
 
-    run_hpcrl(tmp_path, "split", "run.num_rollout=2")  # stops after its checkpoint at rollout 1
-    log = run_hpcrl(tmp_path, "split")  # the same folder: resumes at rollout 2
+    run_hpcrl(tmp_path, "split", "run.num_rollout=2", layout=layout)  # stops after its checkpoint at rollout 1
+    log = run_hpcrl(tmp_path, "split", layout=layout)  # the same folder: resumes at rollout 2
     assert "resumed from" in log
     a, b = exported(tmp_path, "whole"), exported(tmp_path, "split")
     assert sorted(a) == sorted(b) and "model.layers.1.mlp.experts.3.up_proj.weight" in a
