@@ -318,6 +318,14 @@ def plan_steps(samples: Sequence["Sample"], train: "TrainSection", dp_rank: int,
     return local, global_
 
 
+def sequence_multiple(model_config: Any) -> int:
+    """What a micro-batch's sequence length (padded width, or pack tokens) must be a multiple of for a model
+    with this megatron ``TransformerConfig``: its tensor-parallel size under sequence parallelism (megatron
+    splits the sequence into that many equal parts), else 1. The ``pad_to_multiple`` of
+    :func:`build_micro_batch`."""
+    return model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
+
+
 def build_steps(samples: Sequence["Sample"], masks: Sequence[Tensor], advantages: Sequence[Tensor],
                 train: "TrainSection", model_config: Any, dp_rank: int, dp_size: int,
                 device: Union[str, torch.device], with_rollout_log_probs: bool = True,
@@ -333,7 +341,7 @@ def build_steps(samples: Sequence["Sample"], masks: Sequence[Tensor], advantages
     :func:`build_micro_batch` raise."""
     local, global_ = plan_steps(samples, train, dp_rank, dp_size)
     packed = train.max_tokens_per_microbatch is not None
-    pad = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
+    pad = sequence_multiple(model_config)
     steps = [[build_micro_batch(samples, mb, advantages, device, with_rollout_log_probs, packed=packed,
                                 share_prompt=train.share_group_prompt, pad_to_multiple=pad,
                                 with_teacher_log_probs=with_teacher_log_probs, routing=routing)

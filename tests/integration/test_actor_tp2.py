@@ -80,13 +80,14 @@ def run_gae(model_dir, samples, critic_path) -> dict:
     padded micro-batch) before it, the rollout's metrics and its first actor step."""
     from megatron.core import parallel_state
 
-    from hpcrl.train.actor import Actor, build_micro_batch
+    from hpcrl.train.actor import Actor, build_micro_batch, sequence_multiple
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     cfg = _unit_helpers().make_config(**GAE, **{"train.tensor_parallel_size": tp,
                                                 "critic.path": str(critic_path)})
     actor = Actor(cfg, model_dir, ci_checks=True)
-    mb = build_micro_batch(samples, range(len(samples)), [torch.zeros(s.response_length) for s in samples])
+    mb = build_micro_batch(samples, range(len(samples)), [torch.zeros(s.response_length) for s in samples],
+                           pad_to_multiple=sequence_multiple(actor.model.config))
     values = actor.critic.values([mb])[0]
     m = actor.train(0, samples)
     timing = ("seconds", "tokens_per_s")

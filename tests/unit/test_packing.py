@@ -19,7 +19,8 @@ pytest.importorskip("megatron.core")
 from hpcrl.config import ConfigError  # noqa: E402
 from hpcrl.data.sample import Sample  # noqa: E402
 from hpcrl.train import bridge  # noqa: E402
-from hpcrl.train.actor import Actor, build_micro_batch  # noqa: E402
+from hpcrl.train.actor import Actor, build_micro_batch, sequence_multiple  # noqa: E402
+from hpcrl.train.model import sum_replicated_grads_over_tp  # noqa: E402
 from hpcrl.train.packing import build_pack, plan_micro_batches, unit_tokens  # noqa: E402
 from tests.unit.test_actor import make_config, make_samples, tp1  # noqa: E402,F401
 
@@ -189,11 +190,13 @@ def forward_gates(actor: Actor, samples: list[Sample]) -> dict[str, float]:
     out = {}
     grads = {}
     for name, packed, share in (("padded", False, False), ("packed", True, False), ("shared", True, True)):
-        mb = build_micro_batch(samples, positions, adv, actor.device, packed=packed, share_prompt=share)
+        mb = build_micro_batch(samples, positions, adv, actor.device, packed=packed, share_prompt=share,
+                               pad_to_multiple=sequence_multiple(actor.model.config))
         actor.ddp_model.zero_grad_buffer()
         res = actor._forward(mb, with_entropy=True)
         (res.log_probs.sum() + res.entropy.sum()).backward()
         actor.ddp_model.finish_grad_sync()
+        sum_replicated_grads_over_tp(actor.ddp_model)  # as train_step: under SP the norms' are per-rank parts
         grads[name] = (res.log_probs.detach(), res.entropy.detach(), _flat_grad(actor.ddp_model))
         if packed:
             out[f"{name}_tokens"] = mb.pack.num_tokens
