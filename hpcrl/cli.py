@@ -41,8 +41,12 @@ def summarize(cfg: Config) -> list[str]:
     model = m.path + (f" (created with {m.create} if missing)" if m.create else "")
     kl = f"kl {a.kl_loss_type} x {a.kl_loss_coef}" if a.use_kl_loss else "no kl"
     sft_run = cfg.run.mode == "sft"
-    layout = (f"tp{t.tensor_parallel_size} pp{t.pipeline_parallel_size} cp{t.context_parallel_size} "
-              f"ep{t.expert_parallel_size}, nprocs {t.nprocs}")
+    from hpcrl.config.train import sequence_parallel
+
+    experts = t.expert_parallel_size > 1 or t.expert_tensor_parallel_size > 1
+    layout = (f"tp{t.tensor_parallel_size}{' sp' if sequence_parallel(t) else ''} pp{t.pipeline_parallel_size} "
+              f"cp{t.context_parallel_size} ep{t.expert_parallel_size}"
+              f"{f' etp{t.expert_tensor_parallel_size}' if experts else ''}, nprocs {t.nprocs}")
     micro = (f"micro batch {t.micro_batch_size}" if t.max_tokens_per_microbatch is None else
              f"packed <= {t.max_tokens_per_microbatch} tokens per micro-batch"
              + (", shared prompts" if t.share_group_prompt and not sft_run else ""))

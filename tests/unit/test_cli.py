@@ -286,7 +286,7 @@ def test_the_hpcrl_process_exits_without_a_last_full_collection():
     assert "console_main" in console  # the installed script goes through it too
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air", "glm-4.5", "deepseek-v3"])
 def test_validate_plan_estimates_a_layout_from_config_json_alone(name, capsys):
     """Issue #54 point 6: with only the model's published ``config.json`` (``configs/cluster/models/``, no
     weights), ``hpcrl validate`` stops at "no weights"; ``--plan`` checks the rest and prints the layout's
@@ -298,4 +298,5 @@ def test_validate_plan_estimates_a_layout_from_config_json_alone(name, capsys):
     assert cli.main([*args, "--plan"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"OK: {cluster / name}.yaml (plan: the model's weights not checked")
-    assert "  trainer:   tp1" in out and "parameters per GPU" in out and "  engine:    " in out
+    assert "  trainer:   tp" in out and " sp pp1 " in out and "parameters per GPU" in out
+    assert "  engine:    " in out

@@ -35,6 +35,7 @@ import yaml
 
 from hpcrl.config import ConfigError, load_config
 from hpcrl.config.memory import GB, RESERVED_GB, check_memory, engine_memory, trainer_memory
+from hpcrl.config.train import sequence_parallel
 from hpcrl.models.params import count_parameters
 from hpcrl.models.support import SUPPORTED_MODEL_TYPES
 from hpcrl.validate import ENVIRONMENT, load_and_check, memory_lines
@@ -48,6 +49,7 @@ CONFIGS = {  # cluster config -> (model folder, model_type)
     "qwen3-30b-a3b-disaggregate": ("qwen3-30b-a3b", "qwen3_moe"),
     "glm-4.5-air": ("glm-4.5-air", "glm4_moe"),
     "glm-4.5-air-disaggregate": ("glm-4.5-air", "glm4_moe"),
+    "glm-4.5": ("glm-4.5", "glm4_moe"),
     "deepseek-v3": ("deepseek-v3", "deepseek_v3"),
     "deepseek-v3-disaggregate": ("deepseek-v3", "deepseek_v3"),
 }
@@ -127,7 +129,7 @@ def test_tiny_count_equals_transformers(name):
     assert count.output == (0 if TINY[name].get("tie_word_embeddings") else count.embedding)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air", "glm-4.5", "deepseek-v3"])
 def test_published_count_equals_transformers(name):
     """The published config.json as the hub has it (top-level ``partial_rotary_factor``, ``rope_scaling``,
     DeepSeek's fp8 ``quantization_config``, which transformers would act on and the count ignores)."""
@@ -267,14 +269,19 @@ def test_a_smaller_critic_is_counted_from_its_own_config(tmp_path):
 
 
 def test_experts_shard_over_ep_and_expert_dp(tmp_path):
-    cfg = _cfg(tmp_path, "qwen3-30b-a3b-disaggregate")  # TP1 EP16 over 16 GPUs: EDP 1, DP 16
+    """TP4 (SP) x EP16 with whole experts (ETP 1) over 16 GPUs: the non-expert matrices over TP 4 (norms and
+    routers whole), data parallelism 4 for them; each expert once (expert data parallelism 1)."""
+    cfg = _cfg(tmp_path, "qwen3-30b-a3b-disaggregate")
     p = _count()
     m = trainer_memory(cfg, p)
-    dense, expert = p.embedding + p.output + p.dense + p.replicated, p.expert / 16
+    dense, expert = (p.embedding + p.output + p.dense) / 4 + p.replicated, p.expert / 16
     assert m.params == pytest.approx(dense + expert)
-    assert m.adam == pytest.approx(12 * (dense / 16 + expert / 1))
+    assert m.adam == pytest.approx(12 * (dense / 4 + expert / 1))
     cfg.slurm.nodes = 4  # 32 GPUs at EP16: every expert has 2 data-parallel replicas, Adam sharded over them
-    assert trainer_memory(cfg, p).adam == pytest.approx(12 * (dense / 32 + expert / 2))
+    assert trainer_memory(cfg, p).adam == pytest.approx(12 * (dense / 8 + expert / 2))
+    cfg.train.expert_tensor_parallel_size = 2  # each expert split over 2 GPUs: one replica left, half of it
+    assert trainer_memory(cfg, p).adam == pytest.approx(12 * (dense / 8 + expert / 2 / 1))
+    assert trainer_memory(cfg, p).params == pytest.approx(dense + expert / 2)
 
 
 def test_cpu_offload_moves_its_fraction_of_adam_to_the_host(tmp_path):
@@ -316,15 +323,17 @@ def test_cpu_offload_keys_reach_megatron_optimizer_config(name):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_cluster_config_fits_and_tiles_its_gpus(tmp_path, name):
-    """All six, GLM and DeepSeek included: the estimate and layout checks (the model-folder check that refuses
-    glm4_moe/deepseek_v3 for now is not part of :func:`check_memory`)."""
+    """Every cluster config: the estimate and layout checks, at slime's kind of layout (issue #54: TP within a
+    node with sequence parallelism, whole experts over EP)."""
     cfg = _cfg(tmp_path, name)
     check_memory(cfg, check_files=True, env=ENVIRONMENT)  # raises if a layout does not fit
     s, t, sg = cfg.slurm, cfg.train, cfg.sglang
     world = s.nodes * s.gpus_per_node
     assert t.nprocs == world  # what hpcrl submit sets from the allocation
-    assert t.tensor_parallel_size == 1  # MoE models: TP needs sequence parallelism, which hpcrl lacks
-    assert world % t.expert_parallel_size == 0  # expert-TP (= TP = 1) x EP x EDP = world
+    assert t.tensor_parallel_size > 1 and sequence_parallel(t)  # megatron trains MoE at TP > 1 only with SP
+    assert s.gpus_per_node % t.tensor_parallel_size == 0  # TP within a node (NVLink)
+    assert t.expert_tensor_parallel_size == 1  # whole experts, as slime's scripts
+    assert world % (t.expert_tensor_parallel_size * t.expert_parallel_size) == 0  # ETP x EP x EDP = world
     assert t.pipeline_parallel_size == 1  # the trainer refuses pipeline parallelism
     engine_gpus = s.rollout.gpus_per_node if cfg.run.placement == "disaggregate" else s.gpus_per_node
     assert sg["tp_size"] == engine_gpus and sg["tp_size"] % sg["ep_size"] == 0
@@ -350,10 +359,12 @@ def test_cluster_config_fits_and_tiles_its_gpus(tmp_path, name):
     ("rollout.num_engines=2", "rollout.num_engines"),  # colocated: one engine per node
 ])
 def test_layout_that_cannot_fit_is_refused_in_one_line(tmp_path, override, field):
+    """At TP=1 (every GPU holds all non-expert parameters: the numbers in the comments); the shipped TP4 layout
+    fits even with Adam on the GPU."""
     folder = model_folder(tmp_path / "m", "qwen3-30b-a3b")
     with pytest.raises(ConfigError) as e:
-        load_and_check(CLUSTER / "qwen3-30b-a3b.yaml", [f"model.path={folder}", override,
-                                                        "rollout.max_new_tokens=16000"])
+        load_and_check(CLUSTER / "qwen3-30b-a3b.yaml", [f"model.path={folder}", "train.tensor_parallel_size=1",
+                                                        override, "rollout.max_new_tokens=16000"])
     assert e.value.field == field
     assert "\n" not in str(e.value) and "; " in str(e.value)  # one line: field=value: problem; fix
 
@@ -362,7 +373,8 @@ def test_refusal_names_the_offload_that_would_fit(tmp_path):
     folder = model_folder(tmp_path / "m", "qwen3-30b-a3b")
     with pytest.raises(ConfigError) as e:
         load_and_check(CLUSTER / "qwen3-30b-a3b.yaml",
-                       [f"model.path={folder}", "megatron.optimizer_cpu_offload=false"])
+                       [f"model.path={folder}", "megatron.optimizer_cpu_offload=false",
+                        "train.tensor_parallel_size=1"])
     assert "megatron.optimizer_cpu_offload=true" in e.value.fix and "fits" in e.value.fix
 
 
@@ -407,7 +419,7 @@ def test_deepseek_v3_on_h100_is_refused_in_one_line(tmp_path):
     assert 6 * (p.total - p.expert) > (80 - RESERVED_GB) * GB
     folder = model_folder(tmp_path / "m", "deepseek-v3")
     bad = hpcrl(["validate", str(CLUSTER / "deepseek-v3.yaml"), f"model.path={folder}",
-                 "slurm.gpu_memory_gb=80"], tmp_path)
+                 "slurm.gpu_memory_gb=80", "train.tensor_parallel_size=1"], tmp_path)
     assert bad.returncode == 2 and bad.stdout == ""
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -418,7 +430,7 @@ def test_deepseek_v3_on_h100_is_refused_in_one_line(tmp_path):
     assert trainer_memory(tp8, p).total < (80 - RESERVED_GB) * GB  # the trainer fits an H100 (engines: fp8)
     ok = hpcrl(["validate", str(CLUSTER / "deepseek-v3.yaml"), f"model.path={folder}"], tmp_path)  # H200s
     assert ok.returncode == 0, ok.stderr
-    assert "tp1 pp1 cp1 ep256 etp1 dp256 edp1 over 256 GPUs" in ok.stdout and "of 141 GB" in ok.stdout
+    assert "tp8 sp pp1 cp1 ep256 etp1 dp32 edp1 over 256 GPUs" in ok.stdout and "of 141 GB" in ok.stdout
 
 
 @pytest.mark.parametrize("name,overrides,field", [
@@ -476,7 +488,7 @@ def _submit_dry_run(tmp_path, name):
     assert int(trainer["ntasks-per-node"]) == int(trainer["gpus-per-node"])  # one trainer rank per GPU
     assert world == t["nprocs"] == s["nodes"] * s["gpus_per_node"]
     assert world % (t["tensor_parallel_size"] * t["pipeline_parallel_size"] * t["context_parallel_size"]) == 0
-    assert world % (t["tensor_parallel_size"] * t["expert_parallel_size"]) == 0
+    assert world % (t["expert_tensor_parallel_size"] * t["expert_parallel_size"]) == 0
     if resolved["run"]["placement"] == "disaggregate":
         assert len(groups) == 2  # het group 1: the engines, one task per node, all its GPUs for one engine
         rollout = groups[1]
@@ -497,6 +509,7 @@ def test_submit_dry_run_qwen3(tmp_path, name):
 @pytest.mark.parametrize("name", [
     pytest.param("glm-4.5-air", marks=_skip_unsupported("glm4_moe")),
     pytest.param("glm-4.5-air-disaggregate", marks=_skip_unsupported("glm4_moe")),
+    pytest.param("glm-4.5", marks=_skip_unsupported("glm4_moe")),
     pytest.param("deepseek-v3", marks=_skip_unsupported("deepseek_v3")),
     pytest.param("deepseek-v3-disaggregate", marks=_skip_unsupported("deepseek_v3")),
 ])
@@ -510,7 +523,7 @@ def test_validate_prints_estimate_and_refuses_in_one_line(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "memory:    30.53B parameters" in ok.stdout and "Adam without CPU offload" in ok.stdout
     bad = hpcrl(["validate", str(CLUSTER / "qwen3-30b-a3b.yaml"), f"model.path={folder}",
-                 "megatron.optimizer_cpu_offload=false"], tmp_path)
+                 "megatron.optimizer_cpu_offload=false", "train.tensor_parallel_size=1"], tmp_path)
     assert bad.returncode == 2 and bad.stdout == ""
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1
