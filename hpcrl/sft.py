@@ -89,8 +89,10 @@ def cache_key(cfg: "Config", base: Path) -> dict[str, Any]:
     demonstrations (``sft.data`` or ``data``: source, sizes, keys, task arguments, and the sha256 of file
     sources), ``run.seed``, the recipe (``sft.*`` but ``enabled``/``output``/``data``), the eval's response
     limits (they decide where a target stops training), ``model.dtype`` and the trainer's layout and precision
-    (parallel sizes, ranks, micro-batching, ``train.bf16``, the ``megatron:`` overrides: they change the
-    rounding). Two configs with equal keys train bitwise-equal models on one machine."""
+    (parallel sizes, sequence and expert-tensor parallelism where they apply, ranks, micro-batching,
+    ``train.bf16``, the ``megatron:`` overrides: they change the rounding). Two configs with equal keys train bitwise-equal models on one machine."""
+    from hpcrl.config.train import sequence_parallel
+
     d = cfg.sft.data if cfg.sft.data is not None else cfg.data
     t = cfg.train
     files = [Path(p) for p in (d.source, d.eval_source or "") if p and Path(p).is_file()]
@@ -113,7 +115,12 @@ def cache_key(cfg: "Config", base: Path) -> dict[str, Any]:
         "train": {"nprocs": t.nprocs, "tensor_parallel_size": t.tensor_parallel_size,
                   "expert_parallel_size": t.expert_parallel_size, "micro_batch_size": t.micro_batch_size,
                   "max_tokens_per_microbatch": t.max_tokens_per_microbatch, "bf16": t.bf16,
-                  "megatron": dict(cfg.megatron or {})},
+                  "megatron": dict(cfg.megatron or {})}
+        # sequence parallelism (TP > 1 only) and expert-tensor parallelism sum gradients in another order;
+        # absent at TP=1 / ETP 1, so the keys made before they existed stay valid
+        | ({"sequence_parallel": sequence_parallel(t)} if t.tensor_parallel_size > 1 else {})
+        | ({"expert_tensor_parallel_size": t.expert_tensor_parallel_size}
+           if t.expert_tensor_parallel_size != 1 else {}),
     }
 
 

@@ -164,6 +164,17 @@ def test_cache_key_follows_what_changes_the_result(tmp_path):
         assert key_digest(cache_key(other, base)) != key_digest(key), name
     (base / "config.json").write_text("{ }")
     assert key_digest(cache_key(cfg, base)) != key_digest(key)
+    # sequence parallelism at TP > 1 (on by default) and expert-tensor parallelism are in the key where they
+    # apply, and absent at TP=1 / ETP 1 (keys made before them stay valid)
+    assert "sequence_parallel" not in key["train"] and "expert_tensor_parallel_size" not in key["train"]
+    tp2 = _cfg(tmp_path)
+    tp2.train.tensor_parallel_size = 2
+    sp = cache_key(tp2, base)
+    assert sp["train"]["sequence_parallel"] is True
+    tp2.train.sequence_parallel = False
+    assert key_digest(cache_key(tp2, base)) != key_digest(sp)
+    tp2.train.expert_tensor_parallel_size = 2
+    assert cache_key(tp2, base)["train"]["expert_tensor_parallel_size"] == 2
 
 
 def test_store_links_the_newest_and_keeps_an_earlier_cache(tmp_path):
