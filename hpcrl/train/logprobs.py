@@ -14,8 +14,9 @@ initialised (:func:`hpcrl.train.parallel.initialize_model_parallel`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -182,12 +183,45 @@ def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor,
 def logits_window_start(model: torch.nn.Module, mb: Any) -> int:
     """The first sequence column whose logits the micro-batch needs: its earliest response prediction
     (column ``total - response - 1`` of a row; the columns before it only predict prompt tokens). 0 (all
-    columns) with sequence parallelism, where the output layer's input is split along the sequence, or when
-    the model has no ``output_layer``."""
+    columns) when the model has no ``output_layer``."""
     layer = getattr(model, "output_layer", None)
-    if layer is None or getattr(layer, "sequence_parallel", False) or mb.tokens.shape[0] == 0:
+    if layer is None or mb.tokens.shape[0] == 0:
         return 0
     return max(0, int((mb.total_lengths - mb.response_lengths - 1).min()))
+
+
+@contextlib.contextmanager
+def output_layer_rows(layer: torch.nn.Module, select: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Within the block, the output layer (megatron's ``ColumnParallelLinear``) computes logits only for
+    ``select(hidden)``: ``hidden`` its whole ``[s, b, h]`` input, ``select`` slicing or indexing dim 0 (the
+    positions that predict response tokens), so logits and their log-softmax are not made for prompt rows.
+
+    Under sequence parallelism the layer's input is this rank's ``s / TP`` positions: the hook gathers the whole
+    sequence first (its gradient split back to the rank's positions, not summed) and the layer runs this call
+    as a non-sequence-parallel column-parallel layer (``allreduce_dgrad``: its input gradient, partial per rank's
+    vocab columns, is summed over TP instead of reduce-scattered), which gives each rank the same gradient for
+    its positions as the sequence-parallel layer would."""
+    sp = bool(getattr(layer, "sequence_parallel", False))
+
+    def keep_rows(module, args, kwargs):
+        hidden = args[0]
+        if sp:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=layer.tp_group)
+        return (select(hidden), *args[1:]), kwargs
+
+    handle = layer.register_forward_pre_hook(keep_rows, with_kwargs=True)
+    saved = (layer.sequence_parallel, layer.allreduce_dgrad) if sp else None
+    if sp:
+        layer.sequence_parallel, layer.allreduce_dgrad = False, True
+    try:
+        yield
+    finally:
+        handle.remove()
+        if saved is not None:
+            layer.sequence_parallel, layer.allreduce_dgrad = saved
 
 
 def windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.Module, mb: Any,
@@ -195,8 +229,9 @@ def windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.M
     """:func:`hpcrl.train.logprobs.response_log_probs` of a micro-batch with the output layer, log-softmax and
     entropy run only on the columns ``start .. seq-2`` (those that predict response tokens).
 
-    The whole rows still go through the decoder; a forward pre-hook hands the output layer only the
-    hidden states of those columns (``[seq, batch, hidden]`` sliced on the sequence), so the logits are
+    The whole rows still go through the decoder; the output layer gets only the hidden states of those
+    columns (``[seq, batch, hidden]`` sliced on the sequence, gathered first under sequence parallelism:
+    :func:`output_layer_rows`), so the logits are
     ``[b, seq - 1 - start, vocab]`` instead of ``[b, seq, vocab]``: the same values for the response tokens,
     for a fraction of the time and memory when prompts are long and the vocab large.
     """
@@ -205,17 +240,11 @@ def windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.M
     tokens = mb.tokens
     batch, seq = tokens.shape
 
-    def keep_window(module, args, kwargs):
-        return (args[0][start:seq - 1], *args[1:]), kwargs
-
     position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
     valid = position_ids < mb.total_lengths.to(tokens.device).unsqueeze(1)
     padding = deepseek_moe.padding_kwargs(model, valid)  # MoE expert-bias token counts only
-    handle = output_layer.register_forward_pre_hook(keep_window, with_kwargs=True)
-    try:
+    with output_layer_rows(output_layer, lambda hidden: hidden[start:seq - 1]):
         logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
-    finally:
-        handle.remove()
     # Column start + c predicts token start + c + 1.
     lp_all = compute_log_probs(logits, tokens[:, start + 1:], temperature, vocab_size)
     resp = mb.response_lengths

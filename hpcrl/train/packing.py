@@ -321,36 +321,25 @@ def packed_response_log_probs(model: torch.nn.Module, pack: Pack, response_lengt
     ``model``: the (wrapped) GPTModel, built with :func:`hpcrl.train.packed_attention.layer_spec`.
     ``response_lengths``: ``[b]`` of the pack's samples, in order (``K`` tokens in all). The decoder runs once over the pack; the output
     layer, log-softmax and entropy only over the ``K`` rows that predict response tokens (no logits for prompt
-    positions), unless sequence parallelism splits the output layer's input. Returns a
+    positions; under sequence parallelism the rows are gathered first: :func:`hpcrl.train.logprobs.
+    output_layer_rows`). Returns a
     :class:`~hpcrl.train.logprobs.ResponseLogProbs` with ``[b, R]`` float32 tensors, 0 beyond each response.
     ``vocab_size`` defaults to ``hf_config.vocab_size`` of a model built by :mod:`hpcrl.train.bridge` (padded
     vocab columns get probability 0, as in :func:`~hpcrl.train.logprobs.response_log_probs`).
     """
     from hpcrl.train.bridge import unwrap_model
     from hpcrl.train.deepseek_moe import padding_kwargs
-    from hpcrl.train.logprobs import ResponseLogProbs, compute_entropy, compute_log_probs
+    from hpcrl.train.logprobs import ResponseLogProbs, compute_entropy, compute_log_probs, output_layer_rows
 
     bare = unwrap_model(model)
     if vocab_size is None and getattr(bare, "hf_config", None) is not None:
         vocab_size = bare.hf_config.vocab_size
-    layer = bare.output_layer
     rows = pack.logit_rows
-    select = not getattr(layer, "sequence_parallel", False)
-
-    def keep_rows(module, args, kwargs):
-        return (args[0].index_select(0, rows), *args[1:]), kwargs
-
-    handle = layer.register_forward_pre_hook(keep_rows, with_kwargs=True) if select else None
-    try:
-        with rotary_positions(bare, pack.positions):
-            logits = model(input_ids=pack.tokens, position_ids=pack.positions.unsqueeze(0), attention_mask=None,
-                           packed_seq_params=packed_seq_params(pack),
-                           **padding_kwargs(model, (pack.sources[:, 0] >= 0).unsqueeze(0)))
-    finally:
-        if handle is not None:
-            handle.remove()
-    if not select:  # [1, T, V/tp] -> the K rows
-        logits = logits.index_select(1, rows)
+    with output_layer_rows(bare.output_layer, lambda hidden: hidden.index_select(0, rows)), \
+            rotary_positions(bare, pack.positions):
+        logits = model(input_ids=pack.tokens, position_ids=pack.positions.unsqueeze(0), attention_mask=None,
+                       packed_seq_params=packed_seq_params(pack),
+                       **padding_kwargs(model, (pack.sources[:, 0] >= 0).unsqueeze(0)))
     width = int(response_lengths.max()) if response_lengths.numel() else 0
     mask = torch.arange(width, device=rows.device).unsqueeze(0) < response_lengths.to(rows.device).unsqueeze(1)
     labels = pack.labels.unsqueeze(0)
