@@ -83,10 +83,13 @@ SP_VARIANTS = {
     "sync-distributed-delta": ("weights.method=distributed", "weights.delta=true", "weights.full_every=2"),
     "sync-disk": ("weights.method=disk",),
     "async": ("run.mode=async", "run.placement=disaggregate"),
+    "fully_async": ("run.mode=fully_async", "run.placement=disaggregate", "run.deterministic=false",
+                    "algorithm.use_tis=true"),
 }
 """Loops and weight-sync methods at TP=2 + SP (issue #54 point 5) beyond test_run_matches_the_engine's colocated
 sync loop with the tensor sync: the distributed broadcast with delta syncs (full every 2nd), the disk sync, and
-the one-step-off async loop (the trainer's 2 ranks and the engine disaggregated on this machine's CPUs)."""
+the one-step-off async and the fully asynchronous loops (the trainer's 2 ranks and the engine disaggregated on
+this machine's CPUs)."""
 
 
 @pytest.mark.timeout(600)
@@ -94,13 +97,15 @@ the one-step-off async loop (the trainer's 2 ranks and the engine disaggregated 
 def test_tp2sp_loops_and_weight_syncs(tmp_path, variant):
     """Each variant runs its 4 steps at TP=2 + SP; the synchronous ones score the rollout's tokens as the
     engine did (< 1e-5: every sync method delivered the trained weights, both TP halves of every tensor); the
-    async one trains each step on the rollout of the weights one step before, so its gap is only bounded."""
+    asynchronous ones train on rollouts of earlier weights, so their gap is only bounded."""
     run_hpcrl(tmp_path, variant, *SP_VARIANTS[variant], "checkpoint.save_interval=0", layout="tp2sp")
     steps = step_rows(tmp_path / "runs", variant)
     assert [r["step"] for r in steps] == list(range(STEPS))
     assert any(r["train/grad_norm"] > 0 for r in steps)
     gaps = [r["train/train_rollout_logprob_abs_diff"] for r in steps]
-    if variant == "async":
+    if variant == "fully_async":  # groups may mix weight versions from the first step on
+        assert all(g < 0.5 for g in gaps), gaps
+    elif variant == "async":
         assert gaps[0] < 1e-5 and all(g < 0.5 for g in gaps), gaps  # step 0's rollout is of the start weights
     else:
         assert all(g < 1e-5 for g in gaps), gaps
