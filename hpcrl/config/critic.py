@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -69,10 +70,12 @@ def check_critic(cfg: Config) -> None:
             "give the critic ranks of its own (critic.nprocs), or remove critic.tensor_parallel_size")
     if c.nprocs > 0:
         tp, ep = critic_tensor_parallel_size(cfg), cfg.train.expert_parallel_size
-        require(c.nprocs % (tp * ep) == 0, "critic.nprocs", c.nprocs,
-                f"the critic's ranks split into tensor x expert parallel groups of {tp} x {ep}, which "
-                f"{c.nprocs} is not a multiple of",
-                f"use a multiple of {tp * ep} ranks, or another critic.tensor_parallel_size")
+        expert = cfg.train.expert_tensor_parallel_size * ep
+        require(c.nprocs % tp == 0 and c.nprocs % expert == 0, "critic.nprocs", c.nprocs,
+                f"the critic's ranks split into tensor-parallel groups of {tp} and expert groups of "
+                f"train.expert_tensor_parallel_size x expert_parallel_size = {expert}, which {c.nprocs} is not "
+                "a multiple of both", f"use a multiple of {math.lcm(tp, expert)} ranks, or another "
+                "critic.tensor_parallel_size")
     require(c.warmup_steps < cfg.run.num_rollout or cfg.algorithm.advantage_estimator != "gae",
             "critic.warmup_steps", c.warmup_steps,
             f"leaves no rollout step for the actor (run.num_rollout={cfg.run.num_rollout})",

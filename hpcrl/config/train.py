@@ -214,7 +214,8 @@ def check_train(cfg: Config) -> None:
                      ("tensor_model_parallel_size", "train.tensor_parallel_size"),
                      ("pipeline_model_parallel_size", "train.pipeline_parallel_size"),
                      ("context_parallel_size", "train.context_parallel_size"),
-                     ("expert_model_parallel_size", "train.expert_parallel_size")):
+                     ("expert_model_parallel_size", "train.expert_parallel_size"),
+                     ("expert_tensor_parallel_size", "train.expert_tensor_parallel_size")):
         require(key not in meg, f"megatron.{key}", meg.get(key), f"is hpcrl's own {own} (the trainer's groups, "
                 "the micro-batch padding and the memory estimate follow it; a megatron override would "
                 "contradict them)", f"set {own} instead and remove megatron.{key}")
@@ -384,9 +385,18 @@ def check_moe(cfg: Config, check_files: bool, env: Optional[Environment] = None)
             f"must divide the model's {experts} experts per layer",
             f"use a divisor of {experts}")
     dispatcher = (cfg.megatron or {}).get("moe_token_dispatcher_type")
-    require(not (dispatcher == "allgather" and t.expert_parallel_size > 1), "megatron.moe_token_dispatcher_type",
-            dispatcher, "needs the same number of tokens on every expert-parallel rank, which data-parallel "
-            "micro-batches of different lengths do not have", "use alltoall (the default with expert parallelism)")
+    spans_dp = t.expert_parallel_size > 1 or t.expert_tensor_parallel_size > t.tensor_parallel_size
+    require(not (dispatcher == "allgather" and spans_dp), "megatron.moe_token_dispatcher_type",
+            dispatcher, "needs the same number of tokens on every rank of the expert groups, which span "
+            "data-parallel ranks here (expert parallelism, or expert-tensor parallelism above the tensor-parallel "
+            "size) whose micro-batches differ in length", "use alltoall (the default there)")
+    from hpcrl.config.critic import critic_tensor_parallel_size
+
+    critic_tp = critic_tensor_parallel_size(cfg) if cfg.algorithm.advantage_estimator == "gae" else 1
+    require(critic_tp == 1 or t.sequence_parallel is not False, "train.sequence_parallel", t.sequence_parallel,
+            f"with a mixture-of-experts critic at tensor-parallel size {critic_tp}: megatron-core trains MoE "
+            "layers under tensor parallelism only with sequence parallelism", "set train.sequence_parallel=true "
+            "(the default with TP > 1)")
     require(top_k <= experts, "model.path", cfg.model.path,
             f"routes each token to num_experts_per_tok={top_k} of only {experts} experts",
             "fix the model's config.json (num_experts_per_tok <= num_experts)")

@@ -324,14 +324,15 @@ def shared_engine_env(cfg_rollout: Any, num_engines: int, engine: Optional[str] 
     """``OMP_NUM_THREADS`` for each of ``num_engines`` CPU engines that share this machine's CPUs unpinned
     (a colocated local run: the engines generate while the trainer waits, so they split the machine between
     them): ``available // num_engines`` threads, at least 1 (``available``: this process's CPUs). Empty when
-    ``OMP_NUM_THREADS`` is already set here (the user's choice, or the test suite's) or the engine is SGLang
-    (its CPU path gets 1 thread: :func:`engine_env`).
+    ``OMP_NUM_THREADS`` is already set here or in ``rollout.engine_env`` (the user's choice, or the test
+    suite's) or the engine is SGLang (its CPU path gets 1 thread: :func:`engine_env`).
 
     Why: the CPU engine takes one torch thread per CPU it may run on, so two engines on 2 CPUs ran 4 threads on
     2 cores and thrashed (the quickstart's rollout step at ``train.nprocs=2 rollout.num_engines=2``: 1.56 s,
     against 0.27 s with one thread each; docs/performance.md, "Both cores in each phase")."""
-    if "OMP_NUM_THREADS" in os.environ or resolve_engine(engine if engine is not None else
-                                                         getattr(cfg_rollout, "engine", "auto")) != "cpu":
+    user = getattr(cfg_rollout, "engine_env", None) or {}
+    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in user or resolve_engine(
+            engine if engine is not None else getattr(cfg_rollout, "engine", "auto")) != "cpu":
         return {}
     if available is None:
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -80,8 +80,8 @@ returns at once and megatron-core runs unmodified):
    (the all-to-all token dispatcher at expert-tensor parallelism > 1, whose expert-TP ranks hold different
    numbers of routed tokens) call ``all_gather`` with tensors of different sizes and a list ``reduce_scatter``,
    which gloo refuses ("invalid tensor size"). On the CPU they pad every rank's part to the largest and use the
-   equal-size collectives, then drop the padding: the same values (the reduce sums the same addends). Equal
-   splits go to megatron's own code unchanged.
+   equal-size collectives, then drop the padding: the same values (the reduce sums the same addends). Calls
+   without split sizes go to megatron's own code unchanged.
 
 Nothing else is changed. :func:`apply` is idempotent; :func:`is_applied` tells whether it has patched.
 """

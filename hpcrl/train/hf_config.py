@@ -153,7 +153,9 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
     elif num_experts(hf_config):
         kwargs.update(moe_kwargs(hf_config), expert_model_parallel_size=ep)
     if num_experts(hf_config):
-        if ep > 1:  # allgather needs equal token counts on the EP ranks; data-parallel micro-batches differ
+        # allgather needs equal token counts on the expert groups' ranks; where they span data-parallel ranks
+        # (EP > 1, or ETP above TP) their micro-batches differ
+        if ep > 1 or (etp is not None and etp > tp):
             kwargs["moe_token_dispatcher_type"] = "alltoall"
     if not torch.cuda.is_available():
         kwargs.update(use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,

@@ -236,7 +236,8 @@ def sum_replicated_grads_over_tp(ddp_model: torch.nn.Module) -> None:
     the data-parallel sync: the gradients of the q/k layernorms (``qk_layernorm``: replicated on every TP rank,
     each rank's heads giving a part of their gradient), of sequence-parallel norms and of parameters marked
     ``average_gradients_across_tp_domain`` are reduced over the TP group, so the replicas stay equal. A no-op at
-    TP=1 and for models without such parameters (Qwen2, Llama at any TP). Call after ``finish_grad_sync``."""
+    TP=1 and for models without such parameters (Qwen2, Llama at TP > 1 without sequence parallelism; with it,
+    on by default, their norms are summed). Call after ``finish_grad_sync``."""
     from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
 
     from hpcrl.train.bridge import unwrap_model

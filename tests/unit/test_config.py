@@ -61,7 +61,12 @@ BAD = [
      "train.expert_parallel_size", 2, ["must divide train.nprocs=3"]),
     ("moe-allgather-with-ep", MOE + "train: {expert_parallel_size: 2, nprocs: 2}\n"
      "megatron: {moe_token_dispatcher_type: allgather}\n", [], "megatron.moe_token_dispatcher_type", "allgather",
-     ["same number of tokens on every expert-parallel rank", "use alltoall"]),
+     ["same number of tokens on every rank of the expert groups", "use alltoall"]),
+    ("moe-allgather-with-etp-above-tp", MOE + "train: {expert_tensor_parallel_size: 2, nprocs: 2}\n"
+     "megatron: {moe_token_dispatcher_type: allgather}\n", [], "megatron.moe_token_dispatcher_type", "allgather",
+     ["expert-tensor parallelism above the tensor-parallel size", "use alltoall"]),
+    ("megatron-etp-override", MOE + "megatron: {expert_tensor_parallel_size: 2}\n", [],
+     "megatron.expert_tensor_parallel_size", 2, ["set train.expert_tensor_parallel_size instead"]),
     ("routing-replay-on-a-dense-model", M + "algorithm: {routing_replay: true}\n", [], "algorithm.routing_replay",
      True, ["is dense: it has no routing to replay"]),
     ("routing-replay-through-the-router", MOE + "algorithm: {routing_replay: true}\n", [], "rollout.router", True,

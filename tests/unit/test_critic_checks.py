@@ -74,3 +74,17 @@ def test_critic_ranks_of_its_own_refusals(tmp_path, tiny_model_dir):
     err = _refusal([f"model.path={odd}"] + GAE + own_tp2)  # null: the actor's folder, at the critic's TP
     assert err.field == "critic.tensor_parallel_size" and "num_key_value_heads=1" in str(err)
     assert load_and_check(None, [f"model.path={odd}"] + GAE + ["critic.nprocs=2"]).critic.nprocs == 2
+
+
+def test_critic_ranks_tile_tensor_and_expert_groups_separately(tmp_path):
+    """A MoE critic on ranks of its own: megatron-core needs its ranks to be a multiple of its TP and of the
+    expert groups (ETP x EP) apart, not of TP x EP: TP 2 x EP 2 with whole experts (ETP 1) fits 2 ranks; ETP 2 x
+    EP 1 does not fit 1 rank; and at its own TP > 1 a MoE critic needs sequence parallelism."""
+    moe = ["model.create=tiny-qwen3-moe", f"model.path={tmp_path / 'moe'}", "model.tiny_num_experts=4"] + GAE
+    cfg = load_and_check(None, moe + ["train.expert_parallel_size=2", "train.nprocs=2", "critic.nprocs=2",
+                                      "critic.tensor_parallel_size=2"])
+    assert cfg.critic.nprocs == 2
+    err = _refusal(moe + ["train.expert_tensor_parallel_size=2", "train.nprocs=2", "critic.nprocs=1"])
+    assert err.field == "critic.nprocs" and "expert groups" in str(err)
+    err = _refusal(moe + ["critic.nprocs=2", "critic.tensor_parallel_size=2", "train.sequence_parallel=false"])
+    assert err.field == "train.sequence_parallel" and "critic at tensor-parallel size 2" in str(err)

@@ -121,7 +121,8 @@ def test_engine_command_sglang_on_a_cpu(tmp_path, monkeypatch):
 
 def test_colocated_cpu_engines_split_the_machine(monkeypatch):
     """Unpinned CPU engines (a colocated local run) take ``CPUs // num_engines`` torch threads each, at least
-    one; the user's OMP_NUM_THREADS stands, and SGLang's CPU path keeps its one thread (:func:`engine_env`)."""
+    one; the user's OMP_NUM_THREADS (environment or ``rollout.engine_env``) stands, and SGLang's CPU path keeps its
+    one thread (:func:`engine_env`)."""
     monkeypatch.setattr(engines, "on_gpu", lambda: False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cpu = SimpleNamespace(engine="cpu")
@@ -131,6 +132,8 @@ def test_colocated_cpu_engines_split_the_machine(monkeypatch):
     assert engines.shared_engine_env(cpu, 4, available=2) == {"OMP_NUM_THREADS": "1"}
     assert engines.shared_engine_env(SimpleNamespace(engine="auto"), 2, available=8) == {"OMP_NUM_THREADS": "4"}
     assert engines.shared_engine_env(SimpleNamespace(engine="sglang"), 2, available=2) == {}
+    user = SimpleNamespace(engine="cpu", engine_env={"OMP_NUM_THREADS": 4})  # rollout.engine_env stands
+    assert engines.shared_engine_env(user, 2, available=2) == {}
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert engines.shared_engine_env(cpu, 2, available=2) == {}
 
