@@ -82,12 +82,14 @@ def test_run_matches_the_engine_and_resumes_bitwise(tmp_path, layout):
 SP_VARIANTS = {
     "sync-distributed-delta": ("weights.method=distributed", "weights.delta=true", "weights.full_every=2"),
     "sync-disk": ("weights.method=disk",),
+    "sync-fp8": ("weights.rollout_dtype=fp8",),
     "async": ("run.mode=async", "run.placement=disaggregate"),
     "fully_async": ("run.mode=fully_async", "run.placement=disaggregate", "run.deterministic=false",
                     "algorithm.use_tis=true"),
 }
 """Loops and weight-sync methods at TP=2 + SP (issue #54 point 5) beyond test_run_matches_the_engine's colocated
-sync loop with the tensor sync: the distributed broadcast with delta syncs (full every 2nd), the disk sync, and
+sync loop with the tensor sync: the distributed broadcast with delta syncs (full every 2nd), the disk sync, the
+block-fp8 rollout weights (the engine scores with its fp8 copy: a gap above 0, bounded), and
 the one-step-off async and the fully asynchronous loops (the trainer's 2 ranks and the engine disaggregated on
 this machine's CPUs)."""
 
@@ -105,6 +107,8 @@ def test_tp2sp_loops_and_weight_syncs(tmp_path, variant):
     gaps = [r["train/train_rollout_logprob_abs_diff"] for r in steps]
     if variant == "fully_async":  # groups may mix weight versions from the first step on
         assert all(g < 0.5 for g in gaps), gaps
+    elif variant == "sync-fp8":  # the engine samples with block-fp8 copies of the trained weights
+        assert all(0 < g < 0.5 for g in gaps), gaps
     elif variant == "async":
         assert gaps[0] < 1e-5 and all(g < 0.5 for g in gaps), gaps  # step 0's rollout is of the start weights
     else:
