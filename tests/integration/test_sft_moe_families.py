@@ -3,7 +3,7 @@ from shipped warm starts (tests/warm_starts), so the SFT run that makes them is 
 
 For the tiny Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (hidden 64, 2 layers, 4 experts: the first GLM and DeepSeek
 layer dense), ``hpcrl run`` of ``run.mode: sft`` on 2 trainer processes with ``train.expert_parallel_size: 2``
-and the CPU engine for its evals: the loss falls over :data:`STEPS` steps, and a run stopped by USR2 after its
+(GLM-4.5 also at ``tensor_parallel_size: 2`` with sequence parallelism) and the CPU engine for its evals: the loss falls over :data:`STEPS` steps, and a run stopped by USR2 after its
 second step (exit 75, checkpoints every step) and run again ends with every step's loss and the weights
 bitwise equal to the uninterrupted run's.
 """
@@ -33,16 +33,22 @@ data: {{source: addition, num_train: 400, num_eval: 16}}
 sft: {{steps: {steps}, batch_size: 32, lr: 3.0e-3, eval_interval: {steps}}}
 rollout: {{batch_size: 4, n_samples_per_prompt: 4, max_new_tokens: 6, eval_interval: 0, dynamic_filter: null,
           router: false}}
-train: {{lr: 1.0e-4, lr_warmup_steps: 0, micro_batch_size: 16, expert_parallel_size: 2, nprocs: 2}}
+train: {{lr: 1.0e-4, lr_warmup_steps: 0, micro_batch_size: 16, {layout}, nprocs: 2}}
 checkpoint: {{save_interval: 1, keep_last: 2}}
 """
 
 
-def start(folder: Path, family: str, name: str) -> subprocess.Popen:
-    """``hpcrl run`` of the family's SFT run as ``run.name=name`` in ``folder`` (one torch thread a process:
-    the two ranks and the engine share the cores); output appended to ``folder/<name>.log``."""
+LAYOUTS = {"ep2": "expert_parallel_size: 2", "tp2sp": "tensor_parallel_size: 2"}
+"""The trainer's 2 ranks: experts split by EP, or TP=2 with sequence parallelism (issue #54 point 5)."""
+
+
+def start(folder: Path, family: str, name: str, layout: str = "ep2") -> subprocess.Popen:
+    """``hpcrl run`` of the family's SFT run as ``run.name=name`` in ``folder`` at ``layout`` (:data:`LAYOUTS`;
+    one torch thread a process: the two ranks and the engine share the cores); output appended to
+    ``folder/<name>.log``."""
     cfg = folder / "run.yaml"
-    cfg.write_text(CONFIG.format(out=folder / "runs", base=folder / "base", family=family, steps=STEPS))
+    cfg.write_text(CONFIG.format(out=folder / "runs", base=folder / "base", family=family, steps=STEPS,
+                                 layout=LAYOUTS[layout]))
     log = open(folder / f"{name}.log", "ab")
     return subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), f"run.name={name}"], cwd=folder,
                             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -53,20 +59,20 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_moe_sft_at_ep2_learns_and_resumes_bitwise(tmp_path, family):
-    proc = start(tmp_path, family, "ref")
+@pytest.mark.parametrize("family,layout", [(f, "ep2") for f in FAMILIES] + [("tiny-glm4-moe", "tp2sp")])
+def test_moe_sft_learns_and_resumes_bitwise(tmp_path, family, layout):
+    proc = start(tmp_path, family, "ref", layout)
     assert finish(proc) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     ref = losses(tmp_path / "runs" / "ref")
     assert [s for s, _ in ref] == list(range(STEPS))
     assert ref[-1][1] < 0.9 * ref[0][1], ref  # it learns
     run_dir = tmp_path / "runs" / "sft"
-    proc = start(tmp_path, family, "sft")
+    proc = start(tmp_path, family, "sft", layout)
     wait_steps(proc, run_dir, 2)
     os.kill(proc.pid, signal.SIGUSR2)
     assert finish(proc) == 75, (tmp_path / "sft.log").read_text()[-3000:]
     assert 2 <= steps_done(run_dir) < STEPS
-    proc = start(tmp_path, family, "sft")
+    proc = start(tmp_path, family, "sft", layout)
     assert finish(proc) == 0, (tmp_path / "sft.log").read_text()[-3000:]
     assert "resumed from" in (tmp_path / "sft.log").read_text()
     assert losses(run_dir) == ref
