@@ -90,7 +90,8 @@ def cache_key(cfg: "Config", base: Path) -> dict[str, Any]:
     sources), ``run.seed``, the recipe (``sft.*`` but ``enabled``/``output``/``data``), the eval's response
     limits (they decide where a target stops training), ``model.dtype`` and the trainer's layout and precision
     (parallel sizes, sequence and expert-tensor parallelism where they apply, ranks, micro-batching,
-    ``train.bf16``, the ``megatron:`` overrides: they change the rounding). Two configs with equal keys train bitwise-equal models on one machine."""
+    ``train.bf16``, the ``megatron:`` overrides: they change the rounding). Two configs with equal keys train
+    bitwise-equal models on one machine."""
     from hpcrl.config.train import sequence_parallel
 
     d = cfg.sft.data if cfg.sft.data is not None else cfg.data

@@ -227,7 +227,7 @@ def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optio
     host = fraction * adam_full * (s_bytes + 4) / s_bytes
     return TrainerMemory(params=params, weights=w_bytes * params, grads=g_bytes * params,
                          adam=adam_full * (1 - fraction), adam_no_offload=adam_full, adam_host=host,
-                         layout=f"tp{tp}{' sp' if sequence_parallel(t) and tp == t.tensor_parallel_size else ''} "
+                         layout=f"tp{tp}{' sp' if sequence_parallel(t, tp) else ''} "
                                 f"pp{pp} cp{cp} ep{ep} etp{etp} dp{dp} edp{edp} over {world} GPUs")
 
 

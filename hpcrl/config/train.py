@@ -188,10 +188,11 @@ GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
 """Advantage estimators whose baseline is the group: they need ``n_samples_per_prompt >= 2``."""
 
 
-def sequence_parallel(train: Any) -> bool:
-    """Whether the trainer runs sequence-parallel: ``train.sequence_parallel`` (null: on when
-    ``tensor_parallel_size`` > 1), and never at TP=1 (there is no sequence to split over)."""
-    tp = int(getattr(train, "tensor_parallel_size", 1) or 1)
+def sequence_parallel(train: Any, tp: Optional[int] = None) -> bool:
+    """Whether a model at tensor-parallel size ``tp`` (default ``train.tensor_parallel_size``; a critic on ranks
+    of its own has its own) runs sequence-parallel: ``train.sequence_parallel`` (null: on when TP > 1), and never
+    at TP=1 (there is no sequence to split over)."""
+    tp = int(tp or getattr(train, "tensor_parallel_size", 1) or 1)
     sp = getattr(train, "sequence_parallel", None)
     return tp > 1 and (sp is None or bool(sp))
 
@@ -393,7 +394,7 @@ def check_moe(cfg: Config, check_files: bool, env: Optional[Environment] = None)
     from hpcrl.config.critic import critic_tensor_parallel_size
 
     critic_tp = critic_tensor_parallel_size(cfg) if cfg.algorithm.advantage_estimator == "gae" else 1
-    require(critic_tp == 1 or t.sequence_parallel is not False, "train.sequence_parallel", t.sequence_parallel,
+    require(critic_tp == 1 or sequence_parallel(t, critic_tp), "train.sequence_parallel", t.sequence_parallel,
             f"with a mixture-of-experts critic at tensor-parallel size {critic_tp}: megatron-core trains MoE "
             "layers under tensor parallelism only with sequence parallelism", "set train.sequence_parallel=true "
             "(the default with TP > 1)")

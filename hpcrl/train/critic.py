@@ -178,9 +178,10 @@ class Critic:
         train = critic_train_section(cfg)
         megatron = {k: v for k, v in (cfg.megatron or {}).items() if k != "moe_enable_routing_replay"}
         dtype = torch.bfloat16 if train.bf16 else torch.float32
-        # sequence-parallel as the actor is, at the critic's own tensor-parallel size (critic.nprocs > 0 may
-        # give it another)
-        sp = cfg.train.sequence_parallel is not False and parallel_state.get_tensor_model_parallel_world_size() > 1
+        from hpcrl.config.train import sequence_parallel
+
+        # at the critic's own tensor-parallel size (critic.nprocs > 0 may give it another than the actor's)
+        sp = sequence_parallel(cfg.train, parallel_state.get_tensor_model_parallel_world_size())
         bare = load_value_model(self.path, dtype, megatron, sequence_parallel=sp)
         self.ddp_model, self.optimizer = tmodel.wrap_model_and_optimizer(bare, train, megatron)
         self.lr_scheduler = tmodel.lr_scheduler(self.optimizer, train, cfg.run.num_rollout)
