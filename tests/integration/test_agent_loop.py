@@ -162,7 +162,7 @@ def test_the_calculator_example_runs_in_one_command(tmp_path):
     # ... then the agent run on the RL prompts (data: reasoning-gym), its engine serving the warm-started
     # model; one call per episode (the random tiny model writes no tool call), trained on policy
     engine_log = (tmp_path / "runs" / "agent-first" / "logs" / "attempt-0" / "engine-0.log").read_text()
-    assert f"model {sft.resolve()}\n" in engine_log  # the warm start's folder in the store, sft links to it
+    assert f"model {sft.resolve()}, " in engine_log  # the warm start's folder in the store, sft links to it
     steps = [r for r in rows(tmp_path, "agent-first") if r["step"] >= 0]
     assert len(steps) == 1 and steps[0]["rollout/agent_calls"] == 1 and steps[0]["rollout/agent_failed"] == 0
     assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
