@@ -488,11 +488,13 @@ class Actor(ModelOnRank):
 
     @torch.no_grad()
     def _forward_only(self, micro_batches: Sequence[MicroBatch]) -> list[Tensor]:
-        """Log-probs ``[b, R]`` of each micro-batch, in eval mode without autograd (otherwise the very forward
-        of training: the same micro-batches and code, and dropout is 0 in these models)."""
+        """Log-probs ``[b, R]`` of each micro-batch, in eval mode without autograd, through megatron's
+        schedule (:func:`hpcrl.train.model.forward_only`; otherwise the very forward of training)."""
+        from hpcrl.train import model as tmodel
+
         self.ddp_model.eval()
         try:
-            return [self._forward(mb).log_probs for mb in micro_batches]
+            return tmodel.forward_only(self.ddp_model, lambda _, mb: self._forward(mb).log_probs, micro_batches)
         finally:
             self.ddp_model.train()
 

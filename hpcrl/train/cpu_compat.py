@@ -23,6 +23,8 @@ returns at once and megatron-core runs unmodified):
    ``utils`` (GlobalMemoryBuffer for the attention scores, the local multi-tensor l2 norm at ~1207),
    ``tensor_parallel.random`` (RNG tracker ``add``, ``model_parallel_cuda_manual_seed`` at ~422),
    ``tensor_parallel.mappings`` (gather buffers on the current device, TP > 1),
+   ``pipeline_parallel.schedules`` (every training step: the schedule's token counter
+   ``torch.zeros([], device="cuda")`` at ~596),
    ``tensor_parallel.layers`` (sequence parallelism: the backward of a column-parallel linear all-gathers its
    sequence-split input into a buffer on ``torch.cuda.current_device()`` at ~552),
    ``models.common.embeddings.rotary_pos_embedding`` (``inv_freq`` moved to the current device at ~162),
@@ -118,6 +120,7 @@ PATCHED_MODULES = (
     "megatron.core.transformer.moe.shared_experts",
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.tensor_parallel.layers",
+    "megatron.core.pipeline_parallel.schedules",
 )
 """megatron-core modules whose global ``torch`` is replaced by the CPU alias (see the module docstring)."""
 

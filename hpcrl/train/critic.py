@@ -229,11 +229,14 @@ class Critic:
 
     @torch.no_grad()
     def values(self, micro_batches: Sequence[Any]) -> list[Tensor]:
-        """:meth:`forward` of each micro-batch in eval mode without autograd: ``[b, R]`` per micro-batch,
-        aligned with the actor's response log-probs of the same micro-batch."""
+        """:meth:`forward` of each micro-batch in eval mode without autograd, through megatron's schedule
+        (:func:`hpcrl.train.model.forward_only`): ``[b, R]`` per micro-batch, aligned with the actor's response
+        log-probs of the same micro-batch."""
+        from hpcrl.train import model as tmodel
+
         self.ddp_model.eval()
         try:
-            return [self.forward(mb).detach() for mb in micro_batches]
+            return tmodel.forward_only(self.ddp_model, lambda _model, mb: self.forward(mb).detach(), micro_batches)
         finally:
             self.ddp_model.train()
 

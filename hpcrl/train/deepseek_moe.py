@@ -27,9 +27,10 @@ scripts (``scripts/models/*.sh``) all pass ``--moe-router-enable-expert-bias``
 the pre-trained bias routes, and RL never moves it. hpcrl follows: :data:`DEFAULT_BIAS_UPDATE_RATE` is 0 (the
 bias stays bitwise as loaded, so the engines' routing, which uses the same bias, stays the trainer's between
 weight syncs, and a few RL steps of skewed prompts do not retune a balance learnt over pre-training). The run
-config's ``megatron: {moe_router_bias_update_rate: R}`` turns megatron's update on; :func:`update_expert_bias`
-applies it after each step's gradient reduction (hpcrl calls ``finish_grad_sync()``, not
-``finalize_model_grads``, so this is where it happens). The bias is a persistent buffer: it is in the model's
+config's ``megatron: {moe_router_bias_update_rate: R}`` turns megatron's update on: megatron's own
+``finalize_model_grads`` applies it after each step's gradient reduction (:func:`hpcrl.train.model.train_step`
+runs megatron's schedule), from the tokens :func:`_count_tokens` counted (padding excluded) since
+:func:`reset_token_counts`. The bias is a persistent buffer: it is in the model's
 (sharded) state dict, so checkpoints save and resume it, and :mod:`hpcrl.train.bridge` exports it as
 ``mlp.gate.e_score_correction_bias``.
 """
@@ -168,31 +169,6 @@ def reset_token_counts(model: torch.nn.Module) -> None:
     a grad-enabled forward run before it)."""
     for router in routers_with_expert_bias(model):
         router.local_tokens_per_expert.zero_()
-
-
-@torch.no_grad()
-def update_expert_bias(model: torch.nn.Module) -> bool:
-    """Megatron's aux-loss-free bias step for one optimizer step (``finalize_model_grads``'
-    ``_update_router_expert_bias`` then ``reset_model_temporary_tensors``): with
-    ``config.moe_router_bias_update_rate`` > 0, all routers' ``local_tokens_per_expert`` [layers, experts] are
-    summed over the tensor x data(x context)-parallel group and each bias moves by
-    ``rate * sign(mean - count)`` (megatron's ``get_updated_expert_bias``); with rate 0 the bias is not
-    touched (bitwise). The token counts are zeroed in both cases. Collective over that group when the rate
-    is > 0. Returns whether the bias moved."""
-    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
-
-    routers = routers_with_expert_bias(model)
-    if not routers:
-        return False
-    rate = float(routers[0].config.moe_router_bias_update_rate or 0.0)
-    if rate > 0:
-        counts = torch.stack([r.local_tokens_per_expert for r in routers])
-        updated = get_updated_expert_bias(counts, torch.stack([r.expert_bias for r in routers]), rate)
-        for router, bias in zip(routers, updated):
-            router.expert_bias.copy_(bias)
-    for router in routers:
-        router.local_tokens_per_expert.zero_()
-    return rate > 0
 
 
 def block_spec(config: Any, dense_layer: Any, moe_layer: Any) -> Any:

@@ -7,16 +7,18 @@
   (:func:`split_megatron_kwargs`).
 - :func:`lr_scheduler` / :func:`set_lr_step`: megatron-core's ``OptimizerParamScheduler``, driven by the
   global optimizer step.
-- :func:`train_step` is one optimizer step over micro-batches, as Megatron-LM's ``train_step`` does it with
-  the no-pipelining schedule.
+- :func:`train_step` is one optimizer step over micro-batches through megatron-core's schedule
+  (``get_forward_backward_func`` + ``finalize_model_grads``), as Megatron-LM's and slime's ``train_step``;
+  :func:`forward_only` the schedule's forward-only pass (log-prob recompute, values).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -84,9 +86,13 @@ def wrap_model_and_optimizer(model: torch.nn.Module, train: Any, megatron: Optio
     ``train``; gradients are averaged over data-parallel ranks; a router's expert bias stays fp32 and bitwise
     under bf16, as HF keeps it. Optimizer: :func:`optimizer_config` with
     ``get_megatron_optimizer`` (Adam with decoupled weight decay). ``megatron`` DDP/optimizer keys override.
+    The model's config gets what megatron's schedule (:func:`train_step`) reads: ``grad_scale_func`` (the
+    optimizer's loss scale), ``finalize_model_grads_func`` and, with ``overlap_grad_reduce``, ``no_sync_func``
+    (``variable_seq_lengths``, which only the pipeline schedules read, waits for pipeline parallelism: megatron
+    refuses it beside the all-gather token dispatcher, hpcrl's choice at EP=1).
     Returns ``(ddp_model, optimizer)``.
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
@@ -103,6 +109,11 @@ def wrap_model_and_optimizer(model: torch.nn.Module, train: Any, megatron: Optio
     ddp_model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_kwargs),
                                         module=model)
     optimizer = get_megatron_optimizer(optimizer_config(train, **extra["optimizer"]), [ddp_model])
+    # what megatron's schedule reads from the config (as Megatron-LM's training setup sets it)
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if ddp_model.ddp_config.overlap_grad_reduce:
+        config.no_sync_func = ddp_model.no_sync
     return ddp_model, optimizer
 
 
@@ -195,45 +206,114 @@ def mean_over_steps(per_step: Sequence[Mapping[str, Optional[float]]], keys: Ite
 
 def train_step(ddp_model: torch.nn.Module, optimizer: Any,
                loss_fn: Callable[[torch.nn.Module, Any], Any], micro_batches: Iterable[Any]) -> dict[str, Any]:
-    """One optimizer step: zero grads, forward+backward every micro-batch, reduce grads, ``optimizer.step()``.
+    """One optimizer step through megatron-core's schedule (``get_forward_backward_func()``, Megatron-LM's and
+    slime's ``train_step``): zero the grad buffers, forward + backward every micro-batch, then the schedule's
+    ``finalize_model_grads`` (data-parallel reduction, the tensor-parallel sum of replicated and
+    sequence-parallel parameters' gradients, megatron's aux-loss-free expert-bias step), ``optimizer.step()``.
 
     ``loss_fn(ddp_model, micro_batch)`` returns a scalar loss tensor, or ``(loss, metrics)`` with a dict of
     floats. Gradients of all micro-batches are summed, so the loss must already carry its share of the
     normalisation (e.g. divided by the tokens of the whole step); megatron-core DDP then averages over
-    data-parallel ranks. The loss is multiplied by the optimizer's loss scale before backward (1 for fp32/bf16).
+    data-parallel ranks. The schedule divides each loss by the number of micro-batches ``n`` (its
+    ``forward_step_calc_loss``, loss averaging over micro-batches); it is handed ``loss * n`` (slime's
+    ``loss * num_microbatches``), so the gradient is the loss's own: bitwise for ``n`` up to 40, above it the
+    factor ``fl(fl(1/n) * n)`` can be one float32 ulp under 1 (relative 6e-8; e.g. ``n`` = 41, 47, 55). The
+    MoE auxiliary losses get megatron's scale ``1/n`` per micro-batch (their mean over the micro-batches,
+    as in Megatron-LM). The loss is multiplied by the optimizer's loss scale before backward (the config's
+    ``grad_scale_func``; 1 for fp32/bf16). A model with an expert bias (GLM-4.5, DeepSeek-V3) gets megatron's
+    bias update in ``finalize_model_grads`` (``moe_router_bias_update_rate``; 0, the default, leaves it as
+    it was). Every micro-batch's whole loss is computed in the schedule's forward step: at pipeline size 1
+    the schedule passes nothing between stages.
+
     Returns ``loss`` (sum over micro-batches), ``grad_norm`` (before clipping; None if not computed),
-    ``update_successful``, ``num_zeros`` (None unless ``log_num_zeros_in_grad``), ``num_micro_batches``, and the
-    mean of each metric over micro-batches. A model with an expert bias (GLM-4.5) gets megatron's
-    aux-loss-free bias update after the gradient reduction when ``moe_router_bias_update_rate`` > 0
-    (:func:`hpcrl.train.deepseek_moe.update_expert_bias`; 0, the default, leaves it bitwise). Gradients of
-    parameters replicated over tensor-parallel ranks but fed by one rank's part of the activations (Qwen3's
-    per-head q/k norms) are summed over TP first (:func:`sum_replicated_grads_over_tp`).
+    ``update_successful``, ``num_zeros`` (None unless ``log_num_zeros_in_grad``), ``num_micro_batches``, and
+    the mean of each metric over micro-batches. Raises ValueError for no micro-batch or a model not wrapped by
+    :func:`wrap_model_and_optimizer` (no ``finalize_model_grads_func`` on its config).
     """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     from hpcrl.train import deepseek_moe
 
+    micro_batches = list(micro_batches)
+    n = len(micro_batches)
+    config = _schedule_config(ddp_model, n)
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
     deepseek_moe.reset_token_counts(ddp_model)
-    total_loss, metrics, n = 0.0, {}, 0
-    for mb in micro_batches:
-        out = loss_fn(ddp_model, mb)
-        loss, mb_metrics = out if isinstance(out, tuple) else (out, {})
-        optimizer.scale_loss(loss).backward()
-        total_loss += float(loss.detach())
+    losses: list[float] = []
+
+    def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
+        out = loss_fn(model, next(data_iterator))
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        losses.append(float(loss.detach()))
+        return loss, functools.partial(_loss_for_schedule, n=n, metrics=metrics)
+
+    reduced = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                                          model=ddp_model, num_microbatches=n, seq_length=0, micro_batch_size=1,
+                                          forward_only=False)
+    assert config.finalize_model_grads_func is not None
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    metrics: dict[str, float] = {}
+    for mb_metrics in reduced:
         for k, v in mb_metrics.items():
             metrics[k] = metrics.get(k, 0.0) + float(v)
-        n += 1
-    ddp_model.finish_grad_sync()
-    sum_replicated_grads_over_tp(ddp_model)
-    deepseek_moe.update_expert_bias(ddp_model)  # finalize_model_grads' aux-free bias step; rate 0: untouched
-    update_successful, grad_norm, num_zeros = optimizer.step()
-    return dict(loss=total_loss, grad_norm=grad_norm, update_successful=update_successful, num_zeros=num_zeros,
-                num_micro_batches=n, **{k: v / max(n, 1) for k, v in metrics.items()})
+    return dict(loss=sum(losses), grad_norm=grad_norm, update_successful=update_successful, num_zeros=num_zeros,
+                num_micro_batches=n, **{k: v / n for k, v in metrics.items()})
+
+
+def forward_only(ddp_model: torch.nn.Module, fn: Callable[[torch.nn.Module, Any], Any],
+                 micro_batches: Iterable[Any]) -> list[Any]:
+    """``fn(ddp_model, micro_batch)`` of every micro-batch through megatron-core's schedule with
+    ``forward_only=True`` (no backward, no gradient reduction; slime's log-prob recompute and Megatron-LM's
+    evaluation): returns the results in order. Call inside ``torch.no_grad()`` and eval mode where wanted
+    (the caller's choice). An empty ``micro_batches`` gives ``[]``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro_batches = list(micro_batches)
+    if not micro_batches:
+        return []
+    _schedule_config(ddp_model, len(micro_batches))
+    results: list[Any] = []
+
+    def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
+        results.append(fn(model, next(data_iterator)))
+        return torch.zeros(()), _nothing_to_reduce
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=ddp_model,
+                                num_microbatches=len(micro_batches), seq_length=0, micro_batch_size=1,
+                                forward_only=True)
+    return results
+
+
+def _loss_for_schedule(loss: torch.Tensor, n: int, metrics: Mapping[str, Any]):
+    """The schedule's loss function of a micro-batch: ``(loss * n, 1 token, metrics)``; the schedule divides
+    by the tokens (1) and by ``n`` micro-batches, which gives ``loss`` back (see :func:`train_step`)."""
+    return loss * n, torch.ones((), dtype=torch.int), metrics
+
+
+def _nothing_to_reduce(output: torch.Tensor):
+    """The schedule's loss function of a forward-only pass whose results were kept by the forward step."""
+    return output, {}
+
+
+def _schedule_config(ddp_model: torch.nn.Module, n: int) -> Any:
+    """The model's ``TransformerConfig`` as megatron's schedule reads it, checked: at least one micro-batch,
+    and the hooks :func:`wrap_model_and_optimizer` sets. Raises ValueError otherwise."""
+    from megatron.core.utils import get_model_config
+
+    if n < 1:
+        raise ValueError("no micro-batch on this rank: every data-parallel rank needs at least one "
+                         "(hpcrl.train.packing gives every rank the same number)")
+    config = get_model_config(ddp_model)
+    if config.finalize_model_grads_func is None:
+        raise ValueError("the model's config has no finalize_model_grads_func: wrap it with "
+                         "hpcrl.train.model.wrap_model_and_optimizer")
+    return config
 
 
 def sum_replicated_grads_over_tp(ddp_model: torch.nn.Module) -> None:
-    """The tensor-parallel step of megatron-core's ``finalize_model_grads`` that ``train_step`` needs besides
-    the data-parallel sync: the gradients of the q/k layernorms (``qk_layernorm``: replicated on every TP rank,
+    """The tensor-parallel step of megatron-core's ``finalize_model_grads`` on its own, for a backward run
+    outside :func:`train_step` (which runs the whole of it through megatron's schedule): the gradients of the q/k layernorms (``qk_layernorm``: replicated on every TP rank,
     each rank's heads giving a part of their gradient), of sequence-parallel norms and of parameters marked
     ``average_gradients_across_tp_domain`` are reduced over the TP group, so the replicas stay equal. A no-op at
     TP=1 and for models without such parameters (Qwen2, Llama at TP > 1 without sequence parallelism; with it,

@@ -16,6 +16,9 @@ Issue #13: the same two layouts with packed micro-batches and shared group promp
 and match world size 1 padded; at TP=2 the packed and shared forwards' per-token log-probs equal the padded
 forward's to 1e-5 and so does one backward's gradient (relative norm; tests/unit/test_packing.py at TP=1).
 
+Issue #54: the TP=2 and the packed DP=2 runs again through the plain loop hpcrl ran before megatron-core's
+schedule (tests/unit/test_actor.py ``plain_loop``) give the very same weights and metrics.
+
 Issue #38: one PPO rollout (``gae`` with the KL penalty in the reward, 2 steps) at TP=2 and at DP=2, the
 critic started from a reward model's random ``score`` head so that its values are not 0: the critic's values
 of all samples equal world size 1's to 1e-5, and so do the first actor step and the GAE metrics.
@@ -40,6 +43,8 @@ CHANGES = {"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5, "algori
            "train.micro_batch_size": 3}
 ROLLOUTS = 2
 PACKED = {"train.max_tokens_per_microbatch": 64, "train.share_group_prompt": True}
+PLAIN_LOOP = ("tp2", "dp2-packed")
+"""Layouts also trained through the plain loop (issue #54 point 2: megatron's schedule must equal it)."""
 REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 """The ``algorithm.loss_reduction`` values besides the default, each run for one rollout at DP=2 only."""
 GAE = {"algorithm.advantage_estimator": "gae", "algorithm.kl_coef": 0.05, "algorithm.kl_loss_type": "k3",
@@ -127,6 +132,10 @@ def worker(model_dir: str, samples_file: Path, out: Path) -> None:
         parallel.initialize_model_parallel(tp=tp)
         parallel.model_parallel_cuda_manual_seed(1234)
         res[name] = run_actor(model_dir, samples, **extra)
+        if name in PLAIN_LOOP:  # the same run through hpcrl's plain loop, without megatron's schedule
+            parallel.model_parallel_cuda_manual_seed(1234)
+            with _unit_helpers().plain_loop():
+                res[f"{name}-plain"] = run_actor(model_dir, samples, **extra)
         if extra is not PACKED:
             res[f"{name}-gae"] = run_gae(model_dir, samples, out / "rm")
         if name == "tp2":
@@ -248,6 +257,16 @@ def test_grad_norm_and_loss_match_world_size_1(ranks, single, name):
             assert step["entropy"] == pytest.approx(ref_step["entropy"], rel=1e-3)
     for k, w in single["weights"].items():
         assert (run["weights"][k] - w).abs().max().item() < 1e-3, k
+
+
+@pytest.mark.parametrize("name", PLAIN_LOOP)
+def test_megatron_schedule_equals_the_plain_loop(ranks, name):
+    """Issue #54 point 2 at TP=2 (sequence parallel: the norms' gradients summed over TP by megatron's
+    ``finalize_model_grads``) and at DP=2 with packed micro-batches: the very weights and metrics."""
+    for rank in ranks:
+        run, plain = rank[name], rank[f"{name}-plain"]
+        assert run["metrics"] == plain["metrics"] and run["steps"] == plain["steps"]
+        assert all(torch.equal(run["weights"][k], plain["weights"][k]) for k in plain["weights"])
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

@@ -15,6 +15,8 @@ computed; the tests compare it with HF transformers' ``Glm4MoeForCausalLM`` in t
   checked at TP=2 without sequence parallelism too.
 - One step at EP=2 and at TP=2 + SP with ``moe_router_bias_update_rate`` > 0: the bias moves by megatron's rule
   from the token counts summed over the data- and tensor-parallel ranks.
+- Three micro-batches at EP=2 and at TP=2 + SP, the bias moving: megatron-core's schedule
+  (``get_forward_backward_func`` + ``finalize_model_grads``) equals the plain loop hpcrl ran before, bitwise.
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ def worker(path: str, out: Path) -> None:
             path, train, {**megatron, "moe_router_bias_update_rate": RATE})
         tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
         res[f"{name}-bias"] = dict(bridge.export_hf_weights(ddp_model))[BIAS]
+        # megatron's schedule against the plain loop: 3 micro-batches, the bias moving (issue #54 point 2)
+        micro_batches = [h.sample_batch(hf_config.vocab_size, seed=seed) for seed in (5, 6, 7)]
+        for kind, step_fn in (("schedule", tmodel.train_step), ("plain", unit_helpers("test_actor").plain_train_step)):
+            ddp_model, optimizer = tmodel.setup_model_and_optimizer(
+                path, train, {**megatron, "moe_router_bias_update_rate": RATE})
+            step = step_fn(ddp_model, optimizer, lambda model, mb: h.megatron_loss_fn(mb)(model, None), micro_batches)
+            res[f"{name}-{kind}"] = dict(grad_norm=step["grad_norm"], loss=step["loss"],
+                                         after=dict(bridge.export_hf_weights(ddp_model)))
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
@@ -161,6 +171,20 @@ def test_expert_bias_update_sums_the_ranks_token_counts(h, glm_dir, ranks, layou
     expected = bridge.read_hf_state_dict(glm_dir)[BIAS] + torch.sign(counts.mean() - counts) * RATE
     for res in ranks:
         assert torch.equal(res[f"{layout}-bias"], expected)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2sp"])
+def test_megatron_schedule_equals_the_plain_loop(glm_dir, ranks, layout):
+    """Issue #54 point 2: three micro-batches through megatron-core's schedule (``finalize_model_grads``
+    reducing over DP, summing the SP norms over TP and moving the expert bias) give the plain loop's step
+    bitwise, at EP=2 and at TP=2 + SP."""
+    from hpcrl.train import bridge
+
+    for res in ranks:
+        run, plain = res[f"{layout}-schedule"], res[f"{layout}-plain"]
+        assert run["grad_norm"] == plain["grad_norm"] and run["loss"] == plain["loss"]
+        assert all(torch.equal(run["after"][k], plain["after"][k]) for k in plain["after"])
+        assert not torch.equal(run["after"][BIAS], bridge.read_hf_state_dict(glm_dir)[BIAS])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ tests/integration/test_actor_tp2.py, which reuses :func:`make_samples` and :func
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 
@@ -93,6 +94,56 @@ def make_samples(model_dir, num_groups: int = 4, seed: int = 0, correct_first: b
 
 def weights_of(actor) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in bridge.export_hf_weights(actor.ddp_model)}
+
+
+# --- the plain loop hpcrl ran before megatron-core's schedule (issue #54 point 2): the reference ----------
+
+
+def plain_train_step(ddp_model, optimizer, loss_fn, micro_batches) -> dict:
+    """One optimizer step without megatron's schedule, as hpcrl's ``train_step`` was until issue #54: each
+    micro-batch's loss (times the loss scale) backward in turn, then the data-parallel reduction, the
+    tensor-parallel sum of replicated gradients, megatron's expert-bias step, ``optimizer.step()``. Returns
+    what :func:`hpcrl.train.model.train_step` returns, but the metrics."""
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias, reset_model_temporary_tensors)
+
+    from hpcrl.train import deepseek_moe
+
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    deepseek_moe.reset_token_counts(ddp_model)
+    total, n = 0.0, 0
+    for mb in micro_batches:
+        out = loss_fn(ddp_model, mb)
+        loss = out[0] if isinstance(out, tuple) else out
+        optimizer.scale_loss(loss).backward()
+        total, n = total + float(loss.detach()), n + 1
+    ddp_model.finish_grad_sync()
+    tmodel.sum_replicated_grads_over_tp(ddp_model)
+    config = bridge.unwrap_model(ddp_model).config
+    if config.moe_router_enable_expert_bias:
+        _update_router_expert_bias([ddp_model], config)
+    reset_model_temporary_tensors(config, [ddp_model])
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    return dict(loss=total, grad_norm=grad_norm, update_successful=update_successful, num_zeros=num_zeros,
+                num_micro_batches=n)
+
+
+def plain_forward_only(ddp_model, fn, micro_batches) -> list:
+    """``fn`` of each micro-batch in a list comprehension: the forward-only reference."""
+    return [fn(ddp_model, mb) for mb in micro_batches]
+
+
+@contextlib.contextmanager
+def plain_loop():
+    """While inside, the actor, critic and SFT trainer step through :func:`plain_train_step` /
+    :func:`plain_forward_only` (they look both up in :mod:`hpcrl.train.model` at every call)."""
+    saved = tmodel.train_step, tmodel.forward_only
+    tmodel.train_step, tmodel.forward_only = plain_train_step, plain_forward_only
+    try:
+        yield
+    finally:
+        tmodel.train_step, tmodel.forward_only = saved
 
 
 # --- fixtures -------------------------------------------------------------------------------------------
@@ -292,6 +343,44 @@ def test_a_short_rollout_trains_like_a_smaller_batch(tp1, tiny_model_dir, sample
     assert m4["train/num_steps"] == 2 and m4["train/grad_norm"] > 0 and m4["train/entropy"] > 0
     assert m4["train/grad_norm"] == m3["train/grad_norm"]
     assert all(torch.equal(w4[k], w3[k]) for k in w4)
+
+
+SCHEDULE_CASES = {
+    # KL loss (old and reference log-probs recomputed: forward-only passes), TIS, an entropy bonus, 2 steps of
+    # 3 micro-batches (3, 3, 2 samples) per rollout
+    "kl-tis": {"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5, "algorithm.kl_loss_type": "k3",
+               "algorithm.use_tis": True, "algorithm.entropy_coef": 0.01, "train.num_steps_per_rollout": 2,
+               "train.micro_batch_size": 3},
+    # packed micro-batches with shared group prompts, off-policy (recomputed old log-probs)
+    "packed": {"train.max_tokens_per_microbatch": 40, "train.share_group_prompt": True,
+               "train.num_steps_per_rollout": 2},
+    # PPO: the critic's values forward and its own optimizer steps go through the schedule too
+    "ppo": {"algorithm.advantage_estimator": "gae", "algorithm.kl_coef": 0.05, "algorithm.kl_loss_type": "k3",
+            "train.num_steps_per_rollout": 2, "train.micro_batch_size": 3, "critic.lr": 3e-4},
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEDULE_CASES))
+def test_megatron_schedule_equals_the_plain_loop_bitwise(tp1, tiny_model_dir, samples, monkeypatch, case):
+    """Issue #54 point 2: every forward and backward of the actor (and the critic) through megatron-core's
+    ``get_forward_backward_func`` + ``finalize_model_grads`` gives the very weights and metrics of the plain
+    loop (two rollouts, several micro-batches a step)."""
+    def run():
+        parallel.model_parallel_cuda_manual_seed(1234)
+        actor = Actor(make_config(**SCHEDULE_CASES[case]), tiny_model_dir, ci_checks=True)
+        metrics = [actor.train(r, samples) for r in range(2)]
+        timing = ("seconds", "tokens_per_s")
+        return weights_of(actor), [{k: v for k, v in m.items() if not k.endswith(timing)} for m in metrics], \
+            actor.step_metrics
+    calls = []
+    schedule = tmodel.train_step
+    monkeypatch.setattr(tmodel, "train_step", lambda *a: calls.append(len(a[3])) or schedule(*a))
+    weights, metrics, steps = run()
+    assert calls and max(calls) > 1  # micro-batches of a step went through the schedule
+    with plain_loop():
+        ref_weights, ref_metrics, ref_steps = run()
+    assert metrics == ref_metrics and steps == ref_steps
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests.unit.test_actor import make_config, tp1  # noqa: E402,F401 (fixture)
+from tests.unit.test_actor import make_config, plain_loop, tp1  # noqa: E402,F401 (fixture)
 
 CHATML = ("{% set tag = {'system': '1', 'user': '2', 'assistant': '3', 'tool': '4'} %}"
           "{% for m in messages %}({{ tag[m['role']] }}){{ m['content'] }}{% if m.get('tool_calls') %}"
@@ -93,6 +93,28 @@ def test_one_sft_step_equals_hf_adamw(tp1, tiny_model_dir, layout, lr_scale):
     assert max(float((got[n] - before[n]).abs().max()) for n in got) > 1e-2  # the step moved the weights
     worst = max(float((got[n] - want[n]).abs().max()) for n in got)
     assert worst < 1e-6, worst
+
+
+@pytest.mark.parametrize("layout", [{"train.micro_batch_size": 5}, {"train.max_tokens_per_microbatch": 64}],
+                         ids=["padded", "packed"])
+def test_sft_steps_through_megatron_schedule_equal_the_plain_loop(tp1, tiny_model_dir, layout):
+    """Issue #54 point 2: three SFT steps through megatron-core's schedule (several micro-batches each) give
+    the very losses, grad norms and weights of the plain loop (tests/unit/test_actor.py)."""
+    from hpcrl.train.bridge import export_hf_weights
+    from hpcrl.train.supervised import SupervisedTrainer
+
+    samples = demos(tiny_model_dir)
+
+    def run():
+        trainer = SupervisedTrainer(sft_config(len(samples), **layout), tiny_model_dir)
+        timing = ("train/seconds", "train/tokens_per_s")
+        rows = [{k: v for k, v in trainer.train(step, samples).items() if k not in timing} for step in range(3)]
+        return rows, {n: t.clone() for n, t in export_hf_weights(trainer.ddp_model)}
+
+    rows, weights = run()
+    with plain_loop():
+        ref_rows, ref_weights = run()
+    assert rows == ref_rows and all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights)
 
 
 def test_conversation_masks_follow_the_chat_template(tiny_model_dir):
