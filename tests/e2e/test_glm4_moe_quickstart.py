@@ -2,8 +2,12 @@
 user runs it, in a folder holding the config's shipped warm start (``tests/warm_starts/glm4-moe``: the tiny
 GLM-4.5-style MoE - first layer dense, shared expert, sigmoid router with expert bias and 2 groups, partial
 RoPE, q/k/v bias - and its SFT until :data:`SFT_TARGET` greedy accuracy, made by ``hpcrl sft`` of this config;
-the run finds it in its cache), then GSPO for the config's 200 steps with its experts over 2 trainer processes
-(EP=2). The SFT at EP=2 itself is tests/integration/test_sft_run.py's. Measured 2026-11-27 on the dev machine (2 shared cores): this test 428 s (SFT
+the run finds it in its cache), then GSPO for the config's 200 steps on 2 trainer processes at slime's MoE layout
+in small (issue #54 point 5): TP=2 with sequence parallelism x EP=2, ETP 1 (attention split over the two ranks,
+four whole experts on each). Measured 2026-12-07 on the dev machine (AMD EPYC AVX2, 2 cores shared with a CI
+run), the config by hand: SFT 220 steps to 0.334, then 0.334 -> 0.415, 0.521 (+18.7) at steps 99, 199, GSPO
+209 s, train/rollout |logprob diff| <= 7.1e-7. Until 2026-12-07 the config was EP=2 alone (below). The SFT at
+EP=2 itself is tests/integration/test_sft_run.py's. Measured 2026-11-27 on the dev machine (2 shared cores): this test 428 s (SFT
 320 steps to 0.305), greedy 0.305 -> 0.341, 0.388, 0.392, 0.398, 0.418 at steps 99..499 (+11.3), train/rollout
 |logprob diff| <= 6.2e-7; the same curve as a run of the config by hand (847 s on busier cores). Shorter runs
 were tried and are less sure of the +10: lr 3e-4 for 300 steps +10.5 (a dip to 0.289 at step 99), lr 3e-4 for
@@ -41,11 +45,13 @@ MIN_GAIN = 0.10
 
 
 @pytest.mark.slow
-def test_glm4_moe_quickstart_learns_addition_at_ep2(tmp_path):
+def test_glm4_moe_quickstart_learns_addition_at_tp2_ep2(tmp_path):
     shutil.copy(ROOT / "configs" / "glm4-moe-quickstart.yaml", tmp_path / "glm.yaml")
     cfg = yaml.safe_load((tmp_path / "glm.yaml").read_text())
-    assert (cfg["model"]["create"], cfg["train"]["expert_parallel_size"], cfg["sft"]["target_accuracy"],
-            cfg["run"]["num_rollout"]) == ("tiny-glm4-moe", 2, SFT_TARGET, STEPS)
+    assert (cfg["model"]["create"], cfg["train"]["tensor_parallel_size"], cfg["train"]["expert_parallel_size"],
+            cfg["train"]["nprocs"], cfg["sft"]["target_accuracy"], cfg["run"]["num_rollout"]) == \
+        ("tiny-glm4-moe", 2, 2, 2, SFT_TARGET, STEPS)
+    assert "sequence_parallel" not in cfg["train"]  # on by default at TP > 1 (slime's --sequence-parallel)
     shipped = install("glm4-moe", tmp_path)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()

@@ -126,17 +126,20 @@ def test_groups_fall_back_to_one_where_the_scorings_would_differ():
 
 
 def test_the_glm4_moe_quickstart_config_loads_and_knows_its_experts():
-    """configs/glm4-moe-quickstart.yaml: the tiny GLM, GSPO, EP=2; the login node counts its experts from the
-    tiny_* keys before the folder exists (EP=2 divides 8), and routing replay validates on it."""
+    """configs/glm4-moe-quickstart.yaml: the tiny GLM, GSPO, TP=2 x EP=2 with sequence parallelism and ETP 1 on
+    2 ranks; the login node counts its experts from the tiny_* keys before the folder exists (EP=2 divides 8),
+    and routing replay validates on it."""
     from pathlib import Path
 
     from hpcrl.validate import load_and_check
-    from hpcrl.config.train import model_experts
+    from hpcrl.config.train import model_experts, sequence_parallel
 
     path = Path(__file__).resolve().parents[2] / "configs" / "glm4-moe-quickstart.yaml"
     cfg = load_and_check(path)
     assert (cfg.model.create, cfg.model.path, cfg.train.expert_parallel_size, cfg.train.nprocs) == \
         ("tiny-glm4-moe", ".cache/models/tiny-glm4-moe", 2, 2)
+    assert (cfg.train.tensor_parallel_size, sequence_parallel(cfg.train), cfg.train.expert_tensor_parallel_size) \
+        == (2, True, 1)
     assert (cfg.algorithm.advantage_estimator, cfg.rollout.router, cfg.sft.enabled) == ("gspo", False, True)
     assert model_experts(cfg, check_files=False) == (8, 2)
     assert load_and_check(path, ["algorithm.routing_replay=true"]).algorithm.routing_replay
