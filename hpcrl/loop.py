@@ -61,7 +61,7 @@ def train_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Optional
             except Exception as e:  # noqa: BLE001 - every rank learns of it below, then it is re-raised
                 samples, step = StepFailed(f"rollout {rollout_id} failed on the controller: "
                                             f"{type(e).__name__}: {e}", e), {}
-            samples = broadcast(samples)
+            samples = broadcast(samples, s.handoff)
             if isinstance(samples, StepFailed):  # before the weights changed: keep the last finished step
                 data_source.load_state_dict(before)
                 rollout.onload_trainer()

@@ -56,7 +56,7 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
         if pending.rollout_id != t.start:  # a new run (or a checkpoint without it): generate it now
             before = data_source.state_dict()
             finish_rollout(rollout, rollout.generate_async(t.start, data_source, t.multiple),
-                           t.start, pending, data_source, before, ckpt.save_before_failing)
+                           t.start, pending, data_source, before, ckpt.save_before_failing, s.handoff)
 
         # --- the loop: rollout k+1 is generated while step k trains ----------------------------------
         for rollout_id in range(t.start, cfg.run.num_rollout):
@@ -70,7 +70,7 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
             t_wait = time.perf_counter()
             if has_next:  # the rollout in flight finishes before the weights change (slime train_async.py)
                 finish_rollout(rollout, future, rollout_id + 1, pending, data_source, before,
-                               lambda message: keep_step(ckpt, s.metrics, rollout_id, step, message))
+                               lambda message: keep_step(ckpt, s.metrics, rollout_id, step, message), s.handoff)
             step["timing/rollout_wait_seconds"] = time.perf_counter() - t_wait
             step.update(sync_weights(actor, syncer, rollout, version=rollout_id + 1))
             if due(rollout_id, cfg.rollout.eval_interval, cfg.run.num_rollout):
@@ -87,11 +87,12 @@ def train_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Op
 
 def finish_rollout(rollout: "RolloutManager | FollowerRollout", future: "Future", rollout_id: int,
                    pending: "PendingRollout", data_source: "DataSource", before: dict,
-                   on_error: Callable[[str], None]) -> None:
-    """Wait for rollout ``rollout_id`` (:func:`collect`) and make it the pending one on every rank. When it
-    failed: the data source back to ``before`` (its state when the rollout started), ``on_error(message)``
-    (which checkpoints what is finished), then the error is raised (RuntimeError on the other ranks)."""
-    out = collect(rollout, future, rollout_id)
+                   on_error: Callable[[str], None], handoff: Any = None) -> None:
+    """Wait for rollout ``rollout_id`` (:func:`collect`, over the session's ``handoff`` group) and make it the
+    pending one on every rank. When it failed: the data source back to ``before`` (its state when the rollout
+    started), ``on_error(message)`` (which checkpoints what is finished), then the error is raised
+    (RuntimeError on the other ranks)."""
+    out = collect(rollout, future, rollout_id, handoff)
     if isinstance(out, StepFailed):
         data_source.load_state_dict(before)
         on_error(out.message)
@@ -107,14 +108,16 @@ def keep_step(ckpt: "CheckpointManager", metrics: RunLog, rollout_id: int, step:
     ckpt.save_before_failing(message, finished=rollout_id)
 
 
-def collect(rollout: "RolloutManager | FollowerRollout", future: "Future", rollout_id: int) -> Any:
-    """Wait for a rollout started with ``generate_async`` and hand ``(samples, metrics)`` to every trainer rank;
-    a :class:`~hpcrl.run_session.StepFailed` instead when it raised on the controller."""
+def collect(rollout: "RolloutManager | FollowerRollout", future: "Future", rollout_id: int,
+            handoff: Any = None) -> Any:
+    """Wait for a rollout started with ``generate_async`` and hand ``(samples, metrics)`` to every trainer rank
+    (over the session's ``handoff`` group: :func:`hpcrl.run_session.broadcast`); a
+    :class:`~hpcrl.run_session.StepFailed` instead when it raised on the controller."""
     try:
         out = rollout.result(future)
     except Exception as e:  # noqa: BLE001 - every rank learns of it, then it is re-raised
         out = StepFailed(f"rollout {rollout_id} failed on the controller: {type(e).__name__}: {e}", e)
-    return broadcast(out)
+    return broadcast(out, handoff)
 
 
 class PendingRollout:

@@ -61,7 +61,7 @@ def train_fully_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_chec
         # --- the loop: take what finished, train, publish the weights; the engines keep generating -------
         for rollout_id in range(t.start, cfg.run.num_rollout):
             t_step = time.perf_counter()
-            samples, step = take(rollout, rollout_id, t.multiple)
+            samples, step = take(rollout, rollout_id, t.multiple, s.handoff)
             if isinstance(samples, StepFailed):  # the stream failed: keep the last trained step
                 ckpt.save_before_failing(samples.message)
                 raise samples.error or RuntimeError(samples.message)
@@ -84,12 +84,14 @@ def train_fully_async_main(cfg: Config, run_dir: Path, model_path: Path, ci_chec
     return s.result()
 
 
-def take(rollout: "RolloutManager | FollowerRollout", rollout_id: int, multiple: int) -> tuple[Any, dict]:
-    """The next finished groups for step ``rollout_id`` on every trainer rank: ``(samples, metrics)`` (the
-    metrics on the controller only), or ``(StepFailed, {})`` when the stream failed on the controller."""
+def take(rollout: "RolloutManager | FollowerRollout", rollout_id: int, multiple: int,
+         handoff: Any = None) -> tuple[Any, dict]:
+    """The next finished groups for step ``rollout_id`` on every trainer rank (sent over the session's
+    ``handoff`` group): ``(samples, metrics)`` (the metrics on the controller only), or ``(StepFailed, {})``
+    when the stream failed on the controller."""
     try:
         samples, metrics = rollout.take(rollout_id, multiple)
     except Exception as e:  # noqa: BLE001 - every rank learns of it, then it is re-raised
         samples, metrics = StepFailed(f"rollout {rollout_id} failed on the controller: "
                                       f"{type(e).__name__}: {e}", e), {}
-    return broadcast(samples), metrics
+    return broadcast(samples, handoff), metrics

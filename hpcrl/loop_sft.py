@@ -192,7 +192,7 @@ def train_sft_main(cfg: Config, run_dir: Path, model_path: Path, ci_checks: Opti
         stopped: Optional[str] = None
         def observe(step: int, metrics: dict[str, Any]) -> None:
             # the controller's accuracy on every rank: each one decides the next eval and the stop the same way
-            schedule.observe(step, {ACCURACY_KEY: broadcast(metrics.get(ACCURACY_KEY))})
+            schedule.observe(step, {ACCURACY_KEY: broadcast(metrics.get(ACCURACY_KEY), s.handoff)})
 
         if t.start == 0:
             observe(-1, s.last)  # the eval before the first step (RunSession's)

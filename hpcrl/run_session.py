@@ -220,6 +220,10 @@ class RunSession:
     """When each stage of the set-up and tear-down happened (written by the controller)."""
     logged_step: Optional[int] = field(init=False, default=None)
     """The newest step the loop logged (every rank), None before the first."""
+    handoff: Any = field(init=False, default=None)
+    """The hand-off group (:func:`hpcrl.train.parallel.handoff_group`): where the ranks wait for the
+    controller (the loops' :func:`broadcast` of a step's samples, the checkpoint manager's step end); None
+    with one rank."""
 
     def __enter__(self) -> "RunSession":
         from hpcrl.preempt import PreemptionWatch
@@ -243,7 +247,8 @@ class RunSession:
                                                  watch.job_ending)
         rollout.launch(early=True)  # they load while the trainer imports Megatron and builds its model
         self.timeline.mark("engines_launched")
-        from hpcrl.train.parallel import destroy  # imports torch: after the engines started loading
+        # (imports torch: after the engines started loading)
+        from hpcrl.train.parallel import destroy, handoff_group, wait_for_controller
         import torch.distributed as dist
 
         # a default group formed before the session (the warm start's stages, the Slurm bootstrap) outlives
@@ -263,12 +268,16 @@ class RunSession:
                                                              self.ci_checks, on_device=rollout.trainer_onloaded,
                                                              critic_group=self.critic_group, **self.states)
             self.timeline.mark("trainer_built")
+            # the ranks wait for the controller's work alone (engines, rollouts, evals) in a group of their own
+            self.handoff = handoff_group(cfg.train.collective_timeout_s, cfg.train.rollout_wait_timeout_s)
+            t.ckpt.wait_for_controller = functools.partial(wait_for_controller, self.handoff)
             # --- engines up, router, client (a twin that does nothing on the other ranks); weights -----
             rollout.start(t.datasets)
             self.timeline.mark("engines_up")
             self.metrics = RunLog(run_dir, cfg.run.num_rollout, t.start, controller, cfg=cfg)
             if self.offload_engines_first:
                 rollout.offload()  # colocated: the engines give their memory back before the first sync
+            wait_for_controller(self.handoff)  # its engines are up: the first sync's collectives start together
             self.syncer = WeightSyncer.from_config(rollout.client, cfg.weights, cfg.run.mode,
                                                    sglang_engines=sglang_engines(cfg),
                                                    is_sender=controller,
@@ -306,7 +315,7 @@ class RunSession:
         collective's timeout (or is one already). The step is the one after the last logged (that one when it
         timed out in its checkpoint)."""
         from hpcrl.checkpoint.layout import find_latest_checkpoint
-        from hpcrl.train.parallel import CollectiveTimeout, is_collective_timeout
+        from hpcrl.train.parallel import CollectiveTimeout, ControllerWaitTimeout, is_collective_timeout
 
         if isinstance(exc, CollectiveTimeout) or not is_collective_timeout(exc):
             return None
@@ -319,8 +328,10 @@ class RunSession:
             latest = find_latest_checkpoint(self.run_dir)
         except OSError:  # the message is still worth more than the file system's error
             latest = None
-        return CollectiveTimeout(env_rank(), step, phase, self.cfg.train.collective_timeout_s,
-                                 latest.name if latest is not None else None)
+        for_controller = _caused_by(exc, ControllerWaitTimeout)
+        timeout_s = self.cfg.train.rollout_wait_timeout_s if for_controller else self.cfg.train.collective_timeout_s
+        return CollectiveTimeout(env_rank(), step, phase, timeout_s, latest.name if latest is not None else None,
+                                 for_controller=for_controller)
 
     def log(self, rollout_id: int, step: dict[str, Any]) -> None:
         """Log step ``rollout_id``'s metrics (before its checkpoint: a resume truncates the lines after its
@@ -444,12 +455,29 @@ class StepFailed:
         return {"message": self.message, "error": None}
 
 
-def broadcast(obj: Any) -> Any:
-    """Send the controller's object to every trainer rank (a no-op with one rank)."""
+def broadcast(obj: Any, group: Any = None) -> Any:
+    """Send the controller's object to every trainer rank (a no-op with one rank), over ``group``: the
+    session's hand-off group (:attr:`RunSession.handoff`) where the ranks wait for the controller's rollout or
+    eval (its timeout then raises :class:`~hpcrl.train.parallel.ControllerWaitTimeout` on the other ranks),
+    None for the default group."""
     import torch.distributed as dist
+
+    from hpcrl.train.parallel import waiting_for_controller
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    with waiting_for_controller(group):
+        dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def _caused_by(exc: Optional[BaseException], kind: type) -> bool:
+    """Whether ``exc`` or what caused it (its ``__cause__`` / ``__context__`` chain) is a ``kind``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False

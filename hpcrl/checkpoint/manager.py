@@ -179,7 +179,11 @@ class CheckpointManager:
     a checkpoint with other models than the run's is refused); ``remote``: such models whose ranks are
     another world's, ``{name: RemotePart}`` (a critic on ranks of its own,
     :class:`hpcrl.train.critic_group.RemoteCritic`), which write and load their ``dist_<name>/`` themselves
-    in the same save and load. The counter ``states["progress"]`` is made when not given.
+    in the same save and load. The counter ``states["progress"]`` is made when not given. The attribute
+    ``wait_for_controller`` is what :meth:`end_step` calls first, so that the controller's eval and weight send
+    (its work alone) are waited for in the run's hand-off group, not in the save's collectives
+    (:class:`hpcrl.run_session.RunSession` sets :func:`hpcrl.train.parallel.wait_for_controller` on it; by
+    default nothing).
     """
 
     def __init__(self, run_dir: Path, model: Any, optimizer: Any, states: Mapping[str, Stateful], *,
@@ -196,6 +200,7 @@ class CheckpointManager:
         self.watch, self.config, self.on_device = watch, config, on_device
         self.progress: RolloutCounter = self.states[PROGRESS]
         self.last_saved: Optional[int] = None  # rollout id of the newest checkpoint of this run
+        self.wait_for_controller: Callable[[], None] = lambda: None
 
     @classmethod
     def from_config(cls, cfg: Any, run_dir: Path, actor: Any, states: Mapping[str, Stateful],
@@ -265,6 +270,7 @@ class CheckpointManager:
         ``"deadline"``) or None."""
         from hpcrl.preempt import agree
 
+        self.wait_for_controller()  # its eval and weight send end the step on the controller alone
         self.progress.rollout_id = rollout_id
         saved = self.due(rollout_id)
         if saved:

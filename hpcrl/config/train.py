@@ -35,14 +35,19 @@ class TrainSection:
     MoE layer trains under tensor parallelism only with it); it has no effect at TP=1."""
     nprocs: int = 1
     """Trainer processes for local runs (Slurm runs take it from the allocation)."""
-    collective_timeout_s: float = 1800.0
+    collective_timeout_s: float = 600.0
     """Seconds a trainer rank waits in a collective for the other ranks before the run stops with one line
     naming the rank, the step and the phase (gloo; on GPUs NCCL's watchdog ends the process at the same bound
-    with its own message). It must cover the longest wait a healthy run has: the ranks other than the controller
-    wait for the whole rollout, eval and weight send of a step in the collective that hands them its samples,
-    which takes minutes at scale; hence 30 minutes, not slime's ``--distributed-timeout-minutes`` 10 (slime's
-    trainers wait for rollouts outside torch's collectives). megatron-core's groups take it in whole minutes,
-    rounded up."""
+    with its own message): 10 minutes, slime's ``--distributed-timeout-minutes``. Where the ranks wait for the
+    controller's work alone (its engines' start, each step's rollout, eval and weight send) they wait in a
+    group of their own under :attr:`rollout_wait_timeout_s` instead (:func:`hpcrl.train.parallel.handoff_group`).
+    megatron-core's groups take it in whole minutes, rounded up."""
+    rollout_wait_timeout_s: float = 10800.0
+    """Seconds a trainer rank other than the controller waits for the controller to hand over a step (its
+    rollout, reward, filter, eval and weight send; its engines' start) before the run stops with one line:
+    3 hours, as a step of a large model with long responses takes tens of minutes (slime's trainers wait on
+    Ray for rollouts, unbounded). The controller itself waits for the other ranks there at most
+    :attr:`collective_timeout_s`."""
     cpus: Optional[Union[int, str]] = None
     """Local runs with ``run.placement: disaggregate``: the trainer's CPUs (``"0-1"``; default: the first
     half of this machine's CPUs); torch uses one thread per CPU (shared by ``nprocs`` processes). Ignored on
@@ -262,6 +267,8 @@ def check_train(cfg: Config) -> None:
     require(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}", "lower min_lr")
     require(t.collective_timeout_s > 0, "train.collective_timeout_s", t.collective_timeout_s, "must be > 0",
             "set it to the longest a rank may wait for the others, e.g. 600")
+    require(t.rollout_wait_timeout_s > 0, "train.rollout_wait_timeout_s", t.rollout_wait_timeout_s,
+            "must be > 0", "set it to the longest a step's rollout and eval may take, e.g. 10800")
     for f in ("train.adam_beta1", "train.adam_beta2"):
         v = get_field(cfg, f)
         require(0 <= v < 1, f, v, "must be in [0, 1)", "e.g. 0.9 / 0.98")

@@ -11,6 +11,8 @@
   :func:`model_parallel_cuda_manual_seed` wrap megatron-core's; :func:`destroy` undoes all three.
 - :class:`CollectiveTimeout` is what a rank raises when a collective waited past ``train.collective_timeout_s``
   (:func:`is_collective_timeout` tells one, :class:`hpcrl.run_session.RunSession` raises it).
+- :func:`handoff_group` / :func:`wait_for_controller`: where the ranks wait for the controller's rollout, under
+  ``train.rollout_wait_timeout_s`` instead (the trainer's own collectives keep the short bound).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import random
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -172,17 +174,62 @@ caught collective operation timeout``) say when a collective waited past the gro
 
 
 class CollectiveTimeout(RuntimeError):
-    """A trainer rank waited past ``train.collective_timeout_s`` in a collective: another rank died or stalls.
-    One line (a known error of :mod:`hpcrl.errors`, exit status 1) naming the rank, the step and the phase."""
+    """A trainer rank waited past ``train.collective_timeout_s`` in a collective: another rank died or stalls
+    (or, ``for_controller``, past ``train.rollout_wait_timeout_s`` for the controller's hand-over:
+    :func:`handoff_group`). One line (a known error of :mod:`hpcrl.errors`, exit status 1) naming the rank, the
+    step and the phase."""
 
-    def __init__(self, rank: int, step: int, phase: str, timeout_s: float, last_checkpoint: Optional[str]):
+    def __init__(self, rank: int, step: int, phase: str, timeout_s: float, last_checkpoint: Optional[str],
+                 for_controller: bool = False):
         self.rank, self.step, self.phase, self.timeout_s = rank, step, phase, timeout_s
+        key = "train.rollout_wait_timeout_s" if for_controller else "train.collective_timeout_s"
+        whom, who = ("the controller (rank 0)", "it") if for_controller else ("the other ranks", "a rank")
         resume = (f"the run resumes from its last checkpoint ({last_checkpoint}) when started again"
                   if last_checkpoint else "no checkpoint was written yet")
-        super().__init__(f"trainer rank {rank} waited more than {timeout_s:g} s (train.collective_timeout_s) "
-                         f"for the other ranks in a collective of step {step} ({phase}): a rank died or stalls "
-                         f"there, so the run stopped; {resume}; raise train.collective_timeout_s if the ranks "
-                         "are only slow")
+        super().__init__(f"trainer rank {rank} waited more than {timeout_s:g} s ({key}) for {whom} in a "
+                         f"collective of step {step} ({phase}): {who} died or stalls there, so the run stopped; "
+                         f"{resume}; raise {key} if {'it is' if for_controller else 'the ranks are'} only slow")
+
+
+class ControllerWaitTimeout(RuntimeError):
+    """A trainer rank other than the controller waited past ``train.rollout_wait_timeout_s`` for the controller
+    in the hand-off group (:func:`handoff_group`, :func:`waiting_for_controller`); the run's one line is the
+    :class:`CollectiveTimeout` that :class:`hpcrl.run_session.RunSession` makes of it."""
+
+
+def handoff_group(timeout_s: float, wait_s: float) -> Any:
+    """A gloo process group of every trainer rank for where they wait on the controller (rank 0) while it
+    works alone: its engines' start, each step's rollout, reward and filter, its eval, its weight send. The
+    controller's side of it waits at most ``timeout_s`` (``train.collective_timeout_s``: a rank that does not
+    come is a trainer fault), every other rank ``wait_s`` (``train.rollout_wait_timeout_s``: a rollout at
+    scale takes many minutes, which the trainer's own collectives must not be given). None without
+    torch.distributed or with one rank. Collective: every rank of the default group calls it, in the same
+    order as its other new groups. Use with :func:`wait_for_controller` and
+    :func:`hpcrl.run_session.broadcast`."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    mine = timeout_s if dist.get_rank() == 0 else wait_s
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=mine))
+
+
+@contextlib.contextmanager
+def waiting_for_controller(group: Any) -> Iterator[None]:
+    """Around a collective of the hand-off ``group`` (:func:`handoff_group`): on a rank other than the
+    controller, its timeout is raised as :class:`ControllerWaitTimeout` (from the collective's error)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if group is not None and dist.get_rank() != 0 and is_collective_timeout(e):
+            raise ControllerWaitTimeout("waited past train.rollout_wait_timeout_s for the controller") from e
+        raise
+
+
+def wait_for_controller(group: Any) -> None:
+    """Every trainer rank waits here until the controller comes (a barrier of the hand-off ``group``), so the
+    trainer's collectives that follow start together; a no-op for ``None`` (one rank)."""
+    if group is not None:
+        with waiting_for_controller(group):
+            dist.barrier(group=group)
 
 
 def is_collective_timeout(exc: Optional[BaseException]) -> bool:

@@ -35,6 +35,16 @@ def stall_from_step_1(args, sample):
 
 def hpcrl_run(tmp_path: Path, name: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`hpcrl run` of a tiny config as a user runs it; stdout+stderr in `.log` (a file: helpers keep pipes open)."""
+    cmd, env, log = run_command(tmp_path, name, *overrides)
+    with open(log, "ab") as f:
+        out = subprocess.run(cmd, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env,
+                             check=False)
+    out.log = log.read_text()
+    return out
+
+
+def run_command(tmp_path: Path, name: str, *overrides: str) -> tuple[list[str], dict, Path]:
+    """The command, environment and log file of :func:`hpcrl_run` (its config and plug-ins written)."""
     (tmp_path / "err_plugins.py").write_text(PLUGINS)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(textwrap.dedent(f"""
@@ -46,13 +56,8 @@ def hpcrl_run(tmp_path: Path, name: str, *overrides: str, timeout: int = 600) ->
         rollout: {{batch_size: 2, n_samples_per_prompt: 2, max_new_tokens: 3, eval_interval: 0}}
         train: {{micro_batch_size: 4}}
     """))
-    log = tmp_path / f"{name}.log"
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
-    with open(log, "ab") as f:
-        out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path,
-                             stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
-    out.log = log.read_text()
-    return out
+    return [sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], env, tmp_path / f"{name}.log"
 
 
 def one_error_line(out, tmp_path: Path, name: str, cause: str) -> Path:
@@ -70,25 +75,74 @@ def one_error_line(out, tmp_path: Path, name: str, cause: str) -> Path:
     return log
 
 
-def test_a_stalled_rank_stops_the_run_in_one_line_naming_rank_step_and_phase(tmp_path):
+def test_a_stalled_controller_stops_the_run_in_one_line_naming_rank_step_and_phase(tmp_path):
     """Issue #54 point 1, no silent hang: two trainer ranks, the controller stalls in its reward at step 1
-    (300 s), so rank 1 waits in the collective that hands it the step's samples. After
-    ``train.collective_timeout_s`` (60 s here: more than rank 1 waits for the controller's engine start and
-    step 0 on a loaded 2-core machine, ~20 s; 1800 by default) rank 1 stops with one line naming itself, the
-    step and the phase, and the run ends with it, the finished step 0 checkpointed. The bound: the run ends
-    well before the stall would (300 s) and before the subprocess timeout."""
+    (300 s), so rank 1 waits in the hand-off group for the step's samples. After
+    ``train.rollout_wait_timeout_s`` (60 s here: more than rank 1 waits for the controller's engine start and
+    step 0 on a loaded 2-core machine, ~20 s; 3 hours by default) rank 1 stops with one line naming itself, the
+    step and the phase, and the run ends with it, the finished step 0 checkpointed. The trainer's own bound,
+    ``train.collective_timeout_s``, stays the default 600 s: the wait for the controller is not under it. The
+    bound: the run ends well before the stall would (300 s) and before the subprocess timeout."""
     import time
 
     t0 = time.monotonic()
     out = hpcrl_run(tmp_path, "stall", "rollout.reward_function=err_plugins.stall_from_step_1", "run.num_rollout=3",
-                    "train.nprocs=2", "train.micro_batch_size=2", "train.collective_timeout_s=60",
+                    "train.nprocs=2", "train.micro_batch_size=2", "train.rollout_wait_timeout_s=60",
                     "checkpoint.save_interval=1", timeout=300)
     took = time.monotonic() - t0
     one_error_line(out, tmp_path, "stall", "CollectiveTimeout: trainer rank 1 waited more than 60 s "
-                   "(train.collective_timeout_s) for the other ranks in a collective of step 1 (the rollout's "
-                   "samples sent to every rank)")
+                   "(train.rollout_wait_timeout_s) for the controller (rank 0) in a collective of step 1 (the "
+                   "rollout's samples sent to every rank)")
     assert out.returncode == 1 and "last checkpoint (iter_0000000)" in out.log, out.log[-2000:]
     assert took < 250, took  # not the stall's 300 s
+
+
+def test_a_stalled_trainer_rank_stops_the_controller_after_the_collective_timeout(tmp_path):
+    """Issue #54 point 1 from the other side: trainer rank 1 stalls (SIGSTOP, as a hung process) once step 0
+    is logged, and the controller waits for it in a trainer collective (the training step's gradient
+    reduction, the hand-off of the next step's samples or the step's end, depending on where rank 1 stopped).
+    After ``train.collective_timeout_s`` (20 s here) the controller stops with one line naming itself and the
+    step, while ``train.rollout_wait_timeout_s`` stays its 3-hour default: the controller's side of the hand-off
+    waits only the trainer's bound. Rank 1 is let go (SIGCONT) once the controller has exited, so that the
+    launcher's SIGTERM ends it. Bound: the run ends within the subprocess timeout (300 s), far under the
+    hand-off's 3 hours."""
+    import signal
+    import time
+
+    import psutil
+
+    cmd, env, log = run_command(tmp_path, "hung", "run.num_rollout=50", "train.nprocs=2", "train.micro_batch_size=2",
+                                "train.collective_timeout_s=20", "checkpoint.save_interval=0")
+    metrics = tmp_path / "runs" / "hung" / "metrics.jsonl"
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 240
+            while not (metrics.is_file() and any(json.loads(x)["step"] >= 0 for x in metrics.read_text().split(
+                    "\n") if x.strip())):  # step 0 logged: both ranks are in the loop
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            workers = sorted((c for c in psutil.Process(proc.pid).children()
+                              if "spawn_main" in " ".join(c.cmdline())), key=lambda c: c.create_time())
+            assert len(workers) == 2, workers  # trainer ranks 0 and 1, started in rank order
+            rank0, rank1 = workers
+            rank1.send_signal(signal.SIGSTOP)
+            while rank0.is_running() and rank0.status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline + 60, log.read_text()[-3000:]
+                time.sleep(0.5)
+            rank1.send_signal(signal.SIGCONT)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                for c in psutil.Process(proc.pid).children(recursive=True):
+                    c.send_signal(signal.SIGCONT)
+                    c.kill()
+                proc.kill()
+    out = subprocess.CompletedProcess(cmd, proc.returncode)
+    out.log = log.read_text()
+    one_error_line(out, tmp_path, "hung", "CollectiveTimeout: trainer rank 0 waited more than 20 s "
+                   "(train.collective_timeout_s) for the other ranks in a collective of step ")
+    assert out.returncode == 1, out.log[-2000:]
 
 
 def bad_data(tmp_path: Path) -> Path:

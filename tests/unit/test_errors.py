@@ -113,3 +113,8 @@ def test_a_collective_timeout_is_known_by_gloos_and_nccls_words_and_through_its_
     except ValueError as outer:
         assert is_collective_timeout(outer)
     assert "no checkpoint was written yet" in str(CollectiveTimeout(1, 0, "rollout", 5.0, None))
+    # the wait for the controller's hand-over (hpcrl.train.parallel.handoff_group) names its own key
+    waited = CollectiveTimeout(1, 4, "the rollout's samples sent to every rank", 10800.0, None, for_controller=True)
+    assert one_line(waited).startswith("CollectiveTimeout: trainer rank 1 waited more than 10800 s "
+                                       "(train.rollout_wait_timeout_s) for the controller (rank 0) in a collective "
+                                       "of step 4") and "raise train.rollout_wait_timeout_s if" in one_line(waited)
