@@ -158,6 +158,8 @@ def own_critic_ranks(cfg: "Config") -> bool:
     return cfg.algorithm.advantage_estimator == "gae" and cfg.critic.nprocs > 0
 
 
+SETUP_PHASE = "the run's set-up: the controller's engine start, the first weight sync"
+"""The phase a :class:`~hpcrl.train.parallel.CollectiveTimeout` names for a wait in :meth:`RunSession.__enter__`."""
 LOOP_FUNCTIONS = ("train_main", "train_async_main", "train_fully_async_main", "train_sft_main")
 """The loops that run inside a :class:`RunSession` (:func:`hpcrl.loop.loop_of`)."""
 LOOP_PHASES = {"broadcast": "the rollout's samples sent to every rank", "train": "training",
@@ -294,8 +296,14 @@ class RunSession:
                 self.last = rollout.evaluate(-1)
                 self.metrics.log(-1, self.last, advance=False)
                 self.timeline.mark("first_eval")
-        except BaseException:
+        except BaseException as e:
+            # a rank that waited past its bound in the set-up (the controller's engine start, the first sync):
+            # the same one line as in the loop
+            timeout = (self._collective_timeout(e, e.__traceback__, SETUP_PHASE)
+                       if isinstance(e, Exception) else None)
             self.close()
+            if timeout is not None:
+                raise timeout from e
             raise
         return self
 
@@ -310,16 +318,17 @@ class RunSession:
         if timeout is not None:
             raise timeout from exc
 
-    def _collective_timeout(self, exc: BaseException, tb: Any) -> Optional["CollectiveTimeout"]:
+    def _collective_timeout(self, exc: BaseException, tb: Any, phase: Optional[str] = None
+                            ) -> Optional["CollectiveTimeout"]:
         """The :class:`~hpcrl.train.parallel.CollectiveTimeout` to raise for ``exc``, None when ``exc`` is not a
         collective's timeout (or is one already). The step is the one after the last logged (that one when it
-        timed out in its checkpoint)."""
+        timed out in its checkpoint); the phase the loop's (:func:`loop_phase` of ``tb``) unless given."""
         from hpcrl.checkpoint.layout import find_latest_checkpoint
         from hpcrl.train.parallel import CollectiveTimeout, ControllerWaitTimeout, is_collective_timeout
 
         if isinstance(exc, CollectiveTimeout) or not is_collective_timeout(exc):
             return None
-        phase = loop_phase(tb)
+        phase = phase or loop_phase(tb)
         if self.logged_step is None:
             step = getattr(getattr(self, "trainer", None), "start", 0)
         else:
@@ -365,6 +374,12 @@ class RunSession:
         self.rollout.stop()
         self.timeline.mark("rollout_stopped")
         self.watch.uninstall()
+        if self.handoff is not None:  # (a default group formed before the session outlives it; this one not)
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(self.handoff)
+            self.handoff = None
         self._destroy()
         self.timeline.mark("closed")
         if self.controller:

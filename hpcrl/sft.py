@@ -180,9 +180,11 @@ class WarmStartStore:
         os.replace(tmp, out)
 
     @contextlib.contextmanager
-    def lock(self, digest: str, controller: bool, poll_s: float = LOCK_POLL_SECONDS) -> Iterator[None]:
+    def lock(self, digest: str, controller: bool, poll_s: float = LOCK_POLL_SECONDS,
+             group: Any = None) -> Iterator[None]:
         """Hold the lock of ``digest`` (``fcntl.lockf`` on ``<digest>.lock``) for the block. The controller
-        tries it every ``poll_s`` seconds and tells the other trainer ranks each time (a broadcast: they wait
+        tries it every ``poll_s`` seconds and tells the other trainer ranks each time (a broadcast over
+        ``group``, the hand-off group of :func:`hpcrl.train.parallel.handoff_group` where given: they wait
         with it, not in one collective that could time out). Raises OSError other than "held elsewhere"."""
         import fcntl
 
@@ -204,7 +206,7 @@ class WarmStartStore:
                         if e.errno not in (errno.EAGAIN, errno.EACCES):
                             raise
                         got = False
-                if broadcast(got):
+                if broadcast(got, group):
                     break
                 if not waited and controller:
                     log.info("sft: another run is training the warm start %s: waiting for it", self.folder(digest))
@@ -272,23 +274,40 @@ def warm_start(cfg: "Config", base: Path, launch_engines: Optional["EngineLaunch
     it). ``launch_engines``: the engines' launcher (the Slurm job step's; default local processes).
 
     Raises ValueError when ``sft.output`` is empty, and what the SFT run raises."""
+    if not cfg.sft.output:
+        raise ValueError("sft.output is empty; set it to the folder the SFT model is saved to")
+    import torch.distributed as dist
+
+    from hpcrl.train.parallel import handoff_group
+
+    # the other ranks wait for the controller's hashing of the base model (minutes for hundreds of GB) and
+    # store look-ups under train.rollout_wait_timeout_s, not the trainer's collective bound
+    handoff = handoff_group(cfg.train.collective_timeout_s, cfg.train.rollout_wait_timeout_s)
+    try:
+        return _warm_start(cfg, base, launch_engines, ci_checks, handoff)
+    finally:
+        if handoff is not None and dist.is_initialized():
+            dist.destroy_process_group(handoff)
+
+
+def _warm_start(cfg: "Config", base: Path, launch_engines: Optional["EngineLauncher"], ci_checks: Optional[bool],
+                handoff: Any) -> Optional[Path]:
+    """:func:`warm_start` with the hand-off group ``handoff`` made."""
     from hpcrl.loop_sft import train_sft_main
     from hpcrl.procs import env_rank
     from hpcrl.run_session import broadcast
 
-    if not cfg.sft.output:
-        raise ValueError("sft.output is empty; set it to the folder the SFT model is saved to")
     store = WarmStartStore(Path(cfg.sft.output))
     controller = env_rank() == 0
     key = cache_key(cfg, Path(base)) if controller else None
-    digest = broadcast(key_digest(key) if key is not None else None)
+    digest = broadcast(key_digest(key) if key is not None else None, handoff)
     folder = store.folder(digest)
 
     def cached() -> bool:
-        return bool(broadcast(store.cached(digest, key) if controller else None))
+        return bool(broadcast(store.cached(digest, key) if controller else None, handoff))
 
     if not cached():
-        with store.lock(digest, controller):
+        with store.lock(digest, controller, group=handoff):
             if not cached():  # (another run may have made it while this one waited for the lock)
                 t0 = time.perf_counter()
                 run_dir = store.run_dir(digest)

@@ -40,8 +40,11 @@ class TrainSection:
     naming the rank, the step and the phase (gloo; on GPUs NCCL's watchdog ends the process at the same bound
     with its own message): 10 minutes, slime's ``--distributed-timeout-minutes``. Where the ranks wait for the
     controller's work alone (its engines' start, each step's rollout, eval and weight send) they wait in a
-    group of their own under :attr:`rollout_wait_timeout_s` instead (:func:`hpcrl.train.parallel.handoff_group`).
-    megatron-core's groups take it in whole minutes, rounded up."""
+    group of their own under :attr:`rollout_wait_timeout_s` instead (:func:`hpcrl.train.parallel.handoff_group`;
+    the warm start's hashing of the base model too). Not yet there, so under this bound: a dead engine replaced
+    in the middle of a weight sync at TP > 1 (the other ranks wait in the export's gathers) and a PPO critic on
+    ranks of its own loading its model; raise it if those take longer at your scale. megatron-core's groups
+    take it in whole minutes, rounded up."""
     rollout_wait_timeout_s: float = 10800.0
     """Seconds a trainer rank other than the controller waits for the controller to hand over a step (its
     rollout, reward, filter, eval and weight send; its engines' start) before the run stops with one line:
@@ -225,6 +228,10 @@ def check_train(cfg: Config) -> None:
         require(key not in meg, f"megatron.{key}", meg.get(key), f"is hpcrl's own {own} (the trainer's groups, "
                 "the micro-batch padding and the memory estimate follow it; a megatron override would "
                 "contradict them)", f"set {own} instead and remove megatron.{key}")
+    for key in ("calculate_per_token_loss", "overlap_moe_expert_parallel_comm"):  # hpcrl.train.model
+        require(not meg.get(key), f"megatron.{key}", meg.get(key), "is not supported by hpcrl's use of "
+                "megatron-core's schedule (its losses are normalised over the whole step already; the combined "
+                "1F1B path is untested)", f"remove megatron.{key}")
     require(not (meg.get("optimizer_cpu_offload") and not meg.get("use_distributed_optimizer",
                                                                      t.use_distributed_optimizer)),
             "megatron.optimizer_cpu_offload", True, "without the distributed optimizer writes checkpoints that "

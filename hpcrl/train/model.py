@@ -274,10 +274,12 @@ def forward_only(ddp_model: torch.nn.Module, fn: Callable[[torch.nn.Module, Any]
         return []
     _schedule_config(ddp_model, len(micro_batches))
     results: list[Any] = []
+    # on the model's device: megatron scales the MoE aux loss by a tensor made on this one's device
+    device = next(ddp_model.parameters()).device
 
     def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
         results.append(fn(model, next(data_iterator)))
-        return torch.zeros(()), _nothing_to_reduce
+        return torch.zeros((), device=device), _nothing_to_reduce
 
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=ddp_model,
                                 num_microbatches=len(micro_batches), seq_length=0, micro_batch_size=1,
@@ -308,7 +310,17 @@ def _schedule_config(ddp_model: torch.nn.Module, n: int) -> Any:
     if config.finalize_model_grads_func is None:
         raise ValueError("the model's config has no finalize_model_grads_func: wrap it with "
                          "hpcrl.train.model.wrap_model_and_optimizer")
+    for key in SCHEDULE_REFUSED:
+        if getattr(config, key, False):
+            raise ValueError(f"megatron.{key}: true is not supported: hpcrl's losses are already normalised "
+                             "over the step; remove it")
     return config
+
+
+SCHEDULE_REFUSED = ("calculate_per_token_loss", "overlap_moe_expert_parallel_comm")
+"""``megatron:`` keys hpcrl's use of the schedule does not support (refused on the login node too): the first
+would skip the schedule's division that :func:`train_step` relies on and scale the gradients again in
+``finalize_model_grads``; the second switches to megatron's combined 1F1B path, which hpcrl does not test."""
 
 
 def sum_replicated_grads_over_tp(ddp_model: torch.nn.Module) -> None:

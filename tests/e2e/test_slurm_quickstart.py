@@ -94,8 +94,13 @@ def test_quickstart_colocated_on_one_node(tmp_path, slurm_cluster, sft_model):
     attempt = run_dir / "logs" / "attempt-0"
     engine = json.loads((attempt / "engines" / "engine-0.json").read_text())
     # on the job's one node, whichever Slurm gave it (n2 when n1 was still being released by a test before)
-    node = subprocess.run(["sacct", "-n", "-P", "-X", "-o", "NodeList", "-j", job_id], capture_output=True,
-                          text=True, timeout=30).stdout.split()[0]
+    for _ in range(30):  # the accounting daemon may lag the job's end by a moment
+        nodes = subprocess.run(["sacct", "-n", "-P", "-X", "-o", "NodeList", "-j", job_id], capture_output=True,
+                               text=True, timeout=30).stdout.split()
+        if nodes:
+            break
+        time.sleep(1)
+    node = nodes[0]
     assert engine["node"] == node and engine["url"].startswith(f"http://{node}:")
     # the rollout step ran as a step of this job and was torn down at the end
     steps = subprocess.run(["sacct", "-n", "-P", "-o", "JobID,JobName,State", "-j", job_id], capture_output=True,

@@ -99,16 +99,23 @@ def weights_of(actor) -> dict[str, torch.Tensor]:
 # --- the plain loop hpcrl ran before megatron-core's schedule (issue #54 point 2): the reference ----------
 
 
-def plain_train_step(ddp_model, optimizer, loss_fn, micro_batches) -> dict:
+def plain_train_step(ddp_model, optimizer, loss_fn, micro_batches, aux_loss_scale: str = "mean") -> dict:
     """One optimizer step without megatron's schedule, as hpcrl's ``train_step`` was until issue #54: each
     micro-batch's loss (times the loss scale) backward in turn, then the data-parallel reduction, the
-    tensor-parallel sum of replicated gradients, megatron's expert-bias step, ``optimizer.step()``. Returns
-    what :func:`hpcrl.train.model.train_step` returns, but the metrics."""
+    tensor-parallel sum of replicated gradients, megatron's expert-bias step, ``optimizer.step()``. A MoE
+    auxiliary loss is scaled by the loss scale over the micro-batch count (``aux_loss_scale="mean"``, the scale
+    megatron's schedule documents and sets) or by the loss scale alone (``"sum"``: what hpcrl's loop did, as it
+    never set one). Returns what :func:`hpcrl.train.model.train_step` returns, but the metrics."""
     from megatron.core.distributed.finalize_model_grads import (
         _update_router_expert_bias, reset_model_temporary_tensors)
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from hpcrl.train import deepseek_moe
 
+    micro_batches = list(micro_batches)
+    device = next(ddp_model.parameters()).device
+    scale = optimizer.scale_loss(torch.ones(1, device=device))
+    MoEAuxLossAutoScaler.set_loss_scale(scale / len(micro_batches) if aux_loss_scale == "mean" else scale)
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
     deepseek_moe.reset_token_counts(ddp_model)

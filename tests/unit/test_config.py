@@ -89,6 +89,8 @@ BAD = [
     ("lr-decay-style-unknown", M + "train: {lr_decay_style: exponential}\n", [], "train.lr_decay_style",
      "exponential", ["constant"]),
     ("lr-decay-steps-zero", M, ["train.lr_decay_steps=0"], "train.lr_decay_steps", 0, ["must be > 0"]),
+    ("per-token-loss-refused", M + "megatron: {calculate_per_token_loss: true}\n", [],
+     "megatron.calculate_per_token_loss", True, ["megatron-core's schedule", "remove megatron.calculate_per"]),
     ("collective-timeout-zero", M, ["train.collective_timeout_s=0"], "train.collective_timeout_s", 0.0,
      ["must be > 0"]),
     ("rollout-wait-timeout-negative", M, ["train.rollout_wait_timeout_s=-1"], "train.rollout_wait_timeout_s", -1.0,

@@ -510,3 +510,30 @@ def test_routing_replay_indices_follow_megatrons_token_order():
     assert torch.equal(rr.sequence_shard(four, 1, 2), four[4:])
     with pytest.raises(ValueError, match="6 tokens cannot be split over 4"):
         rr.sequence_shard(out, 0, 4)
+
+
+def test_moe_aux_loss_is_scaled_over_micro_batches_as_in_megatron(tp1, tmp_path):
+    """Issue #54 point 2: with HF's load-balancing loss on (Qwen3-MoE, ``output_router_logits``), three
+    micro-batches through megatron-core's schedule give the step of the plain loop whose aux-loss scale is
+    megatron's 1/n, bitwise, and not the one of hpcrl's loop before it (scale 1: the aux loss summed over the
+    micro-batches)."""
+    import json
+
+    from tests.unit.test_actor import plain_train_step
+
+    path = make_tiny_hf("qwen3_moe", tmp_path / "moe")
+    config = json.loads((path / "config.json").read_text())
+    config.update(output_router_logits=True, router_aux_loss_coef=0.5)  # large: the difference shows
+    (path / "config.json").write_text(json.dumps(config))
+    batches = [sample_batch(37, seed=seed) for seed in (5, 6, 7)]
+
+    def step(fn, **kw):
+        ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, TRAIN, MEGATRON)
+        out = fn(ddp_model, optimizer, lambda model, mb: megatron_loss_fn(mb)(model, None), batches, **kw)
+        return out["grad_norm"], dict(bridge.export_hf_weights(ddp_model))
+
+    norm, weights = step(tmodel.train_step)
+    ref_norm, ref_weights = step(plain_train_step)
+    assert norm == ref_norm and all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    summed_norm, summed = step(plain_train_step, aux_loss_scale="sum")
+    assert summed_norm != norm and any(not torch.equal(weights[k], summed[k]) for k in summed)
