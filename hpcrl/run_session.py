@@ -324,7 +324,8 @@ class RunSession:
         collective's timeout (or is one already). The step is the one after the last logged (that one when it
         timed out in its checkpoint); the phase the loop's (:func:`loop_phase` of ``tb``) unless given."""
         from hpcrl.checkpoint.layout import find_latest_checkpoint
-        from hpcrl.train.parallel import CollectiveTimeout, ControllerWaitTimeout, is_collective_timeout
+        from hpcrl.train.parallel import (CollectiveTimeout, ControllerWaitTimeout, exception_chain,
+                                          is_collective_timeout)
 
         if isinstance(exc, CollectiveTimeout) or not is_collective_timeout(exc):
             return None
@@ -337,7 +338,7 @@ class RunSession:
             latest = find_latest_checkpoint(self.run_dir)
         except OSError:  # the message is still worth more than the file system's error
             latest = None
-        for_controller = _caused_by(exc, ControllerWaitTimeout)
+        for_controller = any(isinstance(e, ControllerWaitTimeout) for e in exception_chain(exc))
         timeout_s = self.cfg.train.rollout_wait_timeout_s if for_controller else self.cfg.train.collective_timeout_s
         return CollectiveTimeout(env_rank(), step, phase, timeout_s, latest.name if latest is not None else None,
                                  for_controller=for_controller)
@@ -374,12 +375,10 @@ class RunSession:
         self.rollout.stop()
         self.timeline.mark("rollout_stopped")
         self.watch.uninstall()
-        if self.handoff is not None:  # (a default group formed before the session outlives it; this one not)
-            import torch.distributed as dist
+        from hpcrl.train.parallel import destroy_group
 
-            if dist.is_initialized():
-                dist.destroy_process_group(self.handoff)
-            self.handoff = None
+        destroy_group(self.handoff)  # (a default group formed before the session outlives it; this one not)
+        self.handoff = None
         self._destroy()
         self.timeline.mark("closed")
         if self.controller:
@@ -486,13 +485,3 @@ def broadcast(obj: Any, group: Any = None) -> Any:
         dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
-
-def _caused_by(exc: Optional[BaseException], kind: type) -> bool:
-    """Whether ``exc`` or what caused it (its ``__cause__`` / ``__context__`` chain) is a ``kind``."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, kind):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False

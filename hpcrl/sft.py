@@ -276,9 +276,7 @@ def warm_start(cfg: "Config", base: Path, launch_engines: Optional["EngineLaunch
     Raises ValueError when ``sft.output`` is empty, and what the SFT run raises."""
     if not cfg.sft.output:
         raise ValueError("sft.output is empty; set it to the folder the SFT model is saved to")
-    import torch.distributed as dist
-
-    from hpcrl.train.parallel import handoff_group
+    from hpcrl.train.parallel import destroy_group, handoff_group
 
     # the other ranks wait for the controller's hashing of the base model (minutes for hundreds of GB) and
     # store look-ups under train.rollout_wait_timeout_s, not the trainer's collective bound
@@ -286,8 +284,7 @@ def warm_start(cfg: "Config", base: Path, launch_engines: Optional["EngineLaunch
     try:
         return _warm_start(cfg, base, launch_engines, ci_checks, handoff)
     finally:
-        if handoff is not None and dist.is_initialized():
-            dist.destroy_process_group(handoff)
+        destroy_group(handoff)
 
 
 def _warm_start(cfg: "Config", base: Path, launch_engines: Optional["EngineLauncher"], ci_checks: Optional[bool],

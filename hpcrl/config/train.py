@@ -196,6 +196,13 @@ GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
 """Advantage estimators whose baseline is the group: they need ``n_samples_per_prompt >= 2``."""
 
 
+SCHEDULE_REFUSED = ("calculate_per_token_loss", "overlap_moe_expert_parallel_comm")
+"""``megatron:`` keys hpcrl's use of megatron-core's schedule does not support (:func:`check_train` refuses them,
+:func:`hpcrl.train.model.train_step` too): the first would skip the schedule's division that ``train_step`` relies
+on and scale the gradients again in ``finalize_model_grads``; the second switches to megatron's combined 1F1B
+path, which hpcrl does not test."""
+
+
 def sequence_parallel(train: Any, tp: Optional[int] = None) -> bool:
     """Whether a model at tensor-parallel size ``tp`` (default ``train.tensor_parallel_size``; a critic on ranks
     of its own has its own) runs sequence-parallel: ``train.sequence_parallel`` (null: on when TP > 1), and never
@@ -228,7 +235,7 @@ def check_train(cfg: Config) -> None:
         require(key not in meg, f"megatron.{key}", meg.get(key), f"is hpcrl's own {own} (the trainer's groups, "
                 "the micro-batch padding and the memory estimate follow it; a megatron override would "
                 "contradict them)", f"set {own} instead and remove megatron.{key}")
-    for key in ("calculate_per_token_loss", "overlap_moe_expert_parallel_comm"):  # hpcrl.train.model
+    for key in SCHEDULE_REFUSED:
         require(not meg.get(key), f"megatron.{key}", meg.get(key), "is not supported by hpcrl's use of "
                 "megatron-core's schedule (its losses are normalised over the whole step already; the combined "
                 "1F1B path is untested)", f"remove megatron.{key}")

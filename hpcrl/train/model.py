@@ -236,7 +236,7 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
 
     micro_batches = list(micro_batches)
     n = len(micro_batches)
-    config = _schedule_config(ddp_model, n)
+    _schedule_config(ddp_model, n)
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
     deepseek_moe.reset_token_counts(ddp_model)
@@ -251,7 +251,6 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
     reduced = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
                                           model=ddp_model, num_microbatches=n, seq_length=0, micro_batch_size=1,
                                           forward_only=False)
-    assert config.finalize_model_grads_func is not None
     update_successful, grad_norm, num_zeros = optimizer.step()
     metrics: dict[str, float] = {}
     for mb_metrics in reduced:
@@ -310,17 +309,14 @@ def _schedule_config(ddp_model: torch.nn.Module, n: int) -> Any:
     if config.finalize_model_grads_func is None:
         raise ValueError("the model's config has no finalize_model_grads_func: wrap it with "
                          "hpcrl.train.model.wrap_model_and_optimizer")
+    from hpcrl.config.train import SCHEDULE_REFUSED
+
     for key in SCHEDULE_REFUSED:
         if getattr(config, key, False):
             raise ValueError(f"megatron.{key}: true is not supported: hpcrl's losses are already normalised "
                              "over the step; remove it")
     return config
 
-
-SCHEDULE_REFUSED = ("calculate_per_token_loss", "overlap_moe_expert_parallel_comm")
-"""``megatron:`` keys hpcrl's use of the schedule does not support (refused on the login node too): the first
-would skip the schedule's division that :func:`train_step` relies on and scale the gradients again in
-``finalize_model_grads``; the second switches to megatron's combined 1F1B path, which hpcrl does not test."""
 
 
 def sum_replicated_grads_over_tp(ddp_model: torch.nn.Module) -> None:

@@ -224,6 +224,13 @@ def waiting_for_controller(group: Any) -> Iterator[None]:
         raise
 
 
+def destroy_group(group: Any) -> None:
+    """Destroy a process group of this process (:func:`handoff_group`'s); a no-op for None or once
+    torch.distributed is torn down (which destroyed it with the rest)."""
+    if group is not None and dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
 def wait_for_controller(group: Any) -> None:
     """Every trainer rank waits here until the controller comes (a barrier of the hand-off ``group``), so the
     trainer's collectives that follow start together; a no-op for ``None`` (one rank)."""
@@ -232,16 +239,20 @@ def wait_for_controller(group: Any) -> None:
             dist.barrier(group=group)
 
 
-def is_collective_timeout(exc: Optional[BaseException]) -> bool:
-    """Whether ``exc`` (or what caused it) is a collective's timeout: gloo's message, or NCCL's watchdog's where
-    the process survives it (torch's default on GPUs ends the process instead, with that message)."""
+def exception_chain(exc: Optional[BaseException]) -> Iterator[BaseException]:
+    """``exc`` and what caused it, in turn (its ``__cause__``, else ``__context__``, until none or a cycle)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, CollectiveTimeout) or (isinstance(exc, RuntimeError) and _TIMED_OUT.search(str(exc))):
-            return True
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return False
+
+
+def is_collective_timeout(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` (or what caused it) is a collective's timeout: gloo's message, or NCCL's watchdog's where
+    the process survives it (torch's default on GPUs ends the process instead, with that message)."""
+    return any(isinstance(e, CollectiveTimeout) or (isinstance(e, RuntimeError) and _TIMED_OUT.search(str(e)))
+               for e in exception_chain(exc))
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
