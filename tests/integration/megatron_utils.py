@@ -54,6 +54,19 @@ def assert_export_bitwise(export: dict[str, torch.Tensor], hf: dict[str, torch.T
         assert torch.equal(export[name], tensor), name
 
 
+def one_step(path: str | os.PathLike, train, megatron: dict, loss_fn) -> dict:
+    """A worker's optimizer step as :func:`assert_step_matches` reads it: the trainer's model and optimizer from
+    the HF folder ``path`` (``train`` section, ``megatron`` dict), one ``train_step`` of ``loss_fn`` on one
+    micro-batch; ``step`` (its result), ``sp`` (whether the model is sequence-parallel), ``after`` (the HF export
+    after the step)."""
+    from hpcrl.train import bridge, model as tmodel
+
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, train, megatron)
+    step = tmodel.train_step(ddp_model, optimizer, loss_fn, [None])
+    return dict(step=step, sp=bridge.unwrap_model(ddp_model).config.sequence_parallel,
+                after=dict(bridge.export_hf_weights(ddp_model)))
+
+
 def assert_step_matches(run: dict, ref_loss: float, ref_norm: float, ref_state: dict[str, torch.Tensor],
                         weights_atol: float = 1e-6) -> None:
     """One rank's optimizer step (``run``: ``step`` from ``train_step`` and the ``after`` export) against HF +

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers, worker_main)
+    assert_export_bitwise, assert_step_matches, one_step, helpers_fixture, run_two_ranks, unit_helpers, worker_main)
 
 LAYOUTS = (("ep2", 1, 2, False), ("tp2", 2, 1, False), ("tp2sp", 2, 1, True))  # name, TP, EP, sequence parallel
 DISPATCHERS = ("allgather", "alltoall")
@@ -75,10 +75,7 @@ def worker(path: str, out: Path) -> None:
             continue
         megatron = {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"}
         train = dataclasses.replace(h.TRAIN, tensor_parallel_size=tp, expert_parallel_size=ep)
-        ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, train, megatron)
-        step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
-        res[f"{name}-step"] = dict(step=step, sp=bridge.unwrap_model(ddp_model).config.sequence_parallel,
-                                   after=dict(bridge.export_hf_weights(ddp_model)))
+        res[f"{name}-step"] = one_step(path, train, megatron, h.megatron_loss_fn(batch))
         ddp_model, optimizer = tmodel.setup_model_and_optimizer(
             path, train, {**megatron, "moe_router_bias_update_rate": RATE})
         tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, dirs_args, helpers_fixture, run_two_ranks, unit_helpers,
+    assert_export_bitwise, assert_step_matches, one_step, dirs_args, helpers_fixture, run_two_ranks, unit_helpers,
     worker_main)
 
 LAYOUTS = (("mistral", "tp2", 2, 1, (None,)), ("mistral", "tp2sp", 2, 1, (None,)),
@@ -46,7 +46,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from hpcrl.train import bridge, logprobs, parallel, model as tmodel
+    from hpcrl.train import bridge, logprobs, parallel
 
     h = unit_helpers("test_mistral_bridge")
     env = parallel.init_distributed()
@@ -78,10 +78,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
             megatron = {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"} if ep > 1 else h.MEGATRON
             train = dataclasses.replace(h.TRAIN, tensor_parallel_size=tp, expert_parallel_size=ep,
                                         sequence_parallel=name.endswith("sp"))
-            ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs[kind], train, megatron)
-            step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
-            res[f"{kind}-{name}-step"] = dict(step=step, sp=bridge.unwrap_model(ddp_model).config.sequence_parallel,
-                                              after=dict(bridge.export_hf_weights(ddp_model)))
+            res[f"{kind}-{name}-step"] = one_step(dirs[kind], train, megatron, h.megatron_loss_fn(batch))
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()

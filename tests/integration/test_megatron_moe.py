@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, helpers_fixture, run_two_ranks, unit_helpers, worker_main)
+    assert_export_bitwise, assert_step_matches, one_step, helpers_fixture, run_two_ranks, unit_helpers, worker_main)
 
 LAYOUTS = (("ep2", 1, 2, False, None), ("tp2", 2, 1, False, None), ("tp2sp", 2, 1, True, 2),
            ("tp2sp-etp1", 2, 1, True, 1))
@@ -53,7 +53,7 @@ def worker(path: str, out: Path) -> None:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoConfig
 
-    from hpcrl.train import bridge, parallel, model as tmodel
+    from hpcrl.train import bridge, parallel
 
     h = unit_helpers()
     env = parallel.init_distributed()
@@ -97,11 +97,8 @@ def worker(path: str, out: Path) -> None:
             batch = h.sample_batch(hf_config.vocab_size, seed=5)
             train = dataclasses.replace(h.TRAIN, tensor_parallel_size=tp, expert_parallel_size=ep,
                                         expert_tensor_parallel_size=etp or tp)
-            ddp_model, optimizer = tmodel.setup_model_and_optimizer(
-                path, train, {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"})
-            step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
-            res[f"{name}-step"] = dict(step=step, sp=bridge.unwrap_model(ddp_model).config.sequence_parallel,
-                                       after=dict(bridge.export_hf_weights(ddp_model)))
+            res[f"{name}-step"] = one_step(path, train, {**h.MEGATRON, "moe_token_dispatcher_type": "alltoall"},
+                                           h.megatron_loss_fn(batch))
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, assert_step_matches, dirs_args, helpers_fixture, run_two_ranks, unit_helpers,
+    assert_export_bitwise, assert_step_matches, one_step, dirs_args, helpers_fixture, run_two_ranks, unit_helpers,
     worker_main)
 
 FAMILIES = ("glm4_moe", "deepseek_v3_moe", "mixtral")
@@ -46,7 +46,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoConfig
 
-    from hpcrl.train import bridge, parallel, model as tmodel
+    from hpcrl.train import bridge, parallel
 
     h = unit_helpers()
     env = parallel.init_distributed()
@@ -63,18 +63,15 @@ def worker(dirs: dict[str, str], out: Path) -> None:
                            attention_mask=None)
         train = dataclasses.replace(h.TRAIN, tensor_parallel_size=TP, expert_parallel_size=EP,
                                     expert_tensor_parallel_size=ETP)
-        ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs[kind], train, megatron)
-        step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(h.sample_batch(hf_config.vocab_size,
-                                                                                          seed=5)), [None])
-        res[kind] = dict(
+        res[kind] = one_step(dirs[kind], train, megatron,
+                             h.megatron_loss_fn(h.sample_batch(hf_config.vocab_size, seed=5)))
+        res[kind].update(
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
             ep_rank=parallel_state.get_expert_model_parallel_rank(),
             local_experts=len({n.split(".")[-3] for n, _ in model.named_parameters() if "local_experts" in n}),
             num_experts=model.config.num_moe_experts,
             export=dict(bridge.export_hf_weights(model)),
-            logits=gather_from_tensor_model_parallel_region(logits)[..., :hf_config.vocab_size].clone(),
-            step=step, sp=bridge.unwrap_model(ddp_model).config.sequence_parallel,
-            after=dict(bridge.export_hf_weights(ddp_model)))
+            logits=gather_from_tensor_model_parallel_region(logits)[..., :hf_config.vocab_size].clone())
     parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
