@@ -22,6 +22,10 @@ from hpcrl.validate import save_resolved
 from hpcrl.run_setup import quiet_logs, run_dir_of
 from hpcrl.stages import prepare_base, run_stages
 
+WAIT_S = 0.1
+"""Seconds the launcher waits at most between looks at its workers; the preemption signal is passed on the
+moment it comes."""
+
 __all__ = ["main", "resolve_cpu_sets", "check_local_trainer", "check_local_engine", "run_local_workers"]
 
 
@@ -219,9 +223,11 @@ def run_local_workers(cfg, run_dir: Path, base: Path, warm_start_only: bool = Fa
 
 def _join_workers(procs: list, run_dir: Path, forward_signal=None) -> int:
     """Start ``procs`` and wait for all (see :func:`run_local_workers`); ``forward_signal``, blocked in this
-    thread, is passed on to the workers still running whenever it is pending."""
+    thread, is passed on to the workers still running the moment it comes (within :data:`WAIT_S`)."""
+    import signal
+    from multiprocessing import connection as mp_connection
+
     from hpcrl.errors import worker_error
-    from hpcrl.preempt import take_pending
 
     n = len(procs)
     for p in procs:
@@ -229,13 +235,18 @@ def _join_workers(procs: list, run_dir: Path, forward_signal=None) -> int:
     failed, failed_rank, stopped = 0, None, False
     alive = list(procs)
     while alive:
-        if forward_signal is not None and take_pending(forward_signal):
-            for p in alive:  # every one was started above
-                os.kill(p.pid, forward_signal)
+        # wait for the signal or a worker's end, whichever comes first: a step can take a fraction of a
+        # second, and a signal passed on a second late lands after the run's last step (nothing is saved)
+        if forward_signal is not None:
+            if signal.sigtimedwait({forward_signal}, WAIT_S) is not None:
+                for p in alive:  # every one was started above
+                    os.kill(p.pid, forward_signal)
+        else:
+            mp_connection.wait([p.sentinel for p in alive], timeout=WAIT_S)
         for p in list(alive):
-            p.join(timeout=0.5)
             if p.exitcode is None:
                 continue
+            p.join()
             alive.remove(p)
             if p.exitcode == EXIT_RETRY:  # stopped early with a checkpoint: the others stop at the same step
                 stopped = True
