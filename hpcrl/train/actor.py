@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -352,11 +353,20 @@ def build_steps(samples: Sequence["Sample"], masks: Sequence[Tensor], advantages
 def micro_batch_log_probs(ddp_model: torch.nn.Module, model: torch.nn.Module, mb: MicroBatch, temperature: float,
                           with_entropy: bool, vocab_size: int):
     """Response log-probs (and entropy) ``[b, R]`` of a micro-batch under ``ddp_model`` (the bare ``model``
-    beside it): over its pack when it has one (:func:`~hpcrl.train.packing.packed_response_log_probs`), over
-    the logits window of its responses when the padded layout allows one
+    beside it), without pipeline parallelism: :func:`staged_log_probs` run to its end."""
+    staged = staged_log_probs(ddp_model, model, mb, temperature, with_entropy, vocab_size)
+    return staged.finish(staged.output)
+
+
+def staged_log_probs(ddp_model: torch.nn.Module, model: torch.nn.Module, mb: MicroBatch, temperature: float,
+                     with_entropy: bool, vocab_size: int):
+    """The one forward of the actor and of SFT, as a :class:`~hpcrl.train.model.StagedLoss`: the model's output
+    on this pipeline stage and what makes the micro-batch's response log-probs (and entropy) ``[b, R]`` from
+    the last stage's logits. Over its pack when it has one (:func:`~hpcrl.train.packing.
+    packed_response_log_probs`), over the logits window of its responses when the padded layout allows one
     (:func:`~hpcrl.train.logprobs.windowed_response_log_probs`), else over every position
-    (:func:`~hpcrl.train.logprobs.response_log_probs`). The one forward of the actor and of SFT."""
-    from hpcrl.train.logprobs import logits_window_start, response_log_probs, windowed_response_log_probs
+    (:func:`~hpcrl.train.logprobs.staged_response_log_probs`)."""
+    from hpcrl.train.logprobs import logits_window_start, staged_response_log_probs, windowed_response_log_probs
 
     if mb.pack is not None:
         from hpcrl.train.packing import packed_response_log_probs
@@ -367,8 +377,8 @@ def micro_batch_log_probs(ddp_model: torch.nn.Module, model: torch.nn.Module, mb
     if start > 0:
         return windowed_response_log_probs(ddp_model, model.output_layer, mb, start, temperature, with_entropy,
                                            vocab_size)
-    return response_log_probs(ddp_model, mb.tokens, mb.total_lengths, mb.response_lengths, temperature=temperature,
-                              with_entropy=with_entropy, vocab_size=vocab_size)
+    return staged_response_log_probs(ddp_model, mb.tokens, mb.total_lengths, mb.response_lengths,
+                                     temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -475,7 +485,9 @@ class Actor(ModelOnRank):
     # -- forward passes ------------------------------------------------------------------------------------
 
     def _forward(self, mb: MicroBatch, with_entropy: bool = False):
-        """Response log-probs (and entropy) of a micro-batch at the rollout temperature, ``[b, R]`` each."""
+        """The forward of a micro-batch on this pipeline stage, as a :class:`~hpcrl.train.model.StagedLoss`
+        whose finish gives its response log-probs (and entropy) at the rollout temperature, ``[b, R]`` each
+        (:func:`staged_log_probs`)."""
         from hpcrl.train import routing_replay
 
         with routing_replay.replaying(mb.routed_experts, self.model.config):  # the engine's, when replayed
@@ -483,8 +495,8 @@ class Actor(ModelOnRank):
 
     def _forward_routed(self, mb: MicroBatch, with_entropy: bool):
         """:meth:`_forward` under whatever routing is in force."""
-        return micro_batch_log_probs(self.ddp_model, self.model, mb, self.cfg.rollout.temperature, with_entropy,
-                                     self.vocab_size)
+        return staged_log_probs(self.ddp_model, self.model, mb, self.cfg.rollout.temperature, with_entropy,
+                                self.vocab_size)
 
     @torch.no_grad()
     def _forward_only(self, micro_batches: Sequence[MicroBatch]) -> list[Tensor]:
@@ -494,7 +506,8 @@ class Actor(ModelOnRank):
 
         self.ddp_model.eval()
         try:
-            return tmodel.forward_only(self.ddp_model, lambda _, mb: self._forward(mb).log_probs, micro_batches)
+            return tmodel.forward_only(self.ddp_model, lambda _, mb: _log_probs_only(self._forward(mb)),
+                                       micro_batches)
         finally:
             self.ddp_model.train()
 
@@ -663,13 +676,18 @@ class Actor(ModelOnRank):
         gradient is that of the global reduction). Returns the step's metrics (per-sample token means but
         ``loss``), each summed over micro-batches and DP ranks (the global value), plus ``grad_norm``.
         """
-        from hpcrl.train.model import train_step
+        from hpcrl.train import model as tmodel
 
         cfg = self.cfg.algorithm
         local: dict[str, Tensor] = {}
 
-        def loss_fn(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
-            out = self._forward(mb, with_entropy=True)
+        def loss_fn(model: torch.nn.Module, mb: MicroBatch) -> tmodel.StagedLoss:
+            staged = self._forward(mb, with_entropy=True)
+            return tmodel.StagedLoss(staged.output, functools.partial(loss_from_output, finish=staged.finish,
+                                                                       mb=mb))
+
+        def loss_from_output(output: Tensor, finish, mb: MicroBatch) -> Tensor:  # on the last pipeline stage
+            out = finish(output)
             logp = out.log_probs
             entropy = out.entropy if cfg.entropy_coef != 0.0 else out.entropy.detach()
             old = mb.old_log_probs if mb.old_log_probs is not None else logp.detach()
@@ -685,13 +703,21 @@ class Actor(ModelOnRank):
                 local[k] = local[k] + v if k in local else v
             return res.loss * self.dp_size
 
-        result = train_step(self.ddp_model, self.optimizer, loss_fn, micro_batches)
+        result = tmodel.train_step(self.ddp_model, self.optimizer, loss_fn, micro_batches)
         if not result["update_successful"]:
             raise RuntimeError("optimizer step was skipped (update_successful=False): non-finite gradients?")
-        out: dict[str, Optional[float]] = dict(self._all_reduce_sum(local))
+        out: dict[str, Optional[float]] = dict(parallel.from_last_stage(self._all_reduce_sum(local)))
         grad_norm = result["grad_norm"]
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else None
         return out
+
+
+def _log_probs_only(staged):
+    """A :class:`~hpcrl.train.model.StagedLoss` of :func:`staged_log_probs` whose finish keeps the log-probs
+    ``[b, R]`` only (a forward-only pass)."""
+    from hpcrl.train.model import StagedLoss
+
+    return StagedLoss(staged.output, lambda output: staged.finish(output).log_probs)
 
 
 def _gate(name: str, value: Optional[float], tol: float) -> None:

@@ -52,7 +52,7 @@ like ``ColumnParallelLinear``), its layer spec :func:`hpcrl.train.mla_layers.lay
 Supported: RMSNorm, SwiGLU, RoPE (default, Llama-3 scaling with the standard low/high frequency factors,
 GLM's partial RoPE, YaRN for MLA), GQA, Qwen2's and GLM's qkv bias, Qwen3's and GLM's q/k norm, tied or
 untied embeddings, Qwen3-MoE / Mixtral softmax routers and GLM / DeepSeek sigmoid grouped routers with shared
-experts; pipeline parallel size 1. Anything else raises ``NotImplementedError`` naming the unsupported
+experts; pipeline stages (each stage's layers named from 0 by megatron, from its offset in HF). Anything else raises ``NotImplementedError`` naming the unsupported
 setting (the login node refuses the same first: :func:`hpcrl.models.support.unsupported_feature`).
 Mistral and Mixtral are Llama's table plus a sliding window (``hf_config.sliding_window``);
 Mixtral's MoE names are read and written in its checkpoint naming (``block_sparse_moe.gate``,
@@ -143,20 +143,21 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
     Model parallelism must be initialised (:func:`hpcrl.train.parallel.initialize_model_parallel`);
     ``tp`` defaults to its tensor-parallel size. The vocab is padded (:func:`padded_vocab_size`); the HF config
     is kept as ``model.hf_config``. ``overrides`` go to :func:`mcore_config_from_hf`. Load weights with
-    :func:`load_hf_weights`. Raises NotImplementedError for pipeline parallel size > 1.
+    :func:`load_hf_weights`. Under pipeline parallelism the model is this stage's: its share of the layers
+    (:func:`stage_layers`), the embedding on the first stage, the final norm and output layer on the last (a
+    tied model's last stage holds a copy of the embedding that megatron keeps equal to the first's).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     from hpcrl.train import packed_attention
 
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("the HF bridge supports pipeline parallel size 1 only")
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size()
     config = mcore_config_from_hf(hf_config, tp=tp, dtype=dtype,
                                   ep=parallel_state.get_expert_model_parallel_world_size(),
-                                  etp=parallel_state.get_expert_tensor_parallel_world_size(), **overrides)
+                                  etp=parallel_state.get_expert_tensor_parallel_world_size(),
+                                  pp=parallel_state.get_pipeline_model_parallel_world_size(), **overrides)
     if config.moe_enable_routing_replay:
         from hpcrl.train import routing_replay
 
@@ -168,8 +169,8 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
         transformer_layer_spec=_decoder_spec(config),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),  # the embedding on the first stage
+        post_process=parallel_state.is_pipeline_last_stage(),  # the final norm and output layer on the last
         parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
@@ -219,16 +220,35 @@ def _decoder_spec(config: Any) -> Any:
             return mla_layers.layer_spec(experts)
         return packed_attention.layer_spec(config.qk_layernorm, experts)
 
-    spec = layer(config.num_moe_experts)
-    if config.num_moe_experts and isinstance(config.moe_layer_freq, list) and 0 in config.moe_layer_freq:
-        return deepseek_moe.block_spec(config, layer(), spec)
-    # a block of one layer kind, with the final norm of hpcrl.train.norms (megatron's default for a layer
-    # spec is WrappedTorchNorm, which refuses sequence parallelism)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from hpcrl.train.norms import SequenceParallelNorm
 
-    return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelNorm)
+    spec = layer(config.num_moe_experts)
+    if config.num_moe_experts and isinstance(config.moe_layer_freq, list) and 0 in config.moe_layer_freq:
+        block = deepseek_moe.block_spec(config, layer(), spec)
+    else:
+        # a block of one layer kind, with the final norm of hpcrl.train.norms (megatron's default for a layer
+        # spec is WrappedTorchNorm, which refuses sequence parallelism)
+        block = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelNorm)
+    # this pipeline stage's layers (megatron's get_gpt_decoder_block_spec slices the same way; the block
+    # numbers them from the stage's offset)
+    first, count = stage_layers(config)
+    return TransformerBlockSubmodules(layer_specs=block.layer_specs[first:first + count],
+                                      layer_norm=block.layer_norm)
+
+
+def stage_layers(config: Any) -> tuple[int, int]:
+    """``(first, count)``: the global index of this pipeline stage's first decoder layer and how many it holds
+    (megatron-core's ``get_transformer_layer_offset`` / ``get_num_layers_to_build``: layers split evenly, or
+    ``num_layers_in_first/last_pipeline_stage`` first, slime's ``--decoder-first/last-pipeline-num-layers``).
+    ``(0, num_layers)`` without pipeline parallelism."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if config.pipeline_model_parallel_size == 1:
+        return 0, config.num_layers
+    return get_transformer_layer_offset(config), get_num_layers_to_build(config)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -252,6 +272,11 @@ class _Geometry:
     etp: int = 1  # expert tensor-parallel size and rank (the experts' fc1/fc2 split as the dense MLP's)
     etp_rank: int = 0
     mla: bool = False  # multi-latent attention: hpcrl.train.mla's names
+    layer_offset: int = 0  # the global index of this pipeline stage's first decoder layer
+    layer_count: Optional[int] = None  # the stage's decoder layers (None: all, no pipeline parallelism)
+    first_stage: bool = True  # the pipeline stage holds the embedding
+    last_stage: bool = True  # ... the final norm and output layer
+    tied_head: bool = False  # a last pipeline stage's copy of the tied embedding (output_layer.weight)
 
     def for_experts(self) -> "_Geometry":
         """The same geometry with the expert tensor-parallel split in place of the dense one."""
@@ -285,11 +310,40 @@ def _geometry(model: torch.nn.Module) -> _Geometry:
         etp=parallel_state.get_expert_tensor_parallel_world_size() if experts else 1,
         etp_rank=parallel_state.get_expert_tensor_parallel_rank() if experts else 0,
         mla=bool(getattr(cfg, "multi_latent_attention", False)),
+        layer_offset=stage_layers(cfg)[0],
+        layer_count=stage_layers(cfg)[1] if cfg.pipeline_model_parallel_size > 1 else None,
+        first_stage=model.pre_process,
+        last_stage=model.post_process,
+        tied_head=bool(model.share_embeddings_and_output_weights and model.post_process and not model.pre_process),
     )
 
 
-def _hf_names(mcore_name: str, first_expert: int = 0, mla_names: bool = False) -> tuple[tuple[str, ...], str]:
+def _other_stage(hf_name: str, g: _Geometry) -> bool:
+    """Whether an HF tensor lives on another pipeline stage than this rank's (False without pipelines)."""
+    if g.layer_count is None:
+        return False
+    m = _HF_LAYER_RE.match(hf_name)
+    if m:
+        return not g.layer_offset <= int(m.group(1)) < g.layer_offset + g.layer_count
+    if hf_name == "model.embed_tokens.weight":
+        return not (g.first_stage or g.tied_head)
+    if hf_name in ("model.norm.weight", "lm_head.weight"):
+        return not g.last_stage
+    return False
+
+
+def _names(mcore_name: str, g: _Geometry, first_expert: int = 0) -> tuple[tuple[str, ...], str]:
+    """HF names and layout of one of this rank's megatron-core tensors (:func:`_hf_names` at its pipeline
+    stage's layer offset; a last stage's copy of a tied embedding is the HF embedding)."""
+    if g.tied_head and mcore_name == "output_layer.weight":
+        return _TOP_RULES["embedding.word_embeddings.weight"]
+    return _hf_names(mcore_name, first_expert, g.mla, g.layer_offset)
+
+
+def _hf_names(mcore_name: str, first_expert: int = 0, mla_names: bool = False, layer_offset: int = 0
+              ) -> tuple[tuple[str, ...], str]:
     """HF names and layout for one megatron-core parameter name; KeyError if it has no HF counterpart.
+    ``layer_offset``: the pipeline stage's first global layer (megatron names a stage's layers from 0).
 
     A routed expert's parameter (``mlp.experts.local_experts.{j}.``) maps to HF expert ``first_expert + j``
     (``first_expert``: the first expert of the EP rank that holds it); its layout is ``expert_fc1`` /
@@ -300,12 +354,13 @@ def _hf_names(mcore_name: str, first_expert: int = 0, mla_names: bool = False) -
     rules = _MLA_LAYER_RULES if mla_names else _LAYER_RULES
     if m and m.group(2) in rules:
         hf, layout = rules[m.group(2)]
-        return tuple(f"model.layers.{m.group(1)}.{name}" for name in hf), layout
+        return tuple(f"model.layers.{int(m.group(1)) + layer_offset}.{name}" for name in hf), layout
     e = _EXPERT_RE.match(m.group(2)) if m else None
     if e and e.group(2) in _EXPERT_RULES:
         hf, layout = _EXPERT_RULES[e.group(2)]
         index = first_expert + int(e.group(1))
-        return tuple(f"model.layers.{m.group(1)}.mlp.experts.{index}.{name}" for name in hf), f"expert_{layout}"
+        return (tuple(f"model.layers.{int(m.group(1)) + layer_offset}.mlp.experts.{index}.{name}" for name in hf),
+                f"expert_{layout}")
     raise KeyError(f"no HF name for megatron-core parameter {mcore_name!r}")
 
 
@@ -315,7 +370,7 @@ def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     module = unwrap_model(model)
     g = _geometry(module)
     rename = _checkpoint_name(module.hf_config)
-    return {name: tuple(map(rename, _hf_names(name, g.ep_rank * g.local_experts, g.mla)[0]))
+    return {name: tuple(map(rename, _names(name, g, g.ep_rank * g.local_experts)[0]))
             for name, _ in named_tensors(module)}
 
 
@@ -432,6 +487,9 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Union[str, os.PathLike, 
     (cast to the parameter dtype), so DDP grad/param buffers stay valid. Every HF tensor must be used, except
     ``lm_head.weight`` of a tied model, ``rotary_emb.inv_freq`` buffers and the HF names in ``ignore`` (a
     value model's ``lm_head.weight`` / ``score.weight``: :mod:`hpcrl.train.critic` loads its own head).
+    Under pipeline parallelism each stage loads its own layers (global layer ``offset + i`` into its local
+    layer ``i``), the first stage the embedding, the last the final norm and head (a tied model's head copy
+    from ``model.embed_tokens.weight``), and the tensors of other stages count as used.
     Raises KeyError for a missing or unused HF tensor, ValueError for a shape mismatch.
     """
     module = unwrap_model(model)
@@ -441,7 +499,7 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Union[str, os.PathLike, 
     g = _geometry(module)
     used = set()
     for name, param in named_tensors(module):
-        hf_names, layout = _hf_names(name, g.ep_rank * g.local_experts, g.mla)
+        hf_names, layout = _names(name, g, g.ep_rank * g.local_experts)
         missing = [n for n in hf_names if n not in state]
         if missing:
             raise KeyError(f"HF weights lack {missing} (for megatron-core {name})")
@@ -454,6 +512,7 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Union[str, os.PathLike, 
     ignorable = set(ignore) | ({"lm_head.weight"} if module.share_embeddings_and_output_weights else set())
     unused = [n for n in state if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
               and not (g.ep > 1 and _EXPERT_HF_RE.match(n))  # other EP ranks' experts
+              and not _other_stage(n, g)  # other pipeline stages' layers, embedding, head
               and not is_mtp_tensor(n, module.hf_config)]
     if unused:
         raise KeyError(f"HF tensors with no megatron-core counterpart: {unused[:8]}"
@@ -469,21 +528,53 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     and a routed expert's tensors over the expert-parallel group (local expert j of EP rank r is HF expert
     ``r * local_experts + j``; the EP ranks' copies of j are yielded in rank order), so every rank yields the
     same full tensors (all ranks of the model-parallel group must iterate together: each tensor is a
-    collective). Vocab padding is stripped; a tied model yields no ``lm_head.weight`` (as HF saves it).
+    collective). Under pipeline parallelism the stages' tensors come stage after stage, each broadcast from
+    its stage over the pipeline group (a header object, then the tensor: one tensor in memory at a time), so
+    every stage yields the whole model too; the last stage's copy of a tied embedding is not yielded.
+    Vocab padding is stripped; a tied model yields no ``lm_head.weight`` (as HF saves it).
     Tensors are fresh copies, on the parameters' device, cast to ``dtype`` if given; with ``copy=False`` a
-    tensor that needs no gather nor reshuffle (without tensor parallelism: all but the fused q/k/v) is a view
-    of the parameter instead, valid until the parameter changes (a weight sync, which copies each tensor
-    once before the next optimizer step).
+    tensor that needs no gather nor reshuffle (without tensor or pipeline parallelism: all but the fused
+    q/k/v) is a view of the parameter instead, valid until the parameter changes (a weight sync, which copies
+    each tensor once before the next optimizer step).
     """
+    module = unwrap_model(model)
+    g = _geometry(module)
+    if g.layer_count is None:
+        yield from _stage_tensors(module, g, dtype, copy)
+        return
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    module = unwrap_model(model)
-    g = _geometry(module)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    me = parallel_state.get_pipeline_model_parallel_rank()
+    for stage in range(dist.get_world_size(group)):
+        src = dist.get_global_rank(group, stage)
+        own = _stage_tensors(module, g, dtype, copy) if stage == me else None
+        while True:
+            item = next(own, None) if own is not None else None
+            header = [(item[0], item[1].shape, item[1].dtype) if item is not None else None]
+            dist.broadcast_object_list(header, src=src, group=group)
+            if header[0] is None:
+                break
+            name, shape, tensor_dtype = header[0]
+            tensor = item[1].contiguous() if item is not None else torch.empty(
+                shape, dtype=tensor_dtype, device=next(module.parameters()).device)
+            dist.broadcast(tensor, src=src, group=group)
+            yield name, tensor
+
+
+def _stage_tensors(module: torch.nn.Module, g: _Geometry, dtype: Optional[torch.dtype], copy: bool
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`export_hf_weights` of this pipeline stage's tensors (the whole model without pipelines)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
     group = parallel_state.get_tensor_model_parallel_group() if g.tp > 1 else None
     rename = _checkpoint_name(module.hf_config)
     for name, param in named_tensors(module):
-        hf_names, layout = _hf_names(name, 0, g.mla)
+        if g.tied_head and name == "output_layer.weight":
+            continue  # the first stage's embedding is the HF tensor
+        hf_names, layout = _names(name, g)
         local = param.detach()
         if not layout.startswith("expert_"):
             yield from _gathered(tuple(map(rename, hf_names)), layout, local, g.tp, group, g, dtype, copy)
@@ -494,7 +585,7 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
             copies = [torch.empty_like(local) for _ in range(g.ep)]
             dist.all_gather(copies, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
         for r, tensor in enumerate(copies):
-            names = tuple(map(rename, _hf_names(name, r * g.local_experts, g.mla)[0]))
+            names = tuple(map(rename, _names(name, g, r * g.local_experts)[0]))
             yield from _gathered(names, layout, tensor, g.etp, etp_group, g, dtype, copy)
 
 

@@ -85,6 +85,12 @@ returns at once and megatron-core runs unmodified):
    equal-size collectives, then drop the padding: the same values (the reduce sums the same addends). Calls
    without split sizes go to megatron's own code unchanged.
 
+8. Pipeline parallelism: ``pipeline_parallel.p2p_communication`` joins :data:`PATCHED_MODULES` (its shape
+   buffers on ``torch.cuda.current_device()`` at ~190-202 and ~313-321, ``torch.cuda.synchronize()`` at ~242
+   and ~398); ``LanguageModule.setup_embeddings_and_output_layer`` (a tied embedding's copy on the last stage,
+   made equal to the first stage's by an all-reduce of ``weight.data.cuda()`` at ~227) runs with
+   ``Tensor.cuda()`` returning a CPU tensor itself (:func:`_with_cpu_tensor_cuda`), only while it runs.
+
 Nothing else is changed. :func:`apply` is idempotent; :func:`is_applied` tells whether it has patched.
 """
 
@@ -121,6 +127,7 @@ PATCHED_MODULES = (
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
 )
 """megatron-core modules whose global ``torch`` is replaced by the CPU alias (see the module docstring)."""
 
@@ -274,6 +281,21 @@ def _with_cuda_type_names(fn: Callable) -> Callable:
     return wrapper
 
 
+def _with_cpu_tensor_cuda(fn: Callable) -> Callable:
+    """Wrap ``fn`` so that, while it runs, ``Tensor.cuda()`` of a CPU tensor returns the tensor itself."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        previous = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = previous
+
+    return wrapper
+
+
 def _uneven_gather_along_first_dim(gather: Callable) -> Callable:
     """megatron's ``_gather_along_first_dim`` (``gather``) with ``output_split_sizes`` done by padding to the
     largest split and an equal ``all_gather_into_tensor`` (gloo has no uneven all-gather). ``[n_r, ...]`` on
@@ -412,6 +434,10 @@ def apply() -> bool:
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _with_cpu_tensor_cuda(
+        LanguageModule.setup_embeddings_and_output_layer)  # point 8 of the module docstring
     from megatron.core.transformer.moe import moe_utils
 
     define_te_general_gemm()  # point 5 of the module docstring

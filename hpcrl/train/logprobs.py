@@ -146,10 +146,24 @@ def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor,
     needs no attention mask (the causal mask hides later columns) and positions are ``0..seq-1``.
     The log-prob of the token at position t is read from the logits at position t-1, so each response
     needs a non-empty prompt. ``vocab_size`` defaults to ``model.hf_config.vocab_size`` when the model was
-    built by :mod:`hpcrl.train.bridge`. Raises ValueError for inconsistent lengths.
+    built by :mod:`hpcrl.train.bridge`. Raises ValueError for inconsistent lengths. The pipeline-stage form
+    is :func:`staged_response_log_probs`.
     """
+    staged = staged_response_log_probs(model, tokens, total_lengths, response_lengths, temperature, with_entropy,
+                                       vocab_size)
+    return staged.finish(staged.output)
+
+
+def staged_response_log_probs(model: torch.nn.Module, tokens: torch.Tensor,
+                              total_lengths: Union[torch.Tensor, Sequence[int]],
+                              response_lengths: Union[torch.Tensor, Sequence[int]], temperature: float = 1.0,
+                              with_entropy: bool = False, vocab_size: Optional[int] = None):
+    """:func:`response_log_probs` as a :class:`~hpcrl.train.model.StagedLoss`: the model's output (the logits
+    ``[batch, seq, vocab / tp]`` on the last pipeline stage, hidden states on the others) and the function
+    that makes the :class:`ResponseLogProbs` from the last stage's."""
     from hpcrl.train.bridge import unwrap_model
     from hpcrl.train.deepseek_moe import padding_kwargs
+    from hpcrl.train.model import StagedLoss
 
     batch, seq = tokens.shape
     device = tokens.device
@@ -166,24 +180,27 @@ def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor,
 
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
     padding = padding_kwargs(model, position_ids < total.unsqueeze(1))  # MoE expert-bias token counts only
-    logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
-    # Predictions for positions 1..seq-1 come from logits at 0..seq-2.
-    labels = tokens[:, 1:]
-    lp_all = compute_log_probs(logits[:, :-1], labels, temperature, vocab_size)  # [batch, seq-1]
+    output = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
 
-    index, mask = prediction_columns(total, resp)
-    log_probs = torch.gather(lp_all, 1, index).masked_fill(~mask, 0.0)
-    entropy = None
-    if with_entropy:
-        ent_all = compute_entropy(logits[:, :-1], temperature, vocab_size)
-        entropy = torch.gather(ent_all, 1, index).masked_fill(~mask, 0.0)
-    return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
+    def finish(logits: torch.Tensor) -> ResponseLogProbs:
+        # Predictions for positions 1..seq-1 come from logits at 0..seq-2.
+        lp_all = compute_log_probs(logits[:, :-1], tokens[:, 1:], temperature, vocab_size)  # [batch, seq-1]
+        index, mask = prediction_columns(total, resp)
+        log_probs = torch.gather(lp_all, 1, index).masked_fill(~mask, 0.0)
+        entropy = None
+        if with_entropy:
+            ent_all = compute_entropy(logits[:, :-1], temperature, vocab_size)
+            entropy = torch.gather(ent_all, 1, index).masked_fill(~mask, 0.0)
+        return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
+
+    return StagedLoss(output, finish)
 
 
 def logits_window_start(model: torch.nn.Module, mb: Any) -> int:
     """The first sequence column whose logits the micro-batch needs: its earliest response prediction
     (column ``total - response - 1`` of a row; the columns before it only predict prompt tokens). 0 (all
-    columns) when the model has no ``output_layer``."""
+    columns) when the model has no ``output_layer`` (a pipeline stage before the last: its decoder runs the
+    whole rows whatever the window)."""
     layer = getattr(model, "output_layer", None)
     if layer is None or mb.tokens.shape[0] == 0:
         return 0
@@ -191,7 +208,7 @@ def logits_window_start(model: torch.nn.Module, mb: Any) -> int:
 
 
 @contextlib.contextmanager
-def output_layer_rows(layer: torch.nn.Module, select: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+def output_layer_rows(layer: Optional[torch.nn.Module], select: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """Within the block, the output layer (megatron's ``ColumnParallelLinear``) computes logits only for
     ``select(hidden)``: ``hidden`` its whole ``[s, b, h]`` input, ``select`` slicing or indexing dim 0 (the
     positions that predict response tokens), so logits and their log-softmax are not made for prompt rows.
@@ -201,6 +218,9 @@ def output_layer_rows(layer: torch.nn.Module, select: Callable[[torch.Tensor], t
     as a non-sequence-parallel column-parallel layer (``allreduce_dgrad``: its input gradient, partial per rank's
     vocab columns, is summed over TP instead of reduce-scattered), which gives each rank the same gradient for
     its positions as the sequence-parallel layer would."""
+    if layer is None:  # a pipeline stage before the last: no output layer
+        yield
+        return
     sp = bool(getattr(layer, "sequence_parallel", False))
 
     def keep_rows(module, args, kwargs):
@@ -224,10 +244,12 @@ def output_layer_rows(layer: torch.nn.Module, select: Callable[[torch.Tensor], t
             layer.sequence_parallel, layer.allreduce_dgrad = saved
 
 
-def windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.Module, mb: Any,
+def windowed_response_log_probs(model: torch.nn.Module, output_layer: Optional[torch.nn.Module], mb: Any,
                                 start: int, temperature: float, with_entropy: bool, vocab_size: int):
     """:func:`hpcrl.train.logprobs.response_log_probs` of a micro-batch with the output layer, log-softmax and
-    entropy run only on the columns ``start .. seq-2`` (those that predict response tokens).
+    entropy run only on the columns ``start .. seq-2`` (those that predict response tokens), as a
+    :class:`~hpcrl.train.model.StagedLoss` (the model's output, and what makes the :class:`ResponseLogProbs`
+    from the last pipeline stage's; ``output_layer`` None on the stages before the last).
 
     The whole rows still go through the decoder; the output layer gets only the hidden states of those
     columns (``[seq, batch, hidden]`` sliced on the sequence, gathered first under sequence parallelism:
@@ -236,6 +258,7 @@ def windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.M
     for a fraction of the time and memory when prompts are long and the vocab large.
     """
     from hpcrl.train import deepseek_moe
+    from hpcrl.train.model import StagedLoss
 
     tokens = mb.tokens
     batch, seq = tokens.shape
@@ -244,18 +267,22 @@ def windowed_response_log_probs(model: torch.nn.Module, output_layer: torch.nn.M
     valid = position_ids < mb.total_lengths.to(tokens.device).unsqueeze(1)
     padding = deepseek_moe.padding_kwargs(model, valid)  # MoE expert-bias token counts only
     with output_layer_rows(output_layer, lambda hidden: hidden[start:seq - 1]):
-        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
-    # Column start + c predicts token start + c + 1.
-    lp_all = compute_log_probs(logits, tokens[:, start + 1:], temperature, vocab_size)
-    resp = mb.response_lengths
-    width = int(resp.max())
-    j = torch.arange(width, device=tokens.device).unsqueeze(0)
-    mask = j < resp.unsqueeze(1)
-    index = (mb.total_lengths - resp - 1 - start).unsqueeze(1) + j
-    index = torch.where(mask, index, torch.zeros_like(index))
-    log_probs = torch.gather(lp_all, 1, index).masked_fill(~mask, 0.0)
-    entropy = None
-    if with_entropy:
-        entropy = torch.gather(compute_entropy(logits, temperature, vocab_size), 1, index)
-        entropy = entropy.masked_fill(~mask, 0.0)
-    return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
+        output = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
+
+    def finish(logits: torch.Tensor) -> ResponseLogProbs:
+        # Column start + c predicts token start + c + 1.
+        lp_all = compute_log_probs(logits, tokens[:, start + 1:], temperature, vocab_size)
+        resp = mb.response_lengths
+        width = int(resp.max())
+        j = torch.arange(width, device=tokens.device).unsqueeze(0)
+        mask = j < resp.unsqueeze(1)
+        index = (mb.total_lengths - resp - 1 - start).unsqueeze(1) + j
+        index = torch.where(mask, index, torch.zeros_like(index))
+        log_probs = torch.gather(lp_all, 1, index).masked_fill(~mask, 0.0)
+        entropy = None
+        if with_entropy:
+            entropy = torch.gather(compute_entropy(logits, temperature, vocab_size), 1, index)
+            entropy = entropy.masked_fill(~mask, 0.0)
+        return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
+
+    return StagedLoss(output, finish)

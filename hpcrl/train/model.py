@@ -18,7 +18,7 @@ import dataclasses
 import difflib
 import functools
 import os
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -204,49 +204,73 @@ def mean_over_steps(per_step: Sequence[Mapping[str, Optional[float]]], keys: Ite
     return out
 
 
+class StagedLoss(NamedTuple):
+    """What a loss (or forward-only) function hands megatron's schedule so that it can run over pipeline
+    stages: the model's ``output`` (the decoder's hidden states on a stage before the last, which the
+    schedule sends on; the logits on the last) and ``finish``, which makes the loss (or the result) from the
+    last stage's output. Without pipeline parallelism every rank is the last stage."""
+
+    output: torch.Tensor
+    finish: Callable[[torch.Tensor], Any]
+
+
 def train_step(ddp_model: torch.nn.Module, optimizer: Any,
                loss_fn: Callable[[torch.nn.Module, Any], Any], micro_batches: Iterable[Any]) -> dict[str, Any]:
     """One optimizer step through megatron-core's schedule (``get_forward_backward_func()``, Megatron-LM's and
-    slime's ``train_step``): zero the grad buffers, forward + backward every micro-batch, then the schedule's
-    ``finalize_model_grads`` (data-parallel reduction, the tensor-parallel sum of replicated and
-    sequence-parallel parameters' gradients, megatron's aux-loss-free expert-bias step), ``optimizer.step()``.
+    slime's ``train_step``; 1F1B over the stages under pipeline parallelism): zero the grad buffers, forward +
+    backward every micro-batch, then the schedule's ``finalize_model_grads`` (data-parallel reduction, the
+    tensor-parallel sum of replicated and sequence-parallel parameters' gradients, the tied embedding's
+    gradient summed over the first and last stages, megatron's aux-loss-free expert-bias step),
+    ``optimizer.step()``.
 
-    ``loss_fn(ddp_model, micro_batch)`` returns a scalar loss tensor, or ``(loss, metrics)`` with a dict of
-    floats. Gradients of all micro-batches are summed, so the loss must already carry its share of the
-    normalisation (e.g. divided by the tokens of the whole step); megatron-core DDP then averages over
-    data-parallel ranks. The schedule divides each loss by the number of micro-batches ``n`` (its
-    ``forward_step_calc_loss``, loss averaging over micro-batches); it is handed ``loss * n`` (slime's
-    ``loss * num_microbatches``), so the gradient is the loss's own: bitwise for ``n`` up to 40, above it the
-    factor ``fl(fl(1/n) * n)`` can be one float32 ulp under 1 (relative 6e-8; e.g. ``n`` = 41, 47, 55). The
-    MoE auxiliary losses get megatron's scale ``1/n`` per micro-batch (their mean over the micro-batches,
-    as in Megatron-LM). The loss is multiplied by the optimizer's loss scale before backward (the config's
-    ``grad_scale_func``; 1 for fp32/bf16). A model with an expert bias (GLM-4.5, DeepSeek-V3) gets megatron's
-    bias update in ``finalize_model_grads`` (``moe_router_bias_update_rate``; 0, the default, leaves it as
-    it was). Every micro-batch's whole loss is computed in the schedule's forward step: at pipeline size 1
-    the schedule passes nothing between stages.
+    ``loss_fn(ddp_model, micro_batch)`` returns a :class:`StagedLoss` whose ``finish(output)`` gives a scalar
+    loss tensor or ``(loss, metrics)`` with a dict of floats, run on the last pipeline stage only; or, without
+    pipeline parallelism, the loss (or ``(loss, metrics)``) itself. Gradients of all micro-batches are summed,
+    so the loss must already carry its share of the normalisation (e.g. divided by the tokens of the whole
+    step); megatron-core DDP then averages over data-parallel ranks. The schedule divides each loss by the
+    number of micro-batches ``n`` (its ``forward_step_calc_loss``, loss averaging over micro-batches); it is
+    handed ``loss * n`` (slime's ``loss * num_microbatches``), so the gradient is the loss's own: bitwise for
+    ``n`` up to 40, above it the factor ``fl(fl(1/n) * n)`` can be one float32 ulp under 1 (relative 6e-8;
+    e.g. ``n`` = 41, 47, 55). The MoE auxiliary losses get megatron's scale ``1/n`` per micro-batch (their
+    mean over the micro-batches, as in Megatron-LM). The loss is multiplied by the optimizer's loss scale
+    before backward (the config's ``grad_scale_func``; 1 for fp32/bf16). A model with an expert bias (GLM-4.5,
+    DeepSeek-V3) gets megatron's bias update in ``finalize_model_grads`` (``moe_router_bias_update_rate``; 0,
+    the default, leaves it as it was). Under pipeline parallelism the activations between stages have each
+    micro-batch's own shape (megatron's ``variable_seq_lengths``: the shape goes first).
 
     Returns ``loss`` (sum over micro-batches), ``grad_norm`` (before clipping; None if not computed),
     ``update_successful``, ``num_zeros`` (None unless ``log_num_zeros_in_grad``), ``num_micro_batches``, and
-    the mean of each metric over micro-batches. Raises ValueError for no micro-batch or a model not wrapped by
-    :func:`wrap_model_and_optimizer` (no ``finalize_model_grads_func`` on its config).
+    the mean of each metric over micro-batches; the loss and metrics are the last stage's on every stage.
+    Raises ValueError for no micro-batch, a model not wrapped by :func:`wrap_model_and_optimizer` (no
+    ``finalize_model_grads_func`` on its config) or a loss function that is not staged under pipeline
+    parallelism.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from hpcrl.train import deepseek_moe
+    from hpcrl.train.parallel import from_last_stage
 
     micro_batches = list(micro_batches)
     n = len(micro_batches)
-    _schedule_config(ddp_model, n)
+    config = _schedule_config(ddp_model, n)
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
     deepseek_moe.reset_token_counts(ddp_model)
     losses: list[float] = []
 
-    def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
-        out = loss_fn(model, next(data_iterator))
+    def finish_loss(output: torch.Tensor, finish: Callable[[torch.Tensor], Any]):
+        out = finish(output)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         losses.append(float(loss.detach()))
-        return loss, functools.partial(_loss_for_schedule, n=n, metrics=metrics)
+        return _loss_for_schedule(loss, n, metrics)
+
+    def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
+        out = loss_fn(model, next(data_iterator))
+        if not isinstance(out, StagedLoss):
+            _check_unstaged(config)  # the whole loss, made in this forward step
+            loss, metrics = out if isinstance(out, tuple) else (out, {})
+            out = StagedLoss(loss, functools.partial(_with_metrics, metrics=metrics))
+        return out.output, functools.partial(finish_loss, finish=out.finish)
 
     reduced = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
                                           model=ddp_model, num_microbatches=n, seq_length=0, micro_batch_size=1,
@@ -256,7 +280,8 @@ def train_step(ddp_model: torch.nn.Module, optimizer: Any,
     for mb_metrics in reduced:
         for k, v in mb_metrics.items():
             metrics[k] = metrics.get(k, 0.0) + float(v)
-    return dict(loss=sum(losses), grad_norm=grad_norm, update_successful=update_successful, num_zeros=num_zeros,
+    loss, metrics = from_last_stage((sum(losses), metrics))
+    return dict(loss=loss, grad_norm=grad_norm, update_successful=update_successful, num_zeros=num_zeros,
                 num_micro_batches=n, **{k: v / n for k, v in metrics.items()})
 
 
@@ -264,32 +289,58 @@ def forward_only(ddp_model: torch.nn.Module, fn: Callable[[torch.nn.Module, Any]
                  micro_batches: Iterable[Any]) -> list[Any]:
     """``fn(ddp_model, micro_batch)`` of every micro-batch through megatron-core's schedule with
     ``forward_only=True`` (no backward, no gradient reduction; slime's log-prob recompute and Megatron-LM's
-    evaluation): returns the results in order. Call inside ``torch.no_grad()`` and eval mode where wanted
-    (the caller's choice). An empty ``micro_batches`` gives ``[]``."""
+    evaluation): returns the results in order. ``fn`` returns the result, or a :class:`StagedLoss` whose
+    ``finish(output)`` makes it on the last pipeline stage (needed under pipeline parallelism); the results
+    are then the last stage's on every stage (sent over the pipeline group). Call inside ``torch.no_grad()``
+    and eval mode where wanted (the caller's choice). An empty ``micro_batches`` gives ``[]``. Raises
+    ValueError for a result that is not staged under pipeline parallelism."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from hpcrl.train.parallel import from_last_stage
 
     micro_batches = list(micro_batches)
     if not micro_batches:
         return []
-    _schedule_config(ddp_model, len(micro_batches))
+    config = _schedule_config(ddp_model, len(micro_batches))
     results: list[Any] = []
     # on the model's device: megatron scales the MoE aux loss by a tensor made on this one's device
     device = next(ddp_model.parameters()).device
 
+    def keep(output: torch.Tensor, finish: Callable[[torch.Tensor], Any]):
+        results.append(finish(output))
+        return torch.zeros((), device=device), {}
+
     def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
-        results.append(fn(model, next(data_iterator)))
-        return torch.zeros((), device=device), _nothing_to_reduce
+        out = fn(model, next(data_iterator))
+        if not isinstance(out, StagedLoss):
+            _check_unstaged(config)
+            results.append(out)
+            return torch.zeros((), device=device), _nothing_to_reduce
+        return out.output, functools.partial(keep, finish=out.finish)
 
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=ddp_model,
                                 num_microbatches=len(micro_batches), seq_length=0, micro_batch_size=1,
                                 forward_only=True)
-    return results
+    return from_last_stage(results)
+
+
+def _check_unstaged(config: Any) -> None:
+    """Raise ValueError when a loss or forward function made its whole result in the forward step under
+    pipeline parallelism (the stages before the last have no logits)."""
+    if config.pipeline_model_parallel_size > 1:
+        raise ValueError("under pipeline parallelism the loss function must return a StagedLoss (the model's "
+                         "output and what makes the loss from it on the last stage)")
 
 
 def _loss_for_schedule(loss: torch.Tensor, n: int, metrics: Mapping[str, Any]):
     """The schedule's loss function of a micro-batch: ``(loss * n, 1 token, metrics)``; the schedule divides
     by the tokens (1) and by ``n`` micro-batches, which gives ``loss`` back (see :func:`train_step`)."""
     return loss * n, torch.ones((), dtype=torch.int), metrics
+
+
+def _with_metrics(loss: torch.Tensor, metrics: Mapping[str, Any]):
+    """``(loss, metrics)``: the finish of a loss made whole in the forward step."""
+    return loss, metrics
 
 
 def _nothing_to_reduce(output: torch.Tensor):
@@ -315,6 +366,12 @@ def _schedule_config(ddp_model: torch.nn.Module, n: int) -> Any:
         if getattr(config, key, False):
             raise ValueError(f"megatron.{key}: true is not supported: hpcrl's losses are already normalised "
                              "over the step; remove it")
+    if config.pipeline_model_parallel_size > 1:
+        # micro-batches of different lengths (packed or padded to their own longest): the stages send each
+        # activation's shape before it (megatron's p2p_communication). Set here, after the config's checks:
+        # TransformerConfig refuses it beside the all-gather token dispatcher, which hpcrl uses only at EP=1,
+        # where its gathers span the tensor-parallel ranks of one micro-batch (equal lengths)
+        config.variable_seq_lengths = True
     return config
 
 

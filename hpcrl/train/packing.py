@@ -316,37 +316,44 @@ def packed_seq_params(pack: Pack):
 
 def packed_response_log_probs(model: torch.nn.Module, pack: Pack, response_lengths: Tensor, temperature: float,
                               with_entropy: bool = False, vocab_size: Optional[int] = None):
-    """Per-token log-probs (and entropy) of the response tokens of a packed micro-batch.
+    """Per-token log-probs (and entropy) of the response tokens of a packed micro-batch, as a
+    :class:`~hpcrl.train.model.StagedLoss`: the model's output and what makes the
+    :class:`~hpcrl.train.logprobs.ResponseLogProbs` from the last pipeline stage's.
 
     ``model``: the (wrapped) GPTModel, built with :func:`hpcrl.train.packed_attention.layer_spec`.
     ``response_lengths``: ``[b]`` of the pack's samples, in order (``K`` tokens in all). The decoder runs once over the pack; the output
     layer, log-softmax and entropy only over the ``K`` rows that predict response tokens (no logits for prompt
     positions; under sequence parallelism the rows are gathered first: :func:`hpcrl.train.logprobs.
-    output_layer_rows`). Returns a
-    :class:`~hpcrl.train.logprobs.ResponseLogProbs` with ``[b, R]`` float32 tensors, 0 beyond each response.
+    output_layer_rows`). The result's tensors are ``[b, R]`` float32, 0 beyond each response.
     ``vocab_size`` defaults to ``hf_config.vocab_size`` of a model built by :mod:`hpcrl.train.bridge` (padded
     vocab columns get probability 0, as in :func:`~hpcrl.train.logprobs.response_log_probs`).
     """
     from hpcrl.train.bridge import unwrap_model
     from hpcrl.train.deepseek_moe import padding_kwargs
     from hpcrl.train.logprobs import ResponseLogProbs, compute_entropy, compute_log_probs, output_layer_rows
+    from hpcrl.train.model import StagedLoss
 
     bare = unwrap_model(model)
     if vocab_size is None and getattr(bare, "hf_config", None) is not None:
         vocab_size = bare.hf_config.vocab_size
     rows = pack.logit_rows
-    with output_layer_rows(bare.output_layer, lambda hidden: hidden.index_select(0, rows)), \
+    with output_layer_rows(getattr(bare, "output_layer", None), lambda hidden: hidden.index_select(0, rows)), \
             rotary_positions(bare, pack.positions):
-        logits = model(input_ids=pack.tokens, position_ids=pack.positions.unsqueeze(0), attention_mask=None,
+        output = model(input_ids=pack.tokens, position_ids=pack.positions.unsqueeze(0), attention_mask=None,
                        packed_seq_params=packed_seq_params(pack),
                        **padding_kwargs(model, (pack.sources[:, 0] >= 0).unsqueeze(0)))
-    width = int(response_lengths.max()) if response_lengths.numel() else 0
-    mask = torch.arange(width, device=rows.device).unsqueeze(0) < response_lengths.to(rows.device).unsqueeze(1)
-    labels = pack.labels.unsqueeze(0)
-    flat_lp = compute_log_probs(logits, labels, temperature, vocab_size)[0]  # [K]
-    zeros = torch.zeros(mask.shape, dtype=flat_lp.dtype, device=flat_lp.device)
-    log_probs = zeros.masked_scatter(mask, flat_lp)
-    entropy = None
-    if with_entropy:
-        entropy = zeros.masked_scatter(mask, compute_entropy(logits, temperature, vocab_size)[0])
-    return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
+
+    def finish(logits: Tensor) -> ResponseLogProbs:
+        width = int(response_lengths.max()) if response_lengths.numel() else 0
+        mask = (torch.arange(width, device=rows.device).unsqueeze(0)
+                < response_lengths.to(rows.device).unsqueeze(1))
+        labels = pack.labels.unsqueeze(0)
+        flat_lp = compute_log_probs(logits, labels, temperature, vocab_size)[0]  # [K]
+        zeros = torch.zeros(mask.shape, dtype=flat_lp.dtype, device=flat_lp.device)
+        log_probs = zeros.masked_scatter(mask, flat_lp)
+        entropy = None
+        if with_entropy:
+            entropy = zeros.masked_scatter(mask, compute_entropy(logits, temperature, vocab_size)[0])
+        return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
+
+    return StagedLoss(output, finish)

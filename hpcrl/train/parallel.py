@@ -282,6 +282,21 @@ def sum_over_ranks(values: dict[str, Any], device: torch.device, group: Any = No
     return dict(zip(keys, t.tolist(), strict=True))
 
 
+def from_last_stage(obj: Any) -> Any:
+    """``obj`` of the last pipeline stage, on every stage of this rank's pipeline group (a picklable object:
+    the losses, metrics and log-probs that only the last stage computes; ``broadcast_object_list``). ``obj``
+    itself without pipeline parallelism; other stages' ``obj`` is ignored. Every stage must call it."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() \
+            or parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    group = parallel_state.get_pipeline_model_parallel_group()
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
+    return box[0]
+
+
 def gather_per_sample(flat: Sequence[Any], per_mb: Sequence[torch.Tensor], num_samples: int, group: Any,
                       dp_size: int) -> list[torch.Tensor]:
     """Every sample's row of per-micro-batch tensors, on every data-parallel rank.

@@ -81,7 +81,7 @@ class SupervisedTrainer(ModelOnRank):
         """
         from hpcrl import sft_recipe as sft
         from hpcrl.train import model as tmodel
-        from hpcrl.train.actor import build_steps, micro_batch_log_probs
+        from hpcrl.train.actor import build_steps, staged_log_probs
 
         t0 = time.perf_counter()
         lr = sft.lr_at(step, self.cfg.sft.steps, self.cfg.sft.lr) * lr_scale
@@ -94,18 +94,24 @@ class SupervisedTrainer(ModelOnRank):
         trained = float(sum(float(m.sum()) for m in masks))
         local: dict[str, torch.Tensor] = {}
 
-        def loss_fn(model: torch.nn.Module, mb: Any) -> torch.Tensor:
-            logp = micro_batch_log_probs(self.ddp_model, self.model, mb, 1.0, False, self.vocab_size).log_probs
-            nll = -(logp * mb.mask).sum() / max(trained, 1.0)
-            local["loss"] = local["loss"] + nll.detach() if "loss" in local else nll.detach()
-            return nll * self.dp_size
+        def loss_fn(model: torch.nn.Module, mb: Any) -> tmodel.StagedLoss:
+            staged = staged_log_probs(self.ddp_model, self.model, mb, 1.0, False, self.vocab_size)
+
+            def nll_of(output: torch.Tensor) -> torch.Tensor:  # on the last pipeline stage
+                logp = staged.finish(output).log_probs
+                nll = -(logp * mb.mask).sum() / max(trained, 1.0)
+                local["loss"] = local["loss"] + nll.detach() if "loss" in local else nll.detach()
+                return nll * self.dp_size
+
+            return tmodel.StagedLoss(staged.output, nll_of)
 
         result = tmodel.train_step(self.ddp_model, self.optimizer, loss_fn, micro_batches)
         if not result["update_successful"]:
             raise RuntimeError("SFT optimizer step was skipped (update_successful=False): non-finite gradients?")
-        sums = parallel.sum_over_ranks({"loss": local.get("loss", torch.zeros(())),
-                                        "forward": float(sum(mb.forward_tokens for mb in micro_batches))},
-                                       self.device, self._dp_group if self.dp_size > 1 else None)
+        sums = parallel.from_last_stage(parallel.sum_over_ranks(
+            {"loss": local.get("loss", torch.zeros(())),
+             "forward": float(sum(mb.forward_tokens for mb in micro_batches))},
+            self.device, self._dp_group if self.dp_size > 1 else None))
         seconds = time.perf_counter() - t0
         grad_norm: Optional[Any] = result["grad_norm"]
         out = {"train/loss": sums["loss"], "train/lr": lr, "train/tokens": trained,

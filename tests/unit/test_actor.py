@@ -121,7 +121,7 @@ def plain_train_step(ddp_model, optimizer, loss_fn, micro_batches, aux_loss_scal
     deepseek_moe.reset_token_counts(ddp_model)
     total, n = 0.0, 0
     for mb in micro_batches:
-        out = loss_fn(ddp_model, mb)
+        out = finished(loss_fn(ddp_model, mb))
         loss = out[0] if isinstance(out, tuple) else out
         optimizer.scale_loss(loss).backward()
         total, n = total + float(loss.detach()), n + 1
@@ -138,7 +138,13 @@ def plain_train_step(ddp_model, optimizer, loss_fn, micro_batches, aux_loss_scal
 
 def plain_forward_only(ddp_model, fn, micro_batches) -> list:
     """``fn`` of each micro-batch in a list comprehension: the forward-only reference."""
-    return [fn(ddp_model, mb) for mb in micro_batches]
+    return [finished(fn(ddp_model, mb)) for mb in micro_batches]
+
+
+def finished(out):
+    """A loss or forward function's result: a :class:`hpcrl.train.model.StagedLoss` finished on its output
+    (no pipeline: this rank is the last stage), anything else as it is."""
+    return out.finish(out.output) if isinstance(out, tmodel.StagedLoss) else out
 
 
 @contextlib.contextmanager

@@ -223,10 +223,13 @@ BAD = [
      0.9, ["> 1", "on-policy ratio 1"]),
     ("unknown-mis-level", M + "algorithm: {mis_level: batch}\n", [], "algorithm.mis_level", "batch",
      ["token", "geometric"]),
-    ("pipeline-parallel", M + "train: {pipeline_parallel_size: 2, nprocs: 2}\n", [], "train.pipeline_parallel_size",
-     2, ["does not support pipeline or context parallelism", "set it to 1"]),
+    ("pipeline-parallel-critic", M + "train: {pipeline_parallel_size: 2, nprocs: 2}\n"
+     "algorithm: {advantage_estimator: gae}\n", [], "algorithm.advantage_estimator", "gae",
+     ["critic", "pipeline_parallel_size > 1"]),
+    ("pipeline-parallel-replay", "model: {create: tiny-qwen3-moe}\ntrain: {pipeline_parallel_size: 2, nprocs: 2}\n"
+     "algorithm: {routing_replay: true}\n", [], "algorithm.routing_replay", True, ["its own MoE layers"]),
     ("context-parallel", M + "train: {context_parallel_size: 2, nprocs: 2}\n", [], "train.context_parallel_size", 2,
-     ["does not support pipeline or context parallelism"]),
+     ["does not support context parallelism"]),
     ("parallel-does-not-divide", M + "train: {tensor_parallel_size: 2, nprocs: 3}\n", [], "train.nprocs", 3,
      ["tensor x pipeline x context parallel size = 2"]),
     ("tensor-weights-disaggregated", M + "run: {placement: disaggregate}\nweights: {method: tensor}\n", [],

@@ -22,7 +22,7 @@ from hpcrl.train import bridge  # noqa: E402
 from hpcrl.train.actor import Actor, build_micro_batch, sequence_multiple  # noqa: E402
 from hpcrl.train.model import sum_replicated_grads_over_tp  # noqa: E402
 from hpcrl.train.packing import build_pack, plan_micro_batches, unit_tokens  # noqa: E402
-from tests.unit.test_actor import make_config, make_samples, tp1  # noqa: E402,F401
+from tests.unit.test_actor import finished, make_config, make_samples, tp1  # noqa: E402,F401
 
 PACKED = {"train.max_tokens_per_microbatch": 64}
 
@@ -193,7 +193,7 @@ def forward_gates(actor: Actor, samples: list[Sample]) -> dict[str, float]:
         mb = build_micro_batch(samples, positions, adv, actor.device, packed=packed, share_prompt=share,
                                pad_to_multiple=sequence_multiple(actor.model.config))
         actor.ddp_model.zero_grad_buffer()
-        res = actor._forward(mb, with_entropy=True)
+        res = finished(actor._forward(mb, with_entropy=True))
         (res.log_probs.sum() + res.entropy.sum()).backward()
         actor.ddp_model.finish_grad_sync()
         sum_replicated_grads_over_tp(actor.ddp_model)  # as train_step: under SP the norms' are per-rank parts
@@ -263,7 +263,7 @@ def test_packed_forward_with_megatron_activation_recompute(tp1, tiny_model_dir, 
         mb = build_micro_batch(samples, list(range(len(samples))), [torch.zeros(s.response_length) for s in samples],
                                actor.device, packed=True, share_prompt=True)
         actor.ddp_model.zero_grad_buffer()
-        actor._forward(mb).log_probs.sum().backward()
+        finished(actor._forward(mb)).log_probs.sum().backward()
         actor.ddp_model.finish_grad_sync()
         return _flat_grad(actor.ddp_model)
 
@@ -284,7 +284,7 @@ def test_each_segment_of_a_sample_is_its_own_sequence(tp1, tiny_model_dir, sampl
         adv = [torch.zeros(s.response_length) for s in batch]
         mb = build_micro_batch(batch, list(range(len(batch))), adv, actor.device, packed=packed)
         actor.ddp_model.zero_grad_buffer()
-        res = actor._forward(mb, with_entropy=True)
+        res = finished(actor._forward(mb, with_entropy=True))
         (res.log_probs * mb.mask).sum().backward()
         actor.ddp_model.finish_grad_sync()
         return mb, res.log_probs.detach().cpu(), res.entropy.detach().cpu(), _flat_grad(actor.ddp_model)
