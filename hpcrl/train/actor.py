@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 
 import torch
 
-from hpcrl.train import algorithms, parallel, ppo
+from hpcrl.train import algorithms, forward, parallel, ppo
 from hpcrl.train.critic import Critic
 from hpcrl.train.model import ModelOnRank
 
@@ -350,37 +350,6 @@ def build_steps(samples: Sequence["Sample"], masks: Sequence[Tensor], advantages
     return steps, [algorithms.compute_rollout_mask_sums([masks[p] for p in g], g) for g in global_]
 
 
-def micro_batch_log_probs(ddp_model: torch.nn.Module, model: torch.nn.Module, mb: MicroBatch, temperature: float,
-                          with_entropy: bool, vocab_size: int):
-    """Response log-probs (and entropy) ``[b, R]`` of a micro-batch under ``ddp_model`` (the bare ``model``
-    beside it), without pipeline parallelism: :func:`staged_log_probs` run to its end."""
-    staged = staged_log_probs(ddp_model, model, mb, temperature, with_entropy, vocab_size)
-    return staged.finish(staged.output)
-
-
-def staged_log_probs(ddp_model: torch.nn.Module, model: torch.nn.Module, mb: MicroBatch, temperature: float,
-                     with_entropy: bool, vocab_size: int):
-    """The one forward of the actor and of SFT, as a :class:`~hpcrl.train.model.StagedLoss`: the model's output
-    on this pipeline stage and what makes the micro-batch's response log-probs (and entropy) ``[b, R]`` from
-    the last stage's logits. Over its pack when it has one (:func:`~hpcrl.train.packing.
-    packed_response_log_probs`), over the logits window of its responses when the padded layout allows one
-    (:func:`~hpcrl.train.logprobs.windowed_response_log_probs`), else over every position
-    (:func:`~hpcrl.train.logprobs.staged_response_log_probs`)."""
-    from hpcrl.train.logprobs import logits_window_start, staged_response_log_probs, windowed_response_log_probs
-
-    if mb.pack is not None:
-        from hpcrl.train.packing import packed_response_log_probs
-
-        return packed_response_log_probs(ddp_model, mb.pack, mb.response_lengths, temperature, with_entropy,
-                                         vocab_size)
-    start = logits_window_start(model, mb)
-    if start > 0:
-        return windowed_response_log_probs(ddp_model, model.output_layer, mb, start, temperature, with_entropy,
-                                           vocab_size)
-    return staged_response_log_probs(ddp_model, mb.tokens, mb.total_lengths, mb.response_lengths,
-                                     temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Actor
 # ------------------------------------------------------------------------------------------------------------
@@ -487,7 +456,7 @@ class Actor(ModelOnRank):
     def _forward(self, mb: MicroBatch, with_entropy: bool = False):
         """The forward of a micro-batch on this pipeline stage, as a :class:`~hpcrl.train.model.StagedLoss`
         whose finish gives its response log-probs (and entropy) at the rollout temperature, ``[b, R]`` each
-        (:func:`staged_log_probs`)."""
+        (:func:`~hpcrl.train.forward.staged_log_probs`)."""
         from hpcrl.train import routing_replay
 
         with routing_replay.replaying(mb.routed_experts, self.model.config):  # the engine's, when replayed
@@ -495,8 +464,8 @@ class Actor(ModelOnRank):
 
     def _forward_routed(self, mb: MicroBatch, with_entropy: bool):
         """:meth:`_forward` under whatever routing is in force."""
-        return staged_log_probs(self.ddp_model, self.model, mb, self.cfg.rollout.temperature, with_entropy,
-                                self.vocab_size)
+        return forward.staged_log_probs(self.ddp_model, self.model, mb, self.cfg.rollout.temperature,
+                                         with_entropy, self.vocab_size)
 
     @torch.no_grad()
     def _forward_only(self, micro_batches: Sequence[MicroBatch]) -> list[Tensor]:
@@ -506,7 +475,7 @@ class Actor(ModelOnRank):
 
         self.ddp_model.eval()
         try:
-            return tmodel.forward_only(self.ddp_model, lambda _, mb: _log_probs_only(self._forward(mb)),
+            return tmodel.forward_only(self.ddp_model, lambda _, mb: forward.log_probs_only(self._forward(mb)),
                                        micro_batches)
         finally:
             self.ddp_model.train()
@@ -710,14 +679,6 @@ class Actor(ModelOnRank):
         grad_norm = result["grad_norm"]
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else None
         return out
-
-
-def _log_probs_only(staged):
-    """A :class:`~hpcrl.train.model.StagedLoss` of :func:`staged_log_probs` whose finish keeps the log-probs
-    ``[b, R]`` only (a forward-only pass)."""
-    from hpcrl.train.model import StagedLoss
-
-    return StagedLoss(staged.output, lambda output: staged.finish(output).log_probs)
 
 
 def _gate(name: str, value: Optional[float], tol: float) -> None:

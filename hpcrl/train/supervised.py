@@ -81,7 +81,8 @@ class SupervisedTrainer(ModelOnRank):
         """
         from hpcrl import sft_recipe as sft
         from hpcrl.train import model as tmodel
-        from hpcrl.train.actor import build_steps, staged_log_probs
+        from hpcrl.train.actor import build_steps
+        from hpcrl.train.forward import staged_log_probs
 
         t0 = time.perf_counter()
         lr = sft.lr_at(step, self.cfg.sft.steps, self.cfg.sft.lr) * lr_scale
