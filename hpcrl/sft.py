@@ -121,7 +121,9 @@ def cache_key(cfg: "Config", base: Path) -> dict[str, Any]:
         # absent at TP=1 / ETP 1, so the keys made before they existed stay valid
         | ({"sequence_parallel": sequence_parallel(t)} if t.tensor_parallel_size > 1 else {})
         | ({"expert_tensor_parallel_size": t.expert_tensor_parallel_size}
-           if t.expert_tensor_parallel_size != 1 else {}),
+           if t.expert_tensor_parallel_size != 1 else {})
+        # pipeline stages sum the tied embedding's gradient over the stages (absent at PP=1, as above)
+        | ({"pipeline_parallel_size": t.pipeline_parallel_size} if t.pipeline_parallel_size != 1 else {}),
     }
 
 

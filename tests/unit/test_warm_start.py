@@ -154,6 +154,7 @@ def test_cache_key_follows_what_changes_the_result(tmp_path):
     changes = {"run.seed": lambda c: setattr(c.run, "seed", 2), "sft.lr": lambda c: setattr(c.sft, "lr", 1e-5),
                "sft.target_accuracy": lambda c: setattr(c.sft, "target_accuracy", 0.5),
                "train.tensor_parallel_size": lambda c: setattr(c.train, "tensor_parallel_size", 2),
+               "train.pipeline_parallel_size": lambda c: setattr(c.train, "pipeline_parallel_size", 2),
                "train.bf16": lambda c: setattr(c.train, "bf16", True),
                "train.micro_batch_size": lambda c: setattr(c.train, "micro_batch_size", 8),
                "data.num_train": lambda c: setattr(c.data, "num_train", 7),
@@ -164,9 +165,9 @@ def test_cache_key_follows_what_changes_the_result(tmp_path):
         assert key_digest(cache_key(other, base)) != key_digest(key), name
     (base / "config.json").write_text("{ }")
     assert key_digest(cache_key(cfg, base)) != key_digest(key)
-    # sequence parallelism at TP > 1 (on by default) and expert-tensor parallelism are in the key where they
-    # apply, and absent at TP=1 / ETP 1 (keys made before them stay valid)
-    assert "sequence_parallel" not in key["train"] and "expert_tensor_parallel_size" not in key["train"]
+    # sequence parallelism at TP > 1 (on by default), expert-tensor and pipeline parallelism are in the key
+    # where they apply, and absent at TP=1 / ETP 1 / PP=1 (keys made before them stay valid)
+    assert not {"sequence_parallel", "expert_tensor_parallel_size", "pipeline_parallel_size"} & set(key["train"])
     tp2 = _cfg(tmp_path)
     tp2.train.tensor_parallel_size = 2
     sp = cache_key(tp2, base)

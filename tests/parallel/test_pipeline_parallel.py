@@ -1,5 +1,5 @@
-"""Pipeline parallelism (issue #55 point 1): the actor at PP=2 on 2 real processes (torchrun, gloo on loopback)
-equals the same actor at PP=1.
+"""Pipeline parallelism (issue #55 point 1; the ``parallel`` tier of .ci/budgets.json): the actor at PP=2 on 2
+real processes (torchrun, gloo on loopback) equals the same actor at PP=1.
 
 One torchrun job (this file run as a script, see ``worker``) trains an :class:`~hpcrl.train.actor.Actor` on
 the same 16 samples with each layout of :data:`LAYOUTS`: the decoder split over two stages (the embedding and
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # not a package: its helpers
 from megatron_utils import dirs_args, run_two_ranks, worker_main  # noqa: E402
 from test_actor_tp2 import CHANGES, PACKED, _unit_helpers  # noqa: E402
 
@@ -115,7 +115,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
 
 # --- the test side ------------------------------------------------------------------------------------------
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.integration  # the parallel tier: multi-rank exactness (its own CI budget)
 
 
 @pytest.fixture(scope="module")
