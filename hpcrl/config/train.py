@@ -257,17 +257,21 @@ def check_train(cfg: Config) -> None:
             "megatron.moe_router_bias_update_rate", rate, "must be a number >= 0 (the aux-loss-free step of "
             "the expert bias of GLM-4.5-style routers; 0, the default, keeps it frozen as slime does)",
             "set it to 0 or a small rate such as 1e-3 (megatron's pre-training default)")
-    require(t.context_parallel_size == 1, "train.context_parallel_size", t.context_parallel_size,
-            "the trainer does not support context parallelism yet (its attention runs over whole sequences)",
-            "set it to 1 and split the model with train.tensor/pipeline/expert_parallel_size")
-    if t.pipeline_parallel_size > 1:
-        a = cfg.algorithm
-        require(a.advantage_estimator != "gae", "algorithm.advantage_estimator", a.advantage_estimator,
-                "(PPO's critic) is not yet supported with train.pipeline_parallel_size > 1",
-                "use a critic-free estimator (grpo, ...) or train.pipeline_parallel_size=1")
-        require(not a.routing_replay, "algorithm.routing_replay", a.routing_replay,
-                "is not yet supported with train.pipeline_parallel_size > 1 (each stage replays only its own "
-                "MoE layers)", "set algorithm.routing_replay=false or train.pipeline_parallel_size=1")
+    require(t.context_parallel_size == 1 or t.max_tokens_per_microbatch is not None,
+            "train.context_parallel_size", t.context_parallel_size,
+            "needs packed micro-batches (context parallelism splits a pack's tokens over the ranks; padded "
+            "micro-batches run megatron's own attention, which has none)",
+            "set train.max_tokens_per_microbatch (e.g. 16384, slime's --max-tokens-per-gpu) or "
+            "train.context_parallel_size=1")
+    for field in ("train.pipeline_parallel_size", "train.context_parallel_size"):
+        if get_field(cfg, field) > 1:
+            a = cfg.algorithm
+            require(a.advantage_estimator != "gae", "algorithm.advantage_estimator", a.advantage_estimator,
+                    f"(PPO's critic) is not yet supported with {field} > 1",
+                    f"use a critic-free estimator (grpo, ...) or {field}=1")
+            require(not a.routing_replay, "algorithm.routing_replay", a.routing_replay,
+                    f"is not yet supported with {field} > 1 (each stage or CP rank replays only its own MoE "
+                    "layers or tokens)", f"set algorithm.routing_replay=false or {field}=1")
     if t.lr_decay_steps is not None:
         positive(cfg, "train.lr_decay_steps")
     decay_steps = (t.lr_decay_steps if t.lr_decay_steps is not None

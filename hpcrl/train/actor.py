@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 import torch
 
 from hpcrl.train import algorithms, forward, parallel, ppo
+from hpcrl.train.context_parallel import loss_scale
 from hpcrl.train.critic import Critic
 from hpcrl.train.model import ModelOnRank
 
@@ -322,9 +323,12 @@ def plan_steps(samples: Sequence["Sample"], train: "TrainSection", dp_rank: int,
 def sequence_multiple(model_config: Any) -> int:
     """What a micro-batch's sequence length (padded width, or pack tokens) must be a multiple of for a model
     with this megatron ``TransformerConfig``: its tensor-parallel size under sequence parallelism (megatron
-    splits the sequence into that many equal parts), else 1. The ``pad_to_multiple`` of
-    :func:`build_micro_batch`."""
-    return model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
+    splits the sequence into that many equal parts), else 1; times ``2 x`` the context-parallel size (the pack
+    is cut into that many equal chunks: :func:`hpcrl.train.context_parallel.local_rows`). The
+    ``pad_to_multiple`` of :func:`build_micro_batch`."""
+    tp = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
+    cp = model_config.context_parallel_size
+    return tp * (2 * cp if cp > 1 else 1)
 
 
 def build_steps(samples: Sequence["Sample"], masks: Sequence[Tensor], advantages: Sequence[Tensor],
@@ -670,7 +674,7 @@ class Actor(ModelOnRank):
                 values["train_rollout_logprob_abs_diff"] = report((old - mb.rollout_log_probs).abs())
             for k, v in values.items():
                 local[k] = local[k] + v if k in local else v
-            return res.loss * self.dp_size
+            return res.loss * loss_scale(self.dp_size)  # DDP averages over DP x CP ranks
 
         result = tmodel.train_step(self.ddp_model, self.optimizer, loss_fn, micro_batches)
         if not result["update_successful"]:

@@ -157,7 +157,8 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
     config = mcore_config_from_hf(hf_config, tp=tp, dtype=dtype,
                                   ep=parallel_state.get_expert_model_parallel_world_size(),
                                   etp=parallel_state.get_expert_tensor_parallel_world_size(),
-                                  pp=parallel_state.get_pipeline_model_parallel_world_size(), **overrides)
+                                  pp=parallel_state.get_pipeline_model_parallel_world_size(),
+                                  cp=parallel_state.get_context_parallel_world_size(), **overrides)
     if config.moe_enable_routing_replay:
         from hpcrl.train import routing_replay
 

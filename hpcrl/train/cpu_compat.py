@@ -91,6 +91,11 @@ returns at once and megatron-core runs unmodified):
    made equal to the first stage's by an all-reduce of ``weight.data.cuda()`` at ~227) runs with
    ``Tensor.cuda()`` returning a CPU tensor itself (:func:`_with_cpu_tensor_cuda`), only while it runs.
 
+9. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` (a rotary table's rows of this CP rank;
+   YaRN's builds its cache with it at construction) makes its index with ``pin_memory=True`` and
+   ``.cuda()`` (~63); :func:`_pos_emb_on_this_cp_rank` is the same selection on the table's device, where
+   the rotary modules look it up.
+
 Nothing else is changed. :func:`apply` is idempotent; :func:`is_applied` tells whether it has patched.
 """
 
@@ -296,6 +301,18 @@ def _with_cpu_tensor_cuda(fn: Callable) -> Callable:
     return wrapper
 
 
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """megatron-core's ``rope_utils.get_pos_emb_on_this_cp_rank`` without its pinned host tensor moved to CUDA:
+    the rows of chunks ``cp_rank`` and ``2 cp - 1 - cp_rank`` of ``2 cp`` along ``seq_dim``."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[(seq_dim + 1):])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2):])
+
+
 def _uneven_gather_along_first_dim(gather: Callable) -> Callable:
     """megatron's ``_gather_along_first_dim`` (``gather``) with ``output_split_sizes`` done by padding to the
     largest split and an equal ``all_gather_into_tensor`` (gloo has no uneven all-gather). ``[n_r, ...]`` on
@@ -438,6 +455,11 @@ def apply() -> bool:
 
     LanguageModule.setup_embeddings_and_output_layer = _with_cpu_tensor_cuda(
         LanguageModule.setup_embeddings_and_output_layer)  # point 8 of the module docstring
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # point 9
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     from megatron.core.transformer.moe import moe_utils
 
     define_te_general_gemm()  # point 5 of the module docstring

@@ -89,7 +89,7 @@ def check_supported(hf_config: Any) -> None:
 
 
 def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
-                         sequence_parallel: bool = False, etp: Optional[int] = None, pp: int = 1,
+                         sequence_parallel: bool = False, etp: Optional[int] = None, pp: int = 1, cp: int = 1,
                          **overrides: Any):
     """Return the megatron-core ``TransformerConfig`` equivalent to an HF Qwen2 / Qwen3 / Llama / Qwen3-MoE /
     GLM-4.5 config (GLM-4.5's fields: :func:`hpcrl.train.deepseek_moe.glm4_moe_kwargs`).
@@ -104,7 +104,8 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
     ``sequence_parallel``: megatron's sequence parallelism (only at ``tp`` > 1; :mod:`hpcrl.train.norms`).
     ``etp``: the expert-tensor-parallel size the groups were made with (None: megatron's default, ``tp``).
     ``pp``: the pipeline-parallel size (each stage builds its share of the layers; uneven first/last stages
-    through the ``num_layers_in_first/last_pipeline_stage`` overrides).
+    through the ``num_layers_in_first/last_pipeline_stage`` overrides). ``cp``: the context-parallel size
+    (:mod:`hpcrl.train.context_parallel`).
     Raises NotImplementedError for unsupported architectures, ValueError for an unsupported dtype,
     TypeError for unknown override names.
     """
@@ -133,6 +134,7 @@ def mcore_config_from_hf(hf_config: Any, tp: int = 1, dtype: torch.dtype = torch
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         expert_tensor_parallel_size=etp if etp is not None else tp,
         sequence_parallel=bool(sequence_parallel) and tp > 1,
         params_dtype=dtype,

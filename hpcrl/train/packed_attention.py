@@ -21,6 +21,7 @@ one (docs/gpu-verification.md).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Optional
 
@@ -41,6 +42,9 @@ class SharedPrefixSeqParams(PackedSeqParams):
     """:func:`plan_segments` of this layout, made by the first layer and reused by the others."""
     plan_window: Optional[int] = None
     """The sliding window :attr:`plan` was made for (None: full causal attention)."""
+    cp_rows: Optional[tuple[Tensor, ...]] = None
+    """Under context parallelism, every CP rank's pack rows (:func:`hpcrl.train.context_parallel.local_rows`,
+    rank order); the attention input holds this rank's. None: the whole pack is here."""
 
 
 def _kv_rows(cu: list[int], prefix_of: tuple[int, ...], s: int) -> tuple[int, int, int, int]:
@@ -66,15 +70,21 @@ class _SegmentBatch:
 
 
 def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...],
-                  window: Optional[int] = None) -> tuple[list[_SegmentBatch], Tensor]:
+                  window: Optional[int] = None, q_rows: Optional[Tensor] = None
+                  ) -> tuple[list[_SegmentBatch], Tensor]:
     """Gather plan of :func:`segment_attention`: one :class:`_SegmentBatch` for the segments without a prefix and
-    one for those with (each padded to its own longest), and the inverse permutation ``[T]`` that puts their
-    real query rows back in pack order. Built with whole-tensor ops (no per-segment loop): a pack holds up to
-    hundreds of segments and the plan is made once per forward. ``window``: sliding-window attention
-    (Mistral's ``sliding_window``, HF's ``kv_idx > q_idx - window`` in positions): a query at position
-    ``p + i`` (a response continues its prefix's positions) sees keys at positions ``> p + i - window`` only."""
+    one for those with (each padded to its own longest), and the inverse permutation ``[Tq]`` that puts their
+    real query rows back in the query tensor's order. Built with whole-tensor ops (no per-segment loop): a pack
+    holds up to hundreds of segments and the plan is made once per forward. ``window``: sliding-window
+    attention (Mistral's ``sliding_window``, HF's ``kv_idx > q_idx - window`` in positions): a query at
+    position ``p + i`` (a response continues its prefix's positions) sees keys at positions ``> p + i -
+    window`` only. ``q_rows``: the pack rows ``[Tq]`` (ascending) the queries are, under context parallelism
+    (:mod:`hpcrl.train.context_parallel`; keys and values are then the whole pack's); None: every row, in
+    order."""
     cu = cu_seqlens.tolist()
     device = cu_seqlens.device
+    total = int(cu[-1])
+    rows_q = torch.arange(total) if q_rows is None else q_rows.cpu()
     kinds: dict[bool, list[tuple[int, int, int, int]]] = {}
     for s in range(len(cu) - 1):
         rows = _kv_rows(cu, prefix_of, s)
@@ -84,14 +94,20 @@ def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...],
     for segs in kinds.values():
         pa, pb, a, b = torch.tensor(segs, dtype=torch.long).unbind(1)  # each [n]
         p, L = (pb - pa)[:, None], (b - a)[:, None]  # [n, 1]
-        lq, lk = int(L.max()), int((p + L).max())
-        i = torch.arange(lq)[None, :]  # query row of a segment, [1, Lq]
+        # the query rows of each segment: a contiguous run of the ascending rows_q (all L of them without CP)
+        lo = torch.searchsorted(rows_q, a)[:, None]
+        nq = torch.searchsorted(rows_q, b)[:, None] - lo  # [n, 1]
+        if int(nq.max()) == 0:
+            continue
+        lq, lk = int(nq.max()), int((p + L).max())
+        t = torch.arange(lq)[None, :]  # the segment's t-th query, [1, Lq]
         j = torch.arange(lk)[None, :]  # key row: the prefix's (j < p), then its own
-        q_valid = i < L  # [n, Lq]
-        q_index = torch.where(q_valid, a[:, None] + i, 0)
+        q_valid = t < nq  # [n, Lq]
+        q_index = torch.where(q_valid, lo + t, 0)  # into the query tensor
+        i = torch.where(q_valid, rows_q[q_index] - a[:, None], 0)  # the query's row within its segment
         own = (j >= p) & (j < p + L)
         kv_index = torch.where(j < p, pa[:, None] + j, torch.where(own, a[:, None] + j - p, 0))
-        qi, kj = i[:, :, None], j[:, None, :]  # [1, Lq, 1], [1, 1, Lk]
+        qi, kj = i[:, :, None], j[:, None, :]  # [n, Lq, 1], [1, 1, Lk]
         valid = q_valid[:, :, None]
         mask = valid & ((kj < p[:, :, None]) | (own[:, None, :] & (kj - p[:, :, None] <= qi)))
         if window is not None:  # key row j is at position j (prefix, then own rows), query row i at p + i
@@ -100,8 +116,8 @@ def plan_segments(cu_seqlens: Tensor, prefix_of: tuple[int, ...],
         order.append(q_index[q_valid])
         batches.append(_SegmentBatch(q_index.to(device), q_valid.to(device), kv_index.to(device),
                                      mask[:, None].to(device)))
-    inverse = torch.empty(int(cu[-1]), dtype=torch.long)
-    inverse[torch.cat(order)] = torch.arange(int(cu[-1]))
+    inverse = torch.empty(rows_q.numel(), dtype=torch.long)
+    inverse[torch.cat(order)] = torch.arange(rows_q.numel())
     return batches, inverse.to(device)
 
 
@@ -178,8 +194,15 @@ class PackedDotProductAttention(DotProductAttention):
     neither): the q/k and v head sizes when they differ; the output is ``heads/tp * v_channels`` wide.
     """
 
-    def __init__(self, *args, k_channels: Optional[int] = None, v_channels: Optional[int] = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, *args, k_channels: Optional[int] = None, v_channels: Optional[int] = None,
+                 **kwargs):
+        # megatron's DotProductAttention refuses context parallelism (only TransformerEngine's has it); this
+        # class has its own (packed micro-batches: hpcrl.train.context_parallel), so it is built from a copy
+        # of the config that says 1, then keeps the real one
+        one = copy.copy(config)
+        one.context_parallel_size = 1
+        super().__init__(one, *args, **kwargs)
+        self.config = config
         if v_channels is not None:
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
         if k_channels is not None:
@@ -196,6 +219,9 @@ class PackedDotProductAttention(DotProductAttention):
         prefix_of = getattr(packed_seq_params, "prefix_of", ())
         dropout_p = self.attention_dropout.p if self.training else 0.0
         window = self._window()
+        cp_rows = getattr(packed_seq_params, "cp_rows", None)
+        if cp_rows is not None:  # context parallelism: this rank's queries against the whole pack's keys
+            return self._context_parallel(query, key, value, packed_seq_params, prefix_of, dropout_p, window)
         if query.is_cuda and _has_flash_attn():
             out = _flash_varlen(query, key, value, packed_seq_params.cu_seqlens_q, prefix_of, self.softmax_scale,
                                 dropout_p, window)
@@ -209,6 +235,26 @@ class PackedDotProductAttention(DotProductAttention):
                                     self.softmax_scale, dropout_p, plan=plan, window=window)
         return out.reshape(out.shape[0], -1)
 
+
+    def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor, params: "SharedPrefixSeqParams",
+                          prefix_of: tuple[int, ...], dropout_p: float, window: Optional[int]) -> Tensor:
+        """THD attention of this CP rank's queries ``[T / CP, heads/tp, dim]``: keys and values of every rank
+        gathered into pack order (:func:`hpcrl.train.context_parallel.gather_rows`, their gradient summed
+        back over the ranks), the masks on global rows (:func:`plan_segments` with ``q_rows``). Returns
+        ``[T / CP, heads/tp * v_dim]``."""
+        from hpcrl.train.context_parallel import context_parallel, gather_rows
+
+        _, rank, group = context_parallel()
+        total = int(params.cu_seqlens_q[-1])
+        key = gather_rows(key, params.cp_rows, rank, total, group, reduce_grad=True)
+        value = gather_rows(value, params.cp_rows, rank, total, group, reduce_grad=True)
+        plan = params.plan
+        if plan is None or params.plan_window != window:
+            plan = plan_segments(params.cu_seqlens_q, prefix_of, window, q_rows=params.cp_rows[rank])
+            params.plan, params.plan_window = plan, window  # the next layers'
+        out = segment_attention(query, key, value, params.cu_seqlens_q, prefix_of, self.softmax_scale,
+                                dropout_p, plan=plan, window=window)
+        return out.reshape(out.shape[0], -1)
 
     def _window(self) -> Optional[int]:
         """This layer's sliding window in HF's terms (keys within ``window`` positions, itself included), from

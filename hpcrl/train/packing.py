@@ -326,34 +326,48 @@ def packed_response_log_probs(model: torch.nn.Module, pack: Pack, response_lengt
     positions; under sequence parallelism the rows are gathered first: :func:`hpcrl.train.logprobs.
     output_layer_rows`). The result's tensors are ``[b, R]`` float32, 0 beyond each response.
     ``vocab_size`` defaults to ``hf_config.vocab_size`` of a model built by :mod:`hpcrl.train.bridge` (padded
-    vocab columns get probability 0, as in :func:`~hpcrl.train.logprobs.response_log_probs`).
+    vocab columns get probability 0, as in :func:`~hpcrl.train.logprobs.response_log_probs`). Under context
+    parallelism the rank runs its rows of the pack and makes its share of the predictions; the result is the
+    whole micro-batch's on every CP rank (:mod:`hpcrl.train.context_parallel`).
     """
     from hpcrl.train.bridge import unwrap_model
     from hpcrl.train.deepseek_moe import padding_kwargs
     from hpcrl.train.logprobs import ResponseLogProbs, compute_entropy, compute_log_probs, output_layer_rows
     from hpcrl.train.model import StagedLoss
 
+    from hpcrl.train import context_parallel as cpar
+
     bare = unwrap_model(model)
     if vocab_size is None and getattr(bare, "hf_config", None) is not None:
         vocab_size = bare.hf_config.vocab_size
-    rows = pack.logit_rows
+    params = packed_seq_params(pack)
+    tokens, positions, valid = pack.tokens, pack.positions, (pack.sources[:, 0] >= 0).unsqueeze(0)
+    rows, labels = pack.logit_rows, pack.labels
+    cp, cp_rank, cp_group = cpar.context_parallel()
+    if cp > 1:  # this rank's rows of the pack, and the response predictions among them
+        params.cp_rows = cpar.all_rows(tokens.shape[1], cp, tokens.device)
+        mine = params.cp_rows[cp_rank]
+        tokens, positions, valid = tokens[:, mine], positions[mine], valid[:, mine]
+        rows, where = cpar.split_predictions(pack.logit_rows, params.cp_rows, cp_rank)
+        labels = pack.labels[where[cp_rank]]
     with output_layer_rows(getattr(bare, "output_layer", None), lambda hidden: hidden.index_select(0, rows)), \
             rotary_positions(bare, pack.positions):
-        output = model(input_ids=pack.tokens, position_ids=pack.positions.unsqueeze(0), attention_mask=None,
-                       packed_seq_params=packed_seq_params(pack),
-                       **padding_kwargs(model, (pack.sources[:, 0] >= 0).unsqueeze(0)))
+        output = model(input_ids=tokens, position_ids=positions.unsqueeze(0), attention_mask=None,
+                       packed_seq_params=params, **padding_kwargs(model, valid))
 
     def finish(logits: Tensor) -> ResponseLogProbs:
         width = int(response_lengths.max()) if response_lengths.numel() else 0
         mask = (torch.arange(width, device=rows.device).unsqueeze(0)
                 < response_lengths.to(rows.device).unsqueeze(1))
-        labels = pack.labels.unsqueeze(0)
-        flat_lp = compute_log_probs(logits, labels, temperature, vocab_size)[0]  # [K]
+        flat_lp = compute_log_probs(logits, labels.unsqueeze(0), temperature, vocab_size)[0]  # [K] or [K_rank]
+        flat_ent = compute_entropy(logits, temperature, vocab_size)[0] if with_entropy else None
+        if cp > 1:  # every rank's predictions, in the micro-batch's order
+            k = pack.logit_rows.numel()
+            flat_lp = cpar.gathered(flat_lp, where, cp_rank, k, cp_group)
+            flat_ent = cpar.gathered(flat_ent, where, cp_rank, k, cp_group)
         zeros = torch.zeros(mask.shape, dtype=flat_lp.dtype, device=flat_lp.device)
         log_probs = zeros.masked_scatter(mask, flat_lp)
-        entropy = None
-        if with_entropy:
-            entropy = zeros.masked_scatter(mask, compute_entropy(logits, temperature, vocab_size)[0])
+        entropy = zeros.masked_scatter(mask, flat_ent) if with_entropy else None
         return ResponseLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
 
     return StagedLoss(output, finish)

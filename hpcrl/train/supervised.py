@@ -82,6 +82,7 @@ class SupervisedTrainer(ModelOnRank):
         from hpcrl import sft_recipe as sft
         from hpcrl.train import model as tmodel
         from hpcrl.train.actor import build_steps
+        from hpcrl.train.context_parallel import loss_scale
         from hpcrl.train.forward import staged_log_probs
 
         t0 = time.perf_counter()
@@ -102,7 +103,7 @@ class SupervisedTrainer(ModelOnRank):
                 logp = staged.finish(output).log_probs
                 nll = -(logp * mb.mask).sum() / max(trained, 1.0)
                 local["loss"] = local["loss"] + nll.detach() if "loss" in local else nll.detach()
-                return nll * self.dp_size
+                return nll * loss_scale(self.dp_size)  # DDP averages over DP x CP ranks
 
             return tmodel.StagedLoss(staged.output, nll_of)
 

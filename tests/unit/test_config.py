@@ -228,8 +228,8 @@ BAD = [
      ["critic", "pipeline_parallel_size > 1"]),
     ("pipeline-parallel-replay", "model: {create: tiny-qwen3-moe}\ntrain: {pipeline_parallel_size: 2, nprocs: 2}\n"
      "algorithm: {routing_replay: true}\n", [], "algorithm.routing_replay", True, ["its own MoE layers"]),
-    ("context-parallel", M + "train: {context_parallel_size: 2, nprocs: 2}\n", [], "train.context_parallel_size", 2,
-     ["does not support context parallelism"]),
+    ("context-parallel-padded", M + "train: {context_parallel_size: 2, nprocs: 2}\n", [],
+     "train.context_parallel_size", 2, ["needs packed micro-batches", "train.max_tokens_per_microbatch"]),
     ("parallel-does-not-divide", M + "train: {tensor_parallel_size: 2, nprocs: 3}\n", [], "train.nprocs", 3,
      ["tensor x pipeline x context parallel size = 2"]),
     ("tensor-weights-disaggregated", M + "run: {placement: disaggregate}\nweights: {method: tensor}\n", [],

@@ -37,32 +37,46 @@ STEP, ADAM = {"train.lr": 1.0}, {"adam_eps": 1.0}
 """AdamW as the bridge tests run it (tests/unit/test_megatron_bridge.py ``TRAIN``): with eps 1 a step is the
 clipped gradient itself, so the weights after it compare the layouts' gradients; with eps 1e-8 Adam divides each
 coordinate by its gradient's size and a rounding difference in a near-zero gradient becomes a full step."""
+PP2, CP2, TP2, EP2 = ({f"train.{k}_parallel_size": 2} for k in ("pipeline", "context", "tensor", "expert"))
+REFERENCES = {"qwen2": ("qwen2", {}), "qwen2-packed": ("qwen2", PACKED), "glm4_moe": ("glm4_moe", {}),
+              "glm4_moe-packed": ("glm4_moe", PACKED), "deepseek_v3-packed": ("deepseek_v3", PACKED)}
+"""The world-size-1 runs (this process): name -> (family, config changes beyond :data:`test_actor_tp2.CHANGES`)."""
 LAYOUTS = {
-    "qwen2": ("qwen2", {}),
-    "qwen2-packed": ("qwen2", PACKED),
-    "qwen2-uneven": ("qwen2", {"megatron": {"num_layers_in_first_pipeline_stage": 1}}),
-    "glm4_moe": ("glm4_moe", {}),
+    "qwen2-pp2": ("qwen2", PP2),
+    "qwen2-pp2-packed": ("qwen2-packed", {**PP2, **PACKED}),
+    "qwen2-pp2-uneven": ("qwen2", {**PP2, "megatron": {"num_layers_in_first_pipeline_stage": 1}}),
+    "glm4_moe-pp2": ("glm4_moe", PP2),
+    "qwen2-cp2": ("qwen2-packed", {**CP2, **PACKED}),
+    "glm4_moe-cp2": ("glm4_moe-packed", {**CP2, **PACKED}),
+    "deepseek_v3-cp2": ("deepseek_v3-packed", {**CP2, **PACKED}),
 }
-"""name -> (family, config changes beyond :data:`test_actor_tp2.CHANGES`): the 2-rank job, PP=2."""
+"""The 2-rank job: name -> (its reference in :data:`REFERENCES`, config changes)."""
 LAYOUTS4 = {
-    "qwen2-tp2": ("qwen2", {"train.tensor_parallel_size": 2}),
-    "glm4_moe-ep2": ("glm4_moe", {"train.expert_parallel_size": 2}),
+    "qwen2-tp2-pp2": ("qwen2", {**TP2, **PP2}),
+    "glm4_moe-pp2-ep2": ("glm4_moe", {**PP2, **EP2}),
+    "qwen2-tp2-cp2": ("qwen2-packed", {**TP2, **CP2, **PACKED}),
 }
-"""The 4-rank job: TP=2 x PP=2 (sequence-parallel) and PP=2 x EP=2 (DP=2, experts dispatched all-to-all);
-each compared with its family's world-size-1 run of :data:`LAYOUTS`."""
+"""The 4-rank job: TP=2 x PP=2 (sequence-parallel), PP=2 x EP=2 (DP=2, experts dispatched all-to-all) and
+TP=2 x CP=2 (sequence-parallel inside each CP rank's part of the pack)."""
 
 
-def run_actor(model_dir, samples, pp: int, changes: dict) -> dict:
-    """Train :data:`ROLLOUTS` rollouts on ``samples`` at pipeline size ``pp`` (CI gates on); the rollouts'
-    metrics, the step metrics, and the HF export before and after."""
+def sizes(changes: dict) -> dict:
+    """``initialize_model_parallel``'s sizes of a layout's config changes."""
+    return {k: changes.get(f"train.{name}_parallel_size", 1)
+            for k, name in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))}
+
+
+def run_actor(model_dir, samples, changes: dict) -> dict:
+    """Train :data:`ROLLOUTS` rollouts on ``samples`` with ``changes`` (CI gates on; the parallel sizes
+    megatron's groups were made with); the rollouts' metrics, the step metrics, and the HF export before, after
+    the first optimizer step and at the end."""
     from hpcrl.train import bridge
     from hpcrl.train import model as tmodel
     from hpcrl.train.actor import Actor
 
     changes = dict(changes)
-    megatron = changes.pop("megatron", {}) if pp > 1 else {}  # stage sizes mean nothing in one stage
-    changes.pop("megatron", None)
-    cfg = _unit_helpers().make_config(**CHANGES, **STEP, **changes, **{"train.pipeline_parallel_size": pp})
+    megatron = changes.pop("megatron", {})
+    cfg = _unit_helpers().make_config(**CHANGES, **STEP, **changes)
     cfg.megatron = {**megatron, **ADAM}
     actor = Actor(cfg, model_dir, ci_checks=True)
     out: dict = {"first_stage": actor.model.pre_process, "last_stage": actor.model.post_process,
@@ -102,12 +116,12 @@ def worker(dirs: dict[str, str], out: Path) -> None:
     samples = [Sample.from_dict(d) for d in torch.load(dirs["samples"], weights_only=False)]
     env = parallel.init_distributed()
     res = {}
-    for name, (family, changes) in (LAYOUTS if env.world_size == 2 else LAYOUTS4).items():
-        parallel.initialize_model_parallel(tp=changes.get("train.tensor_parallel_size", 1), pp=2,
-                                           ep=changes.get("train.expert_parallel_size", 1))
+    for name, (ref, changes) in (LAYOUTS if env.world_size == 2 else LAYOUTS4).items():
+        parallel.initialize_model_parallel(**sizes(changes))
         parallel.model_parallel_cuda_manual_seed(1234)
-        res[name] = run_actor(dirs[family], samples, 2, changes)
+        res[name] = run_actor(dirs[REFERENCES[ref][0]], samples, changes)
         res[name]["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
+        res[name]["cp_rank"] = parallel_state.get_context_parallel_rank()
         parallel_state.destroy_model_parallel()
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
@@ -126,40 +140,41 @@ def h():
 
 @pytest.fixture(scope="module")
 def dirs(h, tiny_model_dir, tmp_path_factory):
-    from hpcrl.models.tiny import create_tiny_glm4_moe
+    from hpcrl.models.tiny import create_tiny_deepseek_v3, create_tiny_glm4_moe
 
-    root = tmp_path_factory.mktemp("pp2")
+    root = tmp_path_factory.mktemp("parallel")
     samples = h.make_samples(tiny_model_dir, num_groups=4, seed=0, correct_first=True)
     torch.save([s.to_dict() for s in samples], root / "samples.pt")
     return {"qwen2": str(tiny_model_dir), "glm4_moe": str(create_tiny_glm4_moe(root / "glm4_moe", seed=0)),
+            "deepseek_v3": str(create_tiny_deepseek_v3(root / "deepseek_v3", seed=0)),
             "samples": str(root / "samples.pt")}
 
 
 @pytest.fixture(scope="module")
 def ranks(dirs, tmp_path_factory):
     """Run the 2-rank torchrun job once; the per-rank results, rank 0 first."""
-    return run_two_ranks(__file__, dirs_args(dirs), tmp_path_factory.mktemp("pp2-out"))
+    return run_two_ranks(__file__, dirs_args(dirs), tmp_path_factory.mktemp("ranks2-out"))
 
 
 @pytest.fixture(scope="module")
 def ranks4(dirs, tmp_path_factory):
     """Run the 4-rank torchrun job once (:data:`LAYOUTS4`); the per-rank results, rank 0 first."""
-    return run_two_ranks(__file__, dirs_args(dirs), tmp_path_factory.mktemp("pp2x2-out"), nprocs=4)
+    return run_two_ranks(__file__, dirs_args(dirs), tmp_path_factory.mktemp("ranks4-out"), nprocs=4)
 
 
 @pytest.fixture(scope="module")
 def single(dirs):
-    """Every layout at world size 1, in this process."""
+    """Every reference (:data:`REFERENCES`) at world size 1, in this process."""
     from hpcrl.data.sample import Sample
     from hpcrl.train import parallel
 
     samples = [Sample.from_dict(d) for d in torch.load(dirs["samples"], weights_only=False)]
     parallel.init_distributed()
     res = {}
-    for name, (family, changes) in LAYOUTS.items():
+    for name, (family, changes) in REFERENCES.items():
         parallel.initialize_model_parallel()
         parallel.model_parallel_cuda_manual_seed(1234)
-        res[name] = run_actor(dirs[family], samples, 1, changes)
+        res[name] = run_actor(dirs[family], samples, changes)
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
@@ -178,27 +193,30 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_pp2_actor_equals_pp1(dirs, ranks, single, name):
-    assert [r[name]["pp_rank"] for r in ranks] == [0, 1]
-    assert_equals_pp1(dirs, ranks, single[name], name, LAYOUTS[name][0])
+def test_actor_on_2_ranks_equals_one_rank(dirs, ranks, single, name):
+    assert_equals_one_rank(dirs, ranks, single, name, LAYOUTS[name])
 
 
 @pytest.mark.parametrize("name", LAYOUTS4)
-def test_pp2_with_tp2_or_ep2_on_4_ranks_equals_pp1(dirs, ranks4, single, name):
-    assert [r[name]["pp_rank"] for r in ranks4] == [0, 0, 1, 1]  # megatron's order: pipeline outermost
-    family = LAYOUTS4[name][0]
-    assert_equals_pp1(dirs, ranks4, single[family], name, family)
+def test_actor_on_4_ranks_equals_one_rank(dirs, ranks4, single, name):
+    assert_equals_one_rank(dirs, ranks4, single, name, LAYOUTS4[name])
 
 
-def assert_equals_pp1(dirs: dict, ranks: list[dict], ref: dict, name: str, family: str) -> None:
-    """Every rank's run of layout ``name`` against the world-size-1 run ``ref`` (see the module doc)."""
+def assert_equals_one_rank(dirs: dict, ranks: list[dict], single: dict, name: str, layout: tuple) -> None:
+    """Every rank's run of layout ``name`` against its world-size-1 reference (see the module doc)."""
     from hpcrl.train import bridge
 
+    ref_name, changes = layout
+    ref, family, n = single[ref_name], REFERENCES[ref_name][0], len(ranks)
+    p = sizes(changes)
     stages = [r[name] for r in ranks]
+    # megatron's rank order tp-cp-ep-dp-pp: pipeline outermost, then the CP ranks outside TP
+    assert [s["pp_rank"] for s in stages] == [r * p["pp"] // n for r in range(n)]
+    assert [s["cp_rank"] for s in stages] == [r // p["tp"] % p["cp"] for r in range(n)]
     assert [(s["first_stage"], s["last_stage"]) for s in stages] == \
-        [(s["pp_rank"] == 0, s["pp_rank"] == 1) for s in stages]
-    uneven = name.endswith("uneven")
-    assert [s["layers"] for s in stages] == [((1, 3) if uneven else (2, 2))[s["pp_rank"]] for s in stages]
+        [(s["pp_rank"] == 0, s["pp_rank"] == p["pp"] - 1) for s in stages]
+    per_stage = (1, 3) if name.endswith("uneven") else (2, 2) if p["pp"] == 2 else (4,)
+    assert [s["layers"] for s in stages] == [per_stage[s["pp_rank"]] for s in stages]
     hf = bridge.read_hf_state_dict(dirs[family])
     for stage in stages:  # every stage yields the whole model, the HF folder's tensors bitwise
         assert stage["before"].keys() == ref["before"].keys()
