@@ -113,11 +113,16 @@ class TrainerMemory:
     critic: float = 0.0
     """Bytes of the critic (``advantage_estimator: gae``) on the GPU: its weights, gradients and Adam states,
     included in ``weights``, ``grads`` and ``adam`` (and its host Adam in ``adam_host``); 0 without one."""
+    activations: float = 0.0
+    """Activations held for backward on the GPU of the fullest pipeline stage (:func:`activation_bytes`); 0
+    where not estimated (padded micro-batches, or no ``config.json``)."""
+    stage: int = 0
+    """The pipeline stage the figures are of: the one with the most bytes (0 without pipelines)."""
 
     @property
     def total(self) -> float:
-        """Weights + gradients + Adam on the GPU."""
-        return self.weights + self.grads + self.adam
+        """Weights + gradients + Adam + activations on the GPU."""
+        return self.weights + self.grads + self.adam + self.activations
 
 
 @dataclass(frozen=True)
@@ -172,22 +177,25 @@ def critic_parameters(cfg: Config, p: ParamCount, env: Environment) -> ParamCoun
 
 
 def trainer_memory(cfg: Config, p: ParamCount, offload: Optional[bool] = None,
-                   critic: Optional[ParamCount] = None) -> TrainerMemory:
+                   critic: Optional[ParamCount] = None, hf: Optional[dict] = None) -> TrainerMemory:
     """The trainer's per-GPU memory for the parameters ``p`` under ``cfg``'s parallel sizes and precision.
 
     ``offload``: override ``megatron.optimizer_cpu_offload`` (with fraction 1.0 when forced on), for the
     what-if lines. The world is ``slurm.nodes x slurm.gpus_per_node`` on GPU nodes, else ``train.nprocs``.
     With ``algorithm.advantage_estimator: gae`` the critic (``critic``'s parameters, default ``p``, less the
     output layer; the actor's layout and precision) is added to every field but ``params`` and ``layout``
-    (``critic``: its GPU bytes).
+    (``critic``: its GPU bytes). ``hf``: the model's ``config.json``, for the pipeline stages' layers and the
+    activations (:func:`activation_bytes`; the critic's, which it trains after the actor's steps, are not
+    added); without it the layers are spread evenly and activations are not estimated.
     """
-    actor = _model_memory(cfg, p, offload)
+    actor = _model_memory(cfg, p, offload, hf=hf)
     if cfg.algorithm.advantage_estimator != "gae" or cfg.critic.nprocs > 0:  # (its own ranks: critic_memory)
         return actor
     c = _model_memory(cfg, replace(critic or p, output=0), offload)
     return TrainerMemory(params=actor.params, weights=actor.weights + c.weights, grads=actor.grads + c.grads,
                          adam=actor.adam + c.adam, adam_no_offload=actor.adam_no_offload + c.adam_no_offload,
-                         adam_host=actor.adam_host + c.adam_host, layout=actor.layout, critic=c.total)
+                         adam_host=actor.adam_host + c.adam_host, layout=actor.layout, critic=c.total,
+                         activations=actor.activations, stage=actor.stage)
 
 
 def critic_memory(cfg: Config, critic: ParamCount, offload: Optional[bool] = None) -> Optional[TrainerMemory]:
@@ -203,8 +211,62 @@ def critic_memory(cfg: Config, critic: ParamCount, offload: Optional[bool] = Non
                          world=g.nodes * g.gpus_per_node)
 
 
+def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None
+                       ) -> list[int]:
+    """Decoder layers of each of ``pp`` pipeline stages, as megatron-core splits them: ``first`` / ``last``
+    (``megatron.num_layers_in_first/last_pipeline_stage``, slime's ``--decoder-first/last-pipeline-num-layers``)
+    on the first / last stage and the rest evenly over the others (the remainder, if any, to the earliest)."""
+    if pp == 1:
+        return [num_layers]
+    counts = [0] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    free = [s for s in range(pp) if not ((s == 0 and first is not None) or (s == pp - 1 and last is not None))]
+    rest = max(num_layers - sum(counts), 0)
+    for k, s in enumerate(free):
+        counts[s] = rest // len(free) + (1 if k < rest % len(free) else 0)
+    return counts
+
+
+def activation_bytes(cfg: Config, hf: Optional[dict], layers: int, stage: int, tp: int) -> float:
+    """Activations one GPU of pipeline stage ``stage`` holds for backward (bytes), from the model's
+    ``config.json`` ``hf``, for packed micro-batches of ``train.max_tokens_per_microbatch`` tokens (0 for
+    padded ones, or without ``hf``).
+
+    Per layer and token of the micro-batch on this rank (``max_tokens / CP``): ``34 h`` bytes at 2-byte
+    activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+    ``sbh(34 + 5as/h)``, whose attention-score term a fused attention kernel does not store), divided by TP
+    (sequence parallelism splits all of them), doubled for fp32 training; with megatron's full recomputation
+    (``megatron.recompute_granularity: full``) only each layer's input (``2 h`` bytes, over TP) plus one layer's
+    whole set while it is recomputed. A MoE layer's experts hold ``top_k x moe_intermediate_size`` per token
+    where a dense MLP holds ``4h``-ish: the dense figure is used for every layer (GLM-4.5 and DeepSeek-V3's
+    experts hold less). Under 1F1B stage ``s`` of ``P`` keeps ``P - s`` micro-batches in flight. The last
+    stage also holds the fp32 logits of the response predictions and their gradient (at most every token:
+    ``8 x vocab / TP`` bytes a token)."""
+    t, meg = cfg.train, dict(cfg.megatron or {})
+    if hf is None or t.max_tokens_per_microbatch is None:
+        return 0.0
+    h = int(hf.get("hidden_size") or 0)
+    vocab = int(hf.get("vocab_size") or 0)
+    tokens = t.max_tokens_per_microbatch / t.context_parallel_size
+    a_bytes = 2 if meg.get("bf16", t.bf16) else 4
+    split = tp if sequence_parallel(t, tp) else 1
+    full = 17 * a_bytes * tokens * h / split
+    if meg.get("recompute_granularity") == "full":
+        per_stage = layers * a_bytes * tokens * h / split + full
+    else:
+        per_stage = layers * full
+    pp = t.pipeline_parallel_size
+    logits = 8 * tokens * vocab / tp if stage == pp - 1 else 0.0
+    return (pp - stage) * per_stage + logits
+
+
 def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optional[int] = None,
-                  world: Optional[int] = None) -> TrainerMemory:
+                  world: Optional[int] = None, hf: Optional[dict] = None) -> TrainerMemory:
+    """The trainer's memory on a GPU of its fullest pipeline stage (see the module doc and
+    :func:`activation_bytes`)."""
     t, meg = cfg.train, dict(cfg.megatron or {})
     tp, pp = tp or t.tensor_parallel_size, t.pipeline_parallel_size
     cp, ep, etp = t.context_parallel_size, t.expert_parallel_size, t.expert_tensor_parallel_size
@@ -214,21 +276,39 @@ def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optio
     w_bytes = 2 if bf16 else 4
     g_bytes = 4 if meg.get("grad_reduce_in_fp32", True) else w_bytes
     s_bytes = 12 if bf16 else 8
-    dense = (p.embedding + p.output + p.dense) / tp / pp + p.replicated / pp
-    expert = p.expert / (etp * ep) / pp
-    params = dense + expert
     distributed = bool(meg.get("use_distributed_optimizer", t.use_distributed_optimizer))
-    adam_full = s_bytes * (dense / dp + expert / edp) if distributed else s_bytes * params
     if offload is None:
         on = meg.get("optimizer_cpu_offload")
         fraction = float(meg.get("optimizer_offload_fraction", 0.0)) if on else 0.0
     else:
         fraction = 1.0 if offload else 0.0
-    host = fraction * adam_full * (s_bytes + 4) / s_bytes
-    return TrainerMemory(params=params, weights=w_bytes * params, grads=g_bytes * params,
-                         adam=adam_full * (1 - fraction), adam_no_offload=adam_full, adam_host=host,
-                         layout=f"tp{tp}{' sp' if sequence_parallel(t, tp) else ''} "
-                                f"pp{pp} cp{cp} ep{ep} etp{etp} dp{dp} edp{edp} over {world} GPUs")
+    num_layers = int((hf or {}).get("num_hidden_layers") or 0)
+    if pp > 1 and num_layers:  # each stage its layers; the embedding on the first, the head on the last
+        counts = stage_layer_counts(num_layers, pp, meg.get("num_layers_in_first_pipeline_stage"),
+                                    meg.get("num_layers_in_last_pipeline_stage"))
+        shares = [c / num_layers for c in counts]
+    else:
+        counts, shares = [num_layers] * pp, [1 / pp] * pp
+    best: Optional[TrainerMemory] = None
+    for stage, share in enumerate(shares):
+        head = p.output if p.output or pp == 1 else p.embedding  # a tied head: the last stage's copy
+        edges = (p.embedding if stage == 0 else 0) + (head if stage == pp - 1 else 0)
+        if not num_layers or pp == 1:
+            edges = (p.embedding + p.output) / pp  # (no layer count: everything evenly, as before)
+        dense = (edges + p.dense * share) / tp + p.replicated * share
+        expert = p.expert * share / (etp * ep)
+        params = dense + expert
+        adam_full = s_bytes * (dense / dp + expert / edp) if distributed else s_bytes * params
+        host = fraction * adam_full * (s_bytes + 4) / s_bytes
+        m = TrainerMemory(params=params, weights=w_bytes * params, grads=g_bytes * params,
+                          adam=adam_full * (1 - fraction), adam_no_offload=adam_full, adam_host=host,
+                          layout=f"tp{tp}{' sp' if sequence_parallel(t, tp) else ''} "
+                                 f"pp{pp} cp{cp} ep{ep} etp{etp} dp{dp} edp{edp} over {world} GPUs"
+                                 + (f", stage {stage} of {pp} ({counts[stage]} layers)" if pp > 1 else ""),
+                          activations=activation_bytes(cfg, hf, counts[stage], stage, tp), stage=stage)
+        if best is None or m.total > best.total:
+            best = m
+    return best
 
 
 def engine_args(cfg: Config) -> dict:
@@ -307,7 +387,7 @@ def check_engine_layout(cfg: Config, experts: Optional[int]) -> None:
 
 
 def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0,
-                 critic: Optional[ParamCount] = None) -> str:
+                 critic: Optional[ParamCount] = None, hf: Optional[dict] = None) -> str:
     """What would make the trainer fit: the CPU offload, the distributed optimizer, or more GPUs; for a MoE
     model (``experts`` routed experts per layer) more tensor parallelism (sequence-parallel, up to a node's
     GPUs) for the rest and more expert parallelism for the experts, or, where even TP at a node's GPUs and one
@@ -316,7 +396,7 @@ def _trainer_fix(cfg: Config, p: ParamCount, budget: float, experts: int = 0,
     fixes = []
     if not meg.get("use_distributed_optimizer", t.use_distributed_optimizer):
         fixes.append("set train.use_distributed_optimizer=true (Adam sharded over data parallel)")
-    offloaded = trainer_memory(cfg, p, offload=True, critic=critic)
+    offloaded = trainer_memory(cfg, p, offload=True, critic=critic, hf=hf)
     if not (meg.get("optimizer_cpu_offload") and float(meg.get("optimizer_offload_fraction", 0.0)) >= 1.0):
         fits = "fits" if offloaded.total <= budget else "still does not fit"
         fixes.append(f"set megatron.optimizer_cpu_offload=true and megatron.optimizer_offload_fraction=1.0 "
@@ -359,12 +439,13 @@ def check_memory(cfg: Config, check_files: bool, env: Optional[Environment] = No
     gpu = s.gpu_memory_gb * GB
     budget = gpu - RESERVED_GB * GB
     critic = critic_parameters(cfg, p, env)
-    tm = trainer_memory(cfg, p, critic=critic)
+    tm = trainer_memory(cfg, p, critic=critic, hf=hf)
     experts = env.routed_experts(hf) if p.expert else 0
+    acts = f", activations {_gb(tm.activations)}" if tm.activations else ""
     require(tm.total <= budget, "slurm.gpu_memory_gb", s.gpu_memory_gb,
             f"the trainer needs {_gb(tm.total)} per GPU at {tm.layout} (weights {_gb(tm.weights)}, gradients "
-            f"{_gb(tm.grads)}, Adam {_gb(tm.adam)}) plus {RESERVED_GB:g} GB reserved, more than the GPU has",
-            _trainer_fix(cfg, p, budget, experts, critic))
+            f"{_gb(tm.grads)}, Adam {_gb(tm.adam)}{acts}) plus {RESERVED_GB:g} GB reserved, more than the GPU "
+            "has", _trainer_fix(cfg, p, budget, experts, critic, hf))
     cm = critic_memory(cfg, critic)
     if cm is not None:
         critic_gb = cfg.slurm.critic.gpu_memory_gb or s.gpu_memory_gb
@@ -412,15 +493,19 @@ def memory_lines(cfg: Config, env: Environment) -> list[str]:
     gpu = s.gpu_memory_gb
     of = f" of {gpu:g} GB" if gpu is not None else " (set slurm.gpu_memory_gb to check it)"
     cp = critic_parameters(cfg, p, env)
-    tm = trainer_memory(cfg, p, critic=cp)
-    off, on = trainer_memory(cfg, p, offload=False, critic=cp), trainer_memory(cfg, p, offload=True, critic=cp)
+    tm = trainer_memory(cfg, p, critic=cp, hf=hf)
+    off = trainer_memory(cfg, p, offload=False, critic=cp, hf=hf)
+    on = trainer_memory(cfg, p, offload=True, critic=cp, hf=hf)
     meg = dict(cfg.megatron or {})
     dt = "bf16" if meg.get("bf16", cfg.train.bf16) else "fp32"
     gdt = "fp32" if meg.get("grad_reduce_in_fp32", True) else dt
+    recompute = " with full recompute" if meg.get("recompute_granularity") == "full" else ""
+    acts = (f" + activations {_gb(tm.activations)} ({cfg.train.max_tokens_per_microbatch} tokens a micro-batch"
+            f"{recompute})" if tm.activations else "")
     lines = [f"  memory:    {p.total / 1e9:.2f}B parameters ({p.expert / 1e9:.2f}B in routed experts), "
-             f"estimate per GPU (activations not included)",
+             "estimate per GPU" + ("" if tm.activations else " (activations not included: padded micro-batches)"),
              f"  trainer:   {tm.layout}, {tm.params / 1e9:.2f}B parameters per GPU: weights "
-             f"{_gb(tm.weights)} ({dt}) + gradients {_gb(tm.grads)} ({gdt}) + Adam {_gb(tm.adam)} = "
+             f"{_gb(tm.weights)} ({dt}) + gradients {_gb(tm.grads)} ({gdt}) + Adam {_gb(tm.adam)}{acts} = "
              f"{_gb(tm.total)}{of}"
              + (f" (the critic's {_gb(tm.critic)} included)" if tm.critic else "")
              + (f", {_gb(gpu * GB - RESERVED_GB * GB - tm.total)} left after {RESERVED_GB:g} GB reserved"

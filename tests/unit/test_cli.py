@@ -298,5 +298,5 @@ def test_validate_plan_estimates_a_layout_from_config_json_alone(name, capsys):
     assert cli.main([*args, "--plan"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"OK: {cluster / name}.yaml (plan: the model's weights not checked")
-    assert "  trainer:   tp" in out and " sp pp1 " in out and "parameters per GPU" in out
+    assert "  trainer:   tp" in out and " sp pp" in out and "parameters per GPU" in out
     assert "  engine:    " in out

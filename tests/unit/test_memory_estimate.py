@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from hpcrl.config import ConfigError, load_config
-from hpcrl.config.memory import GB, RESERVED_GB, check_memory, engine_memory, trainer_memory
+from hpcrl.config.memory import GB, RESERVED_GB, check_memory, engine_memory, read_model_config, trainer_memory
 from hpcrl.config.train import sequence_parallel
 from hpcrl.models.params import count_parameters
 from hpcrl.models.support import SUPPORTED_MODEL_TYPES
@@ -334,13 +334,13 @@ def test_cluster_config_fits_and_tiles_its_gpus(tmp_path, name):
     assert s.gpus_per_node % t.tensor_parallel_size == 0  # TP within a node (NVLink)
     assert t.expert_tensor_parallel_size == 1  # whole experts, as slime's scripts
     assert world % (t.expert_tensor_parallel_size * t.expert_parallel_size) == 0  # ETP x EP x EDP = world
-    assert t.pipeline_parallel_size == 1  # the trainer refuses pipeline parallelism
     engine_gpus = s.rollout.gpus_per_node if cfg.run.placement == "disaggregate" else s.gpus_per_node
     assert sg["tp_size"] == engine_gpus and sg["tp_size"] % sg["ep_size"] == 0
     if cfg.run.placement == "colocate":
         assert cfg.rollout.num_engines == s.nodes
     p = _count(CONFIGS[name][0])
-    m = trainer_memory(cfg, p)
+    m = trainer_memory(cfg, p, hf=read_model_config(cfg))
+    assert m.activations > 0  # packed micro-batches: their activations are in the estimate
     assert m.total + RESERVED_GB * GB <= s.gpu_memory_gb * GB
     e = engine_memory(cfg, p, s.gpu_memory_gb * GB)
     assert 0 < e.weights < e.pool
@@ -528,3 +528,44 @@ def test_validate_prints_estimate_and_refuses_in_one_line(tmp_path):
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("config error: slurm.gpu_memory_gb=80.0: the trainer needs")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pipeline stages, context parallelism and activations (issue #55 point 4)
+# ------------------------------------------------------------------------------------------------------------
+
+def test_stage_layer_counts_follow_megatrons_split():
+    from hpcrl.config.memory import stage_layer_counts
+
+    assert stage_layer_counts(92, 1) == [92]
+    assert stage_layer_counts(92, 4) == [23, 23, 23, 23]
+    assert stage_layer_counts(61, 4, first=16, last=15) == [16, 15, 15, 15]  # slime's DeepSeek-V3: 61 layers
+    assert stage_layer_counts(10, 3) == [4, 3, 3]
+
+
+def test_pipeline_stages_context_parallel_and_recompute_in_the_estimate(tmp_path):
+    """configs/cluster/glm-4.5.yaml at slime's TP8 PP4 CP2 EP16: the fullest stage is the estimate (the first: the
+    embedding and 4 micro-batches in flight under 1F1B); CP=2 halves the tokens a rank holds activations of;
+    full recompute keeps one layer input per layer."""
+    from hpcrl.config.memory import activation_bytes
+
+    def memory(*overrides):
+        cfg = _cfg(tmp_path, "glm-4.5", *overrides)
+        return cfg, trainer_memory(cfg, p, hf=read_model_config(cfg))
+
+    p = _count("glm-4.5")
+    cfg, m = memory()
+    hf = read_model_config(cfg)
+    assert (cfg.train.pipeline_parallel_size, cfg.train.context_parallel_size) == (4, 2)
+    assert m.stage == 0 and "stage 0 of 4 (23 layers)" in m.layout
+    _, flat = memory("train.pipeline_parallel_size=1")
+    assert flat.params > 3.5 * m.params  # a quarter of the layers (and the embedding) a stage
+    _, no_cp = memory("train.context_parallel_size=1")
+    assert m.activations == pytest.approx(no_cp.activations / 2)
+    # 1F1B: stage s of 4 keeps 4 - s micro-batches; the last stage adds the logits (8 bytes a token and vocab/TP)
+    tp, tokens = cfg.train.tensor_parallel_size, 16384 / 2
+    first, last = activation_bytes(cfg, hf, 23, 0, tp), activation_bytes(cfg, hf, 23, 3, tp)
+    assert last - 8 * tokens * hf["vocab_size"] / tp == pytest.approx(first / 4)
+    _, no_recompute = memory("megatron.recompute_granularity=null")
+    assert no_recompute.activations > 5 * m.activations
+    assert trainer_memory(cfg, p).activations == 0  # no config.json given: not estimated
