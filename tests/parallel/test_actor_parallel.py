@@ -39,7 +39,8 @@ clipped gradient itself, so the weights after it compare the layouts' gradients;
 coordinate by its gradient's size and a rounding difference in a near-zero gradient becomes a full step."""
 PP2, CP2, TP2, EP2 = ({f"train.{k}_parallel_size": 2} for k in ("pipeline", "context", "tensor", "expert"))
 REFERENCES = {"qwen2": ("qwen2", {}), "qwen2-packed": ("qwen2", PACKED), "glm4_moe": ("glm4_moe", {}),
-              "glm4_moe-packed": ("glm4_moe", PACKED), "deepseek_v3-packed": ("deepseek_v3", PACKED)}
+              "glm4_moe-packed": ("glm4_moe", PACKED), "deepseek_v3-packed": ("deepseek_v3", PACKED),
+              "mistral-packed": ("mistral", PACKED)}
 """The world-size-1 runs (this process): name -> (family, config changes beyond :data:`test_actor_tp2.CHANGES`)."""
 LAYOUTS = {
     "qwen2-pp2": ("qwen2", PP2),
@@ -49,12 +50,15 @@ LAYOUTS = {
     "qwen2-cp2": ("qwen2-packed", {**CP2, **PACKED}),
     "glm4_moe-cp2": ("glm4_moe-packed", {**CP2, **PACKED}),
     "deepseek_v3-cp2": ("deepseek_v3-packed", {**CP2, **PACKED}),
+    "mistral-cp2": ("mistral-packed", {**CP2, **PACKED}),
 }
 """The 2-rank job: name -> (its reference in :data:`REFERENCES`, config changes)."""
 LAYOUTS4 = {
     "qwen2-tp2-pp2": ("qwen2", {**TP2, **PP2}),
     "glm4_moe-pp2-ep2": ("glm4_moe", {**PP2, **EP2}),
     "qwen2-tp2-cp2": ("qwen2-packed", {**TP2, **CP2, **PACKED}),
+    "glm4_moe-tp2-cp2": ("glm4_moe-packed", {**TP2, **CP2, **PACKED}),
+    "deepseek_v3-tp2-cp2": ("deepseek_v3-packed", {**TP2, **CP2, **PACKED}),
 }
 """The 4-rank job: TP=2 x PP=2 (sequence-parallel), PP=2 x EP=2 (DP=2, experts dispatched all-to-all) and
 TP=2 x CP=2 (sequence-parallel inside each CP rank's part of the pack)."""
@@ -141,12 +145,14 @@ def h():
 @pytest.fixture(scope="module")
 def dirs(h, tiny_model_dir, tmp_path_factory):
     from hpcrl.models.tiny import create_tiny_deepseek_v3, create_tiny_glm4_moe
+    from tests.unit.test_mistral_bridge import make_tiny  # window 6: past it within the samples
 
     root = tmp_path_factory.mktemp("parallel")
     samples = h.make_samples(tiny_model_dir, num_groups=4, seed=0, correct_first=True)
     torch.save([s.to_dict() for s in samples], root / "samples.pt")
     return {"qwen2": str(tiny_model_dir), "glm4_moe": str(create_tiny_glm4_moe(root / "glm4_moe", seed=0)),
             "deepseek_v3": str(create_tiny_deepseek_v3(root / "deepseek_v3", seed=0)),
+            "mistral": str(make_tiny("mistral", root / "mistral")),
             "samples": str(root / "samples.pt")}
 
 
@@ -215,7 +221,8 @@ def assert_equals_one_rank(dirs: dict, ranks: list[dict], single: dict, name: st
     assert [s["cp_rank"] for s in stages] == [r // p["tp"] % p["cp"] for r in range(n)]
     assert [(s["first_stage"], s["last_stage"]) for s in stages] == \
         [(s["pp_rank"] == 0, s["pp_rank"] == p["pp"] - 1) for s in stages]
-    per_stage = (1, 3) if name.endswith("uneven") else (2, 2) if p["pp"] == 2 else (4,)
+    total = ref["layers"]
+    per_stage = (1, total - 1) if name.endswith("uneven") else (total // 2,) * 2 if p["pp"] == 2 else (total,)
     assert [s["layers"] for s in stages] == [per_stage[s["pp_rank"]] for s in stages]
     hf = bridge.read_hf_state_dict(dirs[family])
     for stage in stages:  # every stage yields the whole model, the HF folder's tensors bitwise
