@@ -269,9 +269,6 @@ def check_train(cfg: Config) -> None:
             require(a.advantage_estimator != "gae", "algorithm.advantage_estimator", a.advantage_estimator,
                     f"(PPO's critic) is not yet supported with {field} > 1",
                     f"use a critic-free estimator (grpo, ...) or {field}=1")
-            require(not a.routing_replay, "algorithm.routing_replay", a.routing_replay,
-                    f"is not yet supported with {field} > 1 (each stage or CP rank replays only its own MoE "
-                    "layers or tokens)", f"set algorithm.routing_replay=false or {field}=1")
     if t.lr_decay_steps is not None:
         positive(cfg, "train.lr_decay_steps")
     decay_steps = (t.lr_decay_steps if t.lr_decay_steps is not None

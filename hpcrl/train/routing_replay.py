@@ -97,19 +97,16 @@ def sequence_shard(indices: Tensor, rank: int, size: int) -> Tensor:
 def replaying(indices: Optional[Tensor], config=None) -> Iterator[None]:
     """Within the block, every MoE router of the model (built with ``moe_enable_routing_replay``) routes the
     forward's tokens to ``indices`` int64 ``[tokens, layers, top_k]`` (layer order of the model). None: nothing
-    replayed. ``config``: the model's ``TransformerConfig``; with its ``sequence_parallel`` each rank replays
-    its own block of the tokens (:func:`sequence_shard`). Raises ValueError when the model has another number
-    of MoE layers."""
+    replayed. ``config``: the model's ``TransformerConfig``; each rank then replays its own part
+    (:func:`local_indices`: its pipeline stage's MoE layers, its context-parallel rows of a pack, its
+    sequence-parallel block). Raises ValueError when the model has another number of MoE layers."""
     if indices is None:
         yield
         return
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    if config is not None and getattr(config, "sequence_parallel", False):
-        from megatron.core import parallel_state
-
-        indices = sequence_shard(indices, parallel_state.get_tensor_model_parallel_rank(),
-                                 parallel_state.get_tensor_model_parallel_world_size())
+    if config is not None:
+        indices = local_indices(indices, config)
 
     RouterReplay.set_replay_data([indices[:, layer].contiguous() for layer in range(indices.shape[1])])
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -118,6 +115,44 @@ def replaying(indices: Optional[Tensor], config=None) -> Iterator[None]:
     finally:
         RouterReplay.clear_global_router_replay_action()
         RouterReplay.clear_global_indices()
+
+
+def stage_moe_layers(config) -> list[int]:
+    """The indices, on the routed experts' ``layers`` axis (every MoE layer of the model in order), of this
+    pipeline stage's MoE layers (:func:`hpcrl.train.bridge.stage_layers`); all of them without pipelines."""
+    from hpcrl.train.bridge import stage_layers
+
+    freq = config.moe_layer_freq
+    moe = ([bool(f) for f in freq] if isinstance(freq, list)
+           else [i % int(freq) == 0 for i in range(config.num_layers)])
+    first, count = stage_layers(config)
+    index, out = 0, []
+    for layer, is_moe in enumerate(moe):
+        if is_moe:
+            if first <= layer < first + count:
+                out.append(index)
+            index += 1
+    return out
+
+
+def local_indices(indices: Tensor, config) -> Tensor:
+    """The part of a micro-batch's replay tensor ``[tokens, layers, top_k]`` this rank's routers route: the
+    MoE layers of its pipeline stage (:func:`stage_moe_layers`), the pack rows of its context-parallel rank
+    (:func:`hpcrl.train.context_parallel.local_rows`, the pack's tokens in order), then its sequence-parallel
+    block (:func:`sequence_shard`). Everything without those parallelisms."""
+    from megatron.core import parallel_state
+
+    if config.pipeline_model_parallel_size > 1:
+        indices = indices[:, stage_moe_layers(config)]
+    cp = config.context_parallel_size
+    if cp > 1:
+        from hpcrl.train.context_parallel import local_rows
+
+        indices = indices[local_rows(indices.shape[0], cp, parallel_state.get_context_parallel_rank())]
+    if getattr(config, "sequence_parallel", False):
+        indices = sequence_shard(indices, parallel_state.get_tensor_model_parallel_rank(),
+                                 parallel_state.get_tensor_model_parallel_world_size())
+    return indices
 
 
 def reset() -> None:

@@ -37,10 +37,14 @@ STEP, ADAM = {"train.lr": 1.0}, {"adam_eps": 1.0}
 """AdamW as the bridge tests run it (tests/unit/test_megatron_bridge.py ``TRAIN``): with eps 1 a step is the
 clipped gradient itself, so the weights after it compare the layouts' gradients; with eps 1e-8 Adam divides each
 coordinate by its gradient's size and a rounding difference in a near-zero gradient becomes a full step."""
+REPLAY = {"algorithm.routing_replay": True}
+"""Routing replay of the samples' (random) routed experts: a wrong slice of them per stage or CP rank routes
+tokens elsewhere than the one-rank run."""
 PP2, CP2, TP2, EP2 = ({f"train.{k}_parallel_size": 2} for k in ("pipeline", "context", "tensor", "expert"))
 REFERENCES = {"qwen2": ("qwen2", {}), "qwen2-packed": ("qwen2", PACKED), "glm4_moe": ("glm4_moe", {}),
               "glm4_moe-packed": ("glm4_moe", PACKED), "deepseek_v3-packed": ("deepseek_v3", PACKED),
-              "mistral-packed": ("mistral", PACKED)}
+              "mistral-packed": ("mistral", PACKED), "glm4_moe-replay": ("glm4_moe", REPLAY),
+              "glm4_moe-packed-replay": ("glm4_moe", {**PACKED, **REPLAY})}
 """The world-size-1 runs (this process): name -> (family, config changes beyond :data:`test_actor_tp2.CHANGES`)."""
 LAYOUTS = {
     "qwen2-pp2": ("qwen2", PP2),
@@ -51,6 +55,8 @@ LAYOUTS = {
     "glm4_moe-cp2": ("glm4_moe-packed", {**CP2, **PACKED}),
     "deepseek_v3-cp2": ("deepseek_v3-packed", {**CP2, **PACKED}),
     "mistral-cp2": ("mistral-packed", {**CP2, **PACKED}),
+    "glm4_moe-pp2-replay": ("glm4_moe-replay", {**PP2, **REPLAY}),
+    "glm4_moe-cp2-replay": ("glm4_moe-packed-replay", {**CP2, **PACKED, **REPLAY}),
 }
 """The 2-rank job: name -> (its reference in :data:`REFERENCES`, config changes)."""
 LAYOUTS4 = {
@@ -117,13 +123,15 @@ def worker(dirs: dict[str, str], out: Path) -> None:
     from hpcrl.data.sample import Sample
     from hpcrl.train import parallel
 
-    samples = [Sample.from_dict(d) for d in torch.load(dirs["samples"], weights_only=False)]
+    samples = {replay: [Sample.from_dict(d) for d in torch.load(dirs[key], weights_only=False)]
+               for replay, key in ((False, "samples"), (True, "samples_replay"))}
     env = parallel.init_distributed()
     res = {}
     for name, (ref, changes) in (LAYOUTS if env.world_size == 2 else LAYOUTS4).items():
         parallel.initialize_model_parallel(**sizes(changes))
         parallel.model_parallel_cuda_manual_seed(1234)
-        res[name] = run_actor(dirs[REFERENCES[ref][0]], samples, changes)
+        res[name] = run_actor(dirs[REFERENCES[ref][0]], samples[bool(changes.get("algorithm.routing_replay"))],
+                              changes)
         res[name]["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
         res[name]["cp_rank"] = parallel_state.get_context_parallel_rank()
         parallel_state.destroy_model_parallel()
@@ -150,10 +158,29 @@ def dirs(h, tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel")
     samples = h.make_samples(tiny_model_dir, num_groups=4, seed=0, correct_first=True)
     torch.save([s.to_dict() for s in samples], root / "samples.pt")
-    return {"qwen2": str(tiny_model_dir), "glm4_moe": str(create_tiny_glm4_moe(root / "glm4_moe", seed=0)),
+    glm = create_tiny_glm4_moe(root / "glm4_moe", seed=0)
+    torch.save([with_random_routing(s, glm, seed=i).to_dict() for i, s in enumerate(samples)],
+               root / "samples_replay.pt")
+    return {"qwen2": str(tiny_model_dir), "glm4_moe": str(glm), "samples_replay": str(root / "samples_replay.pt"),
             "deepseek_v3": str(create_tiny_deepseek_v3(root / "deepseek_v3", seed=0)),
             "mistral": str(make_tiny("mistral", root / "mistral")),
             "samples": str(root / "samples.pt")}
+
+
+def with_random_routing(sample, model_dir: Path, seed: int):
+    """``sample`` with engine-style routed experts (:func:`hpcrl.engine.routing.encode`) drawn at random: top-k
+    distinct experts of every MoE layer for every token but the last."""
+    import dataclasses
+    import json
+
+    from hpcrl.engine.routing import encode
+
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    layers = hf["num_hidden_layers"] - hf.get("first_k_dense_replace", 0)
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.stack([torch.randperm(hf["n_routed_experts"], generator=g)[: hf["num_experts_per_tok"]]
+                         for _ in range(layers)]).to(torch.int32) for _ in range(len(sample.tokens) - 1)]
+    return dataclasses.replace(sample, rollout_routed_experts=encode(rows, len(rows)))
 
 
 @pytest.fixture(scope="module")
@@ -174,13 +201,14 @@ def single(dirs):
     from hpcrl.data.sample import Sample
     from hpcrl.train import parallel
 
-    samples = [Sample.from_dict(d) for d in torch.load(dirs["samples"], weights_only=False)]
+    samples = {replay: [Sample.from_dict(d) for d in torch.load(dirs[key], weights_only=False)]
+               for replay, key in ((False, "samples"), (True, "samples_replay"))}
     parallel.init_distributed()
     res = {}
     for name, (family, changes) in REFERENCES.items():
         parallel.initialize_model_parallel()
         parallel.model_parallel_cuda_manual_seed(1234)
-        res[name] = run_actor(dirs[family], samples, changes)
+        res[name] = run_actor(dirs[family], samples[bool(changes.get("algorithm.routing_replay"))], changes)
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()

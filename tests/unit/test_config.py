@@ -226,8 +226,6 @@ BAD = [
     ("pipeline-parallel-critic", M + "train: {pipeline_parallel_size: 2, nprocs: 2}\n"
      "algorithm: {advantage_estimator: gae}\n", [], "algorithm.advantage_estimator", "gae",
      ["critic", "pipeline_parallel_size > 1"]),
-    ("pipeline-parallel-replay", "model: {create: tiny-qwen3-moe}\ntrain: {pipeline_parallel_size: 2, nprocs: 2}\n"
-     "algorithm: {routing_replay: true}\n", [], "algorithm.routing_replay", True, ["its own MoE layers"]),
     ("context-parallel-padded", M + "train: {context_parallel_size: 2, nprocs: 2}\n", [],
      "train.context_parallel_size", 2, ["needs packed micro-batches", "train.max_tokens_per_microbatch"]),
     ("parallel-does-not-divide", M + "train: {tensor_parallel_size: 2, nprocs: 3}\n", [], "train.nprocs", 3,
