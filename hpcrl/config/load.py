@@ -21,7 +21,8 @@ from hpcrl.config.checks import non_negative, positive, require
 from hpcrl.config.run import check_data, check_model, check_run, check_sft
 from hpcrl.config.rollout import check_rollout
 from hpcrl.config.critic import check_critic, check_critic_model
-from hpcrl.config.train import check_algorithm, check_checkpoint, check_heads, check_moe, check_train
+from hpcrl.config.train import (check_algorithm, check_checkpoint, check_heads, check_moe, check_stages,
+                                check_train)
 from hpcrl.config.weights import check_sglang_fp8, check_weights
 from hpcrl.config.slurm import check_slurm
 from hpcrl.config.memory import check_memory, read_model_config
@@ -224,6 +225,7 @@ def validate(cfg: Config, check_files: bool = True, env: Optional[Environment] =
     check_sft(cfg, check_files)
     check_train(cfg)
     check_heads(cfg, check_files)
+    check_stages(cfg, check_files)
     check_moe(cfg, check_files, env)
     check_algorithm(cfg, check_files, env)
     check_critic(cfg)

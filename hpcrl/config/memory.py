@@ -17,7 +17,8 @@ per parameter a GPU holds:
   even with the distributed optimizer (it reduce-scatters into it);
 * Adam: with bf16 weights megatron keeps an fp32 main copy plus fp32 ``exp_avg`` and ``exp_avg_sq`` = 12
   bytes; with fp32 weights the weights are the main copy = 8 bytes. ``train.use_distributed_optimizer`` shards
-  these over data parallel (ZeRO-1): dense parameters over ``DP = world / (TP x PP x CP)``, expert parameters
+  these over data parallel (ZeRO-1): dense parameters over ``DP x CP`` (``DP = world / (TP x PP x CP)``;
+  megatron's data-parallel group with context parallelism), expert parameters
   over the expert-data-parallel group ``EDP = world / (ETP x EP x PP)`` (``train.expert_tensor_parallel_size``,
   1 by default as in slime's scripts: each routed expert whole on its rank, attention and dense layers split by
   TP with sequence parallelism). ``megatron.optimizer_cpu_offload: true`` with
@@ -298,7 +299,9 @@ def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optio
         dense = (edges + p.dense * share) / tp + p.replicated * share
         expert = p.expert * share / (etp * ep)
         params = dense + expert
-        adam_full = s_bytes * (dense / dp + expert / edp) if distributed else s_bytes * params
+        # megatron's distributed optimizer shards dense states over DP x CP (its data-parallel group with context
+        # parallelism), expert states over the expert-data-parallel group
+        adam_full = s_bytes * (dense / (dp * cp) + expert / edp) if distributed else s_bytes * params
         host = fraction * adam_full * (s_bytes + 4) / s_bytes
         m = TrainerMemory(params=params, weights=w_bytes * params, grads=g_bytes * params,
                           adam=adam_full * (1 - fraction), adam_no_offload=adam_full, adam_host=host,

@@ -363,6 +363,32 @@ def check_heads(cfg: Config, check_files: bool) -> None:
                 f"use a tensor_parallel_size that divides {n}")
 
 
+def check_stages(cfg: Config, check_files: bool) -> None:
+    """Under pipeline parallelism the model's decoder layers split over the stages as megatron-core splits
+    them: ``megatron.num_layers_in_first/last_pipeline_stage`` (slime's ``--decoder-first/last-pipeline-num-
+    layers``) where set, and the rest evenly over the other stages (megatron refuses a remainder), read from
+    ``config.json`` or, before the folder exists, ``model.tiny_num_layers``."""
+    pp = cfg.train.pipeline_parallel_size
+    if pp <= 1:
+        return
+    hf = model_config_json(cfg, check_files)
+    if hf is None and cfg.model.create and cfg.model.create.startswith("tiny-"):
+        hf = {"num_hidden_layers": cfg.model.tiny_num_layers}
+    layers = int((hf or {}).get("num_hidden_layers") or 0)
+    if not layers:
+        return
+    meg = cfg.megatron or {}
+    fixed = [meg.get(k) for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")]
+    rest, free = layers - sum(f or 0 for f in fixed), pp - sum(f is not None for f in fixed)
+    ok = rest >= free > 0 and rest % free == 0 if free else rest == 0
+    require(ok, "train.pipeline_parallel_size", pp,
+            f"does not split the model's num_hidden_layers={layers} into stages (megatron gives each stage an "
+            f"equal share after megatron.num_layers_in_first/last_pipeline_stage={fixed[0]}/{fixed[1]}: {rest} "
+            f"layers over {free} stage(s))",
+            "pick a pipeline_parallel_size that divides the layers, or set megatron.num_layers_in_first_"
+            "pipeline_stage / num_layers_in_last_pipeline_stage so that the rest divides")
+
+
 def model_experts(cfg: Config, check_files: bool, env: Optional[Environment] = None
                   ) -> Optional[tuple[int, int]]:
     """``(routed experts per layer, experts per token)`` of the policy model, ``(0, 0)`` for a dense one, or

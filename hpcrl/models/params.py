@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 COUNTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "glm4_moe",
-                       "deepseek_v3")
+                       "deepseek_v3", "glm4_moe_lite")
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
+"""Families with multi-latent attention (and DeepSeek-style MoE layers: shared experts, first-k dense)."""
 """HF ``model_type`` values :func:`count_parameters` knows."""
 
 
@@ -96,7 +98,7 @@ def _mlp(hf: Mapping[str, Any], h: int, inter: int) -> int:
 
 def _moe_layer(hf: Mapping[str, Any], model_type: str, i: int) -> bool:
     """Whether decoder layer ``i`` has routed experts (each family's rule in its HF decoder layer)."""
-    if model_type in ("glm4_moe", "deepseek_v3"):
+    if model_type in ("glm4_moe", *MLA_MODEL_TYPES):
         return i >= int(_get(hf, "first_k_dense_replace", 0))
     if model_type == "qwen3_moe":
         step = int(_get(hf, "decoder_sparse_step", 1))
@@ -116,17 +118,17 @@ def count_parameters(hf: Mapping[str, Any]) -> ParamCount:
                          f"(known: {', '.join(COUNTED_MODEL_TYPES)})")
     h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
     tied = bool(hf.get("tie_word_embeddings", False))
-    if model_type == "deepseek_v3":
+    if model_type in MLA_MODEL_TYPES:
         attn_dense, attn_repl = _attention_mla(hf)
     else:
         attn_dense, attn_repl = _attention_gqa(hf, model_type)
     # the expert count under its family's name, or transformers 5's num_local_experts (Qwen3-MoE, Mixtral)
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
-    if model_type not in ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"):
+    if model_type not in ("qwen3_moe", "mixtral", "glm4_moe", *MLA_MODEL_TYPES):
         experts = 0
     inter_key = "intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"
     expert_inter = int(hf.get(inter_key) or 0)
-    shared = int(_get(hf, "n_shared_experts", 0)) if model_type in ("glm4_moe", "deepseek_v3") else 0
+    shared = int(_get(hf, "n_shared_experts", 0)) if model_type in ("glm4_moe", *MLA_MODEL_TYPES) else 0
     dense = replicated = expert = 0
     for i in range(layers):
         dense += attn_dense
@@ -149,7 +151,7 @@ def kv_cache_elements_per_token(hf: Mapping[str, Any], attn_tp: int = 1) -> int:
     DeepSeek-V3's multi-latent attention (the latent is cached whole on every rank). Raises KeyError for
     missing fields."""
     layers = int(hf["num_hidden_layers"])
-    if hf.get("model_type") == "deepseek_v3":
+    if hf.get("model_type") in MLA_MODEL_TYPES:
         return layers * (int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"]))
     heads = int(hf["num_attention_heads"])
     kv = int(_get(hf, "num_key_value_heads", heads))

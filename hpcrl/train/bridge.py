@@ -73,7 +73,7 @@ from typing import Any, Optional, Union
 import torch
 
 from hpcrl.models.moe import RenamedWeights, from_mixtral_name, to_mixtral_name, unfuse_experts
-from hpcrl.train import mla
+from hpcrl.train import mla, parallel
 from hpcrl.models.support import SUPPORTED_MODEL_TYPES, weight_files  # the login node's, the same
 from hpcrl.train.hf_config import (  # noqa: F401 (re-exported: callers know them as bridge.*)
     check_supported, head_dim, mcore_config_from_hf, moe_kwargs, num_experts, padded_vocab_size, rope_scaling,
@@ -144,8 +144,9 @@ def build_gpt_model(hf_config: Any, tp: Optional[int] = None, dtype: torch.dtype
     ``tp`` defaults to its tensor-parallel size. The vocab is padded (:func:`padded_vocab_size`); the HF config
     is kept as ``model.hf_config``. ``overrides`` go to :func:`mcore_config_from_hf`. Load weights with
     :func:`load_hf_weights`. Under pipeline parallelism the model is this stage's: its share of the layers
-    (:func:`stage_layers`), the embedding on the first stage, the final norm and output layer on the last (a
-    tied model's last stage holds a copy of the embedding that megatron keeps equal to the first's).
+    (:func:`hpcrl.train.parallel.stage_layers`), the embedding on the first stage, the final norm and output
+    layer on the last (a tied model's last stage holds a copy of the embedding that megatron keeps equal to the
+    first's).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -234,22 +235,9 @@ def _decoder_spec(config: Any) -> Any:
         block = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelNorm)
     # this pipeline stage's layers (megatron's get_gpt_decoder_block_spec slices the same way; the block
     # numbers them from the stage's offset)
-    first, count = stage_layers(config)
+    first, count = parallel.stage_layers(config)
     return TransformerBlockSubmodules(layer_specs=block.layer_specs[first:first + count],
                                       layer_norm=block.layer_norm)
-
-
-def stage_layers(config: Any) -> tuple[int, int]:
-    """``(first, count)``: the global index of this pipeline stage's first decoder layer and how many it holds
-    (megatron-core's ``get_transformer_layer_offset`` / ``get_num_layers_to_build``: layers split evenly, or
-    ``num_layers_in_first/last_pipeline_stage`` first, slime's ``--decoder-first/last-pipeline-num-layers``).
-    ``(0, num_layers)`` without pipeline parallelism."""
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    if config.pipeline_model_parallel_size == 1:
-        return 0, config.num_layers
-    return get_transformer_layer_offset(config), get_num_layers_to_build(config)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -311,8 +299,8 @@ def _geometry(model: torch.nn.Module) -> _Geometry:
         etp=parallel_state.get_expert_tensor_parallel_world_size() if experts else 1,
         etp_rank=parallel_state.get_expert_tensor_parallel_rank() if experts else 0,
         mla=bool(getattr(cfg, "multi_latent_attention", False)),
-        layer_offset=stage_layers(cfg)[0],
-        layer_count=stage_layers(cfg)[1] if cfg.pipeline_model_parallel_size > 1 else None,
+        layer_offset=parallel.stage_layers(cfg)[0],
+        layer_count=parallel.stage_layers(cfg)[1] if cfg.pipeline_model_parallel_size > 1 else None,
         first_stage=model.pre_process,
         last_stage=model.post_process,
         tied_head=bool(model.share_embeddings_and_output_weights and model.post_process and not model.pre_process),

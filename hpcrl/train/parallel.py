@@ -282,6 +282,19 @@ def sum_over_ranks(values: dict[str, Any], device: torch.device, group: Any = No
     return dict(zip(keys, t.tolist(), strict=True))
 
 
+def stage_layers(config: Any) -> tuple[int, int]:
+    """``(first, count)``: the global index of this pipeline stage's first decoder layer and how many it holds
+    (megatron-core's ``get_transformer_layer_offset`` / ``get_num_layers_to_build``: layers split evenly, or
+    ``num_layers_in_first/last_pipeline_stage`` first, slime's ``--decoder-first/last-pipeline-num-layers``).
+    ``(0, num_layers)`` without pipeline parallelism."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if config.pipeline_model_parallel_size == 1:
+        return 0, config.num_layers
+    return get_transformer_layer_offset(config), get_num_layers_to_build(config)
+
+
 def from_last_stage(obj: Any) -> Any:
     """``obj`` of the last pipeline stage, on every stage of this rank's pipeline group (a picklable object:
     the losses, metrics and log-probs that only the last stage computes; ``broadcast_object_list``). ``obj``

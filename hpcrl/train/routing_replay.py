@@ -119,8 +119,8 @@ def replaying(indices: Optional[Tensor], config=None) -> Iterator[None]:
 
 def stage_moe_layers(config) -> list[int]:
     """The indices, on the routed experts' ``layers`` axis (every MoE layer of the model in order), of this
-    pipeline stage's MoE layers (:func:`hpcrl.train.bridge.stage_layers`); all of them without pipelines."""
-    from hpcrl.train.bridge import stage_layers
+    pipeline stage's MoE layers (:func:`hpcrl.train.parallel.stage_layers`); all of them without pipelines."""
+    from hpcrl.train.parallel import stage_layers
 
     freq = config.moe_layer_freq
     moe = ([bool(f) for f in freq] if isinstance(freq, list)

@@ -226,6 +226,9 @@ BAD = [
     ("pipeline-parallel-critic", M + "train: {pipeline_parallel_size: 2, nprocs: 2}\n"
      "algorithm: {advantage_estimator: gae}\n", [], "algorithm.advantage_estimator", "gae",
      ["critic", "pipeline_parallel_size > 1"]),
+    ("pipeline-stages-uneven", M + "train: {pipeline_parallel_size: 3, nprocs: 3}\n", [],
+     "train.pipeline_parallel_size", 3, ["num_hidden_layers=4", "4 layers over 3 stage(s)",
+                                         "num_layers_in_first_pipeline_stage"]),
     ("context-parallel-padded", M + "train: {context_parallel_size: 2, nprocs: 2}\n", [],
      "train.context_parallel_size", 2, ["needs packed micro-batches", "train.max_tokens_per_microbatch"]),
     ("parallel-does-not-divide", M + "train: {tensor_parallel_size: 2, nprocs: 3}\n", [], "train.nprocs", 3,

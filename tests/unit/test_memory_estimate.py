@@ -52,6 +52,10 @@ CONFIGS = {  # cluster config -> (model folder, model_type)
     "glm-4.5": ("glm-4.5", "glm4_moe"),
     "deepseek-v3": ("deepseek-v3", "deepseek_v3"),
     "deepseek-v3-disaggregate": ("deepseek-v3", "deepseek_v3"),
+    "glm-4.5-disaggregate": ("glm-4.5", "glm4_moe"),
+    "qwen3-235b-a22b": ("qwen3-235b-a22b", "qwen3_moe"),
+    "kimi-k2": ("kimi-k2", "deepseek_v3"),
+    "glm-4.7-flash": ("glm-4.7-flash", "glm4_moe_lite"),
 }
 
 
@@ -104,6 +108,10 @@ TINY = {  # hidden 32-64, 2-3 layers, a few experts; the options each family's c
                                   first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
                                   qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
                                   num_experts_per_tok=2, attention_bias=True, n_group=1, topk_group=1),
+    "glm4_moe_lite": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                          intermediate_size=128, vocab_size=100, n_routed_experts=4, n_shared_experts=1,
+                          moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+                          qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, num_experts_per_tok=2),
 }
 
 
@@ -125,11 +133,12 @@ def test_tiny_count_equals_transformers(name):
     count = count_parameters(config.to_dict())
     assert count.total == meta_count(config)
     assert (count.expert > 0) == (name in ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
-                                           "deepseek_v3_no_q_lora"))
+                                           "deepseek_v3_no_q_lora", "glm4_moe_lite"))
     assert count.output == (0 if TINY[name].get("tie_word_embeddings") else count.embedding)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air", "glm-4.5", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air", "glm-4.5", "deepseek-v3", "qwen3-235b-a22b",
+                                  "kimi-k2", "glm-4.7-flash"])
 def test_published_count_equals_transformers(name):
     """The published config.json as the hub has it (top-level ``partial_rotary_factor``, ``rope_scaling``,
     DeepSeek's fp8 ``quantization_config``, which transformers would act on and the count ignores)."""
@@ -342,7 +351,9 @@ def test_cluster_config_fits_and_tiles_its_gpus(tmp_path, name):
     m = trainer_memory(cfg, p, hf=read_model_config(cfg))
     assert m.activations > 0  # packed micro-batches: their activations are in the estimate
     assert m.total + RESERVED_GB * GB <= s.gpu_memory_gb * GB
-    e = engine_memory(cfg, p, s.gpu_memory_gb * GB)
+    engine_gb = (s.rollout.gpu_memory_gb or s.gpu_memory_gb) if cfg.run.placement == "disaggregate" else \
+        s.gpu_memory_gb
+    e = engine_memory(cfg, p, engine_gb * GB)
     assert 0 < e.weights < e.pool
     lines = memory_lines(cfg)
     assert any(line.lstrip().startswith("trainer:") and f"{m.total / GB:.1f} GB" in line for line in lines)
@@ -390,13 +401,20 @@ def test_moe_refusal_names_tensor_and_expert_parallelism(tmp_path):
             in e.value.fix)
 
 
+FLAT_DEEPSEEK = ["slurm.nodes=32", "train.nprocs=256", "rollout.num_engines=32", "rollout.batch_size=256",
+                 "train.pipeline_parallel_size=1", "train.context_parallel_size=1",
+                 "megatron.num_layers_in_first_pipeline_stage=null"]
+"""configs/cluster/deepseek-v3.yaml without pipeline and context parallelism, on 256 GPUs (its layout before
+issue #55)."""
+
+
 def test_moe_at_tensor_parallelism_counts_experts_by_etp_times_ep(tmp_path):
     """DeepSeek-V3 at TP8 (sequence-parallel) x EP32 is a layout now (issue #54): attention and the dense
     layers are split over TP, each routed expert over ``train.expert_tensor_parallel_size`` x EP. With ETP 1
     (slime's) each GPU holds 1/32 of the experts; with ETP 2 half of that, and megatron's expert groups
     (ETP x EP x PP) must tile the ranks."""
     folder = model_folder(tmp_path / "m", "deepseek-v3")
-    base = [f"model.path={folder}", "train.tensor_parallel_size=8", "train.expert_parallel_size=32",
+    base = [f"model.path={folder}", *FLAT_DEEPSEEK, "train.tensor_parallel_size=8", "train.expert_parallel_size=32",
             "slurm.gpu_memory_gb=400"]  # room for both, to compare their estimates
     p = _count("deepseek-v3")
     etp1 = trainer_memory(load_and_check(CLUSTER / "deepseek-v3.yaml", base), p)
@@ -418,19 +436,22 @@ def test_deepseek_v3_on_h100_is_refused_in_one_line(tmp_path):
     p = _count("deepseek-v3")
     assert 6 * (p.total - p.expert) > (80 - RESERVED_GB) * GB
     folder = model_folder(tmp_path / "m", "deepseek-v3")
-    bad = hpcrl(["validate", str(CLUSTER / "deepseek-v3.yaml"), f"model.path={folder}",
-                 "slurm.gpu_memory_gb=80", "train.tensor_parallel_size=1"], tmp_path)
+    bad = hpcrl(["validate", str(CLUSTER / "deepseek-v3.yaml"), f"model.path={folder}", *FLAT_DEEPSEEK,
+                 "train.expert_parallel_size=256", "slurm.gpu_memory_gb=80", "train.tensor_parallel_size=1"],
+                tmp_path)
     assert bad.returncode == 2 and bad.stdout == ""
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("config error: slurm.gpu_memory_gb=80.0: the trainer needs")
     assert ("train.tensor_parallel_size (up to 8, sequence-parallel) and train.expert_parallel_size (up to 256)"
             in lines[0])
-    tp8 = load_and_check(CLUSTER / "deepseek-v3.yaml", [f"model.path={folder}", "train.tensor_parallel_size=8"])
+    tp8 = load_and_check(CLUSTER / "deepseek-v3.yaml", [f"model.path={folder}", *FLAT_DEEPSEEK,
+                                                        "train.expert_parallel_size=256"])
     assert trainer_memory(tp8, p).total < (80 - RESERVED_GB) * GB  # the trainer fits an H100 (engines: fp8)
     ok = hpcrl(["validate", str(CLUSTER / "deepseek-v3.yaml"), f"model.path={folder}"], tmp_path)  # H200s
     assert ok.returncode == 0, ok.stderr
-    assert "tp8 sp pp1 cp1 ep256 etp1 dp32 edp1 over 256 GPUs" in ok.stdout and "of 141 GB" in ok.stdout
+    assert "tp8 sp pp4 cp4 ep32 etp1 dp1 edp1 over 128 GPUs, stage 0 of 4 (16 layers)" in ok.stdout
+    assert "of 141 GB" in ok.stdout
 
 
 @pytest.mark.parametrize("name,overrides,field", [
@@ -512,6 +533,10 @@ def test_submit_dry_run_qwen3(tmp_path, name):
     pytest.param("glm-4.5", marks=_skip_unsupported("glm4_moe")),
     pytest.param("deepseek-v3", marks=_skip_unsupported("deepseek_v3")),
     pytest.param("deepseek-v3-disaggregate", marks=_skip_unsupported("deepseek_v3")),
+    pytest.param("glm-4.5-disaggregate", marks=_skip_unsupported("glm4_moe")),
+    "qwen3-235b-a22b",
+    pytest.param("kimi-k2", marks=_skip_unsupported("deepseek_v3")),
+    pytest.param("glm-4.7-flash", marks=_skip_unsupported("glm4_moe_lite")),
 ])
 def test_submit_dry_run_glm_deepseek(tmp_path, name):
     _submit_dry_run(tmp_path, name)
