@@ -266,9 +266,9 @@ def check_train(cfg: Config) -> None:
     for field in ("train.pipeline_parallel_size", "train.context_parallel_size"):
         if get_field(cfg, field) > 1:
             a = cfg.algorithm
-            require(a.advantage_estimator != "gae", "algorithm.advantage_estimator", a.advantage_estimator,
-                    f"(PPO's critic) is not yet supported with {field} > 1",
-                    f"use a critic-free estimator (grpo, ...) or {field}=1")
+            require(a.advantage_estimator != "gae" or cfg.critic.nprocs == 0, "critic.nprocs", cfg.critic.nprocs,
+                    f"(PPO's critic on ranks of its own) is not yet supported with {field} > 1",
+                    f"set critic.nprocs=0 (the critic on the actor's ranks and layout) or {field}=1")
     if t.lr_decay_steps is not None:
         positive(cfg, "train.lr_decay_steps")
     decay_steps = (t.lr_decay_steps if t.lr_decay_steps is not None

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 import torch
 
 from hpcrl.train import parallel
+from hpcrl.train.context_parallel import loss_scale
 
 if TYPE_CHECKING:
     from hpcrl.config import Config, TrainSection
@@ -98,8 +99,8 @@ def load_value_model(path: Union[str, os.PathLike], dtype: torch.dtype, megatron
     LM head (``lm_head.weight``; a tied model's output weight is the embedding, which stays with the
     embedding) is not used. The value head is ``score.weight`` when the folder has one of shape ``[1,
     hidden]``, else zeros. Needs model parallelism initialised; ``sequence_parallel`` as the actor's (the value
-    head then gathers the sequence: :class:`ValueHead`). Returns the bare model (``hf_config``
-    attached). Raises ValueError for a ``score.weight`` of another shape (a classifier with several labels),
+    head then gathers the sequence: :class:`ValueHead`); under pipeline parallelism only the last stage has
+    the head. Returns the bare model (``hf_config`` attached). Raises ValueError for a ``score.weight`` of another shape (a classifier with several labels),
     and what :func:`~hpcrl.train.bridge.load_hf_weights` raises.
     """
     from transformers import AutoConfig
@@ -113,11 +114,15 @@ def load_value_model(path: Union[str, os.PathLike], dtype: torch.dtype, megatron
     # no LM head: nothing of the model is the output layer, and the tied embedding is an embedding only
     model.output_layer = torch.nn.Identity()
     if model.share_embeddings_and_output_weights:
-        model.share_embeddings_and_output_weights = False
-        weight = model.embedding.word_embeddings.weight
-        if hasattr(weight, "zero_out_wgrad"):
-            del weight.zero_out_wgrad
+        model.share_embeddings_and_output_weights = False  # (megatron then sums no tied gradient over stages)
+        if model.pre_process:  # a last pipeline stage's copy of it went with the output layer
+            weight = model.embedding.word_embeddings.weight
+            if hasattr(weight, "zero_out_wgrad"):
+                del weight.zero_out_wgrad
     bridge.load_hf_weights(model, path, ignore=("lm_head.weight", SCORE_HEAD))
+    if not model.post_process:  # a pipeline stage before the last: no head
+        del model.output_layer
+        return model
     device = next(model.parameters()).device
     head = ValueHead(model.config.hidden_size, dtype, device, bool(model.config.sequence_parallel))
     score = _read_tensor(path, SCORE_HEAD)
@@ -129,6 +134,13 @@ def load_value_model(path: Union[str, os.PathLike], dtype: torch.dtype, megatron
             head.weight.copy_(score)
     model.output_layer = head
     return model
+
+
+def _detached(staged):
+    """A :class:`~hpcrl.train.model.StagedLoss` whose finish's values are detached (a forward-only pass)."""
+    from hpcrl.train.model import StagedLoss
+
+    return StagedLoss(staged.output, lambda output: staged.finish(output).detach())
 
 
 def critic_train_section(cfg: "Config") -> "TrainSection":
@@ -194,16 +206,27 @@ class Critic:
     # -- forward -------------------------------------------------------------------------------------------
 
     def forward(self, mb: Any) -> Tensor:
-        """Values of a micro-batch's response tokens, ``[b, R]`` float32 with autograd, 0 beyond a response.
+        """Values of a micro-batch's response tokens, ``[b, R]`` float32 with autograd, 0 beyond a response,
+        without pipeline parallelism: :meth:`staged_forward` run to its end."""
+        staged = self.staged_forward(mb)
+        return staged.finish(staged.output)
+
+    def staged_forward(self, mb: Any):
+        """The value model's forward of a micro-batch on this pipeline stage, as a
+        :class:`~hpcrl.train.model.StagedLoss` whose finish (on the last stage) gives the values of its response
+        tokens, ``[b, R]`` float32 with autograd, 0 beyond a response.
 
         ``mb``: a :class:`~hpcrl.train.actor.MicroBatch` (its ``tokens``, ``total_lengths``,
         ``response_lengths`` and ``pack``). Padded layout: the value of response token ``j`` of row ``i`` is
         the head's output at column ``total_i - resp_i + j - 1`` (where its log-prob is predicted,
         :func:`hpcrl.train.logprobs.response_log_probs`); packed layout: at the pack's ``logit_rows``
-        (:func:`hpcrl.train.packing.packed_response_log_probs`).
+        (:func:`hpcrl.train.packing.packed_response_log_probs`), under context parallelism this rank's share
+        of them, gathered over the CP ranks (:mod:`hpcrl.train.context_parallel`).
         """
+        from hpcrl.train import context_parallel as cpar
         from hpcrl.train.deepseek_moe import padding_kwargs
         from hpcrl.train.logprobs import prediction_columns
+        from hpcrl.train.model import StagedLoss
 
         resp = mb.response_lengths
         if mb.pack is not None:
@@ -211,13 +234,26 @@ class Critic:
 
             width = int(resp.max()) if resp.numel() else 0
             mask = torch.arange(width, device=resp.device).unsqueeze(0) < resp.unsqueeze(1)  # [b, R]
-            pack = mb.pack
+            pack, params = mb.pack, packed_seq_params(mb.pack)
+            tokens, positions, valid = pack.tokens, pack.positions, (pack.sources[:, 0] >= 0).unsqueeze(0)
+            rows = pack.logit_rows
+            cp, cp_rank, cp_group = cpar.context_parallel()
+            if cp > 1:  # this rank's rows of the pack, and the response predictions among them
+                params.cp_rows = cpar.all_rows(tokens.shape[1], cp, tokens.device)
+                mine = params.cp_rows[cp_rank]
+                tokens, positions, valid = tokens[:, mine], positions[mine], valid[:, mine]
+                rows, where = cpar.split_predictions(pack.logit_rows, params.cp_rows, cp_rank)
             with rotary_positions(self.model, pack.positions):
-                out = self.ddp_model(input_ids=pack.tokens, position_ids=pack.positions.unsqueeze(0),
-                                     attention_mask=None, packed_seq_params=packed_seq_params(pack),
-                                     **padding_kwargs(self.model, (pack.sources[:, 0] >= 0).unsqueeze(0)))
-            flat = out[0, :, 0].float().index_select(0, pack.logit_rows.to(out.device))  # [K]
-            return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
+                out = self.ddp_model(input_ids=tokens, position_ids=positions.unsqueeze(0), attention_mask=None,
+                                     packed_seq_params=params, **padding_kwargs(self.model, valid))
+
+            def finish_packed(head: Tensor) -> Tensor:
+                flat = head[0, :, 0].float().index_select(0, rows.to(head.device))  # [K] or [K_rank]
+                if cp > 1:
+                    flat = cpar.gathered(flat, where, cp_rank, pack.logit_rows.numel(), cp_group)
+                return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
+
+            return StagedLoss(out, finish_packed)
         tokens = mb.tokens
         batch, seq = tokens.shape
         position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
@@ -225,7 +261,7 @@ class Critic:
         padding = padding_kwargs(self.model, position_ids < total.unsqueeze(1))
         out = self.ddp_model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **padding)
         index, mask = prediction_columns(total, resp.to(tokens.device))
-        return torch.gather(out[..., 0].float(), 1, index).masked_fill(~mask, 0.0)
+        return StagedLoss(out, lambda head: torch.gather(head[..., 0].float(), 1, index).masked_fill(~mask, 0.0))
 
     @torch.no_grad()
     def values(self, micro_batches: Sequence[Any]) -> list[Tensor]:
@@ -236,7 +272,8 @@ class Critic:
 
         self.ddp_model.eval()
         try:
-            return tmodel.forward_only(self.ddp_model, lambda _model, mb: self.forward(mb).detach(), micro_batches)
+            return tmodel.forward_only(self.ddp_model, lambda _model, mb: _detached(self.staged_forward(mb)),
+                                       micro_batches)
         finally:
             self.ddp_model.train()
 
@@ -264,9 +301,11 @@ class Critic:
         clip = self.cfg.critic.value_clip
         local: dict[str, Tensor] = {}
 
-        def loss_fn(model: torch.nn.Module, item: tuple[Any, ValueTargets]) -> Tensor:
-            mb, target = item
-            values = self.forward(mb)
+        def loss_fn(model: torch.nn.Module, item: tuple[Any, ValueTargets]) -> tmodel.StagedLoss:
+            staged = self.staged_forward(item[0])
+            return tmodel.StagedLoss(staged.output, lambda out: value_loss(staged.finish(out), *item))
+
+        def value_loss(values: Tensor, mb: Any, target: ValueTargets) -> Tensor:  # on the last stage
             reduce, report = reducers(mb)
             loss, clipfrac = gae.value_loss(values, target.old_values, target.returns, mb.mask, reduce, clip)
             if report is not reduce:
@@ -274,14 +313,14 @@ class Critic:
                                           clip)[1]
             for k, v in (("value_loss", loss.detach()), ("value_clipfrac", clipfrac.detach())):
                 local[k] = local[k] + v if k in local else v
-            return loss * self.dp_size
+            return loss * loss_scale(self.dp_size)  # DDP averages over DP x CP ranks
 
         result = tmodel.train_step(self.ddp_model, self.optimizer, loss_fn, list(zip(micro_batches, targets,
                                                                                      strict=True)))
         if not result["update_successful"]:
             raise RuntimeError("critic optimizer step was skipped (update_successful=False): "
                                "non-finite gradients?")
-        out: dict[str, Optional[float]] = dict(self.all_reduce_sum(local))
+        out: dict[str, Optional[float]] = dict(parallel.from_last_stage(self.all_reduce_sum(local)))
         grad_norm = result["grad_norm"]
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else None
         out["lr"] = lr

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # not a package: its helpers
 from megatron_utils import dirs_args, run_two_ranks, worker_main  # noqa: E402
-from test_actor_tp2 import CHANGES, PACKED, _unit_helpers  # noqa: E402
+from test_actor_tp2 import CHANGES, GAE, PACKED, _unit_helpers, make_reward_model  # noqa: E402
 
 ROLLOUTS = 2
 STEP, ADAM = {"train.lr": 1.0}, {"adam_eps": 1.0}
@@ -44,7 +44,8 @@ PP2, CP2, TP2, EP2 = ({f"train.{k}_parallel_size": 2} for k in ("pipeline", "con
 REFERENCES = {"qwen2": ("qwen2", {}), "qwen2-packed": ("qwen2", PACKED), "glm4_moe": ("glm4_moe", {}),
               "glm4_moe-packed": ("glm4_moe", PACKED), "deepseek_v3-packed": ("deepseek_v3", PACKED),
               "mistral-packed": ("mistral", PACKED), "glm4_moe-replay": ("glm4_moe", REPLAY),
-              "glm4_moe-packed-replay": ("glm4_moe", {**PACKED, **REPLAY})}
+              "glm4_moe-packed-replay": ("glm4_moe", {**PACKED, **REPLAY}), "qwen2-gae": ("qwen2", GAE),
+              "qwen2-packed-gae": ("qwen2", {**GAE, **PACKED})}
 """The world-size-1 runs (this process): name -> (family, config changes beyond :data:`test_actor_tp2.CHANGES`)."""
 LAYOUTS = {
     "qwen2-pp2": ("qwen2", PP2),
@@ -57,6 +58,8 @@ LAYOUTS = {
     "mistral-cp2": ("mistral-packed", {**CP2, **PACKED}),
     "glm4_moe-pp2-replay": ("glm4_moe-replay", {**PP2, **REPLAY}),
     "glm4_moe-cp2-replay": ("glm4_moe-packed-replay", {**CP2, **PACKED, **REPLAY}),
+    "qwen2-pp2-gae": ("qwen2-gae", {**PP2, **GAE}),
+    "qwen2-cp2-gae": ("qwen2-packed-gae", {**CP2, **GAE, **PACKED}),
 }
 """The 2-rank job: name -> (its reference in :data:`REFERENCES`, config changes)."""
 LAYOUTS4 = {
@@ -76,7 +79,7 @@ def sizes(changes: dict) -> dict:
             for k, name in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))}
 
 
-def run_actor(model_dir, samples, changes: dict) -> dict:
+def run_actor(model_dir, samples, changes: dict, critic_path: str = "") -> dict:
     """Train :data:`ROLLOUTS` rollouts on ``samples`` with ``changes`` (CI gates on; the parallel sizes
     megatron's groups were made with); the rollouts' metrics, the step metrics, and the HF export before, after
     the first optimizer step and at the end."""
@@ -86,7 +89,9 @@ def run_actor(model_dir, samples, changes: dict) -> dict:
 
     changes = dict(changes)
     megatron = changes.pop("megatron", {})
-    cfg = _unit_helpers().make_config(**CHANGES, **STEP, **changes)
+    if changes.get("algorithm.advantage_estimator") == "gae":  # PPO: the critic from a reward model's head
+        changes["critic.path"] = critic_path
+    cfg = _unit_helpers().make_config(**{**CHANGES, **STEP, **changes})
     cfg.megatron = {**megatron, **ADAM}
     actor = Actor(cfg, model_dir, ci_checks=True)
     out: dict = {"first_stage": actor.model.pre_process, "last_stage": actor.model.post_process,
@@ -104,7 +109,7 @@ def run_actor(model_dir, samples, changes: dict) -> dict:
     try:
         for rollout_id in range(ROLLOUTS):
             m = actor.train(rollout_id, samples)
-            out["metrics"].append({k: v for k, v in m.items() if k not in ("train/seconds", "train/tokens_per_s")})
+            out["metrics"].append({k: v for k, v in m.items() if not k.endswith(("seconds", "tokens_per_s"))})
             out["steps"].append([dict(s) for s in actor.step_metrics])
     finally:
         tmodel.train_step = train_step
@@ -131,7 +136,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
         parallel.initialize_model_parallel(**sizes(changes))
         parallel.model_parallel_cuda_manual_seed(1234)
         res[name] = run_actor(dirs[REFERENCES[ref][0]], samples[bool(changes.get("algorithm.routing_replay"))],
-                              changes)
+                              changes, dirs["rm"])
         res[name]["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
         res[name]["cp_rank"] = parallel_state.get_context_parallel_rank()
         parallel_state.destroy_model_parallel()
@@ -164,7 +169,7 @@ def dirs(h, tiny_model_dir, tmp_path_factory):
     return {"qwen2": str(tiny_model_dir), "glm4_moe": str(glm), "samples_replay": str(root / "samples_replay.pt"),
             "deepseek_v3": str(create_tiny_deepseek_v3(root / "deepseek_v3", seed=0)),
             "mistral": str(make_tiny("mistral", root / "mistral")),
-            "samples": str(root / "samples.pt")}
+            "rm": str(make_reward_model(tiny_model_dir, root / "rm")), "samples": str(root / "samples.pt")}
 
 
 def with_random_routing(sample, model_dir: Path, seed: int):
@@ -208,7 +213,8 @@ def single(dirs):
     for name, (family, changes) in REFERENCES.items():
         parallel.initialize_model_parallel()
         parallel.model_parallel_cuda_manual_seed(1234)
-        res[name] = run_actor(dirs[family], samples[bool(changes.get("algorithm.routing_replay"))], changes)
+        res[name] = run_actor(dirs[family], samples[bool(changes.get("algorithm.routing_replay"))], changes,
+                              dirs["rm"])
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()

@@ -223,9 +223,9 @@ BAD = [
      0.9, ["> 1", "on-policy ratio 1"]),
     ("unknown-mis-level", M + "algorithm: {mis_level: batch}\n", [], "algorithm.mis_level", "batch",
      ["token", "geometric"]),
-    ("pipeline-parallel-critic", M + "train: {pipeline_parallel_size: 2, nprocs: 2}\n"
-     "algorithm: {advantage_estimator: gae}\n", [], "algorithm.advantage_estimator", "gae",
-     ["critic", "pipeline_parallel_size > 1"]),
+    ("pipeline-parallel-remote-critic", M + "train: {pipeline_parallel_size: 2, nprocs: 2}\n"
+     "algorithm: {advantage_estimator: gae}\ncritic: {nprocs: 2}\n", [], "critic.nprocs", 2,
+     ["ranks of its own", "pipeline_parallel_size > 1"]),
     ("pipeline-stages-uneven", M + "train: {pipeline_parallel_size: 3, nprocs: 3}\n", [],
      "train.pipeline_parallel_size", 3, ["num_hidden_layers=4", "4 layers over 3 stage(s)",
                                          "num_layers_in_first_pipeline_stage"]),
