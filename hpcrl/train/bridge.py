@@ -52,8 +52,9 @@ like ``ColumnParallelLinear``), its layer spec :func:`hpcrl.train.mla_layers.lay
 Supported: RMSNorm, SwiGLU, RoPE (default, Llama-3 scaling with the standard low/high frequency factors,
 GLM's partial RoPE, YaRN for MLA), GQA, Qwen2's and GLM's qkv bias, Qwen3's and GLM's q/k norm, tied or
 untied embeddings, Qwen3-MoE / Mixtral softmax routers and GLM / DeepSeek sigmoid grouped routers with shared
-experts; pipeline stages (each stage's layers named from 0 by megatron, from its offset in HF). Anything else raises ``NotImplementedError`` naming the unsupported
-setting (the login node refuses the same first: :func:`hpcrl.models.support.unsupported_feature`).
+experts; pipeline stages (each stage's layers named from 0 by megatron, from its offset in HF). Anything else
+raises ``NotImplementedError`` naming the unsupported setting (the login node refuses the same first:
+:func:`hpcrl.models.support.unsupported_feature`).
 Mistral and Mixtral are Llama's table plus a sliding window (``hf_config.sliding_window``);
 Mixtral's MoE names are read and written in its checkpoint naming (``block_sparse_moe.gate``,
 ``block_sparse_moe.experts.{e}.w1/w3/w2``: :func:`hpcrl.models.moe.to_mixtral_name`), and loaded from

@@ -100,8 +100,9 @@ def load_value_model(path: Union[str, os.PathLike], dtype: torch.dtype, megatron
     embedding) is not used. The value head is ``score.weight`` when the folder has one of shape ``[1,
     hidden]``, else zeros. Needs model parallelism initialised; ``sequence_parallel`` as the actor's (the value
     head then gathers the sequence: :class:`ValueHead`); under pipeline parallelism only the last stage has
-    the head. Returns the bare model (``hf_config`` attached). Raises ValueError for a ``score.weight`` of another shape (a classifier with several labels),
-    and what :func:`~hpcrl.train.bridge.load_hf_weights` raises.
+    the head. Returns the bare model (``hf_config`` attached). Raises ValueError for a ``score.weight`` of
+    another shape (a classifier with several labels), and what :func:`~hpcrl.train.bridge.load_hf_weights`
+    raises.
     """
     from transformers import AutoConfig
 

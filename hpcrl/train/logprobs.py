@@ -208,7 +208,8 @@ def logits_window_start(model: torch.nn.Module, mb: Any) -> int:
 
 
 @contextlib.contextmanager
-def output_layer_rows(layer: Optional[torch.nn.Module], select: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+def output_layer_rows(layer: Optional[torch.nn.Module], select: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> Iterator[None]:
     """Within the block, the output layer (megatron's ``ColumnParallelLinear``) computes logits only for
     ``select(hidden)``: ``hidden`` its whole ``[s, b, h]`` input, ``select`` slicing or indexing dim 0 (the
     positions that predict response tokens), so logits and their log-softmax are not made for prompt rows.

@@ -305,9 +305,21 @@ def from_last_stage(obj: Any) -> Any:
             or parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return obj
     group = parallel_state.get_pipeline_model_parallel_group()
-    box = [obj]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    box = [_map_tensors(obj, lambda t: t.detach().cpu())]  # pickled on the host: each stage has its own GPU
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
-    return box[0]
+    return _map_tensors(box[0], lambda t: t.to(device)) if device is not None else box[0]
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor inside its lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
 
 
 def gather_per_sample(flat: Sequence[Any], per_mb: Sequence[torch.Tensor], num_samples: int, group: Any,
