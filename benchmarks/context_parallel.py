@@ -109,14 +109,29 @@ def main() -> None:
             subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
                            stdout=subprocess.DEVNULL)
             rows += [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in range(cp)]
+        hf = json.loads((Path(model) / "config.json").read_text())
     print(f"one packed sample of {args.tokens} tokens ({args.response} response), tiny Qwen2 (hidden 128, "
-          f"4 layers, 4 heads), forward + backward of its log-probs")
-    print("| CP | rank | rows | RSS before (MiB) | peak during the pass (MiB) | pass (MiB above before) | s | "
-          "loss |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"4 layers, 4 heads), forward + backward of its log-probs; 'estimate': hpcrl validate's activation "
+          f"term for this micro-batch (hpcrl.config.memory.activation_bytes: no attention scores, which a fused "
+          f"GPU kernel does not store and this CPU path does)")
+    print("| CP | rank | rows | RSS before (MiB) | peak during the pass (MiB) | pass (MiB above before) | "
+          "estimate (MiB) | s | loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['cp']} | {r['rank']} | {r['rows']} | {r['before_mib']:.0f} | {r['peak_mib']:.0f} | "
-              f"{r['pass_mib']:.0f} | {r['seconds']:.1f} | {r['loss']:.4f} |")
+              f"{r['pass_mib']:.0f} | {estimate(hf, args.tokens, r['cp']) / MiB:.0f} | {r['seconds']:.1f} | "
+              f"{r['loss']:.4f} |")
+
+
+def estimate(hf: dict, tokens: int, cp: int) -> float:
+    """The activation bytes ``hpcrl validate`` estimates for one micro-batch of ``tokens`` on a CP rank (fp32,
+    no recompute, one stage)."""
+    from hpcrl.config import Config
+    from hpcrl.config.memory import activation_bytes
+
+    cfg = Config()
+    cfg.train.max_tokens_per_microbatch, cfg.train.context_parallel_size, cfg.train.bf16 = tokens, cp, False
+    return activation_bytes(cfg, hf, int(hf["num_hidden_layers"]), 0, 1)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ Shapes: ``T`` pack rows, ``CP`` context-parallel ranks, ``T / CP`` rows per rank
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -132,3 +133,42 @@ def gathered(values: Optional[Tensor], where: tuple[Tensor, ...], rank: int, siz
     if values is None:
         return None
     return gather_rows(values, where, rank, size, group, reduce_grad=False)
+
+
+@dataclass
+class LocalPack:
+    """A packed micro-batch's forward inputs on this CP rank (:func:`local_pack`): ``T`` pack rows, ``K``
+    response predictions; without context parallelism the whole pack."""
+
+    tokens: Tensor
+    """``[1, T / CP]`` token ids of this rank's rows."""
+    positions: Tensor
+    """``[T / CP]`` their rotary positions."""
+    valid: Tensor
+    """``[1, T / CP]`` bool: a real token (not padding)."""
+    rows: Tensor
+    """``[K_rank]`` this rank's response predictions, as indices into its rows (the output layer's input)."""
+    where: Optional[tuple[Tensor, ...]]
+    """Each CP rank's predictions as indices into ``[K]`` (None without context parallelism)."""
+    size: int
+    rank: int
+    group: Any
+
+    def gathered(self, values: Optional[Tensor], k: int) -> Optional[Tensor]:
+        """This rank's per-prediction ``values`` ``[K_rank]`` as the micro-batch's ``[K]`` on every CP rank
+        (:func:`gathered`); themselves without context parallelism."""
+        return values if self.where is None else gathered(values, self.where, self.rank, k, self.group)
+
+
+def local_pack(pack: Any, params: Any) -> LocalPack:
+    """This CP rank's part of ``pack`` (a :class:`hpcrl.train.packing.Pack`), and ``params`` (its
+    :func:`~hpcrl.train.packing.packed_seq_params`) told every rank's rows (``cp_rows``, read by the packed
+    attention). The whole pack without context parallelism."""
+    tokens, positions, valid = pack.tokens, pack.positions, (pack.sources[:, 0] >= 0).unsqueeze(0)
+    size, rank, group = context_parallel()
+    if size == 1:
+        return LocalPack(tokens, positions, valid, pack.logit_rows, None, 1, 0, None)
+    params.cp_rows = all_rows(tokens.shape[1], size, tokens.device)
+    mine = params.cp_rows[rank]
+    rows, where = split_predictions(pack.logit_rows, params.cp_rows, rank)
+    return LocalPack(tokens[:, mine], positions[mine], valid[:, mine], rows, where, size, rank, group)

@@ -236,22 +236,15 @@ class Critic:
             width = int(resp.max()) if resp.numel() else 0
             mask = torch.arange(width, device=resp.device).unsqueeze(0) < resp.unsqueeze(1)  # [b, R]
             pack, params = mb.pack, packed_seq_params(mb.pack)
-            tokens, positions, valid = pack.tokens, pack.positions, (pack.sources[:, 0] >= 0).unsqueeze(0)
-            rows = pack.logit_rows
-            cp, cp_rank, cp_group = cpar.context_parallel()
-            if cp > 1:  # this rank's rows of the pack, and the response predictions among them
-                params.cp_rows = cpar.all_rows(tokens.shape[1], cp, tokens.device)
-                mine = params.cp_rows[cp_rank]
-                tokens, positions, valid = tokens[:, mine], positions[mine], valid[:, mine]
-                rows, where = cpar.split_predictions(pack.logit_rows, params.cp_rows, cp_rank)
+            local = cpar.local_pack(pack, params)  # this CP rank's rows and response predictions
             with rotary_positions(self.model, pack.positions):
-                out = self.ddp_model(input_ids=tokens, position_ids=positions.unsqueeze(0), attention_mask=None,
-                                     packed_seq_params=params, **padding_kwargs(self.model, valid))
+                out = self.ddp_model(input_ids=local.tokens, position_ids=local.positions.unsqueeze(0),
+                                     attention_mask=None, packed_seq_params=params,
+                                     **padding_kwargs(self.model, local.valid))
 
             def finish_packed(head: Tensor) -> Tensor:
-                flat = head[0, :, 0].float().index_select(0, rows.to(head.device))  # [K] or [K_rank]
-                if cp > 1:
-                    flat = cpar.gathered(flat, where, cp_rank, pack.logit_rows.numel(), cp_group)
+                flat = head[0, :, 0].float().index_select(0, local.rows.to(head.device))  # [K] or [K_rank]
+                flat = local.gathered(flat, pack.logit_rows.numel())
                 return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
 
             return StagedLoss(out, finish_packed)

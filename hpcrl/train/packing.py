@@ -341,19 +341,13 @@ def packed_response_log_probs(model: torch.nn.Module, pack: Pack, response_lengt
     if vocab_size is None and getattr(bare, "hf_config", None) is not None:
         vocab_size = bare.hf_config.vocab_size
     params = packed_seq_params(pack)
-    tokens, positions, valid = pack.tokens, pack.positions, (pack.sources[:, 0] >= 0).unsqueeze(0)
-    rows, labels = pack.logit_rows, pack.labels
-    cp, cp_rank, cp_group = cpar.context_parallel()
-    if cp > 1:  # this rank's rows of the pack, and the response predictions among them
-        params.cp_rows = cpar.all_rows(tokens.shape[1], cp, tokens.device)
-        mine = params.cp_rows[cp_rank]
-        tokens, positions, valid = tokens[:, mine], positions[mine], valid[:, mine]
-        rows, where = cpar.split_predictions(pack.logit_rows, params.cp_rows, cp_rank)
-        labels = pack.labels[where[cp_rank]]
+    local = cpar.local_pack(pack, params)  # this CP rank's rows and response predictions (all without CP)
+    rows = local.rows
+    labels = pack.labels if local.where is None else pack.labels[local.where[local.rank]]
     with output_layer_rows(getattr(bare, "output_layer", None), lambda hidden: hidden.index_select(0, rows)), \
             rotary_positions(bare, pack.positions):
-        output = model(input_ids=tokens, position_ids=positions.unsqueeze(0), attention_mask=None,
-                       packed_seq_params=params, **padding_kwargs(model, valid))
+        output = model(input_ids=local.tokens, position_ids=local.positions.unsqueeze(0), attention_mask=None,
+                       packed_seq_params=params, **padding_kwargs(model, local.valid))
 
     def finish(logits: Tensor) -> ResponseLogProbs:
         width = int(response_lengths.max()) if response_lengths.numel() else 0
@@ -361,10 +355,8 @@ def packed_response_log_probs(model: torch.nn.Module, pack: Pack, response_lengt
                 < response_lengths.to(rows.device).unsqueeze(1))
         flat_lp = compute_log_probs(logits, labels.unsqueeze(0), temperature, vocab_size)[0]  # [K] or [K_rank]
         flat_ent = compute_entropy(logits, temperature, vocab_size)[0] if with_entropy else None
-        if cp > 1:  # every rank's predictions, in the micro-batch's order
-            k = pack.logit_rows.numel()
-            flat_lp = cpar.gathered(flat_lp, where, cp_rank, k, cp_group)
-            flat_ent = cpar.gathered(flat_ent, where, cp_rank, k, cp_group)
+        k = pack.logit_rows.numel()  # every CP rank's predictions, in the micro-batch's order
+        flat_lp, flat_ent = local.gathered(flat_lp, k), local.gathered(flat_ent, k)
         zeros = torch.zeros(mask.shape, dtype=flat_lp.dtype, device=flat_lp.device)
         log_probs = zeros.masked_scatter(mask, flat_lp)
         entropy = zeros.masked_scatter(mask, flat_ent) if with_entropy else None
