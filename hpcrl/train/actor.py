@@ -479,7 +479,7 @@ class Actor(ModelOnRank):
 
         self.ddp_model.eval()
         try:
-            return tmodel.forward_only(self.ddp_model, lambda _, mb: forward.log_probs_only(self._forward(mb)),
+            return tmodel.forward_only(self.ddp_model, lambda _, mb: self._forward(mb).then(_log_probs),
                                        micro_batches)
         finally:
             self.ddp_model.train()
@@ -655,12 +655,9 @@ class Actor(ModelOnRank):
         local: dict[str, Tensor] = {}
 
         def loss_fn(model: torch.nn.Module, mb: MicroBatch) -> tmodel.StagedLoss:
-            staged = self._forward(mb, with_entropy=True)
-            return tmodel.StagedLoss(staged.output, functools.partial(loss_from_output, finish=staged.finish,
-                                                                       mb=mb))
+            return self._forward(mb, with_entropy=True).then(functools.partial(loss_of, mb=mb))
 
-        def loss_from_output(output: Tensor, finish, mb: MicroBatch) -> Tensor:  # on the last pipeline stage
-            out = finish(output)
+        def loss_of(out, mb: MicroBatch) -> Tensor:  # on the last pipeline stage
             logp = out.log_probs
             entropy = out.entropy if cfg.entropy_coef != 0.0 else out.entropy.detach()
             old = mb.old_log_probs if mb.old_log_probs is not None else logp.detach()
@@ -683,6 +680,11 @@ class Actor(ModelOnRank):
         grad_norm = result["grad_norm"]
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else None
         return out
+
+
+def _log_probs(out) -> Tensor:
+    """The log-probs ``[b, R]`` of a :class:`~hpcrl.train.logprobs.ResponseLogProbs` (a forward-only pass)."""
+    return out.log_probs
 
 
 def _gate(name: str, value: Optional[float], tol: float) -> None:

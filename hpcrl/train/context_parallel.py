@@ -126,15 +126,6 @@ def all_rows(total: int, cp: int, device: Any = None) -> tuple[Tensor, ...]:
     return tuple(local_rows(total, cp, r, device) for r in range(cp))
 
 
-def gathered(values: Optional[Tensor], where: tuple[Tensor, ...], rank: int, size: int, group: Any
-             ) -> Optional[Tensor]:
-    """Per-prediction values ``[K_rank]`` of this rank (log-probs, entropy) as the micro-batch's ``[K]``, on
-    every CP rank (:func:`gather_rows` without the gradient sum). None stays None."""
-    if values is None:
-        return None
-    return gather_rows(values, where, rank, size, group, reduce_grad=False)
-
-
 @dataclass
 class LocalPack:
     """A packed micro-batch's forward inputs on this CP rank (:func:`local_pack`): ``T`` pack rows, ``K``
@@ -155,9 +146,12 @@ class LocalPack:
     group: Any
 
     def gathered(self, values: Optional[Tensor], k: int) -> Optional[Tensor]:
-        """This rank's per-prediction ``values`` ``[K_rank]`` as the micro-batch's ``[K]`` on every CP rank
-        (:func:`gathered`); themselves without context parallelism."""
-        return values if self.where is None else gathered(values, self.where, self.rank, k, self.group)
+        """This rank's per-prediction ``values`` ``[K_rank]`` (log-probs, entropy, values) as the micro-batch's
+        ``[K]`` on every CP rank (:func:`gather_rows` without the gradient sum); themselves without context
+        parallelism; None stays None."""
+        if values is None or self.where is None:
+            return values
+        return gather_rows(values, self.where, self.rank, k, self.group, reduce_grad=False)
 
 
 def local_pack(pack: Any, params: Any) -> LocalPack:

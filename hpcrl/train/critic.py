@@ -137,13 +137,6 @@ def load_value_model(path: Union[str, os.PathLike], dtype: torch.dtype, megatron
     return model
 
 
-def _detached(staged):
-    """A :class:`~hpcrl.train.model.StagedLoss` whose finish's values are detached (a forward-only pass)."""
-    from hpcrl.train.model import StagedLoss
-
-    return StagedLoss(staged.output, lambda output: staged.finish(output).detach())
-
-
 def critic_train_section(cfg: "Config") -> "TrainSection":
     """``cfg.train`` with the critic's learning rate: ``critic.lr``, linear warmup over
     ``critic.lr_warmup_steps`` optimizer steps, then constant (betas, weight decay, grad clip, bf16 and the
@@ -266,7 +259,7 @@ class Critic:
 
         self.ddp_model.eval()
         try:
-            return tmodel.forward_only(self.ddp_model, lambda _model, mb: _detached(self.staged_forward(mb)),
+            return tmodel.forward_only(self.ddp_model, lambda _model, mb: self.staged_forward(mb).then(Tensor.detach),
                                        micro_batches)
         finally:
             self.ddp_model.train()
@@ -296,8 +289,7 @@ class Critic:
         local: dict[str, Tensor] = {}
 
         def loss_fn(model: torch.nn.Module, item: tuple[Any, ValueTargets]) -> tmodel.StagedLoss:
-            staged = self.staged_forward(item[0])
-            return tmodel.StagedLoss(staged.output, lambda out: value_loss(staged.finish(out), *item))
+            return self.staged_forward(item[0]).then(lambda values: value_loss(values, *item))
 
         def value_loss(values: Tensor, mb: Any, target: ValueTargets) -> Tensor:  # on the last stage
             reduce, report = reducers(mb)

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from hpcrl.train.logprobs import logits_window_start, staged_response_log_probs, windowed_response_log_probs
-from hpcrl.train.model import StagedLoss
 from hpcrl.train.packing import packed_response_log_probs
 
 
@@ -31,8 +30,3 @@ def staged_log_probs(ddp_model: torch.nn.Module, model: torch.nn.Module, mb: Any
     return staged_response_log_probs(ddp_model, mb.tokens, mb.total_lengths, mb.response_lengths,
                                      temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size)
 
-
-def log_probs_only(staged):
-    """A :class:`~hpcrl.train.model.StagedLoss` of :func:`staged_log_probs` whose finish keeps the log-probs
-    ``[b, R]`` only (a forward-only pass)."""
-    return StagedLoss(staged.output, lambda output: staged.finish(output).log_probs)

@@ -213,6 +213,11 @@ class StagedLoss(NamedTuple):
     output: torch.Tensor
     finish: Callable[[torch.Tensor], Any]
 
+    def then(self, fn: Callable[[Any], Any]) -> "StagedLoss":
+        """The same output, finished by ``fn`` of this finish's result (e.g. a loss from the log-probs)."""
+        finish = self.finish
+        return StagedLoss(self.output, lambda output: fn(finish(output)))
+
 
 def train_step(ddp_model: torch.nn.Module, optimizer: Any,
                loss_fn: Callable[[torch.nn.Module, Any], Any], micro_batches: Iterable[Any]) -> dict[str, Any]:

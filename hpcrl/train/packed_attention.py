@@ -219,42 +219,36 @@ class PackedDotProductAttention(DotProductAttention):
         prefix_of = getattr(packed_seq_params, "prefix_of", ())
         dropout_p = self.attention_dropout.p if self.training else 0.0
         window = self._window()
-        cp_rows = getattr(packed_seq_params, "cp_rows", None)
-        if cp_rows is not None:  # context parallelism: this rank's queries against the whole pack's keys
-            return self._context_parallel(query, key, value, packed_seq_params, prefix_of, dropout_p, window)
-        if query.is_cuda and _has_flash_attn():
+        q_rows = None
+        if getattr(packed_seq_params, "cp_rows", None) is not None:
+            # context parallelism: this rank's queries against the whole pack's keys and values
+            key, value, q_rows = self._gather_context(key, value, packed_seq_params)
+        if query.is_cuda and _has_flash_attn() and q_rows is None:
             out = _flash_varlen(query, key, value, packed_seq_params.cu_seqlens_q, prefix_of, self.softmax_scale,
                                 dropout_p, window)
         else:
             plan = getattr(packed_seq_params, "plan", None)
             if plan is None or getattr(packed_seq_params, "plan_window", None) != window:
-                plan = plan_segments(packed_seq_params.cu_seqlens_q, prefix_of, window)
+                plan = plan_segments(packed_seq_params.cu_seqlens_q, prefix_of, window, q_rows=q_rows)
                 if isinstance(packed_seq_params, SharedPrefixSeqParams):
                     packed_seq_params.plan, packed_seq_params.plan_window = plan, window  # the next layers'
             out = segment_attention(query, key, value, packed_seq_params.cu_seqlens_q, prefix_of,
                                     self.softmax_scale, dropout_p, plan=plan, window=window)
         return out.reshape(out.shape[0], -1)
 
-
-    def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor, params: "SharedPrefixSeqParams",
-                          prefix_of: tuple[int, ...], dropout_p: float, window: Optional[int]) -> Tensor:
-        """THD attention of this CP rank's queries ``[T / CP, heads/tp, dim]``: keys and values of every rank
-        gathered into pack order (:func:`hpcrl.train.context_parallel.gather_rows`, their gradient summed
-        back over the ranks), the masks on global rows (:func:`plan_segments` with ``q_rows``). Returns
-        ``[T / CP, heads/tp * v_dim]``."""
+    @staticmethod
+    def _gather_context(key: Tensor, value: Tensor, params: "SharedPrefixSeqParams"
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+        """Under context parallelism: the keys and values of every CP rank gathered into pack order
+        (:func:`hpcrl.train.context_parallel.gather_rows`, their gradient summed back over the ranks), ``[T,
+        groups/tp, dim]`` each, and this rank's query rows ``[T / CP]`` (the masks are on global rows:
+        :func:`plan_segments` with ``q_rows``)."""
         from hpcrl.train.context_parallel import context_parallel, gather_rows
 
         _, rank, group = context_parallel()
         total = int(params.cu_seqlens_q[-1])
-        key = gather_rows(key, params.cp_rows, rank, total, group, reduce_grad=True)
-        value = gather_rows(value, params.cp_rows, rank, total, group, reduce_grad=True)
-        plan = params.plan
-        if plan is None or params.plan_window != window:
-            plan = plan_segments(params.cu_seqlens_q, prefix_of, window, q_rows=params.cp_rows[rank])
-            params.plan, params.plan_window = plan, window  # the next layers'
-        out = segment_attention(query, key, value, params.cu_seqlens_q, prefix_of, self.softmax_scale,
-                                dropout_p, plan=plan, window=window)
-        return out.reshape(out.shape[0], -1)
+        return (gather_rows(key, params.cp_rows, rank, total, group, reduce_grad=True),
+                gather_rows(value, params.cp_rows, rank, total, group, reduce_grad=True), params.cp_rows[rank])
 
     def _window(self) -> Optional[int]:
         """This layer's sliding window in HF's terms (keys within ``window`` positions, itself included), from

@@ -97,15 +97,12 @@ class SupervisedTrainer(ModelOnRank):
         local: dict[str, torch.Tensor] = {}
 
         def loss_fn(model: torch.nn.Module, mb: Any) -> tmodel.StagedLoss:
-            staged = staged_log_probs(self.ddp_model, self.model, mb, 1.0, False, self.vocab_size)
-
-            def nll_of(output: torch.Tensor) -> torch.Tensor:  # on the last pipeline stage
-                logp = staged.finish(output).log_probs
-                nll = -(logp * mb.mask).sum() / max(trained, 1.0)
+            def nll_of(out) -> torch.Tensor:  # on the last pipeline stage
+                nll = -(out.log_probs * mb.mask).sum() / max(trained, 1.0)
                 local["loss"] = local["loss"] + nll.detach() if "loss" in local else nll.detach()
                 return nll * loss_scale(self.dp_size)  # DDP averages over DP x CP ranks
 
-            return tmodel.StagedLoss(staged.output, nll_of)
+            return staged_log_probs(self.ddp_model, self.model, mb, 1.0, False, self.vocab_size).then(nll_of)
 
         result = tmodel.train_step(self.ddp_model, self.optimizer, loss_fn, micro_batches)
         if not result["update_successful"]:
