@@ -74,7 +74,7 @@ from hpcrl.config.checks import require
 from hpcrl.config.environment import Environment
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.rollout import sglang_engines_by_config
-from hpcrl.config.train import sequence_parallel
+from hpcrl.config.train import sequence_parallel, stage_layer_counts, stage_overrides
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import Config
@@ -212,25 +212,6 @@ def critic_memory(cfg: Config, critic: ParamCount, offload: Optional[bool] = Non
                          world=g.nodes * g.gpus_per_node)
 
 
-def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None
-                       ) -> list[int]:
-    """Decoder layers of each of ``pp`` pipeline stages, as megatron-core splits them: ``first`` / ``last``
-    (``megatron.num_layers_in_first/last_pipeline_stage``, slime's ``--decoder-first/last-pipeline-num-layers``)
-    on the first / last stage and the rest evenly over the others (the remainder, if any, to the earliest)."""
-    if pp == 1:
-        return [num_layers]
-    counts = [0] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    free = [s for s in range(pp) if not ((s == 0 and first is not None) or (s == pp - 1 and last is not None))]
-    rest = max(num_layers - sum(counts), 0)
-    for k, s in enumerate(free):
-        counts[s] = rest // len(free) + (1 if k < rest % len(free) else 0)
-    return counts
-
-
 def activation_bytes(cfg: Config, hf: Optional[dict], layers: int, stage: int, tp: int) -> float:
     """Activations one GPU of pipeline stage ``stage`` holds for backward (bytes), from the model's
     ``config.json`` ``hf``, for packed micro-batches of ``train.max_tokens_per_microbatch`` tokens (0 for
@@ -284,18 +265,15 @@ def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optio
     else:
         fraction = 1.0 if offload else 0.0
     num_layers = int((hf or {}).get("num_hidden_layers") or 0)
-    if pp > 1 and num_layers:  # each stage its layers; the embedding on the first, the head on the last
-        counts = stage_layer_counts(num_layers, pp, meg.get("num_layers_in_first_pipeline_stage"),
-                                    meg.get("num_layers_in_last_pipeline_stage"))
-        shares = [c / num_layers for c in counts]
-    else:
-        counts, shares = [num_layers] * pp, [1 / pp] * pp
+    counts = stage_layer_counts(num_layers, pp, *stage_overrides(cfg)) if pp > 1 and num_layers else None
     best: Optional[TrainerMemory] = None
-    for stage, share in enumerate(shares):
-        head = p.output if p.output or pp == 1 else p.embedding  # a tied head: the last stage's copy
-        edges = (p.embedding if stage == 0 else 0) + (head if stage == pp - 1 else 0)
-        if not num_layers or pp == 1:
-            edges = (p.embedding + p.output) / pp  # (no layer count: everything evenly, as before)
+    for stage in range(pp):
+        if counts is not None:  # each stage its layers; the embedding on the first, the head on the last
+            share = counts[stage] / num_layers
+            head = p.output or p.embedding  # a tied head: the last stage's copy of the embedding
+            edges = (p.embedding if stage == 0 else 0) + (head if stage == pp - 1 else 0)
+        else:  # one stage, or no layer count: everything evenly
+            share, edges = 1 / pp, (p.embedding + p.output) / pp
         dense = (edges + p.dense * share) / tp + p.replicated * share
         expert = p.expert * share / (etp * ep)
         params = dense + expert
@@ -307,8 +285,9 @@ def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optio
                           adam=adam_full * (1 - fraction), adam_no_offload=adam_full, adam_host=host,
                           layout=f"tp{tp}{' sp' if sequence_parallel(t, tp) else ''} "
                                  f"pp{pp} cp{cp} ep{ep} etp{etp} dp{dp} edp{edp} over {world} GPUs"
-                                 + (f", stage {stage} of {pp} ({counts[stage]} layers)" if pp > 1 else ""),
-                          activations=activation_bytes(cfg, hf, counts[stage], stage, tp), stage=stage)
+                                 + (f", stage {stage} of {pp} ({counts[stage]} layers)" if counts else ""),
+                          activations=activation_bytes(cfg, hf, counts[stage] if counts else num_layers, stage, tp),
+                          stage=stage)
         if best is None or m.total > best.total:
             best = m
     return best

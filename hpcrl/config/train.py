@@ -363,6 +363,28 @@ def check_heads(cfg: Config, check_files: bool) -> None:
                 f"use a tensor_parallel_size that divides {n}")
 
 
+def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None
+                       ) -> Optional[list[int]]:
+    """Decoder layers of each of ``pp`` pipeline stages, as megatron-core splits them: ``first`` / ``last``
+    (``megatron.num_layers_in_first/last_pipeline_stage``, slime's ``--decoder-first/last-pipeline-num-layers``)
+    on the first / last stage and the rest evenly over the others; None where megatron refuses the split (a
+    remainder, or a stage left without a layer)."""
+    if pp == 1:
+        return [num_layers]
+    counts: list[Optional[int]] = [first] + [None] * (pp - 2) + [last]
+    free = [s for s, c in enumerate(counts) if c is None]
+    rest = num_layers - sum(c for c in counts if c is not None)
+    if (rest != 0 if not free else rest < len(free) or rest % len(free)):
+        return None
+    return [c if c is not None else rest // len(free) for c in counts]
+
+
+def stage_overrides(cfg: Config) -> tuple[Optional[int], Optional[int]]:
+    """``megatron.num_layers_in_first/last_pipeline_stage`` of the run config (None where unset)."""
+    meg = cfg.megatron or {}
+    return meg.get("num_layers_in_first_pipeline_stage"), meg.get("num_layers_in_last_pipeline_stage")
+
+
 def check_stages(cfg: Config, check_files: bool) -> None:
     """Under pipeline parallelism the model's decoder layers split over the stages as megatron-core splits
     them: ``megatron.num_layers_in_first/last_pipeline_stage`` (slime's ``--decoder-first/last-pipeline-num-
@@ -377,11 +399,9 @@ def check_stages(cfg: Config, check_files: bool) -> None:
     layers = int((hf or {}).get("num_hidden_layers") or 0)
     if not layers:
         return
-    meg = cfg.megatron or {}
-    fixed = [meg.get(k) for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")]
+    fixed = stage_overrides(cfg)
     rest, free = layers - sum(f or 0 for f in fixed), pp - sum(f is not None for f in fixed)
-    ok = rest >= free > 0 and rest % free == 0 if free else rest == 0
-    require(ok, "train.pipeline_parallel_size", pp,
+    require(stage_layer_counts(layers, pp, *fixed) is not None, "train.pipeline_parallel_size", pp,
             f"does not split the model's num_hidden_layers={layers} into stages (megatron gives each stage an "
             f"equal share after megatron.num_layers_in_first/last_pipeline_stage={fixed[0]}/{fixed[1]}: {rest} "
             f"layers over {free} stage(s))",

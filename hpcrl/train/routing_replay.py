@@ -34,12 +34,18 @@ def moe_layer_count(config) -> int:
     """MoE layers of a megatron-core ``TransformerConfig``: the 1s of ``moe_layer_freq`` when it is a list
     (GLM-4.5's first ``first_k_dense_replace`` layers are dense), every ``moe_layer_freq``-th layer when it is
     an int; 0 for a dense model. The routed experts' ``layers`` axis has this many entries, in layer order."""
+    return sum(moe_layer_flags(config))
+
+
+def moe_layer_flags(config) -> list[bool]:
+    """Whether each of the model's ``num_layers`` decoder layers is a MoE layer (:func:`moe_layer_count`'s
+    rule); all False for a dense model."""
     if not config.num_moe_experts:
-        return 0
+        return [False] * config.num_layers
     freq = config.moe_layer_freq
     if isinstance(freq, list):
-        return sum(1 for f in freq if f)
-    return sum(1 for i in range(config.num_layers) if i % int(freq) == 0)
+        return [bool(f) for f in freq]
+    return [i % int(freq) == 0 for i in range(config.num_layers)]
 
 
 def filler(tokens: int, layers: int, top_k: int) -> Tensor:
@@ -122,17 +128,9 @@ def stage_moe_layers(config) -> list[int]:
     pipeline stage's MoE layers (:func:`hpcrl.train.parallel.stage_layers`); all of them without pipelines."""
     from hpcrl.train.parallel import stage_layers
 
-    freq = config.moe_layer_freq
-    moe = ([bool(f) for f in freq] if isinstance(freq, list)
-           else [i % int(freq) == 0 for i in range(config.num_layers)])
     first, count = stage_layers(config)
-    index, out = 0, []
-    for layer, is_moe in enumerate(moe):
-        if is_moe:
-            if first <= layer < first + count:
-                out.append(index)
-            index += 1
-    return out
+    moe_layers = [layer for layer, is_moe in enumerate(moe_layer_flags(config)) if is_moe]
+    return [index for index, layer in enumerate(moe_layers) if first <= layer < first + count]
 
 
 def local_indices(indices: Tensor, config) -> Tensor:

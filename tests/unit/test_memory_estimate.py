@@ -560,12 +560,14 @@ def test_validate_prints_estimate_and_refuses_in_one_line(tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 
 def test_stage_layer_counts_follow_megatrons_split():
-    from hpcrl.config.memory import stage_layer_counts
+    from hpcrl.config.train import stage_layer_counts
 
     assert stage_layer_counts(92, 1) == [92]
     assert stage_layer_counts(92, 4) == [23, 23, 23, 23]
     assert stage_layer_counts(61, 4, first=16, last=15) == [16, 15, 15, 15]  # slime's DeepSeek-V3: 61 layers
-    assert stage_layer_counts(10, 3) == [4, 3, 3]
+    assert stage_layer_counts(61, 4, first=16) == [16, 15, 15, 15]
+    assert stage_layer_counts(10, 3) is None  # megatron refuses a remainder (hpcrl validate too)
+    assert stage_layer_counts(4, 2, first=4) is None  # and a stage without a layer
 
 
 def test_pipeline_stages_context_parallel_and_recompute_in_the_estimate(tmp_path):
