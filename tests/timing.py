@@ -9,8 +9,10 @@ plugin does nothing.
 
 Process-tree CPU seconds come from ``os.times()``: this process plus every descendant already reaped (an
 engine server stopped by its ``hpcrl run``, that run by the test). Slurm job steps are not descendants (slurmd
-starts them), so a Slurm test's tree CPU is only its client's; the machine's busy cores (``/proc/stat``) count
-everything, and are the test's own only while nothing else runs beside it.
+starts them), so a Slurm test's tree CPU is only its client's; nor are processes forked by a fork server
+(``hpcrl run``'s trainer ranks at ``train.nprocs > 1``, the multi-rank tests' ranks: the server reaps them, and
+is reaped late or never by the test), so those tests' tree CPU leaves their ranks out. The machine's busy cores
+(``/proc/stat``) count everything, and are the test's own only while nothing else runs beside it.
 """
 
 from __future__ import annotations

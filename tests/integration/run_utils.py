@@ -47,6 +47,17 @@ def hpcrl_run(folder: Path, config: str, *overrides: str, rewards: str, log: str
     return text
 
 
+def trainer_ranks(launcher_pid: int) -> list:
+    """The ``psutil.Process`` of each trainer rank of the local run whose launcher (``hpcrl run``) is
+    ``launcher_pid``, in rank (start) order: with ``train.nprocs > 1`` the launcher forks them from its fork
+    server (:func:`hpcrl.launch_local.worker_context`), its one child running ``multiprocessing.forkserver``.
+    [] before the ranks are started or once they are gone."""
+    import psutil
+
+    servers = [c for c in psutil.Process(launcher_pid).children() if "forkserver" in " ".join(c.cmdline())]
+    return sorted((r for s in servers for r in s.children()), key=lambda r: r.create_time())
+
+
 def step_rows(output_dir: Path, name: str) -> list[dict]:
     """The training steps' rows (``step`` >= 0, in file order) of the run ``name``'s ``metrics.jsonl`` under
     ``output_dir``."""

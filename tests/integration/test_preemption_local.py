@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.run_utils import trainer_ranks
 from tests.integration.test_loop import REWARD_MODULE
 
 pytestmark = pytest.mark.integration
@@ -256,15 +257,15 @@ def test_resume_at_an_epoch_boundary_neither_skips_nor_repeats(tmp_path):
 
 
 def test_a_killed_launcher_takes_its_trainer_ranks_and_engine_with_it(tmp_path):
-    """Two trainer ranks (``train.nprocs=2``, data parallel): their processes are the launcher's children, and
-    rank 0's engine is theirs. SIGKILL of the launcher (as ``kill -9``, or an OOM kill) leaves none of them:
+    """Two trainer ranks (``train.nprocs=2``, data parallel): their processes are the launcher's (forked by its
+    fork server), and rank 0's engine is theirs. SIGKILL of the launcher (as ``kill -9``, or an OOM kill) leaves none of them:
     the ranks die with the launcher (``PR_SET_PDEATHSIG``), the engine with rank 0. Before, the ranks ran on
     as orphans, holding the cores, the engine's port and the run folder."""
     run_dir = tmp_path / "runs" / "orphans"
     proc = start(tmp_path, "orphans", "train.nprocs=2", "run.num_rollout=50")
     wait_steps(proc, run_dir, 1)
     children = descendants(proc.pid)
-    ranks = [p for p in children if "spawn_main" in full_cmdline(p)]
-    assert len(ranks) == 2 and any("hpcrl.engine.server" in full_cmdline(p) for p in children), \
+    ranks = trainer_ranks(proc.pid)
+    assert len(ranks) == 2 and {r.pid for r in ranks} <= set(children) and any("hpcrl.engine.server" in full_cmdline(p) for p in children), \
         [full_cmdline(p) for p in children]
     kill_and_expect_gone(proc, children, 30)

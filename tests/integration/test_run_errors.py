@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.run_utils import trainer_ranks
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,8 +124,7 @@ def test_a_stalled_trainer_rank_stops_the_controller_after_the_collective_timeou
                     "\n") if x.strip())):  # step 0 logged: both ranks are in the loop
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.5)
-            workers = sorted((c for c in psutil.Process(proc.pid).children()
-                              if "spawn_main" in " ".join(c.cmdline())), key=lambda c: c.create_time())
+            workers = trainer_ranks(proc.pid)
             assert len(workers) == 2, workers  # trainer ranks 0 and 1, started in rank order
             rank0, rank1 = workers
             rank1.send_signal(signal.SIGSTOP)
