@@ -1,9 +1,9 @@
 """The shared harness of the two-process megatron tests (test_megatron_tp2, test_megatron_moe,
 test_glm4_moe_parallel, test_deepseek_v3_tp2, test_megatron_mistral).
 
-Each of those files is a pytest module and, run as a script by ``torchrun --nproc_per_node=2``, the worker
-that writes ``rank{r}.pt`` per rank; the tests compare what the ranks computed with HF transformers. Here:
-loading a tests/unit module as the helpers (``h``), launching the torchrun job and loading its results, and
+Each of those files is a pytest module and, run as a script on 2 or 4 ranks (:func:`run_two_ranks`), the
+worker that writes ``rank{r}.pt`` per rank; the tests compare what the ranks computed with HF transformers. Here:
+loading a tests/unit module as the helpers (``h``), launching the ranks and loading their results, and
 the checks every such file makes on an export and on one optimizer step.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -34,17 +34,68 @@ def unit_helpers(name: str = "test_megatron_bridge") -> ModuleType:
 
 def run_two_ranks(script: str | os.PathLike, args: list[str], out: Path, timeout: float = 600,
                   nprocs: int = 2) -> list[dict]:
-    """Run ``script args --out out`` under ``torchrun --nproc_per_node=nprocs`` (2 unless said; gloo on a free
-    loopback port, one thread per rank) and return each rank's ``out/rank{r}.pt``, rank 0 first. Fails the test
-    with the job's output tails when it exits non-zero; raises subprocess.TimeoutExpired after ``timeout``
-    seconds."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nprocs}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args, "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, \
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    """Run ``script args --out out`` as ``nprocs`` ranks (2 unless said) with torchrun's variables (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: gloo on a free
+    loopback port), one thread per rank, and return each rank's ``out/rank{r}.pt``, rank 0 first.
+
+    The ranks are forked from this test process's fork server (:func:`hpcrl.launch_local.worker_context`, as
+    ``hpcrl run`` starts its trainer processes): torch, megatron-core and the trainer are imported once per
+    test process instead of once per rank, and no torchrun agent is started (issue #52: ~12 CPU-seconds of a
+    2-rank job were imports). The script runs as ``__main__`` (:func:`runpy.run_path`), its output in
+    ``out/rank{r}.log``. Fails the test with the logs' tails when a rank exits non-zero (the others are
+    stopped) or after ``timeout`` seconds."""
+    from multiprocessing import connection
+
+    from hpcrl.launch_local import worker_context
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    ctx = worker_context()
+    procs = [ctx.Process(target=_rank_main, args=(str(script), [*args, "--out", str(out)], r, nprocs, port,
+                                                  str(out / f"rank{r}.log")), name=f"rank-{r}")
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    try:
+        while alive and time.monotonic() < deadline:
+            connection.wait([p.sentinel for p in alive], timeout=1.0)
+            alive = [p for p in alive if p.exitcode is None]
+            if any(p.exitcode for p in procs if p.exitcode is not None):
+                break  # one failed: the others would wait for it in a collective
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    if codes != [0] * nprocs:
+        tails = "\n".join(f"--- rank {r} (exit {c}):\n" + (out / f"rank{r}.log").read_text(errors="replace")[-4000:]
+                          for r, c in enumerate(codes))
+        pytest.fail(f"{script} failed on {nprocs} ranks (exit codes {codes}; timeout {timeout} s):\n{tails}")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+
+
+def _rank_main(script: str, argv: list[str], rank: int, world_size: int, port: int, log: str) -> None:
+    """One rank of :func:`run_two_ranks`: stdout and stderr to ``log``, torchrun's variables, one thread, then
+    ``script`` as ``__main__`` with ``argv`` (its folder first on ``sys.path``, as ``python script`` has it)."""
+    import runpy
+    import warnings
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).parent))
+    runpy.run_path(script, run_name="__main__")
 
 
 def assert_export_bitwise(export: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> None:
