@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP handlers of the engine server (``/v1/completions``, ``/v1/chat/completions``,
 ``/tokenize``, ``/detokenize``): request checks and response shapes live in :mod:`hpcrl.engine.openai_api`,
-generation in :mod:`hpcrl.engine.generation` (shared with the native ``/generate``)."""
+generation in :mod:`hpcrl.engine.generation` (shared with the native ``/generate``). :mod:`hpcrl.engine.openai_api`
+(pydantic, ~0.4 CPU-seconds to import) is imported by the first OpenAI request, not by every engine's start: a
+training run's engines serve ``/generate`` alone (issue #52, start-up)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from hpcrl.engine import openai_api, protocol
+from hpcrl.engine import protocol
 from hpcrl.engine.generation import Generation, read_body
 from hpcrl.engine.scheduler import EngineUnavailable
 
@@ -29,6 +31,8 @@ def routes(generation: Generation) -> dict[str, Callable[[web.Request], Awaitabl
 
 def _spec(generation: Generation, body: dict, chat: bool) -> tuple[Any, protocol.GenerateSpec]:
     """Validate an OpenAI request and turn it into a generate spec. Raises OpenAIError."""
+    from hpcrl.engine import openai_api
+
     tok = generation.tokenizer
     if chat:
         req = openai_api.parse(openai_api.ChatCompletionRequest, body, openai_api.CHAT_UNSUPPORTED)
@@ -55,6 +59,8 @@ def _spec(generation: Generation, body: dict, chat: bool) -> tuple[Any, protocol
 
 
 async def _completions(generation: Generation, request: web.Request, chat: bool) -> web.StreamResponse:
+    from hpcrl.engine import openai_api
+
     try:
         req, spec = _spec(generation, await read_body(request), chat)
     except protocol.RequestError as e:  # invalid JSON
@@ -79,6 +85,8 @@ async def _stream(generation: Generation, request: web.Request, req, spec: proto
                   chat: bool) -> web.StreamResponse:
     """OpenAI's server-sent events: one chunk per new text of a choice, then a ``usage`` chunk when asked,
     then ``data: [DONE]``."""
+    from hpcrl.engine import openai_api
+
     try:
         queue = generation.updates(spec)
     except EngineUnavailable as e:
@@ -158,6 +166,8 @@ async def v1_chat_completions(generation: Generation, request: web.Request) -> w
 async def tokenize(generation: Generation, request: web.Request) -> web.Response:
     """``/tokenize`` and ``/v1/tokenize``: ``{"tokens", "count", "max_model_len"}`` (lists for a list of
     prompts)."""
+    from hpcrl.engine import openai_api
+
     tok = generation.tokenizer
     try:
         req = openai_api.parse(openai_api.TokenizeRequest, await read_body(request))
@@ -184,6 +194,8 @@ async def tokenize(generation: Generation, request: web.Request) -> web.Response
 
 async def detokenize(generation: Generation, request: web.Request) -> web.Response:
     """``/detokenize`` and ``/v1/detokenize``: ``{"text"}`` (a list for lists of ids)."""
+    from hpcrl.engine import openai_api
+
     try:
         req = openai_api.parse(openai_api.DetokenizeRequest, await read_body(request))
     except protocol.RequestError as e:
