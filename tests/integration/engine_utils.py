@@ -23,6 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
@@ -274,7 +276,7 @@ async def sync_trainer(url: str, key: str, model, version: str, method: str = "t
 
 
 def sync_worker_main(worker) -> None:
-    """The ``__main__`` of a test file that is also the torchrun worker of :func:`run_two_rank_sync`: parse
+    """The ``__main__`` of a test file that is also the rank worker of :func:`run_two_rank_sync`: parse
     ``--model DIR --url URL --out DIR`` and call ``worker(model, url, out)``."""
     import argparse
 
@@ -286,23 +288,80 @@ def sync_worker_main(worker) -> None:
     worker(args.model, args.url, args.out)
 
 
-def run_two_rank_sync(script: str | os.PathLike, args: list[str], out: Path,
-                      timeout: float = 600) -> list[dict]:
-    """Run ``script args --out out`` under ``torchrun --nproc_per_node=2`` (one thread per rank) and return
-    each rank's ``out/rank{r}.json``. The output goes to ``out/torchrun.log``, not a pipe: the
-    torch_shm_manager that CPU tensor payloads start inherits the workers' stdout and outlives them (until the
-    engine exits), so reading a pipe to EOF would hang. Fails the test with the log's tail on a non-zero
-    exit."""
+def run_ranks(script: str | os.PathLike, args: list[str], out: Path, nprocs: int = 2,
+              timeout: float = 600) -> None:
+    """Run ``script args --out out`` as ``nprocs`` ranks with torchrun's variables (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: gloo on a free loopback port), one
+    thread per rank; each rank's output goes to ``out/rank{r}.log`` (a file, not a pipe: a torch_shm_manager that
+    CPU tensor payloads start inherits the rank's stdout and outlives it).
+
+    The ranks are forked from this test process's fork server (:func:`hpcrl.launch_local.worker_context`, as
+    ``hpcrl run`` starts its trainer processes): torch, megatron-core and the trainer are imported once per test
+    process instead of once per rank, and no torchrun agent is started (issue #52: a 2-rank job's imports were
+    most of its CPU; the multi-rank megatron tests took 292 core-seconds under torchrun, 137 so). The script
+    runs as ``__main__`` (:func:`runpy.run_path`). Fails the test with the logs' tails when a rank exits non-zero
+    (the others are stopped: they would wait for it in a collective) or after ``timeout`` seconds."""
+    from multiprocessing import connection
+
+    from hpcrl.launch_local import worker_context
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args, "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    log = out / "torchrun.log"
-    with open(log, "wb") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
-    assert rc == 0, f"torchrun failed ({rc}):\n{log.read_text(errors='replace')[-8000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    port = free_port()
+    ctx = worker_context()
+    procs = [ctx.Process(target=_rank_main, args=(str(script), [*args, "--out", str(out)], r, nprocs, port,
+                                                  str(out / f"rank{r}.log")), name=f"rank-{r}")
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        alive = list(procs)
+        while alive and time.monotonic() < deadline:
+            connection.wait([p.sentinel for p in alive], timeout=1.0)
+            alive = [p for p in alive if p.exitcode is None]
+            if any(p.exitcode for p in procs if p.exitcode is not None):
+                break
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    if codes != [0] * nprocs:
+        tails = "\n".join(f"--- rank {r} (exit {c}):\n" + (out / f"rank{r}.log").read_text(errors="replace")[-4000:]
+                          for r, c in enumerate(codes))
+        pytest.fail(f"{script} failed on {nprocs} ranks (exit codes {codes}; timeout {timeout} s):\n{tails}")
+
+
+def _rank_main(script: str, argv: list[str], rank: int, world_size: int, port: int, log: str) -> None:
+    """One rank of :func:`run_ranks`: stdout and stderr to ``log``, torchrun's variables, one thread, then
+    ``script`` as ``__main__`` with ``argv`` (its folder first on ``sys.path``, as ``python script`` has it)."""
+    import runpy
+    import warnings
+
+    import torch
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_two_rank_sync(script: str | os.PathLike, args: list[str], out: Path,
+                      timeout: float = 600) -> list[dict]:
+    """Run ``script args --out out`` on 2 ranks (:func:`run_ranks`) and return each rank's
+    ``out/rank{r}.json``. Fails the test with the ranks' log tails when one exits non-zero."""
+    run_ranks(script, args, out, 2, timeout)
+    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def load_file_module(path: Path, module_name: str, search: Path):

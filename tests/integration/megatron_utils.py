@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-from engine_utils import free_port, load_file_module
+from engine_utils import load_file_module, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "tests" / "unit"
@@ -34,68 +33,12 @@ def unit_helpers(name: str = "test_megatron_bridge") -> ModuleType:
 
 def run_two_ranks(script: str | os.PathLike, args: list[str], out: Path, timeout: float = 600,
                   nprocs: int = 2) -> list[dict]:
-    """Run ``script args --out out`` as ``nprocs`` ranks (2 unless said) with torchrun's variables (``RANK``,
-    ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: gloo on a free
-    loopback port), one thread per rank, and return each rank's ``out/rank{r}.pt``, rank 0 first.
-
-    The ranks are forked from this test process's fork server (:func:`hpcrl.launch_local.worker_context`, as
-    ``hpcrl run`` starts its trainer processes): torch, megatron-core and the trainer are imported once per
-    test process instead of once per rank, and no torchrun agent is started (issue #52: ~12 CPU-seconds of a
-    2-rank job were imports). The script runs as ``__main__`` (:func:`runpy.run_path`), its output in
-    ``out/rank{r}.log``. Fails the test with the logs' tails when a rank exits non-zero (the others are
-    stopped) or after ``timeout`` seconds."""
-    from multiprocessing import connection
-
-    from hpcrl.launch_local import worker_context
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    ctx = worker_context()
-    procs = [ctx.Process(target=_rank_main, args=(str(script), [*args, "--out", str(out)], r, nprocs, port,
-                                                  str(out / f"rank{r}.log")), name=f"rank-{r}")
-             for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    alive = list(procs)
-    try:
-        while alive and time.monotonic() < deadline:
-            connection.wait([p.sentinel for p in alive], timeout=1.0)
-            alive = [p for p in alive if p.exitcode is None]
-            if any(p.exitcode for p in procs if p.exitcode is not None):
-                break  # one failed: the others would wait for it in a collective
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.terminate()
-            p.join()
-    codes = [p.exitcode for p in procs]
-    if codes != [0] * nprocs:
-        tails = "\n".join(f"--- rank {r} (exit {c}):\n" + (out / f"rank{r}.log").read_text(errors="replace")[-4000:]
-                          for r, c in enumerate(codes))
-        pytest.fail(f"{script} failed on {nprocs} ranks (exit codes {codes}; timeout {timeout} s):\n{tails}")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
-
-
-def _rank_main(script: str, argv: list[str], rank: int, world_size: int, port: int, log: str) -> None:
-    """One rank of :func:`run_two_ranks`: stdout and stderr to ``log``, torchrun's variables, one thread, then
-    ``script`` as ``__main__`` with ``argv`` (its folder first on ``sys.path``, as ``python script`` has it)."""
-    import runpy
-    import warnings
-
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    sys.argv = [script, *argv]
-    sys.path.insert(0, str(Path(script).parent))
-    runpy.run_path(script, run_name="__main__")
+    """Run ``script args --out out`` on ``nprocs`` ranks (2 unless said; :func:`engine_utils.run_ranks`: forked,
+    torchrun's variables, gloo on a free loopback port, one thread per rank) and return each rank's
+    ``out/rank{r}.pt``, rank 0 first. Fails the test with the ranks' log tails when one exits non-zero or after
+    ``timeout`` seconds."""
+    run_ranks(script, args, out, nprocs, timeout)
+    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
 
 
 def assert_export_bitwise(export: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> None:
@@ -150,7 +93,7 @@ def dirs_args(dirs: dict) -> list[str]:
 
 
 def worker_main(worker, flag: str, help: str) -> None:
-    """The ``__main__`` of a two-process megatron test file (the torchrun worker of :func:`run_two_ranks`):
+    """The ``__main__`` of a two-process megatron test file (the rank worker of :func:`run_two_ranks`):
     parse ``flag`` (``--path``: one HF folder, passed on as is; ``--dirs``: JSON ``{kind: HF folder}``,
     passed on as a dict; ``help`` says which) and ``--out DIR``, then call ``worker(folders, out)``. Raises
     ValueError for another flag."""

@@ -1,4 +1,4 @@
-"""hpcrl.train.actor across 2 real processes (torchrun, gloo on loopback): TP=2 x DP=1, then TP=1 x DP=2.
+"""hpcrl.train.actor across 2 real processes (forked ranks with torchrun's variables, gloo on loopback): TP=2 x DP=1, then TP=1 x DP=2.
 
 One torchrun job (this file run as a script, see ``worker``) trains an :class:`~hpcrl.train.actor.Actor` on
 the same 16 samples at both layouts, with a KL loss (so old log-probs are recomputed and the reference weights
@@ -29,13 +29,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.integration.engine_utils import run_ranks
 
 _UNIT = Path(__file__).resolve().parents[1] / "unit" / "test_actor.py"
 CHANGES = {"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5, "algorithm.kl_loss_type": "k3",
@@ -158,11 +158,6 @@ def worker(model_dir: str, samples_file: Path, out: Path) -> None:
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def h():
@@ -177,17 +172,11 @@ def samples(h, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def ranks(tiny_model_dir, samples, tmp_path_factory):
-    """Run the torchrun job once; the per-rank results, rank 0 first."""
+    """Run the 2-rank job once (engine_utils.run_ranks); the per-rank results, rank 0 first."""
     out = tmp_path_factory.mktemp("actor-tp2-out")
     torch.save([s.to_dict() for s in samples], out / "samples.pt")
     make_reward_model(tiny_model_dir, out / "rm")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__,
-           "--model", str(tiny_model_dir), "--samples", str(out / "samples.pt"), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
-    assert proc.returncode == 0, \
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_ranks(__file__, ["--model", str(tiny_model_dir), "--samples", str(out / "samples.pt")], out)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

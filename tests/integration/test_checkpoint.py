@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from tests.integration.engine_utils import run_ranks
 
 from hpcrl.config import TrainSection
 
@@ -188,11 +189,6 @@ def worker(hf_dir: str, out: Path) -> None:
 # --- the test side ------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def tp1():
@@ -215,16 +211,10 @@ def tp1_resume(tp1, tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ranks(tiny_model_dir, tmp_path_factory):
-    """Run the torchrun job once; the per-rank results (rank 0 first) and its output folder."""
+    """Run the 2-rank job once (engine_utils.run_ranks); the per-rank results (rank 0 first) and its output folder."""
     pytest.importorskip("megatron.core")
     out = tmp_path_factory.mktemp("ckpt-tp2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__,
-           "--hf", str(tiny_model_dir), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, \
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_ranks(__file__, ["--hf", str(tiny_model_dir)], out)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
 
 

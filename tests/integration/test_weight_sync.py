@@ -18,8 +18,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,11 +28,12 @@ import torch
 try:
     from tests.integration.engine_utils import (EngineProcess, check_across_update, generate_across_update,
                                                 hf_tensors, http_json, max_diff, perturb, prefill_logprobs,
-                                                stream_labels, two_policies)
+                                                run_ranks, stream_labels, two_policies)
 except ImportError:  # tests/integration is not a package (also when run by torchrun)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_utils import (EngineProcess, check_across_update, generate_across_update, hf_tensors,
-                              http_json, max_diff, perturb, prefill_logprobs, stream_labels, two_policies)
+                              http_json, max_diff, perturb, prefill_logprobs, run_ranks, stream_labels,
+                              two_policies)
 
 KEY = "weight-sync-test-key"
 TOL = 1e-5
@@ -532,25 +531,11 @@ def test_unresponsive_engine_times_out(hang_engine, trainer, hf_size):
 
 # --- TP=2 trainer -------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_tp2_trainer_syncs_from_rank0(engine, tiny_model_dir, key_file, hf_size, tmp_path):
     pytest.importorskip("megatron.core")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__,
-           "--model", str(tiny_model_dir),
-           "--url", engine.url, "--key-file", str(key_file), "--out", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    # Output to a file, not a pipe: the torch_shm_manager that CPU tensor payloads start inherits the
-    # workers' stdout and outlives them (until the engine exits), so reading a pipe to EOF would hang.
-    log = tmp_path / "torchrun.log"
-    with open(log, "wb") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=env, check=False)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{log.read_text()[-8000:]}"
+    run_ranks(__file__, ["--model", str(tiny_model_dir), "--url", engine.url, "--key-file", str(key_file)],
+              tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     for method in ("tensor", "distributed"):
         res = r0[method]
