@@ -120,9 +120,12 @@ _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The megatron-core tensors the bridge maps: every parameter, then the routers' ``expert_bias`` buffers
-    (GLM-4.5 / DeepSeek-V3's ``e_score_correction_bias``: state, but not trained by the optimizer)."""
-    yield from module.named_parameters()
+    """The megatron-core tensors the bridge maps: every parameter but LoRA adapters' (the base model's weights:
+    :mod:`hpcrl.train.lora` exports the adapters), then the routers' ``expert_bias`` buffers (GLM-4.5 /
+    DeepSeek-V3's ``e_score_correction_bias``: state, but not trained by the optimizer)."""
+    from hpcrl.train.lora import is_lora_name
+
+    yield from ((name, p) for name, p in module.named_parameters() if not is_lora_name(name))
     for name, buf in module.named_buffers():
         if name.endswith("mlp.router.expert_bias"):
             yield name, buf

@@ -1,0 +1,122 @@
+"""LoRA adapters on the megatron-core trainer (issue #56 point 1) against HF PEFT's LoRA on the same HF model, in
+this process (gloo, world size 1).
+
+The same adapters (hpcrl's, with every ``lora_B`` set to random values so the adapters change the output) are
+loaded into ``peft.get_peft_model`` under PEFT's saved names (:func:`hpcrl.train.lora.peft_state_dict`): the
+log-probs agree to 1e-5, and one AdamW step of a policy-gradient loss (megatron-core's DDP and optimizer against
+torch's AdamW on PEFT's trainable parameters, both clipped at 1.0) leaves the adapters within 1e-6 of each other
+and the base weights untouched. Dense families: Qwen2 (q/k/v bias, tied embedding) and Llama (untied).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+peft = pytest.importorskip("peft")
+
+from hpcrl.train import bridge, logprobs, lora, model as tmodel  # noqa: E402
+from tests.unit.test_megatron_bridge import (MEGATRON, TRAIN, device_of, hf_train_step, load_hf,  # noqa: E402
+                                             make_tiny_hf, megatron_loss_fn, response_mask, sample_batch,
+                                             tp1)  # noqa: F401 - the fixture
+
+SPEC = lora.LoraSpec(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def dense_dirs(tiny_model_dir, tmp_path_factory):
+    return {"qwen2": tiny_model_dir, "llama": make_tiny_hf("llama", tmp_path_factory.mktemp("hf") / "llama")}
+
+
+def adapted(path, spec=SPEC, seed=3):
+    """hpcrl's model of ``path`` with ``spec``'s adapters, each ``lora_B`` filled from a seeded normal (std 0.5):
+    ``(ddp_model, optimizer)``."""
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, TRAIN, MEGATRON, lora=spec)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in bridge.unwrap_model(ddp_model).named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return ddp_model, optimizer
+
+
+def peft_model(path, ddp_model, spec=SPEC):
+    """HF transformers + PEFT's LoRA (``spec``'s config) with hpcrl's adapters loaded under PEFT's names."""
+    model = peft.get_peft_model(load_hf(path), peft.LoraConfig(
+        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=list(spec.target_modules)))
+    state = {k: v.detach().cpu().clone() for k, v in lora.peft_state_dict(ddp_model)}
+    result = peft.set_peft_model_state_dict(model, state)
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert sorted(peft.get_peft_model_state_dict(model)) == sorted(state)  # every adapter of PEFT's is ours
+    return model
+
+
+def test_adapters_start_at_the_base_model_and_freeze_it(tp1, tiny_model_dir):
+    """Fresh adapters (B = 0) leave the logits as the base model's; only adapters train (the optimizer holds
+    them alone); the bridge's export is the base model, bitwise."""
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN, MEGATRON, lora=SPEC)
+    model = bridge.unwrap_model(ddp_model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(lora.is_lora_name(n) for n in trainable)
+    # 4 layers x (q, k, v, o, gate, up, down) x (A, B)
+    assert len(trainable) == 4 * 7 * 2
+    in_optimizer = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    assert in_optimizer == sum(p.numel() for n, p in model.named_parameters() if n in trainable)
+    tokens, total, resp, _ = sample_batch(21, seed=1)
+    hf = load_hf(tiny_model_dir)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        ours = model(tokens.to(device_of(model)), position_ids=None, attention_mask=None).cpu()
+    assert (ours[..., :21] - ref).abs().max().item() < 1e-5
+    exported = dict(bridge.export_hf_weights(ddp_model))
+    base = bridge.read_hf_state_dict(tiny_model_dir)
+    assert sorted(exported) == sorted(k for k in base if k != "lm_head.weight")
+    assert all(torch.equal(exported[k].cpu(), base[k]) for k in exported)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_log_probs_and_one_adamw_step_match_peft(tp1, dense_dirs, family):
+    path = dense_dirs[family]
+    ddp_model, optimizer = adapted(path)
+    reference = peft_model(path, ddp_model).train()
+    tokens, total, resp, adv = batch = sample_batch(21, seed=5)
+
+    with torch.no_grad():
+        ours = logprobs.response_log_probs(bridge.unwrap_model(ddp_model), tokens.to(device_of(ddp_model)),
+                                           total, resp)
+        logits = reference(tokens).logits[:, :-1]
+    theirs = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    mask = response_mask(total, resp)  # [batch, seq - 1]; ours are the response's positions, left-aligned
+    assert ours.mask.sum(1).tolist() == mask.sum(1).tolist() == resp.tolist()
+    base = load_hf(path)
+    with torch.no_grad():
+        plain = torch.log_softmax(base(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    assert (theirs - plain)[mask].abs().max().item() > 1e-2  # the adapters change the policy
+    assert (ours.log_probs.cpu()[ours.mask.cpu()] - theirs[mask]).abs().max().item() < 1e-5
+
+    result = tmodel.train_step(ddp_model, optimizer, megatron_loss_fn(batch), [None])
+    ref_loss, ref_norm, _ = hf_train_step(reference, *batch)
+    assert result["update_successful"]
+    assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    after = {k: v.detach().cpu() for k, v in lora.peft_state_dict(ddp_model)}
+    ref_after = peft.get_peft_model_state_dict(reference)
+    before = {k: v.detach().cpu() for k, v in lora.peft_state_dict(adapted(path)[0])}
+    assert max((after[k] - before[k]).abs().max().item() for k in after) > 1e-2  # the step moved them
+    assert max((after[k] - ref_after[k]).abs().max().item() for k in after) < 1e-6
+    exported = dict(bridge.export_hf_weights(ddp_model))  # the base model is frozen
+    hf_base = bridge.read_hf_state_dict(path)
+    assert all(torch.equal(exported[k].cpu(), hf_base[k]) for k in exported)
+
+
+def test_only_the_targets_get_adapters_and_unknown_targets_are_refused(tp1, tiny_model_dir):
+    spec = lora.LoraSpec(rank=2, alpha=2.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    ddp_model, _ = tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN, MEGATRON, lora=spec)
+    names = [k for k, _ in lora.peft_state_dict(ddp_model)]
+    assert names[:6] == [f"base_model.model.model.layers.0.{m}.lora_{ab}.weight" for m in
+                         ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj") for ab in "AB"]
+    assert len(names) == 4 * 3 * 2
+    with pytest.raises(ValueError, match=r"model.lora.target_modules: \['qkv'\]"):
+        tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN, MEGATRON,
+                                         lora=lora.LoraSpec(target_modules=("q_proj", "qkv")))
