@@ -14,15 +14,17 @@ map one to one onto PEFT's) and places each part's output where the fused layer 
 bridge's ``qkv`` layout (interleaved per query group) and ``fc1`` layout (``[gate; up]``), applied to the output's
 last dimension (:func:`hpcrl.train.bridge._to_shard`).
 
-What is done: dense families (Qwen2, Qwen3, Llama, Mistral) at tensor-, pipeline-, context- and expert-parallel
-size 1; ``hpcrl validate`` refuses the rest for now (:func:`hpcrl.config.run.check_lora`).
+What is done: dense families (Qwen2, Qwen3, Llama, Mistral) at any tensor-parallel size, with or without
+sequence parallelism; pipeline, context and expert parallelism, MoE experts and multi-latent attention raise
+NotImplementedError for now (issue #56).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -58,42 +60,82 @@ class LoraSpec:
 
 class LoraAdapter(torch.nn.Module):
     """The adapters of one megatron-core linear: for each of its PEFT modules ``t`` (those in the spec's
-    targets) ``lora_A[t]`` [rank, in_features] and ``lora_B[t]`` [out_features(t), rank].
+    targets) ``lora_A[t]`` and ``lora_B[t]``, split over tensor-parallel ranks as Megatron-Bridge's
+    ``ParallelLinearAdapter`` splits them:
 
-    ``forward(x)``: ``x`` the linear's input [seq, batch, in_features] -> the adapters' contribution to its
-    output [seq, batch, out_features of the fused linear], zeros where a part is not adapted."""
+    - on a column-parallel linear (``linear_qkv``, ``linear_fc1``; ``kind`` "column") ``lora_A[t]`` [rank, in]
+      is whole on every rank and ``lora_B[t]`` holds this rank's rows of the part [out(t) / tp, rank] (the rows
+      of the base weight's part this rank holds: its query groups, its chunk of gate and of up);
+    - on a row-parallel linear (``linear_proj``, ``linear_fc2``; "row") ``lora_A[t]`` holds this rank's columns
+      [rank, in / tp] and ``lora_B[t]`` [out, rank] is whole.
 
-    def __init__(self, layout: str, parts: Sequence[str], part_sizes: Sequence[int], in_features: int,
-                 spec: LoraSpec, geometry, dtype: torch.dtype, device: torch.device):
+    ``forward(x)``: ``x`` the linear's input ([seq, batch, in], sequence-split [seq / tp, ...] into a
+    column-parallel linear under sequence parallelism; [seq, batch, in / tp] into a row-parallel one) -> the
+    adapters' part of the linear's output, in its layout (this rank's fused rows, or the whole output;
+    sequence-split under sequence parallelism), zeros where a part is not adapted. The collectives make every
+    adapter gradient whole on its rank, so no tensor-parallel reduction is added: a column-parallel adapter's
+    ``A x`` passes megatron's ``copy_to_tensor_model_parallel_region`` (its gradient summed over the ranks'
+    rows), a row-parallel one's ``A x`` is summed over ranks (``reduce_from_tensor_model_parallel_region``); a
+    sequence-split input is gathered (its gradient split back), a row-parallel output scattered over the
+    sequence (its gradient gathered)."""
+
+    def __init__(self, kind: str, layout: str, parts: Sequence[str], part_sizes: Sequence[int],
+                 in_features: int, spec: LoraSpec, geometry, sequence_parallel: bool, dtype: torch.dtype,
+                 device: torch.device):
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
         super().__init__()
-        self.layout, self.parts, self.part_sizes, self.geometry = layout, tuple(parts), tuple(part_sizes), geometry
-        self.scaling = spec.scaling
-        adapted = [p for p in parts if p in spec.target_modules]
-        self.lora_A = torch.nn.ParameterDict({
-            p: torch.nn.Parameter(torch.empty(spec.rank, in_features, dtype=dtype, device=device))
-            for p in adapted})
-        self.lora_B = torch.nn.ParameterDict({
-            p: torch.nn.Parameter(torch.zeros(size, spec.rank, dtype=dtype, device=device))
-            for p, size in zip(parts, part_sizes) if p in spec.target_modules})
-        for a in self.lora_A.values():
-            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's reset_lora_parameters
+        g = geometry
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.kind, self.layout, self.parts = kind, layout, tuple(parts)
+        self.local_sizes = tuple(size // g.tp if kind == "column" else size for size in part_sizes)
+        self.sequence_parallel, self.scaling = sequence_parallel, spec.scaling
+        # the fused layout of this rank's rows alone (its heads and groups; fc1's [gate; up] halves)
+        self.local_geometry = dataclasses.replace(g, tp=1, rank=0, num_heads=g.num_heads // g.tp,
+                                                  num_groups=g.num_groups // g.tp)
+        self.lora_A = torch.nn.ParameterDict()
+        self.lora_B = torch.nn.ParameterDict()
+        for part, size in zip(parts, part_sizes):
+            if part not in spec.target_modules:
+                continue
+            full_a = torch.empty(spec.rank, in_features, dtype=dtype, device=device)
+            torch.nn.init.kaiming_uniform_(full_a, a=math.sqrt(5))  # PEFT's reset_lora_parameters, on the whole A
+            if kind == "column":
+                a = torch.nn.Parameter(full_a)
+                b = torch.nn.Parameter(torch.zeros(size // g.tp, spec.rank, dtype=dtype, device=device))
+                set_tensor_model_parallel_attributes(b, True, 0, 1)
+            else:
+                a = torch.nn.Parameter(full_a.chunk(g.tp, dim=1)[g.rank].clone())
+                b = torch.nn.Parameter(torch.zeros(size, spec.rank, dtype=dtype, device=device))
+                set_tensor_model_parallel_attributes(a, True, 1, 1)
+            self.lora_A[part], self.lora_B[part] = a, b
         self.dropout = torch.nn.Dropout(spec.dropout) if spec.dropout > 0 else torch.nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+            reduce_from_tensor_model_parallel_region, scatter_to_sequence_parallel_region)
+
         from hpcrl.train.bridge import _to_shard
 
+        linear, group = torch.nn.functional.linear, self.tp_group
+        if self.kind == "column":
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)
+            x = self.dropout(x)
+            outs = [linear(copy_to_tensor_model_parallel_region(linear(x, self.lora_A[part]), group=group),
+                           self.lora_B[part]) * self.scaling if part in self.lora_A
+                    else x.new_zeros(*x.shape[:-1], size) for part, size in zip(self.parts, self.local_sizes)]
+            if len(outs) == 1:
+                return outs[0]
+            # the fused layer's rows of each part, applied to the output's last dimension
+            return _to_shard(self.layout, [o.movedim(-1, 0) for o in outs], self.local_geometry).movedim(0, -1)
+        (part,) = self.parts
         x = self.dropout(x)
-        outs = []
-        for part, size in zip(self.parts, self.part_sizes):
-            if part in self.lora_A:
-                outs.append(torch.nn.functional.linear(
-                    torch.nn.functional.linear(x, self.lora_A[part]), self.lora_B[part]) * self.scaling)
-            else:
-                outs.append(x.new_zeros(*x.shape[:-1], size))
-        if len(outs) == 1:
-            return outs[0]
-        # the fused layer's rows of each part, applied to the output's last dimension
-        return _to_shard(self.layout, [o.movedim(-1, 0) for o in outs], self.geometry).movedim(0, -1)
+        y = linear(reduce_from_tensor_model_parallel_region(linear(x, self.lora_A[part]), group=group),
+                   self.lora_B[part]) * self.scaling
+        return scatter_to_sequence_parallel_region(y, group=group) if self.sequence_parallel else y
 
 
 def _add_output(module: torch.nn.Module, args: tuple, output):
@@ -118,14 +160,14 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec) -> list[str]:
     if unknown:
         raise ValueError(f"model.lora.target_modules: {unknown} are not PEFT modules of the dense families; "
                          f"use some of {list(PEFT_TARGETS)}")
-    sizes = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
-             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+    sizes = {"pp": parallel_state.get_pipeline_model_parallel_world_size(),
              "cp": parallel_state.get_context_parallel_world_size()}
     if any(v > 1 for v in sizes.values()) or model.config.num_moe_experts or getattr(
             model.config, "multi_latent_attention", False):
-        raise NotImplementedError(f"LoRA is done for dense models without model parallelism so far ({sizes}, "
+        raise NotImplementedError(f"LoRA is done for dense models at tensor parallelism so far ({sizes}, "
                                   f"experts {model.config.num_moe_experts}): issue #56")
     g = bridge._geometry(model)
+    sp = bool(model.config.sequence_parallel)
     for p in model.parameters():
         p.requires_grad_(False)
     names = []
@@ -134,16 +176,17 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec) -> list[str]:
             if not set(parts) & set(spec.target_modules):
                 continue
             linear = layer.get_submodule(suffix)
-            weight = linear.weight
+            out_local, in_local = linear.weight.shape
             if layout == "qkv":
-                q = g.num_heads * g.head_dim
-                part_sizes = (q, g.num_groups * g.head_dim, g.num_groups * g.head_dim)
+                part_sizes = (g.num_heads * g.head_dim,) + (g.num_groups * g.head_dim,) * 2
             elif layout == "fc1":
-                part_sizes = (weight.shape[0] // 2,) * 2
-            else:
-                part_sizes = (weight.shape[0],)
-            linear.lora = LoraAdapter(layout, parts, part_sizes, weight.shape[1], spec, g, weight.dtype,
-                                      weight.device)
+                part_sizes = (out_local * g.tp // 2,) * 2
+            else:  # row-parallel: the whole output, this rank's columns of the input
+                part_sizes = (out_local,)
+            kind = "row" if layout == "row" else "column"
+            in_features = in_local * g.tp if kind == "row" else in_local
+            linear.lora = LoraAdapter(kind, layout, parts, part_sizes, in_features, spec, g, sp,
+                                      linear.weight.dtype, linear.weight.device)
             linear.register_forward_hook(_add_output)
             names += [f"decoder.layers.{i}.{suffix}.lora.{n}" for n, _ in linear.lora.named_parameters()]
     return names
@@ -154,11 +197,22 @@ def is_lora_name(name: str) -> bool:
     return ".lora.lora_" in name
 
 
-def peft_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The adapters of ``model`` (possibly wrapped) under PEFT's saved names
-    (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ...: what ``adapter_model.safetensors``
-    holds and ``peft.set_peft_model_state_dict`` loads), in layer order; the tensors are the parameters
-    themselves (detach or clone to keep them)."""
+def _whole(adapter: LoraAdapter, which: str, part: str) -> torch.Tensor:
+    """The whole ``lora_A`` / ``lora_B`` of ``part`` (gathered over tensor-parallel ranks where it is split: a
+    collective, every rank of the group calls it), detached."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    t = getattr(adapter, f"lora_{which}")[part].detach()
+    if adapter.kind == "column" and which == "B":
+        return gather_from_tensor_model_parallel_region(t.t().contiguous(), group=adapter.tp_group).t().contiguous()
+    if adapter.kind == "row" and which == "A":
+        return gather_from_tensor_model_parallel_region(t.contiguous(), group=adapter.tp_group)
+    return t
+
+
+def _adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
+    """``(PEFT module prefix, adapter)`` of each adapted linear of ``model`` (possibly wrapped), in layer
+    order: ``base_model.model.model.layers.{i}.self_attn`` ..."""
     from hpcrl.train import bridge
 
     module = bridge.unwrap_model(model)
@@ -166,9 +220,46 @@ def peft_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
     for i, layer in enumerate(module.decoder.layers):
         for suffix, (_, _, hf_module) in LINEARS.items():
             adapter = getattr(layer.get_submodule(suffix), "lora", None)
-            if adapter is None:
-                continue
-            for part in adapter.lora_A:
-                base = f"base_model.model.model.layers.{offset + i}.{hf_module}.{part}"
-                yield f"{base}.lora_A.weight", adapter.lora_A[part]
-                yield f"{base}.lora_B.weight", adapter.lora_B[part]
+            if adapter is not None:
+                yield f"base_model.model.model.layers.{offset + i}.{hf_module}", adapter
+
+
+def peft_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapters of ``model`` (possibly wrapped) under PEFT's saved names
+    (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ...: what ``adapter_model.safetensors``
+    holds and ``peft.set_peft_model_state_dict`` loads), whole (gathered over tensor-parallel ranks: every rank
+    of the group iterates together) and detached, in layer order."""
+    for prefix, adapter in _adapters(model):
+        for part in adapter.lora_A:
+            yield f"{prefix}.{part}.lora_A.weight", _whole(adapter, "A", part)
+            yield f"{prefix}.{part}.lora_B.weight", _whole(adapter, "B", part)
+
+
+@torch.no_grad()
+def load_peft_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy whole adapters in PEFT's names (:func:`peft_state_dict`'s) into ``model``'s, this rank's part of
+    each. Raises KeyError naming an adapter ``state`` lacks or a tensor no adapter takes."""
+    used = set()
+    tp, rank = _tp()
+    for prefix, adapter in _adapters(model):
+        for part in adapter.lora_A:
+            for which in "AB":
+                name = f"{prefix}.{part}.lora_{which}.weight"
+                if name not in state:
+                    raise KeyError(f"the adapter state lacks {name}")
+                whole, param = state[name], getattr(adapter, f"lora_{which}")[part]
+                if adapter.kind == "column" and which == "B":
+                    whole = whole.chunk(tp, dim=0)[rank]
+                elif adapter.kind == "row" and which == "A":
+                    whole = whole.chunk(tp, dim=1)[rank]
+                param.copy_(whole)
+                used.add(name)
+    unused = sorted(set(state) - used)
+    if unused:
+        raise KeyError(f"no adapter of the model takes {unused[:4]}")
+
+
+def _tp() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()

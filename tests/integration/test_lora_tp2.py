@@ -1,0 +1,127 @@
+"""LoRA at tensor parallelism (issue #56 point 1): hpcrl's adapters on 2 ranks (TP=2, without and with sequence
+parallelism) against HF transformers + PEFT's LoRA at world size 1 on the same adapters.
+
+One 2-rank job (this file run as a script, see ``worker``) loads the same whole adapters (PEFT's names, made in
+this process by ``peft.get_peft_model`` with every ``lora_B`` drawn at random) into each rank's split of them
+(:func:`hpcrl.train.lora.load_peft_state`), computes the response log-probs and takes one AdamW step of a
+policy-gradient loss; the tests compare with PEFT's log-probs (1e-5) and torch AdamW's step on PEFT's
+trainable parameters (loss and grad norm rel 1e-5, every adapter within 1e-6, gathered whole on both ranks,
+:func:`hpcrl.train.lora.peft_state_dict`), and check the base model did not move. Qwen2 (q/k/v bias, 4 heads in
+2 query groups: one group per rank) and Llama.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
+from megatron_utils import dirs_args, helpers_fixture, run_two_ranks, unit_helpers, worker_main  # noqa: E402
+
+RANK, ALPHA = 4, 8.0
+KINDS = ("qwen2", "llama")
+
+
+# --- the distributed side: 2 ranks of `test_lora_tp2.py --dirs JSON --out DIR` --------------------------------
+
+def worker(dirs: dict[str, str], out: Path) -> None:
+    """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
+    torch.set_num_threads(1)
+    from hpcrl.train import bridge, logprobs, lora, parallel, model as tmodel
+
+    h = unit_helpers()
+    env = parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=2)
+    parallel.model_parallel_cuda_manual_seed(1234)
+    res: dict = {}
+    tokens, total, resp, _ = batch = h.sample_batch(21, seed=5)
+    for kind in KINDS:
+        adapters = torch.load(Path(dirs[kind + "_adapters"]), weights_only=True)
+        for sp in (False, True):
+            train = dataclasses.replace(h.TRAIN, tensor_parallel_size=2, sequence_parallel=sp)
+            ddp_model, optimizer = tmodel.setup_model_and_optimizer(
+                dirs[kind], train, h.MEGATRON, lora=lora.LoraSpec(rank=RANK, alpha=ALPHA))
+            lora.load_peft_state(ddp_model, adapters)
+            model = bridge.unwrap_model(ddp_model)
+            with torch.no_grad():
+                lp = logprobs.response_log_probs(model, tokens, total, resp)
+            step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
+            res[f"{kind}_{'sp' if sp else 'tp2'}"] = dict(
+                sp=model.config.sequence_parallel, log_probs=lp.log_probs, mask=lp.mask, step=step,
+                adapters=dict(lora.peft_state_dict(ddp_model)), base=dict(bridge.export_hf_weights(ddp_model)))
+    torch.save(res, out / f"rank{env.rank}.pt")
+    parallel.destroy()
+
+
+# --- the test side ------------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.integration
+peft = pytest.importorskip("peft")
+
+h = helpers_fixture()
+
+
+def reference(h, path):
+    """HF + PEFT's LoRA on ``path``: every ``lora_B`` drawn from a seeded normal (std 0.5), ``lora_A`` PEFT's
+    own init under a fixed seed."""
+    torch.manual_seed(11)
+    model = peft.get_peft_model(h.load_hf(path), peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def dirs(h, tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-lora")
+    out = {"qwen2": tiny_model_dir, "llama": h.make_tiny_hf("llama", root / "llama")}
+    for kind in KINDS:
+        torch.save(peft.get_peft_model_state_dict(reference(h, out[kind])), root / f"{kind}.pt")
+        out[kind + "_adapters"] = root / f"{kind}.pt"
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(dirs, tmp_path_factory):
+    """Run the 2-rank job once; the per-rank results, rank 0 first."""
+    return run_two_ranks(__file__, dirs_args(dirs), tmp_path_factory.mktemp("lora-tp2-out"))
+
+
+@pytest.mark.parametrize("layout", ("tp2", "sp"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_at_tp2_equals_peft(h, dirs, ranks, kind, layout):
+    from hpcrl.train import bridge
+
+    ref = reference(h, dirs[kind]).train()
+    before = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(ref).items()}
+    tokens, total, resp, adv = batch = h.sample_batch(21, seed=5)
+    with torch.no_grad():
+        theirs = torch.log_softmax(ref(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    mask = h.response_mask(total, resp)
+    ref_loss, ref_norm, _ = h.hf_train_step(ref, *batch)
+    ref_after = peft.get_peft_model_state_dict(ref)
+    base = bridge.read_hf_state_dict(dirs[kind])
+    for res in ranks:
+        run = res[f"{kind}_{layout}"]
+        assert run["sp"] == (layout == "sp")
+        assert (run["log_probs"][run["mask"]] - theirs[mask]).abs().max().item() < 1e-5
+        assert run["step"]["update_successful"]
+        assert run["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+        assert sorted(run["adapters"]) == sorted(ref_after)
+        assert max((run["adapters"][k] - before[k]).abs().max().item() for k in before) > 1e-2
+        assert max((run["adapters"][k] - ref_after[k]).abs().max().item() for k in ref_after) < 1e-6
+        assert all(torch.equal(run["base"][k], base[k]) for k in run["base"])
+
+
+if __name__ == "__main__":
+    worker_main(worker, "--dirs", "JSON {kind: HF folder, kind_adapters: PEFT adapters .pt}")
