@@ -532,8 +532,19 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     """
     module = unwrap_model(model)
     g = _geometry(module)
+    yield from stages_in_turn(module, _stage_tensors(module, g, dtype, copy))
+
+
+def stages_in_turn(module: torch.nn.Module, own: Iterator[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every pipeline stage's ``(name, tensor)`` items on every stage: ``own`` is this stage's; the stages'
+    items come stage after stage, each broadcast from its stage over the pipeline group (a header object, then
+    the tensor: one tensor in memory at a time). ``own`` itself without pipeline parallelism. Every stage of
+    the pipeline group must iterate together (each item is a collective); ``own`` is consumed on this stage's
+    turn only."""
+    g = _geometry(module)
     if g.layer_count is None:
-        yield from _stage_tensors(module, g, dtype, copy)
+        yield from own
         return
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -542,9 +553,9 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     me = parallel_state.get_pipeline_model_parallel_rank()
     for stage in range(dist.get_world_size(group)):
         src = dist.get_global_rank(group, stage)
-        own = _stage_tensors(module, g, dtype, copy) if stage == me else None
+        mine = own if stage == me else None
         while True:
-            item = next(own, None) if own is not None else None
+            item = next(mine, None) if mine is not None else None
             header = [(item[0], item[1].shape, item[1].dtype) if item is not None else None]
             dist.broadcast_object_list(header, src=src, group=group)
             if header[0] is None:

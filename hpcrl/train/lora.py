@@ -15,8 +15,8 @@ bridge's ``qkv`` layout (interleaved per query group) and ``fc1`` layout (``[gat
 last dimension (:func:`hpcrl.train.bridge._to_shard`).
 
 What is done: dense families (Qwen2, Qwen3, Llama, Mistral) at any tensor-parallel size, with or without
-sequence parallelism; pipeline, context and expert parallelism, MoE experts and multi-latent attention raise
-NotImplementedError for now (issue #56).
+sequence parallelism, and over pipeline stages (each stage adapts its own layers, named from its offset);
+context parallelism, MoE experts and multi-latent attention raise NotImplementedError for now (issue #56).
 """
 
 from __future__ import annotations
@@ -160,12 +160,11 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec) -> list[str]:
     if unknown:
         raise ValueError(f"model.lora.target_modules: {unknown} are not PEFT modules of the dense families; "
                          f"use some of {list(PEFT_TARGETS)}")
-    sizes = {"pp": parallel_state.get_pipeline_model_parallel_world_size(),
-             "cp": parallel_state.get_context_parallel_world_size()}
-    if any(v > 1 for v in sizes.values()) or model.config.num_moe_experts or getattr(
-            model.config, "multi_latent_attention", False):
-        raise NotImplementedError(f"LoRA is done for dense models at tensor parallelism so far ({sizes}, "
-                                  f"experts {model.config.num_moe_experts}): issue #56")
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1 or model.config.num_moe_experts or getattr(model.config, "multi_latent_attention", False):
+        raise NotImplementedError(f"LoRA is done for dense models at tensor and pipeline parallelism so far "
+                                  f"(context-parallel size {cp}, experts {model.config.num_moe_experts}): "
+                                  "issue #56")
     g = bridge._geometry(model)
     sp = bool(model.config.sequence_parallel)
     for p in model.parameters():
@@ -227,18 +226,25 @@ def _adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
 def peft_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The adapters of ``model`` (possibly wrapped) under PEFT's saved names
     (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ...: what ``adapter_model.safetensors``
-    holds and ``peft.set_peft_model_state_dict`` loads), whole (gathered over tensor-parallel ranks: every rank
-    of the group iterates together) and detached, in layer order."""
-    for prefix, adapter in _adapters(model):
-        for part in adapter.lora_A:
-            yield f"{prefix}.{part}.lora_A.weight", _whole(adapter, "A", part)
-            yield f"{prefix}.{part}.lora_B.weight", _whole(adapter, "B", part)
+    holds and ``peft.set_peft_model_state_dict`` loads), whole and detached, in layer order: gathered over
+    tensor-parallel ranks, and under pipeline parallelism every stage's on every stage
+    (:func:`hpcrl.train.bridge.stages_in_turn`): every rank of the model-parallel group iterates together."""
+    from hpcrl.train import bridge
+
+    def own():
+        for prefix, adapter in _adapters(model):
+            for part in adapter.lora_A:
+                yield f"{prefix}.{part}.lora_A.weight", _whole(adapter, "A", part)
+                yield f"{prefix}.{part}.lora_B.weight", _whole(adapter, "B", part)
+
+    yield from bridge.stages_in_turn(bridge.unwrap_model(model), own())
 
 
 @torch.no_grad()
 def load_peft_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Copy whole adapters in PEFT's names (:func:`peft_state_dict`'s) into ``model``'s, this rank's part of
-    each. Raises KeyError naming an adapter ``state`` lacks or a tensor no adapter takes."""
+    each (its tensor-parallel split, its pipeline stage's layers). Raises KeyError naming an adapter ``state``
+    lacks or a tensor no adapter of any stage takes."""
     used = set()
     tp, rank = _tp()
     for prefix, adapter in _adapters(model):
@@ -254,7 +260,10 @@ def load_peft_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -
                     whole = whole.chunk(tp, dim=1)[rank]
                 param.copy_(whole)
                 used.add(name)
-    unused = sorted(set(state) - used)
+    from hpcrl.train import bridge
+
+    g = bridge._geometry(bridge.unwrap_model(model))
+    unused = sorted(n for n in set(state) - used if not bridge._other_stage(n.removeprefix("base_model.model."), g))
     if unused:
         raise KeyError(f"no adapter of the model takes {unused[:4]}")
 

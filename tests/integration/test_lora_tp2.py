@@ -1,12 +1,13 @@
-"""LoRA at tensor parallelism (issue #56 point 1): hpcrl's adapters on 2 ranks (TP=2, without and with sequence
-parallelism) against HF transformers + PEFT's LoRA at world size 1 on the same adapters.
+"""LoRA at tensor and pipeline parallelism (issue #56 point 1): hpcrl's adapters on 2 ranks (TP=2 without and
+with sequence parallelism, PP=2) against HF transformers + PEFT's LoRA at world size 1 on the same adapters.
 
 One 2-rank job (this file run as a script, see ``worker``) loads the same whole adapters (PEFT's names, made in
 this process by ``peft.get_peft_model`` with every ``lora_B`` drawn at random) into each rank's split of them
-(:func:`hpcrl.train.lora.load_peft_state`), computes the response log-probs and takes one AdamW step of a
+(:func:`hpcrl.train.lora.load_peft_state`: each rank its split, each pipeline stage its layers), computes the
+response log-probs and takes one AdamW step of a
 policy-gradient loss; the tests compare with PEFT's log-probs (1e-5) and torch AdamW's step on PEFT's
 trainable parameters (loss and grad norm rel 1e-5, every adapter within 1e-6, gathered whole on both ranks,
-:func:`hpcrl.train.lora.peft_state_dict`), and check the base model did not move. Qwen2 (q/k/v bias, 4 heads in
+both stages' on both, :func:`hpcrl.train.lora.peft_state_dict`), and check the base model did not move. Qwen2 (q/k/v bias, 4 heads in
 2 query groups: one group per rank) and Llama.
 """
 
@@ -24,6 +25,8 @@ from megatron_utils import dirs_args, helpers_fixture, run_two_ranks, unit_helpe
 
 RANK, ALPHA = 4, 8.0
 KINDS = ("qwen2", "llama")
+LAYOUTS = ("tp2", "sp", "pp2")
+"""TP=2; TP=2 with sequence parallelism; PP=2 (2 decoder layers a stage)."""
 
 
 # --- the distributed side: 2 ranks of `test_lora_tp2.py --dirs JSON --out DIR` --------------------------------
@@ -31,6 +34,8 @@ KINDS = ("qwen2", "llama")
 def worker(dirs: dict[str, str], out: Path) -> None:
     """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
     torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
     from hpcrl.train import bridge, logprobs, lora, parallel, model as tmodel
 
     h = unit_helpers()
@@ -38,21 +43,33 @@ def worker(dirs: dict[str, str], out: Path) -> None:
     parallel.initialize_model_parallel(tp=2)
     parallel.model_parallel_cuda_manual_seed(1234)
     res: dict = {}
-    tokens, total, resp, _ = batch = h.sample_batch(21, seed=5)
-    for kind in KINDS:
+    tokens, total, resp, adv = batch = h.sample_batch(21, seed=5)
+
+    def staged_loss(model, _):  # megatron_loss_fn's loss, finished on the last pipeline stage
+        staged = logprobs.staged_response_log_probs(model, tokens, total, resp)
+        return staged.then(lambda out: (h.pg_loss(out.log_probs, out.mask, adv), {"tokens": float(out.mask.sum())}))
+
+    for kind, layout in ((k, layout) for k in KINDS for layout in LAYOUTS):
+        tp, pp, sp = {"tp2": (2, 1, False), "sp": (2, 1, True), "pp2": (1, 2, False)}[layout]
+        if (tp, pp) != (parallel_state.get_tensor_model_parallel_world_size(),
+                        parallel_state.get_pipeline_model_parallel_world_size()):
+            parallel_state.destroy_model_parallel()
+            parallel.initialize_model_parallel(tp=tp, pp=pp)
+            parallel.model_parallel_cuda_manual_seed(1234)
         adapters = torch.load(Path(dirs[kind + "_adapters"]), weights_only=True)
-        for sp in (False, True):
-            train = dataclasses.replace(h.TRAIN, tensor_parallel_size=2, sequence_parallel=sp)
-            ddp_model, optimizer = tmodel.setup_model_and_optimizer(
-                dirs[kind], train, h.MEGATRON, lora=lora.LoraSpec(rank=RANK, alpha=ALPHA))
-            lora.load_peft_state(ddp_model, adapters)
-            model = bridge.unwrap_model(ddp_model)
-            with torch.no_grad():
-                lp = logprobs.response_log_probs(model, tokens, total, resp)
-            step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
-            res[f"{kind}_{'sp' if sp else 'tp2'}"] = dict(
-                sp=model.config.sequence_parallel, log_probs=lp.log_probs, mask=lp.mask, step=step,
-                adapters=dict(lora.peft_state_dict(ddp_model)), base=dict(bridge.export_hf_weights(ddp_model)))
+        train = dataclasses.replace(h.TRAIN, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                    sequence_parallel=sp)
+        ddp_model, optimizer = tmodel.setup_model_and_optimizer(
+            dirs[kind], train, h.MEGATRON, lora=lora.LoraSpec(rank=RANK, alpha=ALPHA))
+        lora.load_peft_state(ddp_model, adapters)
+        with torch.no_grad():  # on every stage: forward_only hands the last stage's result to all
+            (lp,) = tmodel.forward_only(
+                ddp_model, lambda model, _: logprobs.staged_response_log_probs(model, tokens, total, resp), [None])
+        step = tmodel.train_step(ddp_model, optimizer, staged_loss, [None])
+        res[f"{kind}_{layout}"] = dict(
+            sp=bridge.unwrap_model(ddp_model).config.sequence_parallel, log_probs=lp.log_probs, mask=lp.mask,
+            step=step, adapters=dict(lora.peft_state_dict(ddp_model)),
+            base=dict(bridge.export_hf_weights(ddp_model)))
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
 
@@ -96,7 +113,7 @@ def ranks(dirs, tmp_path_factory):
     return run_two_ranks(__file__, dirs_args(dirs), tmp_path_factory.mktemp("lora-tp2-out"))
 
 
-@pytest.mark.parametrize("layout", ("tp2", "sp"))
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_lora_at_tp2_equals_peft(h, dirs, ranks, kind, layout):
     from hpcrl.train import bridge
