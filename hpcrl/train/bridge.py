@@ -123,12 +123,16 @@ def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     """The megatron-core tensors the bridge maps: every parameter but LoRA adapters' (the base model's weights:
     :mod:`hpcrl.train.lora` exports the adapters), then the routers' ``expert_bias`` buffers (GLM-4.5 /
     DeepSeek-V3's ``e_score_correction_bias``: state, but not trained by the optimizer)."""
-    from hpcrl.train.lora import is_lora_name
-
-    yield from ((name, p) for name, p in module.named_parameters() if not is_lora_name(name))
+    yield from ((name, p) for name, p in module.named_parameters() if not is_adapter_name(name))
     for name, buf in module.named_buffers():
         if name.endswith("mlp.router.expert_bias"):
             yield name, buf
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a megatron-core parameter name is a LoRA adapter's (``....lora.lora_A.q_proj``,
+    :mod:`hpcrl.train.lora`), which the bridge's table leaves to that module."""
+    return ".lora.lora_" in name
 
 
 def is_mtp_tensor(hf_name: str, hf_config: Any) -> bool:
@@ -283,7 +287,10 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _geometry(model: torch.nn.Module) -> _Geometry:
+def geometry(model: torch.nn.Module) -> _Geometry:
+    """What the layout rules need to know of the bare GPTModel ``model`` on this rank (its heads, groups,
+    vocab, and its place in the tensor-, expert- and pipeline-parallel groups, read from megatron-core's
+    parallel state)."""
     from megatron.core import parallel_state
 
     cfg = model.config
@@ -311,8 +318,9 @@ def _geometry(model: torch.nn.Module) -> _Geometry:
     )
 
 
-def _other_stage(hf_name: str, g: _Geometry) -> bool:
-    """Whether an HF tensor lives on another pipeline stage than this rank's (False without pipelines)."""
+def on_other_stage(hf_name: str, g: _Geometry) -> bool:
+    """Whether the HF tensor ``hf_name`` (``model.layers.{i}....``, the embedding, the final norm or head)
+    lives on another pipeline stage than this rank's (geometry ``g``; False without pipelines)."""
     if g.layer_count is None:
         return False
     m = _HF_LAYER_RE.match(hf_name)
@@ -361,7 +369,7 @@ def mcore_to_hf_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     """Map each megatron-core parameter name of ``model`` to the HF tensor name(s) it is built from (this
     rank's: a routed expert's names carry its global expert index)."""
     module = unwrap_model(model)
-    g = _geometry(module)
+    g = geometry(module)
     rename = _checkpoint_name(module.hf_config)
     return {name: tuple(map(rename, _names(name, g, g.ep_rank * g.local_experts)[0]))
             for name, _ in named_tensors(module)}
@@ -373,10 +381,12 @@ def _checkpoint_name(hf_config: Any):
     return to_mixtral_name if getattr(hf_config, "model_type", None) == "mixtral" else str
 
 
-def _to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor:
-    """This rank's megatron-core tensor from the full HF tensor(s)."""
+def to_shard(layout: str, hf: list[torch.Tensor], g: _Geometry) -> torch.Tensor:
+    """This rank's megatron-core tensor from the full HF tensor(s) ``hf`` (one per HF name of the rule, each
+    [rows, ...]) in ``layout`` (the module docstring's layouts) for geometry ``g``. Made of differentiable
+    tensor operations (cat, reshape, chunk): :mod:`hpcrl.train.lora` places activations with it too."""
     if layout.startswith("expert_"):
-        return _to_shard(layout.removeprefix("expert_"), hf, g.for_experts())
+        return to_shard(layout.removeprefix("expert_"), hf, g.for_experts())
     if layout == "replicated":
         return hf[0]
     if layout == "vocab":
@@ -489,14 +499,14 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Union[str, os.PathLike, 
     state = _LazyHFWeights(hf_weights) if isinstance(hf_weights, (str, os.PathLike)) else unfuse_experts(hf_weights)
     if getattr(module.hf_config, "model_type", None) == "mixtral":  # released names -> canonical ones
         state = RenamedWeights(state, from_mixtral_name)
-    g = _geometry(module)
+    g = geometry(module)
     used = set()
     for name, param in named_tensors(module):
         hf_names, layout = _names(name, g, g.ep_rank * g.local_experts)
         missing = [n for n in hf_names if n not in state]
         if missing:
             raise KeyError(f"HF weights lack {missing} (for megatron-core {name})")
-        shard = _to_shard(layout, [state[n] for n in hf_names], g)
+        shard = to_shard(layout, [state[n] for n in hf_names], g)
         if shard.shape != param.shape:
             raise ValueError(f"{name}: HF {hf_names} give shape {tuple(shard.shape)}, the model has "
                              f"{tuple(param.shape)}")
@@ -505,7 +515,7 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Union[str, os.PathLike, 
     ignorable = set(ignore) | ({"lm_head.weight"} if module.share_embeddings_and_output_weights else set())
     unused = [n for n in state if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
               and not (g.ep > 1 and _EXPERT_HF_RE.match(n))  # other EP ranks' experts
-              and not _other_stage(n, g)  # other pipeline stages' layers, embedding, head
+              and not on_other_stage(n, g)  # other pipeline stages' layers, embedding, head
               and not is_mtp_tensor(n, module.hf_config)]
     if unused:
         raise KeyError(f"HF tensors with no megatron-core counterpart: {unused[:8]}"
@@ -531,7 +541,7 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     each tensor once before the next optimizer step).
     """
     module = unwrap_model(model)
-    g = _geometry(module)
+    g = geometry(module)
     yield from stages_in_turn(module, _stage_tensors(module, g, dtype, copy))
 
 
@@ -542,7 +552,7 @@ def stages_in_turn(module: torch.nn.Module, own: Iterator[tuple[str, torch.Tenso
     the tensor: one tensor in memory at a time). ``own`` itself without pipeline parallelism. Every stage of
     the pipeline group must iterate together (each item is a collective); ``own`` is consumed on this stage's
     turn only."""
-    g = _geometry(module)
+    g = geometry(module)
     if g.layer_count is None:
         yield from own
         return

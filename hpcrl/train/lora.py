@@ -12,7 +12,7 @@ megatron-core fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``. A
 keeps one A/B pair per PEFT module (its parameters are named ``<linear>.lora.lora_A.<peft name>``, so the pairs
 map one to one onto PEFT's) and places each part's output where the fused layer has that part's rows: the
 bridge's ``qkv`` layout (interleaved per query group) and ``fc1`` layout (``[gate; up]``), applied to the output's
-last dimension (:func:`hpcrl.train.bridge._to_shard`).
+last dimension (:func:`hpcrl.train.bridge.to_shard`).
 
 What is done: dense families (Qwen2, Qwen3, Llama, Mistral) at any tensor-parallel size, with or without
 sequence parallelism, and over pipeline stages (each stage adapts its own layers, named from its offset);
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
@@ -81,7 +82,7 @@ class LoraAdapter(torch.nn.Module):
 
     def __init__(self, kind: str, layout: str, parts: Sequence[str], part_sizes: Sequence[int],
                  in_features: int, spec: LoraSpec, geometry, sequence_parallel: bool, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, seeds: Mapping[str, int]):
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -99,8 +100,7 @@ class LoraAdapter(torch.nn.Module):
         for part, size in zip(parts, part_sizes):
             if part not in spec.target_modules:
                 continue
-            full_a = torch.empty(spec.rank, in_features, dtype=dtype, device=device)
-            torch.nn.init.kaiming_uniform_(full_a, a=math.sqrt(5))  # PEFT's reset_lora_parameters, on the whole A
+            full_a = initial_a(spec.rank, in_features, seeds[part]).to(dtype=dtype, device=device)
             if kind == "column":
                 a = torch.nn.Parameter(full_a)
                 b = torch.nn.Parameter(torch.zeros(size // g.tp, spec.rank, dtype=dtype, device=device))
@@ -117,7 +117,7 @@ class LoraAdapter(torch.nn.Module):
             copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
             reduce_from_tensor_model_parallel_region, scatter_to_sequence_parallel_region)
 
-        from hpcrl.train.bridge import _to_shard
+        from hpcrl.train.bridge import to_shard
 
         linear, group = torch.nn.functional.linear, self.tp_group
         if self.kind == "column":
@@ -130,12 +130,27 @@ class LoraAdapter(torch.nn.Module):
             if len(outs) == 1:
                 return outs[0]
             # the fused layer's rows of each part, applied to the output's last dimension
-            return _to_shard(self.layout, [o.movedim(-1, 0) for o in outs], self.local_geometry).movedim(0, -1)
+            return to_shard(self.layout, [o.movedim(-1, 0) for o in outs], self.local_geometry).movedim(0, -1)
         (part,) = self.parts
         x = self.dropout(x)
         y = linear(reduce_from_tensor_model_parallel_region(linear(x, self.lora_A[part]), group=group),
                    self.lora_B[part]) * self.scaling
         return scatter_to_sequence_parallel_region(y, group=group) if self.sequence_parallel else y
+
+
+def initial_a(rank: int, in_features: int, seed: int) -> torch.Tensor:
+    """A fresh whole ``lora_A`` [rank, in_features] (float32, CPU): PEFT's ``kaiming_uniform_(a=sqrt(5))``
+    drawn from a generator of its own seeded with ``seed`` (:func:`adapter_seed`), so every tensor-parallel,
+    pipeline and data-parallel layout starts from the same adapters, whatever the ranks drew before."""
+    a = torch.empty(rank, in_features)
+    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=torch.Generator().manual_seed(seed))
+    return a
+
+
+def adapter_seed(seed: int, layer: int, part: str) -> int:
+    """The seed of the ``lora_A`` of PEFT module ``part`` in global decoder layer ``layer``, from the run's
+    ``seed``."""
+    return zlib.crc32(f"{seed}:{layer}:{part}".encode())
 
 
 def _add_output(module: torch.nn.Module, args: tuple, output):
@@ -145,11 +160,12 @@ def _add_output(module: torch.nn.Module, args: tuple, output):
     return out + module.lora(args[0]), bias
 
 
-def add_lora(model: torch.nn.Module, spec: LoraSpec) -> list[str]:
+def add_lora(model: torch.nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
     """Freeze every parameter of the megatron-core GPTModel ``model`` (built and loaded by
     :mod:`hpcrl.train.bridge`, not yet wrapped in DDP) and add a :class:`LoraAdapter` to each decoder linear that
-    holds one of ``spec.target_modules`` (as ``<linear>.lora``, its output added by a forward hook). Returns the
-    names of the adapters' parameters (``decoder.layers.{i}.<linear>.lora.lora_{A,B}.<peft name>``).
+    holds one of ``spec.target_modules`` (as ``<linear>.lora``, its output added by a forward hook), its
+    ``lora_A`` drawn from ``seed`` (:func:`initial_a`: the same adapters at every layout). Returns the names of
+    the adapters' parameters (``decoder.layers.{i}.<linear>.lora.lora_{A,B}.<peft name>``).
     Raises NotImplementedError for a layout not done yet (module docstring) and ValueError for an unknown
     target module."""
     from megatron.core import parallel_state
@@ -165,7 +181,7 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec) -> list[str]:
         raise NotImplementedError(f"LoRA is done for dense models at tensor and pipeline parallelism so far "
                                   f"(context-parallel size {cp}, experts {model.config.num_moe_experts}): "
                                   "issue #56")
-    g = bridge._geometry(model)
+    g = bridge.geometry(model)
     sp = bool(model.config.sequence_parallel)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -185,27 +201,23 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec) -> list[str]:
             kind = "row" if layout == "row" else "column"
             in_features = in_local * g.tp if kind == "row" else in_local
             linear.lora = LoraAdapter(kind, layout, parts, part_sizes, in_features, spec, g, sp,
-                                      linear.weight.dtype, linear.weight.device)
+                                      linear.weight.dtype, linear.weight.device,
+                                      {part: adapter_seed(seed, g.layer_offset + i, part) for part in parts})
             linear.register_forward_hook(_add_output)
             names += [f"decoder.layers.{i}.{suffix}.lora.{n}" for n, _ in linear.lora.named_parameters()]
     return names
 
 
-def is_lora_name(name: str) -> bool:
-    """Whether a megatron-core parameter name is an adapter's (``....lora.lora_A.q_proj``)."""
-    return ".lora.lora_" in name
-
-
 def _whole(adapter: LoraAdapter, which: str, part: str) -> torch.Tensor:
-    """The whole ``lora_A`` / ``lora_B`` of ``part`` (gathered over tensor-parallel ranks where it is split: a
-    collective, every rank of the group calls it), detached."""
+    """A copy of the whole ``lora_A`` / ``lora_B`` of ``part`` (gathered over tensor-parallel ranks where it is
+    split: a collective, every rank of the group calls it), detached."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    t = getattr(adapter, f"lora_{which}")[part].detach()
+    t = getattr(adapter, f"lora_{which}")[part].detach().clone()  # megatron's gather at TP=1 returns its input
     if adapter.kind == "column" and which == "B":
         return gather_from_tensor_model_parallel_region(t.t().contiguous(), group=adapter.tp_group).t().contiguous()
     if adapter.kind == "row" and which == "A":
-        return gather_from_tensor_model_parallel_region(t.contiguous(), group=adapter.tp_group)
+        return gather_from_tensor_model_parallel_region(t, group=adapter.tp_group)
     return t
 
 
@@ -215,7 +227,7 @@ def _adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
     from hpcrl.train import bridge
 
     module = bridge.unwrap_model(model)
-    offset = bridge._geometry(module).layer_offset
+    offset = bridge.geometry(module).layer_offset
     for i, layer in enumerate(module.decoder.layers):
         for suffix, (_, _, hf_module) in LINEARS.items():
             adapter = getattr(layer.get_submodule(suffix), "lora", None)
@@ -226,7 +238,7 @@ def _adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
 def peft_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The adapters of ``model`` (possibly wrapped) under PEFT's saved names
     (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ...: what ``adapter_model.safetensors``
-    holds and ``peft.set_peft_model_state_dict`` loads), whole and detached, in layer order: gathered over
+    holds and ``peft.set_peft_model_state_dict`` loads), whole, detached copies, in layer order: gathered over
     tensor-parallel ranks, and under pipeline parallelism every stage's on every stage
     (:func:`hpcrl.train.bridge.stages_in_turn`): every rank of the model-parallel group iterates together."""
     from hpcrl.train import bridge
@@ -262,8 +274,8 @@ def load_peft_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -
                 used.add(name)
     from hpcrl.train import bridge
 
-    g = bridge._geometry(bridge.unwrap_model(model))
-    unused = sorted(n for n in set(state) - used if not bridge._other_stage(n.removeprefix("base_model.model."), g))
+    g = bridge.geometry(bridge.unwrap_model(model))
+    unused = sorted(n for n in set(state) - used if not bridge.on_other_stage(n.removeprefix("base_model.model."), g))
     if unused:
         raise KeyError(f"no adapter of the model takes {unused[:4]}")
 

@@ -119,10 +119,11 @@ def wrap_model_and_optimizer(model: torch.nn.Module, train: Any, megatron: Optio
 
 def setup_model_and_optimizer(hf_path: Union[str, os.PathLike], train: Any,
                               megatron: Optional[Mapping[str, Any]] = None, load_weights: bool = True,
-                              lora: Any = None):
+                              lora: Any = None, lora_seed: int = 0):
     """Build the trainer's model from an HF folder, load its weights, wrap it and build the optimizer.
     With ``lora`` (a :class:`hpcrl.train.lora.LoraSpec`) the base weights are frozen and adapters added before
-    the wrap (:func:`hpcrl.train.lora.add_lora`): the optimizer holds the adapters alone.
+    the wrap (:func:`hpcrl.train.lora.add_lora`, drawn from ``lora_seed``): the optimizer holds the adapters
+    alone.
 
     Needs :func:`init_distributed` and :func:`initialize_model_parallel` first (tensor-parallel size from
     megatron-core's parallel state). The model dtype is bf16 when ``train.bf16``, else fp32; sequence-parallel
@@ -146,7 +147,7 @@ def setup_model_and_optimizer(hf_path: Union[str, os.PathLike], train: Any,
     if lora is not None:
         from hpcrl.train.lora import add_lora
 
-        add_lora(model, lora)
+        add_lora(model, lora, lora_seed)
     return wrap_model_and_optimizer(model, train, megatron)
 
 

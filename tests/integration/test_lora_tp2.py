@@ -61,6 +61,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
                                     sequence_parallel=sp)
         ddp_model, optimizer = tmodel.setup_model_and_optimizer(
             dirs[kind], train, h.MEGATRON, lora=lora.LoraSpec(rank=RANK, alpha=ALPHA))
+        fresh = dict(lora.peft_state_dict(ddp_model))  # as initialised at this layout, whole
         lora.load_peft_state(ddp_model, adapters)
         with torch.no_grad():  # on every stage: forward_only hands the last stage's result to all
             (lp,) = tmodel.forward_only(
@@ -68,7 +69,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
         step = tmodel.train_step(ddp_model, optimizer, staged_loss, [None])
         res[f"{kind}_{layout}"] = dict(
             sp=bridge.unwrap_model(ddp_model).config.sequence_parallel, log_probs=lp.log_probs, mask=lp.mask,
-            step=step, adapters=dict(lora.peft_state_dict(ddp_model)),
+            step=step, adapters=dict(lora.peft_state_dict(ddp_model)), fresh=fresh,
             base=dict(bridge.export_hf_weights(ddp_model)))
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()
@@ -138,6 +139,25 @@ def test_lora_at_tp2_equals_peft(h, dirs, ranks, kind, layout):
         assert max((run["adapters"][k] - before[k]).abs().max().item() for k in before) > 1e-2
         assert max((run["adapters"][k] - ref_after[k]).abs().max().item() for k in ref_after) < 1e-6
         assert all(torch.equal(run["base"][k], base[k]) for k in run["base"])
+
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fresh_adapters_are_the_same_at_every_layout(ranks, layout):
+    """Every layout starts from the same adapters: each ``lora_A`` is :func:`hpcrl.train.lora.initial_a` of its
+    own seed (run seed 0, its global layer and PEFT module; whole after the gather over TP ranks and stages),
+    each ``lora_B`` zeros, on both ranks."""
+    from hpcrl.train import lora
+
+    for res in ranks:
+        fresh = res[f"qwen2_{layout}"]["fresh"]
+        assert len(fresh) == 4 * 7 * 2
+        for name, t in fresh.items():
+            layer, part = int(name.split(".")[4]), name.split(".")[6]
+            if ".lora_A." in name:
+                assert torch.equal(t, lora.initial_a(RANK, t.shape[1], lora.adapter_seed(0, layer, part))), name
+            else:
+                assert not t.any(), name
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def test_adapters_start_at_the_base_model_and_freeze_it(tp1, tiny_model_dir):
     ddp_model, optimizer = tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN, MEGATRON, lora=SPEC)
     model = bridge.unwrap_model(ddp_model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(lora.is_lora_name(n) for n in trainable)
+    assert trainable and all(bridge.is_adapter_name(n) for n in trainable)
     # 4 layers x (q, k, v, o, gate, up, down) x (A, B)
     assert len(trainable) == 4 * 7 * 2
     in_optimizer = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
