@@ -87,6 +87,23 @@ def helpers_fixture(name: str = "test_megatron_bridge"):
     return fixture
 
 
+def model_parallel_at(tp: int = 1, pp: int = 1) -> None:
+    """A worker's megatron-core model parallelism at ``tp`` x ``pp`` (data parallel: the rest), seeded 1234 as
+    every worker seeds it: initialised when there is none, destroyed and initialised again when the sizes
+    differ, left alone when they are these."""
+    from megatron.core import parallel_state
+
+    from hpcrl.train import parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        if (tp, pp) == (parallel_state.get_tensor_model_parallel_world_size(),
+                        parallel_state.get_pipeline_model_parallel_world_size()):
+            return
+        parallel_state.destroy_model_parallel()
+    parallel.initialize_model_parallel(tp=tp, pp=pp)
+    parallel.model_parallel_cuda_manual_seed(1234)
+
+
 def dirs_args(dirs: dict) -> list[str]:
     """The worker's ``--dirs JSON`` arguments for ``{kind: HF folder}`` (for :func:`run_two_ranks`)."""
     return ["--dirs", json.dumps({k: str(v) for k, v in dirs.items()})]

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
-from megatron_utils import dirs_args, helpers_fixture, run_two_ranks, unit_helpers, worker_main  # noqa: E402
+from megatron_utils import (  # noqa: E402
+    dirs_args, helpers_fixture, model_parallel_at, run_two_ranks, unit_helpers, worker_main)
 
 RANK, ALPHA = 4, 8.0
 KINDS = ("qwen2", "llama")
@@ -34,14 +35,10 @@ LAYOUTS = ("tp2", "sp", "pp2")
 def worker(dirs: dict[str, str], out: Path) -> None:
     """Run on each of 2 ranks; writes ``out/rank{r}.pt``."""
     torch.set_num_threads(1)
-    from megatron.core import parallel_state
-
     from hpcrl.train import bridge, logprobs, lora, parallel, model as tmodel
 
     h = unit_helpers()
     env = parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=2)
-    parallel.model_parallel_cuda_manual_seed(1234)
     res: dict = {}
     tokens, total, resp, adv = batch = h.sample_batch(21, seed=5)
 
@@ -51,11 +48,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
 
     for kind, layout in ((k, layout) for k in KINDS for layout in LAYOUTS):
         tp, pp, sp = {"tp2": (2, 1, False), "sp": (2, 1, True), "pp2": (1, 2, False)}[layout]
-        if (tp, pp) != (parallel_state.get_tensor_model_parallel_world_size(),
-                        parallel_state.get_pipeline_model_parallel_world_size()):
-            parallel_state.destroy_model_parallel()
-            parallel.initialize_model_parallel(tp=tp, pp=pp)
-            parallel.model_parallel_cuda_manual_seed(1234)
+        model_parallel_at(tp, pp)
         adapters = torch.load(Path(dirs[kind + "_adapters"]), weights_only=True)
         train = dataclasses.replace(h.TRAIN, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                     sequence_parallel=sp)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from megatron_utils import (  # noqa: E402
-    assert_export_bitwise, dirs_args, helpers_fixture, run_two_ranks, unit_helpers, worker_main)
+    assert_export_bitwise, dirs_args, helpers_fixture, model_parallel_at, run_two_ranks, unit_helpers, worker_main)
 
 
 # --- the distributed side: `torchrun --nproc_per_node=2 test_megatron_tp2.py --dirs JSON --out DIR` --------
@@ -42,8 +42,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
 
     h = unit_helpers()
     env = parallel.init_distributed()
-    parallel.initialize_model_parallel(tp=2)
-    parallel.model_parallel_cuda_manual_seed(1234)
+    model_parallel_at(tp=2)
     res: dict = {"tp_rank": parallel_state.get_tensor_model_parallel_rank()}
 
     for (kind, path), sp in ((kp, sp) for kp in dirs.items() for sp in (False, True)):
@@ -75,10 +74,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
             ("tp2", 2, h.TRAIN, "qwen2"), ("tp2_qwen3", 2, h.TRAIN, "qwen3"),
             ("tp2_sp", 2, sp, "qwen2"), ("tp2_sp_qwen3", 2, sp, "qwen3"),
             ("tp1_dp2_distopt", 1, dataclasses.replace(h.TRAIN, use_distributed_optimizer=True), "qwen2")):
-        if tp != parallel_state.get_tensor_model_parallel_world_size():
-            parallel_state.destroy_model_parallel()
-            parallel.initialize_model_parallel(tp=tp)
-            parallel.model_parallel_cuda_manual_seed(1234)
+        model_parallel_at(tp=tp)
         ddp_model, optimizer = tmodel.setup_model_and_optimizer(dirs[kind], train, h.MEGATRON)
         step = tmodel.train_step(ddp_model, optimizer, h.megatron_loss_fn(batch), [None])
         res[name] = dict(step=step, dp=parallel_state.get_data_parallel_world_size(),
@@ -92,10 +88,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
     samples = sup.demos(dirs["qwen2"])
     for name, tp, layout in (("sft_tp1_dp2", 1, {}), ("sft_tp2", 2, {}),
                              ("sft_tp2_no_sp", 2, {"train.sequence_parallel": False})):
-        if tp != parallel_state.get_tensor_model_parallel_world_size():
-            parallel_state.destroy_model_parallel()
-            parallel.initialize_model_parallel(tp=tp)
-            parallel.model_parallel_cuda_manual_seed(1234)
+        model_parallel_at(tp=tp)
         cfg = sup.sft_config(len(samples), tp=tp, nprocs=2, **layout)
         trainer = SupervisedTrainer(cfg, dirs["qwen2"])
         res[name] = dict(metrics=trainer.train(7, samples), dp=trainer.dp_size,
