@@ -14,6 +14,10 @@ map one to one onto PEFT's) and places each part's output where the fused layer 
 bridge's ``qkv`` layout (interleaved per query group) and ``fc1`` layout (``[gate; up]``), applied to the output's
 last dimension (:func:`hpcrl.train.bridge.to_shard`).
 
+Checkpoints: the adapters are part of the model's megatron distributed checkpoint (the frozen base too) and
+their Adam state of the optimizer's; the split ones are saved split (:func:`_with_split_adapters`), so a run
+resumes bitwise at TP=1 and TP=2 (tests/integration/test_checkpoint.py).
+
 What is done: dense families (Qwen2, Qwen3, Llama, Mistral) at any tensor-parallel size, with or without
 sequence parallelism, and over pipeline stages (each stage adapts its own layers, named from its offset);
 context parallelism, MoE experts and multi-latent attention raise NotImplementedError for now (issue #56).
@@ -160,6 +164,29 @@ def _add_output(module: torch.nn.Module, args: tuple, output):
     return out + module.lora(args[0]), bias
 
 
+def _with_split_adapters(linear: torch.nn.Module):
+    """``linear.sharded_state_dict`` (megatron's distributed checkpoint of the layer) with its adapters' split
+    tensors marked split: megatron's own keeps the layer's weight and bias by its axis map and every other
+    tensor of its state (the adapters, ``lora.lora_A.q_proj`` ...) as replicated, which for the split ones
+    (``lora_B`` of a column-parallel linear, ``lora_A`` of a row-parallel one) would save rank 0's part for all
+    ranks. The whole ones stay replicated; a checkpoint loads at another tensor-parallel size, as the weights."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    own = linear.sharded_state_dict
+    adapter: LoraAdapter = linear.lora
+    which, axis = ("lora_B", 0) if adapter.kind == "column" else ("lora_A", 1)
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets=(), metadata=None):
+        out = own(prefix, sharded_offsets, metadata)
+        split = {f"lora.{which}.{part}": t for part, t in getattr(adapter, which).items()}
+        out.update(make_sharded_tensors_for_checkpoint(
+            split, prefix, dict.fromkeys(split, axis), sharded_offsets, tp_group=adapter.tp_group,
+            dp_cp_group=metadata["dp_cp_group"]))
+        return out
+
+    return sharded_state_dict
+
+
 def add_lora(model: torch.nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
     """Freeze every parameter of the megatron-core GPTModel ``model`` (built and loaded by
     :mod:`hpcrl.train.bridge`, not yet wrapped in DDP) and add a :class:`LoraAdapter` to each decoder linear that
@@ -204,6 +231,7 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]
                                       linear.weight.dtype, linear.weight.device,
                                       {part: adapter_seed(seed, g.layer_offset + i, part) for part in parts})
             linear.register_forward_hook(_add_output)
+            linear.sharded_state_dict = _with_split_adapters(linear)
             names += [f"decoder.layers.{i}.{suffix}.lora.{n}" for n, _ in linear.lora.named_parameters()]
     return names
 

@@ -110,14 +110,16 @@ def probe_logits(ddp_model) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)[..., :VOCAB].clone()
 
 
-def resume_experiment(hf_dir, run_dir, train=TRAIN) -> dict:
+def resume_experiment(hf_dir, run_dir, train=TRAIN, lora=None) -> dict:
     """An uninterrupted run (A) saving before the first step and after step SAVE_AT, and runs resumed from
-    those two checkpoints (C from step 0, B from SAVE_AT) by a fresh model + optimizer; their states."""
+    those two checkpoints (C from step 0, B from SAVE_AT) by a fresh model + optimizer; their states. With
+    ``lora`` (a LoraSpec) the model trains adapters (drawn from seed 1 in A, seed 2 in the fresh models, so a
+    resume that did not load them differs)."""
     from hpcrl import checkpoint
     from hpcrl.train import bridge, model as tmodel
 
     seed_everything(1234)
-    model, opt = tmodel.setup_model_and_optimizer(hf_dir, train)
+    model, opt = tmodel.setup_model_and_optimizer(hf_dir, train, lora=lora, lora_seed=1)
     res: dict = {"A": {}, "B": {}, "C": {}, "path": {}}
     for step in range(STEPS + 1):
         if step:
@@ -134,7 +136,7 @@ def resume_experiment(hf_dir, run_dir, train=TRAIN) -> dict:
 
     for run, start in (("B", SAVE_AT), ("C", 0)):
         seed_everything(999)  # a fresh start: other RNG states, the base weights, a new optimizer
-        model, opt = tmodel.setup_model_and_optimizer(hf_dir, train)
+        model, opt = tmodel.setup_model_and_optimizer(hf_dir, train, lora=lora, lora_seed=2)
         res[run]["extra"] = checkpoint.load_checkpoint(res["path"][start], model, opt)
         res[run]["loaded_model"], res[run]["loaded_optim"] = model_tensors(model), optimizer_tensors(opt)
         for _ in range(start + 1, STEPS + 1):
@@ -175,10 +177,13 @@ def worker(hf_dir: str, out: Path) -> None:
 
     env = parallel.init_distributed()
     results = {}
+    from hpcrl.train.lora import LoraSpec
+
     distopt = dataclasses.replace(TRAIN, use_distributed_optimizer=True)
-    for name, tp, train in (("tp2", 2, TRAIN), ("dp2_distopt", 1, distopt)):
+    for name, tp, train, lora in (("tp2", 2, TRAIN, None), ("dp2_distopt", 1, distopt, None),
+                                  ("tp2_lora", 2, TRAIN, LoraSpec(rank=4, alpha=8.0))):
         parallel.initialize_model_parallel(tp=tp)
-        results[name] = resume_experiment(hf_dir, out / f"run-{name}", train)
+        results[name] = resume_experiment(hf_dir, out / f"run-{name}", train, lora)
         results[name]["tp_rank"] = parallel_state.get_tensor_model_parallel_rank()
         results[name]["dp"] = parallel_state.get_data_parallel_world_size()
         parallel_state.destroy_model_parallel()
@@ -238,6 +243,19 @@ def _save(model_and_opt, run_dir, rollout_id, keep_last=2):
 
 def test_resume_tp1_is_bitwise_identical(tp1_resume):
     assert_bitwise_resume(tp1_resume)
+
+
+def test_resume_with_lora_is_bitwise_identical(tp1, tiny_model_dir, tmp_path):
+    """LoRA (issue #56): the checkpoint holds the frozen base and the adapters, the optimizer the adapters'
+    state alone; a fresh model with other adapters resumes bitwise."""
+    from hpcrl.train.lora import LoraSpec
+
+    res = resume_experiment(tiny_model_dir, tmp_path, lora=LoraSpec(rank=4, alpha=8.0))
+    assert_bitwise_resume(res)
+    adapters = [k for k in res["A"]["model"] if ".lora.lora_" in k]
+    assert len(adapters) == 4 * 7 * 2
+    # main params + 2 Adam moments + step per adapter: nothing of the base
+    assert len(res["A"]["optim"]) == 4 * len(adapters)
 
 
 def test_resume_tp1_bf16_is_bitwise_identical(tp1, tiny_model_dir, tmp_path):
@@ -319,17 +337,20 @@ def test_resume_with_a_second_model_is_bitwise_identical(tp1, tiny_model_dir, tm
 # (b) bitwise resume at TP=2 and TP=1 x DP=2 (distributed optimizer) in 2 processes -------------------------
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ("tp2", "dp2_distopt"))
+@pytest.mark.parametrize("name", ("tp2", "dp2_distopt", "tp2_lora"))
 def test_resume_two_processes_is_bitwise_identical(ranks, name):
     results, _ = ranks
-    if name == "tp2":
+    if name.startswith("tp2"):
         assert [r[name]["tp_rank"] for r in results] == [0, 1]
     else:
         assert [r[name]["dp"] for r in results] == [2, 2]
     for res in results:
         assert_bitwise_resume(res[name])
+    if name == "tp2_lora":  # the split adapters are each rank's own part (a replicated save gave both rank 0's)
+        split = "decoder.layers.0.self_attention.linear_qkv.lora.lora_B.q_proj"
+        assert not torch.equal(results[0][name]["A"]["model"][split], results[1][name]["A"]["model"][split])
     marker = json.loads((Path(results[0][name]["path"][1]) / "COMPLETE").read_text())
-    assert marker["world_size"] == 2 and marker["tp_size"] == (2 if name == "tp2" else 1)
+    assert marker["world_size"] == 2 and marker["tp_size"] == (2 if name.startswith("tp2") else 1)
     assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(marker["files"])
 
 
