@@ -523,8 +523,8 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Union[str, os.PathLike, 
 
 
 @torch.no_grad()
-def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = None, copy: bool = True
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = None, copy: bool = True,
+                      merge_adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every HF tensor of the model, in megatron-core parameter order.
 
     Tensor-parallel shards are all-gathered over the TP group (a routed expert's over the expert-TP group),
@@ -538,11 +538,13 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     Tensors are fresh copies, on the parameters' device, cast to ``dtype`` if given; with ``copy=False`` a
     tensor that needs no gather nor reshuffle (without tensor or pipeline parallelism: all but the fused
     q/k/v) is a view of the parameter instead, valid until the parameter changes (a weight sync, which copies
-    each tensor once before the next optimizer step).
+    each tensor once before the next optimizer step). ``merge_adapters``: an adapted linear's weight is yielded
+    with its LoRA adapters merged in (base + ``delta_weight()`` of :class:`hpcrl.train.lora.LoraAdapter`: what
+    PEFT's ``merge_and_unload`` gives, for engines that serve no adapters); otherwise the base alone.
     """
     module = unwrap_model(model)
     g = geometry(module)
-    yield from stages_in_turn(module, _stage_tensors(module, g, dtype, copy))
+    yield from stages_in_turn(module, _stage_tensors(module, g, dtype, copy, merge_adapters))
 
 
 def stages_in_turn(module: torch.nn.Module, own: Iterator[tuple[str, torch.Tensor]]
@@ -577,8 +579,8 @@ def stages_in_turn(module: torch.nn.Module, own: Iterator[tuple[str, torch.Tenso
             yield name, tensor
 
 
-def _stage_tensors(module: torch.nn.Module, g: _Geometry, dtype: Optional[torch.dtype], copy: bool
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def _stage_tensors(module: torch.nn.Module, g: _Geometry, dtype: Optional[torch.dtype], copy: bool,
+                   merge_adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`export_hf_weights` of this pipeline stage's tensors (the whole model without pipelines)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -590,6 +592,9 @@ def _stage_tensors(module: torch.nn.Module, g: _Geometry, dtype: Optional[torch.
             continue  # the first stage's embedding is the HF tensor
         hf_names, layout = _names(name, g)
         local = param.detach()
+        adapter = getattr(module.get_submodule(name.rsplit(".", 1)[0]), "lora", None) if merge_adapters else None
+        if adapter is not None and name.endswith(".weight"):
+            local = local + adapter.delta_weight().to(local.dtype)
         if not layout.startswith("expert_"):
             yield from _gathered(tuple(map(rename, hf_names)), layout, local, g.tp, group, g, dtype, copy)
             continue

@@ -99,6 +99,7 @@ class LoraAdapter(torch.nn.Module):
         # the fused layout of this rank's rows alone (its heads and groups; fc1's [gate; up] halves)
         self.local_geometry = dataclasses.replace(g, tp=1, rank=0, num_heads=g.num_heads // g.tp,
                                                   num_groups=g.num_groups // g.tp)
+        self.in_local = in_features // g.tp if kind == "row" else in_features
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
         for part, size in zip(parts, part_sizes):
@@ -140,6 +141,19 @@ class LoraAdapter(torch.nn.Module):
         y = linear(reduce_from_tensor_model_parallel_region(linear(x, self.lora_A[part]), group=group),
                    self.lora_B[part]) * self.scaling
         return scatter_to_sequence_parallel_region(y, group=group) if self.sequence_parallel else y
+
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """What merging the adapters into the base adds to the linear's weight on this rank (PEFT's
+        ``get_delta_weight``): ``scaling * B @ A`` of each part in the weight's layout, [out / tp, in] on a
+        column-parallel linear (zeros for a part not adapted), [out, in / tp] on a row-parallel one."""
+        from hpcrl.train.bridge import to_shard
+
+        ref = next(iter(self.lora_A.values()))
+        parts = [self.lora_B[p] @ self.lora_A[p] * self.scaling if p in self.lora_A
+                 else ref.new_zeros(size, self.in_local) for p, size in zip(self.parts, self.local_sizes)]
+        return parts[0] if len(parts) == 1 else to_shard(self.layout, parts, self.local_geometry)
 
 
 def initial_a(rank: int, in_features: int, seed: int) -> torch.Tensor:
