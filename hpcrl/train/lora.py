@@ -326,3 +326,47 @@ def _tp() -> tuple[int, int]:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+
+
+def write_peft_folder(model: torch.nn.Module, dest, spec: LoraSpec, base_model: str = "") -> dict:
+    """Write ``model``'s adapters as a PEFT adapter folder at ``dest`` (``adapter_config.json`` +
+    ``adapter_model.safetensors``: what ``peft.PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter``
+    load), atomically (a temporary folder, then a rename; an existing ``dest`` is replaced). ``base_model``: the
+    config's ``base_model_name_or_path``. Every rank of the model-parallel group must call it (the adapters are
+    gathered whole, :func:`peft_state_dict`); the global rank 0 writes. Returns ``{"bytes", "tensors"}`` of the
+    adapter file. Raises OSError on write errors (the temporary folder is removed)."""
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from hpcrl.fsutil import fsync_path
+
+    state = {k: v.cpu().contiguous() for k, v in peft_state_dict(model)}
+    stats = {"bytes": sum(t.numel() * t.element_size() for t in state.values()), "tensors": len(state)}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return stats
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+                  "lora_dropout": spec.dropout, "target_modules": sorted(spec.target_modules), "bias": "none",
+                  "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,
+                  "base_model_name_or_path": base_model}
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        for f in tmp.iterdir():
+            fsync_path(f)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return stats

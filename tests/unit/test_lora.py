@@ -129,3 +129,24 @@ def test_only_the_targets_get_adapters_and_unknown_targets_are_refused(tp1, tiny
     with pytest.raises(ValueError, match=r"model.lora.target_modules: \['qkv'\]"):
         tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN, MEGATRON,
                                          lora=lora.LoraSpec(target_modules=("q_proj", "qkv")))
+
+
+def test_peft_folder_loads_in_peft_to_the_same_log_probs(tp1, tiny_model_dir, tmp_path):
+    """The adapters written as a PEFT folder (issue #56 point 4's export): ``peft.PeftModel.from_pretrained`` on
+    the base model loads them and gives the log-probs of hpcrl's model (1e-5); the adapter file is a fraction of
+    the model's bytes."""
+    ddp_model, _ = adapted(tiny_model_dir)
+    stats = lora.write_peft_folder(ddp_model, tmp_path / "adapter", SPEC, str(tiny_model_dir))
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                      "adapter_model.safetensors"]
+    loaded = peft.PeftModel.from_pretrained(load_hf(tiny_model_dir), str(tmp_path / "adapter")).eval()
+    tokens, total, resp, _ = sample_batch(21, seed=5)
+    with torch.no_grad():
+        ours = logprobs.response_log_probs(bridge.unwrap_model(ddp_model), tokens.to(device_of(ddp_model)),
+                                           total, resp)
+        theirs = torch.log_softmax(loaded(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    mask = response_mask(total, resp)
+    assert (ours.log_probs.cpu()[ours.mask.cpu()] - theirs[mask]).abs().max().item() < 1e-5
+    model_bytes = sum(t.numel() * t.element_size() for t in bridge.read_hf_state_dict(tiny_model_dir).values())
+    assert stats["tensors"] == 4 * 7 * 2 and 0 < stats["bytes"] < model_bytes / 5
+
