@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
+from typing import Iterator
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -39,3 +43,23 @@ def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = False) -
             os.unlink(tmp)
         raise
     return path
+
+
+@contextlib.contextmanager
+def atomic_folder(dest: str | os.PathLike) -> Iterator[Path]:
+    """Write a folder atomically: the block fills the temporary folder it is given (beside ``dest``, created
+    empty); when the block ends without error an existing ``dest`` is removed and the temporary folder renamed
+    to it, so a reader sees a whole folder or none (or the previous one until the swap). On an error the
+    temporary folder is removed and the error raised. Raises OSError when the parent is not writable."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

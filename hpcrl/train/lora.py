@@ -336,25 +336,17 @@ def write_peft_folder(model: torch.nn.Module, dest, spec: LoraSpec, base_model: 
     gathered whole, :func:`peft_state_dict`); the global rank 0 writes. Returns ``{"bytes", "tensors"}`` of the
     adapter file. Raises OSError on write errors (the temporary folder is removed)."""
     import json
-    import os
-    import shutil
-    from pathlib import Path
 
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from hpcrl.fsutil import fsync_path
+    from hpcrl.fsutil import atomic_folder, fsync_path
 
     state = {k: v.cpu().contiguous() for k, v in peft_state_dict(model)}
     stats = {"bytes": sum(t.numel() * t.element_size() for t in state.values()), "tensors": len(state)}
     if dist.is_initialized() and dist.get_rank() != 0:
         return stats
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_folder(dest) as tmp:
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
                   "lora_dropout": spec.dropout, "target_modules": sorted(spec.target_modules), "bias": "none",
@@ -363,10 +355,4 @@ def write_peft_folder(model: torch.nn.Module, dest, spec: LoraSpec, base_model: 
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         for f in tmp.iterdir():
             fsync_path(f)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return stats

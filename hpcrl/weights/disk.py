@@ -22,9 +22,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from hpcrl.fsutil import atomic_folder, fsync_path
 from hpcrl.weights.buckets import iter_buckets
 from hpcrl.weights.common import EngineCalls
-from hpcrl.fsutil import fsync_path
 
 ENDPOINT = "/update_weights_from_disk"
 FOLDER_RE = re.compile(r"^weight_v\d{6,}$")
@@ -50,14 +50,8 @@ def write_hf_folder(named_tensors: Iterable, dest: str | os.PathLike, *, bucket_
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     stats = {"bytes": 0, "buckets": 0, "tensors": 0}
-    try:
+    with atomic_folder(dest) as tmp:
         weight_map: dict[str, int] = {}
         for bucket in iter_buckets(named_tensors, bucket_bytes):
             shard = {name: t.detach().to("cpu").contiguous() for name, t in bucket.tensors}
@@ -85,12 +79,6 @@ def write_hf_folder(named_tensors: Iterable, dest: str | os.PathLike, *, bucket_
             for f in Path(hf_checkpoint).iterdir():
                 if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _SKIP_FILES:
                     shutil.copy2(f, tmp / f.name)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     stats["write_seconds"] = time.perf_counter() - t0
     return stats
 
