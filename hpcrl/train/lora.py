@@ -100,21 +100,19 @@ class LoraAdapter(torch.nn.Module):
         self.local_geometry = dataclasses.replace(g, tp=1, rank=0, num_heads=g.num_heads // g.tp,
                                                   num_groups=g.num_groups // g.tp)
         self.in_local = in_features // g.tp if kind == "row" else in_features
+        # which of A and B is split over tensor-parallel ranks, and along which dimension
+        self.split, self.split_dim = ("B", 0) if kind == "column" else ("A", 1)
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
         for part, size in zip(parts, part_sizes):
             if part not in spec.target_modules:
                 continue
-            full_a = initial_a(spec.rank, in_features, seeds[part]).to(dtype=dtype, device=device)
-            if kind == "column":
-                a = torch.nn.Parameter(full_a)
-                b = torch.nn.Parameter(torch.zeros(size // g.tp, spec.rank, dtype=dtype, device=device))
-                set_tensor_model_parallel_attributes(b, True, 0, 1)
-            else:
-                a = torch.nn.Parameter(full_a.chunk(g.tp, dim=1)[g.rank].clone())
-                b = torch.nn.Parameter(torch.zeros(size, spec.rank, dtype=dtype, device=device))
-                set_tensor_model_parallel_attributes(a, True, 1, 1)
-            self.lora_A[part], self.lora_B[part] = a, b
+            whole = {"A": initial_a(spec.rank, in_features, seeds[part]).to(dtype=dtype, device=device),
+                     "B": torch.zeros(size, spec.rank, dtype=dtype, device=device)}
+            params = {k: torch.nn.Parameter(self.part_of(v, g.tp, g.rank) if k == self.split else v)
+                      for k, v in whole.items()}
+            set_tensor_model_parallel_attributes(params[self.split], True, self.split_dim, 1)
+            self.lora_A[part], self.lora_B[part] = params["A"], params["B"]
         self.dropout = torch.nn.Dropout(spec.dropout) if spec.dropout > 0 else torch.nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,6 +140,9 @@ class LoraAdapter(torch.nn.Module):
                    self.lora_B[part]) * self.scaling
         return scatter_to_sequence_parallel_region(y, group=group) if self.sequence_parallel else y
 
+    def part_of(self, whole: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s part (of ``tp``) of the whole split tensor (:attr:`split`), a copy."""
+        return whole.chunk(tp, dim=self.split_dim)[rank].clone()
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
@@ -188,13 +189,13 @@ def _with_split_adapters(linear: torch.nn.Module):
 
     own = linear.sharded_state_dict
     adapter: LoraAdapter = linear.lora
-    which, axis = ("lora_B", 0) if adapter.kind == "column" else ("lora_A", 1)
 
     def sharded_state_dict(prefix: str = "", sharded_offsets=(), metadata=None):
         out = own(prefix, sharded_offsets, metadata)
-        split = {f"lora.{which}.{part}": t for part, t in getattr(adapter, which).items()}
+        split = {f"lora.lora_{adapter.split}.{part}": t
+                 for part, t in getattr(adapter, f"lora_{adapter.split}").items()}
         out.update(make_sharded_tensors_for_checkpoint(
-            split, prefix, dict.fromkeys(split, axis), sharded_offsets, tp_group=adapter.tp_group,
+            split, prefix, dict.fromkeys(split, adapter.split_dim), sharded_offsets, tp_group=adapter.tp_group,
             dp_cp_group=metadata["dp_cp_group"]))
         return out
 
@@ -256,11 +257,11 @@ def _whole(adapter: LoraAdapter, which: str, part: str) -> torch.Tensor:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     t = getattr(adapter, f"lora_{which}")[part].detach().clone()  # megatron's gather at TP=1 returns its input
-    if adapter.kind == "column" and which == "B":
-        return gather_from_tensor_model_parallel_region(t.t().contiguous(), group=adapter.tp_group).t().contiguous()
-    if adapter.kind == "row" and which == "A":
-        return gather_from_tensor_model_parallel_region(t, group=adapter.tp_group)
-    return t
+    if which != adapter.split:
+        return t
+    # megatron gathers along the last dimension
+    return gather_from_tensor_model_parallel_region(t.movedim(adapter.split_dim, -1).contiguous(),
+                                                    group=adapter.tp_group).movedim(-1, adapter.split_dim).contiguous()
 
 
 def _adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
@@ -299,33 +300,23 @@ def load_peft_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -
     """Copy whole adapters in PEFT's names (:func:`peft_state_dict`'s) into ``model``'s, this rank's part of
     each (its tensor-parallel split, its pipeline stage's layers). Raises KeyError naming an adapter ``state``
     lacks or a tensor no adapter of any stage takes."""
+    from hpcrl.train import bridge
+
+    g = bridge.geometry(bridge.unwrap_model(model))
     used = set()
-    tp, rank = _tp()
     for prefix, adapter in _adapters(model):
         for part in adapter.lora_A:
             for which in "AB":
                 name = f"{prefix}.{part}.lora_{which}.weight"
                 if name not in state:
                     raise KeyError(f"the adapter state lacks {name}")
-                whole, param = state[name], getattr(adapter, f"lora_{which}")[part]
-                if adapter.kind == "column" and which == "B":
-                    whole = whole.chunk(tp, dim=0)[rank]
-                elif adapter.kind == "row" and which == "A":
-                    whole = whole.chunk(tp, dim=1)[rank]
-                param.copy_(whole)
+                whole = state[name]
+                getattr(adapter, f"lora_{which}")[part].copy_(
+                    adapter.part_of(whole, g.tp, g.rank) if which == adapter.split else whole)
                 used.add(name)
-    from hpcrl.train import bridge
-
-    g = bridge.geometry(bridge.unwrap_model(model))
     unused = sorted(n for n in set(state) - used if not bridge.on_other_stage(n.removeprefix("base_model.model."), g))
     if unused:
         raise KeyError(f"no adapter of the model takes {unused[:4]}")
-
-
-def _tp() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
 
 
 def write_peft_folder(model: torch.nn.Module, dest, spec: LoraSpec, base_model: str = "") -> dict:
