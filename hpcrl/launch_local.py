@@ -26,7 +26,8 @@ WAIT_S = 0.1
 """Seconds the launcher waits at most between looks at its workers; the preemption signal is passed on the
 moment it comes."""
 
-__all__ = ["main", "resolve_cpu_sets", "check_local_trainer", "check_local_engine", "run_local_workers"]
+__all__ = ["main", "resolve_cpu_sets", "check_local_trainer", "check_local_engine", "run_local_workers",
+           "engine_forks", "engine_launcher"]
 
 
 def main(cfg: Config, warm_start_only: bool = False) -> int:
@@ -44,13 +45,41 @@ def main(cfg: Config, warm_start_only: bool = False) -> int:
     quiet_logs()
     cpus = resolve_cpu_sets(cfg)
     run_dir = run_dir_of(cfg)
-    if warm_start_only:
-        return _run_trainer(cfg, run_dir, prepare_base(cfg), cpus, warm_start_only=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_resolved(cfg, run_dir)
-    with local_run_record(run_dir, stopped_codes=(EXIT_RETRY,)) as record:  # for hpcrl status
-        record.exit_code = _run_trainer(cfg, run_dir, prepare_base(cfg), cpus)
-        return record.exit_code
+    # before anything runs a tensor operation or starts a thread: the engines' fork server (one trainer process)
+    with engine_forks(cfg, cfg.train.nprocs == 1) as forks:
+        if warm_start_only:
+            return _run_trainer(cfg, run_dir, prepare_base(cfg), cpus, warm_start_only=True, forks=forks)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved(cfg, run_dir)
+        with local_run_record(run_dir, stopped_codes=(EXIT_RETRY,)) as record:  # for hpcrl status
+            record.exit_code = _run_trainer(cfg, run_dir, prepare_base(cfg), cpus, forks=forks)
+            return record.exit_code
+
+
+def engine_forks(cfg: Config, starts_engines: bool = True):
+    """A context manager giving the fork server this trainer process forks its CPU engines from
+    (:class:`hpcrl.fork_server.ForkServer`, closed at the end), or None where engines are started with
+    ``subprocess``: ``starts_engines`` False (this process does not start them), engines that are not the CPU
+    engine, a GPU present, ``HPCRL_ENGINE_FORK=0`` (:func:`hpcrl.fork_server.fork_allowed`). Enter it before
+    this process runs a tensor operation or starts a thread."""
+    import contextlib
+
+    from hpcrl.fork_server import ForkServer, fork_allowed
+    from hpcrl.rollout.engines import resolve_engine
+
+    if not (starts_engines and fork_allowed() and resolve_engine(cfg.rollout.engine) == "cpu"):
+        return contextlib.nullcontext()
+    return ForkServer.start() or contextlib.nullcontext()
+
+
+def engine_launcher(forks):
+    """The engine launcher (:data:`hpcrl.rollout.fleet.EngineLauncher`) of a local run whose CPU engines are
+    forked from ``forks`` (None: the default, engines started with ``subprocess``)."""
+    import functools
+
+    from hpcrl.rollout.engines import launch_local_engines
+
+    return None if forks is None else functools.partial(launch_local_engines, forks=forks)
 
 
 def starting_model(cfg: Config) -> Path:
@@ -67,9 +96,11 @@ def starting_model(cfg: Config) -> Path:
     return warm_start_folder(cfg, base) if cfg.sft.enabled and cfg.run.mode != "sft" else base
 
 
-def _run_trainer(cfg: Config, run_dir: Path, base: Path, cpus, warm_start_only: bool = False) -> int:
-    """The trainer's stages in this process (``train.nprocs == 1``) or in worker processes; 0, or
-    :data:`EXIT_RETRY` when stopped early with a checkpoint, or a failed worker's exit status."""
+def _run_trainer(cfg: Config, run_dir: Path, base: Path, cpus, warm_start_only: bool = False,
+                 forks=None) -> int:
+    """The trainer's stages in this process (``train.nprocs == 1``; CPU engines forked from ``forks`` when
+    given) or in worker processes; 0, or :data:`EXIT_RETRY` when stopped early with a checkpoint, or a failed
+    worker's exit status."""
     from hpcrl.placement import pin, unpin
     from hpcrl.train.critic_group import local_threads
 
@@ -82,7 +113,8 @@ def _run_trainer(cfg: Config, run_dir: Path, base: Path, cpus, warm_start_only: 
     before = (pin(cpus.train, threads) if cpus is not None else
               pin(os.sched_getaffinity(0), threads) if threads is not None else None)
     try:
-        result = run_stages(cfg, run_dir, base, warm_start_only=warm_start_only)
+        result = run_stages(cfg, run_dir, base, launch_engines=engine_launcher(forks),
+                            warm_start_only=warm_start_only)
     finally:
         if before is not None:
             unpin(before)
@@ -162,24 +194,27 @@ def _worker(rank: int, world_size: int, init_method: str, cfg, run_dir: Path, ba
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", **{INIT_METHOD_ENV: init_method})
     os.environ.pop("MASTER_PORT", None)
-    import torch
+    # the controller starts the engines: their fork server, forked before this process ran anything
+    with engine_forks(cfg, rank == 0) as forks:
+        import torch
 
-    from hpcrl.placement import parse_cpu_list, pin
-    from hpcrl.train.critic_group import local_threads
+        from hpcrl.placement import parse_cpu_list, pin
+        from hpcrl.train.critic_group import local_threads
 
-    if cfg.run.placement == "disaggregate" and cfg.train.cpus is not None:  # resolved by main()
-        pin(parse_cpu_list(cfg.train.cpus), threads=local_threads(cfg))
-    else:
-        torch.set_num_threads(local_threads(cfg))
-    from hpcrl.errors import run_worker
+        if cfg.run.placement == "disaggregate" and cfg.train.cpus is not None:  # resolved by main()
+            pin(parse_cpu_list(cfg.train.cpus), threads=local_threads(cfg))
+        else:
+            torch.set_num_threads(local_threads(cfg))
+        from hpcrl.errors import run_worker
 
-    # a known error is handed to the parent (one line there), not printed here as a traceback
-    def stages() -> None:
-        result = run_stages(cfg, run_dir, base, warm_start_only=warm_start_only)
-        if result.get("preempted"):
-            raise SystemExit(EXIT_RETRY)
+        # a known error is handed to the parent (one line there), not printed here as a traceback
+        def stages() -> None:
+            result = run_stages(cfg, run_dir, base, launch_engines=engine_launcher(forks),
+                                warm_start_only=warm_start_only)
+            if result.get("preempted"):
+                raise SystemExit(EXIT_RETRY)
 
-    run_worker(run_dir, rank, stages)
+        run_worker(run_dir, rank, stages)
 
 
 def run_local_workers(cfg, run_dir: Path, base: Path, warm_start_only: bool = False) -> int:

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoTokenizer  # noqa: E402,F401
 import hpcrl.checkpoint.manager  # noqa: E402,F401
 import hpcrl.data.buffer  # noqa: E402,F401
 import hpcrl.data.datasets  # noqa: E402,F401
+import hpcrl.engine.server  # noqa: E402,F401 - the controller's engine fork server (hpcrl.fork_server)
 import hpcrl.loop  # noqa: E402,F401
 import hpcrl.loop_async  # noqa: E402,F401
 import hpcrl.rollout.manager  # noqa: E402,F401

@@ -44,13 +44,17 @@ checkpoint: {{save_interval: 0, keep_last: 2}}
     return cfg
 
 
-def start(tmp_path: Path, name: str, *overrides: str, threads: int = 1, curves: bool = False) -> subprocess.Popen:
+def start(tmp_path: Path, name: str, *overrides: str, threads: int = 1, curves: bool = False,
+          fork_engines: bool = True) -> subprocess.Popen:
     """``hpcrl run`` of :func:`write_config`'s run as ``run.name=name`` with ``threads`` torch threads in the
     trainer and the engine (``OMP_NUM_THREADS``; the float result depends on it on some CPUs) and, with
-    ``curves``, its curves.png (the suite's runs skip it); output in ``tmp_path/<name>.log``."""
+    ``curves``, its curves.png (the suite's runs skip it); ``fork_engines`` False: the engine started with
+    ``subprocess`` (``HPCRL_ENGINE_FORK=0``), not forked (:mod:`hpcrl.fork_server`); output in
+    ``tmp_path/<name>.log``."""
     cfg = write_config(tmp_path)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS=str(threads), HPCRL_CURVES="1" if curves else "0")
+               OMP_NUM_THREADS=str(threads), HPCRL_CURVES="1" if curves else "0",
+               HPCRL_ENGINE_FORK="1" if fork_engines else "0")
     log = open(tmp_path / f"{name}.log", "ab")  # a file: torch's shm manager keeps pipes open
     return subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), f"run.name={name}", *overrides],
                             cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -183,11 +187,22 @@ def reference(tmp_path_factory):
     return tmp, weights(tmp, "ref"), rows
 
 
+def engine_parent(proc: subprocess.Popen) -> str:
+    """The command line of the parent of the run's engine (the one live ``hpcrl.engine.server``)."""
+    engines = [p for p in descendants(proc.pid) if _alive(p) and "hpcrl.engine.server" in full_cmdline(p)]
+    assert len(engines) == 1, [full_cmdline(p) for p in descendants(proc.pid)]
+    return full_cmdline(_ppid(engines[0]))
+
+
 def test_usr2_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path, reference):
+    """The first part runs its engine as a ``subprocess`` (``HPCRL_ENGINE_FORK=0``), the rerun and the reference
+    fork theirs (:mod:`hpcrl.fork_server`): the two ways generate the same tokens and log-probs, or the
+    resumed weights would differ from the reference's."""
     ref_dir, ref_weights, ref_rows = reference
-    proc = start(tmp_path, "usr2")
+    proc = start(tmp_path, "usr2", fork_engines=False)
     run_dir = tmp_path / "runs" / "usr2"
     wait_steps(proc, run_dir, 3)
+    assert "hpcrl engine fork server" not in engine_parent(proc)
     assert run_state(run_dir) == "RUNNING"  # hpcrl status of a live local run
     os.kill(proc.pid, signal.SIGUSR2)
     assert finish(proc) == 75, (tmp_path / "usr2.log").read_text()[-3000:]  # stopped early, resumable
@@ -220,7 +235,8 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, reference):
     time.sleep(random.Random(0).uniform(0.0, 0.5))  # somewhere inside a later step
     children = descendants(proc.pid)
     assert children, "the run has no child processes (engine)?"
-    kill_and_expect_gone(proc, children, 15)
+    assert engine_parent(proc).startswith("hpcrl engine fork server")  # a run forks its CPU engine
+    kill_and_expect_gone(proc, children, 15)  # the fork server and its engine too
     assert run_state(run_dir) == "FAILED"  # died without recording an outcome
     proc = start(tmp_path, "kill", "checkpoint.save_interval=1")
     assert finish(proc) == 0, (tmp_path / "kill.log").read_text()[-3000:]
