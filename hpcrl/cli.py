@@ -189,13 +189,15 @@ def _cmd_sft(ns: argparse.Namespace) -> int:
 
 
 def _cmd_convert(ns: argparse.Namespace) -> int:
-    if ns.kind == "mcore-to-hf":
+    if ns.kind in ("mcore-to-hf", "mcore-to-peft"):
         from hpcrl.convert import convert_run_checkpoint
 
+        peft = ns.kind == "mcore-to-peft"
         try:
-            print(convert_run_checkpoint(ns.src, ns.dst, hf_base=ns.hf_base, dtype=ns.dtype, fp8=ns.fp8))
-        except (FileNotFoundError, ValueError) as e:
-            _err(f"hpcrl convert mcore-to-hf: {e}")
+            print(convert_run_checkpoint(ns.src, ns.dst, hf_base=ns.hf_base, dtype=None if peft else ns.dtype,
+                                         fp8=not peft and ns.fp8, peft=peft))
+        except (FileNotFoundError, FileExistsError, ValueError) as e:
+            _err(f"hpcrl convert {ns.kind}: {e}")
             return EXIT_ERROR
         return EXIT_OK
     from hpcrl.models import gguf
@@ -557,6 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fp8", action="store_true",
                    help="linear weights in block-fp8 (128x128, float32 scales: what weights.rollout_dtype=fp8 "
                         "engines serve); embeddings, norms and routers stay in --dtype")
+    c = conv.add_parser("mcore-to-peft", help="a LoRA run's checkpoint -> PEFT adapter folder "
+                        "(adapter_config.json + adapter_model.safetensors)")
+    c.add_argument("src", metavar="CHECKPOINT", help="an iter_XXXXXXX folder, or a run folder (its newest)")
+    c.add_argument("dst", metavar="DST")
+    c.add_argument("--hf-base", default=None,
+                   help="the base HF folder the adapters apply to (default: the run's model, from its config)")
     p.set_defaults(handler=_cmd_convert)
 
     sub.add_parser("serve", add_help=False,

@@ -2,7 +2,7 @@
 
 :func:`mcore_to_hf` builds the megatron-core GPTModel from the run's base HF folder, loads the model part of a
 checkpoint (:mod:`hpcrl.checkpoint`; the optimizer is not read) and writes the weights with
-:func:`hpcrl.train.bridge.export_hf_weights`. It runs as a single process (tensor-parallel size 1) whatever
+:func:`hpcrl.train.bridge.export_hf_weights` (a LoRA run's adapters merged in: the model it trained). It runs as a single process (tensor-parallel size 1) whatever
 tensor-parallel size the checkpoint was saved with: megatron-core's ``dist_checkpointing`` reads each
 parameter's shards and reassembles them. Inside a running ``torch.distributed`` job every rank calls it and
 rank 0 writes.
@@ -22,6 +22,7 @@ folder means its newest complete checkpoint).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -122,31 +123,16 @@ def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str
     incomplete checkpoint, ValueError for a bad dtype or a padded vocab that does not split over this job's
     TP size, OSError if writing fails.
     """
-    from transformers import AutoConfig
-
     from hpcrl import checkpoint
-    from hpcrl.train import bridge, parallel, model as tmodel
+    from hpcrl.train import bridge
 
     checkpoint_dir, hf_base_path, out_dir = Path(checkpoint_dir), Path(hf_base_path), Path(out_dir)
     marker = checkpoint.validate_checkpoint(checkpoint_dir)
     train_dtype = _dtype(marker.get("params_dtype") or "float32")
     out_dtype = _dtype(dtype) if dtype is not None else train_dtype
 
-    started_dist = not dist.is_initialized()
-    if started_dist:
-        parallel.init_distributed()
-    from megatron.core import parallel_state
-
-    started_mp = not parallel_state.model_parallel_is_initialized()
-    if started_mp:
-        parallel.initialize_model_parallel(tp=1)
-        # the model-parallel RNG states the layers' init forks (on CUDA a missing one is an error: "cuda rng
-        # state model-parallel-rng is not added", seen on an H100); the values are overwritten by the checkpoint
-        if torch.cuda.is_available():
-            parallel.model_parallel_cuda_manual_seed(0)
-    try:
+    with _world():
         rank = dist.get_rank()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
         tmp = None
         if rank == 0:
             if out_dir.exists():
@@ -158,17 +144,7 @@ def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str
         if "error" in box[0]:
             raise FileExistsError(box[0]["error"])
         tmp = Path(box[0]["path"])
-
-        hf_config = AutoConfig.from_pretrained(str(hf_base_path))
-        extra = tmodel.split_megatron_kwargs(megatron)
-        model_kwargs = dict(extra["model"], **extra["transformer"])
-        for key in ("bf16", "fp16", "params_dtype", "pipeline_dtype"):  # the checkpoint's dtype decides
-            model_kwargs.pop(key, None)
-        if marker.get("padded_vocab_size"):
-            model_kwargs["make_vocab_size_divisible_by"] = _vocab_divisor(marker["padded_vocab_size"], tp)
-        model = bridge.build_gpt_model(hf_config, dtype=train_dtype, **model_kwargs)
-        checkpoint.load_checkpoint(checkpoint_dir, model, None, load_rng=False)
-        model.eval()
+        model = checkpoint_model(checkpoint_dir, hf_base_path, marker, megatron)
 
         writer, error = None, None
         if rank == 0:
@@ -199,11 +175,100 @@ def mcore_to_hf(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str
         if box[0]:
             raise OSError(box[0])
         return out_dir
+
+
+@contextlib.contextmanager
+def _world():
+    """``torch.distributed`` and megatron-core's model parallelism for a conversion: a world of 1 at TP=1 when
+    none is running (torn down after), else the running job's."""
+    from megatron.core import parallel_state
+
+    from hpcrl.train import parallel
+
+    started_dist = not dist.is_initialized()
+    if started_dist:
+        parallel.init_distributed()
+    started_mp = not parallel_state.model_parallel_is_initialized()
+    if started_mp:
+        parallel.initialize_model_parallel(tp=1)
+        # the model-parallel RNG states the layers' init forks (on CUDA a missing one is an error: "cuda rng
+        # state model-parallel-rng is not added", seen on an H100); the values are overwritten by the checkpoint
+        if torch.cuda.is_available():
+            parallel.model_parallel_cuda_manual_seed(0)
+    try:
+        yield
     finally:
         if started_mp:
             parallel_state.destroy_model_parallel()
         if started_dist:
             dist.destroy_process_group()
+
+
+def checkpoint_model(checkpoint_dir: Path, hf_base_path: Path, marker: Mapping[str, Any],
+                     megatron: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
+    """The megatron-core GPTModel of ``checkpoint_dir`` (built from ``hf_base_path``'s config with the
+    checkpoint's padded vocab and dtype, a LoRA run's adapters added: :func:`checkpoint_lora`), its weights
+    loaded, in eval mode. Needs :func:`_world`. Raises what the checkpoint load raises."""
+    from transformers import AutoConfig
+    from megatron.core import parallel_state
+
+    from hpcrl import checkpoint
+    from hpcrl.train import bridge, model as tmodel
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    hf_config = AutoConfig.from_pretrained(str(hf_base_path))
+    extra = tmodel.split_megatron_kwargs(megatron)
+    model_kwargs = dict(extra["model"], **extra["transformer"])
+    for key in ("bf16", "fp16", "params_dtype", "pipeline_dtype"):  # the checkpoint's dtype decides
+        model_kwargs.pop(key, None)
+    if marker.get("padded_vocab_size"):
+        model_kwargs["make_vocab_size_divisible_by"] = _vocab_divisor(marker["padded_vocab_size"], tp)
+    model = bridge.build_gpt_model(hf_config, dtype=_dtype(marker.get("params_dtype") or "float32"),
+                                   **model_kwargs)
+    spec = checkpoint_lora(checkpoint_dir)
+    if spec is not None:  # a LoRA run's checkpoint holds its adapters: they load, and merge into the export
+        from hpcrl.train.lora import add_lora
+
+        add_lora(model, spec)
+    checkpoint.load_checkpoint(checkpoint_dir, model, None, load_rng=False)
+    model.eval()
+    return model
+
+
+def mcore_to_peft(checkpoint_dir: Union[str, os.PathLike], hf_base_path: Union[str, os.PathLike],
+                  out_dir: Union[str, os.PathLike]) -> Path:
+    """Write the LoRA adapters of a LoRA run's checkpoint as a PEFT adapter folder at ``out_dir``
+    (``adapter_config.json`` + ``adapter_model.safetensors``: what ``peft.PeftModel.from_pretrained`` on the
+    base loads, and SGLang's ``/load_lora_adapter``; :func:`hpcrl.train.lora.write_peft_folder`); returns
+    ``out_dir``. Raises ValueError for a checkpoint of a run without ``model.lora``, FileExistsError if
+    ``out_dir`` exists, :class:`hpcrl.checkpoint.CheckpointError` for an incomplete checkpoint."""
+    from hpcrl import checkpoint
+    from hpcrl.train.lora import write_peft_folder
+
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    spec = checkpoint_lora(checkpoint_dir)
+    if spec is None:
+        raise ValueError(f"{checkpoint_dir} was saved by a run without model.lora: it has no adapters "
+                         "(export it with mcore-to-hf)")
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists")
+    marker = checkpoint.validate_checkpoint(checkpoint_dir)
+    with _world():
+        write_peft_folder(checkpoint_model(checkpoint_dir, Path(hf_base_path), marker), out_dir, spec,
+                          base_model=str(hf_base_path))
+    return out_dir
+
+
+def checkpoint_lora(checkpoint_dir: Union[str, os.PathLike]):
+    """The :class:`hpcrl.train.lora.LoraSpec` of the run that saved ``checkpoint_dir`` (its ``state.json``'s
+    ``model.lora``), or None for a run without adapters (or a checkpoint without ``state.json``)."""
+    from hpcrl.config.lora import LoraSection
+    from hpcrl.train.lora import LoraSpec
+
+    state = Path(checkpoint_dir, "state.json")
+    section = ((json.loads(state.read_text()).get("config") or {}).get("model") or {}).get("lora") \
+        if state.exists() else None
+    return LoraSpec.of(LoraSection(**section)) if section else None
 
 
 def _write_metadata_files(base: Path, out: Path, dtype: torch.dtype, checkpoint_dir: Path,
@@ -231,8 +296,9 @@ def _write_metadata_files(base: Path, out: Path, dtype: torch.dtype, checkpoint_
 
 def convert_run_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike],
                            hf_base: Optional[Union[str, os.PathLike]] = None, dtype: Optional[str] = None,
-                           fp8: bool = False) -> Path:
-    """``hpcrl convert mcore-to-hf``: export a checkpoint folder, or a run folder's newest complete one.
+                           fp8: bool = False, peft: bool = False) -> Path:
+    """``hpcrl convert mcore-to-hf``: export a checkpoint folder, or a run folder's newest complete one
+    (``peft``: ``hpcrl convert mcore-to-peft``, a LoRA run's adapters as a PEFT folder: :func:`mcore_to_peft`).
 
     ``hf_base`` defaults to the HF folder the run trained from, read from the checkpoint's ``state.json``
     (``sft.output`` when SFT was enabled, else ``model.path``; a relative one is taken from the folder the run
@@ -256,6 +322,8 @@ def convert_run_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.Path
         if not hf_base:
             raise ValueError(f"{path}: cannot tell the base HF folder from state.json; pass --hf-base")
         hf_base = _launch_relative(Path(hf_base), path, (cfg.get("run") or {}).get("output_dir"))
+    if peft:
+        return mcore_to_peft(path, hf_base, dst)
     return mcore_to_hf(path, hf_base, dst, dtype=dtype, fp8=fp8)
 
 

@@ -31,6 +31,7 @@ from hpcrl.config.errors import (FILE_FIELD, OVERRIDE_FIELD, MIB, ConfigError)
 from hpcrl.config.environment import (Environment)
 from hpcrl.config.schema import (Config)
 from hpcrl.config.run import (RunSection, ModelSection, DataSection, SFTSection)
+from hpcrl.config.lora import (LoraSection, PEFT_TARGETS)
 from hpcrl.config.rollout import (RolloutSection, BUILTIN_REWARD_FUNCTIONS, BUILTIN_DYNAMIC_FILTERS)
 from hpcrl.config.train import (TrainSection, AlgorithmSection, CheckpointSection, GROUP_ESTIMATORS)
 from hpcrl.config.weights import (WeightsSection)
@@ -56,6 +57,8 @@ __all__ = [
     "ModelSection",
     "DataSection",
     "SFTSection",
+    "LoraSection",
+    "PEFT_TARGETS",
     "RolloutSection",
     "BUILTIN_REWARD_FUNCTIONS",
     "BUILTIN_DYNAMIC_FILTERS",

@@ -21,6 +21,7 @@ from hpcrl.config.checks import non_negative, positive, require
 from hpcrl.config.run import check_data, check_model, check_run, check_sft
 from hpcrl.config.rollout import check_rollout
 from hpcrl.config.critic import check_critic, check_critic_model
+from hpcrl.config.lora import check_lora
 from hpcrl.config.train import (check_algorithm, check_checkpoint, check_heads, check_moe, check_stages,
                                 check_train)
 from hpcrl.config.weights import check_sglang_fp8, check_weights
@@ -227,6 +228,7 @@ def validate(cfg: Config, check_files: bool = True, env: Optional[Environment] =
     check_heads(cfg, check_files)
     check_stages(cfg, check_files)
     check_moe(cfg, check_files, env)
+    check_lora(cfg, check_files, env)
     check_algorithm(cfg, check_files, env)
     check_critic(cfg)
     check_critic_model(cfg, check_files, env)

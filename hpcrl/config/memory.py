@@ -26,6 +26,10 @@ per parameter a GPU holds:
   defaults to 0.0, i.e. nothing moves) keeps a fraction f of those states (and an fp32 copy of their
   gradients) in host memory instead.
 
+With LoRA (``model.lora``) the base weights are frozen: they have no gradient buffer and no Adam state; the
+adapters (:func:`hpcrl.config.lora.lora_parameters`, split over TP as the trainer splits them) have weights,
+gradients and Adam states by the rules above (sharded as dense parameters).
+
 With a critic (``algorithm.advantage_estimator: gae``, PPO's value model) the trainer holds a second model
 with the actor's layout in the same processes: the same weights, gradients and Adam states again, less the
 output layer (the critic's is a ``hidden_size -> 1`` value head, not counted). Its parameters are counted from
@@ -73,6 +77,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from hpcrl.config.checks import require
 from hpcrl.config.environment import Environment
 from hpcrl.config.errors import ConfigError
+from hpcrl.config.lora import lora_parameters
 from hpcrl.config.rollout import sglang_engines_by_config
 from hpcrl.config.train import sequence_parallel, stage_layer_counts, stage_overrides
 
@@ -277,11 +282,16 @@ def _model_memory(cfg: Config, p: ParamCount, offload: Optional[bool], tp: Optio
         dense = (edges + p.dense * share) / tp + p.replicated * share
         expert = p.expert * share / (etp * ep)
         params = dense + expert
+        lora = cfg.model.lora if hf is not None else None
+        if lora is not None:  # LoRA: the base is frozen (no gradient, no Adam); only the adapters train
+            dense = lora_parameters(hf, lora, tp) * (counts[stage] / num_layers if counts else 1 / pp)
+            expert, params = 0.0, params + dense
+        trained = dense + expert
         # megatron's distributed optimizer shards dense states over DP x CP (its data-parallel group with context
         # parallelism), expert states over the expert-data-parallel group
-        adam_full = s_bytes * (dense / (dp * cp) + expert / edp) if distributed else s_bytes * params
+        adam_full = s_bytes * (dense / (dp * cp) + expert / edp) if distributed else s_bytes * trained
         host = fraction * adam_full * (s_bytes + 4) / s_bytes
-        m = TrainerMemory(params=params, weights=w_bytes * params, grads=g_bytes * params,
+        m = TrainerMemory(params=params, weights=w_bytes * params, grads=g_bytes * trained,
                           adam=adam_full * (1 - fraction), adam_no_offload=adam_full, adam_host=host,
                           layout=f"tp{tp}{' sp' if sequence_parallel(t, tp) else ''} "
                                  f"pp{pp} cp{cp} ep{ep} etp{etp} dp{dp} edp{edp} over {world} GPUs"

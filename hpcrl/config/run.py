@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.cpus import check_cpu_specs
 from hpcrl.config.environment import Environment
+from hpcrl.config.lora import LoraSection
 from hpcrl.config.checks import check_source, get_field, non_negative, positive, require
 
 
@@ -80,6 +81,9 @@ class ModelSection:
     """Experts per token (``tiny-qwen3-moe``, ``tiny-glm4-moe``)."""
     tiny_moe_intermediate_size: int = 256
     """Width of each expert's MLP (``tiny-qwen3-moe``, ``tiny-glm4-moe``)."""
+    lora: Optional[LoraSection] = None
+    """LoRA adapters on the actor (``{rank, alpha, dropout, target_modules}``, PEFT's names;
+    :class:`hpcrl.config.lora.LoraSection`): only they train, the base stays frozen. null: full fine-tuning."""
 
 
 @dataclass

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 
 import torch
 
-from hpcrl.train import algorithms, forward, parallel, ppo
+from hpcrl.train import algorithms, forward, lora, parallel, ppo
 from hpcrl.train.context_parallel import loss_scale
 from hpcrl.train.critic import Critic
 from hpcrl.train.model import ModelOnRank
@@ -431,7 +431,9 @@ class Actor(ModelOnRank):
         megatron = dict(cfg.megatron or {})
         if cfg.algorithm.routing_replay:
             megatron["moe_enable_routing_replay"] = True
-        self.bind_model(*tmodel.setup_model_and_optimizer(hf_path, cfg.train, megatron))
+        self.lora = lora.LoraSpec.of(cfg.model.lora)  # (LoRA: only adapters train; hpcrl.train.lora)
+        self.bind_model(*tmodel.setup_model_and_optimizer(hf_path, cfg.train, megatron, lora=self.lora,
+                                                          lora_seed=cfg.run.seed))
         # the actor's schedule starts at its first step, after PPO's critic-only rollouts (slime's scheduler
         # advances only on the actor's steps)
         self.critic_only = cfg.critic.warmup_steps if cfg.algorithm.advantage_estimator == "gae" else 0
@@ -448,12 +450,17 @@ class Actor(ModelOnRank):
                                  "false or train a mixture-of-experts model")
             self.routing = (routing_replay.moe_layer_count(mc), mc.moe_router_topk)
         self.step_metrics: list[dict[str, Optional[float]]] = []
-        if self.uses_ref:
+        if self.uses_ref and self.lora is None:  # (with LoRA the reference is the base: the adapters off)
             self.weights.backup("ref")
         if cfg.algorithm.advantage_estimator != "gae":
             self.critic: Optional[Union[Critic, "RemoteCritic"]] = None
         else:
             self.critic = critic() if critic is not None else Critic(cfg, hf_path)
+
+    def reference(self):
+        """Context manager: the model is the reference policy in it, the initial weights swapped in (tag "ref")
+        or with ``model.lora`` the base, every adapter off (:func:`hpcrl.train.lora.adapters_disabled`)."""
+        return lora.adapters_disabled(self.model) if self.lora is not None else self.weights.swapped("ref")
 
     # -- forward passes ------------------------------------------------------------------------------------
 
@@ -549,9 +556,9 @@ class Actor(ModelOnRank):
         if self.recompute:
             for mb, lp in zip(flat, self._forward_only(flat), strict=True):
                 mb.old_log_probs = lp
-        # 4. reference log-probs with the reference weights swapped in.
+        # 4. reference log-probs with the reference weights swapped in (LoRA: the base, adapters off).
         if self.uses_ref:
-            with self.weights.swapped("ref"):
+            with self.reference():
                 for mb, lp in zip(flat, self._forward_only(flat), strict=True):
                     mb.ref_log_probs = lp
 

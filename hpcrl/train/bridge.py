@@ -524,7 +524,7 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Union[str, os.PathLike, 
 
 @torch.no_grad()
 def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = None, copy: bool = True,
-                      merge_adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                      merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every HF tensor of the model, in megatron-core parameter order.
 
     Tensor-parallel shards are all-gathered over the TP group (a routed expert's over the expert-TP group),
@@ -538,9 +538,10 @@ def export_hf_weights(model: torch.nn.Module, dtype: Optional[torch.dtype] = Non
     Tensors are fresh copies, on the parameters' device, cast to ``dtype`` if given; with ``copy=False`` a
     tensor that needs no gather nor reshuffle (without tensor or pipeline parallelism: all but the fused
     q/k/v) is a view of the parameter instead, valid until the parameter changes (a weight sync, which copies
-    each tensor once before the next optimizer step). ``merge_adapters``: an adapted linear's weight is yielded
-    with its LoRA adapters merged in (base + ``delta_weight()`` of :class:`hpcrl.train.lora.LoraAdapter`: what
-    PEFT's ``merge_and_unload`` gives, for engines that serve no adapters); otherwise the base alone.
+    each tensor once before the next optimizer step). ``merge_adapters`` (default): an adapted linear's weight
+    is yielded with its LoRA adapters merged in (base + ``delta_weight()`` of
+    :class:`hpcrl.train.lora.LoraAdapter`: what PEFT's ``merge_and_unload`` gives: the model a LoRA run trained,
+    for the weight sync to engines that serve no adapters and for ``hpcrl convert``); False: the base alone.
     """
     module = unwrap_model(model)
     g = geometry(module)
@@ -580,7 +581,7 @@ def stages_in_turn(module: torch.nn.Module, own: Iterator[tuple[str, torch.Tenso
 
 
 def _stage_tensors(module: torch.nn.Module, g: _Geometry, dtype: Optional[torch.dtype], copy: bool,
-                   merge_adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                   merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`export_hf_weights` of this pipeline stage's tensors (the whole model without pipelines)."""
     import torch.distributed as dist
     from megatron.core import parallel_state

@@ -25,16 +25,16 @@ context parallelism, MoE experts and multi-latent attention raise NotImplemented
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
-PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""PEFT's names of the dense families' linear modules, the values ``model.lora.target_modules`` takes."""
+from hpcrl.config.lora import PEFT_TARGETS
 
 LINEARS = {
     # megatron-core linear (suffix of ``decoder.layers.{i}.``) -> (bridge layout, its PEFT modules, HF module)
@@ -61,6 +61,13 @@ class LoraSpec:
     def scaling(self) -> float:
         """``alpha / rank``: PEFT's ``scaling`` of a LoRA layer (without rsLoRA)."""
         return self.alpha / self.rank
+
+    @classmethod
+    def of(cls, section) -> Optional["LoraSpec"]:
+        """The spec of a run config's ``model.lora`` (:class:`hpcrl.config.lora.LoraSection`), None for None."""
+        if section is None:
+            return None
+        return cls(int(section.rank), float(section.alpha), float(section.dropout), tuple(section.target_modules))
 
 
 class LoraAdapter(torch.nn.Module):
@@ -114,6 +121,8 @@ class LoraAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(params[self.split], True, self.split_dim, 1)
             self.lora_A[part], self.lora_B[part] = params["A"], params["B"]
         self.dropout = torch.nn.Dropout(spec.dropout) if spec.dropout > 0 else torch.nn.Identity()
+        self.enabled = True
+        """False: the linear's output is its base's alone (:func:`adapters_disabled`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import (
@@ -175,8 +184,30 @@ def adapter_seed(seed: int, layer: int, part: str) -> int:
 def _add_output(module: torch.nn.Module, args: tuple, output):
     """Forward hook of an adapted linear: its output plus its adapter's (megatron's linears return
     ``(output, bias)``)."""
+    if not module.lora.enabled:
+        return output
     out, bias = output
     return out + module.lora(args[0]), bias
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """Within it ``model`` (possibly wrapped) computes as its base, every adapter off: the reference policy of
+    a LoRA run's KL (the base model, with no copy of its weights; PEFT's ``disable_adapter``)."""
+    adapters = [a for _, a in _adapters(model)]
+    before = [a.enabled for a in adapters]
+    for a in adapters:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a, was in zip(adapters, before):
+            a.enabled = was
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (possibly wrapped) has LoRA adapters (:func:`add_lora`)."""
+    return next(_adapters(model), None) is not None
 
 
 def _with_split_adapters(linear: torch.nn.Module):

@@ -67,7 +67,12 @@ class SupervisedTrainer(ModelOnRank):
         parallel.deterministic_mode(cfg.run.deterministic)
         self.cfg = cfg
         self.train_section = sft_train_section(cfg)
-        self.bind_model(*tmodel.setup_model_and_optimizer(hf_path, self.train_section, dict(cfg.megatron or {})))
+        from hpcrl.train.lora import LoraSpec
+
+        # with model.lora only adapters train; the export (warm start, weight sync) has them merged in
+        self.bind_model(*tmodel.setup_model_and_optimizer(hf_path, self.train_section, dict(cfg.megatron or {}),
+                                                          lora=LoraSpec.of(cfg.model.lora),
+                                                          lora_seed=cfg.run.seed))
 
     def train(self, step: int, samples: Sequence["Sample"], lr_scale: float = 1.0) -> dict[str, float]:
         """One optimizer step on ``samples`` (the global batch; every rank passes all of them) at SFT step

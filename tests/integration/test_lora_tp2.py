@@ -63,7 +63,7 @@ def worker(dirs: dict[str, str], out: Path) -> None:
         res[f"{kind}_{layout}"] = dict(
             sp=bridge.unwrap_model(ddp_model).config.sequence_parallel, log_probs=lp.log_probs, mask=lp.mask,
             step=step, adapters=dict(lora.peft_state_dict(ddp_model)), fresh=fresh,
-            base=dict(bridge.export_hf_weights(ddp_model)),
+            base=dict(bridge.export_hf_weights(ddp_model, merge_adapters=False)),
             merged=dict(bridge.export_hf_weights(ddp_model, merge_adapters=True)))
     torch.save(res, out / f"rank{env.rank}.pt")
     parallel.destroy()

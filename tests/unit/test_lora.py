@@ -106,11 +106,11 @@ def test_log_probs_and_one_adamw_step_match_peft(tp1, dense_dirs, family):
     before = {k: v.detach().cpu() for k, v in lora.peft_state_dict(adapted(path)[0])}
     assert max((after[k] - before[k]).abs().max().item() for k in after) > 1e-2  # the step moved them
     assert max((after[k] - ref_after[k]).abs().max().item() for k in after) < 1e-6
-    exported = dict(bridge.export_hf_weights(ddp_model))  # the base model is frozen
+    exported = dict(bridge.export_hf_weights(ddp_model, merge_adapters=False))  # the base: frozen
     hf_base = bridge.read_hf_state_dict(path)
     assert all(torch.equal(exported[k].cpu(), hf_base[k]) for k in exported)
     # merged into the base (for engines that serve no adapters): PEFT's merge_and_unload
-    merged = dict(bridge.export_hf_weights(ddp_model, merge_adapters=True))
+    merged = dict(bridge.export_hf_weights(ddp_model))  # (the default)
     ref_merged = reference.merge_and_unload().state_dict()
     assert sorted(merged) == sorted(exported)
     # the adapters agree within 1e-6, their product B @ A within a few 1e-6 (B drawn at std 0.5)
@@ -150,3 +150,55 @@ def test_peft_folder_loads_in_peft_to_the_same_log_probs(tp1, tiny_model_dir, tm
     model_bytes = sum(t.numel() * t.element_size() for t in bridge.read_hf_state_dict(tiny_model_dir).values())
     assert stats["tensors"] == 4 * 7 * 2 and 0 < stats["bytes"] < model_bytes / 5
 
+
+
+def test_with_the_adapters_off_the_model_is_its_base(tp1, tiny_model_dir):
+    """The KL reference of a LoRA run (``adapters_disabled``: no copy of the weights) computes the base model's
+    logits while trained adapters change them, and the adapters are back on after it."""
+    ddp_model, _ = adapted(tiny_model_dir)
+    model = bridge.unwrap_model(ddp_model)
+    tokens = sample_batch(21, seed=2)[0].to(device_of(model))
+    with torch.no_grad():
+        base = load_hf(tiny_model_dir)(tokens.cpu()).logits
+
+        def logits():
+            return model(tokens, position_ids=None, attention_mask=None).cpu()[..., :base.shape[-1]]
+
+        on = logits()
+        with lora.adapters_disabled(ddp_model):
+            off = logits()
+        again = logits()
+    assert (on - base).abs().max().item() > 1e-2  # the adapters matter
+    assert (off - base).abs().max().item() < 1e-5
+    assert torch.equal(again, on)
+
+
+def test_the_memory_estimate_counts_the_adapters_and_no_adam_for_the_base(tp1, tiny_model_dir):
+    """``hpcrl validate``'s adapter count (from ``config.json``) is the model's, at TP=1 and (split as the
+    trainer splits them) TP=2; with LoRA the trainer's estimate has the base's weights but gradients and Adam
+    states of the adapters alone."""
+    import json
+    from pathlib import Path
+
+    from hpcrl.config import Config, LoraSection
+    from hpcrl.config.lora import lora_parameters
+    from hpcrl.config.memory import trainer_memory
+    from hpcrl.models.params import count_parameters
+
+    section = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+    ddp_model, _ = tmodel.setup_model_and_optimizer(tiny_model_dir, TRAIN, MEGATRON, lora=lora.LoraSpec.of(section))
+    real = sum(p.numel() for p in bridge.unwrap_model(ddp_model).parameters() if p.requires_grad)
+    hf = json.loads(Path(tiny_model_dir, "config.json").read_text())
+    assert lora_parameters(hf, section) == real
+    h, heads, kv, inter, layers = (hf[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                   "intermediate_size", "num_hidden_layers"))
+    d = h // heads  # q: A [4, h] whole, B [heads d / 2, 4]; o: A [4, heads d / 2], B [h, 4] whole; ...
+    per_layer_tp2 = 4 * (h + heads * d / 2) + 4 * (h + kv * d / 2) + 4 * (heads * d / 2 + h) + 4 * (inter / 2 + h)
+    assert lora_parameters(hf, section, tp=2) == per_layer_tp2 * layers
+    full, adapted_run = Config(), Config()
+    adapted_run.model.lora = section
+    p = count_parameters(hf)
+    a, b = trainer_memory(full, p, hf=hf), trainer_memory(adapted_run, p, hf=hf)
+    assert b.params == a.params + real and b.weights == 4 * b.params  # fp32 weights, the base's and the adapters'
+    assert b.grads == 4 * real and b.adam == 8 * real  # fp32 main grads; Adam's two moments
+    assert a.grads == 4 * a.params and a.adam == 8 * a.params

@@ -1,0 +1,93 @@
+"""A LoRA RL run end to end (issue #56 points 2-4): ``hpcrl run`` with ``model.lora`` and a KL loss, on the
+deterministic run of ``test_preemption_local``.
+
+- The KL reference is the base model with the adapters off (no copy of the weights): at step 0, before any
+  update, the reference and the policy are the same model (``train/ref_logprob_diff`` 0), and the KL grows as
+  the adapters train.
+- The engine gets the adapters merged into the base (a full weight sync): the trainer's log-probs of the
+  engine's tokens equal the engine's to 1e-5 at every step (a sync that missed the adapters, or merged them
+  wrongly, differs by ~1e-1 once they train).
+- Only the adapters train: the exported model (``hpcrl convert mcore-to-hf``'s, adapters merged) differs from
+  the base in the adapted linears alone; ``hpcrl convert mcore-to-peft`` writes the adapters as a PEFT folder
+  (a fraction of the model's bytes) that PEFT merges into the same weights.
+- USR2 then a rerun ends bitwise equal to the uninterrupted LoRA run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.integration.test_preemption_local import (STEPS, finish, start, steps_done, trained, wait_steps,
+                                                     weights)
+
+pytestmark = pytest.mark.integration
+
+LORA = ("model.lora={rank: 4, alpha: 8, target_modules: [q_proj, v_proj, gate_proj, down_proj]}",
+        "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.05", "train.lr=0.01")
+
+
+def rows(tmp_path, name):
+    return [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_lora_run_trains_adapters_against_the_base_and_resumes_exactly(tmp_path):
+    proc = start(tmp_path, "ref", *LORA)
+    assert finish(proc) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    steps = [r for r in rows(tmp_path, "ref") if "train/loss" in r]
+    assert len(steps) == STEPS
+    assert steps[0]["train/ref_logprob_diff"] == 0.0  # the reference is the policy before its first update
+    assert steps[0]["train/kl_loss"] == 0.0 and steps[-1]["train/kl_loss"] > 1e-4  # and the adapters move it
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in steps) < 1e-5  # the engine has them merged
+    ref = weights(tmp_path, "ref")
+    base = weights_of_folder(tmp_path / "tiny")
+    changed = [k for k in base if k in ref and not torch.equal(ref[k], base[k])]
+    # the targets' weights moved (merged adapters), nothing else did
+    assert changed and all(any(t in k for t in ("q_proj", "v_proj", "gate_proj", "down_proj")) for k in changed)
+    # hpcrl convert mcore-to-peft: the adapters as a PEFT folder, which PEFT merges into the same model
+    peft_dir = tmp_path / "ref-peft"
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-peft", str(tmp_path / "runs" / "ref"),
+                          str(peft_dir)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    merged = peft_merged(tmp_path / "tiny", peft_dir)
+    assert max((merged[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+    adapter_bytes = (peft_dir / "adapter_model.safetensors").stat().st_size
+    assert adapter_bytes < sum(t.numel() * t.element_size() for t in ref.values()) / 4
+
+    proc = start(tmp_path, "usr2", *LORA)
+    run_dir = tmp_path / "runs" / "usr2"
+    wait_steps(proc, run_dir, 3)
+    os.kill(proc.pid, signal.SIGUSR2)
+    assert finish(proc) == 75, (tmp_path / "usr2.log").read_text()[-3000:]
+    assert 3 <= steps_done(run_dir) < STEPS
+    proc = start(tmp_path, "usr2", *LORA)
+    assert finish(proc) == 0, (tmp_path / "usr2.log").read_text()[-3000:]
+    np.testing.assert_array_equal(trained(tmp_path, "usr2"), trained(tmp_path, "ref"))
+    got = weights(tmp_path, "usr2")
+    assert all(got[k].equal(ref[k]) for k in ref), "the resumed LoRA run diverged"
+
+
+def peft_merged(base, peft_dir) -> dict:
+    """The base HF model with the PEFT folder's adapters merged by PEFT (``merge_and_unload``)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                           str(peft_dir))
+    return {k: v.detach() for k, v in model.merge_and_unload().state_dict().items()}
+
+
+def weights_of_folder(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
