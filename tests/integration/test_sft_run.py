@@ -103,6 +103,23 @@ def test_sft_run_logs_evaluates_checkpoints_and_converts(reference):
     assert not model.state_dict()[name].equal(base.state_dict()[name])
 
 
+def test_sft_with_lora_trains_the_adapters_alone(tmp_path):
+    """``run.mode: sft`` with ``model.lora`` (issue #56 point 2): the loss falls with only the adapters
+    training; the export (the adapters merged) differs from the base in the adapted linears and nowhere else."""
+    proc = start(tmp_path, "run", "lora", "model.lora={rank: 8, alpha: 16, target_modules: [q_proj, o_proj, "
+                 "up_proj, down_proj]}", "sft.lr=1.0e-2")
+    assert finish(proc) == 0, (tmp_path / "lora.log").read_text()[-3000:]
+    train = losses(tmp_path / "runs" / "lora")
+    assert len(train) == STEPS and train[-1][1] < 0.9 * train[0][1], train
+    got = weights(tmp_path, "lora")
+    from safetensors.torch import load_file
+
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    changed = {k for k in got if not got[k].equal(base[k])}
+    assert changed and {k.rsplit(".", 2)[-2] for k in changed} <= {"q_proj", "o_proj", "up_proj", "down_proj"}, \
+        sorted(changed)
+
+
 def test_sft_usr2_then_sigkill_resume_bitwise(tmp_path, reference):
     """USR2 after 2 steps (exit 75, a checkpoint at the step boundary), the same command again, SIGKILL
     after its next step's row (checkpoints every step: the rerun redoes what was lost), the same command
