@@ -101,9 +101,16 @@ def sharding_metadata(optimizer: Any, distrib_optim_sharding_type: str) -> dict[
 
 def sharded_state_dict(model: torch.nn.Module, optimizer: Any, metadata: dict[str, Any],
                         is_loading: bool) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` of ShardedTensors; model keys are the bare GPTModel's names."""
+    """``{"model": ..., "optimizer": ...}`` of ShardedTensors; model keys are the bare GPTModel's names. A
+    model with LoRA adapters (:mod:`hpcrl.train.lora`) keeps only its adapters (its optimizer holds nothing
+    else): the frozen base is the HF folder the run starts from, loaded before any checkpoint is."""
+    from hpcrl.train.bridge import is_adapter_name
+    from hpcrl.train.lora import has_adapters
+
     module = unwrap(model)
     state = {"model": module.sharded_state_dict(metadata=dict(metadata))}
+    if has_adapters(module):
+        state["model"] = {k: v for k, v in state["model"].items() if is_adapter_name(k)}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
                                                           metadata=dict(metadata))

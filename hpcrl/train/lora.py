@@ -14,9 +14,10 @@ map one to one onto PEFT's) and places each part's output where the fused layer 
 bridge's ``qkv`` layout (interleaved per query group) and ``fc1`` layout (``[gate; up]``), applied to the output's
 last dimension (:func:`hpcrl.train.bridge.to_shard`).
 
-Checkpoints: the adapters are part of the model's megatron distributed checkpoint (the frozen base too) and
-their Adam state of the optimizer's; the split ones are saved split (:func:`_with_split_adapters`), so a run
-resumes bitwise at TP=1 and TP=2 (tests/integration/test_checkpoint.py).
+Checkpoints: a model with adapters saves them alone in the megatron distributed checkpoint (the frozen base is
+the HF folder the model is built from: :func:`hpcrl.checkpoint.state.sharded_state_dict`) and their Adam state in
+the optimizer's; the split ones are saved split (:func:`_with_split_adapters`), so a run resumes bitwise at TP=1
+and TP=2 (tests/integration/test_checkpoint.py).
 
 What is done: dense families (Qwen2, Qwen3, Llama, Mistral) at any tensor-parallel size, with or without
 sequence parallelism, and over pipeline stages (each stage adapts its own layers, named from its offset);

@@ -246,8 +246,12 @@ def test_resume_tp1_is_bitwise_identical(tp1_resume):
 
 
 def test_resume_with_lora_is_bitwise_identical(tp1, tiny_model_dir, tmp_path):
-    """LoRA (issue #56): the checkpoint holds the frozen base and the adapters, the optimizer the adapters'
-    state alone; a fresh model with other adapters resumes bitwise."""
+    """LoRA (issue #56 point 4): the checkpoint holds the adapters and their optimizer state alone (the frozen
+    base is the HF folder the model is built from, loaded before the checkpoint), a fraction of a full
+    checkpoint's bytes; a fresh model with other adapters resumes bitwise."""
+    from megatron.core import dist_checkpointing
+
+    from hpcrl.checkpoint.layout import DIST_DIR
     from hpcrl.train.lora import LoraSpec
 
     res = resume_experiment(tiny_model_dir, tmp_path, lora=LoraSpec(rank=4, alpha=8.0))
@@ -256,6 +260,13 @@ def test_resume_with_lora_is_bitwise_identical(tp1, tiny_model_dir, tmp_path):
     assert len(adapters) == 4 * 7 * 2
     # main params + 2 Adam moments + step per adapter: nothing of the base
     assert len(res["A"]["optim"]) == 4 * len(adapters)
+    saved = Path(res["path"][SAVE_AT])
+    keys = dist_checkpointing.load_tensors_metadata(str(saved / DIST_DIR)).keys()
+    model_keys = [k for k in keys if not k.startswith("optimizer")]
+    assert model_keys and all(".lora.lora_" in k for k in model_keys), sorted(model_keys)[:5]
+    size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
+    base = sum(f.stat().st_size for f in Path(tiny_model_dir).glob("*.safetensors"))
+    assert size < base, (size, base)  # adapters + their Adam: less than the base model's weights alone
 
 
 def test_resume_tp1_bf16_is_bitwise_identical(tp1, tiny_model_dir, tmp_path):
