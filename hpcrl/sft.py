@@ -228,9 +228,9 @@ def warm_start_folder(cfg: "Config", base: Path) -> Path:
 def warm_start_config(cfg: "Config", run_dir: Path) -> "Config":
     """The config of the SFT run of ``cfg``'s warm start, in ``run_dir``: ``run.mode: sft`` with
     ``sft.steps`` steps, ``sft.data`` (when set) as ``data``, no critic, no agent (``rollout.agent``) and no
-    extra eval sets (the target is the demonstrations' eval accuracy), W&B (when on) in the RL run's project
-    and group; everything else (model, layout, engines, Slurm, checkpoints) is the run's. Does not modify
-    ``cfg``."""
+    extra eval sets (the target is the demonstrations' eval accuracy), full fine-tuning (no ``model.lora``: the
+    RL run's adapters go on the model it makes), W&B (when on) in the RL run's project and group; everything
+    else (model, layout, engines, Slurm, checkpoints) is the run's. Does not modify ``cfg``."""
     from hpcrl.config.rollout import AgentSection
 
     c = copy.deepcopy(cfg)
@@ -240,6 +240,7 @@ def warm_start_config(cfg: "Config", run_dir: Path) -> "Config":
     if c.sft.data is not None:
         c.data, c.sft.data = c.sft.data, None
     c.sft.enabled = False
+    c.model.lora = None  # the warm start trains the whole model (its cache serves LoRA and full runs alike)
     c.critic.nprocs = 0
     c.eval.sets = []
     c.algorithm.opd.teachers = []

@@ -205,8 +205,12 @@ def test_warm_start_config_is_an_sft_run_in_the_store(tmp_path):
     cfg.sft.data = Config().data
     cfg.sft.data.source = "demos.jsonl"
     cfg.critic.nprocs = 2
+    from hpcrl.config import LoraSection
+
+    cfg.model.lora = LoraSection(rank=4)  # (the RL run's adapters; the warm start trains the whole model)
     run_dir = tmp_path / "sft.d" / "abc.run"
     sub = warm_start_config(cfg, run_dir)
+    assert sub.model.lora is None and cfg.model.lora is not None
     assert (sub.run.mode, sub.run.num_rollout, sub.run.name, sub.run.output_dir) == (
         "sft", 17, "abc.run", str(tmp_path / "sft.d"))
     assert sub.data.source == "demos.jsonl" and sub.sft.data is None and not sub.sft.enabled
