@@ -53,6 +53,10 @@ ENGINE_PRELOAD = ("hpcrl.engine.server", "transformers.modeling_utils")
 """What the fork server imports before it forks (the engine's own imports, ~1.8 CPU-seconds, and transformers'
 model base, ~1.5): each engine then builds its model from modules already loaded."""
 
+READY_TIMEOUT_S = 600.0
+"""Seconds :meth:`ForkServer.spawn` waits for a fresh server (:meth:`ForkServer.start_fresh`) to import its
+preload (torch, megatron-core and transformers take ~10 s on a busy 2-core machine)."""
+
 SPAWN_TIMEOUT_S = 60.0
 """Seconds :meth:`ForkServer.spawn` waits for the server to say the engine was forked (it forks at once; a
 server that does not answer has died)."""
@@ -132,6 +136,12 @@ class ForkServer:
     thread (closing ``conn`` alone would do neither while the thread waits in it)."""
     dead: bool = False
     """True once the server has ended (closed, or died)."""
+    ready: bool = False
+    """True once the server has imported its preload and serves."""
+    reaped_cpu_s: float = 0.0
+    """CPU seconds (user + system) of the processes forked so far that ended, with the descendants each of them
+    reaped (what ``os.times()`` counts for a process's reaped children)."""
+    _process: Optional[subprocess.Popen] = field(default=None, repr=False)
 
     @classmethod
     def start(cls, preload: Sequence[str] = ENGINE_PRELOAD) -> Optional["ForkServer"]:
@@ -164,26 +174,56 @@ class ForkServer:
         threading.Thread(target=server._read, name="hpcrl-fork-server", daemon=True).start()
         return server
 
+    @classmethod
+    def start_fresh(cls, preload: Sequence[str]) -> Optional["ForkServer"]:
+        """Start the server as a new interpreter (``python -m hpcrl.fork_server``) that imports ``preload`` and
+        then serves: for a process that runs threads (a test runner), which cannot fork one itself. Returns at
+        once (:meth:`spawn` waits for the imports); None where forking is not allowed (:func:`fork_allowed`).
+        The server dies with this process."""
+        import socket
+
+        from hpcrl.procs import die_with_parent
+
+        if not fork_allowed():
+            return None
+        ours, theirs = socket.socketpair()
+        process = subprocess.Popen([sys.executable, "-m", "hpcrl.fork_server", str(theirs.fileno()), *preload],
+                                   pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                   preexec_fn=die_with_parent)
+        theirs.close()
+        server = cls(Connection(os.dup(ours.fileno())), process.pid, dict(os.environ), sock=ours)
+        server._process = process
+        threading.Thread(target=server._read, name="hpcrl-fork-server", daemon=True).start()
+        return server
+
     # ------------------------------------------------------------------------------------------ forking
     def can_run(self, env: Mapping[str, str]) -> bool:
         """Whether a process with environment ``env`` may be forked from this server: it differs from the
-        server's environment in no variable of :data:`IMPORT_TIME_ENV` but ``OMP_NUM_THREADS``."""
+        server's environment in no variable of :data:`IMPORT_TIME_ENV` but ``OMP_NUM_THREADS`` (applied with
+        ``torch.set_num_threads``) and ``PYTHONPATH`` (put on ``sys.path`` as the interpreter would)."""
         keys = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)}
-        return not self.dead and not any(k != "OMP_NUM_THREADS" and k.startswith(IMPORT_TIME_ENV) for k in keys)
+        return not self.dead and not any(k not in ("OMP_NUM_THREADS", "PYTHONPATH") and k.startswith(IMPORT_TIME_ENV)
+                                         for k in keys)
 
     def spawn(self, module: str, argv: Sequence[str], env: Mapping[str, str], log_path: str | os.PathLike,
-              cpus: Optional[Sequence[int]] = None, title: Optional[Sequence[str]] = None) -> ForkedProcess:
+              cpus: Optional[Sequence[int]] = None, title: Optional[Sequence[str]] = None,
+              cwd: Optional[str | os.PathLike] = None) -> ForkedProcess:
         """Fork a process that runs ``python -m module *argv`` as ``module.main(argv)`` does (the exit status it
         returns; ``module`` imported by the server's preload to gain anything) with environment ``env``, this process's working directory and blocked
-        signals, pinned to ``cpus`` if given, ``stdout``/``stderr`` appended to ``log_path``; ``title``: its
-        command line in ``ps`` (default the ``python -m`` one). Returns at once (the process loads on its own).
-        Raises OSError when the server cannot fork (it died, or the kernel refused)."""
+        signals, pinned to ``cpus`` if given, ``stdout``/``stderr`` appended to ``log_path``, in ``cwd`` (default
+        this process's); ``title``: its command line in ``ps`` (default the ``python -m`` one). Returns once
+        forked (a fresh server first finishes its imports: up to :data:`READY_TIMEOUT_S`). Raises OSError when
+        the server cannot fork (it died, or the kernel refused)."""
         args = [sys.executable, "-m", module, *map(str, argv)]
-        request = {"module": module, "argv": [str(a) for a in argv], "env": dict(env), "cwd": os.getcwd(),
+        request = {"module": module, "argv": [str(a) for a in argv], "env": dict(env),
+                   "cwd": str(cwd) if cwd is not None else os.getcwd(),
                    "log": str(log_path),
                    "cpus": sorted(cpus if cpus is not None else os.sched_getaffinity(0)),  # as Popen inherits
                    "mask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
                    "title": " ".join(title if title is not None else args)}
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.ready or self.dead, READY_TIMEOUT_S):
+                raise OSError(f"the fork server (pid {self.pid}) did not finish its imports in {READY_TIMEOUT_S:g} s")
         with self._send:
             rid = next(self._ids)
             try:
@@ -245,8 +285,11 @@ class ForkServer:
                     self._cond.notify_all()
                 return
             with self._cond:
-                if kind == "exit":
-                    self._exits[key] = value
+                if kind == "ready":
+                    self.ready = True
+                elif kind == "exit":
+                    self._exits[key], cpu = value
+                    self.reaped_cpu_s += cpu
                     fd = self._pidfds.pop(key, None)
                     if fd is not None:
                         os.close(fd)
@@ -269,6 +312,9 @@ class ForkServer:
             self._cond.wait_for(lambda: self.dead, 5.0)  # the reader thread saw the end: conn is its own now
         if not self.conn.closed:
             self.conn.close()
+        if self._process is not None:
+            self._process.wait()
+            return
         try:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
@@ -295,6 +341,7 @@ def _serve(conn: Connection) -> int:
     blocked = set(signal.valid_signals()) - {signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD}
     signal.pthread_sigmask(signal.SIG_BLOCK, blocked)  # a signal to the whole group is for the others
     children: dict[int, int] = {}  # pidfd -> pid
+    conn.send(("ready", None, None))
     while True:
         for ready in wait([conn, *children]):
             if ready is conn:
@@ -311,8 +358,8 @@ def _serve(conn: Connection) -> int:
             else:
                 pid = children.pop(ready)
                 os.close(ready)
-                _, status = os.waitpid(pid, 0)
-                conn.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+                _, status, usage = os.wait4(pid, 0)  # (its CPU includes the descendants it reaped)
+                conn.send(("exit", pid, (os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime)))
 
 
 def _fork_child(conn: Connection, children: Mapping[int, int], request: Mapping[str, Any]) -> int:
@@ -353,7 +400,12 @@ def _run_child(request: Mapping[str, Any]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     die_with_parent()
     os.sched_setaffinity(0, request["cpus"])
+    if sys.path and sys.path[0] == os.getcwd():  # ``python -m``: the working directory first on the path
+        sys.path[0] = request["cwd"]
     os.chdir(request["cwd"])
+    known = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    added = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in known]
+    sys.path[1:1] = [os.path.abspath(p) for p in added]  # where the interpreter puts PYTHONPATH's entries
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -363,9 +415,9 @@ def _run_child(request: Mapping[str, Any]) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(max(1, int(threads)))
+    if "torch" in sys.modules:  # OpenMP read OMP_NUM_THREADS when the server imported torch: this one's
+        threads = os.environ.get("OMP_NUM_THREADS")  # (unset: OpenMP's default, one thread per allowed CPU)
+        sys.modules["torch"].set_num_threads(max(1, int(threads)) if threads else len(request["cpus"]))
     root = logging.getLogger()
     for handler in list(root.handlers):  # the module's own logging.basicConfig must take effect
         root.removeHandler(handler)
@@ -378,12 +430,17 @@ def _run_child(request: Mapping[str, Any]) -> int:
     main = importlib.import_module(request["module"]).main
     signal.pthread_sigmask(signal.SIG_SETMASK, request["mask"])
     try:
-        return int(main(list(request["argv"])) or 0)
+        code = int(main(list(request["argv"])) or 0)
     except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return int(e.code or 0)
-        print(e.code, file=sys.stderr)
-        return 1
+        code = int(e.code or 0) if e.code is None or isinstance(e.code, int) else 1
+        if code == 1 and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    # the interpreter's exit: wait for the threads that are not daemons, then the atexit functions
+    threading._shutdown()  # type: ignore[attr-defined]
+    import atexit
+
+    atexit._run_exitfuncs()  # type: ignore[attr-defined]
+    return code
 
 
 def _set_title(title: str) -> None:
@@ -391,3 +448,19 @@ def _set_title(title: str) -> None:
     from setproctitle import setproctitle
 
     setproctitle(title)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m hpcrl.fork_server FD MODULE...`` (:meth:`ForkServer.start_fresh`): import the modules, then
+    serve on the inherited socket ``FD``."""
+    import importlib
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    conn = Connection(int(argv[0]))
+    for name in argv[1:]:
+        importlib.import_module(name)
+    return _serve(conn)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -77,9 +77,15 @@ def due(rollout_id: int, interval: int, num_rollout: int) -> bool:
 
 def quiet_logs() -> None:
     """hpcrl at INFO; megatron-core's start-up chatter (configs, parameter lists, missing-TE warnings) off."""
-    import warnings
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_import_warnings()
+
+
+def quiet_import_warnings() -> None:
+    """megatron-core's warnings at import that Transformer Engine and Apex are not installed (they are not on a
+    CPU machine, and the torch fallbacks are what hpcrl uses there) off, for this process and its forks."""
+    import warnings
+
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")

@@ -8,8 +8,10 @@ them and prints the time per tier, the slowest tests and the tiers over their bu
 plugin does nothing.
 
 Process-tree CPU seconds come from ``os.times()``: this process plus every descendant already reaped (an
-engine server stopped by its ``hpcrl run``, that run by the test). Slurm job steps are not descendants (slurmd
-starts them), so a Slurm test's tree CPU is only its client's; nor are processes forked by a fork server
+engine server stopped by its ``hpcrl run``, that run by the test), and the ``hpcrl`` commands the test forked
+from its fork server (``tests/hpcrl_process.py``: the server reports each one's CPU when it reaps it). Slurm job
+steps are not descendants (slurmd starts them), so a Slurm test's tree CPU is only its client's; nor are
+processes forked by a multiprocessing fork server
 (``hpcrl run``'s trainer ranks at ``train.nprocs > 1``, the multi-rank tests' ranks: the server reaps them, and
 is reaped late or never by the test), so those tests' tree CPU leaves their ranks out. The machine's busy cores
 (``/proc/stat``) count everything, and are the test's own only while nothing else runs beside it.
@@ -40,9 +42,12 @@ def machine_jiffies() -> tuple[int, int]:
 
 
 def tree_cpu_seconds() -> float:
-    """User + system seconds of this process and of its reaped descendants."""
+    """User + system seconds of this process and of its reaped descendants, with the ``hpcrl`` commands its
+    fork server forked and reaped (:func:`tests.hpcrl_process.forked_cpu_seconds`)."""
+    from tests.hpcrl_process import forked_cpu_seconds
+
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + forked_cpu_seconds()
 
 
 def tier_of(nodeid: str) -> str:

@@ -12,13 +12,20 @@ other effect; a module that fails to import here is imported (and fails) in the 
 
 from __future__ import annotations
 
-import torch  # noqa: F401
-import torch.distributed  # noqa: F401
+from hpcrl.run_setup import quiet_import_warnings
 
-from hpcrl.train.parallel import prepare_megatron
+quiet_import_warnings()
+
+import torch  # noqa: E402,F401
+import torch.distributed  # noqa: E402,F401
+
+from hpcrl.train.parallel import prepare_megatron  # noqa: E402
 
 prepare_megatron()
 
+import h5py  # noqa: E402,F401 - the data buffer's file
+import megatron.core.dist_checkpointing  # noqa: E402,F401 - checkpoints
+import megatron.core.models.gpt  # noqa: E402,F401 - the model and its layer specs
 import transformers.modeling_utils  # noqa: E402,F401
 from transformers import AutoConfig, AutoTokenizer  # noqa: E402,F401
 
@@ -27,6 +34,14 @@ import hpcrl.data.buffer  # noqa: E402,F401
 import hpcrl.data.datasets  # noqa: E402,F401
 import hpcrl.engine.server  # noqa: E402,F401 - the controller's engine fork server (hpcrl.fork_server)
 import hpcrl.loop  # noqa: E402,F401
+import hpcrl.metrics  # noqa: E402,F401
+import hpcrl.preempt  # noqa: E402,F401
+import hpcrl.rollout.client  # noqa: E402,F401
+import hpcrl.rollout.evaluate  # noqa: E402,F401
+import hpcrl.rollout.rollout  # noqa: E402,F401
+import hpcrl.tracking  # noqa: E402,F401
+import hpcrl.train.packed_attention  # noqa: E402,F401
+import hpcrl.weights.tensor  # noqa: E402,F401
 import hpcrl.loop_async  # noqa: E402,F401
 import hpcrl.rollout.manager  # noqa: E402,F401
 import hpcrl.sft  # noqa: E402,F401

@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
             "fds": sorted(int(f) for f in fds), "stdin": os.readlink("/proc/self/fd/0"),
             "cmdline": Path("/proc/self/cmdline").read_text(), "threads": torch.get_num_threads(),
             "root_handlers": len(logging.getLogger().handlers), "ppid": os.getppid(),
-            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}
+            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "sys_path": sys.path[:2]}
     print("a line to the log", flush=True)
     Path(argv[1]).write_text(json.dumps(info))
     return 3
@@ -61,8 +61,10 @@ def drive(folder: Path) -> dict:
     env = dict(os.environ, PROBE_X="x", OMP_NUM_THREADS="1")
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # blocked at the spawn: blocked in the child
     cpu = min(os.sched_getaffinity(0))
-    report = server.spawn(MODULE, ["report", str(folder / "report.json")], env, folder / "child.log", cpus=[cpu],
-                          title=["probe-title", "--flag"])
+    extra = folder / "extra"
+    report = server.spawn(MODULE, ["report", str(folder / "report.json")],
+                          dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(extra), env.get("PYTHONPATH")]))),
+                          folder / "child.log", cpus=[cpu], title=["probe-title", "--flag"], cwd=folder)
     out["report_pid"] = report.pid
     out["report_code"] = report.wait(30)
     killed = server.spawn(MODULE, ["sleep"], env, folder / "sleep.log")
@@ -79,6 +81,7 @@ def drive(folder: Path) -> dict:
     time.sleep(0.3)
     terminated.terminate()
     out["terminated_code"] = terminated.wait(10)
+    out["reaped_cpu_s"] = server.reaped_cpu_s  # the report's and the two sleepers' CPU, reported when reaped
     out["can_run"] = {k: server.can_run(dict(os.environ, **{k: "1"})) for k in
                       ("OMP_NUM_THREADS", "MY_SETTING", "TORCH_LOGS", "HF_HOME", "LD_PRELOAD", "PYTHONPATH")}
     left = server.spawn(MODULE, ["sleep"], env, folder / "sleep.log")

@@ -39,9 +39,9 @@ def hpcrl_run(folder: Path, config: str, *overrides: str, rewards: str, log: str
     env = dict(os.environ, PYTHONPATH=f"{folder}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
     path = folder / f"{log}.log"
-    with open(path, "ab") as f:
-        rc = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=folder,
-                            stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
+    from tests.hpcrl_process import run_hpcrl
+
+    rc = run_hpcrl(["run", str(cfg), *overrides], cwd=folder, env=env, log=path, timeout=timeout)
     text = path.read_text(errors="replace")
     assert rc == 0, text[-3000:]
     return text

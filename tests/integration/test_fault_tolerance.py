@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+
 from tests.integration.test_loop import REWARD_MODULE
 from tests.integration.test_preemption_local import _alive, _cmdline, descendants, steps_done, trained
 
@@ -53,9 +55,8 @@ def start(tmp_path: Path, name: str, *overrides: str, steps: int = STEPS) -> sub
     cfg = write_config(tmp_path, steps)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
-    log = open(tmp_path / f"{name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), f"run.name={name}", *overrides],
-                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return popen_hpcrl(["run", str(cfg), f"run.name={name}", *overrides], cwd=tmp_path, env=env,
+                       log=tmp_path / f"{name}.log")
 
 
 def procs(proc: subprocess.Popen, what: str) -> list[int]:

@@ -1,7 +1,8 @@
 """The CPU engines' fork server (:mod:`hpcrl.fork_server`, issue #52): a process forked from it gets what a
 ``subprocess.Popen``'d one would (arguments, environment, working directory, CPU set, blocked signals,
 ``/dev/null`` on stdin and its log on stdout/stderr, no other descriptor, default signal handlers, no logging
-handlers, its command line in ``ps``, the thread count of its ``OMP_NUM_THREADS``), its exit status is reported
+handlers, its command line in ``ps``, the thread count of its ``OMP_NUM_THREADS``, ``sys.path`` as ``python -m``
+in its folder with its ``PYTHONPATH``), its exit status is reported
 as ``Popen.returncode`` is (a code, or minus the signal), and nothing outlives the process that started the
 server. A run's engines forked this way train bitwise as ``subprocess`` ones do: the USR2 resume test of
 ``test_preemption_local`` runs its first part with ``HPCRL_ENGINE_FORK=0`` and its rerun forked, and ends equal
@@ -31,7 +32,9 @@ def test_a_forked_process_gets_what_popen_would_give_it(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert seen["report_code"] == 3  # main()'s return value is the exit status
     assert report["argv"] == ["report", str(tmp_path / "report.json")]
-    assert report["ppid"] == seen["server_pid"] and report["cwd"] == seen["cwd"]
+    assert report["ppid"] == seen["server_pid"] and report["cwd"] == str(tmp_path) != seen["cwd"]
+    # as `python -m` in that folder with that PYTHONPATH: the folder first on the path, then PYTHONPATH's entries
+    assert report["sys_path"] == [str(tmp_path), str(tmp_path / "extra")]
     assert report["probe_x"] == "x" and report["threads"] == 1  # its env, OMP_NUM_THREADS applied
     assert report["affinity"] == [min(os.sched_getaffinity(0))]
     assert signal.SIGUSR2 in report["blocked"]  # the spawner's mask, as a Popen child inherits it
@@ -42,9 +45,10 @@ def test_a_forked_process_gets_what_popen_would_give_it(tmp_path):
     # Popen's returncode: None while running, wait(timeout) raises, minus the signal that ended it
     assert seen["running_poll"] is None and seen["wait_timed_out"]
     assert seen["killed_code"] == -signal.SIGKILL and seen["terminated_code"] == -signal.SIGTERM
+    assert 0 < seen["reaped_cpu_s"] < 60  # their CPU (tests/timing.py adds it to the test's)
     # an environment that differs in what libraries read at import is started with subprocess instead
     assert seen["can_run"] == {"OMP_NUM_THREADS": True, "MY_SETTING": True, "TORCH_LOGS": False,
-                               "HF_HOME": False, "LD_PRELOAD": False, "PYTHONPATH": False}
+                               "HF_HOME": False, "LD_PRELOAD": False, "PYTHONPATH": True}
     # closing the server ends what it forked (SIGTERM) and the server
     assert seen["left_gone_after_close"] and seen["left_code_after_close"] == -signal.SIGTERM
     assert seen["server_gone"]

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,9 +58,8 @@ def run_config(tmp_path: Path, cfg: Path, name: str, *overrides: str, timeout: i
                OMP_NUM_THREADS="1", HPCRL_CURVES="1" if curves else "0")
     if not one_thread:
         del env["OMP_NUM_THREADS"]
-    with open(log, "ab") as f:
-        out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], cwd=tmp_path,
-                             stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
+    args = ["run", str(cfg), *overrides]
+    out = subprocess.CompletedProcess(args, run_hpcrl(args, cwd=tmp_path, env=env, log=log, timeout=timeout))
     out.log = log.read_text()
     return out
 

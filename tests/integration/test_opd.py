@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+
 from tests.integration.test_loop import REWARD_MODULE
 from tests.integration.test_preemption_local import _alive, descendants, full_cmdline, steps_done
 
@@ -74,9 +76,8 @@ def test_teacher_engine_scores_like_the_rollout_engine_and_is_replaced_when_kill
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
     log = tmp_path / "run.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg)], cwd=tmp_path, stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
+    log.write_bytes(b"")
+    proc = popen_hpcrl(["run", str(cfg)], cwd=tmp_path, env=env, log=log)
     run_dir = tmp_path / "runs" / "opd"
     deadline = time.monotonic() + 300
     while steps_done(run_dir) < 5 or not teacher_engines(proc, teacher):

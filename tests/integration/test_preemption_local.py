@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+
 from tests.integration.run_utils import trainer_ranks
 from tests.integration.test_loop import REWARD_MODULE
 
@@ -55,9 +57,9 @@ def start(tmp_path: Path, name: str, *overrides: str, threads: int = 1, curves: 
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS=str(threads), HPCRL_CURVES="1" if curves else "0",
                HPCRL_ENGINE_FORK="1" if fork_engines else "0")
-    log = open(tmp_path / f"{name}.log", "ab")  # a file: torch's shm manager keeps pipes open
-    return subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), f"run.name={name}", *overrides],
-                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # a file: torch's shm manager keeps pipes open
+    return popen_hpcrl(["run", str(cfg), f"run.name={name}", *overrides], cwd=tmp_path, env=env,
+                       log=tmp_path / f"{name}.log")
 
 
 def _ppid(pid: int) -> int:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+
 from tests.integration.test_preemption_local import finish, steps_done, wait_steps, weights
 
 pytestmark = pytest.mark.integration
@@ -51,9 +53,8 @@ def start(folder: Path, family: str, name: str, layout: str = "ep2") -> subproce
     cfg = folder / "run.yaml"
     cfg.write_text(CONFIG.format(out=folder / "runs", base=folder / "base", family=family, steps=STEPS,
                                  layout=LAYOUTS[layout]))
-    log = open(folder / f"{name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(cfg), f"run.name={name}"], cwd=folder,
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return popen_hpcrl(["run", str(cfg), f"run.name={name}"], cwd=folder, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       log=folder / f"{name}.log")
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+
 from tests.integration.test_preemption_local import finish, steps_done, wait_steps, weights
 
 pytestmark = pytest.mark.integration
@@ -53,9 +55,8 @@ def start(folder: Path, command: str, name: str, *overrides: str, curves: bool =
     its curves.png, which the suite's runs skip); output appended to ``folder/<name>.log``."""
     cfg = write_config(folder)
     env = dict(os.environ, OMP_NUM_THREADS="1", HPCRL_CURVES="1" if curves else "0")
-    log = open(folder / f"{name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "hpcrl", command, str(cfg), f"run.name={name}", *overrides],
-                            cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return popen_hpcrl([command, str(cfg), f"run.name={name}", *overrides], cwd=folder, env=env,
+                       log=folder / f"{name}.log")
 
 
 def rows(run_dir: Path) -> list[dict]:
