@@ -207,8 +207,8 @@ def _world():
 def checkpoint_model(checkpoint_dir: Path, hf_base_path: Path, marker: Mapping[str, Any],
                      megatron: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
     """The megatron-core GPTModel of ``checkpoint_dir`` (built from ``hf_base_path``'s config with the
-    checkpoint's padded vocab and dtype, a LoRA run's adapters added: :func:`checkpoint_lora`), its weights
-    loaded, in eval mode. Needs :func:`_world`. Raises what the checkpoint load raises."""
+    checkpoint's padded vocab and dtype; for a LoRA run's checkpoint, :func:`checkpoint_lora`, the base weights
+    loaded from ``hf_base_path`` and the adapters added), its weights loaded, in eval mode. Needs :func:`_world`. Raises what the checkpoint load raises."""
     from transformers import AutoConfig
     from megatron.core import parallel_state
 
@@ -226,9 +226,10 @@ def checkpoint_model(checkpoint_dir: Path, hf_base_path: Path, marker: Mapping[s
     model = bridge.build_gpt_model(hf_config, dtype=_dtype(marker.get("params_dtype") or "float32"),
                                    **model_kwargs)
     spec = checkpoint_lora(checkpoint_dir)
-    if spec is not None:  # a LoRA run's checkpoint holds its adapters: they load, and merge into the export
+    if spec is not None:  # a LoRA run's checkpoint holds its adapters alone: the frozen base is the HF folder's
         from hpcrl.train.lora import add_lora
 
+        bridge.load_hf_weights(model, hf_base_path)
         add_lora(model, spec)
     checkpoint.load_checkpoint(checkpoint_dir, model, None, load_rng=False)
     model.eval()
