@@ -429,6 +429,22 @@ def test_sweep_quickstart_warm_starts_like_the_quickstart(tmp_path):
     assert key_digest(cache_key(sweep, base)) != key_digest(cache_key(quick, base))
 
 
+def test_lora_quickstart_warm_starts_like_the_quickstart(tmp_path):
+    """Issue #56 point 7: the LoRA quickstart's warm start is the quickstart's (full fine-tuning, one cached
+    folder for both; CI's LoRA e2e starts from the shipped one), and its RL trains rank-8 adapters on every
+    linear."""
+    from hpcrl.sft import cache_key, key_digest
+
+    quick = load_and_check(REPO / "configs" / "quickstart.yaml")
+    lora = load_and_check(REPO / "configs" / "lora-quickstart.yaml")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    assert key_digest(cache_key(lora, base)) == key_digest(cache_key(quick, base))
+    assert lora.sft.output == quick.sft.output and lora.model.path == quick.model.path
+    assert (lora.model.lora.rank, lora.model.lora.alpha, len(lora.model.lora.target_modules)) == (8, 16.0, 7)
+
+
 def test_quickstart_values():
     cfg = load_and_check(REPO / "configs" / "quickstart.yaml")
     assert (cfg.run.name, cfg.run.num_rollout, cfg.data.source) == ("quickstart", 600, "addition")
