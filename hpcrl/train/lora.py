@@ -207,8 +207,8 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 
 def has_adapters(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (possibly wrapped) has LoRA adapters (:func:`add_lora`)."""
-    return next(_adapters(model), None) is not None
+    """Whether ``model`` (possibly wrapped, any family) has LoRA adapters (:func:`add_lora`)."""
+    return any(isinstance(m, LoraAdapter) for m in model.modules())
 
 
 def _with_split_adapters(linear: torch.nn.Module):
@@ -302,6 +302,8 @@ def _adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
     from hpcrl.train import bridge
 
     module = bridge.unwrap_model(model)
+    if not has_adapters(module):  # (a MoE or MLA layer lacks some of these linears)
+        return
     offset = bridge.geometry(module).layer_offset
     for i, layer in enumerate(module.decoder.layers):
         for suffix, (_, _, hf_module) in LINEARS.items():
