@@ -202,3 +202,16 @@ def test_the_memory_estimate_counts_the_adapters_and_no_adam_for_the_base(tp1, t
     assert b.params == a.params + real and b.weights == 4 * b.params  # fp32 weights, the base's and the adapters'
     assert b.grads == 4 * real and b.adam == 8 * real  # fp32 main grads; Adam's two moments
     assert a.grads == 4 * a.params and a.adam == 8 * a.params
+
+
+def test_a_moe_model_without_adapters_saves_its_whole_state(tp1, tmp_path):
+    """A MoE layer has no ``linear_fc1`` (its experts do): asking whether a model has adapters, which every
+    checkpoint save does, must not walk LoRA's dense linears (it raised on GLM-4.5 and DeepSeek-V3 runs)."""
+    from hpcrl.checkpoint.state import sharded_state_dict
+    from tests.unit.test_megatron_bridge import make_tiny_hf
+
+    path = make_tiny_hf("qwen3_moe", tmp_path / "moe")
+    ddp_model, _ = tmodel.setup_model_and_optimizer(path, TRAIN, MEGATRON)
+    assert not lora.has_adapters(ddp_model) and list(lora.peft_state_dict(ddp_model)) == []
+    keys = sharded_state_dict(ddp_model, None, {}, is_loading=False)["model"]
+    assert any(".experts." in k for k in keys) and any("embedding" in k for k in keys)
