@@ -1,22 +1,29 @@
-"""A fork server for the CPU engine: a process forked from the one that starts engines (a local run's trainer)
-once it has imported what the engine imports (torch, transformers, aiohttp, :mod:`hpcrl.engine.server`) and
-before it ran a tensor operation or started a thread. Each engine is then forked from it and runs
-``python -m hpcrl.engine.server ...`` without importing anything again.
+"""A fork server: a process that has imported what its children import (torch, transformers, megatron-core,
+hpcrl) and forks each of them on request, so none imports anything again. Two ways in:
+
+- :meth:`ForkServer.start` forks the server from this process, once this process has imported the modules and
+  before it ran a tensor operation or started a thread: a local run's trainer forks its CPU engines from it
+  (:func:`hpcrl.launch_local.engine_forks`);
+- :meth:`ForkServer.start_fresh` starts it as a new interpreter that imports them (``python -m
+  hpcrl.fork_server``), for a process that runs threads: the test suite forks its ``hpcrl`` commands from one
+  (``tests/hpcrl_process.py``).
 
 Why (issue #52): a CPU engine started with ``subprocess`` spent ~3.7 CPU-seconds (and as many seconds of wall
 time) importing torch and transformers and building its model classes before it loaded ~1 MB of weights; forked
 from this server it is ready in ~0.2 s and ~0.15 CPU-seconds (the quickstart's tiny model, AMD EPYC, one
-thread: docs/performance.md "CI time"). The test suite starts a few hundred engines.
+thread: docs/performance.md "CI time"). The test suite starts a few hundred engines and runs.
 
-What a forked engine gets, against one started with ``subprocess.Popen``: the environment, working directory,
+What a forked process gets, against one started with ``subprocess.Popen``: the environment, working directory,
 CPU set, blocked signals and log file it would have had (``stdin`` from ``/dev/null``, ``stdout``/``stderr``
 appended to the log, every other inherited descriptor closed, signal handlers at their defaults, logging
-unconfigured); its command line reads ``python -m MODULE ARGS`` in ``ps`` (``setproctitle``); it dies when the
-server does, and the server when the process that started it does (``PR_SET_PDEATHSIG``), as a ``Popen``'d
-engine dies with its trainer. What it cannot get is an environment that changes what was decided at import:
-:meth:`ForkServer.can_run` refuses one that differs from the server's in a variable read at import or start
-(:data:`IMPORT_TIME_ENV`, save ``OMP_NUM_THREADS``, applied with ``torch.set_num_threads``), and the caller
-starts that engine with ``subprocess`` as before. Not used where a GPU may be present (CUDA must not be
+unconfigured, ``sys.path`` as ``python -m`` in its folder with its ``PYTHONPATH``), and it exits as the
+interpreter does (threads joined, ``atexit``); its command line reads ``python -m MODULE ARGS`` in ``ps``
+(``setproctitle``); it dies when the server does, and the server when the process that started it does
+(``PR_SET_PDEATHSIG``), as a ``Popen``'d engine dies with its trainer. What it cannot get is an environment that
+changes what was decided at import: :meth:`ForkServer.can_run` refuses one that differs from the server's in a
+variable read at import or start (:data:`IMPORT_TIME_ENV`, save ``OMP_NUM_THREADS``, applied with
+``torch.set_num_threads``, and ``PYTHONPATH``), and the caller starts that process with ``subprocess`` as
+before. Not used where a GPU may be present (CUDA must not be
 initialised before a fork; engines there are SGLang) or when ``HPCRL_ENGINE_FORK=0``.
 """
 
@@ -117,8 +124,9 @@ class ForkedProcess:
 
 @dataclass
 class ForkServer:
-    """The fork server's handle in the process that started it (:meth:`start`): :meth:`spawn` forks a process
-    running a module as ``__main__``; a thread here reads the server's answers (forked, exited). A context
+    """The fork server's handle in the process that started it (:meth:`start`, :meth:`start_fresh`):
+    :meth:`spawn` forks a process that runs a module's ``main(argv)``; a thread here reads the server's answers
+    (ready, forked, exited). A context
     manager; :meth:`close` ends the server (processes it forked that still run get SIGTERM)."""
 
     conn: Connection
