@@ -190,14 +190,13 @@ class ForkServer:
         The server dies with this process."""
         import socket
 
-        from hpcrl.procs import die_with_parent
-
         if not fork_allowed():
             return None
         ours, theirs = socket.socketpair()
+        # (no PR_SET_PDEATHSIG here: it fires when the *thread* that started the server ends, and a test runner
+        # may start it from a worker thread; the server ends when this process's end of the socket closes)
         process = subprocess.Popen([sys.executable, "-m", "hpcrl.fork_server", str(theirs.fileno()), *preload],
-                                   pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                   preexec_fn=die_with_parent)
+                                   pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         server = cls(Connection(os.dup(ours.fileno())), process.pid, dict(os.environ), sock=ours)
         server._process = process
@@ -338,12 +337,14 @@ class ForkServer:
 # ---------------------------------------------------------------------------------------------- the server
 
 
-def _serve(conn: Connection) -> int:
+def _serve(conn: Connection, with_parent: bool = True) -> int:
     """The server's loop: fork a process per request, report each one's pid and, when it ends, its exit status
-    (each watched through a pidfd); return 0 when the parent's end closes."""
+    (each watched through a pidfd); return 0 when the parent's end closes. ``with_parent``: also die the moment
+    the parent (its forking thread) does (``PR_SET_PDEATHSIG``)."""
     from hpcrl.procs import die_with_parent
 
-    die_with_parent()  # the trainer killed outright takes the server with it, and the server its engines
+    if with_parent:
+        die_with_parent()  # the trainer killed outright takes the server with it, and the server its engines
     _set_title(f"hpcrl engine fork server (of pid {os.getppid()})")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     blocked = set(signal.valid_signals()) - {signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD}
@@ -467,7 +468,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     conn = Connection(int(argv[0]))
     for name in argv[1:]:
         importlib.import_module(name)
-    return _serve(conn)
+    return _serve(conn, with_parent=False)
 
 
 if __name__ == "__main__":

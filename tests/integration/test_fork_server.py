@@ -69,3 +69,25 @@ def test_nothing_outlives_the_process_that_started_the_server(tmp_path):
         proc.kill()
         proc.wait()
     assert gone(pids["server"], 10) and gone(pids["sleeper"], 10)
+
+
+def test_a_fresh_server_outlives_the_thread_that_started_it(tmp_path):
+    """``ForkServer.start_fresh`` from a test runner's worker thread: ``PR_SET_PDEATHSIG`` would end the server
+    with that thread (it fires on the creating thread's exit), and every later command of the test process
+    would fail to start; the server ends when the process's end of its socket closes instead."""
+    import threading
+
+    from hpcrl.fork_server import ForkServer
+
+    box = []
+    starter = threading.Thread(target=lambda: box.append(ForkServer.start_fresh((MODULE,))))
+    starter.start()
+    starter.join()
+    server = box[0]
+    try:
+        proc = server.spawn(MODULE, ["report", str(tmp_path / "report.json")], dict(os.environ),
+                            tmp_path / "child.log")
+        assert proc.wait(60) == 3 and not server.dead
+    finally:
+        server.close()
+    assert gone(server.pid, 10)
