@@ -14,27 +14,16 @@ at least 10 points (measured 2026-11-28 with the config's seed 3 and the SFT on 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.warm_starts import install
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.warm_starts import run_from_shipped
 
 
 @pytest.mark.slow
 def test_deepseek_v3_quickstart_learns_at_ep2(tmp_path: Path):
-    shutil.copy(ROOT / "configs" / "deepseek-v3-quickstart.yaml", tmp_path / "run.yaml")
-    shipped = install("deepseek-v3", tmp_path)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    with open(tmp_path / "out.log", "wb") as log:  # a file, not a pipe: torch's shm manager keeps pipes open
-        rc = subprocess.run([sys.executable, "-m", "hpcrl", "run", "run.yaml"], cwd=tmp_path, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+    rc, shipped = run_from_shipped("deepseek-v3-quickstart.yaml", "deepseek-v3", tmp_path)
     assert rc == 0, (tmp_path / "out.log").read_text(errors="replace")[-3000:]
     assert not list(shipped["tiny-deepseek-v3-addition-sft"].parent.glob("*.run")), "the run trained its own SFT"
     sft = tmp_path / ".cache/models/tiny-deepseek-v3-addition-sft" / "sft_metrics.jsonl"

@@ -14,28 +14,18 @@ log-probs of the engine's tokens equal the engine's (the merged sync is the trai
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.warm_starts import install, used_as_shipped
+from tests.warm_starts import run_from_shipped, used_as_shipped
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 200
 
 
 @pytest.mark.slow
 def test_lora_quickstart_learns_on_adapters_alone(tmp_path: Path):
-    shutil.copy(ROOT / "configs" / "lora-quickstart.yaml", tmp_path / "run.yaml")
-    shipped = install("quickstart", tmp_path)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    with open(tmp_path / "out.log", "wb") as log:  # a file, not a pipe: torch's shm manager keeps pipes open
-        rc = subprocess.run([sys.executable, "-m", "hpcrl", "run", "run.yaml", f"run.num_rollout={STEPS}"],
-                            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+    rc, shipped = run_from_shipped("lora-quickstart.yaml", "quickstart", tmp_path, f"run.num_rollout={STEPS}")
     assert rc == 0, (tmp_path / "out.log").read_text(errors="replace")[-3000:]
     sft_evals = used_as_shipped(tmp_path, ".cache/models/tiny-qwen2-addition-sft", shipped)
     rows = [json.loads(x) for x in (tmp_path / "runs/lora-quickstart/metrics.jsonl").read_text().splitlines()]

@@ -159,6 +159,21 @@ def install(name: str, folder: Path) -> dict[str, Path]:
     return out
 
 
+def run_from_shipped(config: str, name: str, folder: Path, *overrides: str, timeout: float = 1800
+                     ) -> tuple[int, dict[str, Path]]:
+    """``hpcrl run run.yaml OVERRIDES`` of ``configs/<config>`` copied into ``folder``, after :func:`install` of
+    entry ``name``'s warm starts there, as a user runs it (a new interpreter, offline HF), output in
+    ``folder/out.log`` (a file, not a pipe: torch's shm manager keeps pipes open). Returns ``(exit status,
+    install's result)``."""
+    shutil.copy(ROOT / "configs" / config, folder / "run.yaml")
+    shipped = install(name, folder)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    with open(folder / "out.log", "wb") as log:
+        rc = subprocess.run([sys.executable, "-m", "hpcrl", "run", "run.yaml", *overrides], cwd=folder, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    return rc, shipped
+
+
 def used_as_shipped(folder: Path, sft_output: str, shipped: dict[str, Path]) -> list[tuple[int, float]]:
     """After a run in ``folder`` of a config whose ``sft.output`` is ``sft_output``: assert that it trained no
     SFT of its own (no ``*.run`` folder in the store) and that its cache still names the folder :func:`install`
