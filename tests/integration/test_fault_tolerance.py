@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+from tests.hpcrl_process import popen_hpcrl
 
 from tests.integration.test_loop import REWARD_MODULE
 from tests.integration.test_preemption_local import _alive, _cmdline, descendants, steps_done, trained

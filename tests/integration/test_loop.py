@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+from tests import hpcrl_process
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,8 @@ def run_config(tmp_path: Path, cfg: Path, name: str, *overrides: str, timeout: i
     if not one_thread:
         del env["OMP_NUM_THREADS"]
     args = ["run", str(cfg), *overrides]
-    out = subprocess.CompletedProcess(args, run_hpcrl(args, cwd=tmp_path, env=env, log=log, timeout=timeout))
+    out = subprocess.CompletedProcess(args, hpcrl_process.run_hpcrl(args, cwd=tmp_path, env=env, log=log,
+                                                                     timeout=timeout))
     out.log = log.read_text()
     return out
 

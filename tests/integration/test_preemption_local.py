@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+from tests.hpcrl_process import popen_hpcrl
 
 from tests.integration.run_utils import trainer_ranks
 from tests.integration.test_loop import REWARD_MODULE

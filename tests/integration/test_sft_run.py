@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hpcrl_process import popen_hpcrl, run_hpcrl  # noqa: F401
+from tests.hpcrl_process import popen_hpcrl
 
 from tests.integration.test_preemption_local import finish, steps_done, wait_steps, weights
 
