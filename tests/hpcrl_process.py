@@ -51,14 +51,15 @@ def forked_cpu_seconds() -> float:
 
 
 def popen_hpcrl(args: Sequence[str], *, cwd: Union[str, Path], env: Mapping[str, str],
-                log: Union[str, Path, IO[bytes]]) -> Any:
+                log: Union[str, Path, IO[bytes]], fork: bool = True) -> Any:
     """Start ``python -m hpcrl ARGS`` in ``cwd`` with environment ``env``, stdout and stderr appended to
     ``log`` (a path, or a file opened for appending, as the tests keep their runs' output: torch's shared-memory
     manager keeps pipes open). Returns the process: a :class:`subprocess.Popen` or a
     :class:`hpcrl.fork_server.ForkedProcess` (``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``,
-    ``kill``, ``returncode``)."""
+    ``kill``, ``returncode``). ``fork`` False: a new interpreter (a test that needs what only an interpreter's
+    start does, such as a ``sitecustomize`` module)."""
     path = Path(log if isinstance(log, (str, os.PathLike)) else log.name).absolute()
-    server = fork_server()
+    server = fork_server() if fork else None
     if server is not None and server.can_run(env):
         return server.spawn("hpcrl.cli", list(args), env, path, cwd=cwd,
                             title=[sys.executable, "-m", "hpcrl", *args])

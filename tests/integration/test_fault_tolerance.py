@@ -50,13 +50,16 @@ checkpoint: {{save_interval: 0, keep_last: 1}}
     return cfg
 
 
-def start(tmp_path: Path, name: str, *overrides: str, steps: int = STEPS) -> subprocess.Popen:
-    """``hpcrl run`` of :func:`write_config`'s run as ``run.name=name``; output in ``tmp_path/<name>.log``."""
+def start(tmp_path: Path, name: str, *overrides: str, steps: int = STEPS,
+          new_interpreter: bool = False) -> subprocess.Popen:
+    """``hpcrl run`` of :func:`write_config`'s run as ``run.name=name``; output in ``tmp_path/<name>.log``.
+    ``new_interpreter``: not forked (:func:`tests.hpcrl_process.popen_hpcrl`), for a run that needs what only an
+    interpreter's start does (a ``sitecustomize`` module on its ``PYTHONPATH``)."""
     cfg = write_config(tmp_path, steps)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
     return popen_hpcrl(["run", str(cfg), f"run.name={name}", *overrides], cwd=tmp_path, env=env,
-                       log=tmp_path / f"{name}.log")
+                       log=tmp_path / f"{name}.log", fork=not new_interpreter)
 
 
 def procs(proc: subprocess.Popen, what: str) -> list[int]:

@@ -194,7 +194,7 @@ def test_a_run_whose_ports_are_taken_completes(tmp_path):
     with taken_ports(3) as ports:
         os.environ["HPCRL_TEST_TAKEN_PORTS"] = ",".join(map(str, ports))
         try:
-            proc = start(tmp_path, "ports", steps=3)
+            proc = start(tmp_path, "ports", steps=3, new_interpreter=True)  # sitecustomize runs at its start
         finally:
             del os.environ["HPCRL_TEST_TAKEN_PORTS"]
         assert proc.wait(timeout=300) == 0, log_of(tmp_path, "ports")[-3000:]
