@@ -2,10 +2,10 @@
 
 :func:`mcore_to_hf` builds the megatron-core GPTModel from the run's base HF folder, loads the model part of a
 checkpoint (:mod:`hpcrl.checkpoint`; the optimizer is not read) and writes the weights with
-:func:`hpcrl.train.bridge.export_hf_weights` (a LoRA run's adapters merged in: the model it trained). It runs as a single process (tensor-parallel size 1) whatever
-tensor-parallel size the checkpoint was saved with: megatron-core's ``dist_checkpointing`` reads each
-parameter's shards and reassembles them. Inside a running ``torch.distributed`` job every rank calls it and
-rank 0 writes.
+:func:`hpcrl.train.bridge.export_hf_weights` (a LoRA run's adapters merged in: the model it trained). It runs
+as a single process (tensor-parallel size 1) whatever tensor-parallel size the checkpoint was saved with:
+megatron-core's ``dist_checkpointing`` reads each parameter's shards and reassembles them. Inside a running
+``torch.distributed`` job every rank calls it and rank 0 writes.
 
 Output folder (written to ``<out_dir>.tmp-<nonce>`` and renamed, so it is either complete or absent)::
 
@@ -208,7 +208,8 @@ def checkpoint_model(checkpoint_dir: Path, hf_base_path: Path, marker: Mapping[s
                      megatron: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
     """The megatron-core GPTModel of ``checkpoint_dir`` (built from ``hf_base_path``'s config with the
     checkpoint's padded vocab and dtype; for a LoRA run's checkpoint, :func:`checkpoint_lora`, the base weights
-    loaded from ``hf_base_path`` and the adapters added), its weights loaded, in eval mode. Needs :func:`_world`. Raises what the checkpoint load raises."""
+    loaded from ``hf_base_path`` and the adapters added), its weights loaded, in eval mode. Needs :func:`_world`.
+    Raises what the checkpoint load raises."""
     from transformers import AutoConfig
     from megatron.core import parallel_state
 

@@ -178,9 +178,7 @@ class ForkServer:
             finally:
                 os._exit(code)
         theirs.close()
-        server = cls(Connection(os.dup(ours.fileno())), pid, dict(os.environ), sock=ours)
-        threading.Thread(target=server._read, name="hpcrl-fork-server", daemon=True).start()
-        return server
+        return cls._attach(ours, pid)
 
     @classmethod
     def start_fresh(cls, preload: Sequence[str]) -> Optional["ForkServer"]:
@@ -198,8 +196,13 @@ class ForkServer:
         process = subprocess.Popen([sys.executable, "-m", "hpcrl.fork_server", str(theirs.fileno()), *preload],
                                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
-        server = cls(Connection(os.dup(ours.fileno())), process.pid, dict(os.environ), sock=ours)
-        server._process = process
+        return cls._attach(ours, process.pid, process)
+
+    @classmethod
+    def _attach(cls, sock: Any, pid: int, process: Optional[subprocess.Popen] = None) -> "ForkServer":
+        """The handle of server ``pid`` behind this process's end ``sock`` of their socket pair (``process``:
+        its ``Popen`` when it is a new interpreter), its reader thread started."""
+        server = cls(Connection(os.dup(sock.fileno())), pid, dict(os.environ), sock=sock, _process=process)
         threading.Thread(target=server._read, name="hpcrl-fork-server", daemon=True).start()
         return server
 
@@ -216,11 +219,11 @@ class ForkServer:
               cpus: Optional[Sequence[int]] = None, title: Optional[Sequence[str]] = None,
               cwd: Optional[str | os.PathLike] = None) -> ForkedProcess:
         """Fork a process that runs ``python -m module *argv`` as ``module.main(argv)`` does (the exit status it
-        returns; ``module`` imported by the server's preload to gain anything) with environment ``env``, this process's working directory and blocked
-        signals, pinned to ``cpus`` if given, ``stdout``/``stderr`` appended to ``log_path``, in ``cwd`` (default
-        this process's); ``title``: its command line in ``ps`` (default the ``python -m`` one). Returns once
-        forked (a fresh server first finishes its imports: up to :data:`READY_TIMEOUT_S`). Raises OSError when
-        the server cannot fork (it died, or the kernel refused)."""
+        returns; ``module`` imported by the server's preload to gain anything) with environment ``env`` and this
+        process's blocked signals, pinned to ``cpus`` (default this process's), ``stdout``/``stderr`` appended to
+        ``log_path``, in ``cwd`` (default this process's); ``title``: its command line in ``ps`` (default the
+        ``python -m`` one). Returns once forked (a fresh server first finishes its imports: up to
+        :data:`READY_TIMEOUT_S`). Raises OSError when the server cannot fork (it died, or the kernel refused)."""
         args = [sys.executable, "-m", module, *map(str, argv)]
         request = {"module": module, "argv": [str(a) for a in argv], "env": dict(env),
                    "cwd": str(cwd) if cwd is not None else os.getcwd(),
@@ -236,13 +239,13 @@ class ForkServer:
             try:
                 self.conn.send(("spawn", rid, request))
             except (OSError, ValueError) as e:
-                raise OSError(f"the engine fork server (pid {self.pid}) is gone: {e}") from e
+                raise OSError(f"the fork server (pid {self.pid}) is gone: {e}") from e
         with self._cond:
             if not self._cond.wait_for(lambda: rid in self._forked or self.dead, SPAWN_TIMEOUT_S):
-                raise OSError(f"the engine fork server (pid {self.pid}) did not fork within {SPAWN_TIMEOUT_S:g} s")
+                raise OSError(f"the fork server (pid {self.pid}) did not fork within {SPAWN_TIMEOUT_S:g} s")
             answer = self._forked.pop(rid, None)
         if not isinstance(answer, int):
-            raise OSError(answer or f"the engine fork server (pid {self.pid}) ended before it forked {module}")
+            raise OSError(answer or f"the fork server (pid {self.pid}) ended before it forked {module}")
         try:
             self._pidfds[answer] = os.pidfd_open(answer)  # its end is seen here too if the server dies first
         except OSError:
@@ -271,8 +274,9 @@ class ForkServer:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
-                # once the server is gone no answer comes: look at the process itself every 0.1 s
-                self._cond.wait(min(0.1, left) if self.dead and left is not None else 0.1 if self.dead else left)
+                if self.dead:  # no answer comes once the server is gone: look at the process itself every 0.1 s
+                    left = 0.1 if left is None else min(0.1, left)
+                self._cond.wait(left)
             return status
 
     def _ended(self, pid: int) -> bool:
@@ -363,7 +367,7 @@ def _serve(conn: Connection, with_parent: bool = True) -> int:
                     children[os.pidfd_open(pid)] = pid
                     conn.send(("forked", rid, pid))
                 except OSError as e:
-                    conn.send(("error", rid, f"the engine fork server could not fork {request['module']}: {e}"))
+                    conn.send(("error", rid, f"the fork server could not fork {request['module']}: {e}"))
             else:
                 pid = children.pop(ready)
                 os.close(ready)
@@ -397,8 +401,8 @@ def _fork_child(conn: Connection, children: Mapping[int, int], request: Mapping[
 
 
 def _run_child(request: Mapping[str, Any]) -> int:
-    """In the forked process: take on the state a fresh ``python -m`` would have had, run the module as
-    ``__main__``; its exit status."""
+    """In the forked process: take on the state a fresh ``python -m`` would have had, run the module's
+    ``main(argv)`` and exit as the interpreter does; its exit status."""
     import importlib
     import random
 
@@ -441,9 +445,11 @@ def _run_child(request: Mapping[str, Any]) -> int:
     try:
         code = int(main(list(request["argv"])) or 0)
     except SystemExit as e:
-        code = int(e.code or 0) if e.code is None or isinstance(e.code, int) else 1
-        if code == 1 and not isinstance(e.code, int):
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"): printed, status 1
             print(e.code, file=sys.stderr)
+            code = 1
     # the interpreter's exit: wait for the threads that are not daemons, then the atexit functions
     threading._shutdown()  # type: ignore[attr-defined]
     import atexit

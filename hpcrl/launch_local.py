@@ -64,12 +64,12 @@ def engine_forks(cfg: Config, starts_engines: bool = True):
     this process runs a tensor operation or starts a thread."""
     import contextlib
 
-    from hpcrl.fork_server import ForkServer, fork_allowed
+    from hpcrl.fork_server import ForkServer
     from hpcrl.rollout.engines import resolve_engine
 
-    if not (starts_engines and fork_allowed() and resolve_engine(cfg.rollout.engine) == "cpu"):
+    if not (starts_engines and resolve_engine(cfg.rollout.engine) == "cpu"):
         return contextlib.nullcontext()
-    return ForkServer.start() or contextlib.nullcontext()
+    return ForkServer.start() or contextlib.nullcontext()  # (None where forking is not allowed)
 
 
 def engine_launcher(forks):

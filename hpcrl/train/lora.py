@@ -302,12 +302,13 @@ def _adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
     from hpcrl.train import bridge
 
     module = bridge.unwrap_model(model)
-    if not has_adapters(module):  # (a MoE or MLA layer lacks some of these linears)
-        return
     offset = bridge.geometry(module).layer_offset
     for i, layer in enumerate(module.decoder.layers):
         for suffix, (_, _, hf_module) in LINEARS.items():
-            adapter = getattr(layer.get_submodule(suffix), "lora", None)
+            try:
+                adapter = getattr(layer.get_submodule(suffix), "lora", None)
+            except AttributeError:  # a MoE or multi-latent attention layer has not every dense linear
+                continue
             if adapter is not None:
                 yield f"base_model.model.model.layers.{offset + i}.{hf_module}", adapter
 
