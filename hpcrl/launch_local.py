@@ -262,10 +262,14 @@ def worker_context():
     once, so each process forked from it skips those ~5 CPU-seconds of imports; where a GPU is present
     (``/dev/nvidiactl``) the server imports nothing (CUDA must not be initialised before a fork), and each
     process imports what it needs itself, as with ``spawn``. The server inherits this process's environment and
-    blocked signals when it starts, and with them every worker."""
+    blocked signals when it starts, and with them every worker. It dies with this process
+    (:mod:`hpcrl.train.forkserver_guard`), and the workers with it."""
+    from hpcrl.procs import LAUNCHER_PID_ENV
+
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # read by the guard in the server this process starts
     ctx = mp.get_context("forkserver")
-    if not Path("/dev/nvidiactl").exists():
-        ctx.set_forkserver_preload(["hpcrl.train.preload"])
+    gpu = Path("/dev/nvidiactl").exists()
+    ctx.set_forkserver_preload(["hpcrl.train.forkserver_guard"] + ([] if gpu else ["hpcrl.train.preload"]))
     return ctx
 
 

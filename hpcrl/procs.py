@@ -261,6 +261,11 @@ def wait_for_http_ok(url: str, process: subprocess.Popen, timeout_s: float, log_
         time.sleep(poll_s)
 
 
+LAUNCHER_PID_ENV = "HPCRL_LAUNCHER_PID"
+"""The local launcher's PID, set by :func:`hpcrl.launch_local.worker_context` for the trainer processes' fork server
+(:mod:`hpcrl.train.forkserver_guard` exits if its parent is not that process any more)."""
+
+
 def die_with_parent() -> None:
     """``preexec_fn`` for server children: on Linux the kernel sends SIGTERM to the child when the process that
     started it dies (``PR_SET_PDEATHSIG``), so a trainer killed with SIGKILL (a preempted or crashed job) leaves

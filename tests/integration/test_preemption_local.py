@@ -276,13 +276,16 @@ def test_resume_at_an_epoch_boundary_neither_skips_nor_repeats(tmp_path):
 def test_a_killed_launcher_takes_its_trainer_ranks_and_engine_with_it(tmp_path):
     """Two trainer ranks (``train.nprocs=2``, data parallel): their processes are the launcher's (forked by its
     fork server), and rank 0's engine is theirs. SIGKILL of the launcher (as ``kill -9``, or an OOM kill) leaves none of them:
-    the ranks die with the launcher (``PR_SET_PDEATHSIG``), the engine with rank 0. Before, the ranks ran on
+    the fork server dies with the launcher and the ranks with it (``PR_SET_PDEATHSIG``), the engine with rank 0. Before, the ranks ran on
     as orphans, holding the cores, the engine's port and the run folder."""
     run_dir = tmp_path / "runs" / "orphans"
-    proc = start(tmp_path, "orphans", "train.nprocs=2", "run.num_rollout=50")
+    # steps enough that the run cannot end by itself while the test waits (a 50-step run once ended within the
+    # 30 s and hid that the ranks outlived their launcher)
+    proc = start(tmp_path, "orphans", "train.nprocs=2", "run.num_rollout=100000")
     wait_steps(proc, run_dir, 1)
     children = descendants(proc.pid)
     ranks = trainer_ranks(proc.pid)
     assert len(ranks) == 2 and {r.pid for r in ranks} <= set(children) and any("hpcrl.engine.server" in full_cmdline(p) for p in children), \
         [full_cmdline(p) for p in children]
     kill_and_expect_gone(proc, children, 30)
+    assert "hpcrl.loop INFO done" not in (tmp_path / "orphans.log").read_text()
