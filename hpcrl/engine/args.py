@@ -46,6 +46,22 @@ class EngineArgs:
     custom_weight_loader: list[str] = dataclasses.field(default_factory=list)
     """The ``load_format`` values weight updates may name besides SGLang's own (SGLang's
     ``--custom-weight-loader``): this engine knows one, :data:`hpcrl.weights.delta.DELTA_LOADER`."""
+    enable_lora: bool = False
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    lora_paths: list[str] | None = None
+    """LoRA serving (SGLang's flags; :mod:`hpcrl.engine.lora`): ``NAME=PATH`` entries loaded at start."""
+
+    def lora_options(self):
+        """These flags as :class:`hpcrl.engine.lora.LoraOptions`."""
+        from hpcrl.engine.lora import LoraOptions, parse_lora_paths
+
+        return LoraOptions(enabled=self.enable_lora, max_rank=self.max_lora_rank,
+                           target_modules=frozenset(self.lora_target_modules) if self.lora_target_modules else None,
+                           max_loras_per_batch=self.max_loras_per_batch, max_loaded_loras=self.max_loaded_loras,
+                           paths=parse_lora_paths(self.lora_paths))
 
     def public_dict(self) -> dict:
         """The arguments as a JSON-able dict with the API keys replaced by ``"<redacted>"`` (or None if
@@ -115,6 +131,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--custom-weight-loader", nargs="*", default=None,
                    help="load_format values weight updates may name (SGLang's flag); this engine knows "
                         "hpcrl.weights.delta.load_delta (delta weight sync, on every update endpoint)")
+    from hpcrl.engine.lora import DENSE_TARGETS
+
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters (SGLang's flag; on with --lora-paths): /load_lora_adapter, "
+                        "/load_lora_adapter_from_tensors, /unload_lora_adapter, lora_path per request")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank a load may bring")
+    p.add_argument("--lora-target-modules", nargs="*", default=None, choices=[*DENSE_TARGETS, "all"],
+                   help="the modules adapters may target (all: every one)")
+    p.add_argument("--lora-paths", nargs="*", default=None,
+                   help="adapters loaded at start: NAME=PATH, PATH (named by its path) or SGLang's JSON")
+    p.add_argument("--max-loras-per-batch", type=int, default=8,
+                   help="SGLang's adapter slots per batch: accepted and reported; this engine mixes any number")
+    p.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="the most adapters loaded at once: a load beyond evicts the least recently used")
     return p
 
 
@@ -141,7 +171,14 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
     unknown = [name for name in loaders if name != DELTA_LOADER]
     if unknown:
         raise ValueError(f"--custom-weight-loader {' '.join(unknown)}: this engine has only {DELTA_LOADER}")
-    return EngineArgs(
+    targets = ns.lora_target_modules
+    if targets and "all" in targets and len(targets) > 1:
+        raise ValueError("If 'all' is specified in --lora-target-modules, it should be the only module specified.")
+    lora = dict(enable_lora=bool(ns.enable_lora or (ns.enable_lora is None and ns.lora_paths)),
+                max_lora_rank=ns.max_lora_rank, lora_target_modules=targets,
+                max_loras_per_batch=ns.max_loras_per_batch, max_loaded_loras=ns.max_loaded_loras,
+                lora_paths=ns.lora_paths)
+    args = EngineArgs(
         model_path=model_path, tokenizer_path=ns.tokenizer_path or model_path, host=ns.host, port=ns.port,
         api_key=api_key or None, admin_api_key=admin_key or None, dtype=ns.dtype,
         max_running_requests=1 if ns.enable_deterministic_inference else ns.max_running_requests,
@@ -149,5 +186,7 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
         random_seed=ns.random_seed, served_model_name=ns.served_model_name or model_path,
         weight_version=ns.weight_version, log_level=ns.log_level, dist_timeout=ns.dist_timeout,
         health_check_timeout=ns.health_check_timeout, allow_auto_truncate=ns.allow_auto_truncate,
-        chat_template=ns.chat_template, custom_weight_loader=loaders,
+        chat_template=ns.chat_template, custom_weight_loader=loaders, **lora,
     )
+    args.lora_options().check()
+    return args

@@ -19,6 +19,7 @@ ADMIN_PATHS = frozenset({
     "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
     "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/flush_cache",
     "/update_weight_version", "/abort_request", "/begin_weight_update", "/end_weight_update", "/weights_checker",
+    "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
 })
 """Endpoints that need the admin key when ``--admin-api-key`` is set (else the API key)."""
 

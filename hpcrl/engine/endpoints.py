@@ -19,7 +19,6 @@ _EXPERTS = "expert-load recording of SGLang's MoE runtime (EPLB)"
 _DECISIONS = "structured decision decoding (grammar-constrained), not implemented"
 _RESPONSES = "OpenAI's Responses API (stateful, tool-running), not implemented"
 _SESSIONS = "SGLang's stateful sessions (refused in /generate too)"
-_LORA = "LoRA adapters (lora_path is refused in /generate)"
 _CORPUS = "n-gram speculative decoding corpora (no speculative decoding here)"
 _ELASTIC = "elastic expert parallelism across GPU ranks (one process here)"
 
@@ -38,7 +37,6 @@ NOT_SERVED: dict[str, str] = {
     "/parse_function_call": "tool-call parsers (the engine runs none; the agent gateway parses tool calls)",
     "/separate_reasoning": "reasoning parsers (none in this engine)",
     "/open_session": _SESSIONS, "/close_session": _SESSIONS,
-    "/load_lora_adapter": _LORA, "/load_lora_adapter_from_tensors": _LORA, "/unload_lora_adapter": _LORA,
     "/update_weights_from_ipc": _REMOTE, "/init_weights_send_group_for_remote_instance": _REMOTE,
     "/send_weights_to_remote_instance": _REMOTE, "/get_remote_instance_transfer_engine_info": _REMOTE,
     "/remote_instance_transfer_engine_info": _REMOTE,

@@ -41,10 +41,15 @@ class Generation:
     allow_auto_truncate: bool
 
     def parse_generate(self, body: dict) -> protocol.GenerateSpec:
-        """:func:`hpcrl.engine.protocol.parse_generate` with this engine's model facts and flags."""
-        return protocol.parse_generate(body, self.tokenizer, self.vocab_size, self.context_len,
+        """:func:`hpcrl.engine.protocol.parse_generate` with this engine's model facts and flags, and the LoRA
+        adapters it names checked (:meth:`hpcrl.engine.lora.EngineAdapters.check_request`). Raises
+        :class:`hpcrl.engine.protocol.RequestError`."""
+        spec = protocol.parse_generate(body, self.tokenizer, self.vocab_size, self.context_len,
                                        routed_experts=self.scheduler.routed.layers > 0,
                                        allow_auto_truncate=self.allow_auto_truncate)
+        if self.scheduler.adapters is not None:  # the adapters named must be loaded (LoRA)
+            self.scheduler.adapters.check_request([row.lora for row in spec.rows])
+        return spec
 
     async def collect(self, spec: protocol.GenerateSpec) -> list[dict]:
         """Run ``spec`` and return every row's finished response (response order). Raises EngineUnavailable

@@ -1,5 +1,5 @@
-"""KV-cache helpers of the scheduler (:mod:`hpcrl.engine.scheduler`): an empty cache for a model, and the left
-padding that lets rows of different lengths share one batch."""
+"""KV-cache helpers of the scheduler (:mod:`hpcrl.engine.scheduler`): an empty cache for a model, the left
+padding that lets rows of different lengths share one batch, and rows joining and leaving a batch."""
 
 from __future__ import annotations
 
@@ -31,3 +31,30 @@ def pad_mask(m: torch.Tensor, width: int) -> torch.Tensor:
     if extra <= 0:
         return m
     return torch.cat([torch.zeros((m.shape[0], extra), dtype=m.dtype), m], dim=1)
+
+
+def append_rows(cache, mask: torch.Tensor, more_cache, more_mask: torch.Tensor) -> torch.Tensor:
+    """Append the rows of ``more_cache`` (its ``[rows, len]`` mask ``more_mask``) to ``cache`` in place, the
+    shorter of the two left-padded to the longer; returns the joined mask."""
+    width = max(mask.shape[1], more_mask.shape[1])
+    for mine, theirs in zip(cache.layers, more_cache.layers):
+        k1, v1 = pad_left(mine.keys, width), pad_left(mine.values, width)
+        k2, v2 = pad_left(theirs.keys, width), pad_left(theirs.values, width)
+        mine.keys, mine.values = torch.cat([k1, k2], 0), torch.cat([v1, v2], 0)
+    return torch.cat([pad_mask(mask, width), pad_mask(more_mask, width)], 0)
+
+
+def keep_rows(cache, mask: torch.Tensor, keep: list[int], trim: bool) -> torch.Tensor:
+    """Keep rows ``keep`` of ``cache`` in place and, with ``trim``, drop the leading columns no kept row uses
+    (all padding); returns the kept rows' mask."""
+    sel = torch.tensor(keep, dtype=torch.long)
+    cache.batch_select_indices(sel)
+    mask = mask.index_select(0, sel)
+    used = mask.any(dim=0).nonzero()
+    first = int(used[0].item()) if used.numel() else 0
+    if first > 0 and trim:
+        for layer in cache.layers:
+            layer.keys = layer.keys[:, :, first:, :]
+            layer.values = layer.values[:, :, first:, :]
+        mask = mask[:, first:]
+    return mask

@@ -322,11 +322,17 @@ class NativeServer:
         return web.json_response({"weight_version": self.scheduler.weight_version})
 
     async def v1_models(self, request: web.Request) -> web.Response:
-        """``/v1/models`` (OpenAI model list with the served model)."""
+        """``/v1/models`` (OpenAI model list): the served model, then with ``--enable-lora`` each loaded adapter
+        (``root`` its folder, ``__tensor__`` when loaded from tensors; least recently used first), as SGLang."""
         name = self.args.served_model_name
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(self.started), "owned_by": "sglang", "root": name,
-             "max_model_len": self.generation.context_len}]})
+        cards = [{"id": name, "object": "model", "created": int(self.started), "owned_by": "sglang", "root": name,
+                  "parent": None, "max_model_len": self.generation.context_len}]
+        adapters = self.scheduler.adapters
+        if adapters is not None and adapters.enabled:
+            cards += [{"id": lora, "object": "model", "created": int(self.started), "owned_by": "sglang",
+                       "root": path, "parent": name, "max_model_len": None}
+                      for lora, path in adapters.loaded().items()]
+        return web.json_response({"object": "list", "data": cards})
 
     # ------------------------------------------------------------------ weights and memory
     async def _weight_update(self, request: web.Request, required: tuple[str, ...],

@@ -52,7 +52,7 @@ any other value is a 400."""
 GENERATE_FIELDS_IMPLEMENTED = frozenset({
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
     "return_text_in_logprobs", "stream", "return_routed_experts", "routed_experts_start_len",
-    "return_prompt_token_ids",
+    "return_prompt_token_ids", "lora_path",
 })
 """``/generate`` fields with SGLang's meaning."""
 
@@ -70,7 +70,7 @@ GENERATE_FIELDS_UNSUPPORTED = frozenset({
     "use_audio_in_video", "video_config", "watermark", "token_ids_logprob", "return_sampling_mask",
     "sampling_logprobs_mode", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
     "return_flat_raw_top_logprobs_b64", "return_hidden_states", "return_indexer_topk", "modalities",
-    "session_params", "lora_path", "lora_id", "custom_logit_processor", "positional_embed_overrides",
+    "session_params", "lora_id", "custom_logit_processor", "positional_embed_overrides",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
     "background", "require_reasoning", "max_thinking_tokens", "priority", "return_bytes", "return_entropy",
     "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls", "max_dynamic_patch",
@@ -249,6 +249,8 @@ class RowSpec:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    lora: str | None = None
+    """The LoRA adapter's name (``lora_path``; None: the base model)."""
 
 
 @dataclasses.dataclass
@@ -299,6 +301,24 @@ def _check_int(key: str, low: int):
             raise RequestError(f"{key} must be an integer >= {low} (or a list of them)")
         return x
     return check
+
+
+def _lora_paths(value: Any, batch: int) -> list:
+    """``lora_path`` as one adapter name (or None: the base model) per input: SGLang's normalisation (a string
+    for every input, a list per input; null, "" and [] the base model). A list of another length than the batch
+    is refused here (SGLang does not check it and fails later)."""
+    if not value:
+        return [None] * batch
+    if isinstance(value, str):
+        return [value] * batch
+    if not isinstance(value, list):  # SGLang's contract text
+        raise ContractError(f"invalid type: {type(value).__name__} `{value}`, expected a value or an array of "
+                            "values for OptionalStringOrList")
+    if any(v is not None and not isinstance(v, str) for v in value):
+        raise ContractError("invalid type: expected a string")
+    if len(value) != batch:
+        raise RequestError(f"lora_path list length ({len(value)}) must match batch size ({batch})")
+    return [v or None for v in value]
 
 
 def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
@@ -382,6 +402,7 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
         raise RequestError(f"Duplicate request IDs detected within the request: "
                            f"{sorted({r for r in rids if rids.count(r) > 1})}")
 
+    loras = _lora_paths(body.get("lora_path"), batch)
     want_lp = _per_input(body, "return_logprob", batch, n, False, _check_bool("return_logprob"))
     starts = _per_input(body, "logprob_start_len", batch, n, -1, _check_int("logprob_start_len", -1))
     tops = _per_input(body, "top_logprobs_num", batch, n, 0, _check_int("top_logprobs_num", 0))
@@ -419,7 +440,7 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
             row_rid = rids[i] if n == 1 else f"{rids[i]}-{j}"
             rows.append(RowSpec(prompt_ids=list(prompt), params=p, rid=row_rid, base_rid=rids[i],
                                 index=len(rows), return_logprob=want_lp[i], logprob_start_len=starts[i],
-                                top_logprobs_num=tops[i]))
+                                top_logprobs_num=tops[i], lora=loras[i]))
     return GenerateSpec(rows=rows, options=options, is_single=is_single and n == 1)
 
 

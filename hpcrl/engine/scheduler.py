@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -107,12 +108,14 @@ class Scheduler:
 
     ``model``: an HF causal LM in eval mode. ``tokenizer``: its HF tokenizer. ``eos_ids``: token ids that stop
     a sequence unless ``ignore_eos``. ``max_rows``: the most rows decoded together. ``seed``: seeds the
-    generators of rows without ``sampling_seed``.
+    generators of rows without ``sampling_seed``. ``adapters``: the engine's LoRA adapters
+    (:class:`hpcrl.engine.lora.EngineAdapters`; None: none), each row run through its ``lora_path``'s.
     """
 
     def __init__(self, model, tokenizer, eos_ids: set[int], max_rows: int, seed: int, weight_version: str,
-                 pad_id: int = 0):
+                 pad_id: int = 0, adapters=None):
         self.model = model
+        self.adapters = adapters
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.max_rows = max_rows
@@ -243,6 +246,12 @@ class Scheduler:
         return self.is_fully_idle(ignore_waiting=self._paused)
 
     # ------------------------------------------------------------------ commands (scheduler thread)
+    def adapters_in_use(self) -> set[str]:
+        """The LoRA adapters named by rows not finished yet (waiting, running or paused); a command."""
+        with self._cond:
+            rows = [*self._waiting, *self._running]
+        return {row.spec.lora for row in rows if row.spec.lora}
+
     def set_weight_version(self, version: str) -> None:
         """Serve ``version`` from now on (a command: no step runs meanwhile, as SGLang's scheduler records
         it). Rows with output (running, paused in place or retracted) record the change, so that their
@@ -402,6 +411,12 @@ class Scheduler:
             self.stats.last_gen_throughput = (self.stats.tokens_generated - tokens_before) / dt
 
     # ------------------------------------------------------------------ model passes
+    def _adapters(self, names: list):
+        """Row ``i`` of the next forward pass through LoRA adapter ``names[i]`` (None: the base model)."""
+        if self.adapters is None:  # (with adapters loaded, the base model's rows too: PEFT's layers would
+            return contextlib.nullcontext()  # apply the adapter loaded first to a batch without names)
+        return self.adapters.applied(names)
+
     @torch.no_grad()
     def _prefill(self, rows: list[Row]) -> None:
         seqs = [row.spec.prompt_ids + row.output_ids for row in rows]
@@ -409,9 +424,11 @@ class Scheduler:
         # Rows with identical tokens (the samples of one GRPO group) share one forward pass, as SGLang's
         # prefix cache shares their prompt: only the distinct sequences are prefilled, and their KV cache and
         # logits are then copied to every row that has them (``owner[i]``: row i's distinct sequence).
-        distinct: dict[tuple[int, ...], int] = {}
-        owner = [distinct.setdefault(tuple(s), len(distinct)) for s in seqs]
-        unique = [tuple(s) for s in distinct]
+        # (a row's LoRA adapter is part of what it shares)
+        distinct: dict[tuple, int] = {}
+        owner = [distinct.setdefault((row.spec.lora, tuple(s)), len(distinct)) for row, s in zip(rows, seqs)]
+        unique = [s for _, s in distinct]
+        adapters = [lora for lora, _ in distinct]
         ku = len(unique)
         ids = torch.full((ku, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((ku, width), dtype=torch.long)
@@ -424,7 +441,8 @@ class Scheduler:
         keep = max([1] + [len(row.spec.prompt_ids) + len(row.output_ids) - self._logprob_start(row)
                           for row in rows if row.needs_input_logprobs()])
         cache = kvcache.new_cache(self.model.config)
-        with self.routed.recording(any(row.job.options.return_routed_experts for row in rows)):
+        with self.routed.recording(any(row.job.options.return_routed_experts for row in rows)), \
+                self._adapters(adapters):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                              use_cache=True, logits_to_keep=keep)
         experts = self.routed.take(ku, width)  # [distinct, width, layers, top_k] or None
@@ -470,7 +488,8 @@ class Scheduler:
         ids = torch.tensor([[row.output_ids[-1]] for row in rows], dtype=torch.long)
         mask = torch.cat([self._mask, torch.ones((b, 1), dtype=self._mask.dtype)], dim=1)
         pos = torch.tensor([[row.next_pos] for row in rows], dtype=torch.long)
-        with self.routed.recording(any(row.job.options.return_routed_experts for row in rows)):
+        with self.routed.recording(any(row.job.options.return_routed_experts for row in rows)), \
+                self._adapters([row.spec.lora for row in rows]):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self._cache,
                              use_cache=True)
         experts = self.routed.take(b, 1)
@@ -659,13 +678,7 @@ class Scheduler:
         if not self._running:
             self._cache, self._mask, self._running = cache, mask, list(rows)
         else:
-            old_len, new_len = self._mask.shape[1], mask.shape[1]
-            width = max(old_len, new_len)
-            for mine, theirs in zip(self._cache.layers, cache.layers):
-                k1, v1 = kvcache.pad_left(mine.keys, width), kvcache.pad_left(mine.values, width)
-                k2, v2 = kvcache.pad_left(theirs.keys, width), kvcache.pad_left(theirs.values, width)
-                mine.keys, mine.values = torch.cat([k1, k2], 0), torch.cat([v1, v2], 0)
-            self._mask = torch.cat([kvcache.pad_mask(self._mask, width), kvcache.pad_mask(mask, width)], 0)
+            self._mask = kvcache.append_rows(self._cache, self._mask, cache, mask)
             self._running = self._running + list(rows)
         with self._cond:
             self._num_running = len(self._running)
@@ -675,17 +688,8 @@ class Scheduler:
         if not keep:
             self._clear_batch()
             return
-        sel = torch.tensor(keep, dtype=torch.long)
-        self._cache.batch_select_indices(sel)
-        self._mask = self._mask.index_select(0, sel)
+        self._mask = kvcache.keep_rows(self._cache, self._mask, keep, trim=self._continuous)
         self._running = [self._running[i] for i in keep]
-        used = self._mask.any(dim=0).nonzero()
-        first = int(used[0].item()) if used.numel() else 0
-        if first > 0 and self._continuous:
-            for layer in self._cache.layers:
-                layer.keys = layer.keys[:, :, first:, :]
-                layer.values = layer.values[:, :, first:, :]
-            self._mask = self._mask[:, first:]
         with self._cond:
             self._num_running = len(self._running)
 

@@ -147,13 +147,27 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
     are shared by IPC handle and must stay alive until the HTTP call returns (see the module's lifetime rule).
     Raises TypeError if an entry is not a ``(str, Tensor)`` pair.
     """
+    return _dumps(_checked_pairs(named_tensors))
+
+
+def serialize_tensor_dict(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """Serialize tensors as one ``{name: tensor}`` dict: the default payload of SGLang's
+    ``/load_lora_adapter_from_tensors`` (its ``serialized_named_tensors``, one per TP rank; the weight updates
+    take a list of pairs, :func:`serialize_named_tensors`). Returns base64 text; shared memory as there. Raises
+    TypeError as there."""
+    return _dumps(dict(_checked_pairs(named_tensors)))
+
+
+def _checked_pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
+    """``named_tensors`` checked to be ``(str, Tensor)`` pairs, each tensor prepared for pickling (shared
+    memory for CPU tensors). Raises TypeError naming the first bad entry's type."""
     prepared = []
     for item in named_tensors:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
             raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
         prepared.append((item[0], _prepare(item[1])))
-    return _dumps(prepared)
+    return prepared
 
 
 def serialize_flattened_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
@@ -306,6 +320,19 @@ def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Ten
             and isinstance(it[1], torch.Tensor) for it in obj):
         raise ValueError("tensor payload must be a list of (name, tensor) pairs")
     return [(name, t) for name, t in obj]
+
+
+def deserialize_tensor_dict(payload: str | bytes) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`serialize_tensor_dict` (SGLang's LoRA tensor payload): ``{name: tensor}``. Raises
+    ValueError on a malformed payload or anything but a dict of tensors by name."""
+    try:
+        obj = _loads(payload)
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot deserialize tensor payload: {e}") from e
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                            for k, v in obj.items()):
+        raise ValueError("the LoRA tensor payload must be a dict of tensors by name")
+    return obj
 
 
 def deserialize_flattened_bucket(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:

@@ -44,6 +44,8 @@ from hpcrl.engine.args import EngineArgs, parse_args
 from hpcrl.engine.auth import ADMIN_PATHS, OPEN_PREFIXES, make_auth_middleware  # noqa: F401 - re-exported
 from hpcrl.engine.generation import Generation
 from hpcrl.engine.httplog import quiet_refused_requests
+from hpcrl.engine.lora import EngineAdapters, LoraError, read_adapter_folder
+from hpcrl.engine.lora_endpoints import LoraEndpoints
 from hpcrl.engine.memory import create_memory_saver
 from hpcrl.engine.native_server import NativeServer
 from hpcrl.engine.scheduler import Scheduler
@@ -105,8 +107,13 @@ class EngineServer:
             elif isinstance(src, (list, tuple)):
                 eos.update(int(x) for x in src)
         pad = self.tokenizer.pad_token_id
+        self.adapters = EngineAdapters(self.model, args.lora_options())
+        """LoRA adapters (``--enable-lora``; :mod:`hpcrl.engine.lora`), ``--lora-paths`` loaded here."""
+        for name, path, pinned in self.adapters.options.paths:
+            preload_adapter(self.adapters, name, path, pinned)
         self.scheduler = Scheduler(self.model, self.tokenizer, eos, args.max_running_requests,
-                                   args.random_seed, args.weight_version, pad_id=0 if pad is None else pad)
+                                   args.random_seed, args.weight_version, pad_id=0 if pad is None else pad,
+                                   adapters=self.adapters)
         chat_template = (Path(args.chat_template).read_text() if args.chat_template
                          else getattr(self.tokenizer, "chat_template", None))
         self.generation = Generation(self.tokenizer, self.scheduler, self.vocab_size, self.context_len,
@@ -127,7 +134,8 @@ class EngineServer:
     # ------------------------------------------------------------------ app
     def build_app(self) -> web.Application:
         """The aiohttp application: the auth middleware, SGLang's native endpoints
-        (:mod:`hpcrl.engine.native_server`) and OpenAI's (:mod:`hpcrl.engine.openai_server`, POST)."""
+        (:mod:`hpcrl.engine.native_server`), OpenAI's (:mod:`hpcrl.engine.openai_server`, POST) and the LoRA
+        ones (:mod:`hpcrl.engine.lora_endpoints`)."""
         app = web.Application(middlewares=[make_auth_middleware(self.args.api_key, self.args.admin_api_key)],
                               client_max_size=1 << 30)
         r = app.router
@@ -135,6 +143,8 @@ class EngineServer:
             r.add_route(method, path, h)
         for path, h in openai_server.routes(self.generation).items():
             r.add_route("POST", path, h)
+        for method, path, h in LoraEndpoints(self.adapters, self.scheduler).routes():
+            r.add_route(method, path, h)
         return app
 
     # ------------------------------------------------------------------ lifecycle
@@ -170,6 +180,18 @@ class EngineServer:
             logger.debug("http server closed")
             self.groups.destroy_all()
             logger.info("stopped")
+
+
+def preload_adapter(adapters: EngineAdapters, name: str, path: str, pinned: bool) -> None:
+    """Load ``--lora-paths`` entry ``name`` from PEFT folder ``path`` before serving. Raises RuntimeError with
+    SGLang's start-up message."""
+    try:
+        config, tensors = read_adapter_folder(path)
+        adapters.register(name, config, path, pinned)
+        adapters.load_weights(name, config, tensors)
+        adapters.add(name, path, int(config["r"]), pinned)
+    except (LoraError, ValueError, OSError, KeyError) as e:
+        raise RuntimeError(f"Failed to load LoRA adapter {name}: {e}") from e
 
 
 def main(argv: list[str] | None = None) -> int:

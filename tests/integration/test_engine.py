@@ -339,12 +339,16 @@ def test_sglang_strict_protocol(engine):
     out = gen(engine, {"input_ids": [3] * 200, "sampling_params": {"temperature": 0, "ignore_eos": True}})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 56}
     # SGLang fields this engine does not implement are refused when set, accepted when off
-    for field, value in (("token_ids_logprob", [3, 4]), ("return_hidden_states", True), ("lora_path", "a"),
+    for field, value in (("token_ids_logprob", [3, 4]), ("return_hidden_states", True), ("lora_id", "a"),
                          ("session_params", {"id": "s"}), ("image_data", "x.png")):
         status, err = post(engine, "/generate", {"text": "1", field: value})
         assert status == 400 and field in err["error"]["message"], (field, err)
         assert post(engine, "/generate", {"text": "1", field: None,
                                           "sampling_params": {"max_new_tokens": 1}})[0] == 200
+    # an adapter asked of an engine started without --enable-lora: SGLang's message
+    status, err = post(engine, "/generate", {"text": "1", "lora_path": ["a"]})
+    assert status == 400 and err["error"]["message"].startswith("LoRA adapter 'a' was requested, but LoRA is not "
+                                                                "enabled. Please launch the server with --enable-lora")
     # per-input log-prob options and a batch rid prefix
     outs = gen(engine, {"input_ids": [[3, 4, 5], [6, 7]], "rid": "b", "return_logprob": [True, False],
                         "logprob_start_len": [0, -1], "top_logprobs_num": [2, 0],
