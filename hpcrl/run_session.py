@@ -258,6 +258,7 @@ class RunSession:
         self._destroy = functools.partial(destroy, default_group=not dist.is_initialized())
         try:
             from hpcrl.rollout.engines import engine_dtype, sglang_engines
+            from hpcrl.weights.adapter import adapter_sync_config
             from hpcrl.weights.sync import WeightSyncer
 
             if controller and own_critic_ranks(cfg):  # the critic's own ranks load beside the actor
@@ -288,7 +289,8 @@ class RunSession:
                                                    disk_dir=str(run_dir / "weights"),
                                                    # (with fp8 rollout weights the stream arrives cast)
                                                    engine_dtype=(engine_dtype(cfg) if cfg.weights.rollout_dtype
-                                                                 is None else None))
+                                                                 is None else None),
+                                                   adapter_config=adapter_sync_config(cfg, model_path))
             # after a resume the engines hold older weights
             sync_weights(t.actor, self.syncer, rollout, version=t.start)
             self.timeline.mark("first_sync")
@@ -399,7 +401,7 @@ def sync_weights(actor: "Actor", syncer: "WeightSyncer", rollout: "RolloutManage
     """
     from hpcrl.weights.sync import iterate_for_sync
 
-    named = iterate_for_sync(actor.ddp_model)
+    named = iterate_for_sync(actor.ddp_model, adapters=syncer.adapter_config is not None)
     if rollout.trainer_paused_during_sync:
         named = iter([(name, tensor.to("cpu", copy=True)) for name, tensor in named])
     rollout.onload_weights()

@@ -13,15 +13,19 @@ from hpcrl.config.errors import ConfigError
 PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """PEFT's names of a dense decoder layer's linear modules, the values ``model.lora.target_modules`` takes."""
 
+LORA_SYNCS = ("adapter", "merged")
+"""``model.lora.sync``'s values."""
+
 
 @dataclass
 class LoraSection:
     """LoRA adapters on the actor (Hu et al. 2021; PEFT's ``LoraConfig`` fields ``r``, ``lora_alpha``,
     ``lora_dropout``, ``target_modules``): the base weights are frozen and get no gradient nor optimizer
     state, each target linear gets ``lora_A`` [rank, in] and ``lora_B`` [out, rank] and adds
-    ``alpha / rank * B @ A @ dropout(x)`` to its output. The engines are sent the adapters merged into the
-    base (a full weight sync); the KL reference is the base, the adapters off (no copy of the weights).
-    Dense families only for now (not MoE experts, multi-latent attention or context parallelism)."""
+    ``alpha / rank * B @ A @ dropout(x)`` to its output. The engines are sent the adapters alone (``sync:
+    adapter``) or the adapters merged into the base (``sync: merged``, a full weight sync); the KL reference is
+    the base, the adapters off (no copy of the weights). Dense families only for now (not MoE experts,
+    multi-latent attention or context parallelism)."""
 
     rank: int = 8
     """The adapters' rank r (PEFT ``r``)."""
@@ -31,6 +35,10 @@ class LoraSection:
     """Dropout on the adapters' input while training (PEFT ``lora_dropout``), in [0, 1)."""
     target_modules: list[str] = field(default_factory=lambda: list(PEFT_TARGETS))
     """PEFT module names to adapt in every decoder layer (:data:`PEFT_TARGETS`)."""
+    sync: str = "adapter"
+    """What a weight sync sends the engines (:mod:`hpcrl.weights.adapter`): ``adapter``, the adapters' tensors
+    alone, loaded as a LoRA adapter (SGLang's ``--enable-lora``, set on the engines) that the rollout's requests
+    name; ``merged``, every weight with the adapters folded in (a full sync, for engines without LoRA)."""
 
 
 def check_lora(cfg: Config, check_files: bool, env: Optional[Environment] = None) -> None:
@@ -53,6 +61,11 @@ def check_lora(cfg: Config, check_files: bool, env: Optional[Environment] = None
             f"use PEFT's names: {', '.join(PEFT_TARGETS)}")
     require(len(set(targets)) == len(targets), "model.lora.target_modules", targets, "names a module twice",
             "name each module once")
+    require(lora.sync in LORA_SYNCS, "model.lora.sync", lora.sync, "is not a way to sync adapters",
+            f"use one of {', '.join(LORA_SYNCS)}")
+    require(lora.sync != "adapter" or not cfg.weights.delta, "weights.delta", cfg.weights.delta,
+            "a delta sync is of whole weights; model.lora.sync=adapter sends the adapters alone",
+            "set weights.delta=false, or model.lora.sync=merged")
     cp = cfg.train.context_parallel_size
     require(cp == 1, "train.context_parallel_size", cp, "LoRA adapters are not split over context-parallel "
             "ranks yet (issue #56)", "set train.context_parallel_size=1 with model.lora, or remove model.lora")

@@ -102,8 +102,8 @@ def engine_sglang_args(cfg: Any) -> dict:
     """The engine flags of a run: the ``sglang:`` section plus ``enable_memory_saver`` when colocated,
     ``enable_deterministic_inference`` with ``run.deterministic``, ``enable_return_routed_experts`` with
     ``algorithm.routing_replay`` (SGLang returns no experts without it), ``custom_weight_loader`` with
-    :data:`hpcrl.weights.delta.DELTA_LOADER` when ``weights.delta`` and ``dtype`` when ``model.dtype`` is
-    not float32 (the CPU engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``;
+    :data:`hpcrl.weights.delta.DELTA_LOADER` when ``weights.delta``, ``enable_lora`` with the adapters' rank and
+    modules when ``model.lora.sync`` is ``adapter``, and ``dtype`` when ``model.dtype`` is not float32 (the CPU engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``;
     every one parses with SGLang 0.5.23's own parser: ``tests/unit/test_sglang_conformance.py``)."""
     args = dict(cfg.sglang)
     if cfg.model.dtype != "float32":
@@ -114,6 +114,11 @@ def engine_sglang_args(cfg: Any) -> dict:
         args.setdefault("enable_deterministic_inference", True)
     if cfg.algorithm.routing_replay:
         args.setdefault("enable_return_routed_experts", True)
+    lora = cfg.model.lora
+    if lora is not None and lora.sync == "adapter":  # the engines serve the actor's adapters (hpcrl.weights.adapter)
+        args.setdefault("enable_lora", True)
+        args.setdefault("max_lora_rank", lora.rank)
+        args.setdefault("lora_target_modules", sorted(lora.target_modules))
     if cfg.weights.delta:  # the engines must accept the delta's load_format (hpcrl.weights.delta)
         from hpcrl.weights.delta import DELTA_LOADER
 

@@ -227,8 +227,11 @@ class RolloutFleet:
         rc = self.cfg.rollout
         restart = getattr(launched, "restart", None)
         if restart is not None and rc.max_engine_restarts > 0:
+            from hpcrl.weights.adapter import adapter_sync_config
+
             self.snapshot = WeightSnapshot(self.run_dir / "weights-rejoin", self.model_path,
-                                           self.cfg.weights.bucket_bytes)
+                                           self.cfg.weights.bucket_bytes,
+                                           adapter_config=adapter_sync_config(self.cfg, self.model_path))
         router_cpus = self._router_cpus()
 
         def restart_router(urls: list[str], port):

@@ -351,11 +351,8 @@ class HealthMonitor:
         engine = await asyncio.to_thread(self.restart_engine, slot.index, path, version, slot.restarts)
         try:
             async with self.sync_lock:
-                now_path, now_version = await asyncio.to_thread(self.snapshot.folder)
-                if now_version != version:
-                    await self.client.request("POST", "/update_weights_from_disk",
-                                              {"model_path": str(now_path), "weight_version": now_version},
-                                              base_url=engine.url, retry=False)
+                if self.snapshot.adapter_config is not None or self.snapshot.version != version:
+                    await self.snapshot.load_on(self.client, engine.url)  # (adapters: always, on the base)
                 if self.router is not None:
                     await self._router_call("add_worker", engine.url)
         except BaseException:

@@ -340,15 +340,21 @@ class RolloutManager:
                 return await self._resync_from_snapshot(t0)
 
     async def _resync_from_snapshot(self, t0: float) -> dict[str, Any]:
-        """Load the snapshot's version on every engine in rotation (``/update_weights_from_disk``) and let
-        them generate again: the end of a weight sync an engine died in. Raises RolloutError."""
+        """Load the snapshot's version on every engine in rotation (``/update_weights_from_disk``, or the LoRA
+        adapter: :meth:`hpcrl.weights.snapshot.WeightSnapshot.load_on`) and let them generate again: the end of
+        a weight sync an engine died in. Raises RolloutError."""
+        from hpcrl.weights.adapter import adapter_name
+
         client = self.fleet.client
-        path, version = await asyncio.to_thread(self.fleet.snapshot.folder)
-        timeout = self.cfg.weights.timeout_s
+        snapshot, timeout = self.fleet.snapshot, self.cfg.weights.timeout_s
+        version = snapshot.version
+        # (adapters: under a name of their own, which the requests take once every engine has it)
+        name = None if snapshot.adapter_config is None else adapter_name(version, f"resync{time.monotonic_ns()}")
         for url in client.engine_urls:
-            await client.request("POST", "/update_weights_from_disk",
-                                 {"model_path": str(path), "weight_version": version}, base_url=url,
-                                 retry=False, timeout_s=timeout)
+            await snapshot.load_on(client, url, timeout, name=name)
+        if name is not None:
+            client.generate_fields["lora_path"] = name
+        for url in client.engine_urls:
             await client.request("POST", "/continue_generation", {}, base_url=url, timeout_s=timeout)
         return {"method": "snapshot", "weight_version": version, "seconds": time.perf_counter() - t0,
                 "recovered": 1}

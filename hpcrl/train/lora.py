@@ -354,6 +354,15 @@ def load_peft_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -
         raise KeyError(f"no adapter of the model takes {unused[:4]}")
 
 
+def peft_config(spec: LoraSpec, base_model: str = "") -> dict:
+    """PEFT's ``adapter_config.json`` of adapters made by ``spec`` (what ``peft.PeftModel.from_pretrained`` and
+    SGLang's LoRA loads read; ``base_model``: its ``base_model_name_or_path``)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+            "lora_dropout": spec.dropout, "target_modules": sorted(spec.target_modules), "bias": "none",
+            "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,
+            "base_model_name_or_path": base_model}
+
+
 def write_peft_folder(model: torch.nn.Module, dest, spec: LoraSpec, base_model: str = "") -> dict:
     """Write ``model``'s adapters as a PEFT adapter folder at ``dest`` (``adapter_config.json`` +
     ``adapter_model.safetensors``: what ``peft.PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter``
@@ -374,11 +383,7 @@ def write_peft_folder(model: torch.nn.Module, dest, spec: LoraSpec, base_model: 
         return stats
     with atomic_folder(dest) as tmp:
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-                  "lora_dropout": spec.dropout, "target_modules": sorted(spec.target_modules), "bias": "none",
-                  "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,
-                  "base_model_name_or_path": base_model}
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_model), indent=2))
         for f in tmp.iterdir():
             fsync_path(f)
     return stats

@@ -31,10 +31,15 @@ class WeightSnapshot:
         model_path: the HF folder the engines started from (what a restart loads before the first sync; its
             config and tokenizer files are copied into every written snapshot).
         bucket_bytes: most bytes per safetensors shard written.
+        adapter_config: PEFT's ``adapter_config.json`` when the syncs send LoRA adapters alone
+            (:mod:`hpcrl.weights.adapter`): the snapshot holds the adapter, a restarted engine starts from
+            ``model_path`` and loads it (:meth:`load_on`).
     """
 
-    def __init__(self, root: Path, model_path: Path, bucket_bytes: int = 512 * 1024 * 1024) -> None:
+    def __init__(self, root: Path, model_path: Path, bucket_bytes: int = 512 * 1024 * 1024,
+                 adapter_config: Optional[dict] = None) -> None:
         self.root, self.model_path, self.bucket_bytes = Path(root), Path(model_path), int(bucket_bytes)
+        self.adapter_config = adapter_config
         self.version: Optional[str] = None
         """The version of the held tensors (None before the first sync)."""
         self._tensors: Optional[list[tuple[str, Any]]] = None
@@ -54,13 +59,14 @@ class WeightSnapshot:
 
     def folder(self) -> tuple[Path, Optional[str]]:
         """``(HF folder, version)`` a restarted engine starts from: the snapshot written as a folder (once per
-        version; older ones removed), or ``(model_path, None)`` before the first sync. Raises OSError when
-        the folder cannot be written."""
+        version; older ones removed), or ``(model_path, None)`` before the first sync and for adapters (the
+        engine starts from the base, then :meth:`load_on`). Raises OSError when the folder cannot be
+        written."""
         from hpcrl.weights.disk import write_hf_folder
 
         with self._lock:
             tensors, version = self._tensors, self.version
-            if tensors is None or version is None:
+            if tensors is None or version is None or self.adapter_config is not None:
                 return self.model_path, None
             if self._written is not None and self._written[0] == version:
                 return self._written[1], version
@@ -71,3 +77,31 @@ class WeightSnapshot:
                     shutil.rmtree(old, ignore_errors=True)
             self._written = (version, dest)
             return dest, version
+
+    async def load_on(self, client: Any, url: str, timeout_s: Optional[float] = None,
+                      name: Optional[str] = None) -> None:
+        """Bring the engine at ``url`` to the snapshot's version through ``client`` (a
+        :class:`hpcrl.rollout.client.RolloutClient`): ``/update_weights_from_disk`` of :meth:`folder`, or for
+        adapters the adapter (a PEFT folder under ``root``) loaded under the name the client's requests use,
+        then that version. Nothing before the first sync. Raises RolloutError, OSError."""
+        import asyncio
+
+        from hpcrl.weights.adapter import current_adapter, folder_body, version_body, write_adapter_folder
+
+        if self.adapter_config is None:
+            path, version = await asyncio.to_thread(self.folder)
+            if version is not None:
+                await client.request("POST", "/update_weights_from_disk",
+                                     {"model_path": str(path), "weight_version": version}, base_url=url,
+                                     retry=False, timeout_s=timeout_s)
+            return
+        with self._lock:
+            tensors, version = self._tensors, self.version
+        name = name or current_adapter(client)
+        if tensors is None or version is None or name is None:
+            return
+        folder = await asyncio.to_thread(write_adapter_folder, dict(tensors), self.adapter_config, self.root,
+                                         version)
+        for endpoint, body in (("/load_lora_adapter", folder_body(name, folder)),
+                               ("/update_weight_version", version_body(version))):
+            await client.request("POST", endpoint, body, base_url=url, retry=False, timeout_s=timeout_s)

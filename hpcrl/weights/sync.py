@@ -76,7 +76,7 @@ def needs_session(method: str) -> bool:
     return endpoint.lstrip("/") in SESSION_GATED
 
 
-def iterate_for_sync(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+def iterate_for_sync(model: Any, dtype: Any = None, adapters: bool = False) -> Iterator[tuple[str, Any]]:
     """The ``(hf_name, full_tensor)`` stream of ``model`` for :meth:`WeightSyncer.sync` on this rank.
 
     ``model``: the trainer's megatron-core GPTModel (possibly wrapped). ``dtype``: cast each tensor (None:
@@ -87,17 +87,22 @@ def iterate_for_sync(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]
     an all-gather over the TP group, so all of them must consume it; other ranks get an empty iterator (they
     hold replicas and take no part). With expert parallelism every rank exports (a routed expert is gathered
     over its expert-parallel group, which spans data-parallel ranks); rank 0 still sends alone. Needs
-    megatron-core's parallel state to be initialised.
+    megatron-core's parallel state to be initialised. ``adapters``: the LoRA adapters alone, under PEFT's names
+    (:func:`hpcrl.train.lora.peft_state_dict`; a sync with ``adapter_config``), ``dtype`` ignored.
     """
     from megatron.core import parallel_state
 
     from hpcrl.train.bridge import export_hf_weights
+    from hpcrl.train.lora import peft_state_dict
+
+    def stream():
+        return peft_state_dict(model) if adapters else export_hf_weights(model, dtype, copy=False)
 
     if parallel_state.get_expert_model_parallel_world_size() > 1:
-        return export_hf_weights(model, dtype, copy=False)  # every rank: expert gathers span DP ranks
+        return stream()  # every rank: expert gathers span DP ranks
     if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
         return iter(())
-    return export_hf_weights(model, dtype, copy=False)
+    return stream()
 
 
 def _torch_dtype(name: str | None) -> Any:
@@ -169,6 +174,11 @@ class WeightSyncer:
         full_every: see ``delta`` (0: never on a count).
         engine_dtype: the engines' parameter dtype (``float32``, ``bfloat16``): a delta compares words in
             it; None: the trainer's.
+        adapter_config: PEFT's ``adapter_config.json`` of the actor's LoRA adapters when a sync sends them
+            alone (``model.lora.sync: adapter``; :mod:`hpcrl.weights.adapter`): the stream is then
+            :func:`hpcrl.train.lora.peft_state_dict`'s, loaded as a new adapter (``tensor``: from tensors;
+            ``disk`` and ``distributed``: from a folder in ``disk_dir``) that the client's requests name from
+            then on. None: the stream is the model's weights.
 
     Raises ValueError on an unknown method, format or pause mode, ``bucket_bytes`` < 1, ``timeout_s`` <= 0,
     or ``disk`` without ``disk_dir``.
@@ -191,7 +201,11 @@ class WeightSyncer:
     delta: bool = False
     full_every: int = 20
     engine_dtype: str | None = None
+    adapter_config: dict | None = None
     num_syncs: int = field(default=0, init=False)
+    _adapters: list = field(default_factory=list, init=False, repr=False)
+    """Names of the adapters this run loaded on the engines, oldest first (adapter syncs)."""
+    _adapter_syncs: int = field(default=0, init=False, repr=False)
     _delta: Any = field(default=None, init=False, repr=False)
     _delta_engines: tuple = field(default=(), init=False, repr=False)
     """``(engine URLs, weight version)`` of the last successful sync of a delta run."""
@@ -216,6 +230,11 @@ class WeightSyncer:
             raise ValueError("weights method 'disk' needs disk_dir (a folder shared with the engines)")
         if self.is_sender and self.client is None:
             raise ValueError("the sender needs a RolloutClient")
+        if self.adapter_config is not None and self.delta:
+            raise ValueError("an adapter sync sends the adapters whole: no delta")
+        if self.adapter_config is not None and self.method != "tensor" and self.is_sender and not self.disk_dir:
+            raise ValueError("an adapter sync without weights method 'tensor' needs disk_dir (a folder shared "
+                             "with the engines)")
 
     @classmethod
     def from_config(cls, client: Any, weights: Any, run_mode: str = "sync", sglang_engines: bool = False,
@@ -298,9 +317,12 @@ class WeightSyncer:
         stream = itertools.chain([first], stream)
         calls = self._calls()
         tp_sizes = await self._tp_sizes(calls) if self.method != "disk" else None
-        if self.method == "distributed" and self._group is not None and self._group_urls != list(calls.urls):
+        adapter = self.adapter_config is not None
+        if adapter:
+            self._adapter_syncs += 1
+        elif self.method == "distributed" and self._group is not None and self._group_urls != list(calls.urls):
             await self._drop_group()  # an engine was replaced: a new group with today's engines (slime reconnects)
-        if self.method == "distributed" and self._group is None:  # before the pause: engines keep serving
+        if not adapter and self.method == "distributed" and self._group is None:  # before the pause: engines serve
             await self._create_group(calls, tp_sizes)
             self._group_urls = list(calls.urls)
         full = None
@@ -312,7 +334,7 @@ class WeightSyncer:
         if self.flushes:
             await calls.flush_cache()
         t1 = time.perf_counter()
-        session = needs_session(self.method)
+        session = needs_session(self.method) and not adapter
         if session:
             await calls.begin_sessions()
         try:
@@ -329,7 +351,16 @@ class WeightSyncer:
         t2 = time.perf_counter()
         if self.verify:
             await calls.check_versions(weight_version)
+        if adapter:  # the requests from now on go through the new adapter
+            from hpcrl.weights.adapter import adapter_name
+
+            self._adapters.append(adapter_name(weight_version, self._adapter_syncs))
+            self.client.generate_fields["lora_path"] = self._adapters[-1]
         await calls.resume()
+        if adapter:
+            from hpcrl.weights.adapter import unload_old
+
+            await unload_old(calls, self._adapters, self.disk_dir if self.method != "tensor" else None)
         self.num_syncs += 1
         transfer = t2 - t1
         out = {"method": self.method, "weight_version": weight_version,
@@ -373,6 +404,13 @@ class WeightSyncer:
         from hpcrl.weights.delta import DELTA_LOADER
 
         load_format = DELTA_LOADER if self.delta else None
+        if self.adapter_config is not None:
+            from hpcrl.weights.adapter import adapter_name, send_adapter
+
+            return await send_adapter(calls, named_tensors, weight_version,
+                                      adapter_name(weight_version, self._adapter_syncs),
+                                      config=self.adapter_config, method=self.method, tp_sizes=tp_sizes,
+                                      disk_dir=self.disk_dir)
         if self.method == "tensor":
             from hpcrl.engine.serialize import StagingArena
             from hpcrl.weights.tensor import send_tensor_buckets

@@ -153,6 +153,35 @@ def test_async_run_survives_six_engine_kills(tmp_path):
     assert all(m["rollout/kept_partial_tokens"] >= 0 for m in rows)
 
 
+def test_lora_run_survives_engine_kills_and_restarted_engines_serve_the_adapter(tmp_path):
+    """A LoRA run syncing its adapters alone (``model.lora.sync: adapter``), disaggregated (each sync a PEFT folder
+    and ``/load_lora_adapter``): its engine SIGKILLed twice; each replacement starts from the base and loads the
+    current adapter under the name the requests use (:meth:`hpcrl.weights.snapshot.WeightSnapshot.load_on`), so
+    the trainer's log-probs of every rollout's tokens equal the engine's (an engine serving the base, or an old
+    adapter, would differ by ~1e-2 once the adapters train), every group is trained once, rollout k from
+    version k."""
+    steps, name = 16, "lora"
+    proc = start(tmp_path, name, "model.lora={rank: 4, alpha: 8}", "train.lr=0.01", "run.placement=disaggregate",
+                 f"run.num_rollout={steps}", steps=steps)
+    run_dir = tmp_path / "runs" / name
+    for target in (4, 9):
+        wait_for(lambda: steps_done(run_dir) >= target, proc, what=f"step {target}")
+        wait_for(lambda: procs(proc, "hpcrl.engine.server"), proc, what="an engine")
+        victim = procs(proc, "hpcrl.engine.server")[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: [p for p in procs(proc, "hpcrl.engine.server") if p != victim], proc,
+                 what="a new engine")
+    assert proc.wait(timeout=600) == 0, log_of(tmp_path, name)[-3000:]
+    assert_each_group_once(tmp_path, name, steps)
+    rows = metrics(tmp_path, name)
+    assert sum(m["rollout/engine_restarts"] for m in rows) == 2
+    assert [m["rollout/weight_version"] for m in rows] == [str(k) for k in range(steps)]
+    assert max(m["train/train_rollout_logprob_abs_diff"] for m in rows) < 1e-5
+    restarted = "".join(p.read_text() for p in (run_dir / "logs" / "attempt-0").glob("engine-0.restart-*.log"))
+    assert restarted.count("LoRA adapter hpcrl-policy-") >= 2, restarted[-2000:]
+    assert_no_state_rule_broken(run_dir)
+
+
 def test_hung_engine_is_replaced_within_the_heartbeat_timeout(tmp_path):
     """SIGSTOP (the process lives, answers nothing): found hung within the 3 s timeout plus one probe, then
     replaced; the stopped process is killed, not left behind."""

@@ -4,9 +4,10 @@ deterministic run of ``test_preemption_local``.
 - The KL reference is the base model with the adapters off (no copy of the weights): at step 0, before any
   update, the reference and the policy are the same model (``train/ref_logprob_diff`` 0), and the KL grows as
   the adapters train.
-- The engine gets the adapters merged into the base (a full weight sync): the trainer's log-probs of the
-  engine's tokens equal the engine's to 1e-5 at every step (a sync that missed the adapters, or merged them
-  wrongly, differs by ~1e-1 once they train).
+- The engine gets the adapters alone (``model.lora.sync: adapter``, the default: a new LoRA adapter each sync,
+  which the requests name) or merged into the base (``merged``, a full weight sync): either way the trainer's
+  log-probs of the engine's tokens equal the engine's to 1e-5 at every step (a sync that missed the adapters,
+  or merged them wrongly, differs by ~1e-1 once they train); the adapter sync sends a fraction of the bytes.
 - Only the adapters train: the exported model (``hpcrl convert mcore-to-hf``'s, adapters merged) differs from
   the base in the adapted linears alone; ``hpcrl convert mcore-to-peft`` writes the adapters as a PEFT folder
   (a fraction of the model's bytes) that PEFT merges into the same weights.
@@ -45,7 +46,9 @@ def test_a_lora_run_trains_adapters_against_the_base_and_resumes_exactly(tmp_pat
     assert len(steps) == STEPS
     assert steps[0]["train/ref_logprob_diff"] == 0.0  # the reference is the policy before its first update
     assert steps[0]["train/kl_loss"] == 0.0 and steps[-1]["train/kl_loss"] > 1e-4  # and the adapters move it
-    assert max(r["train/train_rollout_logprob_abs_diff"] for r in steps) < 1e-5  # the engine has them merged
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in steps) < 1e-5  # the engine serves the adapters
+    engine_log = "".join(p.read_text() for p in (tmp_path / "runs" / "ref").rglob("engine*.log"))
+    assert engine_log.count("LoRA adapter hpcrl-policy-") >= STEPS and "unloaded" in engine_log, engine_log[-2000:]
     ref = weights(tmp_path, "ref")
     base = weights_of_folder(tmp_path / "tiny")
     changed = [k for k in base if k in ref and not torch.equal(ref[k], base[k])]
@@ -60,6 +63,15 @@ def test_a_lora_run_trains_adapters_against_the_base_and_resumes_exactly(tmp_pat
     assert max((merged[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
     adapter_bytes = (peft_dir / "adapter_model.safetensors").stat().st_size
     assert adapter_bytes < sum(t.numel() * t.element_size() for t in ref.values()) / 4
+
+    # the adapters merged into a full sync: the same agreement, the whole model's bytes per sync
+    proc = start(tmp_path, "merged", *LORA, "model.lora.sync=merged", "run.num_rollout=3")
+    assert finish(proc) == 0, (tmp_path / "merged.log").read_text()[-3000:]
+    merged_steps = [r for r in rows(tmp_path, "merged") if "train/loss" in r]
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in merged_steps) < 1e-5
+    model_bytes = sum(t.numel() * t.element_size() for t in ref.values())
+    assert all(r["sync/bytes"] >= model_bytes * 0.9 for r in merged_steps)
+    assert all(0 < r["sync/bytes"] < model_bytes / 4 for r in steps)
 
     proc = start(tmp_path, "usr2", *LORA)
     run_dir = tmp_path / "runs" / "usr2"

@@ -484,3 +484,34 @@ def test_every_launch_server_flag_parses_with_sglangs_parser(tmp_path):
             assert res["values"]["device"] == "cpu" and "enable_memory_saver" not in res["values"], what
             assert int(res["values"]["max_total_tokens"]) > 0, what
             assert res["values"]["sleep_on_idle"] is True, what
+
+
+def test_lora_requests_are_sglangs_structs():
+    """What an adapter sync sends (:mod:`hpcrl.weights.adapter`) fits SGLang 0.5.23's request structs: only their
+    fields, every required one, of their types; and the tensor payload is SGLang's ``{name: tensor}`` dict."""
+    import torch
+
+    from hpcrl.engine.serialize import deserialize_tensor_dict, serialize_tensor_dict
+    from hpcrl.weights import adapter
+
+    root = _sglang_root() / "srt" / "managers" / "io_struct.py"
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    payload = serialize_tensor_dict([("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                                      torch.ones(4, 8))])
+    sent = {"LoadLoRAAdapterFromTensorsReqInput": adapter.tensors_body("n", config, payload, 2),
+            "LoadLoRAAdapterReqInput": adapter.folder_body("n", Path("/shared/adapter_v000001")),
+            "UnloadLoRAAdapterReqInput": adapter.unload_body("n"),
+            "UpdateWeightVersionReqInput": adapter.version_body("3")}
+    types = {"lora_name": str, "lora_path": str, "config_dict": dict, "serialized_named_tensors": list,
+             "new_version": str, "abort_all_requests": bool}
+    for struct, body in sent.items():
+        fields = _class_fields(root, struct, "sglang.srt.managers.io_struct")
+        fields = {k: v for k, v in fields.items() if k not in ("rid", "http_worker_ipc")}  # BaseReq's
+        assert set(body) <= set(fields), (struct, set(body) - set(fields))
+        required = {k for k, v in fields.items() if v is ...}
+        assert required <= set(body), (struct, required - set(body))
+        assert all(isinstance(v, types[k]) for k, v in body.items()), (struct, body)
+    payloads = sent["LoadLoRAAdapterFromTensorsReqInput"]["serialized_named_tensors"]
+    assert len(payloads) == 2 and deserialize_tensor_dict(payloads[1])[
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].equal(torch.ones(4, 8))
+    assert sent["UpdateWeightVersionReqInput"]["abort_all_requests"] is False  # (SGLang's default aborts)
