@@ -56,6 +56,7 @@ CONFIGS = {  # cluster config -> (model folder, model_type)
     "qwen3-235b-a22b": ("qwen3-235b-a22b", "qwen3_moe"),
     "kimi-k2": ("kimi-k2", "deepseek_v3"),
     "glm-4.7-flash": ("glm-4.7-flash", "glm4_moe_lite"),
+    "qwen3-32b-lora": ("qwen3-32b", "qwen3"),
 }
 
 
@@ -344,7 +345,7 @@ def test_cluster_config_fits_and_tiles_its_gpus(tmp_path, name):
     assert t.expert_tensor_parallel_size == 1  # whole experts, as slime's scripts
     assert world % (t.expert_tensor_parallel_size * t.expert_parallel_size) == 0  # ETP x EP x EDP = world
     engine_gpus = s.rollout.gpus_per_node if cfg.run.placement == "disaggregate" else s.gpus_per_node
-    assert sg["tp_size"] == engine_gpus and sg["tp_size"] % sg["ep_size"] == 0
+    assert sg["tp_size"] == engine_gpus and sg["tp_size"] % sg.get("ep_size", 1) == 0
     if cfg.run.placement == "colocate":
         assert cfg.rollout.num_engines == s.nodes
     p = _count(CONFIGS[name][0])
