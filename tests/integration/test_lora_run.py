@@ -103,3 +103,30 @@ def weights_of_folder(folder):
     for f in sorted(folder.glob("*.safetensors")):
         out.update(load_file(f))
     return out
+
+
+LOOPS = {
+    "ppo": ("algorithm.advantage_estimator=gae",),
+    "async": ("run.mode=async", "run.placement=disaggregate"),
+    "fully_async": ("run.mode=fully_async", "run.placement=disaggregate", "run.deterministic=false",
+                    "algorithm.use_tis=true", "rollout.max_new_tokens=24"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(LOOPS))
+def test_lora_in_the_other_loops(tmp_path, mode):
+    """The adapters trained and synced alone with PPO (``gae``: the critic is a full model of its own, only the
+    actor has adapters), and in the one-step-off (``async``) and fully asynchronous loops, the engine on its own
+    cores (``disaggregate``: each sync a PEFT folder and ``/load_lora_adapter``). In the fully
+    asynchronous loop the engine is paused in place: requests started on one adapter finish on it after the
+    next sync while new ones take the new one (each sync's adapter has a name of its own, the one before the
+    previous unloaded), so no request is refused for an adapter it names."""
+    steps = 6
+    proc = start(tmp_path, mode, *LORA, *LOOPS[mode], f"run.num_rollout={steps}")
+    assert finish(proc) == 0, (tmp_path / f"{mode}.log").read_text()[-3000:]
+    trained_steps = [r for r in rows(tmp_path, mode) if "train/loss" in r]
+    assert len(trained_steps) == steps and trained_steps[-1]["train/kl_loss"] != 0  # the adapters moved
+    engine_log = "".join(p.read_text() for p in (tmp_path / "runs" / mode).rglob("engine*.log"))
+    loaded = engine_log.count(" loaded (rank 4")
+    assert loaded >= steps and "never been loaded" not in engine_log, engine_log[-2000:]
+    assert all(0 < r["sync/bytes"] < 100_000 for r in trained_steps)  # 44 KB of adapters, not the 4 MB model
