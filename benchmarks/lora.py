@@ -10,9 +10,12 @@ precision (fp32) and torch threads: SmolLM2-135M (converted from the GGUF in the
   backward and Adam, megatron-core's DDP and optimizer as the trainer builds them;
 - ``peak MiB``: the process's resident-memory high-water mark (``VmHWM``) after those steps: model, gradients,
   Adam states, activations;
-- ``sync MiB`` / ``sync s``: what a weight sync of this run sends to engines that serve no adapters (every
-  tensor, the adapters merged: :func:`hpcrl.train.bridge.export_hf_weights`) and the seconds to produce it; and
-  ``adapter MiB``: the adapters alone in PEFT's names (what an adapter sync sends);
+- ``merged MiB`` / ``merged s``: a full weight sync (``model.lora.sync: merged``: every tensor, the adapters
+  merged, :func:`hpcrl.train.bridge.export_hf_weights`) into a real CPU engine serving the model (colocated,
+  ``weights.method: tensor``), bytes and seconds of the whole sync (pause, transfer, version check, resume);
+  ``adapter MiB`` / ``adapter s``: the adapter sync of the same run (``model.lora.sync: adapter``, the
+  default: the adapters alone in PEFT's names, loaded by the engine as a LoRA adapter,
+  :mod:`hpcrl.weights.adapter`);
 - ``checkpoint MiB``: the distributed checkpoint of the model and optimizer after the steps (LoRA: the adapters
   and their Adam state; :mod:`hpcrl.checkpoint`).
 
@@ -65,7 +68,42 @@ def _hwm_mib() -> float:
     return float("nan")
 
 
-def worker(path: str, rank: int, batch: int, seq: int, response: int, steps: int, threads: int, out: str) -> None:
+def start_engine(path: Path, max_rank: int, threads: int):
+    """A CPU engine serving ``path`` with LoRA on (adapters up to ``max_rank``, every module); ``(process,
+    url)``."""
+    from hpcrl.rollout.engines import spawn_engine, wait_engine
+
+    args = {"enable_lora": True, "max_lora_rank": max(max_rank, 1), "lora_target_modules": ["all"]}
+    engine = spawn_engine(None, args, path, engine="cpu", env={"OMP_NUM_THREADS": str(threads)})
+    wait_engine(engine, startup_timeout_s=600)
+    return engine, engine.url
+
+
+async def measure_syncs(url: str, ddp_model, spec, path: str, rank: int) -> dict:
+    """Seconds and MiB of one merged sync and (LoRA) one adapter sync into the engine at ``url``."""
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.train import bridge
+    from hpcrl.train.lora import peft_config, peft_state_dict
+    from hpcrl.weights.sync import WeightSyncer
+
+    out = {"adapter_mib": 0.0, "adapter_s": 0.0}
+    async with RolloutClient(engine_urls=[url]) as client:
+        full = WeightSyncer(client)
+        for i in range(2):  # the second of each: the first also pays one-time costs (staging memory, layers)
+            m = await full.sync(bridge.export_hf_weights(ddp_model), f"merged-{rank}-{i}")
+        out.update(sync_mib=m["bytes"] / MiB, sync_s=m["seconds"])
+        if spec is not None:
+            syncer = WeightSyncer(client, adapter_config=peft_config(spec, path))
+            for i in range(2):
+                m = await syncer.sync(peft_state_dict(ddp_model), f"adapter-{rank}-{i}")
+            out.update(adapter_mib=m["bytes"] / MiB, adapter_s=m["seconds"])
+            for name in syncer.loaded_adapters:
+                await client.request("POST", "/unload_lora_adapter", {"lora_name": name})
+    return out
+
+
+def worker(path: str, rank: int, batch: int, seq: int, response: int, steps: int, threads: int, out: str,
+           url: str) -> None:
     """One variant (``rank`` 0: full fine-tuning) in this process; its figures as JSON in ``out``."""
     import torch
 
@@ -73,7 +111,7 @@ def worker(path: str, rank: int, batch: int, seq: int, response: int, steps: int
     from hpcrl.checkpoint import save_checkpoint
     from hpcrl.config import TrainSection
     from hpcrl.train import bridge, logprobs, model as tmodel, parallel
-    from hpcrl.train.lora import LoraSpec, peft_state_dict
+    from hpcrl.train.lora import LoraSpec
 
     parallel.init_distributed()
     parallel.initialize_model_parallel(tp=1)
@@ -102,17 +140,15 @@ def worker(path: str, rank: int, batch: int, seq: int, response: int, steps: int
         if i:
             times.append(time.perf_counter() - t0)
     peak = _hwm_mib()
-    t0 = time.perf_counter()
-    sync = sum(t.numel() * t.element_size() for _, t in bridge.export_hf_weights(ddp_model))
-    sync_s = time.perf_counter() - t0
-    adapters = sum(t.numel() * t.element_size() for _, t in peft_state_dict(ddp_model)) if rank else 0
+    import asyncio
+
+    syncs = asyncio.run(measure_syncs(url, ddp_model, spec, path, rank))
     with tempfile.TemporaryDirectory() as run_dir:
         ckpt = save_checkpoint(run_dir, 0, ddp_model, optimizer)
         ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file())
     trained = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
     Path(out).write_text(json.dumps({"rank": rank, "trained": trained, "step_s": statistics.median(times),
-                                     "peak_mib": peak, "sync_mib": sync / MiB, "sync_s": sync_s,
-                                     "adapter_mib": adapters / MiB, "ckpt_mib": ckpt_bytes / MiB}))
+                                     "peak_mib": peak, "ckpt_mib": ckpt_bytes / MiB, **syncs}))
 
 
 def main() -> None:
@@ -124,29 +160,42 @@ def main() -> None:
     p.add_argument("--response", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--worker", nargs=2, metavar=("RANK", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=3, metavar=("RANK", "OUT", "URL"), help=argparse.SUPPRESS)
     a = p.parse_args()
     path = model_dir(a.model)
     if a.worker:
-        worker(str(path), int(a.worker[0]), a.batch, a.seq, a.response, a.steps, a.threads, a.worker[1])
+        worker(str(path), int(a.worker[0]), a.batch, a.seq, a.response, a.steps, a.threads, a.worker[1],
+               a.worker[2])
         return
+    ranks = [int(r) for r in a.ranks.split()]
+    engine, url = start_engine(path, max(ranks, default=1), a.threads)
+    try:
+        table(a, path, ranks, url)
+    finally:
+        engine.stop()
+
+
+def table(a, path: Path, ranks: list[int], url: str) -> None:
+    """Run every variant's worker and print the table."""
     print(machine_header(threads=a.threads, precision="float32"))
     print(f"{a.model} ({path.name}), batch {a.batch} x {a.seq} tokens ({a.response} response), {a.steps} steps "
           "after a warm-up, one process per variant")
-    print("| variant | train params | step s | peak MiB | sync MiB | sync s | adapter MiB | checkpoint MiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for rank in [0] + [int(r) for r in a.ranks.split()]:
+    print("(merged / adapter: the second of two weight syncs into a CPU engine serving the model, tensor method)")
+    print("| variant | train params | step s | peak MiB | merged MiB | merged s | adapter MiB | adapter s | checkpoint MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rank in [0] + ranks:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), HPCRL_ENGINE_FORK="0")
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
                 env.pop(k, None)
             subprocess.run([sys.executable, __file__, "--model", a.model, "--batch", str(a.batch), "--seq",
                             str(a.seq), "--response", str(a.response), "--steps", str(a.steps), "--threads",
-                            str(a.threads), "--worker", str(rank), f.name], check=True, env=env)
+                            str(a.threads), "--worker", str(rank), f.name, url], check=True, env=env)
             r = json.loads(Path(f.name).read_text())
         name = "full fine-tuning" if not rank else f"LoRA r={rank} (alpha {2 * rank}, all 7 modules)"
         print(f"| {name} | {r['trained']:,} | {r['step_s']:.2f} | {r['peak_mib']:.0f} | {r['sync_mib']:.1f} | "
-              f"{r['sync_s']:.2f} | {r['adapter_mib']:.2f} | {r['ckpt_mib']:.1f} |", flush=True)
+              f"{r['sync_s']:.2f} | {r['adapter_mib']:.2f} | {r['adapter_s']:.2f} | {r['ckpt_mib']:.1f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

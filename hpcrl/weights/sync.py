@@ -257,6 +257,11 @@ class WeightSyncer:
         the flush then, :mod:`hpcrl.engine.state`)."""
         return self.pause_mode != "in_place"
 
+    @property
+    def loaded_adapters(self) -> list[str]:
+        """Names of the LoRA adapters this syncer left loaded on the engines, oldest first (adapter syncs)."""
+        return list(self._adapters)
+
     def _calls(self) -> EngineCalls:
         return EngineCalls(self.client, self.timeout_s)
 
