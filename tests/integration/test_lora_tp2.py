@@ -131,7 +131,10 @@ def test_lora_at_tp2_equals_peft(h, dirs, ranks, kind, layout):
         assert run["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
         assert sorted(run["adapters"]) == sorted(ref_after)
         assert max((run["adapters"][k] - before[k]).abs().max().item() for k in before) > 1e-2
-        assert max((run["adapters"][k] - ref_after[k]).abs().max().item() for k in ref_after) < 1e-6
+        # one AdamW step within 2e-6: 1.0096e-6 measured on the AVX2 EPYC (qwen2-pp2, layer 0's v_proj lora_A,
+        # an element that moved 0.0865 -> 0.0590 in the step), under 1e-6 on the AVX-512 one: the kernels' sums
+        # differ by CPU, and Adam's first step divides each gradient by its own magnitude
+        assert max((run["adapters"][k] - ref_after[k]).abs().max().item() for k in ref_after) < 2e-6
         assert all(torch.equal(run["base"][k], base[k]) for k in run["base"])
     ref_merged = ref.merge_and_unload().state_dict()  # the adapters folded into the base, gathered whole
     for res in ranks:
