@@ -227,7 +227,8 @@ def sglang_cpu_args(args: Mapping[str, Any]) -> dict:
     ``max_total_tokens`` :data:`SGLANG_CPU_KV_TOKENS` unless set; ``sleep_on_idle`` unless set (without it
     SGLang's scheduler polls its sockets in a busy loop: measured at 90% of a core for 48 idle minutes, a core
     taken from the trainer between rollouts; with it, no CPU while idle); :data:`SGLANG_CPU_DROPPED` left out
-    with a log line. The environment it needs is :func:`engine_env`'s."""
+    with a log line; with ``enable_lora`` the ``torch_native`` LoRA backend unless set. The environment it needs
+    is :func:`engine_env`'s."""
     out = {k: v for k, v in args.items() if k not in SGLANG_CPU_DROPPED}
     dropped = sorted(k for k in args if k in SGLANG_CPU_DROPPED and args[k])
     if dropped:
@@ -236,6 +237,8 @@ def sglang_cpu_args(args: Mapping[str, Any]) -> dict:
     out.setdefault("dtype", "float32")
     out.setdefault("max_total_tokens", SGLANG_CPU_KV_TOKENS)
     out.setdefault("sleep_on_idle", True)
+    if out.get("enable_lora"):  # (its default, csgmv, and the others but torch_native are Triton kernels)
+        out.setdefault("lora_backend", "torch_native")
     return out
 
 

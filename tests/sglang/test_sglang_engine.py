@@ -59,7 +59,10 @@ def sglang(tiny_model_dir, tmp_path_factory):
     key_file.chmod(0o600)
     calls = work / "sgl_kernel_calls.txt"
     cfg_rollout = SimpleNamespace(engine="sglang", engine_env=sglang_cpu.engine_env(calls))
-    args = {"enable_memory_saver": True, "random_seed": 1, "custom_weight_loader": [DELTA_LOADER]}
+    # LoRA on, as a run with model.lora starts it (adapters up to rank 8 on every module): SGLang's LoRA path on a
+    # CPU (torch_native backend, tests/sglang_cpu workaround 6); base requests name no adapter
+    args = {"enable_memory_saver": True, "random_seed": 1, "custom_weight_loader": [DELTA_LOADER],
+            "enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"]}
     eng = spawn_engine(cfg_rollout, args, tiny_model_dir,
                        api_key_file=key_file, engine="sglang", log_path=work / "sglang.log")
     try:
@@ -360,6 +363,69 @@ def test_agent_episode_through_the_gateway(sglang, tiny_model_dir):
     eng, _ = sglang
     test_agent_gateway.test_an_episode_is_one_token_exact_sample(
         SimpleNamespace(url=eng.url, model_path=str(tiny_model_dir), api_key=KEY))
+
+
+def test_lora_adapters_synced_as_hpcrl_syncs_them(sglang, tiny_model_dir, tmp_path):
+    """SGLang serves the LoRA adapters hpcrl's adapter sync sends it (issue #56 point 3): a
+    :class:`hpcrl.weights.sync.WeightSyncer` with ``adapter_config`` loads them from hpcrl's tensor payload
+    (``/load_lora_adapter_from_tensors``, ``tensor``) and from a PEFT folder (``/load_lora_adapter``, ``disk``),
+    and names each in the client's requests; a batch of rows through the base and through each adapter gives HF
+    transformers + PEFT's log-probs within :data:`TOL`."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.rollout.client import RolloutClient
+    from hpcrl.weights.sync import WeightSyncer
+
+    eng, _ = sglang
+    seq = SEQS[0]
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
+              "target_modules": ["down_proj", "q_proj", "v_proj"]}
+
+    def adapter(seed):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=config["target_modules"],
+                                                           init_lora_weights=False)).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.mul_(20)  # PEFT's random B is small: make the adapter move the log-probs
+            lp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0], -1)
+        return peft.get_peft_model_state_dict(model), [lp[i, seq[i + 1]].item() for i in range(len(seq) - 1)]
+
+    async def sync_and_score(syncers, states):
+        async with RolloutClient(engine_urls=[eng.url], api_key=KEY) as client:
+            names, scores = [], []
+            for syncer, state, version in zip(syncers, states, ("lora-1", "lora-2", "lora-3")):
+                syncer.client = client
+                await syncer.sync(iter(state.items()), version)
+                names.append(client.generate_fields["lora_path"])
+            body = await client.request("POST", "/generate", {
+                "input_ids": [seq] * 3, "lora_path": [None, *names[1:]],
+                "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}, "return_logprob": True,
+                "logprob_start_len": 0})
+            scores = [[t[0] for t in r["meta_info"]["input_token_logprobs"][1:]] for r in body]
+            models = await client.request("GET", "/v1/models")
+            return names, scores, [c["id"] for c in models["data"]]
+
+    status, body = http_json("POST", eng.url + "/update_weights_from_disk", {"model_path": str(tiny_model_dir)},
+                             headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert status == 200, body  # the tiny model's own weights again (the tests above synced others)
+    (s1, _), (s2, lp2), (s3, lp3) = adapter(1), adapter(2), adapter(3)
+    syncer = WeightSyncer(SimpleNamespace(engine_urls=[eng.url]), adapter_config=config)  # tensor: syncs 1 and 2
+    disk = WeightSyncer(SimpleNamespace(engine_urls=[eng.url]), method="disk", disk_dir=str(tmp_path),
+                        adapter_config=config)
+    names, (base, two, three), listed = asyncio.run(sync_and_score([syncer, syncer, disk], [s1, s2, s3]))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32").eval()
+    assert max_diff([base], [full_logprobs(hf, seq[:1], seq[1:])]) < TOL
+    assert max_diff([two], [lp2]) < TOL and max_diff([three], [lp3]) < TOL
+    assert max_diff([two], [base]) > 1e-2  # the adapter changes the model
+    assert set(names) <= set(listed)  # /v1/models lists the adapters (SGLang's LoRA registry)
+    for name in names:  # leave the server as the other tests found it
+        assert http_json("POST", eng.url + "/unload_lora_adapter", {"lora_name": name},
+                         headers={"Authorization": f"Bearer {KEY}"}, timeout=120)[0] == 200
 
 
 def test_no_sgl_kernel_op_was_called(sglang):

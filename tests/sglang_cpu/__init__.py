@@ -32,6 +32,10 @@ The workarounds, each with its reason:
    ``$HPCRL_SGL_KERNEL_CALLS``; the tier asserts nothing was called.
 5. The packages SGLang's server imports on CPU, found by importing ``sglang.srt.entrypoints.http_server`` until
    it succeeded: :data:`RUNTIME_PACKAGES`.
+6. ``sitecustomize`` in :data:`STUB`: SGLang's LoRA code allocates pinned host memory, which torch refuses without
+   an accelerator (an engine started with ``--enable-lora`` dies); pinning becomes a no-op in the servers (the
+   module's docstring says how). With it SGLang serves LoRA adapters on a CPU with its ``torch_native`` backend
+   (hpcrl chooses it on a CPU: :func:`hpcrl.rollout.engines.sglang_cpu_args`).
 
 Launch flags (hpcrl builds them for ``rollout.engine: sglang`` on a machine without CUDA:
 :func:`hpcrl.rollout.engines.engine_command`): ``--device cpu``, ``--dtype float32`` (``auto`` loads an fp32
@@ -52,7 +56,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFIX = ROOT / ".venv" / "sglang-cpu"
 """Where SGLang's CPU runtime is installed (``--target``): on the SGLang servers' ``PYTHONPATH`` only."""
 STUB = Path(__file__).resolve().parent / "stub"
-"""The folder holding the ``sgl_kernel`` stand-in package (on the servers' ``PYTHONPATH`` after :data:`PREFIX`)."""
+"""The folder holding the ``sgl_kernel`` stand-in package and the servers' ``sitecustomize`` (workaround 6), on the
+servers' ``PYTHONPATH`` after :data:`PREFIX`."""
 SGLANG_VERSION = "0.5.23"
 RUNTIME_PACKAGES = (
     # the server's own imports
