@@ -11,7 +11,7 @@ deterministic run of ``test_preemption_local``.
 - Only the adapters train: the exported model (``hpcrl convert mcore-to-hf``'s, adapters merged) differs from
   the base in the adapted linears alone; ``hpcrl convert mcore-to-peft`` writes the adapters as a PEFT folder
   (a fraction of the model's bytes) that PEFT merges into the same weights.
-- USR2 then a rerun ends bitwise equal to the uninterrupted LoRA run.
+- USR2 then a rerun, and SIGKILL inside a step then a rerun, end bitwise equal to the uninterrupted LoRA run.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -84,6 +85,19 @@ def test_a_lora_run_trains_adapters_against_the_base_and_resumes_exactly(tmp_pat
     np.testing.assert_array_equal(trained(tmp_path, "usr2"), trained(tmp_path, "ref"))
     got = weights(tmp_path, "usr2")
     assert all(got[k].equal(ref[k]) for k in ref), "the resumed LoRA run diverged"
+
+    # SIGKILL inside a later step: the rerun loads the adapters and their Adam state, syncs the adapters to a new
+    # engine, redoes the lost step and ends bitwise equal
+    proc = start(tmp_path, "kill", *LORA, "checkpoint.save_interval=1")
+    wait_steps(proc, tmp_path / "runs" / "kill", 2)
+    time.sleep(0.3)
+    proc.kill()
+    proc.wait()
+    proc = start(tmp_path, "kill", *LORA, "checkpoint.save_interval=1")
+    assert finish(proc) == 0, (tmp_path / "kill.log").read_text()[-3000:]
+    np.testing.assert_array_equal(trained(tmp_path, "kill"), trained(tmp_path, "ref"))
+    got = weights(tmp_path, "kill")
+    assert all(got[k].equal(ref[k]) for k in ref), "the LoRA run rerun after SIGKILL diverged"
 
 
 def peft_merged(base, peft_dir) -> dict:
