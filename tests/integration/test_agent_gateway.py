@@ -168,8 +168,9 @@ def test_failed_episodes_have_a_reason_and_never_hang(engine, tmp_path):
         r = await c.chat.completions.create(model="p", messages=msgs, max_tokens=3)
         return r.choices[0].message.content
 
-    sleep_cmd = [sys.executable, "-c", "import os, time; open(%r, 'w').write(str(os.getpid())); time.sleep(60)"
-                 % str(tmp_path / "sleeper.pid")]
+    # a shell (ready in milliseconds) writes its pid and becomes `sleep`: a Python child took over the agent's
+    # 1 s timeout to start on a loaded machine, killed before it wrote the file (CI, 2026-12-07)
+    sleep_cmd = ["sh", "-c", 'echo $$ > "$0"; exec sleep 60', str(tmp_path / "sleeper.pid")]
     crash = tmp_path / "crash.py"
     crash.write_text("import sys\nsys.stderr.write('tool server unreachable\\n')\nsys.exit(3)\n")
 
