@@ -26,14 +26,20 @@ from hpcrl.data.sample import Sample
 
 class FixedWeights:
     """The weights a teacher engine restarts from: its folder, at no weight version (a teacher is never
-    synced). Stands where the student's :class:`hpcrl.weights.snapshot.WeightSnapshot` stands for the health
-    monitor."""
+    synced, and has no adapter). Stands where the student's :class:`hpcrl.weights.snapshot.WeightSnapshot`
+    stands for the health monitor."""
+
+    version = None
+    adapter_config = None
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
     def folder(self) -> tuple[Path, None]:
         return self.path, None
+
+    async def load_on(self, client: Any, url: str, timeout_s: Any = None, name: Any = None) -> None:
+        """Nothing to load: a restarted teacher engine starts from :attr:`path` as it is."""
 
 
 @dataclass
