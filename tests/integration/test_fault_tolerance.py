@@ -96,19 +96,25 @@ def assert_each_group_once(tmp_path: Path, name: str, steps: int = STEPS) -> Non
     assert len(set(rows[:, 2].tolist())) == len(rows)
 
 
-def kill_engine_six_times(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
-    """Run with six SIGKILLs of the engine at random steps (each after the last replacement serves)."""
-    proc = start(tmp_path, name, *overrides)
-    run_dir = tmp_path / "runs" / name
-    # steps 3, 7, 20, 21, 39, 51: one soon after start, two on consecutive steps (the second soon after a
-    # replacement), as the ten kills of 100 steps had with seed 12
-    for target in sorted(random.Random(23).sample(range(2, STEPS - 5), KILLS)):
+def kill_engine_at(proc: subprocess.Popen, run_dir: Path, targets) -> None:
+    """SIGKILL the run's (first) engine once the run has logged each of ``targets`` steps, each time waiting
+    until a replacement runs."""
+    for target in targets:
         wait_for(lambda: steps_done(run_dir) >= target, proc, what=f"step {target}")
         wait_for(lambda: procs(proc, "hpcrl.engine.server"), proc, what="an engine")
         victim = procs(proc, "hpcrl.engine.server")[0]
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: [p for p in procs(proc, "hpcrl.engine.server") if p != victim], proc,
                  what="a new engine")
+
+
+def kill_engine_six_times(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    """Run with six SIGKILLs of the engine at random steps (each after the last replacement serves)."""
+    proc = start(tmp_path, name, *overrides)
+    run_dir = tmp_path / "runs" / name
+    # steps 3, 7, 20, 21, 39, 51: one soon after start, two on consecutive steps (the second soon after a
+    # replacement), as the ten kills of 100 steps had with seed 12
+    kill_engine_at(proc, run_dir, sorted(random.Random(23).sample(range(2, STEPS - 5), KILLS)))
     assert proc.wait(timeout=600) == 0, log_of(tmp_path, name)[-3000:]
     assert steps_done(run_dir) == STEPS
     assert_each_group_once(tmp_path, name)
@@ -164,13 +170,7 @@ def test_lora_run_survives_engine_kills_and_restarted_engines_serve_the_adapter(
     proc = start(tmp_path, name, "model.lora={rank: 4, alpha: 8}", "train.lr=0.01", "run.placement=disaggregate",
                  f"run.num_rollout={steps}", steps=steps)
     run_dir = tmp_path / "runs" / name
-    for target in (4, 9):
-        wait_for(lambda: steps_done(run_dir) >= target, proc, what=f"step {target}")
-        wait_for(lambda: procs(proc, "hpcrl.engine.server"), proc, what="an engine")
-        victim = procs(proc, "hpcrl.engine.server")[0]
-        os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: [p for p in procs(proc, "hpcrl.engine.server") if p != victim], proc,
-                 what="a new engine")
+    kill_engine_at(proc, run_dir, (4, 9))
     assert proc.wait(timeout=600) == 0, log_of(tmp_path, name)[-3000:]
     assert_each_group_once(tmp_path, name, steps)
     rows = metrics(tmp_path, name)

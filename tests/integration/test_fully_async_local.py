@@ -163,20 +163,14 @@ def test_engine_killed_mid_generation_is_replaced_and_the_stream_goes_on(tmp_pat
     """Point 6: the engine, always busy in this run, SIGKILLed twice mid-generation: the health monitor
     replaces it (weights from the snapshot of the last sync), the streamed responses continue, the run
     completes, and the accounting holds (no sample trained twice, every drawn group once)."""
-    from tests.integration.test_fault_tolerance import procs, wait_for
+    from tests.integration.test_fault_tolerance import kill_engine_at
 
     steps = 10
     proc = start(tmp_path, "kill", *FULLY_ASYNC, f"run.num_rollout={steps}", "checkpoint.save_interval=0",
                  "rollout.heartbeat_interval_s=1", "rollout.heartbeat_timeout_s=3", "rollout.partial_rollout=true",
                  "rollout.max_engine_restarts=5")
     run_dir = tmp_path / "runs" / "kill"
-    for target in (2, 5):
-        wait_for(lambda: steps_done(run_dir) >= target, proc, what=f"step {target}")
-        wait_for(lambda: procs(proc, "hpcrl.engine.server"), proc, what="an engine")
-        victim = procs(proc, "hpcrl.engine.server")[0]
-        os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: [p for p in procs(proc, "hpcrl.engine.server") if p != victim], proc,
-                 what="a new engine")
+    kill_engine_at(proc, run_dir, (2, 5))
     assert finish(proc) == 0, (tmp_path / "kill.log").read_text()[-3000:]
     steps_logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_logged = [m for m in steps_logged if m["step"] >= 0]

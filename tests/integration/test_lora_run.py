@@ -144,3 +144,27 @@ def test_lora_in_the_other_loops(tmp_path, mode):
     loaded = engine_log.count(" loaded (rank 4")
     assert loaded >= steps and "never been loaded" not in engine_log, engine_log[-2000:]
     assert all(0 < r["sync/bytes"] < 100_000 for r in trained_steps)  # 44 KB of adapters, not the 4 MB model
+
+
+def test_lora_student_distils_from_its_base_as_teacher(tmp_path, tiny_model_dir):
+    """On-policy distillation with LoRA (issue #56 point 2): the student trains adapters, its teacher is the base
+    model it starts from (test_opd's run): at rollout 0 the adapters are zero, so the teacher scores the
+    student's tokens as the student's engine did (reverse KL ~0); the adapters then move the student away (the
+    KL grows) and the trainer's KL equals the rollout's. The teacher's engine, served beside an engine that runs
+    the student's adapter, names none."""
+    import os
+
+    from tests.hpcrl_process import popen_hpcrl
+    from tests.integration.test_opd import assert_teacher_scored, write_run
+
+    steps = 8
+    cfg, _ = write_run(tmp_path, tiny_model_dir, steps)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    proc = popen_hpcrl(["run", str(cfg), "model.lora={rank: 4, alpha: 8}", "train.lr=0.02"], cwd=tmp_path, env=env,
+                       log=tmp_path / "opd.log")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "opd.log").read_text(errors="replace")[-3000:]
+    run_dir = tmp_path / "runs" / "opd"
+    rows = assert_teacher_scored(run_dir, steps)
+    model_bytes = sum(f.stat().st_size for f in (tmp_path / "student").glob("*.safetensors"))
+    assert all(0 < r["sync/bytes"] < model_bytes / 4 for r in rows)  # the adapters alone
