@@ -54,8 +54,8 @@ def summarize(cfg: Config) -> list[str]:
         (f"  run:       {cfg.run.name} ({cfg.run.mode}, {cfg.run.placement}), {cfg.run.num_rollout} "
          f"{'SFT steps' if sft_run else 'rollouts'} -> {cfg.run.output_dir}/{cfg.run.name}"),
         f"  model:     {model}, {m.dtype}"
-        + (f"; LoRA rank {m.lora.rank}, alpha {m.lora.alpha:g} on {', '.join(m.lora.target_modules)} (base frozen)"
-           if m.lora is not None else ""),
+        + (f"; LoRA rank {m.lora.rank}, alpha {m.lora.alpha:g} on {', '.join(m.lora.target_modules)} "
+           f"(base frozen; {m.lora.sync} sync)" if m.lora is not None else ""),
         f"  data:      {(cfg.sft.data or cfg.data).source if sft_run else cfg.data.source}",
     ]
     if not sft_run:
