@@ -1,14 +1,16 @@
 """The LoRA quickstart (issue #56 point 7): ``hpcrl run configs/lora-quickstart.yaml`` in a folder holding the
 quickstart's shipped warm start (``tests/warm_starts/quickstart``: the LoRA run's warm start is full fine-tuning,
-the same cached model), then GRPO on rank-8 adapters alone, the base frozen, the engine served the adapters
-merged. CI runs 200 of the config's 300 steps (its cosine over 200).
+the same cached model), then GRPO on rank-8 adapters alone, the base frozen, the engine serving the adapters
+(each sync sends them alone, ``model.lora.sync: adapter``; until 2026-12-07's seventh session they were merged
+into a full sync: the gate passed with both, the adapter sync's in the AVX2 CI run of 6efb03a). CI runs 200 of
+the config's 300 steps (its cosine over 200).
 
 Asserted: the run trained no SFT of its own; the first eval measures the warm start; the greedy accuracy rises
 by at least 10 points (measured 2026-12-07 on an AMD EPYC with AVX-512: 200 steps 0.414 -> 0.425, 0.479, 0.543,
 0.581 at steps 49..199, +16.7, 155 s; 150 steps ended +12.5, too close to the line; the config's 300 steps
 0.414 -> 0.445, 0.465, 0.563, 0.608, 0.646, 0.670, +25.6, with no dip: full fine-tuning's GRPO dips first); the trainer's
-log-probs of the engine's tokens equal the engine's (the merged sync is the trained model; measured at most
-9.5e-7); the checkpoint holds adapters only (a fraction of the model's bytes).
+log-probs of the engine's tokens equal the engine's (the engine serves the trained adapters; measured at most
+9.5e-7 with the merged sync); the checkpoint holds adapters only (a fraction of the model's bytes).
 """
 
 from __future__ import annotations
