@@ -12,12 +12,18 @@ these, in this order (the order of the "known: ..." lists in error messages):
   :mod:`hpcrl.train.algorithms`
 - the default plug-in paths (``rollout.data_source``, ``rollout.rollout_function``,
   ``rollout.generate_function``): :mod:`hpcrl.rollout.plugins`
+- LoRA target modules (``model.lora.target_modules``): :mod:`hpcrl.train.lora` adapts them, the CPU engine
+  (:mod:`hpcrl.engine.lora`) serves adapters on them
 """
 
 from __future__ import annotations
 
 import re
 from typing import Literal, Optional, get_args
+
+PEFT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""PEFT's names of a dense decoder layer's linear modules: the values ``model.lora.target_modules`` takes, and the
+modules the CPU engine's ``--lora-target-modules`` takes (``all``: these)."""
 
 TASKS: tuple[str, ...] = ("addition", "repeat")
 """Built-in task generators by ``data.source`` name, besides ``reasoning_gym:<name>``."""

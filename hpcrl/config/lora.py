@@ -9,9 +9,7 @@ from typing import Mapping, Optional
 from hpcrl.config.checks import positive, require
 from hpcrl.config.environment import Environment
 from hpcrl.config.errors import ConfigError
-
-PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""PEFT's names of a dense decoder layer's linear modules, the values ``model.lora.target_modules`` takes."""
+from hpcrl.names import PEFT_TARGETS
 
 LORA_SYNCS = ("adapter", "merged")
 """``model.lora.sync``'s values."""

@@ -8,6 +8,8 @@ import os
 import stat
 from pathlib import Path
 
+from hpcrl.names import PEFT_TARGETS
+
 
 @dataclasses.dataclass
 class EngineArgs:
@@ -131,13 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--custom-weight-loader", nargs="*", default=None,
                    help="load_format values weight updates may name (SGLang's flag); this engine knows "
                         "hpcrl.weights.delta.load_delta (delta weight sync, on every update endpoint)")
-    from hpcrl.engine.lora import DENSE_TARGETS
-
     p.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (SGLang's flag; on with --lora-paths): /load_lora_adapter, "
                         "/load_lora_adapter_from_tensors, /unload_lora_adapter, lora_path per request")
     p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank a load may bring")
-    p.add_argument("--lora-target-modules", nargs="*", default=None, choices=[*DENSE_TARGETS, "all"],
+    p.add_argument("--lora-target-modules", nargs="*", default=None, choices=[*PEFT_TARGETS, "all"],
                    help="the modules adapters may target (all: every one)")
     p.add_argument("--lora-paths", nargs="*", default=None,
                    help="adapters loaded at start: NAME=PATH, PATH (named by its path) or SGLang's JSON")

@@ -28,12 +28,11 @@ import dataclasses
 import json
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
-DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The ``--lora-target-modules`` this engine serves (PEFT's names of the dense linears; ``all`` means these)."""
+from hpcrl.names import PEFT_TARGETS
 
 TENSOR_PATH = "__tensor__"
 """The path SGLang records for an adapter loaded from tensors."""
@@ -41,7 +40,8 @@ TENSOR_PATH = "__tensor__"
 BASE = "__base__"
 """PEFT's name for "no adapter" in a mixed batch."""
 
-_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+"""SGLang's refusal of a load or unload by an engine started without ``--enable-lora``."""
 
 
 class LoraError(ValueError):
@@ -115,7 +115,7 @@ def read_adapter_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 def _targets(config: Mapping) -> frozenset:
     t = config.get("target_modules")
     if isinstance(t, str):
-        return frozenset(DENSE_TARGETS) if t in ("all", "all-linear") else frozenset([t])
+        return frozenset(PEFT_TARGETS) if t in ("all", "all-linear") else frozenset([t])
     return frozenset(t or ())
 
 
@@ -123,7 +123,6 @@ def _targets(config: Mapping) -> frozenset:
 class _Adapter:
     path: str
     pinned: bool
-    rank: int
 
 
 class EngineAdapters:
@@ -177,7 +176,7 @@ class EngineAdapters:
         """Check a new adapter against the flags and the registry (SGLang's ``validate_new_adapter``) before its
         tensors are loaded. Raises :class:`LoraError`."""
         if not self.enabled:
-            raise LoraError(_DISABLED)
+            raise LoraError(DISABLED)
         try:
             rank, targets = int(config["r"]), _targets(config)
             config["lora_alpha"]
@@ -194,7 +193,7 @@ class EngineAdapters:
         allowed = self.options.target_modules
         if (self.options.max_rank is not None and rank > self.options.max_rank) or \
                 (allowed is not None and "all" not in allowed and not targets <= allowed) or \
-                not targets <= frozenset(DENSE_TARGETS):
+                not targets <= frozenset(PEFT_TARGETS):
             raise LoraError(f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA memory "
                             "pool configuration. Please ensure that the LoRA adapter's rank is within the "
                             "configured `--max-lora-rank` and that the target modules are included in "
@@ -205,12 +204,21 @@ class EngineAdapters:
                             "models. Please increase your `--max-loras-per-batch` or load it as unpinned LoRA "
                             "adapters.")
 
-    def add(self, name: str, path: str, rank: int, pinned: bool = False) -> list[str]:
+    def load(self, name: str, config: Mapping, path: str, pinned: bool,
+             tensors: Callable[[], Mapping[str, torch.Tensor]]) -> list[str]:
+        """Load adapter ``name``: checked (:meth:`register`), then ``tensors()`` put in the model
+        (:meth:`load_weights`; run it in the scheduler thread, or before serving), then registered (:meth:`add`).
+        Returns the names to evict. Raises :class:`LoraError` (SGLang's messages), and what ``tensors`` raises."""
+        self.register(name, config, path, pinned)
+        self.load_weights(name, config, tensors())
+        return self.add(name, path, pinned)
+
+    def add(self, name: str, path: str, pinned: bool = False) -> list[str]:
         """Register a loaded adapter; returns the names to evict (least recently used unpinned ones while more
         than ``--max-loaded-loras`` are loaded). Raises :class:`LoraError` when none can be evicted (SGLang's
         message; the new adapter stays)."""
         with self._lock:
-            self._registry[name] = _Adapter(path, pinned, rank)
+            self._registry[name] = _Adapter(path, pinned)
             cap, evict = self.options.max_loaded_loras, []
             if cap is None:
                 return evict
@@ -226,7 +234,7 @@ class EngineAdapters:
         """Take ``name`` out of the registry (new requests can no longer use it; running ones go on). Raises
         :class:`LoraError` for an unknown name (SGLang's message)."""
         if not self.enabled:
-            raise LoraError(_DISABLED)
+            raise LoraError(DISABLED)
         with self._lock:
             if name not in self._registry:
                 raise LoraError(f"LoRA with name {name} does not exist. Loaded LoRAs: {self._registry.keys()}")
@@ -293,11 +301,3 @@ class EngineAdapters:
             return
         with self._tuner._enable_peft_forward_hooks(adapter_names=[n or BASE for n in names]):
             yield
-
-    def info(self) -> dict[str, Any]:
-        """The LoRA flags for ``/get_server_info`` (SGLang's names)."""
-        o = self.options
-        return {"enable_lora": o.enabled, "max_lora_rank": o.max_rank,
-                "lora_target_modules": sorted(o.target_modules) if o.target_modules else None,
-                "max_loras_per_batch": o.max_loras_per_batch, "max_loaded_loras": o.max_loaded_loras,
-                "lora_paths": [f"{n}={p}" for n, p, _ in o.paths] or None}

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from hpcrl.engine import protocol
 from hpcrl.engine.generation import read_body
-from hpcrl.engine.lora import TENSOR_PATH, EngineAdapters, LoraError, read_adapter_folder
+from hpcrl.engine.lora import DISABLED, TENSOR_PATH, EngineAdapters, LoraError, read_adapter_folder
 from hpcrl.engine.scheduler import Scheduler
 from hpcrl.engine.serialize import deserialize_flattened_bucket, deserialize_tensor_dict
 
@@ -64,11 +64,9 @@ class LoraEndpoints:
 
     async def _load(self, name: str, config: dict, path: str, pinned: bool,
                     tensors: Callable[[], dict]) -> web.Response:
-        """Check, load in the scheduler thread, register, evict over ``--max-loaded-loras``."""
+        """Load in the scheduler thread (:meth:`EngineAdapters.load`), then evict over ``--max-loaded-loras``."""
         try:
-            self.adapters.register(name, config, path, pinned)
-            await self._command(lambda: self.adapters.load_weights(name, config, tensors()))
-            evict = self.adapters.add(name, path, int(config["r"]), pinned)
+            evict = await self._command(lambda: self.adapters.load(name, config, path, pinned, tensors))
             for old in evict:
                 await self._unload(old)
         except (LoraError, ValueError, OSError, KeyError) as e:
@@ -84,7 +82,7 @@ class LoraEndpoints:
         except protocol.RequestError as e:
             return _validation_error(str(e))
         if not self.adapters.enabled:
-            return _answer(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+            return _answer(False, DISABLED)
         try:
             config, tensors = read_adapter_folder(body["lora_path"])
         except (OSError, ValueError) as e:
@@ -107,7 +105,7 @@ class LoraEndpoints:
         if body.get("expected_checksums"):
             return _answer(False, "expected_checksums is not supported by the hpcrl CPU engine")
         if not self.adapters.enabled:
-            return _answer(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+            return _answer(False, DISABLED)
         config = dict(body["config_dict"])
         if body.get("added_tokens_config"):
             config["added_tokens_config"] = body["added_tokens_config"]

@@ -187,9 +187,7 @@ def preload_adapter(adapters: EngineAdapters, name: str, path: str, pinned: bool
     SGLang's start-up message."""
     try:
         config, tensors = read_adapter_folder(path)
-        adapters.register(name, config, path, pinned)
-        adapters.load_weights(name, config, tensors)
-        adapters.add(name, path, int(config["r"]), pinned)
+        adapters.load(name, config, path, pinned, lambda: tensors)  # (no eviction: check() bounds --lora-paths)
     except (LoraError, ValueError, OSError, KeyError) as e:
         raise RuntimeError(f"Failed to load LoRA adapter {name}: {e}") from e
 

@@ -370,20 +370,28 @@ def write_peft_folder(model: torch.nn.Module, dest, spec: LoraSpec, base_model: 
     config's ``base_model_name_or_path``. Every rank of the model-parallel group must call it (the adapters are
     gathered whole, :func:`peft_state_dict`); the global rank 0 writes. Returns ``{"bytes", "tensors"}`` of the
     adapter file. Raises OSError on write errors (the temporary folder is removed)."""
-    import json
-
     import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    from hpcrl.fsutil import atomic_folder, fsync_path
 
     state = {k: v.cpu().contiguous() for k, v in peft_state_dict(model)}
     stats = {"bytes": sum(t.numel() * t.element_size() for t in state.values()), "tensors": len(state)}
     if dist.is_initialized() and dist.get_rank() != 0:
         return stats
+    save_peft_folder(state, peft_config(spec, base_model), dest)
+    return stats
+
+
+def save_peft_folder(state: Mapping[str, torch.Tensor], config: Mapping, dest) -> None:
+    """Write ``state`` (PEFT's saved names, contiguous CPU tensors) and ``config`` (``adapter_config.json``) as a
+    PEFT adapter folder at ``dest``, atomically (a temporary folder, each file fsynced, then a rename; an existing
+    ``dest`` is replaced). Raises OSError on write errors (the temporary folder is removed)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from hpcrl.fsutil import atomic_folder, fsync_path
+
     with atomic_folder(dest) as tmp:
-        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_model), indent=2))
+        save_file(dict(state), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         for f in tmp.iterdir():
             fsync_path(f)
-    return stats

@@ -100,20 +100,11 @@ def write_adapter_folder(tensors: dict, config: dict, disk_dir: Path, weight_ver
     """A PEFT adapter folder ``disk_dir/adapter_v{N:06d}`` (``adapter_config.json`` + ``adapter_model.
     safetensors``; N the version when it is an integer, else the time in ms) written atomically; its path.
     Raises OSError."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from hpcrl.fsutil import atomic_folder, fsync_path
+    from hpcrl.train.lora import save_peft_folder
 
     index = int(weight_version) if weight_version.isdigit() else int(time.time() * 1000)
     dest = disk_dir / f"adapter_v{index:06d}"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_folder(dest) as tmp:
-        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-        for f in tmp.iterdir():
-            fsync_path(f)
+    save_peft_folder(tensors, config, dest)
     return dest
 
 

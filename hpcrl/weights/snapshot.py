@@ -86,7 +86,7 @@ class WeightSnapshot:
         then that version. Nothing before the first sync. Raises RolloutError, OSError."""
         import asyncio
 
-        from hpcrl.weights.adapter import current_adapter, folder_body, version_body, write_adapter_folder
+        from hpcrl.weights.adapter import current_adapter, folder_body, version_body
 
         if self.adapter_config is None:
             path, version = await asyncio.to_thread(self.folder)
@@ -95,13 +95,29 @@ class WeightSnapshot:
                                      {"model_path": str(path), "weight_version": version}, base_url=url,
                                      retry=False, timeout_s=timeout_s)
             return
-        with self._lock:
-            tensors, version = self._tensors, self.version
         name = name or current_adapter(client)
-        if tensors is None or version is None or name is None:
+        written = await asyncio.to_thread(self._adapter_folder) if name is not None else None
+        if written is None:
             return
-        folder = await asyncio.to_thread(write_adapter_folder, dict(tensors), self.adapter_config, self.root,
-                                         version)
+        folder, version = written
         for endpoint, body in (("/load_lora_adapter", folder_body(name, folder)),
                                ("/update_weight_version", version_body(version))):
             await client.request("POST", endpoint, body, base_url=url, retry=False, timeout_s=timeout_s)
+
+    def _adapter_folder(self) -> Optional[tuple[Path, str]]:
+        """``(PEFT folder, version)`` of the held adapter, written under :attr:`root` once per version (older
+        ones removed), every engine that rejoins loading the same; None before the first sync. Raises OSError."""
+        from hpcrl.weights.adapter import write_adapter_folder
+
+        with self._lock:
+            tensors, version = self._tensors, self.version
+            if tensors is None or version is None:
+                return None
+            if self._written is not None and self._written[0] == version:
+                return self._written[1], version
+            dest = write_adapter_folder(dict(tensors), self.adapter_config, self.root, version)
+            for old in self.root.glob("adapter_v*"):
+                if old != dest:
+                    shutil.rmtree(old, ignore_errors=True)
+            self._written = (version, dest)
+            return dest, version

@@ -36,7 +36,7 @@ def test_registry_refusals():
                                           max_loaded_loras=8))
     ok = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
     on.register("a", ok, "/a")
-    assert on.add("a", "/a", 8) == []
+    assert on.add("a", "/a") == []
     with pytest.raises(LoraError, match="^Failed to load LoRA adapter a because it is already loaded$"):
         on.register("a", ok, "/a")
     for bad in ({"r": 16, "lora_alpha": 16, "target_modules": ["q_proj"]},
@@ -54,9 +54,9 @@ def test_registry_refusals():
 def test_eviction_over_max_loaded_loras():
     on = EngineAdapters(None, LoraOptions(enabled=True, max_rank=8, target_modules=frozenset({"q_proj"}),
                                           max_loras_per_batch=1, max_loaded_loras=2))
-    assert on.add("a", "/a", 4) == [] and on.add("b", "/b", 4) == []
+    assert on.add("a", "/a") == [] and on.add("b", "/b") == []
     on.check_request(["a"])  # a is now the most recently used
-    assert on.add("c", "/c", 4) == ["b"]
+    assert on.add("c", "/c") == ["b"]
 
 
 class _Tok:
