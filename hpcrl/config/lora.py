@@ -64,6 +64,10 @@ def check_lora(cfg: Config, check_files: bool, env: Optional[Environment] = None
     require(lora.sync != "adapter" or not cfg.weights.delta, "weights.delta", cfg.weights.delta,
             "a delta sync is of whole weights; model.lora.sync=adapter sends the adapters alone",
             "set weights.delta=false, or model.lora.sync=merged")
+    dp = int((cfg.sglang or {}).get("dp_size") or 1)
+    require(lora.sync != "adapter" or dp == 1, "sglang.dp_size", dp, "SGLang loads no LoRA adapter at run time into "
+            "data-parallel replicas (\"data-parallel replicas are not supported for dynamic lora loading\")",
+            "set sglang.dp_size=1 (more engines: rollout.num_engines), or model.lora.sync=merged")
     cp = cfg.train.context_parallel_size
     require(cp == 1, "train.context_parallel_size", cp, "LoRA adapters are not split over context-parallel "
             "ranks yet (issue #56)", "set train.context_parallel_size=1 with model.lora, or remove model.lora")

@@ -234,6 +234,8 @@ BAD = [
      ["not a way to sync adapters", "adapter, merged"]),
     ("lora-adapter-sync-delta", M, ["model.lora={rank: 4}", "weights.delta=true"], "weights.delta", True,
      ["sends the adapters alone", "model.lora.sync=merged"]),
+    ("lora-adapter-sync-sglang-dp", M, ["model.lora={rank: 4}", "sglang.dp_size=2"], "sglang.dp_size", 2,
+     ["data-parallel replicas are not supported for dynamic lora loading", "model.lora.sync=merged"]),
     ("lora-on-experts", MOE, ["model.lora={rank: 4}"], "model.lora", "set",
      ["mixture of experts (6 routed experts", "not implemented yet (issue #56)"]),
     ("lora-on-mla", "model: {create: tiny-deepseek-v3}\n", ["model.lora={rank: 4}"], "model.lora", "set",
