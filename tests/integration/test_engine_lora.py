@@ -16,6 +16,14 @@ from tests.integration.engine_utils import EngineProcess, http_json
 pytestmark = pytest.mark.integration
 
 SEQ = [5, 17, 3, 12, 9, 11, 7, 12, 20, 2]
+SAME = 1e-6
+"""The same log-probs from batches of other sizes: a matrix product's rounding may depend on the batch's row count
+on some CPUs (the engine is not batch-invariant without --enable-deterministic-inference); an adapter that leaks
+into a row, or one left behind, moves them by more than 1e-2."""
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < SAME
 
 
 def _peft_model(tiny_model_dir, config):
@@ -98,7 +106,7 @@ def test_adapters_load_serve_and_unload_as_sglang(engine, adapters, tiny_model_d
     assert max(abs(x - y) for x, y in zip(one, a1["logprobs"])) < 1e-5
     assert max(abs(x - y) for x, y in zip(two, a2["logprobs"])) < 1e-5
     assert max(abs(x - y) for x, y in zip(base, one)) > 1e-2  # the adapters change the model
-    assert _logprobs(engine, [None])[0] == base  # a row without adapter is the base model's, batched or not
+    assert same(_logprobs(engine, [None])[0], base)  # a row without adapter is the base model's, batched or not
 
     # a mixed batch samples what each adapter alone samples (greedy)
     def greedy(loras):
@@ -129,10 +137,11 @@ def test_adapters_load_serve_and_unload_as_sglang(engine, adapters, tiny_model_d
     assert status == 200 and body["loaded_adapters"] == {"a2": "__tensor__"}, body
     status, body = _post(engine, "/generate", {"input_ids": SEQ, "lora_path": "a1"})
     assert status == 400, body
-    assert _logprobs(engine, ["a2", None]) == [two, base]  # the others are untouched
+    now_two, now_base = _logprobs(engine, ["a2", None])
+    assert same(now_two, two) and same(now_base, base)  # the others are untouched
     status, body = _post(engine, "/unload_lora_adapter", {"lora_name": "a2"})
     assert status == 200 and body["loaded_adapters"] == {}
-    assert _logprobs(engine, [None]) == [base]  # every adapter gone: the base model
+    assert same(_logprobs(engine, [None])[0], base)  # every adapter gone: the base model
 
 
 def test_an_unload_waits_for_the_requests_on_its_adapter(engine, adapters):
