@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -39,10 +39,14 @@ def _validation_error(message: str) -> web.Response:
 @dataclass
 class LoraEndpoints:
     """The three handlers over ``adapters`` (the registry and PEFT's layers) and ``scheduler`` (loads and
-    unloads run there, between forward passes)."""
+    unloads run there, between forward passes). One load or unload at a time (``lock``, as SGLang's
+    ``TokenizerManager`` holds its ``lora_update_lock``): an unload takes the name away at once but drops the layers
+    only after the requests on them finish, so a load of the same name meanwhile would pass the duplicate check
+    and then lose its layers to that unload."""
 
     adapters: EngineAdapters
     scheduler: Scheduler
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def routes(self) -> list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]]:
         """``(method, path, handler)`` of each endpoint."""
@@ -87,8 +91,9 @@ class LoraEndpoints:
             config, tensors = read_adapter_folder(body["lora_path"])
         except (OSError, ValueError) as e:
             return _answer(False, str(e))
-        return await self._load(body["lora_name"], config, body["lora_path"], bool(body.get("pinned")),
-                                lambda: tensors)
+        async with self.lock:
+            return await self._load(body["lora_name"], config, body["lora_path"], bool(body.get("pinned")),
+                                    lambda: tensors)
 
     async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
         """``/load_lora_adapter_from_tensors``: ``lora_name``, ``config_dict`` (``adapter_config.json``),
@@ -116,7 +121,8 @@ class LoraEndpoints:
                 return dict(deserialize_flattened_bucket(payloads[0]))
             return deserialize_tensor_dict(payloads[0])
 
-        return await self._load(body["lora_name"], config, TENSOR_PATH, bool(body.get("pinned")), tensors)
+        async with self.lock:
+            return await self._load(body["lora_name"], config, TENSOR_PATH, bool(body.get("pinned")), tensors)
 
     async def _unload(self, name: str) -> None:
         """Take ``name`` away now, drop its layers once no unfinished row uses it (SGLang waits for the
@@ -133,7 +139,8 @@ class LoraEndpoints:
         except protocol.RequestError as e:
             return _validation_error(str(e))
         try:
-            await self._unload(body["lora_name"])
+            async with self.lock:
+                await self._unload(body["lora_name"])
         except LoraError as e:
             return _answer(False, str(e))
         logger.info("LoRA adapter %s unloaded", body["lora_name"])

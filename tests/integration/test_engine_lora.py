@@ -174,3 +174,42 @@ def test_an_unload_waits_for_the_requests_on_its_adapter(engine, adapters):
     gen_status, answer = done["answer"]
     assert gen_status == 200 and answer["meta_info"]["finish_reason"]["type"] == "length", answer
     assert len(answer["output_ids"]) == 120 and done["at"] <= unloaded
+
+
+def test_a_load_waits_for_an_unload_of_the_same_name(engine, adapters):
+    """A load of a name whose unload waits for its requests runs after that unload (one LoRA update at a time, as
+    SGLang's ``lora_update_lock``): the new adapter keeps its layers and serves (without the lock it passed the
+    duplicate check while the name was away and the unload then dropped its layers)."""
+    from hpcrl.engine.serialize import serialize_tensor_dict
+
+    a1, a2 = adapters["a1"], adapters["a2"]
+
+    def load(adapter):
+        return _post(engine, "/load_lora_adapter_from_tensors", {
+            "lora_name": "again", "config_dict": _config(adapter),
+            "serialized_named_tensors": [serialize_tensor_dict(list(adapter["state"].items()))]}, timeout=120)
+
+    assert load(a2)[0] == 200
+    answers = {}
+    generating = threading.Thread(target=lambda: answers.update(generate=_post(engine, "/generate", {
+        "input_ids": SEQ, "lora_path": "again",
+        "sampling_params": {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True}}, timeout=120)))
+    generating.start()
+    deadline = time.monotonic() + 30
+    while http_json("GET", engine.url + "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.02)
+    unloading = threading.Thread(target=lambda: answers.update(
+        unload=_post(engine, "/unload_lora_adapter", {"lora_name": "again"}, timeout=120)))
+    unloading.start()
+    while any(m["id"] == "again" for m in http_json("GET", engine.url + "/v1/models")[1]["data"]):
+        assert time.monotonic() < deadline, "the unload never took the name away"
+        time.sleep(0.01)
+    status, body = load(a1)  # while the unload waits for the generation on the old "again"
+    unloading.join(120)
+    generating.join(120)
+    assert status == 200, body
+    assert answers["unload"][0] == 200 and answers["generate"][0] == 200, answers
+    got = _logprobs(engine, ["again"])[0]  # the new adapter's layers (HF + PEFT's log-probs), not dropped
+    assert max(abs(x - y) for x, y in zip(got, a1["logprobs"])) < 1e-5
+    assert _post(engine, "/unload_lora_adapter", {"lora_name": "again"})[0] == 200
