@@ -79,3 +79,14 @@ def run_hpcrl(args: Sequence[str], *, cwd: Union[str, Path], env: Mapping[str, s
         proc.kill()
         proc.wait()
         raise
+
+
+def check_hpcrl(args: Sequence[str], *, cwd: Union[str, Path], log: Union[str, Path],
+                timeout: float = 300) -> str:
+    """``python -m hpcrl ARGS`` (:func:`run_hpcrl`, forked where it can be) in ``cwd`` with this process's
+    environment, e.g. an ``hpcrl convert`` of a finished run (a new interpreter per export paid ~4 CPU-seconds
+    of imports); asserts exit status 0 (the log's tail in the message) and returns the log's text."""
+    rc = run_hpcrl(args, cwd=cwd, env=os.environ, log=log, timeout=timeout)
+    text = Path(log).read_text(errors="replace")
+    assert rc == 0, f"hpcrl {' '.join(map(str, args))} exited {rc}\n{text[-3000:]}"
+    return text

@@ -70,3 +70,14 @@ def assert_steps_match_the_engine(steps: list[dict], count: int, tol: float = 1e
     assert len(steps) == count
     assert all(r["train/train_rollout_logprob_abs_diff"] < tol for r in steps), steps
     assert all(r["train/grad_norm"] > 0 for r in steps)
+
+
+def engine_log(attempt_dir: Path, index: int = 0) -> str:
+    """The text of engine ``index``'s log in a run's attempt folder (``logs/attempt-N``): ``engine-{index}.log``
+    then its ``engine-{index}.port-retry-K.log`` files. An engine whose port was taken between pick and bind (by
+    another test's process, beside it in the other lane) is started again on another port and logs there
+    (:func:`hpcrl.rollout.engines.start_engine`), so a check of what the serving engine logged reads them all."""
+    logs = [attempt_dir / f"engine-{index}.log",
+            *sorted(attempt_dir.glob(f"engine-{index}.port-retry-*.log"),
+                    key=lambda p: int(p.stem.rsplit("-", 1)[1]))]
+    return "".join(p.read_text(errors="replace") for p in logs if p.is_file())

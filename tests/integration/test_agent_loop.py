@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.run_utils import engine_log as engine_log_of
 from tests.integration.test_loop import run_config
 from tests.integration.test_opd import submit_and_wait
 
@@ -161,7 +162,7 @@ def test_the_calculator_example_runs_in_one_command(tmp_path):
     assert text.index("sft: saved") < text.index("agent gateway at http://127.0.0.1:")
     # ... then the agent run on the RL prompts (data: reasoning-gym), its engine serving the warm-started
     # model; one call per episode (the random tiny model writes no tool call), trained on policy
-    engine_log = (tmp_path / "runs" / "agent-first" / "logs" / "attempt-0" / "engine-0.log").read_text()
+    engine_log = engine_log_of(tmp_path / "runs" / "agent-first" / "logs" / "attempt-0")
     assert f"model {sft.resolve()}, " in engine_log  # the warm start's folder in the store, sft links to it
     steps = [r for r in rows(tmp_path, "agent-first") if r["step"] >= 0]
     assert len(steps) == 1 and steps[0]["rollout/agent_calls"] == 1 and steps[0]["rollout/agent_failed"] == 0

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.run_utils import engine_log as engine_log_of
 from tests.integration.test_preemption_local import (STEPS, _alive, _cmdline, descendants, finish, start,
                                                      steps_done, trained, wait_steps, weights)
 
@@ -85,7 +86,7 @@ def test_async_run_is_one_step_off_and_deterministic(tmp_path, reference):
     assert len(engines) == 1 and routers, children
     assert all(cpus_allowed(pid) == rollout_cpus for pid in engines + routers)
     assert finish(proc) == 0, (tmp_path / "again.log").read_text()[-3000:]
-    engine_log = (run_dir / "logs" / "attempt-0" / "engine-0.log").read_text()
+    engine_log = engine_log_of(run_dir / "logs" / "attempt-0")
     assert f", {len(rollout_cpus)} torch thread(s)" in engine_log  # one engine thread per CPU
     # disaggregated: every sync went over the distributed group inside a weight-update session (SGLang 0.5.23
     # refuses that update outside one: hpcrl.engine.state), the first one and one per step

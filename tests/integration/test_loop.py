@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests import hpcrl_process
+from tests.integration.run_utils import engine_log
 
 pytestmark = pytest.mark.integration
 
@@ -107,7 +108,7 @@ def test_loop_runs_with_gates_phases_and_checkpoints(gates_run):
     # only when idle, resumed only once released, every sync inside one weight-update session
     events = [m.group(1) for m in re.finditer(r"hpcrl.engine: (released memory .+|resumed memory .+|"
                                                r"weight-update session \w+)$",
-                                               (run_dir / "logs" / "attempt-0" / "engine-0.log").read_text(),
+                                               engine_log(run_dir / "logs" / "attempt-0"),
                                                re.MULTILINE)]
     sync = ["released memory ['weights', 'kv_cache', 'cuda_graph']", "resumed memory ['weights']",
             "weight-update session opened", "weight-update session closed",
@@ -159,10 +160,8 @@ def test_same_seed_gives_bitwise_identical_weights(gates_run):
     exported = []
     for name in ("gates", "det-b"):
         hf = tmp_path / f"{name}-hf"
-        conv = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-hf",
-                               str(tmp_path / "runs" / name), str(hf)], capture_output=True, text=True,
-                              timeout=300, check=False)
-        assert conv.returncode == 0, conv.stderr[-2000:]
+        hpcrl_process.check_hpcrl(["convert", "mcore-to-hf", str(tmp_path / "runs" / name), str(hf)], cwd=tmp_path,
+                                  log=tmp_path / f"{name}-convert.log")
         tensors = {}
         for f in sorted(hf.glob("*.safetensors")):
             tensors.update(load_file(f))
@@ -178,9 +177,8 @@ def test_same_seed_gives_bitwise_identical_weights(gates_run):
     from hpcrl.weights.fp8 import QUANTIZATION_CONFIG, quantize_stream
 
     fp8 = tmp_path / "gates-fp8"
-    conv = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-hf", str(tmp_path / "runs" / "gates"),
-                           str(fp8), "--fp8"], capture_output=True, text=True, timeout=300, check=False)
-    assert conv.returncode == 0, conv.stderr[-2000:]
+    hpcrl_process.check_hpcrl(["convert", "mcore-to-hf", str(tmp_path / "runs" / "gates"), str(fp8), "--fp8"],
+                              cwd=tmp_path, log=tmp_path / "gates-fp8-convert.log")
     got, want = load_file(fp8 / "model.safetensors"), dict(quantize_stream(a.items()))
     assert got.keys() == want.keys() and any(k.endswith("_scale_inv") for k in got)
     assert all(got[k].dtype == want[k].dtype and got[k].view(torch.uint8).equal(want[k].view(torch.uint8))
@@ -199,7 +197,8 @@ def test_colocated_phases_split_the_cores_between_their_processes(tmp_path):
     per_engine = max(1, len(os.sched_getaffinity(0)) // 2)
     attempt = tmp_path / "runs" / "split" / "logs" / "attempt-0"
     for i in range(2):
-        ready = re.findall(r"ready at .* (\d+) torch thread\(s\)", (attempt / f"engine-{i}.log").read_text())
+        # with its port-retry logs: an engine whose port was taken between pick and bind starts again elsewhere
+        ready = re.findall(r"ready at .* (\d+) torch thread\(s\)", engine_log(attempt, i))
         assert ready == [str(per_engine)], (i, ready)
     rows = metrics(tmp_path / "runs" / "split")
     assert [r["step"] for r in rows if "train/loss" in r] == [0, 1]

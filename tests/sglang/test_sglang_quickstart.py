@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from tests import sglang_cpu
+from tests.integration.run_utils import engine_log
 from tests.warm_starts import install, used_as_shipped
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -85,7 +86,7 @@ def test_the_quickstart_learns_on_sglang(tmp_path):
           f"median step {step_s:.2f} s; eval curve {curve}; max train/rollout |logprob diff| {diff:.2e}; "
           f"sampled accuracy {first:.3f} -> {last:.3f}")
 
-    log = (run_dir / "logs" / "attempt-0" / "engine-0.log").read_text(errors="replace")
+    log = engine_log(run_dir / "logs" / "attempt-0")
     assert "The server is fired up and ready to roll" in log  # SGLang's own line: it served the run
     assert not calls.exists() or calls.read_text() == ""
     assert [r["step"] for r in steps] == list(range(STEPS))
