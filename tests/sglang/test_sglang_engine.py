@@ -29,6 +29,7 @@ from tests import sglang_cpu
 from tests.integration.engine_utils import (ACROSS_PARAMS, ACROSS_PROMPT, check_across_update, full_logprobs,
                                             generate_across_update, hf_tensors, http_json, max_diff, perturb,
                                             prefill_logprobs)
+from tests.integration.run_utils import engine_log
 from tests.integration.test_weight_sync import (KEY, SEQS, _syncs, hf_size,  # noqa: F401 - fixtures
                                                 policies, trainer, trainer_logprobs)
 
@@ -448,9 +449,10 @@ algorithm: {{use_tis: {tis}}}
 
 LOOPS = {  # mode: (placement, router, lag of the samples' weight version behind the step)
     "sync": ("colocate", True, 0),
-    "async": ("disaggregate", False, 1),
     "fully_async": ("disaggregate", False, None),
 }
+"""The one-step-off loop (``async``, disaggregated, weights over a gloo group) runs in
+:func:`test_a_killed_sglang_is_replaced_and_resynced`, whose run is that loop: one SGLang start fewer."""
 
 
 @pytest.mark.parametrize("mode", list(LOOPS))
@@ -458,9 +460,8 @@ def test_the_loop_runs_on_sglang(mode, tiny_model_dir, tmp_path):
     """``hpcrl run`` of 3 GRPO steps with ``rollout.engine: sglang``: hpcrl starts SGLang itself and trains on
     what it sampled. ``sync`` colocated, through sglang-router (generation through it, every weight and
     pause call to the worker behind it): weights by tensor every step (``direct``: SGLang's metadata class
-    does not import in this trainer), SGLang's memory release/resume around each phase. ``async`` (one step
-    off) disaggregated: weights over a gloo group (``distributed``) while the next rollout runs.
-    ``fully_async`` disaggregated: SGLang generates without stopping for the updates (``in_place``; in 3
+    does not import in this trainer), SGLang's memory release/resume around each phase. (``async``, one step
+    off: in :func:`test_a_killed_sglang_is_replaced_and_resynced`.) ``fully_async`` disaggregated: SGLang generates without stopping for the updates (``in_place``; in 3
     steps it has sampled most of what they train before the first one: the update landing mid-response is
     ``test_streamed_response_across_a_weight_update``), and no step trains on a version after its own. At
     every step the trainer's and SGLang's log-probs of the sampled tokens agree
@@ -491,7 +492,7 @@ def test_the_loop_runs_on_sglang(mode, tiny_model_dir, tmp_path):
             assert 0 <= r["rollout/staleness_max"] <= r["step"], r
         assert steps[0]["train/train_rollout_logprob_abs_diff"] < TOL  # version 0 everywhere at step 0
     attempt = tmp_path / "runs" / mode / "logs" / "attempt-0"
-    log = (attempt / "engine-0.log").read_text(errors="replace")
+    log = engine_log(attempt)
     assert "The server is fired up and ready to roll" in log  # SGLang's own line: it served the run
     if router:
         assert "/update_weights_from_tensor" in log and any(attempt.glob("router*.log"))
@@ -510,11 +511,14 @@ checkpoint: {{save_interval: 0, keep_last: 1}}
 
 
 def test_a_killed_sglang_is_replaced_and_resynced(tiny_model_dir, tmp_path):
-    """Fault tolerance on the real engine: SGLang SIGKILLed while a one-step-off run trains; hpcrl's health
-    monitor sees it gone, starts a new SGLang (the same launch line), loads it with the current weights and
-    the run goes on: every step done, every group trained once, one restart counted, and after the
-    replacement the trainer's and SGLang's log-probs of the sampled tokens agree as before (< 1e-5): the new
-    engine serves the trained weights, not the checkpoint it started from."""
+    """The one-step-off loop on SGLang (``async``, disaggregated: weights over a gloo group, ``distributed``,
+    while the next rollout runs), and fault tolerance on the real engine: SGLang SIGKILLed while the run
+    trains; hpcrl's health monitor sees it gone, starts a new SGLang (the same launch line), loads it with the
+    current weights and the run goes on: every step done, every group trained once, one restart counted, and
+    after the replacement the trainer's and SGLang's log-probs of the sampled tokens agree as before (< 1e-5):
+    the new engine serves the trained weights, not the checkpoint it started from. Before the kill the samples
+    carry the weight version one step behind (steps 0 and 1: versions 0 and 0, lag 0 and 1); no step trains on
+    samples more than one version old."""
     import json
     import signal
     import subprocess
@@ -543,6 +547,8 @@ def test_a_killed_sglang_is_replaced_and_resynced(tiny_model_dir, tmp_path):
     rows = metrics(tmp_path, "kill")
     assert [r["step"] for r in rows] == list(range(5))
     assert sum(r["rollout/engine_restarts"] for r in rows) == 1
+    assert [r["rollout/weight_version"] for r in rows[:2]] == ["0", "0"]  # one step off, before the kill
+    assert [r["rollout/lag_max"] for r in rows[:2]] == [0, 1] and all(r["rollout/lag_max"] <= 1 for r in rows)
     for r in rows:
         assert r["train/train_rollout_logprob_abs_diff"] < TOL, r
     assert_each_group_once(tmp_path, "kill", steps=5)
