@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from tests.hpcrl_process import check_hpcrl
 from tests.integration.test_preemption_local import (STEPS, finish, start, steps_done, trained, wait_steps,
                                                      weights)
 
@@ -57,9 +56,8 @@ def test_a_lora_run_trains_adapters_against_the_base_and_resumes_exactly(tmp_pat
     assert changed and all(any(t in k for t in ("q_proj", "v_proj", "gate_proj", "down_proj")) for k in changed)
     # hpcrl convert mcore-to-peft: the adapters as a PEFT folder, which PEFT merges into the same model
     peft_dir = tmp_path / "ref-peft"
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-peft", str(tmp_path / "runs" / "ref"),
-                          str(peft_dir)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    check_hpcrl(["convert", "mcore-to-peft", str(tmp_path / "runs" / "ref"), str(peft_dir)], cwd=tmp_path,
+                log=tmp_path / "ref-peft.log")
     merged = peft_merged(tmp_path / "tiny", peft_dir)
     assert max((merged[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
     adapter_bytes = (peft_dir / "adapter_model.safetensors").stat().st_size

@@ -10,7 +10,6 @@ did change.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integration is not a package
 from run_utils import hpcrl_run, step_rows  # noqa: E402
+
+from tests.hpcrl_process import check_hpcrl  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -50,9 +51,8 @@ def exported(tmp_path: Path, name: str) -> dict:
     from safetensors.torch import load_file
 
     out = tmp_path / f"{name}-hf"
-    conv = subprocess.run([sys.executable, "-m", "hpcrl", "convert", "mcore-to-hf", str(tmp_path / "runs" / name),
-                           str(out)], capture_output=True, text=True, timeout=300)
-    assert conv.returncode == 0, conv.stderr[-2000:]
+    check_hpcrl(["convert", "mcore-to-hf", str(tmp_path / "runs" / name), str(out)], cwd=tmp_path,
+                log=tmp_path / f"{name}-convert.log")
     return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 

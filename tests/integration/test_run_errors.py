@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import hpcrl_process
 from tests.integration.run_utils import trainer_ranks
 
 pytestmark = pytest.mark.integration
@@ -36,17 +37,19 @@ def stall_from_step_1(args, sample):
 
 
 def hpcrl_run(tmp_path: Path, name: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`hpcrl run` of a tiny config as a user runs it; stdout+stderr in `.log` (a file: helpers keep pipes open)."""
-    cmd, env, log = run_command(tmp_path, name, *overrides)
-    with open(log, "ab") as f:
-        out = subprocess.run(cmd, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env,
-                             check=False)
+    """`hpcrl run` of a tiny config (forked from this test process's fork server: the same command line and exit
+    as a new interpreter's, without ~4 CPU-seconds of imports, :mod:`tests.hpcrl_process`); stdout+stderr in
+    `.log` (a file: helpers keep pipes open)."""
+    args, env, log = run_command(tmp_path, name, *overrides)
+    out = subprocess.CompletedProcess(args, hpcrl_process.run_hpcrl(args, cwd=tmp_path, env=env, log=log,
+                                                                    timeout=timeout))
     out.log = log.read_text()
     return out
 
 
 def run_command(tmp_path: Path, name: str, *overrides: str) -> tuple[list[str], dict, Path]:
-    """The command, environment and log file of :func:`hpcrl_run` (its config and plug-ins written)."""
+    """The arguments of ``hpcrl``, environment and log file of :func:`hpcrl_run` (its config and plug-ins
+    written)."""
     (tmp_path / "err_plugins.py").write_text(PLUGINS)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(textwrap.dedent(f"""
@@ -59,7 +62,7 @@ def run_command(tmp_path: Path, name: str, *overrides: str) -> tuple[list[str], 
         train: {{micro_batch_size: 4}}
     """))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
-    return [sys.executable, "-m", "hpcrl", "run", str(cfg), *overrides], env, tmp_path / f"{name}.log"
+    return ["run", str(cfg), *overrides], env, tmp_path / f"{name}.log"
 
 
 def one_error_line(out, tmp_path: Path, name: str, cause: str) -> Path:
@@ -116,29 +119,28 @@ def test_a_stalled_trainer_rank_stops_the_controller_after_the_collective_timeou
     cmd, env, log = run_command(tmp_path, "hung", "run.num_rollout=50", "train.nprocs=2", "train.micro_batch_size=2",
                                 "train.collective_timeout_s=20", "checkpoint.save_interval=0")
     metrics = tmp_path / "runs" / "hung" / "metrics.jsonl"
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 240
-            while not (metrics.is_file() and any(json.loads(x)["step"] >= 0 for x in metrics.read_text().split(
-                    "\n") if x.strip())):  # step 0 logged: both ranks are in the loop
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
-            workers = trainer_ranks(proc.pid)
-            assert len(workers) == 2, workers  # trainer ranks 0 and 1, started in rank order
-            rank0, rank1 = workers
-            rank1.send_signal(signal.SIGSTOP)
-            while rank0.is_running() and rank0.status() != psutil.STATUS_ZOMBIE:
-                assert time.monotonic() < deadline + 60, log.read_text()[-3000:]
-                time.sleep(0.5)
-            rank1.send_signal(signal.SIGCONT)
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                for c in psutil.Process(proc.pid).children(recursive=True):
-                    c.send_signal(signal.SIGCONT)
-                    c.kill()
-                proc.kill()
+    proc = hpcrl_process.popen_hpcrl(cmd, cwd=tmp_path, env=env, log=log)
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.is_file() and any(json.loads(x)["step"] >= 0 for x in metrics.read_text().split(
+                "\n") if x.strip())):  # step 0 logged: both ranks are in the loop
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        workers = trainer_ranks(proc.pid)
+        assert len(workers) == 2, workers  # trainer ranks 0 and 1, started in rank order
+        rank0, rank1 = workers
+        rank1.send_signal(signal.SIGSTOP)
+        while rank0.is_running() and rank0.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline + 60, log.read_text()[-3000:]
+            time.sleep(0.5)
+        rank1.send_signal(signal.SIGCONT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            for c in psutil.Process(proc.pid).children(recursive=True):
+                c.send_signal(signal.SIGCONT)
+                c.kill()
+            proc.kill()
     out = subprocess.CompletedProcess(cmd, proc.returncode)
     out.log = log.read_text()
     one_error_line(out, tmp_path, "hung", "CollectiveTimeout: trainer rank 0 waited more than 20 s "
