@@ -4,7 +4,8 @@ its time limit (with requeue), ``scontrol requeue`` and SIGKILL of the trainer s
 from its run folder and completes. The first four are checked for exactness against an uninterrupted local run
 of the same config (bitwise-equal weights, the same samples trained in the same steps, each once): Slurm's
 signal, the checkpoint and the requeue lose nothing. The time-limit run is longer and checked for "every step
-once, every group once".
+once, every group once". The SIGKILL run trains LoRA adapters (issue #56 point 4) and is checked against an
+uninterrupted LoRA run.
 
 Issue #9 point 9: the signal sent to the whole job (``scancel --signal=USR2 --full``), to the batch shell only
 (``--batch``), and a user's own sbatch script with ``--signal=B:USR2@N`` (preempted, so Slurm sends it now) each
@@ -39,6 +40,7 @@ import numpy as np
 import pytest
 
 from hpcrl.slurm.state import FINAL_STATES, query_states
+from tests.integration.test_lora_run import LORA
 from tests.integration.test_loop import REWARD_MODULE
 from tests.integration.test_preemption_local import (STEPS, _cmdline, descendants, finish, full_cmdline,
                                                      start, steps_done, trained, weights, write_config)
@@ -57,13 +59,24 @@ SLURM = [f"slurm.cpus_per_task={THREADS}", "slurm.time=00:10:00", "slurm.signal=
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run, locally (``hpcrl run``) with the job's threads: exported weights and trained-sample
-    rows."""
-    tmp = tmp_path_factory.mktemp("slurm-preempt-ref")
-    proc = start(tmp, "ref", threads=THREADS)
-    assert finish(proc) == 0, (tmp / "ref.log").read_text()[-3000:]
-    return weights(tmp, "ref"), trained(tmp, "ref")
+def references(tmp_path_factory) -> dict[str, tuple]:
+    """The uninterrupted runs, locally (``hpcrl run``) with the job's threads, both at once: ``"base"``, the
+    config as written, and ``"lora"``, with LoRA adapters (:data:`LORA`, issue #56 point 4: a LoRA run resumes
+    exactly under Slurm's requeue too); each its exported weights and trained-sample rows."""
+    folders = {key: tmp_path_factory.mktemp(f"slurm-preempt-ref-{key}") for key in ("base", "lora")}
+    procs = {"base": start(folders["base"], "ref", threads=THREADS),
+             "lora": start(folders["lora"], "ref", *LORA, threads=THREADS)}
+    out = {}
+    for key, proc in procs.items():
+        assert finish(proc) == 0, (folders[key] / "ref.log").read_text()[-3000:]
+        out[key] = weights(folders[key], "ref"), trained(folders[key], "ref")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> tuple:
+    """The uninterrupted run of the config as written (:func:`references`)."""
+    return references["base"]
 
 
 def cancel_jobs_of(*folders: Path) -> None:
@@ -95,15 +108,19 @@ def batched(drive: Variant) -> Variant:
     return drive
 
 
+WITH_LORA = {"killed"}
+"""Variants whose run has LoRA adapters (:data:`LORA`), checked against the LoRA reference run."""
+
+
 @pytest.fixture(scope="module")
-def batch(tmp_path_factory, slurm_cluster, reference) -> dict[str, Optional[BaseException]]:
+def batch(tmp_path_factory, slurm_cluster, references) -> dict[str, Optional[BaseException]]:
     """Every variant of :data:`BATCH` at once, each in a thread and a folder of its own (the cluster queues
     what does not fit its CPUs); name -> what its drive raised (None: it passed)."""
     folders = {name: write_config(tmp_path_factory.mktemp(f"slurm-{name}")).parent for name in BATCH}
 
     def drive(name: str) -> Optional[BaseException]:
         try:
-            BATCH[name](folders[name], reference)
+            BATCH[name](folders[name], references["lora" if name in WITH_LORA else "base"])
             return None
         except BaseException as e:  # noqa: BLE001 - pytest's failures too: the variant's test raises it
             return e
@@ -281,8 +298,11 @@ def requeued(work: Path, reference) -> None:
 
 @batched
 def killed(work: Path, reference) -> None:
+    """SIGKILL of the trainer step, then ``scontrol requeue``: a run with LoRA adapters (issue #56 point 4) resumes
+    from its last checkpoint (the adapters and their optimizer) and ends bitwise equal to the uninterrupted LoRA
+    run, the requeued job's engine serving the synced adapters again."""
     slow_steps(work, SIGNAL_FLOOR_S, attempts=1, until_sent=True)
-    job_id, run_dir = submit(work, "killed", "checkpoint.save_interval=1")
+    job_id, run_dir = submit(work, "killed", "checkpoint.save_interval=1", *LORA)
     wait_steps(job_id, run_dir, 3)
     subprocess.run(["scancel", "--signal=KILL", f"{job_id}.0"], check=True, timeout=30)  # step 0: the trainer
     signal_sent(work)
@@ -290,6 +310,9 @@ def killed(work: Path, reference) -> None:
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)  # what the user (or a site) does
     time.sleep(1)
     finish_and_check(work, job_id, run_dir, reference)
+    last = run_dir / "logs" / attempts(run_dir)[-1]
+    engine_log = "".join(p.read_text(errors="replace") for p in last.rglob("engine*.log"))
+    assert "LoRA adapter hpcrl-policy-" in engine_log, job_log(run_dir)  # the requeued engine serves adapters
 
 
 @batched
