@@ -386,6 +386,10 @@ def hpcrl_worker(spec: dict) -> None:
         cfg.train.share_group_prompt = spec.get("share", True)
     if spec.get("recompute"):
         cfg.megatron.update(RECOMPUTE)
+    if spec.get("lora"):
+        cfg.model.lora = lora_section(spec["lora"])
+    if spec.get("lr"):
+        cfg.train.lr = cfg.train.min_lr = spec["lr"]
     if spec.get("mode") in ("async", "fully_async"):  # trainer and engine on disjoint CPUs, as hpcrl run does
         cfg.run.mode, cfg.run.placement = spec["mode"], "disaggregate"
         if spec["mode"] == "fully_async":
@@ -483,7 +487,7 @@ def trl_worker(spec: dict) -> None:
         per_device_train_batch_size=micro, num_generations=GROUP_SIZE,
         gradient_accumulation_steps=BATCH_PROMPTS * GROUP_SIZE // micro, max_completion_length=MAX_NEW_TOKENS,
         temperature=TEMPERATURE,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta2=ADAM_BETA2,
+        learning_rate=spec.get("lr") or LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta2=ADAM_BETA2,
         weight_decay=0.0, max_grad_norm=CLIP_GRAD, beta=0.0, epsilon=EPS_CLIP, loss_type="grpo",
         scale_rewards="group", num_iterations=1, max_steps=10**7, report_to="none", save_strategy="no",
         logging_steps=10, disable_tqdm=True, dataloader_num_workers=0,
@@ -513,8 +517,15 @@ def trl_worker(spec: dict) -> None:
             return out
 
     train = Dataset.from_list([{"prompt": it["prompt"]} for it in data.train])
+    peft_config = None
+    if spec.get("lora"):  # the same adapters as hpcrl's side (lora_section)
+        from peft import LoraConfig
+
+        section = lora_section(spec["lora"])
+        peft_config = LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout,
+                                 target_modules=section.target_modules, task_type="CAUSAL_LM")
     trainer = TimedGRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=train,
-                               processing_class=tok, callbacks=[GateCallback()])
+                               processing_class=tok, callbacks=[GateCallback()], peft_config=peft_config)
     trainer.train()
 
 
@@ -664,6 +675,21 @@ def _fmt(x, spec: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
 
 
+def _positive_float(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def lora_section(rank: int):
+    """hpcrl's ``model.lora`` for side option ``lora=R``: rank R, alpha 2R, no dropout, every PEFT module."""
+    from hpcrl.config.lora import LoraSection
+    from hpcrl.names import PEFT_TARGETS
+
+    return LoraSection(rank=rank, alpha=2.0 * rank, dropout=0.0, target_modules=list(PEFT_TARGETS))
+
+
 def parse_side(text: str) -> dict:
     """``kind[:key=value,...]``: kind ``trl`` or ``hpcrl``; keys ``router=on|off`` (hpcrl),
     ``mode=sync|async|fully_async`` (hpcrl: ``run.mode``; async and fully_async pin trainer and engine to
@@ -672,7 +698,9 @@ def parse_side(text: str) -> dict:
     comparisons), ``pack=N`` (hpcrl: packed micro-batches of at most N tokens, ``train.max_tokens_per_microbatch``,
     instead of ``--micro-batch``), ``share=on|off`` (hpcrl with ``pack``: ``train.share_group_prompt``, default on),
     ``recompute=on`` (hpcrl: megatron's full activation recomputation, the counterpart of TRL's default
-    ``gradient_checkpointing=True``),
+    ``gradient_checkpointing=True``), ``lora=R`` (both: LoRA adapters of rank R, alpha 2R, on every PEFT module
+    of every layer, the base frozen: hpcrl ``model.lora``, TRL a PEFT ``LoraConfig`` as ``peft_config``),
+    ``lr=X`` (both: the constant learning rate instead of :data:`LR`; LoRA takes ~10x full fine-tuning's),
     ``name=LABEL`` (the column title)."""
     kind, _, rest = text.partition(":")
     if kind not in SIDES:
@@ -692,6 +720,10 @@ def parse_side(text: str) -> dict:
             opts["recompute"] = value == "on"
         elif key == "share" and value in ("on", "off"):
             opts["share"] = value == "on"
+        elif key == "lora" and value.isdigit() and int(value) > 0:
+            opts["lora"] = int(value)
+        elif key == "lr" and _positive_float(value):
+            opts["lr"] = float(value)
         elif key == "name" and value:
             opts["label"] = value
         elif key == "src" and value:
@@ -779,7 +811,7 @@ def run(args) -> int:
                 "router": side.get("router"),
                 "src": side.get("src"), "dtype": args.dtype, "micro_batch": args.micro_batch,
                 "mode": side.get("mode", "sync"), "pack": side.get("pack"), "share": side.get("share", True),
-                "recompute": side.get("recompute", False)}
+                "recompute": side.get("recompute", False), "lora": side.get("lora"), "lr": side.get("lr")}
         workers.append(Worker(side["kind"], spec, out_dir / f"side{i}-{side['kind']}.log", side["label"]))
     stop_sampler = threading.Event()
 

@@ -224,3 +224,25 @@ def test_every_algorithm_row_is_a_valid_quickstart_config(tmp_path, monkeypatch)
         assert cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt == 64, name
     assert load_and_check(BENCHMARKS.parent / "configs" / "quickstart.yaml",
                           rows["ppo"]).algorithm.advantage_estimator == "gae"
+
+
+def test_vs_trl_lora_and_lr_side_options():
+    """benchmarks/vs_trl.py's ``lora=R`` and ``lr=X`` side options (issue #56 point 5: LoRA against TRL + PEFT):
+    both sides get the same adapters (rank R, alpha 2R, every PEFT module), bad values are refused."""
+    import sys
+
+    from hpcrl.names import PEFT_TARGETS
+
+    sys.path.insert(0, str(BENCHMARKS))  # its own imports: machine
+    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_vs_trl", BENCHMARKS / "vs_trl.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    side = m.parse_side("hpcrl:lora=8,lr=3e-4,name=lora8")
+    assert side["lora"] == 8 and side["lr"] == 3e-4 and side["label"] == "lora8"
+    assert m.parse_side("trl:lora=16")["lora"] == 16 and "lr" not in m.parse_side("trl:lora=16")
+    for bad in ("hpcrl:lora=0", "trl:lora=x", "trl:lr=-1", "hpcrl:lr=fast"):
+        with pytest.raises(SystemExit, match="bad option"):
+            m.parse_side(bad)
+    section = m.lora_section(8)
+    assert (section.rank, section.alpha, section.dropout) == (8, 16.0, 0.0)
+    assert section.target_modules == list(PEFT_TARGETS)
