@@ -104,7 +104,8 @@ def engine_sglang_args(cfg: Any) -> dict:
     ``algorithm.routing_replay`` (SGLang returns no experts without it), ``custom_weight_loader`` with
     :data:`hpcrl.weights.delta.DELTA_LOADER` when ``weights.delta``, ``enable_lora`` with the adapters' rank and
     modules when ``model.lora.sync`` is ``adapter``, and ``dtype`` when ``model.dtype`` is not float32 (the CPU
-    engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``; every one parses with SGLang 0.5.23's own parser: ``tests/unit/test_sglang_conformance.py``)."""
+    engine's default; SGLang's is the checkpoint's) (keys as SGLang's flags with ``_``; every one parses with
+    SGLang 0.5.23's own parser: ``tests/unit/test_sglang_conformance.py``)."""
     args = dict(cfg.sglang)
     if cfg.model.dtype != "float32":
         args.setdefault("dtype", cfg.model.dtype)

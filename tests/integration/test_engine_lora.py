@@ -90,15 +90,20 @@ def _config(adapter):
     return c
 
 
-def test_adapters_load_serve_and_unload_as_sglang(engine, adapters, tiny_model_dir):
+def _load_tensors(engine, name, adapter, timeout=60):
+    """``/load_lora_adapter_from_tensors`` of ``adapter`` (the fixture's PEFT state) as ``name``: status, body."""
     from hpcrl.engine.serialize import serialize_tensor_dict
 
+    return _post(engine, "/load_lora_adapter_from_tensors", {
+        "lora_name": name, "config_dict": _config(adapter),
+        "serialized_named_tensors": [serialize_tensor_dict(list(adapter["state"].items()))]}, timeout=timeout)
+
+
+def test_adapters_load_serve_and_unload_as_sglang(engine, adapters, tiny_model_dir):
     a1, a2 = adapters["a1"], adapters["a2"]
     status, body = _post(engine, "/load_lora_adapter", {"lora_name": "a1", "lora_path": str(a1["folder"])})
     assert status == 200 and body["success"] and body["loaded_adapters"] == {"a1": str(a1["folder"])}, body
-    status, body = _post(engine, "/load_lora_adapter_from_tensors", {
-        "lora_name": "a2", "config_dict": _config(a2),
-        "serialized_named_tensors": [serialize_tensor_dict(list(a2["state"].items()))]})
+    status, body = _load_tensors(engine, "a2", a2)
     assert status == 200 and body["loaded_adapters"] == {"a1": str(a1["folder"]), "a2": "__tensor__"}, body
 
     # one batch, three rows: the base model, a1, a2; each as HF transformers + PEFT computes it
@@ -147,12 +152,7 @@ def test_adapters_load_serve_and_unload_as_sglang(engine, adapters, tiny_model_d
 def test_an_unload_waits_for_the_requests_on_its_adapter(engine, adapters):
     """SGLang's unload takes the name away at once and returns when the requests running on the adapter have
     finished; they finish on it, whole."""
-    from hpcrl.engine.serialize import serialize_tensor_dict
-
-    a2 = adapters["a2"]
-    status, body = _post(engine, "/load_lora_adapter_from_tensors", {
-        "lora_name": "slow", "config_dict": _config(a2),
-        "serialized_named_tensors": [serialize_tensor_dict(list(a2["state"].items()))]})
+    status, body = _load_tensors(engine, "slow", adapters["a2"])
     assert status == 200, body
     done = {}
 
@@ -180,16 +180,8 @@ def test_a_load_waits_for_an_unload_of_the_same_name(engine, adapters):
     """A load of a name whose unload waits for its requests runs after that unload (one LoRA update at a time, as
     SGLang's ``lora_update_lock``): the new adapter keeps its layers and serves (without the lock it passed the
     duplicate check while the name was away and the unload then dropped its layers)."""
-    from hpcrl.engine.serialize import serialize_tensor_dict
-
-    a1, a2 = adapters["a1"], adapters["a2"]
-
-    def load(adapter):
-        return _post(engine, "/load_lora_adapter_from_tensors", {
-            "lora_name": "again", "config_dict": _config(adapter),
-            "serialized_named_tensors": [serialize_tensor_dict(list(adapter["state"].items()))]}, timeout=120)
-
-    assert load(a2)[0] == 200
+    a1 = adapters["a1"]
+    assert _load_tensors(engine, "again", adapters["a2"])[0] == 200
     answers = {}
     generating = threading.Thread(target=lambda: answers.update(generate=_post(engine, "/generate", {
         "input_ids": SEQ, "lora_path": "again",
@@ -205,7 +197,7 @@ def test_a_load_waits_for_an_unload_of_the_same_name(engine, adapters):
     while any(m["id"] == "again" for m in http_json("GET", engine.url + "/v1/models")[1]["data"]):
         assert time.monotonic() < deadline, "the unload never took the name away"
         time.sleep(0.01)
-    status, body = load(a1)  # while the unload waits for the generation on the old "again"
+    status, body = _load_tensors(engine, "again", a1, timeout=120)  # while the unload waits on the old one
     unloading.join(120)
     generating.join(120)
     assert status == 200, body

@@ -461,8 +461,9 @@ def test_the_loop_runs_on_sglang(mode, tiny_model_dir, tmp_path):
     what it sampled. ``sync`` colocated, through sglang-router (generation through it, every weight and
     pause call to the worker behind it): weights by tensor every step (``direct``: SGLang's metadata class
     does not import in this trainer), SGLang's memory release/resume around each phase. (``async``, one step
-    off: in :func:`test_a_killed_sglang_is_replaced_and_resynced`.) ``fully_async`` disaggregated: SGLang generates without stopping for the updates (``in_place``; in 3
-    steps it has sampled most of what they train before the first one: the update landing mid-response is
+    off: in :func:`test_a_killed_sglang_is_replaced_and_resynced`.) ``fully_async`` disaggregated: SGLang
+    generates without stopping for the updates (``in_place``; in 3 steps it has sampled most of what they
+    train before the first one: the update landing mid-response is
     ``test_streamed_response_across_a_weight_update``), and no step trains on a version after its own. At
     every step the trainer's and SGLang's log-probs of the sampled tokens agree
     (< 1e-5 in fp32) where the samples are on-policy, and carry the weight versions the mode promises."""

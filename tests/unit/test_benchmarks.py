@@ -21,11 +21,21 @@ MiB = 2**20
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name not in ("machine.py", "__init__.py"))
 
 
-def _machine():
-    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_machine", BENCHMARKS / "machine.py")
+def _benchmark(name: str):
+    """``benchmarks/<name>.py`` loaded as a module (``benchmarks/`` on ``sys.path`` for its own imports:
+    machine, algorithms, vs_trl)."""
+    import sys
+
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"hpcrl_benchmarks_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _machine():
+    return _benchmark("machine")
 
 
 def _header_calls(tree: ast.AST) -> list[ast.Call]:
@@ -130,9 +140,7 @@ def test_memory_phase_peaks_charge_each_allocation_to_its_phase(method, monkeypa
     256 MiB buffer held only inside ``big`` shows there and not in the phase after it - with the kernel's
     high-water mark where a reset takes (``auto`` on most kernels) and with sampled RSS (every kernel; ``auto``
     falls back to it where the reset is ignored, as on one CI kernel whose mark stayed at the run's peak)."""
-    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_memory", BENCHMARKS / "memory.py")
-    memory = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(memory)
+    memory = _benchmark("memory")
     if method == "auto-reset-ignored":  # a kernel that takes the clear_refs write and keeps the mark
         monkeypatch.setattr(memory, "_reset_hwm", lambda: None)
         method = "auto"
@@ -158,14 +166,7 @@ def test_memory_phase_peaks_charge_each_allocation_to_its_phase(method, monkeypa
 
 
 def _async_modes():
-    import sys
-
-    sys.path.insert(0, str(BENCHMARKS))  # its own imports: algorithms, machine, vs_trl
-    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_async_modes",
-                                                  BENCHMARKS / "async_modes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark("async_modes")
 
 
 def test_async_modes_summary_from_metrics_rows():
@@ -208,15 +209,9 @@ def test_async_modes_summary_from_metrics_rows():
 def test_every_algorithm_row_is_a_valid_quickstart_config(tmp_path, monkeypatch):
     """benchmarks/algorithms.py's overrides of configs/quickstart.yaml pass ``hpcrl validate``'s checks (the
     rows the lead runs for an hour each must not fail at start)."""
-    import sys
-
     from hpcrl.validate import load_and_check
 
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_algorithms", BENCHMARKS / "algorithms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rows = module.algorithms(0.6)
+    rows = _benchmark("algorithms").algorithms(0.6)
     assert {"grpo", "rloo", "ppo"} <= set(rows)
     monkeypatch.chdir(tmp_path)  # the quickstart's relative model folders, created on first use: none here
     for name, overrides in rows.items():
@@ -229,14 +224,9 @@ def test_every_algorithm_row_is_a_valid_quickstart_config(tmp_path, monkeypatch)
 def test_vs_trl_lora_and_lr_side_options():
     """benchmarks/vs_trl.py's ``lora=R`` and ``lr=X`` side options (issue #56 point 5: LoRA against TRL + PEFT):
     both sides get the same adapters (rank R, alpha 2R, every PEFT module), bad values are refused."""
-    import sys
-
     from hpcrl.names import PEFT_TARGETS
 
-    sys.path.insert(0, str(BENCHMARKS))  # its own imports: machine
-    spec = importlib.util.spec_from_file_location("hpcrl_benchmarks_vs_trl", BENCHMARKS / "vs_trl.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    m = _benchmark("vs_trl")
     side = m.parse_side("hpcrl:lora=8,lr=3e-4,name=lora8")
     assert side["lora"] == 8 and side["lr"] == 3e-4 and side["label"] == "lora8"
     assert m.parse_side("trl:lora=16")["lora"] == 16 and "lr" not in m.parse_side("trl:lora=16")
